@@ -1,0 +1,47 @@
+# tally — the two commands:
+#   make train   set up (Debian packages), build Release, run the main job
+#   make test    set up, build, run the test suite (ctest) and print its summary
+# Also: make build, make bench, make clean. BUILD_DIR, BUILD_TYPE, CMAKE_ARGS may be overridden.
+
+BUILD_DIR  ?= build
+BUILD_TYPE ?= Release
+CMAKE_ARGS ?=
+JOBS       ?= $(shell nproc)
+
+DEB_PACKAGES := cmake g++ make pkg-config googletest libgtest-dev libgmock-dev libbenchmark-dev \
+                libopenblas-dev libcli11-dev nlohmann-json3-dev libfmt-dev
+
+.PHONY: train test build bench bootstrap configure clean
+
+bootstrap:
+	@missing=""; for p in $(DEB_PACKAGES); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  if [ "$$(id -u)" = "0" ]; then \
+	    echo "tally: installing missing Debian packages:$$missing"; \
+	    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $$missing; \
+	  else \
+	    echo "tally: missing Debian packages. Run:"; \
+	    echo "  sudo apt-get install -y$$missing"; \
+	    exit 1; \
+	  fi; \
+	fi
+
+configure: bootstrap
+	@cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) $(CMAKE_ARGS)
+
+build: configure
+	@cmake --build $(BUILD_DIR) -j $(JOBS)
+
+train: build
+	@$(BUILD_DIR)/apps/tally demo
+
+test: build
+	@cd $(BUILD_DIR) && ctest --output-on-failure -j $(JOBS) --timeout 600
+
+bench: build
+	@for b in $(BUILD_DIR)/bench/bench_*; do echo "== $$b"; $$b --benchmark_min_time=0.2 || exit 1; done
+
+clean:
+	@rm -rf $(BUILD_DIR)

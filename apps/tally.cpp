@@ -1,0 +1,112 @@
+// apps/tally.cpp — the tally command line.
+//   tally --version        build configuration (CUDA, cuDNN) and whether a GPU is present
+//   tally demo             a short walk through the arena: a small conv net's forward and
+//                          backward on the CPU, with the memory accounted by category
+#include <cstdio>
+#include <exception>
+#include <random>
+
+#include <CLI/CLI.hpp>
+#include <fmt/format.h>
+
+#include "core/memory.h"
+#include "core/ops.h"
+#include "core/tensor.h"
+
+using namespace tally;
+
+namespace {
+
+void print_stats(const char* when, const Arena& a) {
+  const ArenaStats s = a.stats();
+  fmt::print("{:<28}", when);
+  for (int c = 0; c < kNumCategories; ++c)
+    if (s.by_category[c].current > 0)
+      fmt::print(" {}={}", category_name(static_cast<Category>(c)),
+                 format_bytes(static_cast<std::size_t>(s.by_category[c].current)));
+  fmt::print(" | total {} (peak {})\n", format_bytes(static_cast<std::size_t>(s.total.current)),
+             format_bytes(static_cast<std::size_t>(s.total.peak)));
+}
+
+Tensor random(const Shape& shape, std::mt19937& rng, Category cat, double scale = 1.0) {
+  std::normal_distribution<float> n(0.f, static_cast<float>(scale));
+  std::vector<float> v(static_cast<std::size_t>(shape_numel(shape)));
+  for (auto& x : v) x = n(rng);
+  return Tensor::from_vector(v, shape, Device::cpu(), cat);
+}
+
+int demo(std::size_t budget, int batch) {
+  configure_arena(Device::cpu(), budget);
+  const auto& arena = default_arena(Device::cpu());
+  arena->set_tracing(true);
+  fmt::print("{}\n", build_info());
+  fmt::print("CPU arena: {} reserved (MAP_NORESERVE: untouched bytes cost nothing)\n\n",
+             format_bytes(arena->capacity()));
+  std::mt19937 rng(0);
+  // A tiny residual network on 3x32x32 inputs: parameters and their gradient buffers first.
+  Tensor w1 = random({16, 3, 3, 3}, rng, Category::parameter, 0.2);
+  Tensor w2 = random({16, 16, 3, 3}, rng, Category::parameter, 0.1);
+  Tensor fc = random({10, 16}, rng, Category::parameter, 0.2);
+  for (Tensor* p : {&w1, &w2, &fc}) {
+    p->set_requires_grad(true);
+    p->allocate_grad();
+  }
+  print_stats("parameters + gradients:", *arena);
+  std::vector<std::int64_t> labels(static_cast<std::size_t>(batch));
+  for (auto& l : labels) l = static_cast<std::int64_t>(rng() % 10);
+  for (int step = 0; step < 2; ++step) {
+    arena->reset_peak();
+    Tensor x = random({batch, 3, 32, 32}, rng, Category::input);
+    Tensor y = Tensor::from_vector(labels, {batch});
+    Conv2dOptions same;
+    same.padding = {1, 1};
+    Tensor h = relu(conv2d(x, w1, {}, same));
+    h = relu(add(h, conv2d(h, w2, {}, same)));
+    Tensor logits = linear(flatten(adaptive_avg_pool2d(h, {1, 1})), fc);
+    Tensor loss = cross_entropy(logits, y);
+    h = Tensor();
+    logits = Tensor();
+    print_stats(fmt::format("step {} after forward:", step).c_str(), *arena);
+    loss.backward();
+    fmt::print("step {} loss {:.4f}\n", step, loss.item());
+    loss = Tensor();
+    x = Tensor();
+    y = Tensor();
+    print_stats(fmt::format("step {} after backward:", step).c_str(), *arena);
+    for (Tensor* p : {&w1, &w2, &fc}) p->zero_grad();
+  }
+  fmt::print("\n{} allocations and frees traced; activation bytes return to zero after each backward,\n"
+             "gradient bytes stay constant: that is what lets the MBP planner account a step exactly.\n",
+             arena->trace().size());
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"tally — deep learning with micro-batch processing and exact memory accounting"};
+  app.require_subcommand(0, 1);
+  bool version = false;
+  app.add_flag("--version", version, "print the build configuration and whether a GPU is present");
+  auto* demo_cmd = app.add_subcommand("demo", "a short allocator demo: forward and backward of a small net on the CPU");
+  std::string budget = "256MiB";
+  int batch = 32;
+  demo_cmd->add_option("--memory-limit", budget, "CPU arena capacity, e.g. 256MiB");
+  demo_cmd->add_option("--batch-size", batch, "samples per step")->check(CLI::Range(1, 1 << 20));
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  try {
+    if (version || app.get_subcommands().empty()) {
+      fmt::print("{}\n", build_info());
+      return 0;
+    }
+    if (demo_cmd->parsed()) return demo(parse_size(budget), batch);
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "tally: error: {}\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,247 @@
+// core/arena.cpp — best-fit arena with splitting and coalescing; see core/arena.h for the design.
+#include "core/arena.h"
+
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "core/cuda_runtime.h"
+
+namespace tally {
+
+const char* category_name(Category c) {
+  switch (c) {
+    case Category::parameter: return "parameter";
+    case Category::gradient: return "gradient";
+    case Category::optimizer_state: return "optimizer_state";
+    case Category::activation: return "activation";
+    case Category::workspace: return "workspace";
+    case Category::input: return "input";
+    case Category::temporary: return "temporary";
+  }
+  return "?";
+}
+
+Arena::Arena(Device device, std::size_t capacity) : Arena(device, capacity, true) {}
+
+Arena::Arena(Device device, std::size_t capacity, bool reserve)
+    : device_(device), capacity_(capacity / kAlignment * kAlignment), t0_(std::chrono::steady_clock::now()) {
+  if (capacity_ == 0)
+    throw Error(fmt::format("arena on {}: capacity {} bytes is below the {}-byte alignment",
+                            device.str(), capacity, kAlignment));
+  if (reserve) {
+    if (device.is_cpu()) {
+      void* p = ::mmap(nullptr, capacity_, PROT_READ | PROT_WRITE,
+                       MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+      if (p == MAP_FAILED)
+        throw Error(fmt::format("arena on cpu: mmap of {} ({} bytes) failed: {}",
+                                format_bytes(capacity_), capacity_, std::strerror(errno)));
+      base_ = p;
+    } else {
+      cuda_rt::set_device(device.index);
+      base_ = cuda_rt::malloc(capacity_);
+    }
+  }
+  blocks_.emplace(0, Node{capacity_, false, 0, Category::temporary, {}});
+  free_set_.emplace(capacity_, 0);
+}
+
+std::shared_ptr<Arena> Arena::make_virtual(Device device, std::size_t capacity) {
+  return std::shared_ptr<Arena>(new Arena(device, capacity, false));
+}
+
+std::shared_ptr<Arena> Arena::virtual_clone() const {
+  auto v = std::shared_ptr<Arena>(new Arena(device_, capacity_, false));
+  v->blocks_ = blocks_;
+  v->free_set_ = free_set_;
+  v->cat_ = cat_;
+  v->total_ = total_;
+  v->tracing_ = tracing_;
+  v->t0_ = t0_;
+  return v;
+}
+
+Arena::~Arena() {
+  if (!base_) return;
+  if (device_.is_cpu())
+    ::munmap(base_, capacity_);
+  else
+    cuda_rt::free(base_);
+}
+
+Block Arena::allocate(std::size_t bytes, Category category, const std::string& op) {
+  const std::size_t rounded = round_up(bytes);
+  if (bytes > capacity_) throw_oom(bytes, rounded, category, op, false);
+  if (fail_countdown_ > 0 && --fail_countdown_ == 0) throw_oom(bytes, rounded, category, op, true);
+  auto it = free_set_.lower_bound({rounded, 0});
+  if (it == free_set_.end()) throw_oom(bytes, rounded, category, op, false);
+  const auto [size, offset] = *it;
+  free_set_.erase(it);
+  Node& n = blocks_.at(offset);
+  if (size > rounded) {  // split: the tail stays free
+    blocks_.emplace(offset + rounded, Node{size - rounded, false, 0, Category::temporary, {}});
+    free_set_.emplace(size - rounded, offset + rounded);
+  }
+  n = Node{rounded, true, bytes, category, op};
+  const auto r = static_cast<std::int64_t>(rounded);
+  for (MemoryStat* s : {&cat_[static_cast<int>(category)], &total_}) {
+    s->current += r;
+    s->peak = std::max(s->peak, s->current);
+    s->allocations++;
+  }
+  if (tracing_) record(true, offset, n);
+  return {offset, base_ ? static_cast<char*>(base_) + offset : nullptr};
+}
+
+void Arena::free(std::size_t offset) {
+  auto it = blocks_.find(offset);
+  if (it == blocks_.end() || !it->second.used)
+    throw Error(fmt::format("arena on {}: free of offset {} that is not a live allocation",
+                            device_.str(), offset));
+  Node& n = it->second;
+  const auto r = static_cast<std::int64_t>(n.size);
+  for (MemoryStat* s : {&cat_[static_cast<int>(n.category)], &total_}) {
+    s->current -= r;
+    s->frees++;
+  }
+  if (tracing_) record(false, offset, n);
+  n.used = false;
+  n.requested = 0;
+  n.op.clear();
+  // Coalesce with the next block, then with the previous one.
+  auto next = std::next(it);
+  if (next != blocks_.end() && !next->second.used) {
+    free_set_.erase({next->second.size, next->first});
+    n.size += next->second.size;
+    blocks_.erase(next);
+  }
+  if (it != blocks_.begin()) {
+    auto prev = std::prev(it);
+    if (!prev->second.used) {
+      free_set_.erase({prev->second.size, prev->first});
+      prev->second.size += n.size;
+      blocks_.erase(it);
+      it = prev;
+    }
+  }
+  free_set_.emplace(it->second.size, it->first);
+}
+
+std::size_t Arena::largest_free_block() const {
+  return free_set_.empty() ? 0 : free_set_.rbegin()->first;
+}
+
+ArenaStats Arena::stats() const {
+  ArenaStats s;
+  s.by_category = cat_;
+  s.total = total_;
+  s.capacity = capacity_;
+  s.free_bytes = free_bytes();
+  s.largest_free_block = largest_free_block();
+  return s;
+}
+
+void Arena::reset_peak() {
+  for (auto& c : cat_) c.peak = c.current;
+  total_.peak = total_.current;
+}
+
+std::vector<std::pair<std::size_t, Arena::LiveInfo>> Arena::live_blocks() const {
+  std::vector<std::pair<std::size_t, LiveInfo>> out;
+  for (const auto& [off, n] : blocks_)
+    if (n.used) out.push_back({off, LiveInfo{n.requested, n.size, n.category, n.op}});
+  return out;
+}
+
+void Arena::throw_oom(std::size_t requested, std::size_t rounded, Category category,
+                      const std::string& op, bool injected) const {
+  std::string live;
+  for (int c = 0; c < kNumCategories; ++c)
+    if (cat_[c].current > 0)
+      live += fmt::format("{}{} {}", live.empty() ? "" : ", ", category_name(static_cast<Category>(c)),
+                          format_bytes(static_cast<std::size_t>(cat_[c].current)));
+  throw OutOfMemory(
+      fmt::format("out of memory on {}{}: {} asked for {} bytes ({}, category {}, {} rounded); "
+                  "capacity {}, free {}, largest free block {}; live: {}",
+                  device_.str(), injected ? " (injected fault)" : "", op.empty() ? "an allocation" : op,
+                  requested, format_bytes(requested), category_name(category), rounded,
+                  format_bytes(capacity_), format_bytes(free_bytes()),
+                  format_bytes(largest_free_block()), live.empty() ? "nothing" : live),
+      requested);
+}
+
+void Arena::record(bool is_alloc, std::size_t offset, const Node& n) {
+  const double t = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0_).count();
+  trace_.push_back(TraceEvent{t, is_alloc, offset, n.requested, n.size, n.category, n.op,
+                              total_.current});
+}
+
+std::string Arena::trace_json() const {
+  using nlohmann::json;
+  json events = json::array();
+  std::array<std::int64_t, kNumCategories> live{};
+  const int pid = 1;
+  events.push_back({{"ph", "M"}, {"pid", pid}, {"name", "process_name"},
+                    {"args", {{"name", fmt::format("tally arena {}", device_.str())}}}});
+  for (const TraceEvent& e : trace_) {
+    live[static_cast<int>(e.category)] += (e.is_alloc ? 1 : -1) * static_cast<std::int64_t>(e.rounded);
+    events.push_back({{"ph", "i"}, {"s", "p"}, {"pid", pid}, {"tid", 1}, {"ts", e.time_us},
+                      {"cat", e.is_alloc ? "alloc" : "free"},
+                      {"name", fmt::format("{} {}", e.is_alloc ? "alloc" : "free", e.op)},
+                      {"args", {{"offset", e.offset}, {"requested", e.requested}, {"size", e.rounded},
+                                {"category", category_name(e.category)}, {"op", e.op},
+                                {"total_after", e.total_after}}}});
+    json counters = json::object();
+    for (int c = 0; c < kNumCategories; ++c) counters[category_name(static_cast<Category>(c))] = live[c];
+    events.push_back({{"ph", "C"}, {"pid", pid}, {"ts", e.time_us}, {"name", "live bytes"},
+                      {"args", counters}});
+  }
+  json doc = {{"traceEvents", events}, {"displayTimeUnit", "ms"}};
+  return doc.dump();
+}
+
+std::size_t parse_size(const std::string& s) {
+  const auto bad = [&]() {
+    return Error(fmt::format("invalid size '{}': expected a number with an optional unit "
+                             "B, KiB, MiB, GiB, TiB, KB, MB, GB, TB (e.g. 48MiB, 2GiB)", s));
+  };
+  std::size_t i = 0;
+  while (i < s.size() && (std::isdigit(static_cast<unsigned char>(s[i])) || s[i] == '.')) ++i;
+  if (i == 0) throw bad();
+  double v = 0;
+  try {
+    v = std::stod(s.substr(0, i));
+  } catch (...) {
+    throw bad();
+  }
+  std::string unit = s.substr(i);
+  while (!unit.empty() && unit.front() == ' ') unit.erase(unit.begin());
+  static const std::pair<const char*, double> units[] = {
+      {"", 1.0},        {"B", 1.0},           {"KiB", 1024.0},         {"MiB", 1048576.0},
+      {"GiB", 1073741824.0}, {"TiB", 1099511627776.0}, {"KB", 1e3}, {"MB", 1e6},
+      {"GB", 1e9},      {"TB", 1e12},         {"K", 1024.0},           {"M", 1048576.0},
+      {"G", 1073741824.0}};
+  for (const auto& [name, mult] : units)
+    if (unit == name) {
+      const double bytes = v * mult;
+      if (!std::isfinite(bytes) || bytes < 1 || bytes > 1.8e19) throw bad();
+      return static_cast<std::size_t>(bytes);
+    }
+  throw bad();
+}
+
+std::string format_bytes(std::size_t b) {
+  const double d = static_cast<double>(b);
+  if (b < 1024) return fmt::format("{} B", b);
+  if (d < 1048576.0) return fmt::format("{:.1f} KiB", d / 1024.0);
+  if (d < 1073741824.0) return fmt::format("{:.1f} MiB", d / 1048576.0);
+  return fmt::format("{:.2f} GiB", d / 1073741824.0);
+}
+
+}  // namespace tally

@@ -1,0 +1,182 @@
+// core/arena.h — the device arena: every byte of device memory tally uses comes from here.
+//
+// Algorithm (read this first):
+//   * One arena per device is reserved once with a fixed capacity — the memory budget. On CUDA
+//     that is a single cudaMalloc; on the CPU a single mmap(MAP_NORESERVE), so a large CPU budget
+//     costs nothing until touched. A *virtual* arena runs the identical algorithm with no memory
+//     behind it (base pointer null, offsets only): a dry run of a training step on it yields the
+//     offsets and peak the real step will have (ggml's "measure" allocator is the model).
+//   * The arena is tiled by blocks, each free or used, kept in an offset-ordered map. Free blocks
+//     are also kept in a set ordered by (size, offset). allocate() rounds the request up to 256
+//     bytes and takes the *best fit*: the smallest free block that is large enough, the lowest
+//     offset among equals. The block is split: the front is used, the rest stays free.
+//     free() marks the block free and coalesces it with free neighbours.
+//   * Deterministic: the result depends only on the sequence of requests and frees — no
+//     addresses, clocks or thread counts — so the same sequence gives the same offsets and the
+//     same peak. This is the property the MBP planner stands on.
+//   * Every allocation carries a Category and the name of the op that asked for it. Statistics
+//     per category and in total: current, peak, allocations, frees (bytes are rounded sizes,
+//     i.e. what the allocation takes out of the budget), plus free bytes and largest free block.
+//   * An optional trace records each allocation and free (time, size, offset, category, op);
+//     it exports as Chrome trace-event JSON that opens in Perfetto.
+//   * A request that cannot be met throws tally::OutOfMemory naming the request, the free bytes,
+//     the largest free block and the live bytes per category; the arena is left exactly as it was.
+#pragma once
+#include <array>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/device.h"
+#include "core/error.h"
+
+namespace tally {
+
+enum class Category : std::uint8_t {
+  parameter,
+  gradient,
+  optimizer_state,
+  activation,
+  workspace,
+  input,
+  temporary,
+};
+inline constexpr int kNumCategories = 7;
+const char* category_name(Category c);
+
+struct MemoryStat {
+  std::int64_t current = 0;      // bytes live now
+  std::int64_t peak = 0;         // most bytes live at once since creation / reset_peak()
+  std::int64_t allocations = 0;  // number of allocate() calls that succeeded
+  std::int64_t frees = 0;        // number of free() calls
+};
+
+struct ArenaStats {
+  std::array<MemoryStat, kNumCategories> by_category{};
+  MemoryStat total{};
+  std::size_t capacity = 0;
+  std::size_t free_bytes = 0;
+  std::size_t largest_free_block = 0;
+  const MemoryStat& operator[](Category c) const { return by_category[static_cast<int>(c)]; }
+};
+
+struct TraceEvent {
+  double time_us;        // since the arena was created
+  bool is_alloc;         // allocation or free
+  std::size_t offset;
+  std::size_t requested;  // bytes asked for
+  std::size_t rounded;    // bytes taken from the budget
+  Category category;
+  std::string op;         // who asked
+  std::int64_t total_after;  // total live bytes after the event
+};
+
+class OutOfMemory : public Error {
+ public:
+  OutOfMemory(const std::string& what, std::size_t requested) : Error(what), requested_(requested) {}
+  std::size_t requested() const { return requested_; }
+
+ private:
+  std::size_t requested_;
+};
+
+// Where the bytes of a block live: offset within the arena, and the address (null in a virtual
+// arena).
+struct Block {
+  std::size_t offset = 0;
+  void* ptr = nullptr;
+};
+
+class Arena {
+ public:
+  static constexpr std::size_t kAlignment = 256;
+
+  // Reserves `capacity` bytes on `device` (rounded down to the alignment).
+  Arena(Device device, std::size_t capacity);
+  // The same algorithm with no memory behind it.
+  static std::shared_ptr<Arena> make_virtual(Device device, std::size_t capacity);
+  // A virtual arena in exactly this arena's state (blocks, statistics, trace switch): a dry run
+  // on it continues from here as the real arena would.
+  std::shared_ptr<Arena> virtual_clone() const;
+  ~Arena();
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+
+  Block allocate(std::size_t bytes, Category category, const std::string& op);
+  void free(std::size_t offset);
+
+  static std::size_t round_up(std::size_t bytes) {
+    const std::size_t r = (bytes + kAlignment - 1) / kAlignment * kAlignment;
+    return r == 0 ? kAlignment : r;
+  }
+
+  Device device() const { return device_; }
+  bool is_virtual() const { return base_ == nullptr; }
+  void* base() const { return base_; }
+  std::size_t capacity() const { return capacity_; }
+  ArenaStats stats() const;
+  std::size_t free_bytes() const { return capacity_ - static_cast<std::size_t>(total_.current); }
+  std::size_t largest_free_block() const;
+  // Peak of every category and of the total set back to their current values.
+  void reset_peak();
+
+  // Trace of every allocation and free since tracing was switched on.
+  void set_tracing(bool on) { tracing_ = on; }
+  bool tracing() const { return tracing_; }
+  const std::vector<TraceEvent>& trace() const { return trace_; }
+  void clear_trace() { trace_.clear(); }
+  // Chrome trace-event JSON (opens in Perfetto / chrome://tracing): one instant event per
+  // allocation and free (args: offset, size, category, op) plus a counter track of live bytes
+  // per category.
+  std::string trace_json() const;
+
+  // Fault injection for tests of out-of-memory recovery: the n-th allocate() from now (1 = the
+  // next) throws OutOfMemory as if the arena were full. 0 switches it off.
+  void fail_allocation_after(std::uint64_t n) { fail_countdown_ = n; }
+
+  // The live allocation that starts at `offset` (for tests and diagnostics).
+  struct LiveInfo {
+    std::size_t requested, rounded;
+    Category category;
+    std::string op;
+  };
+  std::vector<std::pair<std::size_t, LiveInfo>> live_blocks() const;
+
+ private:
+  struct Node {
+    std::size_t size;  // rounded size of the block
+    bool used;
+    std::size_t requested;
+    Category category;
+    std::string op;
+  };
+  Arena(Device device, std::size_t capacity, bool reserve);
+  [[noreturn]] void throw_oom(std::size_t requested, std::size_t rounded, Category category,
+                              const std::string& op, bool injected) const;
+  void record(bool is_alloc, std::size_t offset, const Node& n);
+
+  Device device_;
+  std::size_t capacity_;
+  void* base_ = nullptr;
+  std::map<std::size_t, Node> blocks_;                        // offset -> block, tiles [0, cap)
+  std::set<std::pair<std::size_t, std::size_t>> free_set_;   // (size, offset) of free blocks
+  std::array<MemoryStat, kNumCategories> cat_{};
+  MemoryStat total_{};
+  bool tracing_ = false;
+  std::vector<TraceEvent> trace_;
+  std::chrono::steady_clock::time_point t0_;
+  std::uint64_t fail_countdown_ = 0;
+};
+
+// Parses a size such as "48MiB", "2GiB", "512KiB", "1.5GB", "4096" (bytes); throws tally::Error
+// naming the accepted forms.
+std::size_t parse_size(const std::string& s);
+std::string format_bytes(std::size_t bytes);  // "47.9 MiB"
+
+}  // namespace tally

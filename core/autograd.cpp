@@ -1,0 +1,156 @@
+// core/autograd.cpp — the backward engine; see core/autograd.h.
+#include "core/autograd.h"
+
+#include <map>
+#include <queue>
+#include <unordered_map>
+
+#include <fmt/format.h>
+
+#include "core/memory.h"
+#include "core/ops.h"
+
+namespace tally {
+namespace {
+thread_local bool tl_grad_enabled = true;
+thread_local std::uint64_t tl_sequence = 0;
+
+bool tensor_requires_grad(const Tensor& t) {
+  return t.defined() && (t.requires_grad() || t.grad_fn() != nullptr);
+}
+}  // namespace
+
+Node::Node() : sequence(tl_sequence++) {}
+
+bool grad_enabled() { return tl_grad_enabled; }
+NoGradGuard::NoGradGuard() : previous_(tl_grad_enabled) { tl_grad_enabled = false; }
+NoGradGuard::~NoGradGuard() { tl_grad_enabled = previous_; }
+
+bool any_requires_grad(std::initializer_list<const Tensor*> inputs) {
+  if (!tl_grad_enabled) return false;
+  for (const Tensor* t : inputs)
+    if (t && tensor_requires_grad(*t)) return true;
+  return false;
+}
+
+void set_history(Tensor& out, const std::shared_ptr<Node>& node, std::initializer_list<const Tensor*> inputs) {
+  for (const Tensor* t : inputs) {
+    Edge e;
+    if (t && tensor_requires_grad(*t)) {
+      if (t->grad_fn()) e.node = t->grad_fn();
+      else e.leaf = t->impl_ptr();
+    }
+    node->next.push_back(std::move(e));
+  }
+  out.impl().grad_fn = node;
+}
+
+Tensor& grad_target(GradSlot& slot, const Shape& shape, DType dtype, Device device, double& beta, const char* op) {
+  if (slot.buffer.defined()) {
+    if (slot.buffer.shape() != shape || slot.buffer.dtype() != dtype || slot.buffer.device() != device)
+      throw ShapeError(fmt::format("{} backward: gradient buffer {} does not match input {}{} on {}", op,
+                                   slot.buffer.str(), dtype_name(dtype), shape_str(shape), device.str()));
+    beta = 1.0;
+  } else {
+    slot.buffer = Tensor::empty(shape, dtype, device, slot.category, fmt::format("{}_backward", op));
+    beta = 0.0;
+  }
+  return slot.buffer;
+}
+
+Tensor& grad_target(GradSlot& slot, const Tensor& like, double& beta, const char* op) {
+  return grad_target(slot, like.shape(), like.dtype(), like.device(), beta, op);
+}
+
+void run_backward(const Tensor& root) {
+  if (root.numel() != 1)
+    throw ShapeError(fmt::format("backward: expected a scalar (one-element) tensor, found {}", root.str()));
+  if (root.is_leaf()) {
+    if (!root.requires_grad()) throw Error("backward: the tensor does not require grad and has no history");
+    Tensor r = root;
+    if (!root.grad().defined())
+      r.impl().grad = Tensor::full(root.shape(), 1.0, root.dtype(), root.device(), Category::gradient, "grad").impl_ptr();
+    else if (!is_dry_run())
+      r.grad().fill_(r.grad().item() + 1.0);
+    return;
+  }
+
+  // Count, for every node reachable from the root, how many edges lead to it.
+  std::unordered_map<Node*, int> dependencies;
+  {
+    std::vector<Node*> stack{root.grad_fn().get()};
+    dependencies[root.grad_fn().get()] = 0;
+    std::unordered_map<Node*, bool> seen{{root.grad_fn().get(), true}};
+    while (!stack.empty()) {
+      Node* n = stack.back();
+      stack.pop_back();
+      for (const Edge& e : n->next) {
+        if (!e.node) continue;
+        dependencies[e.node.get()]++;
+        if (!seen[e.node.get()]) {
+          seen[e.node.get()] = true;
+          stack.push_back(e.node.get());
+        }
+      }
+    }
+  }
+
+  auto later_first = [](const std::shared_ptr<Node>& a, const std::shared_ptr<Node>& b) {
+    return a->sequence < b->sequence;
+  };
+  std::priority_queue<std::shared_ptr<Node>, std::vector<std::shared_ptr<Node>>, decltype(later_first)> ready(later_first);
+  std::unordered_map<Node*, Tensor> grads;  // gradient of each pending node's output
+  grads[root.grad_fn().get()] =
+      Tensor::full(root.shape(), 1.0, root.dtype(), root.device(), Category::temporary, "grad_seed");
+  ready.push(root.grad_fn());
+  std::vector<std::shared_ptr<Node>> done;
+
+  while (!ready.empty()) {
+    std::shared_ptr<Node> node = ready.top();
+    ready.pop();
+    std::vector<GradSlot> slots(node->next.size());
+    for (std::size_t i = 0; i < node->next.size(); ++i) {
+      const Edge& e = node->next[i];
+      GradSlot& s = slots[i];
+      s.needed = e.defined();
+      if (e.node) {
+        auto it = grads.find(e.node.get());
+        if (it != grads.end()) s.buffer = it->second;
+        s.category = Category::temporary;
+      } else if (e.leaf) {
+        if (e.leaf->grad) s.buffer = Tensor(e.leaf->grad);
+        s.category = Category::gradient;
+      }
+    }
+    {
+      Tensor grad_out;
+      if (auto it = grads.find(node.get()); it != grads.end()) {
+        grad_out = std::move(it->second);
+        grads.erase(it);
+      }
+      if (grad_out.defined()) node->backward(grad_out, slots);  // else no gradient reached it
+      node->release();  // saved tensors go now, and grad_out at the end of this scope
+    }
+    for (std::size_t i = 0; i < node->next.size(); ++i) {
+      const Edge& e = node->next[i];
+      Tensor& b = slots[i].buffer;
+      if (e.leaf && b.defined()) {
+        // The same leaf may sit behind two slots of one node (x * x): add, don't overwrite.
+        if (!e.leaf->grad) e.leaf->grad = b.impl_ptr();
+        else if (e.leaf->grad != b.impl_ptr()) { Tensor g(e.leaf->grad); add_into(g, b); }
+      }
+      if (!e.node) continue;
+      if (b.defined()) {
+        auto it = grads.find(e.node.get());
+        if (it == grads.end()) grads.emplace(e.node.get(), std::move(b));
+        else if (!it->second.same(b)) add_into(it->second, b);  // same producer twice
+      }
+      if (--dependencies[e.node.get()] == 0) ready.push(e.node);
+    }
+    done.push_back(std::move(node));
+  }
+  // Release the tape: cut every processed node's edges.
+  for (auto& n : done) n->next.clear();
+}
+
+}  // namespace tally

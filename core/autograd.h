@@ -1,0 +1,82 @@
+// core/autograd.h — reverse-mode automatic differentiation.
+//
+// The tape: every differentiable op run with grad mode on creates a Node that holds what its
+// backward needs (saved tensors, category activation) and an Edge to the Node of each input
+// (or to the leaf itself). Nodes carry a sequence number; backward() runs them in decreasing
+// sequence order — the reverse of the forward order, deterministically — starting from a scalar
+// loss with gradient 1.
+//
+// Where gradients go (the property MBP rests on, see docs/autograd.md):
+//   * A Node's backward receives, for each input, a GradSlot. If the slot already holds a buffer
+//     the kernel *accumulates* into it (beta = 1); otherwise the op allocates one and writes
+//     (beta = 0). A leaf's slot is its persistent gradient buffer (category gradient): for
+//     parameters it exists from the start, so weight-gradient kernels write with beta = 1
+//     straight into it and gradient accumulation over micro-batches costs no memory.
+//   * Gradients of intermediate tensors are category temporary and are freed as soon as the
+//     Node that consumes them has run.
+//   * A Node's saved tensors are released the moment its backward has run; after backward the
+//     graph's edges are cut, so the tape is released with the last handle to it.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace tally {
+
+struct Node;
+
+struct Edge {
+  std::shared_ptr<Node> node;          // the producer of the input, or null for a leaf
+  std::shared_ptr<TensorImpl> leaf;    // the leaf that requires grad (when node is null)
+  bool defined() const { return node || leaf; }
+};
+
+// Where one input's gradient goes.
+struct GradSlot {
+  bool needed = false;
+  Tensor buffer;  // undefined: allocate and write (beta 0); defined: accumulate (beta 1)
+  Category category = Category::temporary;
+};
+
+struct Node {
+  Node();
+  virtual ~Node() = default;
+  virtual const char* name() const = 0;
+  // grad_out: gradient of this node's output. Fill each needed slot (see GradSlot).
+  virtual void backward(const Tensor& grad_out, std::vector<GradSlot>& grad_in) = 0;
+  // Drops saved tensors.
+  virtual void release() {}
+
+  std::vector<Edge> next;  // one per input, in the op's input order
+  std::uint64_t sequence;
+};
+
+// Grad mode (on by default), per thread.
+bool grad_enabled();
+class NoGradGuard {
+ public:
+  NoGradGuard();
+  ~NoGradGuard();
+  NoGradGuard(const NoGradGuard&) = delete;
+  NoGradGuard& operator=(const NoGradGuard&) = delete;
+
+ private:
+  bool previous_;
+};
+
+// True if grad mode is on and any of the tensors requires grad (directly or via history).
+bool any_requires_grad(std::initializer_list<const Tensor*> inputs);
+// Connects `out` to `node`, whose edges point at `inputs` (undefined tensors get no edge).
+void set_history(Tensor& out, const std::shared_ptr<Node>& node, std::initializer_list<const Tensor*> inputs);
+
+// Returns the buffer to write an input's gradient into and sets `beta` (0 or 1): an existing
+// buffer (accumulate) or a new one of `like`'s shape, dtype and device.
+Tensor& grad_target(GradSlot& slot, const Tensor& like, double& beta, const char* op);
+Tensor& grad_target(GradSlot& slot, const Shape& shape, DType dtype, Device device, double& beta, const char* op);
+
+void run_backward(const Tensor& root);
+
+}  // namespace tally

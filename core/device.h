@@ -1,0 +1,46 @@
+// core/device.h — where a tensor lives, and what the element type is.
+//
+// Devices are CPU and CUDA(n). A CUDA device exists at run time only if the build has the CUDA
+// backend *and* the driver reports a GPU: on a machine without one, cuda_device_count() is 0 and
+// the CUDA device is simply absent (tests labelled `gpu` skip, `--device auto` picks the CPU).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace tally {
+
+enum class DeviceType : std::uint8_t { CPU, CUDA };
+
+struct Device {
+  DeviceType type = DeviceType::CPU;
+  int index = 0;
+
+  static Device cpu() { return {DeviceType::CPU, 0}; }
+  static Device cuda(int i = 0) { return {DeviceType::CUDA, i}; }
+  bool is_cpu() const { return type == DeviceType::CPU; }
+  bool is_cuda() const { return type == DeviceType::CUDA; }
+  friend bool operator==(const Device&, const Device&) = default;
+  std::string str() const;  // "cpu", "cuda:0"
+};
+
+// Parses "cpu", "cuda", "cuda:N"; throws tally::Error listing the allowed forms otherwise.
+Device parse_device(const std::string& s);
+
+// Element types. float64 exists on the CPU for gradient checks; int32/int64 hold indices and
+// labels. bf16/fp16 have names reserved so that adding them touches no other enum.
+enum class DType : std::uint8_t { Float32, Float64, Int32, Int64, BFloat16, Float16 };
+
+std::size_t dtype_size(DType t);
+const char* dtype_name(DType t);  // "float32", ...
+bool is_floating(DType t);
+
+// Number of usable CUDA devices at run time (0 without the CUDA backend or without a GPU).
+int cuda_device_count();
+bool cuda_available();
+
+// One line on how this build was configured and what the machine has, e.g.
+// "tally 0.1.0 | CUDA 13.0.88 (sm 80 90), cuDNN 9.19.0 | GPU: none detected".
+std::string build_info();
+
+}  // namespace tally

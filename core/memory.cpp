@@ -1,0 +1,74 @@
+// core/memory.cpp — default arenas per device, thread-local arena scopes and dry-run switch.
+#include "core/memory.h"
+
+#include <mutex>
+#include <unordered_map>
+
+#include "core/cuda_runtime.h"
+
+namespace tally {
+namespace {
+
+int key(Device d) { return d.is_cpu() ? -1 : d.index; }
+
+struct Defaults {
+  std::mutex mu;
+  std::unordered_map<int, std::shared_ptr<Arena>> arenas;
+};
+Defaults& defaults() {
+  static Defaults d;
+  return d;
+}
+
+thread_local std::shared_ptr<Arena> tl_cpu_override;
+thread_local std::unordered_map<int, std::shared_ptr<Arena>> tl_cuda_override;
+thread_local bool tl_dry = false;
+
+std::shared_ptr<Arena>& override_slot(Device d) {
+  return d.is_cpu() ? tl_cpu_override : tl_cuda_override[d.index];
+}
+
+}  // namespace
+
+std::size_t default_arena_capacity(Device device) {
+  if (device.is_cpu()) return kDefaultCpuArenaBytes;
+  cuda_rt::set_device(device.index);
+  std::size_t fr = 0, tot = 0;
+  cuda_rt::mem_get_info(&fr, &tot);
+  return fr > kCudaArenaMarginBytes * 2 ? fr - kCudaArenaMarginBytes : fr / 2;
+}
+
+const std::shared_ptr<Arena>& default_arena(Device device) {
+  auto& d = defaults();
+  std::lock_guard<std::mutex> lock(d.mu);
+  auto& slot = d.arenas[key(device)];
+  if (!slot) slot = std::make_shared<Arena>(device, default_arena_capacity(device));
+  return slot;
+}
+
+void configure_arena(Device device, std::size_t capacity) {
+  auto& d = defaults();
+  std::lock_guard<std::mutex> lock(d.mu);
+  auto& slot = d.arenas[key(device)];
+  slot.reset();  // give the old reservation back first when nothing else holds it
+  slot = std::make_shared<Arena>(device, capacity);
+}
+
+const std::shared_ptr<Arena>& current_arena(Device device) {
+  const auto& o = override_slot(device);
+  if (o) return o;
+  return default_arena(device);
+}
+
+ArenaScope::ArenaScope(std::shared_ptr<Arena> arena) : arena_(std::move(arena)) {
+  auto& slot = override_slot(arena_->device());
+  previous_ = slot;
+  slot = arena_;
+}
+ArenaScope::~ArenaScope() { override_slot(arena_->device()) = previous_; }
+
+bool is_dry_run() { return tl_dry; }
+DryRunGuard::DryRunGuard() : previous_(tl_dry) { tl_dry = true; }
+DryRunGuard::~DryRunGuard() { tl_dry = previous_; }
+
+}  // namespace tally

@@ -1,0 +1,56 @@
+// core/memory.h — which arena a new tensor's bytes come from, and the dry-run switch.
+//
+// Each device has a default arena, created on first use with a documented capacity (CPU: 8 GiB
+// of address space, reserved with MAP_NORESERVE so untouched bytes cost nothing; CUDA: the free
+// device memory less a 512 MiB margin) or with the capacity given to configure_arena().
+// An ArenaScope makes another arena (typically a virtual clone for a dry run) the current one
+// for its device on this thread until the scope ends.
+//
+// Dry run (DESIGN.md): under a DryRunGuard every op allocates its outputs, saved tensors and
+// workspaces exactly as in a real run but launches no kernel. Run on a virtual arena, a dry run
+// of a training step predicts the real step's peak to the byte.
+#pragma once
+#include <cstddef>
+#include <memory>
+
+#include "core/arena.h"
+
+namespace tally {
+
+inline constexpr std::size_t kDefaultCpuArenaBytes = std::size_t(8) << 30;
+inline constexpr std::size_t kCudaArenaMarginBytes = std::size_t(512) << 20;
+
+// The arena new allocations on `device` come from on this thread.
+const std::shared_ptr<Arena>& current_arena(Device device);
+// The default arena of `device` (created on first use).
+const std::shared_ptr<Arena>& default_arena(Device device);
+// Replaces the default arena of `device` by a fresh one of `capacity` bytes. Tensors still
+// alive in the old arena keep it alive until they are freed.
+void configure_arena(Device device, std::size_t capacity);
+// Default capacity for `device` when none was configured.
+std::size_t default_arena_capacity(Device device);
+
+class ArenaScope {
+ public:
+  explicit ArenaScope(std::shared_ptr<Arena> arena);
+  ~ArenaScope();
+  ArenaScope(const ArenaScope&) = delete;
+  ArenaScope& operator=(const ArenaScope&) = delete;
+
+ private:
+  std::shared_ptr<Arena> arena_, previous_;
+};
+
+bool is_dry_run();
+class DryRunGuard {
+ public:
+  DryRunGuard();
+  ~DryRunGuard();
+  DryRunGuard(const DryRunGuard&) = delete;
+  DryRunGuard& operator=(const DryRunGuard&) = delete;
+
+ private:
+  bool previous_;
+};
+
+}  // namespace tally

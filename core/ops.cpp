@@ -1,0 +1,858 @@
+// core/ops.cpp — forward and backward of every op: checks, allocation, dispatch, autograd nodes.
+//
+// Pattern of every op: check operands -> allocate outputs (activation) -> unless dry run,
+// dispatch to the kernel -> if grad is needed, a Node saves what backward needs (activation)
+// and records the edges. Each Node's backward asks grad_target() for the buffer of each needed
+// input gradient: beta = 1 means accumulate into an existing buffer (a parameter's persistent
+// gradient, or a tensor consumed twice), beta = 0 means a fresh buffer.
+#include "core/ops.h"
+
+#include <cmath>
+
+#include <fmt/format.h>
+
+#include "core/autograd.h"
+#include "core/dispatch.h"
+#include "core/memory.h"
+#include "kernels/cpu/cpu_kernels.h"
+
+namespace tally {
+namespace kc = kernels::cpu;
+using i64 = std::int64_t;
+
+namespace {
+
+// Runs `cpu_body` (with T bound) unless this is a dry run; CUDA kernels arrive with the CUDA
+// backend, until then a CUDA operand is a clear error.
+#define TALLY_RUN(op, t, ...)                                  \
+  do {                                                         \
+    if (!::tally::is_dry_run()) {                              \
+      if ((t).device().is_cpu()) TALLY_DISPATCH_CPU(op, t, __VA_ARGS__); \
+      else ::tally::detail::no_kernel(op, t);                  \
+    }                                                          \
+  } while (0)
+
+Tensor out_like(const Tensor& like, const Shape& shape, const char* op) {
+  return Tensor::empty(shape, like.dtype(), like.device(), Category::activation, op);
+}
+
+Tensor workspace(const Tensor& like, std::size_t bytes, const char* op) {
+  if (bytes == 0) return {};
+  return Tensor::empty({static_cast<i64>((bytes + 7) / 8)}, DType::Int64, like.device(), Category::workspace,
+                       fmt::format("{}_workspace", op));
+}
+void* ws_ptr(const Tensor& ws) { return ws.defined() ? ws.raw_data() : nullptr; }
+
+// Saved tensors of a Node: released after its backward.
+template <std::size_t N>
+struct Saved {
+  std::array<Tensor, N> t;
+  void release() {
+    for (auto& x : t) x = Tensor();
+  }
+};
+
+void check_matching(const char* op, const Tensor& x, const Tensor& p, const char* what, i64 expected) {
+  if (!p.defined()) return;
+  check_same_device(op, x, p);
+  check_same_dtype(op, x, p);
+  if (p.dim() != 1 || p.size(0) != expected)
+    throw ShapeError(fmt::format("{}: expected {} of shape [{}], found {}", op, what, expected, p.str()));
+}
+
+template <class T>
+T* ptr_or_null(const Tensor& t) {
+  return t.defined() ? t.data<T>() : nullptr;
+}
+
+i64 spatial(const Tensor& x) {
+  i64 hw = 1;
+  for (i64 d = 2; d < x.dim(); ++d) hw *= x.size(d);
+  return hw;
+}
+
+}  // namespace
+
+// =============================================================================================
+// conv2d
+namespace {
+kc::Conv2dShape conv_shape(const Tensor& x, const Tensor& w, const Conv2dOptions& o) {
+  kc::Conv2dShape s;
+  s.N = x.size(0); s.C = x.size(1); s.H = x.size(2); s.W = x.size(3);
+  s.K = w.size(0); s.R = w.size(2); s.S = w.size(3);
+  s.stride_h = o.stride[0]; s.stride_w = o.stride[1];
+  s.pad_h = o.padding[0]; s.pad_w = o.padding[1];
+  s.dil_h = o.dilation[0]; s.dil_w = o.dilation[1];
+  s.groups = o.groups;
+  return s;
+}
+
+struct Conv2dBackward : Node {
+  Saved<2> saved;  // x, weight
+  kc::Conv2dShape s;
+  bool has_bias;
+  const char* name() const override { return "conv2d"; }
+  void release() override { saved.release(); }
+  void backward(const Tensor& gy, std::vector<GradSlot>& g) override {
+    const Tensor &x = saved.t[0], &w = saved.t[1];
+    const Tensor dy = gy.contiguous();
+    std::size_t ws_bytes = 0;
+    TALLY_DISPATCH_CPU("conv2d", x, ws_bytes = kc::conv2d_workspace_bytes<T>(s));
+    Tensor ws = (g[0].needed || g[1].needed) ? workspace(x, ws_bytes, "conv2d_backward") : Tensor();
+    double beta = 0;
+    if (g[0].needed) {
+      Tensor& dx = grad_target(g[0], x, beta, "conv2d");
+      TALLY_RUN("conv2d", x, kc::conv2d_backward_data<T>(s, dy.data<T>(), w.data<T>(), dx.data<T>(), T(beta), ws_ptr(ws)));
+    }
+    if (g[1].needed) {
+      Tensor& dw = grad_target(g[1], w, beta, "conv2d");
+      TALLY_RUN("conv2d", x, kc::conv2d_backward_filter<T>(s, x.data<T>(), dy.data<T>(), dw.data<T>(), T(beta), ws_ptr(ws)));
+    }
+    if (has_bias && g[2].needed) {
+      Tensor& db = grad_target(g[2], {s.K}, x.dtype(), x.device(), beta, "conv2d");
+      TALLY_RUN("conv2d", x, kc::conv2d_backward_bias<T>(s, dy.data<T>(), db.data<T>(), T(beta)));
+    }
+  }
+};
+}  // namespace
+
+Tensor conv2d(const Tensor& x_, const Tensor& w_, const Tensor& b, const Conv2dOptions& o) {
+  const char* op = "conv2d";
+  check_dim(op, "input", x_, 4);
+  check_dim(op, "weight", w_, 4);
+  check_floating(op, x_);
+  check_same_device(op, x_, w_);
+  check_same_dtype(op, x_, w_);
+  for (int i = 0; i < 2; ++i)
+    if (o.stride[i] < 1 || o.dilation[i] < 1 || o.padding[i] < 0)
+      throw ShapeError(fmt::format("conv2d: stride and dilation must be >= 1 and padding >= 0, found stride ({}, {}) "
+                                   "padding ({}, {}) dilation ({}, {})", o.stride[0], o.stride[1], o.padding[0],
+                                   o.padding[1], o.dilation[0], o.dilation[1]));
+  if (o.groups < 1 || x_.size(1) % o.groups != 0 || w_.size(0) % o.groups != 0)
+    throw ShapeError(fmt::format("conv2d: groups {} must divide input channels {} and output channels {}", o.groups,
+                                 x_.size(1), w_.size(0)));
+  if (w_.size(1) * o.groups != x_.size(1))
+    throw ShapeError(fmt::format("conv2d: weight {} expects {} input channels (groups {}), input is {}", w_.str(),
+                                 w_.size(1) * o.groups, o.groups, x_.str()));
+  check_matching(op, x_, b, "bias", w_.size(0));
+  const Tensor x = x_.contiguous(), w = w_.contiguous();
+  const kc::Conv2dShape s = conv_shape(x, w, o);
+  if (s.P() < 1 || s.Q() < 1)
+    throw ShapeError(fmt::format("conv2d: input {} is too small for kernel {}x{} with padding ({}, {}) and dilation ({}, {})",
+                                 x.str(), s.R, s.S, s.pad_h, s.pad_w, s.dil_h, s.dil_w));
+  Tensor y = out_like(x, {s.N, s.K, s.P(), s.Q()}, op);
+  {
+    std::size_t ws_bytes = 0;
+    TALLY_DISPATCH_CPU(op, x, ws_bytes = kc::conv2d_workspace_bytes<T>(s));
+    Tensor ws = workspace(x, ws_bytes, op);
+    TALLY_RUN(op, x, kc::conv2d_forward<T>(s, x.data<T>(), w.data<T>(), ptr_or_null<T>(b), y.data<T>(), ws_ptr(ws)));
+  }
+  if (any_requires_grad({&x_, &w_, &b})) {
+    auto n = std::make_shared<Conv2dBackward>();
+    n->saved.t = {x, w};
+    n->s = s;
+    n->has_bias = b.defined();
+    set_history(y, n, {&x_, &w_, &b});
+  }
+  return y;
+}
+
+// =============================================================================================
+// linear / matmul: row-major GEMMs.
+namespace {
+struct LinearBackward : Node {
+  Saved<2> saved;  // x (N, in), weight (out, in)
+  bool has_bias;
+  const char* name() const override { return "linear"; }
+  void release() override { saved.release(); }
+  void backward(const Tensor& gy, std::vector<GradSlot>& g) override {
+    const Tensor &x = saved.t[0], &w = saved.t[1];
+    const Tensor dy = gy.contiguous();
+    const i64 N = x.size(0), I = x.size(1), O = w.size(0);
+    double beta = 0;
+    if (g[0].needed) {  // dx (N, in) = dy (N, out) @ w (out, in)
+      Tensor& dx = grad_target(g[0], x, beta, "linear");
+      TALLY_RUN("linear", x, kc::gemm<T>(false, false, N, I, O, T(1), dy.data<T>(), O, w.data<T>(), I, T(beta), dx.data<T>(), I));
+    }
+    if (g[1].needed) {  // dw (out, in) = dy^T (out, N) @ x (N, in)
+      Tensor& dw = grad_target(g[1], w, beta, "linear");
+      TALLY_RUN("linear", x, kc::gemm<T>(true, false, O, I, N, T(1), dy.data<T>(), O, x.data<T>(), I, T(beta), dw.data<T>(), I));
+    }
+    if (has_bias && g[2].needed) {
+      Tensor& db = grad_target(g[2], {O}, x.dtype(), x.device(), beta, "linear");
+      TALLY_RUN("linear", x, kc::sum_rows<T>(N, O, dy.data<T>(), db.data<T>(), T(beta)));
+    }
+  }
+};
+
+struct MatmulBackward : Node {
+  Saved<2> saved;  // a (M, K), b (K, N)
+  const char* name() const override { return "matmul"; }
+  void release() override { saved.release(); }
+  void backward(const Tensor& gy, std::vector<GradSlot>& g) override {
+    const Tensor &a = saved.t[0], &b = saved.t[1];
+    const Tensor dy = gy.contiguous();
+    const i64 M = a.size(0), K = a.size(1), N = b.size(1);
+    double beta = 0;
+    if (g[0].needed) {  // da (M, K) = dy (M, N) @ b^T
+      Tensor& da = grad_target(g[0], a, beta, "matmul");
+      TALLY_RUN("matmul", a, kc::gemm<T>(false, true, M, K, N, T(1), dy.data<T>(), N, b.data<T>(), N, T(beta), da.data<T>(), K));
+    }
+    if (g[1].needed) {  // db (K, N) = a^T @ dy
+      Tensor& db = grad_target(g[1], b, beta, "matmul");
+      TALLY_RUN("matmul", a, kc::gemm<T>(true, false, K, N, M, T(1), a.data<T>(), K, dy.data<T>(), N, T(beta), db.data<T>(), N));
+    }
+  }
+};
+}  // namespace
+
+Tensor linear(const Tensor& x_, const Tensor& w_, const Tensor& b) {
+  const char* op = "linear";
+  check_dim(op, "input", x_, 2);
+  check_dim(op, "weight", w_, 2);
+  check_floating(op, x_);
+  check_same_device(op, x_, w_);
+  check_same_dtype(op, x_, w_);
+  if (x_.size(1) != w_.size(1))
+    throw ShapeError(fmt::format("linear: input {} has {} features, weight {} expects {}", x_.str(), x_.size(1),
+                                 w_.str(), w_.size(1)));
+  check_matching(op, x_, b, "bias", w_.size(0));
+  const Tensor x = x_.contiguous(), w = w_.contiguous();
+  const i64 N = x.size(0), I = x.size(1), O = w.size(0);
+  Tensor y = out_like(x, {N, O}, op);
+  TALLY_RUN(op, x, {
+    kc::gemm<T>(false, true, N, O, I, T(1), x.data<T>(), I, w.data<T>(), I, T(0), y.data<T>(), O);
+    if (b.defined()) kc::add_bias_rows<T>(N, O, y.data<T>(), b.data<T>(), y.data<T>());
+  });
+  if (any_requires_grad({&x_, &w_, &b})) {
+    auto n = std::make_shared<LinearBackward>();
+    n->saved.t = {x, w};
+    n->has_bias = b.defined();
+    set_history(y, n, {&x_, &w_, &b});
+  }
+  return y;
+}
+
+Tensor matmul(const Tensor& a_, const Tensor& b_) {
+  const char* op = "matmul";
+  check_dim(op, "a", a_, 2);
+  check_dim(op, "b", b_, 2);
+  check_floating(op, a_);
+  check_same_device(op, a_, b_);
+  check_same_dtype(op, a_, b_);
+  if (a_.size(1) != b_.size(0))
+    throw ShapeError(fmt::format("matmul: inner dimensions differ: {} @ {}", a_.str(), b_.str()));
+  const Tensor a = a_.contiguous(), b = b_.contiguous();
+  const i64 M = a.size(0), K = a.size(1), N = b.size(1);
+  Tensor y = out_like(a, {M, N}, op);
+  TALLY_RUN(op, a, kc::gemm<T>(false, false, M, N, K, T(1), a.data<T>(), K, b.data<T>(), N, T(0), y.data<T>(), N));
+  if (any_requires_grad({&a_, &b_})) {
+    auto n = std::make_shared<MatmulBackward>();
+    n->saved.t = {a, b};
+    set_history(y, n, {&a_, &b_});
+  }
+  return y;
+}
+
+// =============================================================================================
+// batch_norm / group_norm
+namespace {
+struct BatchNormBackward : Node {
+  Saved<4> saved;  // x, weight (may be undefined), save_mean, save_invstd  — or running stats in eval
+  Saved<2> running;  // eval: running_mean, running_var
+  bool training;
+  double eps;
+  i64 N, C, HW;
+  bool has_weight, has_bias;
+  const char* name() const override { return "batch_norm"; }
+  void release() override { saved.release(); running.release(); }
+  void backward(const Tensor& gy, std::vector<GradSlot>& g) override {
+    const Tensor& x = saved.t[0];
+    const Tensor& w = saved.t[1];
+    const Tensor dy = gy.contiguous();
+    double bdx = 0, bw = 0, bb = 0;
+    Tensor dx, dw, db;
+    if (g[0].needed) dx = grad_target(g[0], x, bdx, "batch_norm");
+    if (has_weight && g[1].needed) dw = grad_target(g[1], w, bw, "batch_norm");
+    if (has_bias && g[2].needed) {
+      db = grad_target(g[2], {C}, x.dtype(), x.device(), bb, "batch_norm");
+    }
+    // dw and db share one beta in the kernel; they are both persistent buffers or both fresh.
+    if (dw.defined() && db.defined() && bw != bb)
+      throw Error("batch_norm backward: weight and bias gradients must both accumulate or both be fresh");
+    const double bp = dw.defined() ? bw : bb;
+    if (training) {
+      TALLY_RUN("batch_norm", x, kc::batch_norm_backward<T>(N, C, HW, dy.data<T>(), x.data<T>(), ptr_or_null<T>(w),
+                                                            saved.t[2].data<T>(), saved.t[3].data<T>(), ptr_or_null<T>(dx),
+                                                            T(bdx), ptr_or_null<T>(dw), ptr_or_null<T>(db), T(bp)));
+    } else {
+      TALLY_RUN("batch_norm", x, kc::batch_norm_backward_eval<T>(N, C, HW, dy.data<T>(), x.data<T>(), ptr_or_null<T>(w),
+                                                                 running.t[0].data<T>(), running.t[1].data<T>(), T(eps),
+                                                                 ptr_or_null<T>(dx), T(bdx), ptr_or_null<T>(dw),
+                                                                 ptr_or_null<T>(db), T(bp)));
+    }
+  }
+};
+
+struct GroupNormBackward : Node {
+  Saved<4> saved;  // x, weight, save_mean, save_invstd
+  i64 N, C, HW, G;
+  bool has_weight, has_bias;
+  const char* name() const override { return "group_norm"; }
+  void release() override { saved.release(); }
+  void backward(const Tensor& gy, std::vector<GradSlot>& g) override {
+    const Tensor& x = saved.t[0];
+    const Tensor& w = saved.t[1];
+    const Tensor dy = gy.contiguous();
+    double bdx = 0, bw = 0, bb = 0;
+    Tensor dx, dw, db;
+    if (g[0].needed) dx = grad_target(g[0], x, bdx, "group_norm");
+    if (has_weight && g[1].needed) dw = grad_target(g[1], w, bw, "group_norm");
+    if (has_bias && g[2].needed) {
+      db = grad_target(g[2], {C}, x.dtype(), x.device(), bb, "group_norm");
+    }
+    if (dw.defined() && db.defined() && bw != bb)
+      throw Error("group_norm backward: weight and bias gradients must both accumulate or both be fresh");
+    const double bp = dw.defined() ? bw : bb;
+    TALLY_RUN("group_norm", x, kc::group_norm_backward<T>(N, C, HW, G, dy.data<T>(), x.data<T>(), ptr_or_null<T>(w),
+                                                          saved.t[2].data<T>(), saved.t[3].data<T>(), ptr_or_null<T>(dx),
+                                                          T(bdx), ptr_or_null<T>(dw), ptr_or_null<T>(db), T(bp)));
+  }
+};
+}  // namespace
+
+Tensor batch_norm(const Tensor& x_, const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
+                  const Tensor& running_var, const BatchNormOptions& opt) {
+  const char* op = "batch_norm";
+  if (!x_.defined() || x_.dim() < 2) throw ShapeError(fmt::format("batch_norm: expected input (N, C, ...), found {}", x_.str()));
+  check_floating(op, x_);
+  const i64 N = x_.size(0), C = x_.size(1), HW = spatial(x_);
+  check_matching(op, x_, weight, "weight", C);
+  check_matching(op, x_, bias, "bias", C);
+  check_matching(op, x_, running_mean, "running_mean", C);
+  check_matching(op, x_, running_var, "running_var", C);
+  if (!opt.training && (!running_mean.defined() || !running_var.defined()))
+    throw ShapeError("batch_norm: eval mode needs running_mean and running_var");
+  if (opt.training && N * HW < 2)
+    throw ShapeError(fmt::format("batch_norm: expected more than 1 value per channel when training, got input {}", x_.str()));
+  const Tensor x = x_.contiguous();
+  Tensor y = out_like(x, x.shape(), op);
+  const bool need_grad = any_requires_grad({&x_, &weight, &bias});
+  if (opt.training) {
+    // Saved statistics are activations: they live exactly as long as the backward needs them.
+    Tensor save_mean = Tensor::empty({C}, x.dtype(), x.device(), Category::activation, "batch_norm_mean");
+    Tensor save_invstd = Tensor::empty({C}, x.dtype(), x.device(), Category::activation, "batch_norm_invstd");
+    const bool update = running_mean.defined() && !opt.defer_running_stats;
+    TALLY_RUN(op, x, kc::batch_norm_forward_train<T>(N, C, HW, x.data<T>(), ptr_or_null<T>(weight), ptr_or_null<T>(bias),
+                                                     T(opt.eps), T(opt.momentum),
+                                                     update ? running_mean.data<T>() : nullptr,
+                                                     update ? running_var.data<T>() : nullptr, y.data<T>(),
+                                                     save_mean.data<T>(), save_invstd.data<T>()));
+    if (opt.defer_running_stats && !is_dry_run()) {
+      BatchNormMoments& m = *opt.defer_running_stats;
+      if (m.sum.empty()) m.sum.assign(C, 0.0), m.sum_sq.assign(C, 0.0);
+      if (static_cast<i64>(m.sum.size()) != C)
+        throw ShapeError(fmt::format("batch_norm: moment accumulator has {} channels, input has {}", m.sum.size(), C));
+      // sum = M * mean, sum_sq = M * (var + mean^2) with var = 1/invstd^2 - eps (biased).
+      std::vector<double> mean, invstd;
+      if (x.dtype() == DType::Float32) {
+        auto a = save_mean.to_vector<float>(), b = save_invstd.to_vector<float>();
+        mean.assign(a.begin(), a.end());
+        invstd.assign(b.begin(), b.end());
+      } else {
+        mean = save_mean.to_vector<double>();
+        invstd = save_invstd.to_vector<double>();
+      }
+      const double M = static_cast<double>(N * HW);
+      for (i64 c = 0; c < C; ++c) {
+        const double var = 1.0 / (invstd[c] * invstd[c]) - opt.eps;
+        m.sum[c] += M * mean[c];
+        m.sum_sq[c] += M * (var + mean[c] * mean[c]);
+      }
+      m.count += N * HW;
+    }
+    if (need_grad) {
+      auto n = std::make_shared<BatchNormBackward>();
+      n->saved.t = {x, weight, save_mean, save_invstd};
+      n->training = true;
+      n->eps = opt.eps;
+      n->N = N, n->C = C, n->HW = HW;
+      n->has_weight = weight.defined(), n->has_bias = bias.defined();
+      set_history(y, n, {&x_, &weight, &bias});
+    }
+  } else {
+    TALLY_RUN(op, x, kc::batch_norm_forward_eval<T>(N, C, HW, x.data<T>(), ptr_or_null<T>(weight), ptr_or_null<T>(bias),
+                                                    running_mean.data<T>(), running_var.data<T>(), T(opt.eps), y.data<T>()));
+    if (need_grad) {
+      auto n = std::make_shared<BatchNormBackward>();
+      n->saved.t = {x, weight, Tensor(), Tensor()};
+      n->running.t = {running_mean, running_var};
+      n->training = false;
+      n->eps = opt.eps;
+      n->N = N, n->C = C, n->HW = HW;
+      n->has_weight = weight.defined(), n->has_bias = bias.defined();
+      set_history(y, n, {&x_, &weight, &bias});
+    }
+  }
+  return y;
+}
+
+Tensor group_norm(const Tensor& x_, i64 groups, const Tensor& weight, const Tensor& bias, double eps) {
+  const char* op = "group_norm";
+  if (!x_.defined() || x_.dim() < 2) throw ShapeError(fmt::format("group_norm: expected input (N, C, ...), found {}", x_.str()));
+  check_floating(op, x_);
+  const i64 N = x_.size(0), C = x_.size(1), HW = spatial(x_);
+  if (groups < 1 || C % groups != 0)
+    throw ShapeError(fmt::format("group_norm: {} groups must divide the {} channels of {}", groups, C, x_.str()));
+  check_matching(op, x_, weight, "weight", C);
+  check_matching(op, x_, bias, "bias", C);
+  const Tensor x = x_.contiguous();
+  Tensor y = out_like(x, x.shape(), op);
+  Tensor save_mean = Tensor::empty({N, groups}, x.dtype(), x.device(), Category::activation, "group_norm_mean");
+  Tensor save_invstd = Tensor::empty({N, groups}, x.dtype(), x.device(), Category::activation, "group_norm_invstd");
+  TALLY_RUN(op, x, kc::group_norm_forward<T>(N, C, HW, groups, x.data<T>(), ptr_or_null<T>(weight), ptr_or_null<T>(bias),
+                                             T(eps), y.data<T>(), save_mean.data<T>(), save_invstd.data<T>()));
+  if (any_requires_grad({&x_, &weight, &bias})) {
+    auto n = std::make_shared<GroupNormBackward>();
+    n->saved.t = {x, weight, save_mean, save_invstd};
+    n->N = N, n->C = C, n->HW = HW, n->G = groups;
+    n->has_weight = weight.defined(), n->has_bias = bias.defined();
+    set_history(y, n, {&x_, &weight, &bias});
+  }
+  return y;
+}
+
+// =============================================================================================
+// elementwise
+namespace {
+struct ReluBackward : Node {
+  Saved<1> saved;  // y (the output: dx = dy * (y > 0))
+  const char* name() const override { return "relu"; }
+  void release() override { saved.release(); }
+  void backward(const Tensor& gy, std::vector<GradSlot>& g) override {
+    const Tensor& y = saved.t[0];
+    const Tensor dy = gy.contiguous();
+    double beta = 0;
+    Tensor& dx = grad_target(g[0], y, beta, "relu");
+    TALLY_RUN("relu", y, kc::relu_backward<T>(y.numel(), dy.data<T>(), y.data<T>(), dx.data<T>(), T(beta)));
+  }
+};
+
+// d(alpha_a * a + alpha_b * b): each input receives alpha * dy.
+struct LinearCombinationBackward : Node {
+  double alpha[2] = {1.0, 1.0};
+  const char* op = "add";
+  const char* name() const override { return op; }
+  void backward(const Tensor& gy, std::vector<GradSlot>& g) override {
+    const Tensor dy = gy.contiguous();
+    bool aliased = false;
+    for (std::size_t i = 0; i < g.size(); ++i) {
+      if (!g[i].needed) continue;
+      // One input may take the incoming gradient itself (no copy): it is this node's alone. A
+      // second input, or a leaf's persistent buffer, gets its own.
+      if (!g[i].buffer.defined() && alpha[i] == 1.0 && !aliased && g[i].category != Category::gradient) {
+        g[i].buffer = dy;
+        aliased = true;
+        continue;
+      }
+      double beta = 0;
+      Tensor& dx = grad_target(g[i], dy, beta, op);
+      TALLY_RUN(op, dy, kc::axpby<T>(dy.numel(), T(alpha[i]), dy.data<T>(), T(beta), dx.data<T>()));
+    }
+  }
+};
+
+struct MulBackward : Node {
+  Saved<2> saved;  // a, b
+  const char* name() const override { return "mul"; }
+  void release() override { saved.release(); }
+  void backward(const Tensor& gy, std::vector<GradSlot>& g) override {
+    const Tensor dy = gy.contiguous();
+    double beta = 0;
+    for (int i = 0; i < 2; ++i) {
+      if (!g[i].needed) continue;
+      const Tensor& other = saved.t[1 - i];
+      Tensor& d = grad_target(g[i], saved.t[i], beta, "mul");
+      TALLY_RUN("mul", dy, kc::mul_backward<T>(dy.numel(), dy.data<T>(), other.data<T>(), d.data<T>(), T(beta)));
+    }
+  }
+};
+
+Tensor lincomb(const Tensor& a_, const Tensor& b_, double alpha_b, const char* op) {
+  check_same_shape(op, a_, b_);
+  check_floating(op, a_);
+  const Tensor a = a_.contiguous(), b = b_.contiguous();
+  Tensor y = out_like(a, a.shape(), op);
+  TALLY_RUN(op, a, kc::add<T>(a.numel(), a.data<T>(), b.data<T>(), T(alpha_b), y.data<T>()));
+  if (any_requires_grad({&a_, &b_})) {
+    auto n = std::make_shared<LinearCombinationBackward>();
+    n->alpha[1] = alpha_b;
+    n->op = op;
+    set_history(y, n, {&a_, &b_});
+  }
+  return y;
+}
+}  // namespace
+
+Tensor relu(const Tensor& x_) {
+  check_floating("relu", x_);
+  const Tensor x = x_.contiguous();
+  Tensor y = out_like(x, x.shape(), "relu");
+  TALLY_RUN("relu", x, kc::relu_forward<T>(x.numel(), x.data<T>(), y.data<T>()));
+  if (any_requires_grad({&x_})) {
+    auto n = std::make_shared<ReluBackward>();
+    n->saved.t = {y};
+    set_history(y, n, {&x_});
+    n->saved.t[0] = y.detach();  // the node must not own a handle that points back at itself
+  }
+  return y;
+}
+
+Tensor add(const Tensor& a, const Tensor& b) { return lincomb(a, b, 1.0, "add"); }
+Tensor sub(const Tensor& a, const Tensor& b) { return lincomb(a, b, -1.0, "sub"); }
+
+Tensor mul(const Tensor& a_, const Tensor& b_) {
+  check_same_shape("mul", a_, b_);
+  check_floating("mul", a_);
+  const Tensor a = a_.contiguous(), b = b_.contiguous();
+  Tensor y = out_like(a, a.shape(), "mul");
+  TALLY_RUN("mul", a, kc::mul<T>(a.numel(), a.data<T>(), b.data<T>(), y.data<T>()));
+  if (any_requires_grad({&a_, &b_})) {
+    auto n = std::make_shared<MulBackward>();
+    n->saved.t = {a.detach(), b.detach()};
+    set_history(y, n, {&a_, &b_});
+  }
+  return y;
+}
+
+Tensor scale(const Tensor& x_, double alpha) {
+  check_floating("scale", x_);
+  const Tensor x = x_.contiguous();
+  Tensor y = out_like(x, x.shape(), "scale");
+  TALLY_RUN("scale", x, kc::axpby<T>(x.numel(), T(alpha), x.data<T>(), T(0), y.data<T>()));
+  if (any_requires_grad({&x_})) {
+    auto n = std::make_shared<LinearCombinationBackward>();
+    n->alpha[0] = alpha;
+    n->op = "scale";
+    set_history(y, n, {&x_});
+  }
+  return y;
+}
+
+void add_into(Tensor& dst, const Tensor& src_) {
+  check_same_shape("add_into", dst, src_);
+  if (!dst.is_contiguous()) throw ShapeError(fmt::format("add_into: destination {} must be contiguous", dst.str()));
+  const Tensor src = src_.contiguous();
+  TALLY_RUN("add_into", dst, kc::axpby<T>(dst.numel(), T(1), src.data<T>(), T(1), dst.data<T>()));
+}
+
+// =============================================================================================
+// pooling
+namespace {
+kc::Pool2dShape pool_shape(const Tensor& x, std::array<i64, 2> k, std::array<i64, 2> s, std::array<i64, 2> p,
+                           const char* op) {
+  check_dim(op, "input", x, 4);
+  check_floating(op, x);
+  if (k[0] < 1 || k[1] < 1 || s[0] < 1 || s[1] < 1 || p[0] < 0 || p[1] < 0)
+    throw ShapeError(fmt::format("{}: kernel and stride must be >= 1, padding >= 0; found kernel ({}, {}) stride ({}, {}) "
+                                 "padding ({}, {})", op, k[0], k[1], s[0], s[1], p[0], p[1]));
+  if (p[0] * 2 > k[0] || p[1] * 2 > k[1])
+    throw ShapeError(fmt::format("{}: padding ({}, {}) must be at most half the kernel ({}, {})", op, p[0], p[1], k[0], k[1]));
+  kc::Pool2dShape ps{x.size(0), x.size(1), x.size(2), x.size(3), k[0], k[1], s[0], s[1], p[0], p[1]};
+  if (ps.H + 2 * ps.pad_h < ps.kh || ps.W + 2 * ps.pad_w < ps.kw)
+    throw ShapeError(fmt::format("{}: input {} is smaller than the kernel ({}, {})", op, x.str(), k[0], k[1]));
+  return ps;
+}
+
+struct MaxPoolBackward : Node {
+  kc::Pool2dShape s;
+  Tensor argmax;  // int32 (N, C, P, Q), category activation
+  Shape in_shape;
+  DType dtype;
+  Device device;
+  const char* name() const override { return "max_pool2d"; }
+  void release() override { argmax = Tensor(); }
+  void backward(const Tensor& gy, std::vector<GradSlot>& g) override {
+    const Tensor dy = gy.contiguous();
+    double beta = 0;
+    Tensor& dx = grad_target(g[0], in_shape, dtype, device, beta, "max_pool2d");
+    TALLY_RUN("max_pool2d", dy, kc::max_pool2d_backward<T>(s, dy.data<T>(), argmax.data<std::int32_t>(), dx.data<T>(), T(beta)));
+  }
+};
+
+struct AvgPoolBackward : Node {
+  kc::Pool2dShape s;
+  bool count_include_pad;
+  bool adaptive;
+  i64 OH, OW;
+  Shape in_shape;
+  const char* name() const override { return adaptive ? "adaptive_avg_pool2d" : "avg_pool2d"; }
+  void backward(const Tensor& gy, std::vector<GradSlot>& g) override {
+    const Tensor dy = gy.contiguous();
+    double beta = 0;
+    Tensor& dx = grad_target(g[0], in_shape, dy.dtype(), dy.device(), beta, name());
+    if (adaptive)
+      TALLY_RUN("adaptive_avg_pool2d", dy, kc::adaptive_avg_pool2d_backward<T>(s.N, s.C, s.H, s.W, OH, OW, dy.data<T>(), dx.data<T>(), T(beta)));
+    else
+      TALLY_RUN("avg_pool2d", dy, kc::avg_pool2d_backward<T>(s, count_include_pad, dy.data<T>(), dx.data<T>(), T(beta)));
+  }
+};
+}  // namespace
+
+Tensor max_pool2d(const Tensor& x_, std::array<i64, 2> kernel, std::array<i64, 2> stride, std::array<i64, 2> padding) {
+  const kc::Pool2dShape s = pool_shape(x_, kernel, stride, padding, "max_pool2d");
+  const Tensor x = x_.contiguous();
+  Tensor y = out_like(x, {s.N, s.C, s.P(), s.Q()}, "max_pool2d");
+  const bool need = any_requires_grad({&x_});
+  // The argmax is what backward needs; without grad it is scratch.
+  Tensor argmax = Tensor::empty(y.shape(), DType::Int32, x.device(), need ? Category::activation : Category::workspace,
+                                "max_pool2d_argmax");
+  TALLY_RUN("max_pool2d", x, kc::max_pool2d_forward<T>(s, x.data<T>(), y.data<T>(), argmax.data<std::int32_t>()));
+  if (need) {
+    auto n = std::make_shared<MaxPoolBackward>();
+    n->s = s;
+    n->argmax = argmax;
+    n->in_shape = x.shape();
+    n->dtype = x.dtype();
+    n->device = x.device();
+    set_history(y, n, {&x_});
+  }
+  return y;
+}
+
+Tensor avg_pool2d(const Tensor& x_, std::array<i64, 2> kernel, std::array<i64, 2> stride, std::array<i64, 2> padding,
+                  bool count_include_pad) {
+  const kc::Pool2dShape s = pool_shape(x_, kernel, stride, padding, "avg_pool2d");
+  const Tensor x = x_.contiguous();
+  Tensor y = out_like(x, {s.N, s.C, s.P(), s.Q()}, "avg_pool2d");
+  TALLY_RUN("avg_pool2d", x, kc::avg_pool2d_forward<T>(s, count_include_pad, x.data<T>(), y.data<T>()));
+  if (any_requires_grad({&x_})) {
+    auto n = std::make_shared<AvgPoolBackward>();
+    n->s = s;
+    n->count_include_pad = count_include_pad;
+    n->adaptive = false;
+    n->in_shape = x.shape();
+    set_history(y, n, {&x_});
+  }
+  return y;
+}
+
+Tensor adaptive_avg_pool2d(const Tensor& x_, std::array<i64, 2> out) {
+  const char* op = "adaptive_avg_pool2d";
+  check_dim(op, "input", x_, 4);
+  check_floating(op, x_);
+  if (out[0] < 1 || out[1] < 1)
+    throw ShapeError(fmt::format("{}: output size must be positive, found ({}, {})", op, out[0], out[1]));
+  const Tensor x = x_.contiguous();
+  const i64 N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
+  if (H < 1 || W < 1) throw ShapeError(fmt::format("{}: empty input {}", op, x.str()));
+  Tensor y = out_like(x, {N, C, out[0], out[1]}, op);
+  TALLY_RUN(op, x, kc::adaptive_avg_pool2d_forward<T>(N, C, H, W, out[0], out[1], x.data<T>(), y.data<T>()));
+  if (any_requires_grad({&x_})) {
+    auto n = std::make_shared<AvgPoolBackward>();
+    n->s = kc::Pool2dShape{N, C, H, W, 1, 1, 1, 1};
+    n->adaptive = true;
+    n->OH = out[0], n->OW = out[1];
+    n->in_shape = x.shape();
+    set_history(y, n, {&x_});
+  }
+  return y;
+}
+
+// =============================================================================================
+// shape
+namespace {
+struct ReshapeBackward : Node {
+  Shape in_shape;
+  const char* name() const override { return "reshape"; }
+  void backward(const Tensor& gy, std::vector<GradSlot>& g) override {
+    const Tensor dy = gy.contiguous().view(in_shape);
+    if (!g[0].buffer.defined()) {
+      g[0].buffer = g[0].category == Category::gradient ? dy.clone(Category::gradient) : dy;  // alias when we may
+      return;
+    }
+    add_into(g[0].buffer, dy);
+  }
+};
+}  // namespace
+
+Tensor reshape(const Tensor& x, const Shape& shape) {
+  Tensor y = x.reshape(shape);
+  if (any_requires_grad({&x})) {
+    auto n = std::make_shared<ReshapeBackward>();
+    n->in_shape = x.shape();
+    set_history(y, n, {&x});
+  }
+  return y;
+}
+
+Tensor flatten(const Tensor& x, i64 start_dim) {
+  const i64 nd = x.dim();
+  if (start_dim < 0) start_dim += nd;
+  if (start_dim < 0 || start_dim >= std::max<i64>(nd, 1))
+    throw ShapeError(fmt::format("flatten: start_dim {} out of range for {}", start_dim, x.str()));
+  Shape s(x.shape().begin(), x.shape().begin() + start_dim);
+  s.push_back(-1);
+  if (x.numel() == 0) s.back() = 0;
+  return reshape(x, s);
+}
+
+// =============================================================================================
+// reductions
+namespace {
+struct SumBackward : Node {
+  Shape in_shape;
+  double factor;  // 1 for sum, 1/n for mean
+  const char* name() const override { return "sum"; }
+  void backward(const Tensor& gy, std::vector<GradSlot>& g) override {
+    if (!g[0].needed) return;
+    // gradient of a scalar: every element receives factor * dy. Read dy on the host (one value).
+    double beta = 0;
+    Tensor& dx = grad_target(g[0], in_shape, gy.dtype(), gy.device(), beta, "sum");
+    if (is_dry_run()) return;
+    const double v = gy.item() * factor;
+    if (beta == 0) {
+      dx.fill_(v);
+    } else {
+      Tensor c = Tensor::full(in_shape, v, dx.dtype(), dx.device(), Category::temporary, "sum_backward");
+      add_into(dx, c);
+    }
+  }
+};
+
+Tensor reduce_all(const Tensor& x_, double factor, const char* op) {
+  check_floating(op, x_);
+  const Tensor x = x_.contiguous();
+  Tensor y = out_like(x, {}, op);
+  TALLY_RUN(op, x, {
+    const T s = kc::sum_all<T>(x.numel(), x.data<T>());
+    *y.data<T>() = T(s * factor);
+  });
+  if (any_requires_grad({&x_})) {
+    auto n = std::make_shared<SumBackward>();
+    n->in_shape = x.shape();
+    n->factor = factor;
+    set_history(y, n, {&x_});
+  }
+  return y;
+}
+}  // namespace
+
+Tensor sum(const Tensor& x) { return reduce_all(x, 1.0, "sum"); }
+Tensor mean(const Tensor& x) {
+  if (x.numel() == 0) throw ShapeError(fmt::format("mean: empty input {}", x.str()));
+  return reduce_all(x, 1.0 / static_cast<double>(x.numel()), "mean");
+}
+
+// =============================================================================================
+// cross entropy
+namespace {
+void check_ce(const Tensor& logits, const Tensor& targets, const CrossEntropyOptions& o) {
+  const char* op = "cross_entropy";
+  check_dim(op, "logits (N, C)", logits, 2);
+  check_floating(op, logits);
+  check_dim(op, "targets (N)", targets, 1);
+  if (targets.dtype() != DType::Int64)
+    throw ShapeError(fmt::format("cross_entropy: expected int64 targets, found {}", targets.str()));
+  check_same_device(op, logits, targets);
+  if (targets.size(0) != logits.size(0))
+    throw ShapeError(fmt::format("cross_entropy: {} targets for {} rows of logits {}", targets.size(0), logits.size(0),
+                                 logits.str()));
+  if (o.label_smoothing < 0.0 || o.label_smoothing > 1.0)
+    throw ShapeError(fmt::format("cross_entropy: label_smoothing must be in [0, 1], found {}", o.label_smoothing));
+  if (o.weight.defined()) check_matching(op, logits, o.weight, "class weight", logits.size(1));
+  if (o.divisor && !(*o.divisor > 0.0))
+    throw ShapeError(fmt::format("cross_entropy: divisor must be positive, found {}", *o.divisor));
+}
+
+struct CrossEntropyBackward : Node {
+  Saved<3> saved;  // logits, targets, weight
+  double label_smoothing;
+  i64 ignore_index;
+  double scale;  // d loss / d (sum_i loss_i)
+  const char* name() const override { return "cross_entropy"; }
+  void release() override { saved.release(); }
+  void backward(const Tensor& gy, std::vector<GradSlot>& g) override {
+    if (!g[0].needed) return;
+    const Tensor &logits = saved.t[0], &targets = saved.t[1], &w = saved.t[2];
+    const i64 N = logits.size(0), C = logits.size(1);
+    Tensor dloss = Tensor::empty({N}, logits.dtype(), logits.device(), Category::temporary, "cross_entropy_dloss");
+    double beta = 0;
+    Tensor& dx = grad_target(g[0], logits, beta, "cross_entropy");
+    if (is_dry_run()) return;
+    dloss.fill_(gy.item() * scale);
+    TALLY_RUN("cross_entropy", logits,
+              kc::cross_entropy_backward<T>(N, C, logits.data<T>(), targets.data<i64>(), ptr_or_null<T>(w),
+                                            ignore_index, T(label_smoothing), dloss.data<T>(), dx.data<T>(), T(beta)));
+  }
+};
+}  // namespace
+
+double cross_entropy_divisor(const Tensor& targets, const CrossEntropyOptions& o) {
+  if (targets.dtype() != DType::Int64 || targets.dim() != 1)
+    throw ShapeError(fmt::format("cross_entropy_divisor: expected int64 targets (N), found {}", targets.str()));
+  const std::vector<i64> t = targets.to_vector<i64>();
+  std::vector<double> w;
+  if (o.weight.defined()) {
+    if (o.weight.dtype() == DType::Float32) {
+      auto f = o.weight.to_vector<float>();
+      w.assign(f.begin(), f.end());
+    } else {
+      w = o.weight.to_vector<double>();
+    }
+  }
+  double d = 0;
+  for (i64 v : t) {
+    if (v == o.ignore_index) continue;
+    if (!w.empty()) {
+      if (v < 0 || v >= static_cast<i64>(w.size()))
+        throw ShapeError(fmt::format("cross_entropy: target {} out of range [0, {})", v, w.size()));
+      d += w[static_cast<std::size_t>(v)];
+    } else {
+      d += 1.0;
+    }
+  }
+  return d;
+}
+
+Tensor cross_entropy(const Tensor& logits_, const Tensor& targets_, const CrossEntropyOptions& o) {
+  check_ce(logits_, targets_, o);
+  const Tensor logits = logits_.contiguous(), targets = targets_.contiguous();
+  const Tensor w = o.weight.defined() ? o.weight.contiguous() : Tensor();
+  const i64 N = logits.size(0), C = logits.size(1);
+  Tensor y = out_like(logits, {}, "cross_entropy");
+  // Per-sample losses and weights are scratch: the backward recomputes the softmax from logits.
+  Tensor loss = Tensor::empty({N}, logits.dtype(), logits.device(), Category::temporary, "cross_entropy_loss");
+  Tensor sw = Tensor::empty({N}, logits.dtype(), logits.device(), Category::temporary, "cross_entropy_weight");
+  double scale = 1.0;
+  if (!is_dry_run()) {
+    i64 bad = -1;
+    TALLY_RUN("cross_entropy", logits,
+              bad = kc::cross_entropy_forward<T>(N, C, logits.data<T>(), targets.data<i64>(), ptr_or_null<T>(w),
+                                                 o.ignore_index, T(o.label_smoothing), loss.data<T>(), sw.data<T>()));
+    if (bad >= 0)
+      throw ShapeError(fmt::format("cross_entropy: target {} of sample {} is out of range [0, {}) and is not ignore_index {}",
+                                   targets.to_vector<i64>()[static_cast<std::size_t>(bad)], bad, C, o.ignore_index));
+    double total = 0, wsum = 0;
+    TALLY_DISPATCH_CPU("cross_entropy", logits, {
+      total = static_cast<double>(kc::sum_all<T>(N, loss.data<T>()));
+      wsum = static_cast<double>(kc::sum_all<T>(N, sw.data<T>()));
+    });
+    if (o.divisor) scale = 1.0 / *o.divisor;
+    else if (o.reduction == Reduction::Mean) scale = 1.0 / wsum;  // 0/0 = NaN when all are ignored, as PyTorch
+    TALLY_DISPATCH_CPU("cross_entropy", logits, *y.data<T>() = T(total * scale));
+  } else {
+    // Same allocations, no compute; the divisor would need the targets' values.
+  }
+  if (any_requires_grad({&logits_})) {
+    auto n = std::make_shared<CrossEntropyBackward>();
+    n->saved.t = {logits, targets, w};
+    n->label_smoothing = o.label_smoothing;
+    n->ignore_index = o.ignore_index;
+    n->scale = scale;
+    set_history(y, n, {&logits_});
+  }
+  return y;
+}
+
+}  // namespace tally

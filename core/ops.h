@@ -1,0 +1,94 @@
+// core/ops.h — the differentiable operations, one API for every device.
+//
+// Each op checks its operands (shape, dtype, device; a mismatch throws ShapeError naming the op
+// and the operands), allocates its output (category activation) from the current arena of the
+// operands' device, dispatches to kernels/cpu or kernels/cuda (core/dispatch.h), and — when grad
+// mode is on and an input requires grad — records a Node whose saved tensors are category
+// activation. In a dry run (core/memory.h) everything is allocated exactly as in a real run and
+// no kernel runs. Inputs that are not contiguous are made contiguous first.
+// Semantics and defaults follow PyTorch's torch.nn.functional.
+#pragma once
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace tally {
+
+// ---- convolution and linear algebra ------------------------------------------------------------
+struct Conv2dOptions {
+  std::array<std::int64_t, 2> stride{1, 1}, padding{0, 0}, dilation{1, 1};
+  std::int64_t groups = 1;
+};
+// x (N, C, H, W), weight (K, C/groups, R, S), bias (K) or undefined -> (N, K, P, Q).
+Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias = {}, const Conv2dOptions& opt = {});
+// x (N, in), weight (out, in), bias (out) or undefined -> x weight^T + bias (N, out).
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = {});
+// a (M, K) @ b (K, N) -> (M, N).
+Tensor matmul(const Tensor& a, const Tensor& b);
+
+// ---- normalization ----------------------------------------------------------------------------
+// Moments of the batch that batch_norm sees, summed over calls (the MBP executor uses this to
+// update running statistics once per batch from all its micro-batches, see docs/mbp.md).
+struct BatchNormMoments {
+  std::vector<double> sum, sum_sq;  // (C): sum of x and of x^2 over every element seen
+  std::int64_t count = 0;           // elements per channel seen
+};
+struct BatchNormOptions {
+  bool training = true;
+  double momentum = 0.1;
+  double eps = 1e-5;
+  // If set (training only), the running statistics are NOT updated; instead the per-channel
+  // sum and sum of squares of this call's input are added to *moments.
+  BatchNormMoments* defer_running_stats = nullptr;
+};
+// x (N, C, ...) ; weight, bias (C) or undefined ; running_mean/var (C) or undefined.
+// Training: normalizes with batch statistics and updates the running statistics in place
+// (unbiased variance) and never tracks num_batches_tracked itself (the module does).
+Tensor batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
+                  const Tensor& running_var, const BatchNormOptions& opt = {});
+// x (N, C, ...), groups dividing C, weight/bias (C) or undefined.
+Tensor group_norm(const Tensor& x, std::int64_t groups, const Tensor& weight = {}, const Tensor& bias = {},
+                  double eps = 1e-5);
+
+// ---- elementwise --------------------------------------------------------------------------------
+Tensor relu(const Tensor& x);
+Tensor add(const Tensor& a, const Tensor& b);  // same shape (residual add)
+Tensor sub(const Tensor& a, const Tensor& b);
+Tensor mul(const Tensor& a, const Tensor& b);  // same shape
+Tensor scale(const Tensor& x, double alpha);
+// dst += src (same shape, dtype, device), no autograd: gradient accumulation.
+void add_into(Tensor& dst, const Tensor& src);
+
+// ---- pooling and shape ------------------------------------------------------------------------
+Tensor max_pool2d(const Tensor& x, std::array<std::int64_t, 2> kernel, std::array<std::int64_t, 2> stride,
+                  std::array<std::int64_t, 2> padding = {0, 0});
+Tensor avg_pool2d(const Tensor& x, std::array<std::int64_t, 2> kernel, std::array<std::int64_t, 2> stride,
+                  std::array<std::int64_t, 2> padding = {0, 0}, bool count_include_pad = true);
+Tensor adaptive_avg_pool2d(const Tensor& x, std::array<std::int64_t, 2> output_size);
+Tensor flatten(const Tensor& x, std::int64_t start_dim = 1);
+Tensor reshape(const Tensor& x, const Shape& shape);  // differentiable view/copy
+
+// ---- reductions and loss ------------------------------------------------------------------------
+Tensor sum(const Tensor& x);   // scalar (shape [])
+Tensor mean(const Tensor& x);  // scalar
+
+enum class Reduction { Mean, Sum };
+struct CrossEntropyOptions {
+  Reduction reduction = Reduction::Mean;
+  double label_smoothing = 0.0;
+  std::int64_t ignore_index = -100;
+  Tensor weight;  // per-class weights (C) or undefined
+  // MBP loss normalization: if set, the result is sum_i w_i * loss_i / *divisor whatever the
+  // reduction (the divisor is the whole batch's count of weighted targets), see docs/mbp.md.
+  std::optional<double> divisor;
+};
+// logits (N, C), targets int64 (N) -> scalar.
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const CrossEntropyOptions& opt = {});
+// The mean reduction's denominator for these targets: sum over kept samples of weight[target]
+// (the number of non-ignored targets without class weights). Computed on the host.
+double cross_entropy_divisor(const Tensor& targets, const CrossEntropyOptions& opt);
+
+}  // namespace tally

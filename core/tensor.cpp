@@ -1,0 +1,385 @@
+// core/tensor.cpp — Storage and Tensor: creation, views, copies between devices.
+#include "core/tensor.h"
+
+#include <cstring>
+
+#include <fmt/format.h>
+
+#include "core/autograd.h"
+#include "core/cuda_runtime.h"
+#include "core/memory.h"
+#include "kernels/cpu/cpu_kernels.h"
+
+namespace tally {
+
+std::string shape_str(const Shape& s) { return fmt::format("[{}]", fmt::join(s, ", ")); }
+
+std::int64_t shape_numel(const Shape& s) {
+  std::int64_t n = 1;
+  for (auto d : s) n *= d;
+  return n;
+}
+
+namespace {
+Shape contiguous_strides(const Shape& shape) {
+  Shape st(shape.size());
+  std::int64_t acc = 1;
+  for (std::size_t i = shape.size(); i-- > 0;) {
+    st[i] = acc;
+    acc *= std::max<std::int64_t>(shape[i], 1);
+  }
+  return st;
+}
+
+void check_shape_valid(const Shape& shape, const char* op) {
+  for (auto d : shape)
+    if (d < 0) throw ShapeError(fmt::format("{}: negative dimension in shape {}", op, shape_str(shape)));
+}
+
+template <class T>
+Tensor from_host(const std::vector<T>& v, const Shape& shape, DType dt, Device device, Category cat) {
+  check_shape_valid(shape, "from_vector");
+  if (static_cast<std::int64_t>(v.size()) != shape_numel(shape))
+    throw ShapeError(fmt::format("from_vector: shape {} needs {} values, found {}", shape_str(shape),
+                                 shape_numel(shape), v.size()));
+  Tensor t = Tensor::empty(shape, dt, device, cat, "from_vector");
+  if (is_dry_run() || v.empty()) return t;
+  if (device.is_cpu())
+    std::memcpy(t.raw_data(), v.data(), v.size() * sizeof(T));
+  else
+    cuda_rt::memcpy_h2d(t.raw_data(), v.data(), v.size() * sizeof(T));
+  return t;
+}
+
+template <class T>
+constexpr DType dtype_of() {
+  if constexpr (std::is_same_v<T, float>) return DType::Float32;
+  if constexpr (std::is_same_v<T, double>) return DType::Float64;
+  if constexpr (std::is_same_v<T, std::int32_t>) return DType::Int32;
+  return DType::Int64;
+}
+
+// Dense copy of a CPU tensor of element size `es` into dst (contiguous, same numel).
+void cpu_gather(const Tensor& src, void* dst) {
+  const int nd = static_cast<int>(src.dim());
+  if (nd > 8) throw ShapeError(fmt::format("contiguous: at most 8 dimensions, found {}", nd));
+  Shape shape = src.shape(), strides = src.strides();
+  if (nd == 0) {
+    shape = {1};
+    strides = {1};
+  }
+  switch (dtype_size(src.dtype())) {
+    case 8:
+      kernels::cpu::strided_copy<double>(static_cast<int>(shape.size()), shape.data(), strides.data(),
+                                         static_cast<const double*>(src.raw_data()), static_cast<double*>(dst));
+      break;
+    case 4:
+      kernels::cpu::strided_copy<float>(static_cast<int>(shape.size()), shape.data(), strides.data(),
+                                        static_cast<const float*>(src.raw_data()), static_cast<float*>(dst));
+      break;
+    default:
+      throw ShapeError(fmt::format("contiguous: dtype {} not supported", dtype_name(src.dtype())));
+  }
+}
+}  // namespace
+
+// ---- Storage ----------------------------------------------------------------------------------
+Storage::Storage(std::shared_ptr<Arena> arena, std::size_t bytes, Category category, const std::string& op)
+    : arena_(std::move(arena)), bytes_(bytes), category_(category) {
+  const Block b = arena_->allocate(bytes, category, op);
+  offset_ = b.offset;
+  ptr_ = b.ptr;
+}
+Storage::~Storage() { arena_->free(offset_); }
+
+// ---- Tensor: creation -------------------------------------------------------------------------
+Tensor Tensor::empty(const Shape& shape, DType dtype, Device device, Category category, const std::string& op) {
+  check_shape_valid(shape, op.c_str());
+  auto impl = std::make_shared<TensorImpl>();
+  const std::size_t bytes = static_cast<std::size_t>(shape_numel(shape)) * dtype_size(dtype);
+  impl->storage = std::make_shared<Storage>(current_arena(device), bytes, category, op);
+  impl->shape = shape;
+  impl->strides = contiguous_strides(shape);
+  impl->dtype = dtype;
+  impl->device = device;
+  return Tensor(std::move(impl));
+}
+
+Tensor Tensor::zeros(const Shape& shape, DType dtype, Device device, Category category, const std::string& op) {
+  return full(shape, 0.0, dtype, device, category, op);
+}
+
+Tensor Tensor::full(const Shape& shape, double value, DType dtype, Device device, Category category,
+                    const std::string& op) {
+  Tensor t = empty(shape, dtype, device, category, op);
+  t.fill_(value);
+  return t;
+}
+
+Tensor Tensor::from_vector(const std::vector<float>& v, const Shape& s, Device d, Category c) {
+  return from_host(v, s, DType::Float32, d, c);
+}
+Tensor Tensor::from_vector(const std::vector<double>& v, const Shape& s, Device d, Category c) {
+  return from_host(v, s, DType::Float64, d, c);
+}
+Tensor Tensor::from_vector(const std::vector<std::int64_t>& v, const Shape& s, Device d, Category c) {
+  return from_host(v, s, DType::Int64, d, c);
+}
+
+template <class T>
+std::vector<T> Tensor::to_vector() const {
+  if (dtype() != dtype_of<T>())
+    throw ShapeError(fmt::format("to_vector: tensor {} read as {}", str(), dtype_name(dtype_of<T>())));
+  if (is_dry_run() || raw_data() == nullptr)
+    throw Error(fmt::format("to_vector: tensor {} has no data (dry run)", str()));
+  Tensor c = device().is_cpu() ? contiguous() : contiguous().to(Device::cpu());
+  std::vector<T> out(static_cast<std::size_t>(c.numel()));
+  if (!out.empty()) std::memcpy(out.data(), c.raw_data(), out.size() * sizeof(T));
+  return out;
+}
+template std::vector<float> Tensor::to_vector<float>() const;
+template std::vector<double> Tensor::to_vector<double>() const;
+template std::vector<std::int64_t> Tensor::to_vector<std::int64_t>() const;
+template std::vector<std::int32_t> Tensor::to_vector<std::int32_t>() const;
+
+double Tensor::item() const {
+  if (numel() != 1) throw ShapeError(fmt::format("item: expected one element, found {}", str()));
+  switch (dtype()) {
+    case DType::Float32: return to_vector<float>()[0];
+    case DType::Float64: return to_vector<double>()[0];
+    case DType::Int64: return static_cast<double>(to_vector<std::int64_t>()[0]);
+    case DType::Int32: return to_vector<std::int32_t>()[0];
+    default: throw ShapeError(fmt::format("item: unsupported dtype {}", dtype_name(dtype())));
+  }
+}
+
+// ---- Tensor: properties -----------------------------------------------------------------------
+TensorImpl& Tensor::impl() const {
+  if (!impl_) throw Error("use of an undefined tensor");
+  return *impl_;
+}
+
+std::int64_t Tensor::size(std::int64_t d) const {
+  const std::int64_t n = dim();
+  if (d < -n || d >= n) throw ShapeError(fmt::format("size: dimension {} out of range for {}", d, str()));
+  return shape()[static_cast<std::size_t>(d < 0 ? d + n : d)];
+}
+
+bool Tensor::is_contiguous() const {
+  const Shape expect = contiguous_strides(shape());
+  for (std::size_t i = 0; i < expect.size(); ++i)
+    if (shape()[i] != 1 && strides()[i] != expect[i]) return false;
+  return true;
+}
+
+std::string Tensor::str() const {
+  if (!impl_) return "undefined tensor";
+  return fmt::format("{}{} on {}", dtype_name(dtype()), shape_str(shape()), device().str());
+}
+
+void* Tensor::raw_data() const {
+  void* base = impl().storage->data();
+  if (!base) return nullptr;
+  return static_cast<char*>(base) + offset() * static_cast<std::int64_t>(dtype_size(dtype()));
+}
+
+// ---- views and copies -------------------------------------------------------------------------
+Tensor Tensor::view(Shape s) const {
+  int infer = -1;
+  std::int64_t known = 1;
+  for (std::size_t i = 0; i < s.size(); ++i) {
+    if (s[i] == -1) {
+      if (infer >= 0) throw ShapeError(fmt::format("view: more than one -1 in {}", shape_str(s)));
+      infer = static_cast<int>(i);
+    } else {
+      if (s[i] < 0) throw ShapeError(fmt::format("view: invalid shape {}", shape_str(s)));
+      known *= s[i];
+    }
+  }
+  if (infer >= 0) {
+    if (known == 0 || numel() % known != 0)
+      throw ShapeError(fmt::format("view: cannot view {} as {}", str(), shape_str(s)));
+    s[static_cast<std::size_t>(infer)] = numel() / known;
+  }
+  if (shape_numel(s) != numel())
+    throw ShapeError(fmt::format("view: cannot view {} ({} elements) as {} ({} elements)", str(), numel(),
+                                 shape_str(s), shape_numel(s)));
+  if (!is_contiguous())
+    throw ShapeError(fmt::format("view: {} is not contiguous; use reshape()", str()));
+  auto impl = std::make_shared<TensorImpl>(*impl_);
+  impl->shape = s;
+  impl->strides = contiguous_strides(s);
+  impl->grad_fn.reset();
+  impl->grad.reset();
+  impl->requires_grad = false;
+  return Tensor(std::move(impl));
+}
+
+Tensor Tensor::reshape(Shape s) const { return is_contiguous() ? view(std::move(s)) : contiguous().view(std::move(s)); }
+
+Tensor Tensor::transpose(std::int64_t d0, std::int64_t d1) const {
+  const std::int64_t n = dim();
+  if (d0 < 0) d0 += n;
+  if (d1 < 0) d1 += n;
+  if (d0 < 0 || d0 >= n || d1 < 0 || d1 >= n)
+    throw ShapeError(fmt::format("transpose: dimensions ({}, {}) out of range for {}", d0, d1, str()));
+  auto impl = std::make_shared<TensorImpl>(*impl_);
+  std::swap(impl->shape[d0], impl->shape[d1]);
+  std::swap(impl->strides[d0], impl->strides[d1]);
+  impl->grad_fn.reset();
+  impl->grad.reset();
+  impl->requires_grad = false;
+  return Tensor(std::move(impl));
+}
+
+Tensor Tensor::narrow(std::int64_t d, std::int64_t start, std::int64_t length) const {
+  const std::int64_t n = dim();
+  if (d < 0) d += n;
+  if (d < 0 || d >= n || start < 0 || length < 0 || start + length > shape()[d])
+    throw ShapeError(fmt::format("narrow: dim {} start {} length {} out of range for {}", d, start, length, str()));
+  auto impl = std::make_shared<TensorImpl>(*impl_);
+  impl->shape[d] = length;
+  impl->offset += start * impl->strides[d];
+  impl->grad_fn.reset();
+  impl->grad.reset();
+  impl->requires_grad = false;
+  return Tensor(std::move(impl));
+}
+
+Tensor Tensor::clone(Category category) const {
+  Tensor out = empty(shape(), dtype(), device(), category, "clone");
+  out.copy_(*this);
+  return out;
+}
+
+Tensor Tensor::contiguous() const {
+  if (is_contiguous()) return *this;
+  return clone(category());
+}
+
+Tensor Tensor::to(Device d) const {
+  if (d == device()) return *this;
+  Tensor out = empty(shape(), dtype(), d, category(), "to");
+  out.copy_(*this);
+  return out;
+}
+
+Tensor Tensor::to(DType t) const {
+  if (t == dtype()) return *this;
+  Tensor out = empty(shape(), t, device(), category(), "to_dtype");
+  if (is_dry_run()) return out;
+  if (!device().is_cpu())
+    throw Error(fmt::format("to({}): dtype conversion is implemented on the cpu only, found {}", dtype_name(t), str()));
+  Tensor src = contiguous();
+  if (dtype() == DType::Float32 && t == DType::Float64)
+    kernels::cpu::convert<float, double>(numel(), src.data<float>(), out.data<double>());
+  else if (dtype() == DType::Float64 && t == DType::Float32)
+    kernels::cpu::convert<double, float>(numel(), src.data<double>(), out.data<float>());
+  else
+    throw Error(fmt::format("to: no conversion from {} to {}", dtype_name(dtype()), dtype_name(t)));
+  return out;
+}
+
+void Tensor::copy_(const Tensor& src) {
+  if (src.shape() != shape() || src.dtype() != dtype())
+    throw ShapeError(fmt::format("copy_: destination {} and source {} differ in shape or dtype", str(), src.str()));
+  if (!is_contiguous()) throw ShapeError(fmt::format("copy_: destination {} must be contiguous", str()));
+  if (is_dry_run() || numel() == 0) return;
+  const std::size_t bytes = nbytes();
+  if (src.device().is_cpu()) {
+    if (src.is_contiguous()) {
+      if (device().is_cpu()) std::memcpy(raw_data(), src.raw_data(), bytes);
+      else cuda_rt::memcpy_h2d(raw_data(), src.raw_data(), bytes);
+    } else if (device().is_cpu()) {
+      cpu_gather(src, raw_data());
+    } else {
+      Tensor tmp = src.contiguous();  // gather on the host, then one upload
+      cuda_rt::memcpy_h2d(raw_data(), tmp.raw_data(), bytes);
+    }
+    return;
+  }
+  if (!src.is_contiguous())
+    throw Error(fmt::format("copy_: non-contiguous source {} on a GPU is not supported yet", src.str()));
+  if (device().is_cpu()) cuda_rt::memcpy_d2h(raw_data(), src.raw_data(), bytes);
+  else cuda_rt::memcpy_d2d(raw_data(), src.raw_data(), bytes);
+}
+
+void Tensor::fill_(double value) {
+  if (!is_contiguous()) throw ShapeError(fmt::format("fill_: {} must be contiguous", str()));
+  if (is_dry_run() || numel() == 0) return;
+  const std::int64_t n = numel();
+  if (device().is_cpu()) {
+    switch (dtype()) {
+      case DType::Float32: kernels::cpu::fill<float>(n, static_cast<float>(value), data<float>()); return;
+      case DType::Float64: kernels::cpu::fill<double>(n, value, data<double>()); return;
+      case DType::Int64: std::fill_n(data<std::int64_t>(), n, static_cast<std::int64_t>(value)); return;
+      case DType::Int32: std::fill_n(data<std::int32_t>(), n, static_cast<std::int32_t>(value)); return;
+      default: throw Error(fmt::format("fill_: unsupported dtype {}", dtype_name(dtype())));
+    }
+  }
+  // CUDA: staged through the host until the CUDA backend has its own fill kernel.
+  if (dtype() != DType::Float32) throw Error(fmt::format("fill_: unsupported dtype on GPU: {}", str()));
+  std::vector<float> h(static_cast<std::size_t>(n), static_cast<float>(value));
+  cuda_rt::memcpy_h2d(raw_data(), h.data(), nbytes());
+}
+
+// ---- autograd plumbing ------------------------------------------------------------------------
+Tensor& Tensor::set_requires_grad(bool on) {
+  if (on && !is_floating(dtype()))
+    throw ShapeError(fmt::format("set_requires_grad: only floating tensors can require grad, found {}", str()));
+  if (!is_leaf()) throw Error(fmt::format("set_requires_grad: {} is not a leaf", str()));
+  impl().requires_grad = on;
+  return *this;
+}
+
+void Tensor::allocate_grad() {
+  if (!impl().grad) {
+    Tensor g = zeros(shape(), dtype(), device(), Category::gradient, "grad");
+    impl().grad = g.impl_ptr();
+  }
+}
+
+Tensor Tensor::grad() const { return impl().grad ? Tensor(impl().grad) : Tensor(); }
+
+void Tensor::zero_grad() {
+  if (impl().grad) Tensor(impl().grad).zero_();
+}
+
+Tensor Tensor::detach() const {
+  auto impl = std::make_shared<TensorImpl>(*impl_);
+  impl->grad_fn.reset();
+  impl->grad.reset();
+  impl->requires_grad = false;
+  return Tensor(std::move(impl));
+}
+
+void Tensor::backward() const { run_backward(*this); }
+
+// ---- checks -----------------------------------------------------------------------------------
+void check_same_device(const char* op, const Tensor& a, const Tensor& b) {
+  if (a.device() != b.device())
+    throw ShapeError(fmt::format("{}: operands on different devices: {} and {}", op, a.str(), b.str()));
+}
+void check_same_dtype(const char* op, const Tensor& a, const Tensor& b) {
+  if (a.dtype() != b.dtype())
+    throw ShapeError(fmt::format("{}: operands of different dtypes: {} and {}", op, a.str(), b.str()));
+}
+void check_same_shape(const char* op, const Tensor& a, const Tensor& b) {
+  check_same_device(op, a, b);
+  check_same_dtype(op, a, b);
+  if (a.shape() != b.shape())
+    throw ShapeError(fmt::format("{}: shapes differ: {} and {}", op, a.str(), b.str()));
+}
+void check_dim(const char* op, const char* what, const Tensor& t, std::int64_t dim) {
+  if (!t.defined()) throw ShapeError(fmt::format("{}: {} is undefined", op, what));
+  if (t.dim() != dim)
+    throw ShapeError(fmt::format("{}: expected {} with {} dimensions, found {}", op, what, dim, t.str()));
+}
+void check_floating(const char* op, const Tensor& t) {
+  if (t.dtype() != DType::Float32 && t.dtype() != DType::Float64)
+    throw ShapeError(fmt::format("{}: expected a float32 or float64 tensor, found {}", op, t.str()));
+  if (t.dtype() == DType::Float64 && !t.device().is_cpu())
+    throw ShapeError(fmt::format("{}: float64 is supported on the cpu only, found {}", op, t.str()));
+}
+
+}  // namespace tally

@@ -1,0 +1,148 @@
+// core/tensor.h — Storage (a block of an arena) and Tensor (a strided view of a Storage).
+//
+// A Tensor is a cheap handle (shared_ptr to TensorImpl), like torch::Tensor: copying it aliases.
+// TensorImpl = shared Storage + offset (elements) + shape + strides (elements) + dtype + device,
+// plus autograd metadata. A Storage owns one arena allocation with a Category and frees it when
+// the last view goes away. In a dry run (core/memory.h) storages live in a virtual arena and
+// data pointers are null: nothing may read or write them.
+#pragma once
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "core/arena.h"
+#include "core/device.h"
+
+namespace tally {
+
+using Shape = std::vector<std::int64_t>;
+std::string shape_str(const Shape& s);  // "[2, 3, 4]"
+std::int64_t shape_numel(const Shape& s);
+
+class Storage {
+ public:
+  Storage(std::shared_ptr<Arena> arena, std::size_t bytes, Category category, const std::string& op);
+  ~Storage();
+  Storage(const Storage&) = delete;
+  Storage& operator=(const Storage&) = delete;
+
+  void* data() const { return ptr_; }
+  std::size_t nbytes() const { return bytes_; }
+  Device device() const { return arena_->device(); }
+  Category category() const { return category_; }
+  const std::shared_ptr<Arena>& arena() const { return arena_; }
+
+ private:
+  std::shared_ptr<Arena> arena_;
+  std::size_t offset_, bytes_;
+  void* ptr_;
+  Category category_;
+};
+
+struct Node;  // core/autograd.h
+class Tensor;
+
+struct TensorImpl {
+  std::shared_ptr<Storage> storage;
+  std::int64_t offset = 0;  // in elements
+  Shape shape, strides;
+  DType dtype = DType::Float32;
+  Device device;
+  // autograd
+  bool requires_grad = false;
+  std::shared_ptr<Node> grad_fn;  // null for leaves
+  std::shared_ptr<TensorImpl> grad;  // persistent gradient buffer of a leaf (category gradient)
+};
+
+class Tensor {
+ public:
+  Tensor() = default;
+  explicit Tensor(std::shared_ptr<TensorImpl> impl) : impl_(std::move(impl)) {}
+
+  // ---- creation (bytes come from the current arena of `device`) ------------------------------
+  static Tensor empty(const Shape& shape, DType dtype = DType::Float32, Device device = Device::cpu(),
+                      Category category = Category::activation, const std::string& op = "empty");
+  static Tensor zeros(const Shape& shape, DType dtype = DType::Float32, Device device = Device::cpu(),
+                      Category category = Category::activation, const std::string& op = "zeros");
+  static Tensor full(const Shape& shape, double value, DType dtype = DType::Float32,
+                     Device device = Device::cpu(), Category category = Category::activation,
+                     const std::string& op = "full");
+  // From host values; the length must equal the product of `shape`.
+  static Tensor from_vector(const std::vector<float>& v, const Shape& shape, Device device = Device::cpu(),
+                            Category category = Category::input);
+  static Tensor from_vector(const std::vector<double>& v, const Shape& shape, Device device = Device::cpu(),
+                            Category category = Category::input);
+  static Tensor from_vector(const std::vector<std::int64_t>& v, const Shape& shape,
+                            Device device = Device::cpu(), Category category = Category::input);
+  // Copies to host (any layout); T must match the dtype.
+  template <class T>
+  std::vector<T> to_vector() const;
+  double item() const;  // a one-element tensor's value as double
+
+  // ---- properties -------------------------------------------------------------------------------
+  bool defined() const { return impl_ != nullptr; }
+  const Shape& shape() const { return impl().shape; }
+  const Shape& strides() const { return impl().strides; }
+  std::int64_t dim() const { return static_cast<std::int64_t>(impl().shape.size()); }
+  std::int64_t size(std::int64_t d) const;  // negative d counts from the end
+  std::int64_t numel() const { return shape_numel(impl().shape); }
+  DType dtype() const { return impl().dtype; }
+  Device device() const { return impl().device; }
+  std::int64_t offset() const { return impl().offset; }
+  std::size_t nbytes() const { return static_cast<std::size_t>(numel()) * dtype_size(dtype()); }
+  bool is_contiguous() const;
+  Category category() const { return impl().storage->category(); }
+  const std::shared_ptr<Storage>& storage() const { return impl().storage; }
+  std::string str() const;  // "float32[2, 3] on cpu"
+
+  void* raw_data() const;  // address of element 0 (null in a dry run)
+  template <class T>
+  T* data() const { return static_cast<T*>(raw_data()); }
+
+  // ---- views and copies ----------------------------------------------------------------------
+  Tensor view(Shape shape) const;      // same storage; needs a contiguous tensor; one -1 allowed
+  Tensor reshape(Shape shape) const;   // view if contiguous, else a contiguous copy
+  Tensor transpose(std::int64_t d0, std::int64_t d1) const;  // view
+  Tensor narrow(std::int64_t dim, std::int64_t start, std::int64_t length) const;  // view
+  Tensor contiguous() const;           // itself if contiguous, else a dense copy (no autograd)
+  Tensor clone(Category category) const;  // dense copy (no autograd)
+  Tensor to(Device device) const;      // copy to another device (same category), or itself
+  Tensor to(DType dtype) const;        // converting copy (float32 <-> float64), or itself
+  void copy_(const Tensor& src);       // element-wise copy of same shape, any devices
+  void fill_(double value);
+  void zero_() { fill_(0.0); }
+
+  // ---- autograd (core/autograd.h) ----------------------------------------------------------
+  bool requires_grad() const { return impl().requires_grad; }
+  // Marks a leaf as needing a gradient. The gradient buffer is allocated lazily on the first
+  // backward (category gradient) unless allocate_grad() made it already.
+  Tensor& set_requires_grad(bool on);
+  // Allocates the persistent gradient buffer now, zero-filled (how Parameters get theirs, so the
+  // buffer is counted before any step and accumulation needs no extra memory).
+  void allocate_grad();
+  Tensor grad() const;  // undefined if none
+  void zero_grad();     // fills the gradient buffer with zeros (keeps it)
+  const std::shared_ptr<Node>& grad_fn() const { return impl().grad_fn; }
+  bool is_leaf() const { return impl().grad_fn == nullptr; }
+  Tensor detach() const;  // shares storage, no history
+  // Reverse-mode differentiation from this scalar (one-element) tensor.
+  void backward() const;
+
+  TensorImpl& impl() const;
+  const std::shared_ptr<TensorImpl>& impl_ptr() const { return impl_; }
+  bool same(const Tensor& o) const { return impl_ == o.impl_; }
+
+ private:
+  std::shared_ptr<TensorImpl> impl_;
+};
+
+// Throws ShapeError "op: expected ..., found ..." helpers used by every op.
+void check_same_device(const char* op, const Tensor& a, const Tensor& b);
+void check_same_dtype(const char* op, const Tensor& a, const Tensor& b);
+void check_same_shape(const char* op, const Tensor& a, const Tensor& b);
+void check_dim(const char* op, const char* what, const Tensor& t, std::int64_t dim);
+void check_floating(const char* op, const Tensor& t);
+
+}  // namespace tally

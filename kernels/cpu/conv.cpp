@@ -1,0 +1,252 @@
+// kernels/cpu/conv.cpp — 2-D convolution (cross-correlation, as PyTorch), NCHW, on the CPU:
+// forward, backward data, backward filter and backward bias, via im2col / col2im + GEMM,
+// one image and one group at a time (stride, padding, dilation and groups supported).
+//
+// Column matrix of one image and one group: col ((C/g) * R * S, P * Q); row (c * R + r) * S + s,
+// column p * Q + q holds x[c][p * stride_h - pad_h + r * dil_h][q * stride_w - pad_w + s * dil_w]
+// (0 outside the image). A 1x1 kernel with stride 1 and no padding needs no columns: the input
+// block x_n,g ((C/g), H * W) already is the column matrix.
+#include <algorithm>
+#include <cstring>
+
+#include "kernels/cpu/cpu_kernels.h"
+
+namespace tally::kernels::cpu {
+
+namespace {
+
+// True when the convolution is a plain GEMM on the input (no im2col needed). Dilation has no
+// effect on a 1x1 kernel, so it is not tested.
+bool is_plain_gemm(const Conv2dShape& s) {
+  return s.R == 1 && s.S == 1 && s.stride_h == 1 && s.stride_w == 1 && s.pad_h == 0 && s.pad_w == 0;
+}
+
+// Output positions o in [0, n_out) whose input coordinate o * stride + off lies in [0, limit):
+// returns them as the half-open range [*lo, *hi) (empty when *lo == *hi).
+void valid_range(i64 off, i64 stride, i64 limit, i64 n_out, i64* lo, i64* hi) {
+  i64 l = off >= 0 ? 0 : (-off + stride - 1) / stride;
+  i64 h = (limit - 1 - off) < 0 ? 0 : (limit - 1 - off) / stride + 1;
+  h = std::min(h, n_out);
+  l = std::min(l, h);
+  *lo = l;
+  *hi = h;
+}
+
+// col ((Cg * R * S), P * Q) = im2col of x ((Cg), H, W), one image and one group.
+template <class T>
+void im2col(const Conv2dShape& s, i64 Cg, i64 P, i64 Q,
+            const T* x,  // (Cg, H, W)
+            T* col) {    // (Cg * R * S, P * Q)
+  const i64 rows = Cg * s.R * s.S;
+  // Each row of col is written by exactly one iteration: race-free.
+#pragma omp parallel for schedule(static) if (rows * P * Q > 32768)
+  for (i64 row = 0; row < rows; ++row) {
+    const i64 c = row / (s.R * s.S);
+    const i64 r = (row / s.S) % s.R;
+    const i64 sx = row % s.S;
+    const T* xc = x + c * s.H * s.W;  // (H, W)
+    T* crow = col + row * P * Q;      // (P, Q)
+    i64 p_lo, p_hi, q_lo, q_hi;
+    const i64 off_h = r * s.dil_h - s.pad_h;
+    const i64 off_w = sx * s.dil_w - s.pad_w;
+    valid_range(off_h, s.stride_h, s.H, P, &p_lo, &p_hi);
+    valid_range(off_w, s.stride_w, s.W, Q, &q_lo, &q_hi);
+    for (i64 p = 0; p < P; ++p) {
+      T* out = crow + p * Q;  // (Q)
+      if (p < p_lo || p >= p_hi) {
+        for (i64 q = 0; q < Q; ++q) out[q] = T(0);
+        continue;
+      }
+      const T* xr = xc + (p * s.stride_h + off_h) * s.W;  // (W)
+      for (i64 q = 0; q < q_lo; ++q) out[q] = T(0);
+      if (s.stride_w == 1) {
+        std::memcpy(out + q_lo, xr + q_lo + off_w,
+                    sizeof(T) * static_cast<std::size_t>(q_hi - q_lo));
+      } else {
+        for (i64 q = q_lo; q < q_hi; ++q) out[q] = xr[q * s.stride_w + off_w];
+      }
+      for (i64 q = q_hi; q < Q; ++q) out[q] = T(0);
+    }
+  }
+}
+
+// dx ((Cg), H, W) += col2im of col ((Cg * R * S), P * Q), one image and one group.
+template <class T>
+void col2im_add(const Conv2dShape& s, i64 Cg, i64 P, i64 Q,
+                const T* col,  // (Cg * R * S, P * Q)
+                T* dx) {       // (Cg, H, W)
+  // Rows of one channel c all land in dx channel c, and one thread owns the whole channel:
+  // race-free, and the summation order inside a channel is fixed (r, s, p, q ascending).
+#pragma omp parallel for schedule(static) if (Cg * s.R * s.S * P * Q > 32768)
+  for (i64 c = 0; c < Cg; ++c) {
+    T* dxc = dx + c * s.H * s.W;  // (H, W)
+    for (i64 r = 0; r < s.R; ++r) {
+      for (i64 sx = 0; sx < s.S; ++sx) {
+        const T* crow = col + ((c * s.R + r) * s.S + sx) * P * Q;  // (P, Q)
+        i64 p_lo, p_hi, q_lo, q_hi;
+        const i64 off_h = r * s.dil_h - s.pad_h;
+        const i64 off_w = sx * s.dil_w - s.pad_w;
+        valid_range(off_h, s.stride_h, s.H, P, &p_lo, &p_hi);
+        valid_range(off_w, s.stride_w, s.W, Q, &q_lo, &q_hi);
+        for (i64 p = p_lo; p < p_hi; ++p) {
+          const T* in = crow + p * Q;                    // (Q)
+          T* dr = dxc + (p * s.stride_h + off_h) * s.W;  // (W)
+          for (i64 q = q_lo; q < q_hi; ++q) dr[q * s.stride_w + off_w] += in[q];
+        }
+      }
+    }
+  }
+}
+
+// y (n elements) = beta * y, never reading y when beta == 0.
+template <class T>
+void scale_out(i64 n, T beta, T* y) {
+  if (beta == T(0)) {
+    std::fill(y, y + n, T(0));
+  } else if (beta != T(1)) {
+    for (i64 i = 0; i < n; ++i) y[i] *= beta;
+  }
+}
+
+}  // namespace
+
+template <class T>
+std::size_t conv2d_workspace_bytes(const Conv2dShape& s) {
+  if (is_plain_gemm(s)) return 0;
+  const i64 P = s.P(), Q = s.Q();
+  if (P <= 0 || Q <= 0) return 0;
+  const i64 elems = (s.C / s.groups) * s.R * s.S * P * Q;
+  return static_cast<std::size_t>(elems) * sizeof(T);
+}
+
+template <class T>
+void conv2d_forward(const Conv2dShape& s,
+                    const T* x,     // (N, C, H, W)
+                    const T* w,     // (K, C/g, R, S)
+                    const T* bias,  // (K) or null
+                    T* y,           // (N, K, P, Q)
+                    void* workspace) {
+  const i64 P = s.P(), Q = s.Q(), PQ = P * Q, G = s.groups;
+  const i64 Cg = s.C / G, Kg = s.K / G, CRS = Cg * s.R * s.S;
+  if (s.N <= 0 || s.K <= 0 || PQ <= 0) return;
+  const bool plain = is_plain_gemm(s);
+  T* col = static_cast<T*>(workspace);  // (Cg * R * S, P * Q)
+  for (i64 n = 0; n < s.N; ++n) {
+    for (i64 g = 0; g < G; ++g) {
+      const T* xg = x + (n * s.C + g * Cg) * s.H * s.W;  // (Cg, H, W)
+      const T* wg = w + g * Kg * CRS;                    // (Kg, Cg * R * S)
+      T* yg = y + (n * s.K + g * Kg) * PQ;               // (Kg, P * Q)
+      const T* cols = xg;                                // (Cg * R * S, P * Q)
+      if (!plain) {
+        im2col(s, Cg, P, Q, xg, col);
+        cols = col;
+      }
+      gemm<T>(false, false, Kg, PQ, CRS, T(1), wg, CRS, cols, PQ, T(0), yg, PQ);
+    }
+    if (bias != nullptr) {
+      T* yn = y + n * s.K * PQ;  // (K, P * Q)
+#pragma omp parallel for schedule(static) if (s.K * PQ > 32768)
+      for (i64 k = 0; k < s.K; ++k) {
+        const T b = bias[k];
+        T* yk = yn + k * PQ;  // (P * Q)
+        for (i64 i = 0; i < PQ; ++i) yk[i] += b;
+      }
+    }
+  }
+}
+
+template <class T>
+void conv2d_backward_data(const Conv2dShape& s,
+                          const T* dy,  // (N, K, P, Q)
+                          const T* w,   // (K, C/g, R, S)
+                          T* dx,        // (N, C, H, W)
+                          T beta, void* workspace) {
+  const i64 P = s.P(), Q = s.Q(), PQ = P * Q, G = s.groups;
+  const i64 Cg = s.C / G, Kg = s.K / G, CRS = Cg * s.R * s.S, HW = s.H * s.W;
+  if (s.N <= 0 || s.C <= 0 || HW <= 0) return;
+  const bool plain = is_plain_gemm(s);
+  T* col = static_cast<T*>(workspace);  // (Cg * R * S, P * Q)
+  for (i64 n = 0; n < s.N; ++n) {
+    T* dxn = dx + n * s.C * HW;  // (C, H, W)
+    if (plain) {
+      // dx_n,g (Cg, H*W) (=|+=) W_g^T (Cg, Kg) * dy_n,g (Kg, H*W), straight into dx.
+      for (i64 g = 0; g < G; ++g) {
+        const T* wg = w + g * Kg * CRS;               // (Kg, Cg)
+        const T* dyg = dy + (n * s.K + g * Kg) * PQ;  // (Kg, H*W)
+        gemm<T>(true, false, Cg, PQ, Kg, T(1), wg, CRS, dyg, PQ, beta, dxn + g * Cg * HW, PQ);
+      }
+      continue;
+    }
+    scale_out(s.C * HW, beta, dxn);
+    if (PQ <= 0) continue;
+    for (i64 g = 0; g < G; ++g) {
+      const T* wg = w + g * Kg * CRS;               // (Kg, Cg * R * S)
+      const T* dyg = dy + (n * s.K + g * Kg) * PQ;  // (Kg, P * Q)
+      // col (Cg*R*S, P*Q) = W_g^T * dy_n,g, then scattered back (added) into dx_n,g.
+      gemm<T>(true, false, CRS, PQ, Kg, T(1), wg, CRS, dyg, PQ, T(0), col, PQ);
+      col2im_add(s, Cg, P, Q, col, dxn + g * Cg * HW);
+    }
+  }
+}
+
+template <class T>
+void conv2d_backward_filter(const Conv2dShape& s,
+                            const T* x,   // (N, C, H, W)
+                            const T* dy,  // (N, K, P, Q)
+                            T* dw,        // (K, C/g, R, S)
+                            T beta, void* workspace) {
+  const i64 P = s.P(), Q = s.Q(), PQ = P * Q, G = s.groups;
+  const i64 Cg = s.C / G, Kg = s.K / G, CRS = Cg * s.R * s.S;
+  if (s.N <= 0 || PQ <= 0) {  // empty sum: dw = beta * dw
+    scale_out(s.K * CRS, beta, dw);
+    return;
+  }
+  const bool plain = is_plain_gemm(s);
+  T* col = static_cast<T*>(workspace);  // (Cg * R * S, P * Q)
+  for (i64 n = 0; n < s.N; ++n) {
+    const T b = n == 0 ? beta : T(1);
+    for (i64 g = 0; g < G; ++g) {
+      const T* xg = x + (n * s.C + g * Cg) * s.H * s.W;  // (Cg, H, W)
+      const T* dyg = dy + (n * s.K + g * Kg) * PQ;       // (Kg, P * Q)
+      T* dwg = dw + g * Kg * CRS;                        // (Kg, Cg * R * S)
+      const T* cols = xg;                                // (Cg * R * S, P * Q)
+      if (!plain) {
+        im2col(s, Cg, P, Q, xg, col);
+        cols = col;
+      }
+      // dw_g (Kg, CRS) (=|+=) dy_n,g (Kg, PQ) * col^T (PQ, CRS)
+      gemm<T>(false, true, Kg, CRS, PQ, T(1), dyg, PQ, cols, PQ, b, dwg, CRS);
+    }
+  }
+}
+
+template <class T>
+void conv2d_backward_bias(const Conv2dShape& s,
+                          const T* dy,  // (N, K, P, Q)
+                          T* db,        // (K)
+                          T beta) {
+  const i64 PQ = s.P() * s.Q();
+  // One thread per channel, fixed summation order (n, then p*Q+q), accumulated in double.
+#pragma omp parallel for schedule(static) if (s.N * s.K * PQ > 32768)
+  for (i64 k = 0; k < s.K; ++k) {
+    double acc = 0.0;
+    for (i64 n = 0; n < s.N; ++n) {
+      const T* dyk = dy + (n * s.K + k) * PQ;  // (P * Q)
+      for (i64 i = 0; i < PQ; ++i) acc += static_cast<double>(dyk[i]);
+    }
+    db[k] = beta == T(0) ? static_cast<T>(acc) : beta * db[k] + static_cast<T>(acc);
+  }
+}
+
+#define TALLY_INSTANTIATE_CONV(T)                                                                \
+  template std::size_t conv2d_workspace_bytes<T>(const Conv2dShape&);                            \
+  template void conv2d_forward<T>(const Conv2dShape&, const T*, const T*, const T*, T*, void*);  \
+  template void conv2d_backward_data<T>(const Conv2dShape&, const T*, const T*, T*, T, void*);   \
+  template void conv2d_backward_filter<T>(const Conv2dShape&, const T*, const T*, T*, T, void*); \
+  template void conv2d_backward_bias<T>(const Conv2dShape&, const T*, T*, T);
+
+TALLY_INSTANTIATE_CONV(float)
+TALLY_INSTANTIATE_CONV(double)
+#undef TALLY_INSTANTIATE_CONV
+
+}  // namespace tally::kernels::cpu

@@ -1,0 +1,183 @@
+// kernels/cpu/cpu_kernels.h — the CPU reference kernels, one section per op family.
+//
+// Every function is a template on T (float, double), explicitly instantiated in the matching
+// .cpp file (gemm.cpp, conv.cpp, norm.cpp, pool.cpp, loss.cpp, elementwise.cpp, optim.cpp).
+// See kernels/common.h for the layout, `beta` and workspace conventions.
+// These are the reference every CUDA kernel is tested against: clarity and exactness first,
+// then speed (OpenBLAS for GEMM, OpenMP over channels/batch where it pays on a few cores).
+#pragma once
+#include "kernels/common.h"
+
+namespace tally::kernels::cpu {
+
+// ---------------------------------------------------------------------------------------------
+// gemm.cpp — row-major GEMM on OpenBLAS (cblas_sgemm / cblas_dgemm).
+// C (M, N) = alpha * op(A) * op(B) + beta * C, op(A) is (M, K), op(B) is (K, N).
+// A is (M, K) with leading dimension lda if !trans_a, else (K, M); likewise B.
+// beta == 0 never reads C.
+template <class T>
+void gemm(bool trans_a, bool trans_b, i64 M, i64 N, i64 K, T alpha, const T* A, i64 lda,
+          const T* B, i64 ldb, T beta, T* C, i64 ldc);
+
+// ---------------------------------------------------------------------------------------------
+// conv.cpp — 2-D convolution (cross-correlation, as PyTorch) via im2col + GEMM, NCHW.
+struct Conv2dShape {
+  i64 N, C, H, W;      // input  (N, C, H, W)
+  i64 K, R, S;         // weight (K, C / groups, R, S); output (N, K, P, Q)
+  i64 stride_h = 1, stride_w = 1, pad_h = 0, pad_w = 0, dil_h = 1, dil_w = 1, groups = 1;
+  i64 P() const { return (H + 2 * pad_h - dil_h * (R - 1) - 1) / stride_h + 1; }
+  i64 Q() const { return (W + 2 * pad_w - dil_w * (S - 1) - 1) / stride_w + 1; }
+};
+// Scratch bytes every conv2d_* kernel below may use (one image's im2col columns, or 0 where
+// the convolution is a plain GEMM: 1x1, stride 1, no padding). Independent of thread count,
+// so that memory planning is deterministic.
+template <class T>
+std::size_t conv2d_workspace_bytes(const Conv2dShape& s);
+// y (N, K, P, Q) = conv(x (N, C, H, W), w (K, C/g, R, S)) + bias (K) ; bias may be null.
+template <class T>
+void conv2d_forward(const Conv2dShape& s, const T* x, const T* w, const T* bias, T* y,
+                    void* workspace);
+// dx (N, C, H, W) (=|+=) conv_transpose(dy (N, K, P, Q), w).
+template <class T>
+void conv2d_backward_data(const Conv2dShape& s, const T* dy, const T* w, T* dx, T beta,
+                          void* workspace);
+// dw (K, C/g, R, S) (=|+=) sum_n dy_n * im2col(x_n)^T — GEMM with beta = 1 after the first
+// image, so the persistent gradient buffer is the accumulator.
+template <class T>
+void conv2d_backward_filter(const Conv2dShape& s, const T* x, const T* dy, T* dw, T beta,
+                            void* workspace);
+// db (K) (=|+=) sum over n, p, q of dy.
+template <class T>
+void conv2d_backward_bias(const Conv2dShape& s, const T* dy, T* db, T beta);
+
+// ---------------------------------------------------------------------------------------------
+// elementwise.cpp — n elements unless said otherwise.
+template <class T> void fill(i64 n, T value, T* y);
+template <class T> void copy(i64 n, const T* x, T* y);
+// y = a + alpha * b (alpha = 1 for residual add, -1 for subtraction)
+template <class T> void add(i64 n, const T* a, const T* b, T alpha, T* y);
+// y (=|+=) alpha * x   (scale forward, and the backward of add/scale)
+template <class T> void axpby(i64 n, T alpha, const T* x, T beta, T* y);
+// y = a * b elementwise
+template <class T> void mul(i64 n, const T* a, const T* b, T* y);
+// da (=|+=) dy * b
+template <class T> void mul_backward(i64 n, const T* dy, const T* b, T* da, T beta);
+template <class T> void relu_forward(i64 n, const T* x, T* y);
+// dx (=|+=) dy * (y > 0), y the forward output
+template <class T> void relu_backward(i64 n, const T* dy, const T* y, T* dx, T beta);
+// Gather a strided view into a dense buffer: y[i0..] = x[sum_k i_k * strides[k]], row-major
+// over `shape` (ndim <= 8); strides in elements, may be 0 (broadcast).
+template <class T>
+void strided_copy(int ndim, const i64* shape, const i64* strides, const T* x, T* y);
+// Rows: x (rows, cols). y (rows, cols) = x + bias (cols) broadcast over rows.
+template <class T> void add_bias_rows(i64 rows, i64 cols, const T* x, const T* bias, T* y);
+// db (cols) (=|+=) sum over rows of dy (rows, cols)
+template <class T> void sum_rows(i64 rows, i64 cols, const T* dy, T* db, T beta);
+// Full reductions (accumulated in double).
+template <class T> T sum_all(i64 n, const T* x);
+// Convert between element types (float <-> double), n elements.
+template <class S, class D> void convert(i64 n, const S* x, D* y);
+
+// ---------------------------------------------------------------------------------------------
+// norm.cpp — batch norm and group norm over x (N, C, HW) with PyTorch's semantics.
+// Batch norm, training: per channel c, mean and biased variance over (N, HW);
+//   y = (x - mean) * invstd * gamma + beta_ ; invstd = 1 / sqrt(var + eps).
+//   save_mean (C), save_invstd (C) are written for the backward.
+//   If running_mean / running_var are non-null they are updated in place:
+//     running_mean = (1 - momentum) * running_mean + momentum * mean
+//     running_var  = (1 - momentum) * running_var  + momentum * var * M / (M - 1),  M = N*HW
+//   gamma / beta_ may be null (affine = false: gamma = 1, beta = 0).
+template <class T>
+void batch_norm_forward_train(i64 N, i64 C, i64 HW, const T* x, const T* gamma, const T* beta_,
+                              T eps, T momentum, T* running_mean, T* running_var, T* y,
+                              T* save_mean, T* save_invstd);
+// Eval mode: y = (x - running_mean) / sqrt(running_var + eps) * gamma + beta_.
+template <class T>
+void batch_norm_forward_eval(i64 N, i64 C, i64 HW, const T* x, const T* gamma, const T* beta_,
+                             const T* running_mean, const T* running_var, T eps, T* y);
+// Training-mode backward. dx (=|+=) with beta_dx; dgamma, dbeta (C) (=|+=) with beta_param;
+// any of dx, dgamma, dbeta may be null (not needed).
+template <class T>
+void batch_norm_backward(i64 N, i64 C, i64 HW, const T* dy, const T* x, const T* gamma,
+                         const T* save_mean, const T* save_invstd, T* dx, T beta_dx, T* dgamma,
+                         T* dbeta, T beta_param);
+// Eval-mode backward (statistics are constants): dx = dy * gamma * invstd_running.
+template <class T>
+void batch_norm_backward_eval(i64 N, i64 C, i64 HW, const T* dy, const T* x, const T* gamma,
+                              const T* running_mean, const T* running_var, T eps, T* dx,
+                              T beta_dx, T* dgamma, T* dbeta, T beta_param);
+// Group norm: G groups of C/G channels; statistics per (n, g) over (C/G, HW), biased var.
+// gamma / beta_ are per channel (C), may be null. save_mean, save_invstd are (N, G).
+template <class T>
+void group_norm_forward(i64 N, i64 C, i64 HW, i64 G, const T* x, const T* gamma, const T* beta_,
+                        T eps, T* y, T* save_mean, T* save_invstd);
+template <class T>
+void group_norm_backward(i64 N, i64 C, i64 HW, i64 G, const T* dy, const T* x, const T* gamma,
+                         const T* save_mean, const T* save_invstd, T* dx, T beta_dx, T* dgamma,
+                         T* dbeta, T beta_param);
+
+// ---------------------------------------------------------------------------------------------
+// pool.cpp — NCHW pooling, PyTorch semantics (floor mode).
+struct Pool2dShape {
+  i64 N, C, H, W;
+  i64 kh, kw, stride_h, stride_w, pad_h = 0, pad_w = 0;
+  i64 P() const { return (H + 2 * pad_h - kh) / stride_h + 1; }
+  i64 Q() const { return (W + 2 * pad_w - kw) / stride_w + 1; }
+};
+// y (N, C, P, Q); argmax (N, C, P, Q) = index h*W + w of the max inside the input plane.
+// Padding counts as -inf. NaN propagates (a NaN input wins, as in PyTorch).
+template <class T>
+void max_pool2d_forward(const Pool2dShape& s, const T* x, T* y, std::int32_t* argmax);
+// dx (N, C, H, W) (=|+=) scatter of dy through argmax.
+template <class T>
+void max_pool2d_backward(const Pool2dShape& s, const T* dy, const std::int32_t* argmax, T* dx,
+                         T beta);
+// Average pooling; count_include_pad = true divides by kh*kw (PyTorch default), else by the
+// number of in-bounds elements.
+template <class T>
+void avg_pool2d_forward(const Pool2dShape& s, bool count_include_pad, const T* x, T* y);
+template <class T>
+void avg_pool2d_backward(const Pool2dShape& s, bool count_include_pad, const T* dy, T* dx,
+                         T beta);
+// Adaptive average pooling to (OH, OW): window for output i is
+// [floor(i*H/OH), ceil((i+1)*H/OH)) as in PyTorch. OH = OW = 1 is global average pooling.
+template <class T>
+void adaptive_avg_pool2d_forward(i64 N, i64 C, i64 H, i64 W, i64 OH, i64 OW, const T* x, T* y);
+template <class T>
+void adaptive_avg_pool2d_backward(i64 N, i64 C, i64 H, i64 W, i64 OH, i64 OW, const T* dy, T* dx,
+                                  T beta);
+
+// ---------------------------------------------------------------------------------------------
+// loss.cpp — softmax cross-entropy over logits (N, C) with int64 targets (N), PyTorch's
+// torch.nn.functional.cross_entropy semantics:
+//   class_weight (C) may be null (all ones). A sample whose target == ignore_index has
+//   loss 0 and weight 0. With label smoothing e, for a kept sample i with target t:
+//     loss_i = (1 - e) * w[t] * (-log p_t) + (e / C) * sum_c w[c] * (-log p_c)
+//   and sample_weight_i = w[t]  (the mean reduction divides sum_i loss_i by sum_i w[t_i]).
+// Writes per-sample loss (N) and per-sample weight (N); returns nothing else. A target outside
+// [0, C) that is not ignore_index is reported by returning its index (else -1): nothing throws
+// from a kernel.
+template <class T>
+i64 cross_entropy_forward(i64 N, i64 C, const T* logits, const i64* targets, const T* class_weight,
+                          i64 ignore_index, T label_smoothing, T* loss, T* sample_weight);
+// dlogits (N, C) (=|+=) d(sum_i scale_i * loss_i)/dlogits with scale_i = dloss[i]
+// (dloss (N) is the upstream gradient of each per-sample loss; reductions fold into it).
+template <class T>
+void cross_entropy_backward(i64 N, i64 C, const T* logits, const i64* targets,
+                            const T* class_weight, i64 ignore_index, T label_smoothing,
+                            const T* dloss, T* dlogits, T beta);
+
+// ---------------------------------------------------------------------------------------------
+// optim.cpp — fused optimizer updates over n parameters (torch.optim semantics).
+// SGD (torch.optim.SGD): g = grad + wd * p; if momentum != 0: buf = first ? g : momentum * buf +
+// (1 - dampening) * g; g = nesterov ? g + momentum * buf : buf; p -= lr * g.
+template <class T>
+void sgd_update(i64 n, T* param, const T* grad, T* momentum_buf, T lr, T momentum, T dampening,
+                T weight_decay, bool nesterov, bool first_step);
+// AdamW (torch.optim.AdamW, amsgrad = false): p *= 1 - lr * wd; m = b1 m + (1-b1) g;
+// v = b2 v + (1-b2) g^2; p -= lr / (1 - b1^t) * m / (sqrt(v / (1 - b2^t)) + eps).
+template <class T>
+void adamw_update(i64 n, T* param, const T* grad, T* m, T* v, T lr, T beta1, T beta2, T eps,
+                  T weight_decay, i64 step);
+
+}  // namespace tally::kernels::cpu

@@ -1,0 +1,245 @@
+// kernels/cpu/elementwise.cpp — elementwise maps, strided gather, row broadcasts and reductions.
+// See kernels/cpu/cpu_kernels.h for the contract of each function and kernels/common.h for the
+// `beta` convention (beta == 0 never reads the output).
+#include <algorithm>
+#include <vector>
+
+#include "kernels/cpu/cpu_kernels.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+namespace tally::kernels::cpu {
+namespace {
+
+// Below this many elements the OpenMP fork/join costs more than it saves.
+constexpr i64 kParallelThreshold = i64{1} << 15;
+
+// Fixed block size for deterministic reductions: partial sums are formed per block (independent
+// of the thread count) and then added in block order, so results never depend on OMP_NUM_THREADS.
+constexpr i64 kReduceBlock = i64{1} << 14;
+
+int max_threads() {
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+}  // namespace
+
+template <class T>
+void fill(i64 n, T value, T* y) {
+#pragma omp parallel for schedule(static) if (n > kParallelThreshold)
+  for (i64 i = 0; i < n; ++i) y[i] = value;
+}
+
+template <class T>
+void copy(i64 n, const T* x, T* y) {
+#pragma omp parallel for schedule(static) if (n > kParallelThreshold)
+  for (i64 i = 0; i < n; ++i) y[i] = x[i];
+}
+
+template <class T>
+void add(i64 n, const T* a, const T* b, T alpha, T* y) {
+#pragma omp parallel for schedule(static) if (n > kParallelThreshold)
+  for (i64 i = 0; i < n; ++i) y[i] = a[i] + alpha * b[i];
+}
+
+template <class T>
+void axpby(i64 n, T alpha, const T* x, T beta, T* y) {
+  if (beta == T(0)) {
+#pragma omp parallel for schedule(static) if (n > kParallelThreshold)
+    for (i64 i = 0; i < n; ++i) y[i] = alpha * x[i];
+  } else {
+#pragma omp parallel for schedule(static) if (n > kParallelThreshold)
+    for (i64 i = 0; i < n; ++i) y[i] = beta * y[i] + alpha * x[i];
+  }
+}
+
+template <class T>
+void mul(i64 n, const T* a, const T* b, T* y) {
+#pragma omp parallel for schedule(static) if (n > kParallelThreshold)
+  for (i64 i = 0; i < n; ++i) y[i] = a[i] * b[i];
+}
+
+template <class T>
+void mul_backward(i64 n, const T* dy, const T* b, T* da, T beta) {
+  if (beta == T(0)) {
+#pragma omp parallel for schedule(static) if (n > kParallelThreshold)
+    for (i64 i = 0; i < n; ++i) da[i] = dy[i] * b[i];
+  } else {
+#pragma omp parallel for schedule(static) if (n > kParallelThreshold)
+    for (i64 i = 0; i < n; ++i) da[i] = beta * da[i] + dy[i] * b[i];
+  }
+}
+
+template <class T>
+void relu_forward(i64 n, const T* x, T* y) {
+  // NaN propagates (as torch.relu): NaN > 0 is false, so test "x < 0" instead.
+#pragma omp parallel for schedule(static) if (n > kParallelThreshold)
+  for (i64 i = 0; i < n; ++i) y[i] = x[i] < T(0) ? T(0) : x[i];
+}
+
+// As torch's threshold_backward: the gradient is masked where y <= 0 (a NaN y passes dy).
+template <class T>
+void relu_backward(i64 n, const T* dy, const T* y, T* dx, T beta) {
+  if (beta == T(0)) {
+#pragma omp parallel for schedule(static) if (n > kParallelThreshold)
+    for (i64 i = 0; i < n; ++i) dx[i] = y[i] <= T(0) ? T(0) : dy[i];
+  } else {
+#pragma omp parallel for schedule(static) if (n > kParallelThreshold)
+    for (i64 i = 0; i < n; ++i) dx[i] = beta * dx[i] + (y[i] <= T(0) ? T(0) : dy[i]);
+  }
+}
+
+template <class T>
+void strided_copy(int ndim, const i64* shape, const i64* strides, const T* x, T* y) {
+  if (ndim <= 0) {  // a scalar view
+    y[0] = x[0];
+    return;
+  }
+  i64 total = 1;
+  for (int k = 0; k < ndim; ++k) total *= shape[k];
+  if (total <= 0) return;
+
+  const i64 inner = shape[ndim - 1];
+  const i64 inner_stride = strides[ndim - 1];
+  const i64 outer = total / inner;  // number of innermost rows
+  const int odims = ndim - 1;       // dimensions of the outer "odometer"
+
+  // Each thread handles a contiguous range of rows; its starting multi-index is decoded once and
+  // then advanced like an odometer. Every output element has exactly one writer.
+#pragma omp parallel if (total > kParallelThreshold && outer > 1)
+  {
+    i64 r_begin = 0, r_end = outer;
+#ifdef _OPENMP
+    const i64 nt = omp_get_num_threads(), tid = omp_get_thread_num();
+    r_begin = outer * tid / nt;
+    r_end = outer * (tid + 1) / nt;
+#endif
+    if (r_begin < r_end) {
+      i64 idx[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+      i64 off = 0;
+      i64 rem = r_begin;
+      for (int k = odims - 1; k >= 0; --k) {
+        idx[k] = rem % shape[k];
+        rem /= shape[k];
+        off += idx[k] * strides[k];
+      }
+      for (i64 r = r_begin; r < r_end; ++r) {
+        T* out = y + r * inner;
+        const T* in = x + off;
+        if (inner_stride == 1) {
+          for (i64 j = 0; j < inner; ++j) out[j] = in[j];
+        } else {
+          for (i64 j = 0; j < inner; ++j) out[j] = in[j * inner_stride];
+        }
+        // Advance the outer odometer by one row.
+        for (int k = odims - 1; k >= 0; --k) {
+          ++idx[k];
+          off += strides[k];
+          if (idx[k] < shape[k]) break;
+          off -= idx[k] * strides[k];
+          idx[k] = 0;
+        }
+      }
+    }
+  }
+}
+
+template <class T>
+void add_bias_rows(i64 rows, i64 cols, const T* x, const T* bias, T* y) {
+#pragma omp parallel for schedule(static) if (rows * cols > kParallelThreshold && rows > 1)
+  for (i64 r = 0; r < rows; ++r) {
+    const T* xr = x + r * cols;
+    T* yr = y + r * cols;
+    for (i64 c = 0; c < cols; ++c) yr[c] = xr[c] + bias[c];
+  }
+}
+
+template <class T>
+void sum_rows(i64 rows, i64 cols, const T* dy, T* db, T beta) {
+  if (cols <= 0) return;
+  // Columns are split into contiguous blocks, one per thread; each block is accumulated in
+  // double over all rows in row order (cache-friendly and deterministic).
+  std::vector<double> acc(static_cast<std::size_t>(cols), 0.0);
+  const bool par = rows * cols > kParallelThreshold && cols >= 64;
+  const int nt = par ? std::max(1, max_threads()) : 1;
+#pragma omp parallel num_threads(nt) if (par)
+  {
+    i64 c_begin = 0, c_end = cols;
+#ifdef _OPENMP
+    const i64 tid = omp_get_thread_num(), nth = omp_get_num_threads();
+    c_begin = cols * tid / nth;
+    c_end = cols * (tid + 1) / nth;
+#endif
+    double* a = acc.data();
+    for (i64 r = 0; r < rows; ++r) {
+      const T* row = dy + r * cols;
+      for (i64 c = c_begin; c < c_end; ++c) a[c] += static_cast<double>(row[c]);
+    }
+    if (beta == T(0)) {
+      for (i64 c = c_begin; c < c_end; ++c) db[c] = static_cast<T>(a[c]);
+    } else {
+      for (i64 c = c_begin; c < c_end; ++c) db[c] = beta * db[c] + static_cast<T>(a[c]);
+    }
+  }
+}
+
+template <class T>
+T sum_all(i64 n, const T* x) {
+  if (n <= 0) return T(0);
+  const i64 nblocks = (n + kReduceBlock - 1) / kReduceBlock;
+  if (nblocks == 1) {
+    double s = 0.0;
+    for (i64 i = 0; i < n; ++i) s += static_cast<double>(x[i]);
+    return static_cast<T>(s);
+  }
+  std::vector<double> partial(static_cast<std::size_t>(nblocks), 0.0);
+#pragma omp parallel for schedule(static)
+  for (i64 b = 0; b < nblocks; ++b) {
+    const i64 lo = b * kReduceBlock, hi = std::min(n, lo + kReduceBlock);
+    double s = 0.0;
+    for (i64 i = lo; i < hi; ++i) s += static_cast<double>(x[i]);
+    partial[static_cast<std::size_t>(b)] = s;
+  }
+  double s = 0.0;
+  for (double p : partial) s += p;
+  return static_cast<T>(s);
+}
+
+template <class S, class D>
+void convert(i64 n, const S* x, D* y) {
+#pragma omp parallel for schedule(static) if (n > kParallelThreshold)
+  for (i64 i = 0; i < n; ++i) y[i] = static_cast<D>(x[i]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Explicit instantiations.
+#define TALLY_INSTANTIATE_ELEMENTWISE(T)                                                  \
+  template void fill<T>(i64, T, T*);                                                      \
+  template void copy<T>(i64, const T*, T*);                                               \
+  template void add<T>(i64, const T*, const T*, T, T*);                                   \
+  template void axpby<T>(i64, T, const T*, T, T*);                                        \
+  template void mul<T>(i64, const T*, const T*, T*);                                      \
+  template void mul_backward<T>(i64, const T*, const T*, T*, T);                          \
+  template void relu_forward<T>(i64, const T*, T*);                                       \
+  template void relu_backward<T>(i64, const T*, const T*, T*, T);                         \
+  template void strided_copy<T>(int, const i64*, const i64*, const T*, T*);               \
+  template void add_bias_rows<T>(i64, i64, const T*, const T*, T*);                       \
+  template void sum_rows<T>(i64, i64, const T*, T*, T);                                   \
+  template T sum_all<T>(i64, const T*);
+
+TALLY_INSTANTIATE_ELEMENTWISE(float)
+TALLY_INSTANTIATE_ELEMENTWISE(double)
+#undef TALLY_INSTANTIATE_ELEMENTWISE
+
+template void convert<float, double>(i64, const float*, double*);
+template void convert<double, float>(i64, const double*, float*);
+template void convert<float, float>(i64, const float*, float*);
+template void convert<double, double>(i64, const double*, double*);
+
+}  // namespace tally::kernels::cpu

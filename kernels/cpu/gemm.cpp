@@ -1,0 +1,59 @@
+// kernels/cpu/gemm.cpp — row-major GEMM on OpenBLAS (cblas_sgemm / cblas_dgemm).
+// C (M, N) = alpha * op(A) * op(B) + beta * C; beta == 0 never reads C.
+#include <cblas.h>
+
+#include "kernels/cpu/cpu_kernels.h"
+
+namespace tally::kernels::cpu {
+
+namespace {
+
+void blas_gemm(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, i64 M, i64 N, i64 K, float alpha,
+               const float* A, i64 lda, const float* B, i64 ldb, float beta, float* C, i64 ldc) {
+  cblas_sgemm(CblasRowMajor, ta, tb, static_cast<blasint>(M), static_cast<blasint>(N),
+              static_cast<blasint>(K), alpha, A, static_cast<blasint>(lda), B,
+              static_cast<blasint>(ldb), beta, C, static_cast<blasint>(ldc));
+}
+
+void blas_gemm(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, i64 M, i64 N, i64 K, double alpha,
+               const double* A, i64 lda, const double* B, i64 ldb, double beta, double* C,
+               i64 ldc) {
+  cblas_dgemm(CblasRowMajor, ta, tb, static_cast<blasint>(M), static_cast<blasint>(N),
+              static_cast<blasint>(K), alpha, A, static_cast<blasint>(lda), B,
+              static_cast<blasint>(ldb), beta, C, static_cast<blasint>(ldc));
+}
+
+}  // namespace
+
+template <class T>
+void gemm(bool trans_a, bool trans_b, i64 M, i64 N, i64 K, T alpha,
+          const T* A,  // (M, K) with leading dim lda, or (K, M) if trans_a
+          i64 lda,
+          const T* B,  // (K, N) with leading dim ldb, or (N, K) if trans_b
+          i64 ldb, T beta,
+          T* C,  // (M, N) with leading dim ldc
+          i64 ldc) {
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0 || alpha == T(0)) {
+    // op(A) * op(B) contributes nothing: C = beta * C, without reading C when beta == 0.
+    // (Done here because cblas rejects lda = 0 for K = 0 and may read A, B for alpha = 0.)
+    for (i64 i = 0; i < M; ++i) {
+      T* c = C + i * ldc;
+      if (beta == T(0)) {
+        for (i64 j = 0; j < N; ++j) c[j] = T(0);
+      } else if (beta != T(1)) {
+        for (i64 j = 0; j < N; ++j) c[j] *= beta;
+      }
+    }
+    return;
+  }
+  blas_gemm(trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M, N, K,
+            alpha, A, lda, B, ldb, beta, C, ldc);
+}
+
+template void gemm<float>(bool, bool, i64, i64, i64, float, const float*, i64, const float*, i64,
+                          float, float*, i64);
+template void gemm<double>(bool, bool, i64, i64, i64, double, const double*, i64, const double*,
+                           i64, double, double*, i64);
+
+}  // namespace tally::kernels::cpu

@@ -1,0 +1,300 @@
+// kernels/cpu/norm.cpp — batch norm and group norm over x (N, C, HW), PyTorch semantics.
+// Statistics are accumulated in double with two passes (mean, then sum of squared deviations),
+// so float inputs with a large mean do not lose the variance to cancellation.
+// Parallelism: batch norm over channels, group norm over (n, g) for dx and over channels for
+// dgamma / dbeta; every output element has exactly one writer and every sum is formed in a fixed
+// order, so results do not depend on the thread count.
+#include <cmath>
+
+#include "kernels/cpu/cpu_kernels.h"
+
+namespace tally::kernels::cpu {
+namespace {
+
+constexpr i64 kParallelThreshold = i64{1} << 14;
+
+// beta == 0 overwrites (never reads out); otherwise out = beta * out + v.
+template <class T>
+inline void store(T* out, T beta, double v) {
+  if (beta == T(0)) {
+    *out = static_cast<T>(v);
+  } else {
+    *out = beta * *out + static_cast<T>(v);
+  }
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Batch norm.
+
+template <class T>
+void batch_norm_forward_train(i64 N, i64 C, i64 HW, const T* x, const T* gamma, const T* beta_,
+                              T eps, T momentum, T* running_mean, T* running_var, T* y,
+                              T* save_mean, T* save_invstd) {
+  const i64 M = N * HW;
+  const i64 CHW = C * HW;
+#pragma omp parallel for schedule(static) if (N * C * HW > kParallelThreshold && C > 1)
+  for (i64 c = 0; c < C; ++c) {
+    double sum = 0.0;
+    for (i64 n = 0; n < N; ++n) {
+      const T* xp = x + n * CHW + c * HW;
+      for (i64 i = 0; i < HW; ++i) sum += static_cast<double>(xp[i]);
+    }
+    const double mean = M > 0 ? sum / static_cast<double>(M) : 0.0;
+    double ssd = 0.0;
+    for (i64 n = 0; n < N; ++n) {
+      const T* xp = x + n * CHW + c * HW;
+      for (i64 i = 0; i < HW; ++i) {
+        const double d = static_cast<double>(xp[i]) - mean;
+        ssd += d * d;
+      }
+    }
+    const double var = M > 0 ? ssd / static_cast<double>(M) : 0.0;  // biased
+    const double invstd = 1.0 / std::sqrt(var + static_cast<double>(eps));
+    const double g = gamma ? static_cast<double>(gamma[c]) : 1.0;
+    const double b = beta_ ? static_cast<double>(beta_[c]) : 0.0;
+    const double scale = invstd * g;
+    for (i64 n = 0; n < N; ++n) {
+      const T* xp = x + n * CHW + c * HW;
+      T* yp = y + n * CHW + c * HW;
+      for (i64 i = 0; i < HW; ++i) {
+        yp[i] = static_cast<T>((static_cast<double>(xp[i]) - mean) * scale + b);
+      }
+    }
+    if (save_mean) save_mean[c] = static_cast<T>(mean);
+    if (save_invstd) save_invstd[c] = static_cast<T>(invstd);
+    const double mom = static_cast<double>(momentum);
+    if (running_mean) {
+      running_mean[c] =
+          static_cast<T>((1.0 - mom) * static_cast<double>(running_mean[c]) + mom * mean);
+    }
+    if (running_var) {
+      // Unbiased variance, as PyTorch. M == 1 divides by zero (PyTorch refuses to train with one
+      // value per channel; core/ is expected to reject it before calling).
+      const double unbiased = ssd / static_cast<double>(M - 1);
+      running_var[c] =
+          static_cast<T>((1.0 - mom) * static_cast<double>(running_var[c]) + mom * unbiased);
+    }
+  }
+}
+
+template <class T>
+void batch_norm_forward_eval(i64 N, i64 C, i64 HW, const T* x, const T* gamma, const T* beta_,
+                             const T* running_mean, const T* running_var, T eps, T* y) {
+  const i64 CHW = C * HW;
+#pragma omp parallel for schedule(static) if (N * C * HW > kParallelThreshold && C > 1)
+  for (i64 c = 0; c < C; ++c) {
+    const double mean = static_cast<double>(running_mean[c]);
+    const double invstd =
+        1.0 / std::sqrt(static_cast<double>(running_var[c]) + static_cast<double>(eps));
+    const double g = gamma ? static_cast<double>(gamma[c]) : 1.0;
+    const double b = beta_ ? static_cast<double>(beta_[c]) : 0.0;
+    const double scale = invstd * g;
+    for (i64 n = 0; n < N; ++n) {
+      const T* xp = x + n * CHW + c * HW;
+      T* yp = y + n * CHW + c * HW;
+      for (i64 i = 0; i < HW; ++i) {
+        yp[i] = static_cast<T>((static_cast<double>(xp[i]) - mean) * scale + b);
+      }
+    }
+  }
+}
+
+template <class T>
+void batch_norm_backward(i64 N, i64 C, i64 HW, const T* dy, const T* x, const T* gamma,
+                         const T* save_mean, const T* save_invstd, T* dx, T beta_dx, T* dgamma,
+                         T* dbeta, T beta_param) {
+  const i64 M = N * HW;
+  const i64 CHW = C * HW;
+#pragma omp parallel for schedule(static) if (N * C * HW > kParallelThreshold && C > 1)
+  for (i64 c = 0; c < C; ++c) {
+    const double mean = static_cast<double>(save_mean[c]);
+    const double invstd = static_cast<double>(save_invstd[c]);
+    double sum_dy = 0.0, sum_dy_xhat = 0.0;
+    for (i64 n = 0; n < N; ++n) {
+      const T* xp = x + n * CHW + c * HW;
+      const T* dyp = dy + n * CHW + c * HW;
+      for (i64 i = 0; i < HW; ++i) {
+        const double d = static_cast<double>(dyp[i]);
+        sum_dy += d;
+        sum_dy_xhat += d * (static_cast<double>(xp[i]) - mean) * invstd;
+      }
+    }
+    if (dgamma) store(dgamma + c, beta_param, sum_dy_xhat);
+    if (dbeta) store(dbeta + c, beta_param, sum_dy);
+    if (dx && M > 0) {
+      const double g = gamma ? static_cast<double>(gamma[c]) : 1.0;
+      const double mean_dy = sum_dy / static_cast<double>(M);
+      const double mean_dy_xhat = sum_dy_xhat / static_cast<double>(M);
+      const double k = g * invstd;
+      for (i64 n = 0; n < N; ++n) {
+        const T* xp = x + n * CHW + c * HW;
+        const T* dyp = dy + n * CHW + c * HW;
+        T* dxp = dx + n * CHW + c * HW;
+        for (i64 i = 0; i < HW; ++i) {
+          const double xhat = (static_cast<double>(xp[i]) - mean) * invstd;
+          const double v = k * (static_cast<double>(dyp[i]) - mean_dy - xhat * mean_dy_xhat);
+          store(dxp + i, beta_dx, v);
+        }
+      }
+    }
+  }
+}
+
+template <class T>
+void batch_norm_backward_eval(i64 N, i64 C, i64 HW, const T* dy, const T* x, const T* gamma,
+                              const T* running_mean, const T* running_var, T eps, T* dx,
+                              T beta_dx, T* dgamma, T* dbeta, T beta_param) {
+  const i64 CHW = C * HW;
+#pragma omp parallel for schedule(static) if (N * C * HW > kParallelThreshold && C > 1)
+  for (i64 c = 0; c < C; ++c) {
+    const double mean = static_cast<double>(running_mean[c]);
+    const double invstd =
+        1.0 / std::sqrt(static_cast<double>(running_var[c]) + static_cast<double>(eps));
+    const double g = gamma ? static_cast<double>(gamma[c]) : 1.0;
+    const double k = g * invstd;
+    double sum_dy = 0.0, sum_dy_xhat = 0.0;
+    for (i64 n = 0; n < N; ++n) {
+      const T* xp = x + n * CHW + c * HW;
+      const T* dyp = dy + n * CHW + c * HW;
+      T* dxp = dx ? dx + n * CHW + c * HW : nullptr;
+      for (i64 i = 0; i < HW; ++i) {
+        const double d = static_cast<double>(dyp[i]);
+        sum_dy += d;
+        sum_dy_xhat += d * (static_cast<double>(xp[i]) - mean) * invstd;
+        if (dxp) store(dxp + i, beta_dx, d * k);
+      }
+    }
+    if (dgamma) store(dgamma + c, beta_param, sum_dy_xhat);
+    if (dbeta) store(dbeta + c, beta_param, sum_dy);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Group norm. x (N, C, HW) viewed as (N, G, C/G * HW): each (n, g) is one contiguous block.
+
+template <class T>
+void group_norm_forward(i64 N, i64 C, i64 HW, i64 G, const T* x, const T* gamma, const T* beta_,
+                        T eps, T* y, T* save_mean, T* save_invstd) {
+  const i64 Cg = C / G;
+  const i64 M = Cg * HW;  // elements per group
+  const i64 NG = N * G;
+#pragma omp parallel for schedule(static) if (N * C * HW > kParallelThreshold && NG > 1)
+  for (i64 ng = 0; ng < NG; ++ng) {
+    const i64 g = ng % G;
+    const T* xp = x + ng * M;
+    T* yp = y + ng * M;
+    double sum = 0.0;
+    for (i64 i = 0; i < M; ++i) sum += static_cast<double>(xp[i]);
+    const double mean = M > 0 ? sum / static_cast<double>(M) : 0.0;
+    double ssd = 0.0;
+    for (i64 i = 0; i < M; ++i) {
+      const double d = static_cast<double>(xp[i]) - mean;
+      ssd += d * d;
+    }
+    const double var = M > 0 ? ssd / static_cast<double>(M) : 0.0;  // biased
+    const double invstd = 1.0 / std::sqrt(var + static_cast<double>(eps));
+    for (i64 cc = 0; cc < Cg; ++cc) {
+      const i64 c = g * Cg + cc;
+      const double gm = gamma ? static_cast<double>(gamma[c]) : 1.0;
+      const double b = beta_ ? static_cast<double>(beta_[c]) : 0.0;
+      const double scale = invstd * gm;
+      const T* xc = xp + cc * HW;
+      T* yc = yp + cc * HW;
+      for (i64 i = 0; i < HW; ++i) {
+        yc[i] = static_cast<T>((static_cast<double>(xc[i]) - mean) * scale + b);
+      }
+    }
+    if (save_mean) save_mean[ng] = static_cast<T>(mean);
+    if (save_invstd) save_invstd[ng] = static_cast<T>(invstd);
+  }
+}
+
+template <class T>
+void group_norm_backward(i64 N, i64 C, i64 HW, i64 G, const T* dy, const T* x, const T* gamma,
+                         const T* save_mean, const T* save_invstd, T* dx, T beta_dx, T* dgamma,
+                         T* dbeta, T beta_param) {
+  const i64 Cg = C / G;
+  const i64 M = Cg * HW;
+  const i64 NG = N * G;
+  const i64 CHW = C * HW;
+  const bool par = N * C * HW > kParallelThreshold;
+
+  // dx: per (n, g), with dxhat = dy * gamma[c]:
+  //   dx = invstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)) over the group.
+  if (dx && M > 0) {
+#pragma omp parallel for schedule(static) if (par && NG > 1)
+    for (i64 ng = 0; ng < NG; ++ng) {
+      const i64 g = ng % G;
+      const double mean = static_cast<double>(save_mean[ng]);
+      const double invstd = static_cast<double>(save_invstd[ng]);
+      const T* xp = x + ng * M;
+      const T* dyp = dy + ng * M;
+      T* dxp = dx + ng * M;
+      double s1 = 0.0, s2 = 0.0;
+      for (i64 cc = 0; cc < Cg; ++cc) {
+        const double gm = gamma ? static_cast<double>(gamma[g * Cg + cc]) : 1.0;
+        for (i64 i = cc * HW; i < (cc + 1) * HW; ++i) {
+          const double dxh = static_cast<double>(dyp[i]) * gm;
+          s1 += dxh;
+          s2 += dxh * (static_cast<double>(xp[i]) - mean) * invstd;
+        }
+      }
+      const double m1 = s1 / static_cast<double>(M);
+      const double m2 = s2 / static_cast<double>(M);
+      for (i64 cc = 0; cc < Cg; ++cc) {
+        const double gm = gamma ? static_cast<double>(gamma[g * Cg + cc]) : 1.0;
+        for (i64 i = cc * HW; i < (cc + 1) * HW; ++i) {
+          const double xhat = (static_cast<double>(xp[i]) - mean) * invstd;
+          const double dxh = static_cast<double>(dyp[i]) * gm;
+          store(dxp + i, beta_dx, invstd * (dxh - m1 - xhat * m2));
+        }
+      }
+    }
+  }
+
+  // dgamma, dbeta: per channel, summed over n and HW.
+  if (dgamma || dbeta) {
+#pragma omp parallel for schedule(static) if (par && C > 1)
+    for (i64 c = 0; c < C; ++c) {
+      const i64 g = c / Cg;
+      double sdy = 0.0, sdy_xhat = 0.0;
+      for (i64 n = 0; n < N; ++n) {
+        const double mean = static_cast<double>(save_mean[n * G + g]);
+        const double invstd = static_cast<double>(save_invstd[n * G + g]);
+        const T* xp = x + n * CHW + c * HW;
+        const T* dyp = dy + n * CHW + c * HW;
+        for (i64 i = 0; i < HW; ++i) {
+          const double d = static_cast<double>(dyp[i]);
+          sdy += d;
+          sdy_xhat += d * (static_cast<double>(xp[i]) - mean) * invstd;
+        }
+      }
+      if (dgamma) store(dgamma + c, beta_param, sdy_xhat);
+      if (dbeta) store(dbeta + c, beta_param, sdy);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Explicit instantiations.
+#define TALLY_INSTANTIATE_NORM(T)                                                             \
+  template void batch_norm_forward_train<T>(i64, i64, i64, const T*, const T*, const T*, T, T, \
+                                            T*, T*, T*, T*, T*);                              \
+  template void batch_norm_forward_eval<T>(i64, i64, i64, const T*, const T*, const T*,        \
+                                           const T*, const T*, T, T*);                        \
+  template void batch_norm_backward<T>(i64, i64, i64, const T*, const T*, const T*, const T*,  \
+                                       const T*, T*, T, T*, T*, T);                           \
+  template void batch_norm_backward_eval<T>(i64, i64, i64, const T*, const T*, const T*,       \
+                                            const T*, const T*, T, T*, T, T*, T*, T);         \
+  template void group_norm_forward<T>(i64, i64, i64, i64, const T*, const T*, const T*, T, T*, \
+                                      T*, T*);                                                \
+  template void group_norm_backward<T>(i64, i64, i64, i64, const T*, const T*, const T*,       \
+                                       const T*, const T*, T*, T, T*, T*, T);
+
+TALLY_INSTANTIATE_NORM(float)
+TALLY_INSTANTIATE_NORM(double)
+#undef TALLY_INSTANTIATE_NORM
+
+}  // namespace tally::kernels::cpu

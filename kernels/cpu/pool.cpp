@@ -1,0 +1,212 @@
+// kernels/cpu/pool.cpp — NCHW pooling on the CPU with PyTorch's semantics (floor mode):
+// max pooling (with int32 argmax), average pooling (count_include_pad either way) and
+// adaptive average pooling, forward and backward. Each (n, c) plane is independent: OpenMP
+// runs over the N*C planes, one thread per plane, so every sum has a fixed order.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "kernels/cpu/cpu_kernels.h"
+
+namespace tally::kernels::cpu {
+
+namespace {
+
+// plane (n elements) = beta * plane, never reading it when beta == 0.
+template <class T>
+void scale_plane(i64 n, T beta, T* y) {
+  if (beta == T(0)) {
+    std::fill(y, y + n, T(0));
+  } else if (beta != T(1)) {
+    for (i64 i = 0; i < n; ++i) y[i] *= beta;
+  }
+}
+
+// Average-pooling window of output (p, q), as PyTorch's avg_pool2d (ceil_mode = false):
+// the window is first clipped to the padded bounds (its size there is the divisor when
+// count_include_pad), then to the image (its size there is the divisor otherwise).
+struct AvgWindow {
+  i64 h0, h1, w0, w1;  // in-bounds rows [h0, h1), columns [w0, w1)
+  i64 divisor;
+};
+
+AvgWindow avg_window(const Pool2dShape& s, bool count_include_pad, i64 p, i64 q) {
+  i64 h0 = p * s.stride_h - s.pad_h, w0 = q * s.stride_w - s.pad_w;
+  i64 h1 = std::min(h0 + s.kh, s.H + s.pad_h), w1 = std::min(w0 + s.kw, s.W + s.pad_w);
+  const i64 padded_size = (h1 - h0) * (w1 - w0);
+  h0 = std::max<i64>(h0, 0);
+  w0 = std::max<i64>(w0, 0);
+  h1 = std::min(h1, s.H);
+  w1 = std::min(w1, s.W);
+  const i64 divisor = count_include_pad ? padded_size : (h1 - h0) * (w1 - w0);
+  return {h0, h1, w0, w1, divisor};
+}
+
+// Adaptive window [start, end) of output i over an input extent n split into out parts.
+inline i64 adaptive_start(i64 i, i64 n, i64 out) { return (i * n) / out; }
+inline i64 adaptive_end(i64 i, i64 n, i64 out) { return ((i + 1) * n + out - 1) / out; }
+
+}  // namespace
+
+template <class T>
+void max_pool2d_forward(const Pool2dShape& s,
+                        const T* x,              // (N, C, H, W)
+                        T* y,                    // (N, C, P, Q)
+                        std::int32_t* argmax) {  // (N, C, P, Q)
+  const i64 P = s.P(), Q = s.Q(), HW = s.H * s.W, planes = s.N * s.C;
+#pragma omp parallel for schedule(static) if (planes * P * Q > 16384)
+  for (i64 pl = 0; pl < planes; ++pl) {
+    const T* xp = x + pl * HW;               // (H, W)
+    T* yp = y + pl * P * Q;                  // (P, Q)
+    std::int32_t* ap = argmax + pl * P * Q;  // (P, Q)
+    for (i64 p = 0; p < P; ++p) {
+      const i64 h0 = std::max<i64>(p * s.stride_h - s.pad_h, 0);
+      const i64 h1 = std::min(p * s.stride_h - s.pad_h + s.kh, s.H);
+      for (i64 q = 0; q < Q; ++q) {
+        const i64 w0 = std::max<i64>(q * s.stride_w - s.pad_w, 0);
+        const i64 w1 = std::min(q * s.stride_w - s.pad_w + s.kw, s.W);
+        // PyTorch: start from -inf at the first in-bounds element; a NaN always replaces
+        // the current max (so the last NaN of the window wins and the output is NaN).
+        T best = -std::numeric_limits<T>::infinity();
+        i64 best_i = (h0 < h1 && w0 < w1) ? h0 * s.W + w0 : -1;
+        for (i64 h = h0; h < h1; ++h) {
+          for (i64 w = w0; w < w1; ++w) {
+            const T v = xp[h * s.W + w];
+            if (v > best || std::isnan(v)) {
+              best = v;
+              best_i = h * s.W + w;
+            }
+          }
+        }
+        yp[p * Q + q] = best;
+        ap[p * Q + q] = static_cast<std::int32_t>(best_i);
+      }
+    }
+  }
+}
+
+template <class T>
+void max_pool2d_backward(const Pool2dShape& s,
+                         const T* dy,                 // (N, C, P, Q)
+                         const std::int32_t* argmax,  // (N, C, P, Q)
+                         T* dx,                       // (N, C, H, W)
+                         T beta) {
+  const i64 PQ = s.P() * s.Q(), HW = s.H * s.W, planes = s.N * s.C;
+#pragma omp parallel for schedule(static) if (planes * HW > 16384)
+  for (i64 pl = 0; pl < planes; ++pl) {
+    const T* dyp = dy + pl * PQ;                // (P, Q)
+    const std::int32_t* ap = argmax + pl * PQ;  // (P, Q)
+    T* dxp = dx + pl * HW;                      // (H, W)
+    scale_plane(HW, beta, dxp);
+    for (i64 i = 0; i < PQ; ++i) {
+      if (ap[i] >= 0) dxp[ap[i]] += dyp[i];  // -1 only for an all-padding window
+    }
+  }
+}
+
+template <class T>
+void avg_pool2d_forward(const Pool2dShape& s, bool count_include_pad,
+                        const T* x,  // (N, C, H, W)
+                        T* y) {      // (N, C, P, Q)
+  const i64 P = s.P(), Q = s.Q(), HW = s.H * s.W, planes = s.N * s.C;
+#pragma omp parallel for schedule(static) if (planes * P * Q > 16384)
+  for (i64 pl = 0; pl < planes; ++pl) {
+    const T* xp = x + pl * HW;  // (H, W)
+    T* yp = y + pl * P * Q;     // (P, Q)
+    for (i64 p = 0; p < P; ++p) {
+      for (i64 q = 0; q < Q; ++q) {
+        const AvgWindow win = avg_window(s, count_include_pad, p, q);
+        double acc = 0.0;
+        for (i64 h = win.h0; h < win.h1; ++h)
+          for (i64 w = win.w0; w < win.w1; ++w) acc += static_cast<double>(xp[h * s.W + w]);
+        yp[p * Q + q] =
+            win.divisor > 0 ? static_cast<T>(acc / static_cast<double>(win.divisor)) : T(0);
+      }
+    }
+  }
+}
+
+template <class T>
+void avg_pool2d_backward(const Pool2dShape& s, bool count_include_pad,
+                         const T* dy,  // (N, C, P, Q)
+                         T* dx,        // (N, C, H, W)
+                         T beta) {
+  const i64 P = s.P(), Q = s.Q(), HW = s.H * s.W, planes = s.N * s.C;
+#pragma omp parallel for schedule(static) if (planes * HW > 16384)
+  for (i64 pl = 0; pl < planes; ++pl) {
+    const T* dyp = dy + pl * P * Q;  // (P, Q)
+    T* dxp = dx + pl * HW;           // (H, W)
+    scale_plane(HW, beta, dxp);
+    for (i64 p = 0; p < P; ++p) {
+      for (i64 q = 0; q < Q; ++q) {
+        const AvgWindow win = avg_window(s, count_include_pad, p, q);
+        if (win.divisor <= 0) continue;
+        const T g = dyp[p * Q + q] / static_cast<T>(win.divisor);
+        for (i64 h = win.h0; h < win.h1; ++h)
+          for (i64 w = win.w0; w < win.w1; ++w) dxp[h * s.W + w] += g;
+      }
+    }
+  }
+}
+
+template <class T>
+void adaptive_avg_pool2d_forward(i64 N, i64 C, i64 H, i64 W, i64 OH, i64 OW,
+                                 const T* x,  // (N, C, H, W)
+                                 T* y) {      // (N, C, OH, OW)
+  const i64 HW = H * W, planes = N * C;
+#pragma omp parallel for schedule(static) if (planes * HW > 16384)
+  for (i64 pl = 0; pl < planes; ++pl) {
+    const T* xp = x + pl * HW;  // (H, W)
+    T* yp = y + pl * OH * OW;   // (OH, OW)
+    for (i64 i = 0; i < OH; ++i) {
+      const i64 h0 = adaptive_start(i, H, OH), h1 = adaptive_end(i, H, OH);
+      for (i64 j = 0; j < OW; ++j) {
+        const i64 w0 = adaptive_start(j, W, OW), w1 = adaptive_end(j, W, OW);
+        double acc = 0.0;
+        for (i64 h = h0; h < h1; ++h)
+          for (i64 w = w0; w < w1; ++w) acc += static_cast<double>(xp[h * W + w]);
+        const i64 count = (h1 - h0) * (w1 - w0);
+        yp[i * OW + j] = count > 0 ? static_cast<T>(acc / static_cast<double>(count)) : T(0);
+      }
+    }
+  }
+}
+
+template <class T>
+void adaptive_avg_pool2d_backward(i64 N, i64 C, i64 H, i64 W, i64 OH, i64 OW,
+                                  const T* dy,  // (N, C, OH, OW)
+                                  T* dx,        // (N, C, H, W)
+                                  T beta) {
+  const i64 HW = H * W, planes = N * C;
+#pragma omp parallel for schedule(static) if (planes * HW > 16384)
+  for (i64 pl = 0; pl < planes; ++pl) {
+    const T* dyp = dy + pl * OH * OW;  // (OH, OW)
+    T* dxp = dx + pl * HW;             // (H, W)
+    scale_plane(HW, beta, dxp);
+    for (i64 i = 0; i < OH; ++i) {
+      const i64 h0 = adaptive_start(i, H, OH), h1 = adaptive_end(i, H, OH);
+      for (i64 j = 0; j < OW; ++j) {
+        const i64 w0 = adaptive_start(j, W, OW), w1 = adaptive_end(j, W, OW);
+        const i64 count = (h1 - h0) * (w1 - w0);
+        if (count <= 0) continue;
+        const T g = dyp[i * OW + j] / static_cast<T>(count);
+        for (i64 h = h0; h < h1; ++h)
+          for (i64 w = w0; w < w1; ++w) dxp[h * W + w] += g;
+      }
+    }
+  }
+}
+
+#define TALLY_INSTANTIATE_POOL(T)                                                                 \
+  template void max_pool2d_forward<T>(const Pool2dShape&, const T*, T*, std::int32_t*);           \
+  template void max_pool2d_backward<T>(const Pool2dShape&, const T*, const std::int32_t*, T*, T); \
+  template void avg_pool2d_forward<T>(const Pool2dShape&, bool, const T*, T*);                    \
+  template void avg_pool2d_backward<T>(const Pool2dShape&, bool, const T*, T*, T);                \
+  template void adaptive_avg_pool2d_forward<T>(i64, i64, i64, i64, i64, i64, const T*, T*);       \
+  template void adaptive_avg_pool2d_backward<T>(i64, i64, i64, i64, i64, i64, const T*, T*, T);
+
+TALLY_INSTANTIATE_POOL(float)
+TALLY_INSTANTIATE_POOL(double)
+#undef TALLY_INSTANTIATE_POOL
+
+}  // namespace tally::kernels::cpu

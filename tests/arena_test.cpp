@@ -1,0 +1,281 @@
+// Arena tests: a randomized sequence of >= 100k allocations and frees checked step by step against
+// a deliberately simple reference model (a linear list of blocks), plus OOM, trace and stats.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <map>
+#include <random>
+
+#include <nlohmann/json.hpp>
+
+#include "core/arena.h"
+#include "core/memory.h"
+#include "core/tensor.h"
+
+using namespace tally;
+
+namespace {
+
+// Reference: blocks in offset order in a plain vector; best fit = smallest free block that fits,
+// lowest offset among equals; split front; coalesce neighbours on free.
+struct RefArena {
+  struct B { std::size_t off, size; bool used; };
+  std::vector<B> blocks;
+  explicit RefArena(std::size_t cap) { blocks.push_back({0, cap, false}); }
+  std::optional<std::size_t> alloc(std::size_t rounded) {
+    int best = -1;
+    for (int i = 0; i < static_cast<int>(blocks.size()); ++i)
+      if (!blocks[i].used && blocks[i].size >= rounded && (best < 0 || blocks[i].size < blocks[best].size)) best = i;
+    if (best < 0) return std::nullopt;
+    B b = blocks[best];
+    blocks[best] = {b.off, rounded, true};
+    if (b.size > rounded) blocks.insert(blocks.begin() + best + 1, {b.off + rounded, b.size - rounded, false});
+    return b.off;
+  }
+  void free(std::size_t off) {
+    auto it = std::find_if(blocks.begin(), blocks.end(), [&](const B& b) { return b.off == off; });
+    ASSERT_TRUE(it != blocks.end() && it->used);
+    it->used = false;
+    if (it + 1 != blocks.end() && !(it + 1)->used) { it->size += (it + 1)->size; blocks.erase(it + 1); }
+    if (it != blocks.begin() && !(it - 1)->used) { (it - 1)->size += it->size; blocks.erase(it); }
+  }
+  std::size_t largest_free() const {
+    std::size_t m = 0;
+    for (auto& b : blocks) if (!b.used) m = std::max(m, b.size);
+    return m;
+  }
+};
+
+}  // namespace
+
+TEST(Arena, RandomizedAgainstReferenceModel) {
+  const std::size_t cap = 64 << 20;
+  Arena real(Device::cpu(), cap);
+  auto virt = Arena::make_virtual(Device::cpu(), cap);
+  RefArena ref(cap);
+  std::mt19937_64 rng(12345);
+  struct Live { std::size_t off, requested, rounded; Category cat; void* ptr; };
+  std::vector<Live> live;
+  std::array<std::int64_t, kNumCategories> cur{}, peak{}, allocs{}, frees{};
+  std::int64_t total = 0, total_peak = 0;
+  int ooms = 0;
+  const int kOps = 120000;
+  for (int op = 0; op < kOps; ++op) {
+    const bool do_alloc = live.empty() || (rng() % 100) < 55;
+    if (do_alloc) {
+      // sizes spanning 1 byte .. 4 MiB, skewed to small, sometimes exact multiples of 256
+      std::size_t req = (rng() % 4 == 0) ? (1 + rng() % 64) * 256 : 1 + rng() % (std::size_t(1) << (rng() % 22 + 1));
+      const auto cat = static_cast<Category>(rng() % kNumCategories);
+      const std::size_t rounded = Arena::round_up(req);
+      auto expect = ref.alloc(rounded);
+      if (!expect) {
+        const ArenaStats before = real.stats();
+        EXPECT_THROW(real.allocate(req, cat, "test"), OutOfMemory);
+        EXPECT_THROW(virt->allocate(req, cat, "test"), OutOfMemory);
+        const ArenaStats after = real.stats();
+        EXPECT_EQ(before.total.current, after.total.current);
+        EXPECT_EQ(before.total.allocations, after.total.allocations);
+        EXPECT_EQ(before.largest_free_block, after.largest_free_block);
+        ++ooms;
+        continue;
+      }
+      const Block b = real.allocate(req, cat, "test");
+      const Block v = virt->allocate(req, cat, "test");
+      ASSERT_EQ(b.offset, *expect) << "op " << op;
+      ASSERT_EQ(v.offset, b.offset) << "virtual arena diverged at op " << op;
+      ASSERT_EQ(v.ptr, nullptr);
+      ASSERT_EQ(reinterpret_cast<std::uintptr_t>(b.ptr) % Arena::kAlignment, 0u);
+      ASSERT_EQ(b.offset % Arena::kAlignment, 0u);
+      // touch first and last byte: the block really is ours and inside the mapping
+      static_cast<char*>(b.ptr)[0] = 1;
+      static_cast<char*>(b.ptr)[req - 1] = 2;
+      live.push_back({b.offset, req, rounded, cat, b.ptr});
+      const int c = static_cast<int>(cat);
+      cur[c] += rounded; peak[c] = std::max(peak[c], cur[c]); allocs[c]++;
+      total += rounded; total_peak = std::max(total_peak, total);
+    } else {
+      const std::size_t i = rng() % live.size();
+      const Live l = live[i];
+      live[i] = live.back();
+      live.pop_back();
+      real.free(l.off);
+      virt->free(l.off);
+      ref.free(l.off);
+      const int c = static_cast<int>(l.cat);
+      cur[c] -= l.rounded; frees[c]++;
+      total -= l.rounded;
+    }
+    if (op % 997 == 0) {  // full invariant check now and then (it is O(n))
+      const ArenaStats s = real.stats();
+      ASSERT_EQ(s.total.current, total);
+      ASSERT_EQ(s.total.peak, total_peak);
+      for (int c = 0; c < kNumCategories; ++c) {
+        ASSERT_EQ(s.by_category[c].current, cur[c]);
+        ASSERT_EQ(s.by_category[c].peak, peak[c]);
+        ASSERT_EQ(s.by_category[c].allocations, allocs[c]);
+        ASSERT_EQ(s.by_category[c].frees, frees[c]);
+      }
+      ASSERT_EQ(s.free_bytes, cap - static_cast<std::size_t>(total));
+      ASSERT_EQ(s.largest_free_block, ref.largest_free());
+      // No overlaps: live blocks sorted by offset are disjoint and match our record.
+      auto blocks = real.live_blocks();
+      ASSERT_EQ(blocks.size(), live.size());
+      for (std::size_t k = 1; k < blocks.size(); ++k)
+        ASSERT_LE(blocks[k - 1].first + blocks[k - 1].second.rounded, blocks[k].first);
+      // Coalescing: reference and arena agree block for block, so no two free blocks touch.
+      std::size_t ref_used = 0;
+      for (std::size_t k = 0; k < ref.blocks.size(); ++k) {
+        if (k > 0) { ASSERT_FALSE(!ref.blocks[k].used && !ref.blocks[k - 1].used); }
+        ref_used += ref.blocks[k].used;
+      }
+      ASSERT_EQ(ref_used, live.size());
+      const ArenaStats vs = virt->stats();
+      ASSERT_EQ(vs.total.peak, s.total.peak);
+      ASSERT_EQ(vs.largest_free_block, s.largest_free_block);
+    }
+  }
+  EXPECT_GT(ooms, 0) << "the sequence should have exercised out-of-memory";
+  for (const Live& l : live) { real.free(l.off); virt->free(l.off); }
+  EXPECT_EQ(real.stats().total.current, 0);
+  EXPECT_EQ(real.largest_free_block(), real.capacity());  // fully coalesced again
+}
+
+TEST(Arena, SameSequenceSameOffsetsAndPeak) {
+  auto run = [](Arena& a) {
+    std::mt19937 rng(7);
+    std::vector<std::size_t> live, offs;
+    for (int i = 0; i < 5000; ++i) {
+      if (live.empty() || rng() % 3) {
+        auto b = a.allocate(1 + rng() % 100000, Category::activation, "x");
+        live.push_back(b.offset);
+        offs.push_back(b.offset);
+      } else {
+        const std::size_t k = rng() % live.size();
+        a.free(live[k]);
+        live.erase(live.begin() + static_cast<long>(k));
+      }
+    }
+    return std::make_pair(offs, a.stats().total.peak);
+  };
+  Arena a(Device::cpu(), 256 << 20), b(Device::cpu(), 256 << 20);
+  EXPECT_EQ(run(a), run(b));
+}
+
+TEST(Arena, VirtualCloneContinuesFromTheSameState) {
+  Arena a(Device::cpu(), 1 << 20);
+  const auto p = a.allocate(1000, Category::parameter, "w");
+  const auto q = a.allocate(5000, Category::gradient, "g");
+  a.free(p.offset);
+  auto v = a.virtual_clone();
+  EXPECT_TRUE(v->is_virtual());
+  EXPECT_EQ(v->stats().total.current, a.stats().total.current);
+  for (std::size_t n : {100u, 3000u, 70000u}) {
+    EXPECT_EQ(v->allocate(n, Category::activation, "a").offset, a.allocate(n, Category::activation, "a").offset);
+  }
+  EXPECT_EQ(v->stats().total.peak, a.stats().total.peak);
+  (void)q;
+}
+
+TEST(Arena, OutOfMemoryMessageAndStateUnchanged) {
+  Arena a(Device::cpu(), 1 << 20);
+  a.allocate(300 << 10, Category::parameter, "conv1.weight");
+  auto mid = a.allocate(200 << 10, Category::activation, "relu");
+  a.allocate(300 << 10, Category::gradient, "conv1.weight.grad");
+  a.free(mid.offset);
+  const ArenaStats before = a.stats();
+  try {
+    a.allocate(400 << 10, Category::activation, "conv2d");
+    FAIL() << "expected OutOfMemory";
+  } catch (const OutOfMemory& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("conv2d"), std::string::npos) << m;
+    EXPECT_NE(m.find("409600 bytes"), std::string::npos) << m;
+    EXPECT_NE(m.find("largest free block"), std::string::npos) << m;
+    EXPECT_NE(m.find("parameter 300.0 KiB"), std::string::npos) << m;
+    EXPECT_NE(m.find("gradient 300.0 KiB"), std::string::npos) << m;
+    EXPECT_EQ(e.requested(), 400u << 10);
+  }
+  const ArenaStats after = a.stats();
+  EXPECT_EQ(before.total.current, after.total.current);
+  EXPECT_EQ(before.total.allocations, after.total.allocations);
+  EXPECT_EQ(before.free_bytes, after.free_bytes);
+  EXPECT_EQ(before.largest_free_block, after.largest_free_block);
+  // and the arena still works
+  EXPECT_NO_THROW(a.allocate(100 << 10, Category::activation, "ok"));
+}
+
+TEST(Arena, InjectedFaultFailsTheNthAllocation) {
+  Arena a(Device::cpu(), 1 << 20);
+  a.fail_allocation_after(3);
+  a.allocate(10, Category::activation, "1");
+  a.allocate(10, Category::activation, "2");
+  EXPECT_THROW(a.allocate(10, Category::activation, "3"), OutOfMemory);
+  EXPECT_NO_THROW(a.allocate(10, Category::activation, "4"));
+  EXPECT_EQ(a.stats().total.allocations, 3);
+}
+
+TEST(Arena, StatsResetPeakAndZeroSizedRequests) {
+  Arena a(Device::cpu(), 1 << 20);
+  auto x = a.allocate(0, Category::temporary, "empty");  // still a distinct block
+  auto y = a.allocate(1, Category::temporary, "one");
+  EXPECT_NE(x.offset, y.offset);
+  EXPECT_EQ(a.stats()[Category::temporary].current, 512);
+  a.free(x.offset);
+  EXPECT_EQ(a.stats().total.peak, 512);
+  a.reset_peak();
+  EXPECT_EQ(a.stats().total.peak, 256);
+  EXPECT_THROW(a.free(x.offset), Error);       // double free is an error, not a crash
+  EXPECT_THROW(a.free(12345), Error);          // unknown offset
+}
+
+TEST(Arena, TraceExportsOneEventPerAllocationAndFree) {
+  Arena a(Device::cpu(), 1 << 20);
+  a.set_tracing(true);
+  std::vector<std::size_t> offs;
+  for (int i = 0; i < 10; ++i) offs.push_back(a.allocate(100 * (i + 1), static_cast<Category>(i % kNumCategories), "op" + std::to_string(i)).offset);
+  for (int i = 0; i < 6; ++i) a.free(offs[i]);
+  const auto doc = nlohmann::json::parse(a.trace_json());  // throws if not valid JSON
+  int allocs = 0, frees = 0, counters = 0;
+  for (const auto& e : doc.at("traceEvents")) {
+    if (e.at("ph") == "i") {
+      (e.at("cat") == "alloc" ? allocs : frees)++;
+      EXPECT_TRUE(e.at("args").contains("offset"));
+      EXPECT_TRUE(e.at("args").contains("category"));
+      EXPECT_TRUE(e.at("args").contains("op"));
+    }
+    if (e.at("ph") == "C") counters++;
+  }
+  EXPECT_EQ(allocs, 10);
+  EXPECT_EQ(frees, 6);
+  EXPECT_EQ(counters, 16);
+  EXPECT_EQ(a.trace().size(), 16u);
+}
+
+TEST(Arena, LargeCpuBudgetCostsNothingUntilTouched) {
+  // 64 GiB of address space on a machine with far less memory: MAP_NORESERVE makes this free.
+  Arena a(Device::cpu(), std::size_t(64) << 30);
+  auto b = a.allocate(1 << 20, Category::activation, "x");
+  static_cast<char*>(b.ptr)[0] = 1;
+  EXPECT_EQ(a.capacity(), std::size_t(64) << 30);
+}
+
+TEST(Arena, ParseSize) {
+  EXPECT_EQ(parse_size("48MiB"), 48u << 20);
+  EXPECT_EQ(parse_size("2GiB"), std::size_t(2) << 30);
+  EXPECT_EQ(parse_size("4096"), 4096u);
+  EXPECT_EQ(parse_size("1.5KiB"), 1536u);
+  EXPECT_EQ(parse_size("1GB"), 1000000000u);
+  for (const char* bad : {"", "MiB", "12 parsecs", "-5MiB", "1e400", "0"}) EXPECT_THROW(parse_size(bad), Error) << bad;
+}
+
+TEST(Arena, TensorsComeFromTheCurrentArenaAndFreeOnDestruction) {
+  auto arena = std::make_shared<Arena>(Device::cpu(), 1 << 20);
+  ArenaScope scope(arena);
+  {
+    Tensor t = Tensor::empty({10, 10}, DType::Float32, Device::cpu(), Category::parameter, "w");
+    EXPECT_EQ(arena->stats()[Category::parameter].current, 512);
+    Tensor v = t.view({100});  // a view shares the storage
+    EXPECT_EQ(arena->stats().total.allocations, 1);
+  }
+  EXPECT_EQ(arena->stats().total.current, 0);
+}

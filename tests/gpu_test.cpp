@@ -1,0 +1,61 @@
+// GPU tests (ctest label `gpu`): each one skips with a visible message when no GPU is present.
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "core/arena.h"
+#include "core/memory.h"
+#include "core/tensor.h"
+
+using namespace tally;
+
+#define REQUIRE_GPU() \
+  if (!cuda_available()) GTEST_SKIP() << "no GPU present: " << build_info()
+
+TEST(Gpu, ArenaReservesDeviceMemoryAndAllocatesDeterministically) {
+  REQUIRE_GPU();
+  Arena real(Device::cuda(0), 64 << 20);
+  auto virt = Arena::make_virtual(Device::cuda(0), 64 << 20);
+  std::mt19937 rng(3);
+  std::vector<std::size_t> live;
+  for (int i = 0; i < 2000; ++i) {
+    if (live.empty() || rng() % 3) {
+      const std::size_t n = 1 + rng() % 200000;
+      const auto a = real.allocate(n, Category::activation, "x");
+      ASSERT_EQ(virt->allocate(n, Category::activation, "x").offset, a.offset);
+      ASSERT_NE(a.ptr, nullptr);
+      live.push_back(a.offset);
+    } else {
+      const std::size_t k = rng() % live.size();
+      real.free(live[k]);
+      virt->free(live[k]);
+      live.erase(live.begin() + static_cast<long>(k));
+    }
+  }
+  EXPECT_EQ(real.stats().total.peak, virt->stats().total.peak);
+}
+
+TEST(Gpu, TensorRoundTripThroughDevice) {
+  REQUIRE_GPU();
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> u(-1, 1);
+  std::vector<float> v(1000);
+  for (auto& x : v) x = u(rng);
+  Tensor h = Tensor::from_vector(v, {10, 100});
+  Tensor d = h.to(Device::cuda(0));
+  EXPECT_EQ(d.device(), Device::cuda(0));
+  EXPECT_EQ(d.to_vector<float>(), v);
+  Tensor d2 = Tensor::from_vector(v, {1000}, Device::cuda(0));
+  EXPECT_EQ(d2.to(Device::cpu()).to_vector<float>(), v);
+}
+
+TEST(Gpu, ReservingMoreThanTheDeviceHasIsAClearError) {
+  REQUIRE_GPU();
+  try {
+    Arena huge(Device::cuda(0), std::size_t(1) << 50);
+    FAIL() << "a 1 PiB arena should not fit";
+  } catch (const Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("free"), std::string::npos) << m;
+  }
+}

@@ -1,0 +1,95 @@
+// Tensor, view and device semantics, and the errors bad inputs produce.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include "core/memory.h"
+#include "core/ops.h"
+#include "core/tensor.h"
+
+using namespace tally;
+
+TEST(Tensor, FromVectorRoundTripAndProperties) {
+  const std::vector<float> v{1, 2, 3, 4, 5, 6};
+  Tensor t = Tensor::from_vector(v, {2, 3});
+  EXPECT_EQ(t.shape(), (Shape{2, 3}));
+  EXPECT_EQ(t.strides(), (Shape{3, 1}));
+  EXPECT_EQ(t.numel(), 6);
+  EXPECT_TRUE(t.is_contiguous());
+  EXPECT_EQ(t.to_vector<float>(), v);
+  EXPECT_EQ(t.str(), "float32[2, 3] on cpu");
+  EXPECT_EQ(t.category(), Category::input);
+}
+
+TEST(Tensor, ViewsShareStorage) {
+  Tensor t = Tensor::from_vector(std::vector<double>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11}, {3, 4});
+  Tensor tt = t.transpose(0, 1);
+  EXPECT_EQ(tt.shape(), (Shape{4, 3}));
+  EXPECT_FALSE(tt.is_contiguous());
+  EXPECT_EQ(tt.contiguous().to_vector<double>(), (std::vector<double>{0, 4, 8, 1, 5, 9, 2, 6, 10, 3, 7, 11}));
+  Tensor row = t.narrow(0, 1, 2);
+  EXPECT_EQ(row.to_vector<double>(), (std::vector<double>{4, 5, 6, 7, 8, 9, 10, 11}));
+  Tensor col = t.narrow(1, 2, 1);
+  EXPECT_EQ(col.to_vector<double>(), (std::vector<double>{2, 6, 10}));
+  Tensor v = t.view({2, -1});
+  EXPECT_EQ(v.shape(), (Shape{2, 6}));
+  v.fill_(3.5);  // writes through to t
+  EXPECT_EQ(t.to_vector<double>(), std::vector<double>(12, 3.5));
+  EXPECT_THROW(tt.view({12}), ShapeError);    // not contiguous
+  EXPECT_EQ(tt.reshape({12}).numel(), 12);     // reshape copies instead
+  EXPECT_THROW(t.view({5, -1}), ShapeError);
+  EXPECT_THROW(t.narrow(0, 2, 2), ShapeError);
+}
+
+TEST(Tensor, DtypeConversionAndItem) {
+  Tensor f = Tensor::from_vector(std::vector<float>{1.5f, -2.25f}, {2});
+  Tensor d = f.to(DType::Float64);
+  EXPECT_EQ(d.to_vector<double>(), (std::vector<double>{1.5, -2.25}));
+  EXPECT_THROW(f.to_vector<double>(), ShapeError);
+  EXPECT_THROW(f.item(), ShapeError);
+  EXPECT_DOUBLE_EQ(f.narrow(0, 1, 1).item(), -2.25);
+}
+
+TEST(Tensor, MismatchErrorsNameTheOpAndBothOperands) {
+  Tensor a = Tensor::from_vector(std::vector<float>{1, 2, 3, 4, 5, 6}, {2, 3});
+  Tensor b = Tensor::from_vector(std::vector<float>{1, 2, 3, 4, 5, 6}, {3, 2});
+  Tensor c = Tensor::from_vector(std::vector<double>{1, 2, 3, 4, 5, 6}, {2, 3});
+  try {
+    add(a, b);
+    FAIL();
+  } catch (const ShapeError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("add"), std::string::npos) << m;
+    EXPECT_NE(m.find("float32[2, 3]"), std::string::npos) << m;
+    EXPECT_NE(m.find("float32[3, 2]"), std::string::npos) << m;
+  }
+  try {
+    mul(a, c);
+    FAIL();
+  } catch (const ShapeError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("mul"), std::string::npos) << m;
+    EXPECT_NE(m.find("float64[2, 3]"), std::string::npos) << m;
+  }
+  EXPECT_THROW(Tensor::from_vector(std::vector<float>{1, 2, 3}, {2, 2}), ShapeError);
+  EXPECT_THROW(Tensor::empty({-1, 2}), ShapeError);
+  EXPECT_THROW(Tensor().shape(), Error);
+  EXPECT_THROW(parse_device("tpu"), Error);
+  EXPECT_EQ(parse_device("cuda:1"), Device::cuda(1));
+}
+
+TEST(Tensor, DryRunAllocatesButHasNoData) {
+  auto v = Arena::make_virtual(Device::cpu(), 1 << 20);
+  ArenaScope scope(v);
+  DryRunGuard dry;
+  Tensor t = Tensor::empty({4, 4});
+  EXPECT_EQ(t.raw_data(), nullptr);
+  EXPECT_EQ(v->stats().total.current, 256);
+  EXPECT_THROW(t.to_vector<float>(), Error);
+}
+
+TEST(Tensor, CudaDeviceAbsentWithoutGpu) {
+  if (cuda_available()) GTEST_SKIP() << "a GPU is present; this checks the CPU-only behaviour";
+  EXPECT_EQ(cuda_device_count(), 0);
+  EXPECT_FALSE(build_info().empty());
+}
