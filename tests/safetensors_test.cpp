@@ -203,8 +203,8 @@ TEST(Safetensors, RoundTripFileAndMemory) {
   std::uint64_t n = 0;
   std::memcpy(&n, b.data(), 8);
   EXPECT_EQ(n % 8, 0u) << "header must be padded to a multiple of 8";
-  EXPECT_EQ(static_cast<char>(b[8 + n - 1]) == ' ' || static_cast<char>(b[8 + n - 1]) == '}',
-            true);
+  const char last = static_cast<char>(b[8 + n - 1]);
+  EXPECT_TRUE(last == ' ' || last == '}') << "header must end in '}' or padding";
   expect_same(f, st::parse(b.data(), b.size(), p.string()));
 
   // Values survive exactly.
