@@ -1,5 +1,6 @@
 // apps/tally.cpp — the tally command line.
 //   tally --version        build configuration (CUDA, cuDNN) and whether a GPU is present
+//   tally train [options]  train a ResNet (see apps/trainer.h and README.md for the options)
 //   tally demo             a short walk through the arena: a small conv net's forward and
 //                          backward on the CPU, with the memory accounted by category
 #include <cstdio>
@@ -12,6 +13,8 @@
 #include "core/memory.h"
 #include "core/ops.h"
 #include "core/tensor.h"
+#include "apps/trainer.h"
+#include <iostream>
 
 using namespace tally;
 
@@ -93,8 +96,49 @@ int main(int argc, char** argv) {
   int batch = 32;
   demo_cmd->add_option("--memory-limit", budget, "CPU arena capacity, e.g. 256MiB");
   demo_cmd->add_option("--batch-size", batch, "samples per step")->check(CLI::Range(1, 1 << 20));
+  app::TrainOptions to;
+  auto* train_cmd = app.add_subcommand("train", "train a ResNet on a data set");
+  train_cmd->add_option("--model", to.model, "resnet20|resnet32|resnet44|resnet56|resnet110|resnet18|resnet34|resnet50|resnet9")
+      ->check(CLI::IsMember({"resnet20", "resnet32", "resnet44", "resnet56", "resnet110", "resnet18", "resnet34", "resnet50", "resnet9"}))
+      ->capture_default_str();
+  train_cmd->add_option("--norm", to.norm, "batch|group|none")->check(CLI::IsMember({"batch", "group", "none"}))->capture_default_str();
+  train_cmd->add_option("--data", to.data, "synthetic|mnist:DIR|cifar10:DIR|cifar100:DIR")->capture_default_str();
+  auto* epochs_opt = train_cmd->add_option("--epochs", to.epochs, "epochs to train")->check(CLI::PositiveNumber)->capture_default_str();
+  std::int64_t steps = 0;
+  train_cmd->add_option("--steps", steps, "optimizer steps to train (instead of --epochs)")->check(CLI::PositiveNumber)->excludes(epochs_opt);
+  train_cmd->add_option("--batch-size", to.batch_size, "samples per optimizer step")->check(CLI::PositiveNumber)->capture_default_str();
+  train_cmd->add_option("--optimizer", to.optimizer, "sgd|adamw")->check(CLI::IsMember({"sgd", "adamw"}))->capture_default_str();
+  train_cmd->add_option("--lr", to.lr, "learning rate")->check(CLI::NonNegativeNumber)->capture_default_str();
+  train_cmd->add_option("--momentum", to.momentum, "SGD momentum")->check(CLI::NonNegativeNumber)->capture_default_str();
+  train_cmd->add_flag("--nesterov", to.nesterov, "Nesterov momentum");
+  train_cmd->add_option("--weight-decay", to.weight_decay, "weight decay")->check(CLI::NonNegativeNumber)->capture_default_str();
+  train_cmd->add_option("--schedule", to.schedule, "constant|step|cosine|onecycle")
+      ->check(CLI::IsMember({"constant", "step", "cosine", "onecycle"}))->capture_default_str();
+  train_cmd->add_option("--warmup-epochs", to.warmup_epochs, "linear warm-up, in epochs")->check(CLI::NonNegativeNumber)->capture_default_str();
+  train_cmd->add_option("--label-smoothing", to.label_smoothing, "label smoothing in [0, 1]")->check(CLI::Range(0.0, 1.0))->capture_default_str();
+  bool augment = false, no_augment = false, shuffle = false, no_shuffle = false, normalize = false, no_normalize = false;
+  auto* aug = train_cmd->add_flag("--augment", augment, "random crop (pad 4) + horizontal flip (default: on, off for MNIST)");
+  train_cmd->add_flag("--no-augment", no_augment, "no augmentation")->excludes(aug);
+  auto* shf = train_cmd->add_flag("--shuffle", shuffle, "shuffle the training set every epoch (default)");
+  train_cmd->add_flag("--no-shuffle", no_shuffle, "file order: step k uses samples [kB, (k+1)B)")->excludes(shf);
+  auto* nrm = train_cmd->add_flag("--normalize", normalize, "per-channel mean/std normalization (default)");
+  train_cmd->add_flag("--no-normalize", no_normalize, "pixels in [0, 1]")->excludes(nrm);
+  train_cmd->add_option("--seed", to.seed, "seed for initialization, shuffling and augmentation")->capture_default_str();
+  train_cmd->add_option("--device", to.device, "cpu|cuda|auto")->capture_default_str();
+  train_cmd->add_option("--threads", to.threads, "CPU threads (0: default)")->check(CLI::NonNegativeNumber);
+  train_cmd->add_option("--init", to.init, "initial weights (safetensors, torchvision names)");
+  train_cmd->add_option("--save", to.save, "write the trained weights (safetensors)");
+  train_cmd->add_option("--out", to.out, "write metrics.csv and summary.json into this directory");
+  train_cmd->add_flag("!--no-progress", to.progress, "no progress bar");
   try {
     app.parse(argc, argv);
+    if (train_cmd->parsed()) {
+      if (steps > 0) to.steps = steps;
+      if (augment) to.augment = true;
+      if (no_augment) to.augment = false;
+      if (no_shuffle) to.shuffle = false;
+      if (no_normalize) to.normalize = false;
+    }
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
@@ -104,6 +148,10 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (demo_cmd->parsed()) return demo(parse_size(budget), batch);
+    if (train_cmd->parsed()) {
+      app::train(to, std::cout);
+      return 0;
+    }
   } catch (const std::exception& e) {
     fmt::print(stderr, "tally: error: {}\n", e.what());
     return 1;

@@ -1,0 +1,288 @@
+// apps/trainer.cpp — the training loop of `tally train`; see apps/trainer.h.
+#include "apps/trainer.h"
+
+#include <omp.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <ostream>
+
+#include <fmt/format.h>
+#include <fmt/ostream.h>
+#include <nlohmann/json.hpp>
+
+#include "core/autograd.h"
+#include "core/memory.h"
+#include "core/ops.h"
+#include "layers/checkpoint.h"
+#include "layers/data.h"
+#include "layers/init.h"
+#include "layers/resnet.h"
+#include "optim/optimizer.h"
+#include "optim/schedule.h"
+
+extern "C" void openblas_set_num_threads(int);
+
+namespace tally::app {
+namespace {
+
+void check_choice(const char* flag, const std::string& v, std::initializer_list<const char*> allowed) {
+  for (const char* a : allowed)
+    if (v == a) return;
+  throw Error(fmt::format("{} '{}' is not allowed: expected one of {}", flag, v, fmt::join(allowed, ", ")));
+}
+
+Device choose_device(const std::string& d) {
+  if (d == "cpu") return Device::cpu();
+  if (d == "cuda" || d.rfind("cuda:", 0) == 0) {
+    const Device dev = parse_device(d);
+    if (!cuda_available())
+      throw Error(fmt::format("--device {}: no GPU is present ({})", d, build_info()));
+    return dev;
+  }
+  if (d == "auto") return Device::cpu();  // the CUDA op kernels are not built yet: auto stays on the CPU
+  throw Error(fmt::format("--device '{}' is not allowed: expected one of cpu, cuda, cuda:N, auto", d));
+}
+
+// Rolling progress line: step, loss, images/s, arena peak.
+class Progress {
+ public:
+  Progress(std::ostream& os, bool on, std::int64_t total, std::int64_t epoch, std::int64_t epochs)
+      : os_(os), on_(on), total_(total), epoch_(epoch), epochs_(epochs), tty_(isatty(STDOUT_FILENO)) {}
+  void update(std::int64_t step, double loss, double ips, std::int64_t peak, bool last) {
+    if (!on_) return;
+    if (!tty_ && !last && step % std::max<std::int64_t>(1, total_ / 10) != 0) return;
+    const int width = 24;
+    const int filled = total_ > 0 ? static_cast<int>(width * step / total_) : width;
+    fmt::print(os_, "{}epoch {}/{} [{}{}] {}/{} loss {:.4f} | {:.1f} img/s | peak {}{}", tty_ ? "\r" : "",
+               epoch_ + 1, epochs_, std::string(filled, '#'), std::string(width - filled, '.'), step, total_, loss, ips,
+               format_bytes(static_cast<std::size_t>(peak)), tty_ && !last ? "" : "\n");
+    os_.flush();
+  }
+
+ private:
+  std::ostream& os_;
+  bool on_;
+  std::int64_t total_, epoch_, epochs_;
+  bool tty_;
+};
+
+struct Eval {
+  double loss = 0, accuracy = 0;
+};
+
+Eval evaluate(nn::Module& model, const data::Dataset& ds, bool normalize, Device dev) {
+  NoGradGuard ng;
+  model.eval();
+  const std::int64_t B = 256;
+  double loss_sum = 0;
+  std::int64_t correct = 0;
+  const std::int64_t n = ds.size();
+  data::LoaderOptions lo;
+  lo.batch_size = B;
+  lo.shuffle = false;
+  lo.augment = false;
+  lo.normalize = normalize;
+  lo.drop_last = false;
+  data::Loader loader(ds, lo);
+  loader.start_epoch(0);
+  while (auto b = loader.next()) {
+    Tensor x = Tensor::from_vector(b->images, {b->size, ds.channels, ds.height, ds.width}, dev, Category::input);
+    Tensor y = Tensor::from_vector(b->labels, {b->size}, dev, Category::input);
+    Tensor logits = model(x);
+    CrossEntropyOptions co;
+    co.reduction = Reduction::Sum;
+    loss_sum += cross_entropy(logits, y, co).item();
+    const auto l = logits.to_vector<float>();
+    const std::int64_t C = logits.size(1);
+    for (std::int64_t i = 0; i < b->size; ++i) {
+      const float* row = l.data() + i * C;
+      const std::int64_t pred = std::max_element(row, row + C) - row;
+      correct += pred == b->labels[static_cast<std::size_t>(i)];
+    }
+  }
+  model.train();
+  return {loss_sum / static_cast<double>(n), static_cast<double>(correct) / static_cast<double>(n)};
+}
+
+}  // namespace
+
+TrainResult train(const TrainOptions& opt, std::ostream& log) {
+  // ---- validate everything before any work -----------------------------------------------------
+  check_choice("--model", opt.model, {"resnet20", "resnet32", "resnet44", "resnet56", "resnet110", "resnet18", "resnet34",
+                                      "resnet50", "resnet9"});
+  check_choice("--norm", opt.norm, {"batch", "group", "none"});
+  check_choice("--optimizer", opt.optimizer, {"sgd", "adamw"});
+  check_choice("--schedule", opt.schedule, {"constant", "step", "cosine", "onecycle"});
+  if (opt.batch_size < 1) throw Error(fmt::format("--batch-size must be >= 1, found {}", opt.batch_size));
+  if (opt.epochs < 1 && !opt.steps) throw Error(fmt::format("--epochs must be >= 1, found {}", opt.epochs));
+  if (opt.steps && *opt.steps < 1) throw Error(fmt::format("--steps must be >= 1, found {}", *opt.steps));
+  if (!(opt.lr >= 0)) throw Error(fmt::format("--lr must be >= 0, found {}", opt.lr));
+  if (!(opt.label_smoothing >= 0 && opt.label_smoothing <= 1))
+    throw Error(fmt::format("--label-smoothing must be in [0, 1], found {}", opt.label_smoothing));
+  if (!(opt.warmup_epochs >= 0)) throw Error(fmt::format("--warmup-epochs must be >= 0, found {}", opt.warmup_epochs));
+  if (opt.threads < 0) throw Error(fmt::format("--threads must be >= 0, found {}", opt.threads));
+  const Device dev = choose_device(opt.device);
+  if (opt.threads > 0) {
+    omp_set_num_threads(opt.threads);
+    openblas_set_num_threads(opt.threads);
+  }
+  if (!opt.init.empty() && !std::filesystem::exists(opt.init))
+    throw Error(fmt::format("--init {}: no such file", opt.init));
+  if (!opt.out.empty()) std::filesystem::create_directories(opt.out);
+
+  // ---- data ---------------------------------------------------------------------------------------
+  const data::Split split = data::load_dataset(opt.data);
+  const data::Dataset& train_set = split.train;
+  const bool is_mnist = opt.data.rfind("mnist", 0) == 0;
+  const bool augment = opt.augment.value_or(!is_mnist);
+  data::LoaderOptions lo;
+  lo.batch_size = opt.batch_size;
+  lo.shuffle = opt.shuffle;
+  lo.augment = augment;
+  lo.normalize = opt.normalize;
+  lo.drop_last = true;
+  lo.seed = opt.seed;
+  data::Loader loader(train_set, lo);
+  const std::int64_t per_epoch = loader.batches_per_epoch();
+  if (per_epoch < 1)
+    throw Error(fmt::format("--batch-size {} is larger than the {} training samples of {}", opt.batch_size,
+                            train_set.size(), opt.data));
+  const std::int64_t total_steps = opt.steps ? *opt.steps : opt.epochs * per_epoch;
+  const std::int64_t epochs = (total_steps + per_epoch - 1) / per_epoch;
+
+  // ---- model and optimizer ----------------------------------------------------------------------
+  nn::manual_seed(opt.seed);
+  nn::ModelConfig mc;
+  mc.name = opt.model;
+  mc.in_channels = train_set.channels;
+  mc.num_classes = train_set.num_classes;
+  mc.norm = nn::parse_norm(opt.norm);
+  auto model = nn::make_model(mc);
+  if (!opt.init.empty()) nn::load_state_dict(*model, opt.init);
+  if (!dev.is_cpu()) model->to(dev);
+  model->train();
+  std::unique_ptr<optim::Optimizer> optimizer;
+  if (opt.optimizer == "sgd") {
+    optim::SGDOptions so;
+    so.lr = opt.lr, so.momentum = opt.momentum, so.weight_decay = opt.weight_decay, so.nesterov = opt.nesterov;
+    optimizer = std::make_unique<optim::SGD>(model->parameters(), so);
+  } else {
+    optim::AdamWOptions ao;
+    ao.lr = opt.lr, ao.weight_decay = opt.weight_decay;
+    optimizer = std::make_unique<optim::AdamW>(model->parameters(), ao);
+  }
+  optim::ScheduleOptions sched;
+  sched.kind = opt.schedule;
+  sched.base_lr = opt.lr;
+  sched.total_steps = total_steps;
+  sched.warmup_steps = static_cast<std::int64_t>(std::llround(opt.warmup_epochs * static_cast<double>(per_epoch)));
+  const optim::LRSchedule schedule(sched);
+
+  const auto& arena = current_arena(dev);
+  std::int64_t params = 0;
+  for (const auto& p : model->parameters()) params += p.numel();
+  fmt::print(log, "{}\n", build_info());
+  fmt::print(log, "model {} (norm {}), {} parameters | data {}: {} train / {} test, {}x{}x{}, {} classes\n", opt.model,
+             opt.norm, params, train_set.name, train_set.size(), split.test.size(), train_set.channels, train_set.height,
+             train_set.width, train_set.num_classes);
+  fmt::print(log, "device {} | batch {} | {} steps ({} per epoch) | {} lr {} schedule {} | augment {} shuffle {} normalize {}\n",
+             dev.str(), opt.batch_size, total_steps, per_epoch, opt.optimizer, opt.lr, opt.schedule, augment ? "on" : "off",
+             opt.shuffle ? "on" : "off", opt.normalize ? "on" : "off");
+  const ArenaStats s0 = arena->stats();
+  fmt::print(log, "memory: parameters {}, gradients {}, optimizer state {} (arena capacity {})\n",
+             format_bytes(static_cast<std::size_t>(s0[Category::parameter].current)),
+             format_bytes(static_cast<std::size_t>(s0[Category::gradient].current)),
+             format_bytes(static_cast<std::size_t>(s0[Category::optimizer_state].current)), format_bytes(arena->capacity()));
+
+  std::ofstream metrics;
+  if (!opt.out.empty()) {
+    metrics.open(std::filesystem::path(opt.out) / "metrics.csv");
+    metrics << "step,epoch,loss,lr,images_per_second,peak_bytes\n";
+  }
+
+  // ---- train ---------------------------------------------------------------------------------------
+  using clock = std::chrono::steady_clock;
+  TrainResult result;
+  result.device = dev.str();
+  double steady_seconds = 0;
+  std::int64_t steady_images = 0, step = 0;
+  double last_loss = 0;
+  Eval ev;
+  arena->reset_peak();
+  for (std::int64_t epoch = 0; epoch < epochs && step < total_steps; ++epoch) {
+    loader.start_epoch(epoch);
+    const std::int64_t in_epoch = std::min(per_epoch, total_steps - step);
+    Progress bar(log, opt.progress, in_epoch, epoch, epochs);
+    double epoch_loss = 0;
+    std::int64_t epoch_steps = 0;
+    while (step < total_steps) {
+      std::optional<data::Batch> b = loader.next();
+      if (!b) break;
+      const auto t0 = clock::now();
+      optimizer->set_lr(schedule.lr_at(step));
+      Tensor x = Tensor::from_vector(b->images, {b->size, train_set.channels, train_set.height, train_set.width}, dev,
+                                     Category::input);
+      Tensor y = Tensor::from_vector(b->labels, {b->size}, dev, Category::input);
+      CrossEntropyOptions co;
+      co.label_smoothing = opt.label_smoothing;
+      Tensor loss = cross_entropy((*model)(x), y, co);
+      loss.backward();
+      last_loss = loss.item();
+      if (!std::isfinite(last_loss))
+        throw Error(fmt::format("training diverged at step {}: loss is {} (try a smaller --lr)", step, last_loss));
+      loss = Tensor();
+      x = Tensor();
+      y = Tensor();
+      {
+        NoGradGuard ng;
+        optimizer->step();
+        optimizer->zero_grad();
+      }
+      const double dt = std::chrono::duration<double>(clock::now() - t0).count();
+      if (step > 0) {  // the first step warms caches and is excluded from the steady-state rate
+        steady_seconds += dt;
+        steady_images += b->size;
+      }
+      const double ips = steady_seconds > 0 ? static_cast<double>(steady_images) / steady_seconds
+                                            : static_cast<double>(b->size) / dt;
+      ++step;
+      ++epoch_steps;
+      epoch_loss += last_loss;
+      const std::int64_t peak = arena->stats().total.peak;
+      bar.update(epoch_steps, last_loss, ips, peak, epoch_steps == in_epoch);
+      if (metrics.is_open())
+        metrics << fmt::format("{},{},{:.6f},{:.6g},{:.2f},{}\n", step, epoch, last_loss, optimizer->lr(), ips, peak);
+    }
+    ev = evaluate(*model, split.test, opt.normalize, dev);
+    result.train_loss = epoch_steps > 0 ? epoch_loss / static_cast<double>(epoch_steps) : last_loss;
+    fmt::print(log, "epoch {}/{}: train loss {:.4f} | test loss {:.4f} | test accuracy {:.2f}%\n", epoch + 1, epochs,
+               result.train_loss, ev.loss, 100.0 * ev.accuracy);
+  }
+  result.test_accuracy = ev.accuracy;
+  result.test_loss = ev.loss;
+  result.images_per_second = steady_seconds > 0 ? static_cast<double>(steady_images) / steady_seconds : 0;
+  result.peak_bytes = arena->stats().total.peak;
+  result.steps = step;
+
+  if (!opt.save.empty()) {
+    nn::save_state_dict(*model, opt.save);
+    fmt::print(log, "saved {}\n", opt.save);
+  }
+  if (!opt.out.empty()) {
+    nlohmann::json j = {{"test_accuracy", result.test_accuracy}, {"test_loss", result.test_loss},
+                        {"train_loss", result.train_loss},       {"images_per_second", result.images_per_second},
+                        {"peak_bytes", result.peak_bytes},       {"steps", result.steps},
+                        {"device", result.device},               {"model", opt.model},
+                        {"norm", opt.norm},                      {"batch_size", opt.batch_size},
+                        {"data", opt.data}};
+    std::ofstream(std::filesystem::path(opt.out) / "summary.json") << j.dump(2) << "\n";
+    fmt::print(log, "wrote {}/metrics.csv and {}/summary.json\n", opt.out, opt.out);
+  }
+  return result;
+}
+
+}  // namespace tally::app

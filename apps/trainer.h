@@ -1,0 +1,45 @@
+// apps/trainer.h — the training loop behind `tally train`, as a library so tests can run it.
+//
+// One run: load the data set, build the model (ResNet family, torchvision names), optionally
+// load initial weights, train with SGD or AdamW under a learning-rate schedule, evaluate after
+// every epoch, optionally save the weights, and write metrics.csv and summary.json to --out.
+#pragma once
+#include <cstdint>
+#include <iosfwd>
+#include <optional>
+#include <string>
+
+namespace tally::app {
+
+struct TrainOptions {
+  std::string model = "resnet20";
+  std::string norm = "batch";
+  std::string data = "synthetic";
+  std::int64_t epochs = 2;
+  std::optional<std::int64_t> steps;  // overrides epochs when set
+  std::int64_t batch_size = 128;
+  std::string optimizer = "sgd";
+  double lr = 0.1, momentum = 0.9, weight_decay = 5e-4;
+  bool nesterov = false;
+  std::string schedule = "cosine";
+  double warmup_epochs = 0;
+  double label_smoothing = 0;
+  std::optional<bool> augment;  // default: on, except for MNIST
+  bool shuffle = true, normalize = true;
+  std::uint64_t seed = 0;
+  std::string device = "auto";
+  int threads = 0;  // 0: leave the default
+  std::string init, save, out;
+  bool progress = true;  // progress bar on stdout
+};
+
+struct TrainResult {
+  double test_accuracy = 0, test_loss = 0, train_loss = 0, images_per_second = 0;
+  std::int64_t peak_bytes = 0, steps = 0;
+  std::string device;
+};
+
+// Validates every option first (a bad value is a tally::Error listing the allowed values).
+TrainResult train(const TrainOptions& opt, std::ostream& log);
+
+}  // namespace tally::app

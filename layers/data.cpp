@@ -1,0 +1,732 @@
+// layers/data.cpp — see layers/data.h.
+//
+// Note [Portable randomness]: the shuffles, the augmentation draws and the synthetic images
+// use only a splitmix64-style integer hash and generator written here — never the <random>
+// distributions, whose outputs differ between standard libraries — and the synthetic images are
+// computed in integer pixel levels (0..255) before the single conversion to float, so no
+// floating-point contraction or rounding difference can change them between machines.
+#include "layers/data.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <system_error>
+#include <thread>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+
+namespace tally::data {
+
+namespace fs = std::filesystem;
+
+// ---- randomness (Note [Portable randomness]) --------------------------------------------------
+
+namespace {
+
+// splitmix64 finaliser: a bijective mix of all 64 bits.
+std::uint64_t mix64(std::uint64_t z) {
+  z += 0x9e3779b97f4a7c15ULL;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+// A key derived from several integers, order-sensitive.
+std::uint64_t key(std::uint64_t a, std::uint64_t b, std::uint64_t c = 0) {
+  return mix64(mix64(mix64(a) ^ b) ^ c);
+}
+
+// Domain tags keep the streams for different purposes apart.
+constexpr std::uint64_t kTagShuffle = 0x53485546464c45ULL;  // "SHUFFLE"
+constexpr std::uint64_t kTagAugment = 0x4155474d454e54ULL;  // "AUGMENT"
+constexpr std::uint64_t kTagSynth = 0x53594e5448ULL;        // "SYNTH"
+constexpr std::uint64_t kTagLabels = 0x4c4142454c53ULL;     // "LABELS"
+
+class Rng {
+ public:
+  explicit Rng(std::uint64_t seed) : state_(seed) {}
+  std::uint64_t next() {
+    state_ += 0x9e3779b97f4a7c15ULL;
+    return mix64(state_);
+  }
+  // Uniform in [0, n), n > 0 (multiply-shift; the bias is below n / 2^64).
+  std::uint64_t below(std::uint64_t n) {
+    return static_cast<std::uint64_t>((static_cast<unsigned __int128>(next()) * n) >> 64);
+  }
+  // Uniform integer in [lo, hi].
+  std::int64_t between(std::int64_t lo, std::int64_t hi) {
+    return lo + static_cast<std::int64_t>(below(static_cast<std::uint64_t>(hi - lo + 1)));
+  }
+
+ private:
+  std::uint64_t state_;
+};
+
+// Fisher–Yates with Rng: the same permutation on every machine.
+void shuffle(std::vector<std::int64_t>& v, Rng& rng) {
+  for (std::size_t i = v.size(); i > 1; --i) {
+    std::size_t j = static_cast<std::size_t>(rng.below(i));
+    std::swap(v[i - 1], v[j]);
+  }
+}
+
+// ---- files ------------------------------------------------------------------------------------
+
+std::string show(const fs::path& p) { return p.string(); }
+
+bool is_gzip(const std::vector<std::uint8_t>& b) {
+  return b.size() >= 2 && b[0] == 0x1f && b[1] == 0x8b;
+}
+
+std::vector<std::uint8_t> read_file(const fs::path& path) {
+  std::error_code ec;
+  if (!fs::exists(path, ec)) {
+    fs::path gz = path;
+    gz += ".gz";
+    if (fs::exists(gz, ec))
+      throw FormatError(fmt::format(
+          "{}: expected an uncompressed file, found only {} — files must be decompressed first "
+          "(gunzip {})",
+          show(path), show(gz), show(gz)));
+    throw FormatError(fmt::format("{}: expected a file, found nothing at that path", show(path)));
+  }
+  if (fs::is_directory(path, ec))
+    throw FormatError(fmt::format("{}: expected a file, found a directory", show(path)));
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  if (!in)
+    throw FormatError(fmt::format("{}: expected a readable file, found one that cannot be opened",
+                                  show(path)));
+  const std::streamoff size = in.tellg();
+  std::vector<std::uint8_t> bytes(static_cast<std::size_t>(size));
+  in.seekg(0);
+  if (size > 0 && !in.read(reinterpret_cast<char*>(bytes.data()), size))
+    throw FormatError(fmt::format("{}: expected {} bytes, found a read error after {}", show(path),
+                                  size, static_cast<std::int64_t>(in.gcount())));
+  return bytes;
+}
+
+std::uint32_t be32(const std::uint8_t* p) {
+  return (std::uint32_t{p[0]} << 24) | (std::uint32_t{p[1]} << 16) | (std::uint32_t{p[2]} << 8) |
+         std::uint32_t{p[3]};
+}
+
+// The byte -> [0,1] table used by every loader.
+const std::array<float, 256>& level_to_float() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int i = 0; i < 256; ++i) t[i] = static_cast<float>(i) / 255.0f;
+    return t;
+  }();
+  return table;
+}
+
+// ---- MNIST (IDX) ------------------------------------------------------------------------------
+
+constexpr std::uint32_t kIdxImages = 0x00000803;  // 2051: unsigned bytes, 3 dimensions
+constexpr std::uint32_t kIdxLabels = 0x00000801;  // 2049: unsigned bytes, 1 dimension
+
+std::string magic_hint(const std::vector<std::uint8_t>& b, std::uint32_t found) {
+  if (is_gzip(b)) return " (a gzip file? decompress it first)";
+  if (found == kIdxImages) return " (an IDX images file: are the file names swapped?)";
+  if (found == kIdxLabels) return " (an IDX labels file: are the file names swapped?)";
+  return "";
+}
+
+std::string found_magic(const std::vector<std::uint8_t>& b) {
+  std::uint32_t m = 0;
+  for (std::size_t i = 0; i < 4; ++i) m = (m << 8) | (i < b.size() ? b[i] : 0u);
+  return fmt::format("0x{:08x}{}", m, magic_hint(b, m));
+}
+
+struct IdxImages {
+  std::int64_t count, rows, cols;
+  std::vector<std::uint8_t> bytes;  // header + pixels
+};
+
+IdxImages read_idx_images(const fs::path& path) {
+  IdxImages r{0, 0, 0, read_file(path)};
+  const auto& b = r.bytes;
+  if (is_gzip(b) || (b.size() >= 4 && be32(b.data()) != kIdxImages))
+    throw FormatError(fmt::format("{}: expected magic 0x{:08x} (IDX images), found {}", show(path),
+                                  kIdxImages, found_magic(b)));
+  if (b.size() < 16)
+    throw FormatError(fmt::format(
+        "{}: truncated header: expected at least 16 bytes (magic, count, rows, cols), found {}",
+        show(path), b.size()));
+  const auto count = static_cast<std::int32_t>(be32(b.data() + 4));
+  const auto rows = static_cast<std::int32_t>(be32(b.data() + 8));
+  const auto cols = static_cast<std::int32_t>(be32(b.data() + 12));
+  if (count <= 0)
+    throw FormatError(
+        fmt::format("{}: expected a positive image count, found {}", show(path), count));
+  if (rows <= 0 || cols <= 0 || rows > 4096 || cols > 4096)
+    throw FormatError(fmt::format("{}: expected rows and cols in 1..4096, found {}x{}", show(path),
+                                  rows, cols));
+  r.count = count;
+  r.rows = rows;
+  r.cols = cols;
+  const std::uint64_t want = 16 + std::uint64_t(count) * std::uint64_t(rows) * std::uint64_t(cols);
+  if (b.size() != want)
+    throw FormatError(fmt::format("{}: expected 16 + {} x {} x {} = {} bytes, found {} ({})",
+                                  show(path), count, rows, cols, want, b.size(),
+                                  b.size() < want ? "truncated pixel data" : "trailing bytes"));
+  return r;
+}
+
+std::vector<std::uint8_t> read_idx_labels(const fs::path& path) {
+  std::vector<std::uint8_t> b = read_file(path);
+  if (is_gzip(b) || (b.size() >= 4 && be32(b.data()) != kIdxLabels))
+    throw FormatError(fmt::format("{}: expected magic 0x{:08x} (IDX labels), found {}", show(path),
+                                  kIdxLabels, found_magic(b)));
+  if (b.size() < 8)
+    throw FormatError(fmt::format(
+        "{}: truncated header: expected at least 8 bytes (magic, count), found {}", show(path),
+        b.size()));
+  const auto count = static_cast<std::int32_t>(be32(b.data() + 4));
+  if (count <= 0)
+    throw FormatError(
+        fmt::format("{}: expected a positive label count, found {}", show(path), count));
+  const std::uint64_t want = 8 + std::uint64_t(count);
+  if (b.size() != want)
+    throw FormatError(fmt::format("{}: expected 8 + {} = {} bytes, found {} ({})", show(path),
+                                  count, want, b.size(),
+                                  b.size() < want ? "truncated label data" : "trailing bytes"));
+  return b;
+}
+
+Dataset read_mnist_pair(const fs::path& images_path, const fs::path& labels_path) {
+  IdxImages img = read_idx_images(images_path);
+  std::vector<std::uint8_t> lab = read_idx_labels(labels_path);
+  const std::int64_t n_labels = static_cast<std::int64_t>(lab.size()) - 8;
+  if (n_labels != img.count)
+    throw FormatError(fmt::format(
+        "{} has {} labels but {} has {} images: expected the same count in both files",
+        show(labels_path), n_labels, show(images_path), img.count));
+
+  Dataset ds;
+  ds.name = "mnist";
+  ds.channels = 1;
+  ds.height = img.rows;
+  ds.width = img.cols;
+  ds.num_classes = 10;
+  ds.mean = {0.1307f, 0.0f, 0.0f};
+  ds.stddev = {0.3081f, 0.0f, 0.0f};
+  ds.labels.resize(static_cast<std::size_t>(img.count));
+  for (std::int64_t i = 0; i < img.count; ++i) {
+    const std::uint8_t l = lab[8 + static_cast<std::size_t>(i)];
+    if (l >= ds.num_classes)
+      throw FormatError(fmt::format("{}: label {} at index {} is out of range: expected 0..{}",
+                                    show(labels_path), l, i, ds.num_classes - 1));
+    ds.labels[static_cast<std::size_t>(i)] = l;
+  }
+  const auto& lut = level_to_float();
+  ds.images.resize(img.bytes.size() - 16);
+  std::transform(img.bytes.begin() + 16, img.bytes.end(), ds.images.begin(),
+                 [&](std::uint8_t v) { return lut[v]; });
+  return ds;
+}
+
+// ---- CIFAR ------------------------------------------------------------------------------------
+
+constexpr std::int64_t kCifarPixels = 3 * 32 * 32;
+
+// Appends the records of one CIFAR file. label_bytes is 1 (CIFAR-10: label) or 2 (CIFAR-100:
+// coarse, fine); the last label byte is the one kept.
+void append_cifar(const fs::path& path, int label_bytes, Dataset& ds) {
+  const std::vector<std::uint8_t> b = read_file(path);
+  const std::int64_t record = label_bytes + kCifarPixels;
+  const auto size = static_cast<std::int64_t>(b.size());
+  const char* what = label_bytes == 1 ? "label byte" : "coarse and fine label bytes";
+  if (is_gzip(b))
+    throw FormatError(fmt::format(
+        "{}: expected raw {}-byte records, found a gzip file (decompress it first)", show(path),
+        record));
+  if (size == 0)
+    throw FormatError(fmt::format("{}: expected at least one {}-byte record ({} + {} pixel bytes), "
+                                  "found an empty file",
+                                  show(path), record, what, kCifarPixels));
+  if (size % record != 0)
+    throw FormatError(fmt::format(
+        "{}: size {} is not a multiple of the {}-byte record ({} + {} pixel bytes): found {} "
+        "whole records and {} bytes more (truncated or not a CIFAR binary file?)",
+        show(path), size, record, what, kCifarPixels, size / record, size % record));
+  const std::int64_t n = size / record;
+  const auto& lut = level_to_float();
+  const std::size_t old_n = ds.labels.size();
+  ds.labels.resize(old_n + static_cast<std::size_t>(n));
+  ds.images.resize((old_n + static_cast<std::size_t>(n)) * kCifarPixels);
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::uint8_t* r = b.data() + i * record;
+    if (label_bytes == 2 && r[0] >= 20)
+      throw FormatError(fmt::format("{}: record {} has coarse label {}: expected 0..19",
+                                    show(path), i, r[0]));
+    const std::uint8_t label = r[label_bytes - 1];
+    if (label >= ds.num_classes)
+      throw FormatError(fmt::format("{}: record {} has {}label {}: expected 0..{}", show(path), i,
+                                    label_bytes == 2 ? "fine " : "", label, ds.num_classes - 1));
+    ds.labels[old_n + static_cast<std::size_t>(i)] = label;
+    float* dst = ds.images.data() + (old_n + static_cast<std::size_t>(i)) * kCifarPixels;
+    for (std::int64_t p = 0; p < kCifarPixels; ++p) dst[p] = lut[r[label_bytes + p]];
+  }
+}
+
+Dataset cifar_shell(const char* name, std::int64_t classes, std::array<float, 3> mean,
+                    std::array<float, 3> stddev) {
+  Dataset ds;
+  ds.name = name;
+  ds.channels = 3;
+  ds.height = 32;
+  ds.width = 32;
+  ds.num_classes = classes;
+  ds.mean = mean;
+  ds.stddev = stddev;
+  return ds;
+}
+
+// ---- synthetic --------------------------------------------------------------------------------
+//
+// Classes (shape, colour): 0 filled square red, 1 disk green, 2 horizontal stripes blue,
+// 3 vertical stripes yellow, 4 diagonal stripes magenta, 5 cross cyan, 6 ring orange,
+// 7 triangle white, 8 checkerboard violet, 9 two dots pink. Per image: half-size 6..10 px,
+// centre anywhere that keeps the shape inside, stripe/checker phase and dot direction random,
+// colour jittered by +-20 levels per channel, background a random dark colour (0..100 levels
+// per channel), and noise of about 18 levels (0.07) standard deviation on every value (sum of
+// four random bytes, an Irwin–Hall approximation of a gaussian). Coordinates are integers in
+// 1/8-pixel units; all arithmetic is on integers.
+
+constexpr int kSynSide = 32;
+constexpr int kSynClasses = 10;
+constexpr std::array<std::array<int, 3>, kSynClasses> kPalette = {{
+    {230, 51, 51},    // red
+    {51, 217, 64},    // green
+    {64, 89, 242},    // blue
+    {242, 230, 51},   // yellow
+    {230, 64, 217},   // magenta
+    {51, 217, 230},   // cyan
+    {250, 140, 38},   // orange
+    {235, 235, 235},  // white
+    {153, 77, 242},   // violet
+    {250, 153, 178},  // pink
+}};
+
+struct ShapeParams {
+  int cls;
+  std::int64_t cx, cy, s;  // centre and half-size, 1/8-pixel units
+  std::int64_t phase;      // stripe / checker phase
+  std::int64_t dx, dy;     // two-dots offset of each dot from the centre
+};
+
+bool inside(const ShapeParams& p, std::int64_t u, std::int64_t v) {
+  const std::int64_t s = p.s;
+  const bool box = std::abs(u) <= s && std::abs(v) <= s;
+  switch (p.cls) {
+    case 0: return box;
+    case 1: return u * u + v * v <= s * s;
+    case 2: return box && ((v + s + p.phase) / 16) % 2 == 0;
+    case 3: return box && ((u + s + p.phase) / 16) % 2 == 0;
+    case 4: return box && ((u + v + 2 * s + p.phase) / 24) % 2 == 0;
+    case 5: {
+      const std::int64_t t = s / 4;
+      return (std::abs(u) <= t && std::abs(v) <= s) || (std::abs(v) <= t && std::abs(u) <= s);
+    }
+    case 6: {
+      const std::int64_t r2 = u * u + v * v, in = s * 11 / 20;
+      return r2 <= s * s && r2 >= in * in;
+    }
+    case 7: return std::abs(v) <= s && 2 * std::abs(u) <= v + s;
+    case 8: return box && (((u + s + p.phase) / 24) + ((v + s + p.phase) / 24)) % 2 == 0;
+    case 9: {
+      const std::int64_t r = s * 2 / 5, a = u - p.dx, b = v - p.dy, c = u + p.dx, d = v + p.dy;
+      return a * a + b * b <= r * r || c * c + d * d <= r * r;
+    }
+    default: return false;
+  }
+}
+
+// Draws one 3x32x32 image of class `cls` as levels 0..255 into q (3*32*32).
+void draw_synthetic(int cls, std::uint64_t image_key, std::uint8_t* q) {
+  Rng rng(image_key);
+  ShapeParams p{};
+  p.cls = cls;
+  p.s = rng.between(48, 80);
+  p.cx = rng.between(p.s, kSynSide * 8 - p.s);
+  p.cy = rng.between(p.s, kSynSide * 8 - p.s);
+  p.phase = rng.between(0, 47);
+  const std::int64_t axis = p.s * 3 / 5, diag = p.s * 53 / 125;  // 0.6 s and 0.6 s / sqrt(2)
+  switch (rng.below(4)) {
+    case 0: p.dx = axis, p.dy = 0; break;
+    case 1: p.dx = 0, p.dy = axis; break;
+    case 2: p.dx = diag, p.dy = diag; break;
+    default: p.dx = diag, p.dy = -diag; break;
+  }
+  int fg[3], bg[3];
+  for (int c = 0; c < 3; ++c)
+    fg[c] = std::clamp(kPalette[cls][c] + static_cast<int>(rng.between(-20, 20)), 0, 255);
+  for (int c = 0; c < 3; ++c) bg[c] = static_cast<int>(rng.between(0, 100));
+
+  constexpr int kPlane = kSynSide * kSynSide;
+  std::uint8_t mask[kPlane];
+  for (int y = 0; y < kSynSide; ++y)
+    for (int x = 0; x < kSynSide; ++x)
+      mask[y * kSynSide + x] = inside(p, 8 * x + 4 - p.cx, 8 * y + 4 - p.cy) ? 1 : 0;
+
+  // Noise: each 64-bit draw gives two values, each (sum of four bytes - 510) / 8.
+  std::uint64_t bits = 0;
+  for (int c = 0; c < 3; ++c) {
+    for (int i = 0; i < kPlane; ++i) {
+      if ((i & 1) == 0) bits = rng.next();
+      const int sum = int(bits & 0xff) + int((bits >> 8) & 0xff) + int((bits >> 16) & 0xff) +
+                      int((bits >> 24) & 0xff);
+      bits >>= 32;
+      const int noise = (sum - 510) >> 3;  // arithmetic shift: floor division by 8
+      const int base = mask[i] ? fg[c] : bg[c];
+      q[c * kPlane + i] = static_cast<std::uint8_t>(std::clamp(base + noise, 0, 255));
+    }
+  }
+}
+
+struct LevelStats {
+  std::array<std::uint64_t, 3> sum{}, sumsq{};
+  std::uint64_t per_channel = 0;  // values counted per channel
+};
+
+Dataset make_synthetic_set(std::int64_t n, std::uint64_t seed, std::uint64_t split,
+                           LevelStats* stats) {
+  Dataset ds;
+  ds.name = "synthetic";
+  ds.channels = 3;
+  ds.height = kSynSide;
+  ds.width = kSynSide;
+  ds.num_classes = kSynClasses;
+  // Balanced labels (i mod 10) in a random order.
+  ds.labels.resize(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) ds.labels[static_cast<std::size_t>(i)] = i % kSynClasses;
+  Rng label_rng(key(seed, kTagLabels, split));
+  shuffle(ds.labels, label_rng);
+
+  constexpr std::int64_t numel = 3 * kSynSide * kSynSide;
+  ds.images.resize(static_cast<std::size_t>(n * numel));
+  const auto& lut = level_to_float();
+  std::uint8_t q[numel];
+  for (std::int64_t i = 0; i < n; ++i) {
+    draw_synthetic(static_cast<int>(ds.labels[static_cast<std::size_t>(i)]),
+                   key(key(seed, kTagSynth, split), static_cast<std::uint64_t>(i)), q);
+    float* dst = ds.images.data() + i * numel;
+    for (std::int64_t j = 0; j < numel; ++j) dst[j] = lut[q[j]];
+    if (stats) {
+      for (int c = 0; c < 3; ++c) {
+        std::uint64_t s = 0, ss = 0;
+        for (int j = 0; j < kSynSide * kSynSide; ++j) {
+          const std::uint64_t v = q[c * kSynSide * kSynSide + j];
+          s += v;
+          ss += v * v;
+        }
+        stats->sum[c] += s;
+        stats->sumsq[c] += ss;
+      }
+      stats->per_channel += kSynSide * kSynSide;
+    }
+  }
+  return ds;
+}
+
+// ---- loader -----------------------------------------------------------------------------------
+
+void check_dataset(const Dataset& ds, bool normalize, const char* who) {
+  if (ds.channels <= 0 || ds.height <= 0 || ds.width <= 0 || ds.num_classes <= 0)
+    throw Error(fmt::format("{}: data set '{}' has shape C={} H={} W={} and {} classes: expected "
+                            "all positive",
+                            who, ds.name, ds.channels, ds.height, ds.width, ds.num_classes));
+  const auto want = static_cast<std::size_t>(ds.size() * ds.sample_numel());
+  if (ds.images.size() != want)
+    throw Error(fmt::format("{}: data set '{}' has {} labels of {}x{}x{} images: expected {} "
+                            "image values, found {}",
+                            who, ds.name, ds.size(), ds.channels, ds.height, ds.width, want,
+                            ds.images.size()));
+  if (normalize) {
+    if (ds.channels > 3)
+      throw Error(fmt::format("{}: normalize needs at most 3 channels (mean/stddev), found {}",
+                              who, ds.channels));
+    for (std::int64_t c = 0; c < ds.channels; ++c)
+      if (!(ds.stddev[c] > 0.0f))
+        throw Error(fmt::format("{}: normalize needs stddev > 0, found stddev[{}] = {} in '{}'",
+                                who, c, ds.stddev[c], ds.name));
+  }
+}
+
+// Writes sample `idx` of ds into dst (C, H, W), augmented with the draw `aug` when augment.
+void copy_sample(const Dataset& ds, std::int64_t idx, bool augment, std::uint64_t aug,
+                 bool normalize, float* dst) {
+  const std::int64_t label = ds.labels[static_cast<std::size_t>(idx)];
+  if (label < 0 || label >= ds.num_classes)
+    throw Error(fmt::format("data set '{}': sample {} has label {}: expected 0..{}", ds.name, idx,
+                            label, ds.num_classes - 1));
+  const std::int64_t C = ds.channels, H = ds.height, W = ds.width, plane = H * W;
+  const float* src = ds.images.data() + idx * C * plane;
+  if (!augment) {
+    std::copy(src, src + C * plane, dst);
+  } else {
+    // Crop offset (oy, ox) in 0..8 of the image padded by 4 zeros per side, then maybe a flip:
+    // out(y, x) = in(y + oy - 4, flip ? W-1-x + ox - 4 : x + ox - 4), zero outside.
+    const std::int64_t oy = static_cast<std::int64_t>(aug % 9) - 4;
+    const std::int64_t ox = static_cast<std::int64_t>((aug >> 8) % 9) - 4;
+    const bool flip = ((aug >> 16) & 1) != 0;
+    for (std::int64_t c = 0; c < C; ++c) {
+      const float* s = src + c * plane;
+      float* d = dst + c * plane;
+      for (std::int64_t y = 0; y < H; ++y) {
+        const std::int64_t sy = y + oy;
+        for (std::int64_t x = 0; x < W; ++x) {
+          const std::int64_t sx = (flip ? W - 1 - x : x) + ox;
+          d[y * W + x] = (sy >= 0 && sy < H && sx >= 0 && sx < W) ? s[sy * W + sx] : 0.0f;
+        }
+      }
+    }
+  }
+  if (normalize) {
+    for (std::int64_t c = 0; c < C; ++c) {
+      const float m = ds.mean[static_cast<std::size_t>(c)];
+      const float inv = 1.0f / ds.stddev[static_cast<std::size_t>(c)];
+      float* d = dst + c * plane;
+      for (std::int64_t i = 0; i < plane; ++i) d[i] = (d[i] - m) * inv;
+    }
+  }
+}
+
+}  // namespace
+
+// ---- public: data sets ------------------------------------------------------------------------
+
+Split load_mnist(const std::string& dir) {
+  const fs::path d(dir);
+  Split s;
+  s.train = read_mnist_pair(d / "train-images-idx3-ubyte", d / "train-labels-idx1-ubyte");
+  s.test = read_mnist_pair(d / "t10k-images-idx3-ubyte", d / "t10k-labels-idx1-ubyte");
+  if (s.test.height != s.train.height || s.test.width != s.train.width)
+    throw FormatError(fmt::format("{}: expected {}x{} images like the train set, found {}x{}",
+                                  show(d / "t10k-images-idx3-ubyte"), s.train.height,
+                                  s.train.width, s.test.height, s.test.width));
+  return s;
+}
+
+Split load_cifar10(const std::string& dir) {
+  const fs::path d(dir);
+  const std::array<float, 3> mean = {0.4914f, 0.4822f, 0.4465f};
+  const std::array<float, 3> stddev = {0.2470f, 0.2435f, 0.2616f};
+  Split s{cifar_shell("cifar10", 10, mean, stddev), cifar_shell("cifar10", 10, mean, stddev)};
+  for (int i = 1; i <= 5; ++i)
+    append_cifar(d / fmt::format("data_batch_{}.bin", i), 1, s.train);
+  append_cifar(d / "test_batch.bin", 1, s.test);
+  return s;
+}
+
+Split load_cifar100(const std::string& dir) {
+  const fs::path d(dir);
+  const std::array<float, 3> mean = {0.5071f, 0.4865f, 0.4409f};
+  const std::array<float, 3> stddev = {0.2673f, 0.2564f, 0.2762f};
+  Split s{cifar_shell("cifar100", 100, mean, stddev), cifar_shell("cifar100", 100, mean, stddev)};
+  append_cifar(d / "train.bin", 2, s.train);
+  append_cifar(d / "test.bin", 2, s.test);
+  return s;
+}
+
+Split make_synthetic(std::int64_t n_train, std::int64_t n_test, std::uint64_t seed) {
+  if (n_train <= 0 || n_test < 0)
+    throw Error(fmt::format("make_synthetic: expected n_train > 0 and n_test >= 0, found {} and {}",
+                            n_train, n_test));
+  LevelStats st;
+  Split s;
+  s.train = make_synthetic_set(n_train, seed, 0, &st);
+  s.test = make_synthetic_set(n_test, seed, 1, nullptr);
+  // mean = sum / (n 255); var = (n sumsq - sum^2) / (n^2 255^2), the numerator exact in 128 bits.
+  const auto n = static_cast<unsigned __int128>(st.per_channel);
+  for (int c = 0; c < 3; ++c) {
+    const unsigned __int128 num = n * st.sumsq[c] - static_cast<unsigned __int128>(st.sum[c]) *
+                                                        st.sum[c];
+    const double mean = static_cast<double>(st.sum[c]) / (static_cast<double>(n) * 255.0);
+    const double var =
+        static_cast<double>(num) / (static_cast<double>(n) * static_cast<double>(n) * 65025.0);
+    s.train.mean[c] = static_cast<float>(mean);
+    s.train.stddev[c] = static_cast<float>(std::sqrt(var));
+  }
+  s.test.mean = s.train.mean;
+  s.test.stddev = s.train.stddev;
+  return s;
+}
+
+Split load_dataset(const std::string& spec) {
+  if (spec == "synthetic") return make_synthetic();
+  const auto colon = spec.find(':');
+  if (colon != std::string::npos && colon + 1 < spec.size()) {
+    const std::string kind = spec.substr(0, colon), dir = spec.substr(colon + 1);
+    if (kind == "mnist") return load_mnist(dir);
+    if (kind == "cifar10") return load_cifar10(dir);
+    if (kind == "cifar100") return load_cifar100(dir);
+  }
+  throw Error(fmt::format("load_dataset: unknown data set '{}': expected one of synthetic, "
+                          "mnist:DIR, cifar10:DIR, cifar100:DIR",
+                          spec));
+}
+
+// ---- public: loader ---------------------------------------------------------------------------
+
+Batch batch_at(const Dataset& ds, std::int64_t k, std::int64_t batch_size, bool normalize) {
+  check_dataset(ds, normalize, "batch_at");
+  if (batch_size <= 0 || k < 0 || ds.size() == 0)
+    throw Error(fmt::format("batch_at: expected k >= 0, batch_size > 0 and a non-empty data set, "
+                            "found k={}, batch_size={}, {} samples",
+                            k, batch_size, ds.size()));
+  const std::int64_t n = ds.size(), numel = ds.sample_numel();
+  Batch b;
+  b.size = batch_size;
+  b.index = k;
+  b.images.resize(static_cast<std::size_t>(batch_size * numel));
+  b.labels.resize(static_cast<std::size_t>(batch_size));
+  const std::int64_t first = static_cast<std::int64_t>(
+      (static_cast<unsigned __int128>(k) * static_cast<std::uint64_t>(batch_size)) %
+      static_cast<std::uint64_t>(n));
+  for (std::int64_t j = 0; j < batch_size; ++j) {
+    const std::int64_t idx = (first + j) % n;
+    copy_sample(ds, idx, false, 0, normalize, b.images.data() + j * numel);
+    b.labels[static_cast<std::size_t>(j)] = ds.labels[static_cast<std::size_t>(idx)];
+  }
+  return b;
+}
+
+// The worker and the caller share this state under `mu`. The worker builds batch `produce`
+// of generation `generation` outside the lock and publishes it in `ready` only if no
+// start_epoch has happened meanwhile; next() takes `ready` and lets the worker go on.
+struct Loader::State {
+  const Dataset& ds;
+  LoaderOptions opt;
+  std::int64_t batches = 0;
+
+  std::mutex mu;
+  std::condition_variable cv;
+  bool stop = false;
+  bool started = false;
+  std::uint64_t generation = 0;
+  std::int64_t epoch = 0;
+  std::shared_ptr<const std::vector<std::int64_t>> order;  // sample indices of this epoch
+  std::int64_t produce = 0;  // next batch the worker builds
+  std::int64_t consume = 0;  // next batch next() returns
+  std::optional<Batch> ready;
+  std::exception_ptr error;
+  std::thread worker;
+
+  State(const Dataset& d, LoaderOptions o) : ds(d), opt(o) {}
+
+  Batch build(std::int64_t k, const std::vector<std::int64_t>& ord, std::int64_t ep) const {
+    const std::int64_t start = k * opt.batch_size;
+    const std::int64_t size = std::min(opt.batch_size, ds.size() - start);
+    const std::int64_t numel = ds.sample_numel();
+    Batch b;
+    b.size = size;
+    b.index = k;
+    b.images.resize(static_cast<std::size_t>(size * numel));
+    b.labels.resize(static_cast<std::size_t>(size));
+    const std::uint64_t aug_key = key(opt.seed, kTagAugment, static_cast<std::uint64_t>(ep));
+    for (std::int64_t j = 0; j < size; ++j) {
+      const std::int64_t pos = start + j, idx = ord[static_cast<std::size_t>(pos)];
+      const std::uint64_t draw = opt.augment ? mix64(aug_key ^ static_cast<std::uint64_t>(pos)) : 0;
+      copy_sample(ds, idx, opt.augment, draw, opt.normalize, b.images.data() + j * numel);
+      b.labels[static_cast<std::size_t>(j)] = ds.labels[static_cast<std::size_t>(idx)];
+    }
+    return b;
+  }
+
+  void run() {
+    std::unique_lock<std::mutex> lock(mu);
+    for (;;) {
+      cv.wait(lock, [&] { return stop || (started && !ready && !error && produce < batches); });
+      if (stop) return;
+      const std::int64_t k = produce++;
+      const std::uint64_t gen = generation;
+      const std::int64_t ep = epoch;
+      const auto ord = order;
+      lock.unlock();
+      std::optional<Batch> built;
+      std::exception_ptr err;
+      try {
+        built = build(k, *ord, ep);
+      } catch (...) {
+        err = std::current_exception();
+      }
+      lock.lock();
+      if (gen != generation) continue;  // start_epoch came meanwhile: drop it
+      if (err)
+        error = err;
+      else
+        ready = std::move(built);
+      cv.notify_all();
+    }
+  }
+};
+
+Loader::Loader(const Dataset& ds, LoaderOptions opt) : state_(std::make_unique<State>(ds, opt)) {
+  check_dataset(ds, opt.normalize, "Loader");
+  if (opt.batch_size <= 0)
+    throw Error(fmt::format("Loader: expected batch_size > 0, found {}", opt.batch_size));
+  const std::int64_t n = ds.size();
+  state_->batches = opt.drop_last ? n / opt.batch_size : (n + opt.batch_size - 1) / opt.batch_size;
+  state_->worker = std::thread([s = state_.get()] { s->run(); });
+}
+
+Loader::~Loader() {
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->stop = true;
+  }
+  state_->cv.notify_all();
+  if (state_->worker.joinable()) state_->worker.join();
+}
+
+std::int64_t Loader::batches_per_epoch() const { return state_->batches; }
+
+void Loader::start_epoch(std::int64_t epoch) {
+  auto ord = std::make_shared<std::vector<std::int64_t>>(static_cast<std::size_t>(state_->ds.size()));
+  for (std::size_t i = 0; i < ord->size(); ++i) (*ord)[i] = static_cast<std::int64_t>(i);
+  if (state_->opt.shuffle) {
+    Rng rng(key(state_->opt.seed, kTagShuffle, static_cast<std::uint64_t>(epoch)));
+    shuffle(*ord, rng);
+  }
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    ++state_->generation;
+    state_->started = true;
+    state_->epoch = epoch;
+    state_->order = std::move(ord);
+    state_->produce = 0;
+    state_->consume = 0;
+    state_->ready.reset();
+    state_->error = nullptr;
+  }
+  state_->cv.notify_all();
+}
+
+std::optional<Batch> Loader::next() {
+  State& s = *state_;
+  std::unique_lock<std::mutex> lock(s.mu);
+  if (!s.started) throw Error("Loader::next: expected start_epoch(epoch) to be called first");
+  if (s.consume >= s.batches) return std::nullopt;
+  s.cv.wait(lock, [&] { return s.ready.has_value() || s.error; });
+  if (s.error) std::rethrow_exception(s.error);  // stays set: every later next() rethrows it
+  std::optional<Batch> b = std::move(s.ready);
+  s.ready.reset();
+  ++s.consume;
+  lock.unlock();
+  s.cv.notify_all();
+  return b;
+}
+
+}  // namespace tally::data

@@ -1,0 +1,197 @@
+// layers/layers.cpp — Conv2d, Linear, BatchNorm2d, GroupNorm, pools, Sequential.
+#include "layers/layers.h"
+
+#include <cmath>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "core/memory.h"
+#include "layers/init.h"
+
+namespace tally::nn {
+
+namespace {
+
+Tensor new_parameter(const Shape& shape, const char* op) {
+  return Tensor::zeros(shape, DType::Float32, Device::cpu(), Category::parameter, op);
+}
+
+void check_positive(const char* layer, const char* what, std::int64_t v, std::int64_t min = 1) {
+  if (v < min) throw Error(fmt::format("{}: {} must be >= {}, found {}", layer, what, min, v));
+}
+
+// PyTorch's reset_parameters() of Conv2d and Linear.
+void default_init(Tensor& weight, Tensor& bias) {
+  kaiming_uniform_(weight, std::sqrt(5.0));
+  if (bias.defined()) {
+    const auto fan_in = fan_in_and_fan_out(weight).first;
+    const double bound = fan_in > 0 ? 1.0 / std::sqrt(static_cast<double>(fan_in)) : 0.0;
+    uniform_(bias, -bound, bound);
+  }
+}
+
+}  // namespace
+
+// ---- Conv2d -------------------------------------------------------------------------------------
+Conv2d::Conv2d(std::int64_t in, std::int64_t out, std::int64_t kernel, std::int64_t stride, std::int64_t padding,
+               std::int64_t dilation, std::int64_t groups, bool with_bias)
+    : in_channels(in), out_channels(out), kernel_size(kernel) {
+  check_positive("Conv2d", "in_channels", in);
+  check_positive("Conv2d", "out_channels", out);
+  check_positive("Conv2d", "kernel_size", kernel);
+  check_positive("Conv2d", "stride", stride);
+  check_positive("Conv2d", "padding", padding, 0);
+  check_positive("Conv2d", "dilation", dilation);
+  check_positive("Conv2d", "groups", groups);
+  if (in % groups != 0 || out % groups != 0)
+    throw Error(fmt::format("Conv2d: groups ({}) must divide in_channels ({}) and out_channels ({})", groups, in, out));
+  options.stride = {stride, stride};
+  options.padding = {padding, padding};
+  options.dilation = {dilation, dilation};
+  options.groups = groups;
+  weight = register_parameter("weight", new_parameter({out, in / groups, kernel, kernel}, "conv2d.weight"));
+  if (with_bias) bias = register_parameter("bias", new_parameter({out}, "conv2d.bias"));
+  default_init(weight, bias);
+}
+
+Tensor Conv2d::forward(const Tensor& x) { return conv2d(x, weight, bias, options); }
+
+// ---- Linear -------------------------------------------------------------------------------------
+Linear::Linear(std::int64_t in, std::int64_t out, bool with_bias) : in_features(in), out_features(out) {
+  check_positive("Linear", "in_features", in);
+  check_positive("Linear", "out_features", out);
+  weight = register_parameter("weight", new_parameter({out, in}, "linear.weight"));
+  if (with_bias) bias = register_parameter("bias", new_parameter({out}, "linear.bias"));
+  default_init(weight, bias);
+}
+
+Tensor Linear::forward(const Tensor& x) { return linear(x, weight, bias); }
+
+// ---- BatchNorm2d --------------------------------------------------------------------------------
+BatchNorm2d::BatchNorm2d(std::int64_t c, double eps_, double momentum_) : num_features(c), eps(eps_), momentum(momentum_) {
+  check_positive("BatchNorm2d", "num_features", c);
+  weight = register_parameter("weight", Tensor::full({c}, 1.0, DType::Float32, Device::cpu(), Category::parameter, "bn.weight"));
+  bias = register_parameter("bias", new_parameter({c}, "bn.bias"));
+  running_mean = register_buffer("running_mean", new_parameter({c}, "bn.running_mean"));
+  running_var = register_buffer("running_var",
+                                Tensor::full({c}, 1.0, DType::Float32, Device::cpu(), Category::parameter, "bn.running_var"));
+  num_batches_tracked = register_buffer(
+      "num_batches_tracked", Tensor::zeros({}, DType::Int64, Device::cpu(), Category::parameter, "bn.num_batches_tracked"));
+}
+
+void BatchNorm2d::count_batch() {
+  if (is_dry_run()) return;  // a dry run changes no state
+  num_batches_tracked.data<std::int64_t>()[0] += 1;
+}
+
+Tensor BatchNorm2d::forward(const Tensor& x) {
+  if (x.defined() && x.dim() != 4)
+    throw ShapeError(fmt::format("BatchNorm2d: expected input (N, C, H, W), found {}", x.str()));
+  BatchNormOptions opt;
+  opt.training = is_training();
+  opt.momentum = momentum;
+  opt.eps = eps;
+  opt.defer_running_stats = is_training() ? defer_ : nullptr;
+  Tensor y = batch_norm(x, weight, bias, running_mean, running_var, opt);
+  if (is_training() && !defer_) count_batch();
+  return y;
+}
+
+void BatchNorm2d::apply_moments(const BatchNormMoments& m) {
+  if (m.count == 0) return;
+  if (static_cast<std::int64_t>(m.sum.size()) != num_features || static_cast<std::int64_t>(m.sum_sq.size()) != num_features)
+    throw ShapeError(fmt::format("BatchNorm2d::apply_moments: expected moments of {} channels, found {} and {}",
+                                 num_features, m.sum.size(), m.sum_sq.size()));
+  if (m.count < 2)
+    throw ShapeError("BatchNorm2d::apply_moments: need more than 1 value per channel for an unbiased variance");
+  if (is_dry_run()) return;
+  const auto C = static_cast<std::size_t>(num_features);
+  const double n = static_cast<double>(m.count);
+  std::vector<double> rm(C), rv(C);
+  if (running_mean.dtype() == DType::Float64) {
+    rm = running_mean.to_vector<double>();
+    rv = running_var.to_vector<double>();
+  } else {
+    const auto a = running_mean.to_vector<float>(), b = running_var.to_vector<float>();
+    rm.assign(a.begin(), a.end());
+    rv.assign(b.begin(), b.end());
+  }
+  for (std::size_t c = 0; c < C; ++c) {
+    const double mean = m.sum[c] / n;
+    const double var = std::max(0.0, m.sum_sq[c] / n - mean * mean);  // biased
+    rm[c] = (1.0 - momentum) * rm[c] + momentum * mean;
+    rv[c] = (1.0 - momentum) * rv[c] + momentum * var * n / (n - 1.0);
+  }
+  if (running_mean.dtype() == DType::Float64) {
+    running_mean.copy_(Tensor::from_vector(rm, running_mean.shape(), Device::cpu(), Category::temporary));
+    running_var.copy_(Tensor::from_vector(rv, running_var.shape(), Device::cpu(), Category::temporary));
+  } else {
+    running_mean.copy_(Tensor::from_vector(std::vector<float>(rm.begin(), rm.end()), running_mean.shape(),
+                                           Device::cpu(), Category::temporary));
+    running_var.copy_(Tensor::from_vector(std::vector<float>(rv.begin(), rv.end()), running_var.shape(),
+                                          Device::cpu(), Category::temporary));
+  }
+  count_batch();
+}
+
+// ---- GroupNorm ----------------------------------------------------------------------------------
+GroupNorm::GroupNorm(std::int64_t groups, std::int64_t c, double eps_) : num_groups(groups), num_channels(c), eps(eps_) {
+  check_positive("GroupNorm", "num_groups", groups);
+  check_positive("GroupNorm", "num_channels", c);
+  if (c % groups != 0)
+    throw Error(fmt::format("GroupNorm: num_groups ({}) must divide num_channels ({})", groups, c));
+  weight = register_parameter("weight", Tensor::full({c}, 1.0, DType::Float32, Device::cpu(), Category::parameter, "gn.weight"));
+  bias = register_parameter("bias", new_parameter({c}, "gn.bias"));
+}
+
+Tensor GroupNorm::forward(const Tensor& x) { return group_norm(x, num_groups, weight, bias, eps); }
+
+// ---- pooling ------------------------------------------------------------------------------------
+MaxPool2d::MaxPool2d(std::int64_t k, std::optional<std::int64_t> s, std::int64_t p)
+    : kernel_size(k), stride(s.value_or(k)), padding(p) {
+  check_positive("MaxPool2d", "kernel_size", kernel_size);
+  check_positive("MaxPool2d", "stride", stride);
+  check_positive("MaxPool2d", "padding", padding, 0);
+}
+
+Tensor MaxPool2d::forward(const Tensor& x) {
+  return max_pool2d(x, {kernel_size, kernel_size}, {stride, stride}, {padding, padding});
+}
+
+AdaptiveAvgPool2d::AdaptiveAvgPool2d(std::int64_t oh, std::int64_t ow) : output_h(oh), output_w(ow) {
+  check_positive("AdaptiveAvgPool2d", "output_h", oh);
+  check_positive("AdaptiveAvgPool2d", "output_w", ow);
+}
+
+// ---- Sequential ---------------------------------------------------------------------------------
+Sequential::Sequential(std::initializer_list<std::shared_ptr<Module>> modules) {
+  for (const auto& m : modules) push_back(m);
+}
+
+void Sequential::push_back(std::shared_ptr<Module> module) {
+  register_module(std::to_string(modules_.size()), module);
+  modules_.push_back(std::move(module));
+}
+
+Tensor Sequential::forward(const Tensor& x) {
+  Tensor y = x;
+  for (const auto& m : modules_) y = m->forward(y);
+  return y;
+}
+
+// ---- helpers ------------------------------------------------------------------------------------
+namespace {
+void find_batch_norms(Module& m, std::vector<BatchNorm2d*>& out) {
+  if (auto* bn = dynamic_cast<BatchNorm2d*>(&m)) out.push_back(bn);
+  for (auto& [name, child] : m.named_children()) find_batch_norms(*child, out);
+}
+}  // namespace
+
+std::vector<BatchNorm2d*> batch_norm_layers(Module& root) {
+  std::vector<BatchNorm2d*> out;
+  find_batch_norms(root, out);
+  return out;
+}
+
+}  // namespace tally::nn

@@ -1,0 +1,142 @@
+// layers/layers.h — the standard layers: thin Modules over the ops of core/ops.h.
+//
+// Names, shapes, defaults and initialization follow torch.nn, so state dicts interchange:
+//   Conv2d       weight (out, in/groups, k, k), bias (out)    kaiming_uniform(a = sqrt(5))
+//   Linear       weight (out, in), bias (out)                 kaiming_uniform(a = sqrt(5))
+//                (biases U(-1/sqrt(fan_in), 1/sqrt(fan_in)))
+//   BatchNorm2d  weight 1, bias 0 (C); buffers running_mean 0, running_var 1 (C),
+//                num_batches_tracked 0 (int64, shape [])
+//   GroupNorm    weight 1, bias 0 (C)
+//
+// BatchNorm2d and micro-batching (see docs/mbp.md): PyTorch updates the running statistics
+// once per forward. When the MBP executor splits a batch into k micro-batches, k forwards would
+// update them k times with k small-batch statistics. Instead the executor calls
+// defer_running_stats(&acc) on every BatchNorm2d, runs the micro-batches (each normalizes with
+// its own statistics and adds its moments to acc), then apply_moments(acc) updates the running
+// statistics exactly once, as if the whole batch had gone through in one forward.
+#pragma once
+#include <cstdint>
+#include <initializer_list>
+#include <memory>
+#include <optional>
+#include <vector>
+
+#include "core/ops.h"
+#include "layers/module.h"
+
+namespace tally::nn {
+
+class Conv2d : public Module {
+ public:
+  Conv2d(std::int64_t in_channels, std::int64_t out_channels, std::int64_t kernel_size, std::int64_t stride = 1,
+         std::int64_t padding = 0, std::int64_t dilation = 1, std::int64_t groups = 1, bool bias = true);
+  Tensor forward(const Tensor& x) override;  // (N, in, H, W) -> (N, out, P, Q)
+
+  Tensor weight;  // (out, in / groups, k, k)
+  Tensor bias;    // (out) or undefined
+  std::int64_t in_channels, out_channels, kernel_size;
+  Conv2dOptions options;
+};
+
+class Linear : public Module {
+ public:
+  Linear(std::int64_t in_features, std::int64_t out_features, bool bias = true);
+  Tensor forward(const Tensor& x) override;  // (N, in) -> (N, out)
+
+  Tensor weight;  // (out, in)
+  Tensor bias;    // (out) or undefined
+  std::int64_t in_features, out_features;
+};
+
+class BatchNorm2d : public Module {
+ public:
+  explicit BatchNorm2d(std::int64_t num_features, double eps = 1e-5, double momentum = 0.1);
+  // Training: batch statistics, running statistics updated (unless deferred) and
+  // num_batches_tracked += 1. Eval: running statistics.
+  Tensor forward(const Tensor& x) override;
+
+  // nullptr restores the normal behaviour. While set, training forwards leave the running
+  // statistics and num_batches_tracked alone and add their per-channel moments to *acc.
+  void defer_running_stats(BatchNormMoments* acc) { defer_ = acc; }
+  BatchNormMoments* deferred() const { return defer_; }
+  // Updates running_mean / running_var once, as PyTorch would for one batch whose moments are m
+  // (mean = sum / count, biased var = sum_sq / count - mean^2, running_var takes the unbiased
+  // var * count / (count - 1)), with the usual momentum, and num_batches_tracked += 1.
+  // m.count == 0 (no training forward seen) leaves everything unchanged.
+  void apply_moments(const BatchNormMoments& m);
+
+  Tensor weight, bias;              // (C)
+  Tensor running_mean, running_var;  // (C), category parameter, no grad
+  // Always a CPU int64 scalar (shape []), whatever device the module is on: a host-side counter
+  // that nothing on the device reads, so incrementing it never launches a kernel (Module::to
+  // leaves integer buffers on the CPU). Saved as I64 [] like PyTorch's.
+  Tensor num_batches_tracked;
+  std::int64_t num_features;
+  double eps, momentum;
+
+ private:
+  void count_batch();
+  BatchNormMoments* defer_ = nullptr;
+};
+
+class GroupNorm : public Module {
+ public:
+  GroupNorm(std::int64_t num_groups, std::int64_t num_channels, double eps = 1e-5);
+  Tensor forward(const Tensor& x) override;
+
+  Tensor weight, bias;  // (C)
+  std::int64_t num_groups, num_channels;
+  double eps;
+};
+
+class ReLU : public Module {
+ public:
+  Tensor forward(const Tensor& x) override { return relu(x); }
+};
+
+class MaxPool2d : public Module {
+ public:
+  // stride defaults to kernel_size, as in PyTorch.
+  explicit MaxPool2d(std::int64_t kernel_size, std::optional<std::int64_t> stride = std::nullopt,
+                     std::int64_t padding = 0);
+  Tensor forward(const Tensor& x) override;
+  std::int64_t kernel_size, stride, padding;
+};
+
+class AdaptiveAvgPool2d : public Module {
+ public:
+  AdaptiveAvgPool2d(std::int64_t output_h, std::int64_t output_w);
+  Tensor forward(const Tensor& x) override { return adaptive_avg_pool2d(x, {output_h, output_w}); }
+  std::int64_t output_h, output_w;
+};
+
+class Flatten : public Module {
+ public:
+  explicit Flatten(std::int64_t start_dim = 1) : start_dim(start_dim) {}
+  Tensor forward(const Tensor& x) override { return flatten(x, start_dim); }
+  std::int64_t start_dim;
+};
+
+class Identity : public Module {
+ public:
+  Tensor forward(const Tensor& x) override { return x; }
+};
+
+// Children named "0", "1", ... in order; forward applies them in turn.
+class Sequential : public Module {
+ public:
+  Sequential() = default;
+  Sequential(std::initializer_list<std::shared_ptr<Module>> modules);
+  void push_back(std::shared_ptr<Module> module);
+  Tensor forward(const Tensor& x) override;
+  std::size_t size() const { return modules_.size(); }
+  const std::shared_ptr<Module>& operator[](std::size_t i) const { return modules_.at(i); }
+
+ private:
+  std::vector<std::shared_ptr<Module>> modules_;
+};
+
+// Every BatchNorm2d in the tree rooted at `root` (root included), in registration order.
+std::vector<BatchNorm2d*> batch_norm_layers(Module& root);
+
+}  // namespace tally::nn

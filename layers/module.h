@@ -1,0 +1,85 @@
+// layers/module.h — the Module base class, modelled on libtorch's frontend (torch::nn::Module).
+//
+// A Module owns named parameters (leaf tensors that require grad), named buffers (state that is
+// saved but not trained: BatchNorm's running statistics) and named child modules, all kept in
+// registration order. Names compose with dots, recursively, exactly like PyTorch's state-dict
+// keys ("layer1.0.conv1.weight"), so checkpoints interchange with torchvision.
+//
+//   struct Net : Module {
+//     Net() { fc = register_module("fc", std::make_shared<Linear>(4, 2)); }
+//     Tensor forward(const Tensor& x) override { return (*fc)(x); }
+//     std::shared_ptr<Linear> fc;
+//   };
+//
+// Memory: parameters and buffers are category `parameter`; registering a parameter marks it
+// requires_grad and allocates its persistent gradient buffer (category `gradient`) right away,
+// so both are counted in the arena before the first step and backward accumulates into them
+// with beta = 1 (core/autograd.h).
+//
+// Handles alias: a registered Tensor is a handle to one TensorImpl shared by the registry, the
+// layer's member (`weight`) and any optimizer holding parameters(). to(Device) therefore moves
+// each tensor *in place* (its impl gets the new storage), as PyTorch's Module.to does with
+// param.data, and every holder sees the moved tensor.
+#pragma once
+#include <deque>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace tally::nn {
+
+class Module {
+ public:
+  Module() = default;
+  virtual ~Module() = default;
+  Module(const Module&) = delete;
+  Module& operator=(const Module&) = delete;
+
+  virtual Tensor forward(const Tensor& x) = 0;
+  Tensor operator()(const Tensor& x) { return forward(x); }
+
+  // Dotted names, registration order, this module's own entries before its children's.
+  std::vector<std::pair<std::string, Tensor>> named_parameters() const;
+  std::vector<Tensor> parameters() const;
+  std::vector<std::pair<std::string, Tensor>> named_buffers() const;
+  // Direct children only, in registration order.
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> named_children() const;
+
+  // Training / evaluation mode, set recursively (BatchNorm uses batch or running statistics).
+  virtual void train(bool on = true);
+  void eval() { train(false); }
+  bool is_training() const { return training_; }
+
+  // Fills every parameter's persistent gradient buffer with zeros (allocating it if missing).
+  void zero_grad();
+
+  // Moves parameters (with their gradient buffers) and buffers to `device`, recursively, in
+  // place. Integer buffers (BatchNorm's num_batches_tracked) are host-side counters and stay on
+  // the CPU.
+  void to(Device device);
+
+ protected:
+  template <class M>
+  std::shared_ptr<M> register_module(const std::string& name, std::shared_ptr<M> module) {
+    add_child(name, module);
+    return module;
+  }
+  // Marks `t` requires_grad and allocates its gradient buffer; returns the registered handle.
+  Tensor& register_parameter(const std::string& name, Tensor t);
+  Tensor& register_buffer(const std::string& name, Tensor t);
+
+ private:
+  void add_child(const std::string& name, std::shared_ptr<Module> module);
+  void check_new_name(const std::string& name, const char* what) const;
+  void collect(const std::string& prefix, bool buffers, std::vector<std::pair<std::string, Tensor>>& out) const;
+
+  // std::deque: push_back keeps references to earlier elements valid (register_* returns one).
+  std::deque<std::pair<std::string, Tensor>> parameters_, buffers_;
+  std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
+  bool training_ = true;
+};
+
+}  // namespace tally::nn

@@ -1,0 +1,224 @@
+// layers/resnet.cpp — ResNet builders (names and structure in resnet.h).
+#include "layers/resnet.h"
+
+#include <algorithm>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "core/error.h"
+#include "layers/init.h"
+
+namespace tally::nn {
+
+// ---- norm ---------------------------------------------------------------------------------------
+Norm parse_norm(const std::string& s) {
+  if (s == "batch") return Norm::Batch;
+  if (s == "group") return Norm::Group;
+  if (s == "none") return Norm::None;
+  throw Error(fmt::format("unknown norm '{}': expected one of batch, group, none", s));
+}
+
+const char* norm_name(Norm n) {
+  switch (n) {
+    case Norm::Batch: return "batch";
+    case Norm::Group: return "group";
+    case Norm::None: return "none";
+  }
+  return "?";
+}
+
+std::shared_ptr<Module> make_norm(Norm norm, std::int64_t channels) {
+  switch (norm) {
+    case Norm::Batch: return std::make_shared<BatchNorm2d>(channels);
+    case Norm::Group: return std::make_shared<GroupNorm>(std::min<std::int64_t>(32, std::max<std::int64_t>(1, channels / 4)), channels);
+    case Norm::None: return std::make_shared<Identity>();
+  }
+  throw Error("make_norm: invalid norm");
+}
+
+namespace {
+
+std::shared_ptr<Conv2d> conv3x3(std::int64_t in, std::int64_t out, std::int64_t stride = 1) {
+  return std::make_shared<Conv2d>(in, out, 3, stride, 1, 1, 1, false);
+}
+std::shared_ptr<Conv2d> conv1x1(std::int64_t in, std::int64_t out, std::int64_t stride = 1) {
+  return std::make_shared<Conv2d>(in, out, 1, stride, 0, 1, 1, false);
+}
+
+std::shared_ptr<Sequential> make_downsample(std::int64_t in, std::int64_t out, std::int64_t stride, Norm norm) {
+  if (stride == 1 && in == out) return nullptr;
+  auto ds = std::make_shared<Sequential>();
+  ds->push_back(conv1x1(in, out, stride));
+  ds->push_back(make_norm(norm, out));
+  return ds;
+}
+
+// torchvision's init: every conv kaiming_normal_(fan_out, relu); norms are already weight 1,
+// bias 0 and Linear keeps its default init.
+void init_convs(Module& m) {
+  if (auto* conv = dynamic_cast<Conv2d*>(&m)) kaiming_normal_(conv->weight, 0.0, FanMode::FanOut, Nonlinearity::ReLU);
+  for (auto& [name, child] : m.named_children()) init_convs(*child);
+}
+
+// A stage of `blocks` blocks; the first has `stride` and takes in_planes (updated to the output).
+template <class Block>
+std::shared_ptr<Sequential> make_stage(std::int64_t& in_planes, std::int64_t planes, std::int64_t blocks,
+                                       std::int64_t stride, Norm norm) {
+  auto stage = std::make_shared<Sequential>();
+  for (std::int64_t i = 0; i < blocks; ++i) {
+    stage->push_back(std::make_shared<Block>(in_planes, planes, i == 0 ? stride : 1, norm));
+    in_planes = planes * Block::expansion;
+  }
+  return stage;
+}
+
+}  // namespace
+
+// ---- blocks -------------------------------------------------------------------------------------
+BasicBlock::BasicBlock(std::int64_t in_planes, std::int64_t planes, std::int64_t stride, Norm norm) {
+  conv1 = register_module("conv1", conv3x3(in_planes, planes, stride));
+  bn1 = register_module("bn1", make_norm(norm, planes));
+  relu = register_module("relu", std::make_shared<ReLU>());
+  conv2 = register_module("conv2", conv3x3(planes, planes));
+  bn2 = register_module("bn2", make_norm(norm, planes));
+  if (auto ds = make_downsample(in_planes, planes * expansion, stride, norm)) downsample = register_module("downsample", ds);
+}
+
+Tensor BasicBlock::forward(const Tensor& x) {
+  Tensor out = tally::relu((*bn1)((*conv1)(x)));
+  out = (*bn2)((*conv2)(out));
+  return tally::relu(add(out, downsample ? (*downsample)(x) : x));
+}
+
+Bottleneck::Bottleneck(std::int64_t in_planes, std::int64_t planes, std::int64_t stride, Norm norm) {
+  conv1 = register_module("conv1", conv1x1(in_planes, planes));
+  bn1 = register_module("bn1", make_norm(norm, planes));
+  conv2 = register_module("conv2", conv3x3(planes, planes, stride));  // v1.5: stride on the 3x3
+  bn2 = register_module("bn2", make_norm(norm, planes));
+  conv3 = register_module("conv3", conv1x1(planes, planes * expansion));
+  bn3 = register_module("bn3", make_norm(norm, planes * expansion));
+  relu = register_module("relu", std::make_shared<ReLU>());
+  if (auto ds = make_downsample(in_planes, planes * expansion, stride, norm)) downsample = register_module("downsample", ds);
+}
+
+Tensor Bottleneck::forward(const Tensor& x) {
+  Tensor out = tally::relu((*bn1)((*conv1)(x)));
+  out = tally::relu((*bn2)((*conv2)(out)));
+  out = (*bn3)((*conv3)(out));
+  return tally::relu(add(out, downsample ? (*downsample)(x) : x));
+}
+
+// ---- torchvision ResNet -------------------------------------------------------------------------
+ResNet::ResNet(BlockKind block, const std::vector<std::int64_t>& layers, std::int64_t in_channels,
+               std::int64_t num_classes, Norm norm) {
+  if (layers.size() != 4) throw Error(fmt::format("ResNet: expected 4 stage sizes, found {}", layers.size()));
+  conv1 = register_module("conv1", std::make_shared<Conv2d>(in_channels, 64, 7, 2, 3, 1, 1, false));
+  bn1 = register_module("bn1", make_norm(norm, 64));
+  relu = register_module("relu", std::make_shared<ReLU>());
+  maxpool = register_module("maxpool", std::make_shared<MaxPool2d>(3, 2, 1));
+  std::int64_t in_planes = 64;
+  const std::int64_t widths[4] = {64, 128, 256, 512};
+  std::shared_ptr<Sequential>* stages[4] = {&layer1, &layer2, &layer3, &layer4};
+  for (int i = 0; i < 4; ++i) {
+    const std::int64_t stride = i == 0 ? 1 : 2;
+    auto stage = block == BlockKind::Basic ? make_stage<BasicBlock>(in_planes, widths[i], layers[i], stride, norm)
+                                           : make_stage<Bottleneck>(in_planes, widths[i], layers[i], stride, norm);
+    *stages[i] = register_module(fmt::format("layer{}", i + 1), stage);
+  }
+  avgpool = register_module("avgpool", std::make_shared<AdaptiveAvgPool2d>(1, 1));
+  fc = register_module("fc", std::make_shared<Linear>(in_planes, num_classes));
+  init_convs(*this);
+}
+
+Tensor ResNet::forward(const Tensor& x) {
+  Tensor y = (*maxpool)(tally::relu((*bn1)((*conv1)(x))));
+  y = (*layer4)((*layer3)((*layer2)((*layer1)(y))));
+  return (*fc)(flatten((*avgpool)(y), 1));
+}
+
+// ---- CIFAR ResNet -------------------------------------------------------------------------------
+CifarResNet::CifarResNet(std::int64_t depth, std::int64_t in_channels, std::int64_t num_classes, Norm norm) {
+  if (depth < 8 || (depth - 2) % 6 != 0)
+    throw Error(fmt::format("CifarResNet: depth must be 6n + 2 with n >= 1, found {}", depth));
+  const std::int64_t n = (depth - 2) / 6;
+  conv1 = register_module("conv1", conv3x3(in_channels, 16));
+  bn1 = register_module("bn1", make_norm(norm, 16));
+  relu = register_module("relu", std::make_shared<ReLU>());
+  std::int64_t in_planes = 16;
+  layer1 = register_module("layer1", make_stage<BasicBlock>(in_planes, 16, n, 1, norm));
+  layer2 = register_module("layer2", make_stage<BasicBlock>(in_planes, 32, n, 2, norm));
+  layer3 = register_module("layer3", make_stage<BasicBlock>(in_planes, 64, n, 2, norm));
+  avgpool = register_module("avgpool", std::make_shared<AdaptiveAvgPool2d>(1, 1));
+  fc = register_module("fc", std::make_shared<Linear>(64, num_classes));
+  init_convs(*this);
+}
+
+Tensor CifarResNet::forward(const Tensor& x) {
+  Tensor y = tally::relu((*bn1)((*conv1)(x)));
+  y = (*layer3)((*layer2)((*layer1)(y)));
+  return (*fc)(flatten((*avgpool)(y), 1));
+}
+
+// ---- ResNet-9 -----------------------------------------------------------------------------------
+namespace {
+std::shared_ptr<Sequential> conv_norm_relu(std::int64_t in, std::int64_t out, Norm norm, bool pool = false) {
+  auto s = std::make_shared<Sequential>();
+  s->push_back(conv3x3(in, out));
+  s->push_back(make_norm(norm, out));
+  s->push_back(std::make_shared<ReLU>());
+  if (pool) s->push_back(std::make_shared<MaxPool2d>(2));
+  return s;
+}
+std::shared_ptr<Sequential> residual(std::int64_t c, Norm norm) {
+  return std::make_shared<Sequential>(
+      std::initializer_list<std::shared_ptr<Module>>{conv_norm_relu(c, c, norm), conv_norm_relu(c, c, norm)});
+}
+}  // namespace
+
+ResNet9::ResNet9(std::int64_t in_channels, std::int64_t num_classes, Norm norm) {
+  prep = register_module("prep", conv_norm_relu(in_channels, 64, norm));
+  layer1 = register_module("layer1", conv_norm_relu(64, 128, norm, true));
+  res1 = register_module("res1", residual(128, norm));
+  layer2 = register_module("layer2", conv_norm_relu(128, 256, norm, true));
+  layer3 = register_module("layer3", conv_norm_relu(256, 512, norm, true));
+  res3 = register_module("res3", residual(512, norm));
+  fc = register_module("fc", std::make_shared<Linear>(512, num_classes, false));
+}
+
+Tensor ResNet9::forward(const Tensor& x) {
+  Tensor y = (*layer1)((*prep)(x));
+  y = add(y, (*res1)(y));
+  y = (*layer3)((*layer2)(y));
+  y = add(y, (*res3)(y));
+  // Global max pool: one window over whatever spatial size is left (4x4 for 32x32 inputs).
+  const std::int64_t h = y.size(2), w = y.size(3);
+  y = flatten(max_pool2d(y, {h, w}, {h, w}), 1);
+  return scale((*fc)(y), 0.125);
+}
+
+// ---- factory ------------------------------------------------------------------------------------
+const std::vector<std::string>& model_names() {
+  static const std::vector<std::string> names = {"resnet20", "resnet32", "resnet44", "resnet56", "resnet110",
+                                                 "resnet18", "resnet34", "resnet50", "resnet9"};
+  return names;
+}
+
+std::shared_ptr<Module> make_model(const ModelConfig& c) {
+  if (c.in_channels < 1 || c.num_classes < 1)
+    throw Error(fmt::format("make_model: in_channels and num_classes must be >= 1, found {} and {}", c.in_channels,
+                            c.num_classes));
+  for (std::int64_t depth : {20, 32, 44, 56, 110})
+    if (c.name == fmt::format("resnet{}", depth)) return std::make_shared<CifarResNet>(depth, c.in_channels, c.num_classes, c.norm);
+  if (c.name == "resnet18")
+    return std::make_shared<ResNet>(BlockKind::Basic, std::vector<std::int64_t>{2, 2, 2, 2}, c.in_channels, c.num_classes, c.norm);
+  if (c.name == "resnet34")
+    return std::make_shared<ResNet>(BlockKind::Basic, std::vector<std::int64_t>{3, 4, 6, 3}, c.in_channels, c.num_classes, c.norm);
+  if (c.name == "resnet50")
+    return std::make_shared<ResNet>(BlockKind::Bottleneck, std::vector<std::int64_t>{3, 4, 6, 3}, c.in_channels, c.num_classes,
+                                    c.norm);
+  if (c.name == "resnet9") return std::make_shared<ResNet9>(c.in_channels, c.num_classes, c.norm);
+  throw Error(fmt::format("make_model: unknown model '{}': expected one of {}", c.name, fmt::join(model_names(), ", ")));
+}
+
+}  // namespace tally::nn

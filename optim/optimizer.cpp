@@ -1,0 +1,175 @@
+// optim/optimizer.cpp — SGD and AdamW over persistent state (see optimizer.h for the contract,
+// kernels/cpu/optim.cpp for the update formulas).
+//
+// Each step() checks every parameter first and only then updates any, so an error (a missing
+// CUDA kernel, a parameter moved to another device after the optimizer was built) leaves all
+// parameters and the step counter as they were. In a dry run the checks that concern data
+// (addressable memory, an existing kernel) are skipped, as ops skip dispatch in a dry run.
+#include "optim/optimizer.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+
+#include "core/dispatch.h"
+#include "core/error.h"
+#include "core/memory.h"
+#include "kernels/cpu/cpu_kernels.h"
+
+namespace tally::optim {
+
+// ---- Optimizer ----------------------------------------------------------------------------------
+
+Optimizer::Optimizer(std::string name, std::vector<Tensor> params)
+    : name_(std::move(name)), params_(std::move(params)) {
+  if (params_.empty()) throw Error(fmt::format("{}: got an empty parameter list", name_));
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const Tensor& p = params_[i];
+    if (!p.defined()) throw Error(fmt::format("{}: parameter {} is an undefined tensor", name_, i));
+    if (p.dtype() != DType::Float32 && p.dtype() != DType::Float64)
+      throw Error(fmt::format("{}: {} must be float32 or float64, found {}", name_, describe(i), dtype_name(p.dtype())));
+    if (!p.is_contiguous()) throw Error(fmt::format("{}: {} must be contiguous", name_, describe(i)));
+    const Tensor g = p.grad();
+    if (!g.defined())
+      throw Error(fmt::format("{}: {} has no gradient buffer (expected one allocated up front, "
+                              "e.g. by Tensor::allocate_grad(); found none)", name_, describe(i)));
+    if (g.shape() != p.shape() || g.dtype() != p.dtype() || g.device() != p.device())
+      throw Error(fmt::format("{}: the gradient of {} must have the same shape, dtype and device, found {}", name_,
+                              describe(i), g.str()));
+    for (std::size_t j = 0; j < i; ++j)
+      if (params_[j].same(p))
+        throw Error(fmt::format("{}: {} is listed twice (as parameter {} and {})", name_, describe(i), j, i));
+  }
+}
+
+std::string Optimizer::describe(std::size_t i) const {
+  return fmt::format("parameter {} ({})", i, params_[i].str());
+}
+
+void Optimizer::require(bool ok, const char* option, const char* expected, double found) const {
+  if (!ok) throw Error(fmt::format("{}: {} must be {}, found {}", name_, option, expected, found));
+}
+
+void Optimizer::set_lr(double lr) {
+  require(std::isfinite(lr) && lr >= 0, "lr", ">= 0 and finite", lr);
+  lr_ = lr;
+}
+
+void Optimizer::zero_grad() {
+  for (Tensor& p : params_) p.zero_grad();
+}
+
+std::size_t Optimizer::state_bytes() const {
+  std::size_t bytes = 0;
+  for (const Tensor& s : state_) bytes += s.nbytes();
+  return bytes;
+}
+
+Tensor Optimizer::new_state(std::size_t i, const std::string& what, bool zero) {
+  const Tensor& p = params_[i];
+  const std::string op = fmt::format("{}.{}.{}", name_, what, i);
+  Tensor s = zero ? Tensor::zeros(p.shape(), p.dtype(), p.device(), Category::optimizer_state, op)
+                  : Tensor::empty(p.shape(), p.dtype(), p.device(), Category::optimizer_state, op);
+  state_.push_back(s);
+  return s;
+}
+
+Tensor Optimizer::checked_grad(std::size_t i, const std::vector<Tensor>& state) const {
+  const Tensor& p = params_[i];
+  const Tensor g = p.grad();
+  if (!g.defined()) throw Error(fmt::format("{}.step: {} has no gradient buffer", name_, describe(i)));
+  if (g.shape() != p.shape() || g.dtype() != p.dtype() || g.device() != p.device() || !g.is_contiguous())
+    throw Error(fmt::format("{}.step: the gradient of {} must be a contiguous tensor of the same shape, dtype and "
+                            "device, found {}", name_, describe(i), g.str()));
+  for (const Tensor& s : state)
+    if (s.device() != p.device())
+      throw Error(fmt::format("{}.step: {} is on {} but its optimizer state is on {} (build the optimizer after "
+                              "moving the model)", name_, describe(i), p.device().str(), s.device().str()));
+  if (is_dry_run()) return g;
+  if (p.device().is_cuda()) throw Error(fmt::format("{}.step: {}: no CUDA kernel yet", name_, describe(i)));
+  if (p.numel() > 0) {
+    bool null = p.raw_data() == nullptr || g.raw_data() == nullptr;
+    for (const Tensor& s : state) null = null || s.raw_data() == nullptr;
+    if (null)
+      throw Error(fmt::format("{}.step: {}, its gradient or its state has no memory behind it (created in a dry "
+                              "run?); a real step needs real tensors", name_, describe(i)));
+  }
+  return g;
+}
+
+// ---- SGD ----------------------------------------------------------------------------------------
+
+SGD::SGD(std::vector<Tensor> params, SGDOptions options)
+    : Optimizer("SGD", std::move(params)), options_(options) {
+  const SGDOptions& o = options_;
+  set_lr(o.lr);
+  require(std::isfinite(o.momentum) && o.momentum >= 0, "momentum", ">= 0", o.momentum);
+  require(std::isfinite(o.dampening), "dampening", "finite", o.dampening);
+  require(std::isfinite(o.weight_decay) && o.weight_decay >= 0, "weight_decay", ">= 0", o.weight_decay);
+  if (o.nesterov && (o.momentum <= 0 || o.dampening != 0))
+    throw Error(fmt::format("SGD: nesterov = true requires momentum > 0 and dampening == 0, found momentum {}, "
+                            "dampening {}", o.momentum, o.dampening));
+  momentum_.resize(params_.size());
+  if (o.momentum != 0)
+    for (std::size_t i = 0; i < params_.size(); ++i) momentum_[i] = new_state(i, "momentum_buffer", false);
+}
+
+void SGD::step() {
+  std::vector<Tensor> grads(params_.size());
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    std::vector<Tensor> state;
+    if (momentum_[i].defined()) state.push_back(momentum_[i]);
+    grads[i] = checked_grad(i, state);
+  }
+  if (is_dry_run()) return;
+  const SGDOptions& o = options_;
+  const bool first = steps_ == 0;  // every buffer is written on the first step, read afterwards
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const Tensor& p = params_[i];
+    const Tensor& g = grads[i];
+    TALLY_DISPATCH_CPU("SGD.step", p, {
+      T* buf = momentum_[i].defined() ? momentum_[i].data<T>() : nullptr;
+      kernels::cpu::sgd_update<T>(p.numel(), p.data<T>(), g.data<T>(), buf, static_cast<T>(lr_),
+                                  static_cast<T>(o.momentum), static_cast<T>(o.dampening),
+                                  static_cast<T>(o.weight_decay), o.nesterov, first);
+    });
+  }
+  ++steps_;
+}
+
+// ---- AdamW --------------------------------------------------------------------------------------
+
+AdamW::AdamW(std::vector<Tensor> params, AdamWOptions options)
+    : Optimizer("AdamW", std::move(params)), options_(options) {
+  const AdamWOptions& o = options_;
+  set_lr(o.lr);
+  require(o.beta1 >= 0 && o.beta1 < 1, "beta1", "in [0, 1)", o.beta1);
+  require(o.beta2 >= 0 && o.beta2 < 1, "beta2", "in [0, 1)", o.beta2);
+  require(std::isfinite(o.eps) && o.eps > 0, "eps", "> 0", o.eps);
+  require(std::isfinite(o.weight_decay) && o.weight_decay >= 0, "weight_decay", ">= 0", o.weight_decay);
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    exp_avg_.push_back(new_state(i, "exp_avg", true));
+    exp_avg_sq_.push_back(new_state(i, "exp_avg_sq", true));
+  }
+}
+
+void AdamW::step() {
+  std::vector<Tensor> grads(params_.size());
+  for (std::size_t i = 0; i < params_.size(); ++i) grads[i] = checked_grad(i, {exp_avg_[i], exp_avg_sq_[i]});
+  if (is_dry_run()) return;
+  const AdamWOptions& o = options_;
+  const std::int64_t t = steps_ + 1;  // 1-based, as torch's state['step'] after its increment
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const Tensor& p = params_[i];
+    const Tensor& g = grads[i];
+    TALLY_DISPATCH_CPU("AdamW.step", p, {
+      kernels::cpu::adamw_update<T>(p.numel(), p.data<T>(), g.data<T>(), exp_avg_[i].data<T>(),
+                                    exp_avg_sq_[i].data<T>(), static_cast<T>(lr_), static_cast<T>(o.beta1),
+                                    static_cast<T>(o.beta2), static_cast<T>(o.eps),
+                                    static_cast<T>(o.weight_decay), t);
+    });
+  }
+  ++steps_;
+}
+
+}  // namespace tally::optim

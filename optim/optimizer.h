@@ -1,0 +1,127 @@
+// optim/optimizer.h — optimizers with persistent state: SGD (momentum, Nesterov) and AdamW.
+//
+// Usage, as with torch.optim:
+//   optim::SGD opt(model.parameters(), {.lr = 0.1, .momentum = 0.9, .weight_decay = 5e-4});
+//   loss.backward(); opt.step(); opt.zero_grad();
+//
+// Semantics are torch.optim's single-tensor path (PyTorch 1.13, amsgrad/maximize off); the
+// formulas are in kernels/cpu/optim.cpp. Every parameter is updated on every step from its
+// persistent gradient buffer (Tensor::allocate_grad, which nn::Module parameters have from the
+// start), so — unlike PyTorch, which skips a parameter whose .grad is None — a parameter without
+// a gradient buffer is an error at construction.
+//
+// Memory: all optimizer state is allocated once, in the constructor, from the current arena of
+// each parameter's device with category optimizer_state (SGD: one momentum buffer per parameter
+// when momentum != 0; AdamW: exp_avg and exp_avg_sq per parameter). Memory planning therefore
+// sees it before the first step, and step() allocates nothing. SGD's buffers start
+// uninitialised: the kernel's first_step flag makes the first step write buf = g without reading
+// it (PyTorch's "buf = clone(grad) when there is no buffer yet"). AdamW's moments start at zero,
+// as PyTorch's do (its first update reads them).
+//
+// Dry run (core/memory.h): step() checks shapes, dtypes and devices and computes nothing —
+// parameters, state and steps() are left as they were (so the next real step is still "first")
+// — and zero_grad() writes nothing; neither allocates, as in a real run. Like ops, a dry run
+// does not ask for a kernel, so a dry-run step of CUDA parameters succeeds.
+//
+// step() checks every parameter before updating any: a failing step changes nothing.
+//
+// Step counter: steps() counts completed real steps; AdamW's bias correction uses t = steps()+1
+// and SGD's first step is steps() == 0. The learning rate can change between steps (set_lr,
+// e.g. from an optim::LRSchedule: opt.set_lr(schedule.lr_at(opt.steps()))).
+//
+// Devices: CPU parameters (float32 or float64, contiguous) run kernels::cpu::sgd_update /
+// adamw_update. CUDA parameters get their state on the GPU at construction, but step() throws
+// until the CUDA kernels exist.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace tally::optim {
+
+// torch.optim.SGD's options and defaults (lr has no default there; 0.1 here).
+struct SGDOptions {
+  double lr = 0.1, momentum = 0, dampening = 0, weight_decay = 0;
+  bool nesterov = false;
+};
+
+// torch.optim.AdamW's options and defaults (betas = (beta1, beta2)).
+struct AdamWOptions {
+  double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 1e-2;
+};
+
+class Optimizer {
+ public:
+  // Checks the parameters: at least one; each defined, float32 or float64, contiguous, with a
+  // gradient buffer of the same shape, dtype and device, and none listed twice. Throws
+  // tally::Error naming the parameter (by index and description) otherwise.
+  explicit Optimizer(std::vector<Tensor> params) : Optimizer("Optimizer", std::move(params)) {}
+  virtual ~Optimizer() = default;
+  Optimizer(const Optimizer&) = delete;
+  Optimizer& operator=(const Optimizer&) = delete;
+
+  // One update of every parameter from its .grad().
+  virtual void step() = 0;
+  // Zero-fills every parameter's persistent gradient buffer (the buffers are kept).
+  void zero_grad();
+
+  double lr() const { return lr_; }
+  void set_lr(double lr);  // lr >= 0 and finite, else tally::Error
+  std::int64_t steps() const { return steps_; }  // completed (real) steps
+  // Bytes of optimizer state (the tensors' sizes; the arena rounds each up to 256 bytes).
+  std::size_t state_bytes() const;
+  const std::vector<Tensor>& params() const { return params_; }
+  const std::string& name() const { return name_; }
+
+ protected:
+  Optimizer(std::string name, std::vector<Tensor> params);
+
+  // A state tensor shaped like parameter i on its device, category optimizer_state, named
+  // "<name>.<what>.<i>" in the arena; zero-filled if `zero`. Counted by state_bytes().
+  Tensor new_state(std::size_t i, const std::string& what, bool zero);
+  // Checks parameter i, its gradient and `state` before an update: gradient present, same shape,
+  // dtype and device, contiguous; state on the parameter's device; outside a dry run also a CPU
+  // device (no CUDA kernel yet) and memory behind every pointer (not built in a dry run on a
+  // virtual arena). Returns the gradient; throws tally::Error naming the parameter.
+  Tensor checked_grad(std::size_t i, const std::vector<Tensor>& state) const;
+  // Throws tally::Error("<name>: <option> must be <expected>, found <value>") unless ok.
+  void require(bool ok, const char* option, const char* expected, double found) const;
+  std::string describe(std::size_t i) const;  // "parameter 1 (float32[5] on cpu)"
+
+  std::string name_;
+  std::vector<Tensor> params_;
+  std::vector<Tensor> state_;  // every state tensor, for state_bytes()
+  double lr_ = 0;
+  std::int64_t steps_ = 0;
+};
+
+class SGD : public Optimizer {
+ public:
+  // Validates as torch.optim.SGD does: lr >= 0, momentum >= 0, weight_decay >= 0, and nesterov
+  // only with momentum > 0 and dampening == 0.
+  SGD(std::vector<Tensor> params, SGDOptions options);
+  void step() override;
+  const SGDOptions& options() const { return options_; }
+
+ private:
+  SGDOptions options_;
+  std::vector<Tensor> momentum_;  // (shape of param i) or undefined when momentum == 0
+};
+
+class AdamW : public Optimizer {
+ public:
+  // Validates as torch.optim.AdamW does: lr >= 0, eps >= 0 (here eps > 0), 0 <= beta < 1,
+  // weight_decay >= 0.
+  AdamW(std::vector<Tensor> params, AdamWOptions options);
+  void step() override;
+  const AdamWOptions& options() const { return options_; }
+
+ private:
+  AdamWOptions options_;
+  std::vector<Tensor> exp_avg_, exp_avg_sq_;  // (shape of param i)
+};
+
+}  // namespace tally::optim

@@ -1,0 +1,125 @@
+#!/usr/bin/env python3
+"""Fixtures for the `tally train` equivalence test (tests/train_test.cpp).
+
+Writes into tests/fixtures/train/:
+  tiny_cifar10/           a CIFAR-10-format data set (data_batch_1..5.bin with 16 images each,
+                          test_batch.bin with 16) of random pixels and labels
+  init_<norm>.safetensors PyTorch-initialized CIFAR ResNet-20 (torchvision names), norm batch|group|none
+  final_<norm>.safetensors the same model after STEPS steps of torch.optim.SGD(lr, momentum,
+                          weight_decay) on batches [kB, (k+1)B) in file order, pixels / 255, no
+                          augmentation, no normalization, cross-entropy averaged over the batch
+
+Run: /usr/bin/python3 tests/gen_train_fixtures.py   (needs torch; CI only reads the files)
+"""
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gen_fixtures import serialize, write_atomic  # noqa: E402
+
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "train")
+STEPS, BATCH, LR, MOMENTUM, WD = 3, 16, 0.01, 0.9, 5e-4
+
+
+def norm_layer(kind, c):
+    if kind == "batch":
+        return nn.BatchNorm2d(c)
+    if kind == "group":
+        return nn.GroupNorm(min(32, c // 4), c)
+    return nn.Identity()
+
+
+class BasicBlock(nn.Module):
+    def __init__(self, cin, cout, stride, norm):
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = norm_layer(norm, cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = norm_layer(norm, cout)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), norm_layer(norm, cout))
+
+    def forward(self, x):
+        out = F.relu(self.bn1(self.conv1(x)))
+        out = self.bn2(self.conv2(out))
+        sc = x if self.downsample is None else self.downsample(x)
+        return F.relu(out + sc)
+
+
+class CifarResNet(nn.Module):
+    def __init__(self, depth, norm, classes=10):
+        super().__init__()
+        n = (depth - 2) // 6
+        self.conv1 = nn.Conv2d(3, 16, 3, 1, 1, bias=False)
+        self.bn1 = norm_layer(norm, 16)
+        cin = 16
+        for i, (w, s) in enumerate([(16, 1), (32, 2), (64, 2)]):
+            blocks = []
+            for b in range(n):
+                blocks.append(BasicBlock(cin, w, s if b == 0 else 1, norm))
+                cin = w
+            setattr(self, "layer%d" % (i + 1), nn.Sequential(*blocks))
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(64, classes)
+
+    def forward(self, x):
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = self.layer3(self.layer2(self.layer1(x)))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+def state(model):
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def write_cifar(path, labels, pixels):
+    with open(path, "wb") as f:
+        for y, p in zip(labels, pixels):
+            f.write(bytes([int(y)]) + p.tobytes())
+
+
+def main():
+    torch.set_num_threads(1)
+    os.makedirs(os.path.join(OUT, "tiny_cifar10"), exist_ok=True)
+    rng = np.random.RandomState(20261121)
+    train_px, train_y = [], []
+    for i in range(1, 6):
+        px = rng.randint(0, 256, size=(16, 3 * 32 * 32), dtype=np.uint8)
+        y = rng.randint(0, 10, size=16)
+        write_cifar(os.path.join(OUT, "tiny_cifar10", "data_batch_%d.bin" % i), y, px)
+        train_px.append(px)
+        train_y.append(y)
+    px = rng.randint(0, 256, size=(16, 3 * 32 * 32), dtype=np.uint8)
+    y = rng.randint(0, 10, size=16)
+    write_cifar(os.path.join(OUT, "tiny_cifar10", "test_batch.bin"), y, px)
+    images = torch.from_numpy(np.concatenate(train_px).astype(np.float32) / 255.0).view(-1, 3, 32, 32)
+    labels = torch.from_numpy(np.concatenate(train_y).astype(np.int64))
+
+    for norm in ("batch", "group", "none"):
+        torch.manual_seed({"batch": 1, "group": 2, "none": 3}[norm])
+        model = CifarResNet(20, norm)
+        init = state(model)
+        write_atomic(os.path.join(OUT, "init_%s.safetensors" % norm), serialize(init, {"norm": norm}))
+        opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WD)
+        model.train()
+        for k in range(STEPS):
+            n = images.shape[0]
+            idx = [(k * BATCH + i) % n for i in range(BATCH)]
+            loss = F.cross_entropy(model(images[idx]), labels[idx])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        meta = {"norm": norm, "steps": str(STEPS), "batch_size": str(BATCH), "lr": str(LR), "momentum": str(MOMENTUM),
+                "weight_decay": str(WD), "torch_version": torch.__version__}
+        write_atomic(os.path.join(OUT, "final_%s.safetensors" % norm), serialize(state(model), meta))
+        print(norm, "final loss", float(loss))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+// `tally train` end to end: from PyTorch-made initial weights, a few SGD steps (momentum and
+// weight decay on; no shuffle, no augmentation, no normalization, constant schedule) must land on
+// PyTorch's weights for norm batch, group and none (fixtures from tests/gen_train_fixtures.py):
+// over all tensors ||tally - torch|| <= 1% of ||torch - init||, and no tensor off by more than 10%
+// of its own update. Also: bad option values are errors that list the allowed values.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <sstream>
+
+#include "apps/trainer.h"
+#include "core/error.h"
+#include "core/safetensors.h"
+
+using namespace tally;
+
+namespace {
+const std::string kDir = std::string(TALLY_FIXTURES_DIR) + "/train";
+
+std::map<std::string, std::vector<double>> floats(const std::string& path) {
+  std::map<std::string, std::vector<double>> out;
+  for (const auto& [k, e] : safetensors::read(path).tensors) {
+    if (e.dtype != "F32") continue;
+    const auto v = safetensors::as_f32(e);
+    out[k] = std::vector<double>(v.begin(), v.end());
+  }
+  return out;
+}
+}  // namespace
+
+class TrainMatchesPyTorch : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(TrainMatchesPyTorch, WeightsAfterThreeSgdSteps) {
+  const std::string norm = GetParam();
+  const auto tmp = std::filesystem::temp_directory_path() / ("tally_train_test_" + norm);
+  std::filesystem::create_directories(tmp);
+  app::TrainOptions o;
+  o.model = "resnet20";
+  o.norm = norm;
+  o.data = "cifar10:" + kDir + "/tiny_cifar10";
+  o.steps = 3;
+  o.batch_size = 16;
+  o.optimizer = "sgd";
+  o.lr = 0.01;
+  o.momentum = 0.9;
+  o.weight_decay = 5e-4;
+  o.schedule = "constant";
+  o.augment = false;
+  o.shuffle = false;
+  o.normalize = false;
+  o.device = "cpu";
+  o.init = kDir + "/init_" + norm + ".safetensors";
+  o.save = (tmp / "final.safetensors").string();
+  o.out = tmp.string();
+  o.progress = false;
+  std::ostringstream log;
+  const app::TrainResult r = app::train(o, log);
+  EXPECT_EQ(r.steps, 3);
+  EXPECT_TRUE(std::filesystem::exists(tmp / "metrics.csv"));
+  EXPECT_TRUE(std::filesystem::exists(tmp / "summary.json"));
+
+  const auto init = floats(o.init), torch = floats(kDir + "/final_" + norm + ".safetensors"), ours = floats(o.save);
+  ASSERT_EQ(ours.size(), torch.size());
+  double diff2 = 0, upd2 = 0, worst = 0;
+  std::string worst_name;
+  for (const auto& [name, t] : torch) {
+    ASSERT_TRUE(ours.count(name)) << name;
+    const auto& a = ours.at(name);
+    const auto& i0 = init.at(name);
+    ASSERT_EQ(a.size(), t.size()) << name;
+    double d = 0, u = 0;
+    for (std::size_t k = 0; k < t.size(); ++k) {
+      ASSERT_TRUE(std::isfinite(a[k])) << name;
+      d += (a[k] - t[k]) * (a[k] - t[k]);
+      u += (t[k] - i0[k]) * (t[k] - i0[k]);
+    }
+    diff2 += d;
+    upd2 += u;
+    if (u > 0) {
+      const double rel = std::sqrt(d / u);
+      if (rel > worst) worst = rel, worst_name = name;
+      EXPECT_LE(rel, 0.10) << name << ": off by " << rel * 100 << "% of its own update";
+    } else {
+      EXPECT_EQ(d, 0.0) << name << " did not change in PyTorch but did here";
+    }
+  }
+  ASSERT_GT(upd2, 0.0);
+  const double total = std::sqrt(diff2 / upd2);
+  EXPECT_LE(total, 0.01) << "||tally - torch|| / ||torch - init|| = " << total;
+  std::cout << "[ norm " << norm << " ] ||tally - torch|| / ||torch - init|| = " << total << "; worst tensor "
+            << worst_name << " at " << worst << " of its update\n";
+}
+
+INSTANTIATE_TEST_SUITE_P(Norms, TrainMatchesPyTorch, ::testing::Values("batch", "group", "none"));
+
+TEST(Train, BadOptionValuesListTheAllowedValues) {
+  std::ostringstream log;
+  auto expect_error = [&](app::TrainOptions o, const std::string& needle) {
+    o.progress = false;
+    try {
+      app::train(o, log);
+      ADD_FAILURE() << "expected an error mentioning " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  app::TrainOptions o;
+  o.model = "resnet99";
+  expect_error(o, "resnet20, resnet32");
+  o = {};
+  o.norm = "layer";
+  expect_error(o, "batch, group, none");
+  o = {};
+  o.optimizer = "lbfgs";
+  expect_error(o, "sgd, adamw");
+  o = {};
+  o.schedule = "linear";
+  expect_error(o, "constant, step, cosine, onecycle");
+  o = {};
+  o.device = "tpu";
+  expect_error(o, "cpu, cuda");
+  o = {};
+  o.data = "imagenet:/x";
+  expect_error(o, "synthetic");
+  o = {};
+  o.data = "cifar10:/nonexistent/dir";
+  expect_error(o, "/nonexistent/dir");
+  o = {};
+  o.init = "/nonexistent/init.safetensors";
+  expect_error(o, "/nonexistent/init.safetensors");
+  o = {};
+  o.batch_size = 0;
+  expect_error(o, "--batch-size");
+}
