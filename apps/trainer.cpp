@@ -24,7 +24,6 @@
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 
-extern "C" void openblas_set_num_threads(int);
 
 namespace tally::app {
 namespace {
@@ -127,8 +126,7 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
   if (opt.threads < 0) throw Error(fmt::format("--threads must be >= 0, found {}", opt.threads));
   const Device dev = choose_device(opt.device);
   if (opt.threads > 0) {
-    omp_set_num_threads(opt.threads);
-    openblas_set_num_threads(opt.threads);
+    omp_set_num_threads(opt.threads);  // OpenBLAS stays single-threaded (kernels/cpu/gemm.cpp)
   }
   if (!opt.init.empty() && !std::filesystem::exists(opt.init))
     throw Error(fmt::format("--init {}: no such file", opt.init));

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gen_fixtures import serialize, write_atomic  # noqa: E402
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "train")
-STEPS, BATCH, LR, MOMENTUM, WD = 3, 16, 0.01, 0.9, 5e-4
+STEPS, BATCH, LR, MOMENTUM, WD = 2, 16, 0.01, 0.9, 5e-4
 
 
 def norm_layer(kind, c):
