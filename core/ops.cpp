@@ -257,6 +257,25 @@ Tensor matmul(const Tensor& a_, const Tensor& b_) {
 // =============================================================================================
 // batch_norm / group_norm
 namespace {
+// Gradient buffers of a normalization's (x, weight, bias). The kernels take one beta for dweight
+// and dbias together, so the two must both accumulate (persistent buffers) or both be fresh.
+struct NormGrads {
+  Tensor dx, dw, db;
+  double beta_dx = 0, beta_param = 0;
+};
+NormGrads norm_grad_targets(std::vector<GradSlot>& g, const Tensor& x, const Tensor& w, bool has_weight,
+                            bool has_bias, i64 C, const char* op) {
+  NormGrads r;
+  double bw = 0, bb = 0;
+  if (g[0].needed) r.dx = grad_target(g[0], x, r.beta_dx, op);
+  if (has_weight && g[1].needed) r.dw = grad_target(g[1], w, bw, op);
+  if (has_bias && g[2].needed) r.db = grad_target(g[2], {C}, x.dtype(), x.device(), bb, op);
+  if (r.dw.defined() && r.db.defined() && bw != bb)
+    throw Error(fmt::format("{} backward: weight and bias gradients must both accumulate or both be fresh", op));
+  r.beta_param = r.dw.defined() ? bw : bb;
+  return r;
+}
+
 struct BatchNormBackward : Node {
   Saved<4> saved;  // x, weight (may be undefined), save_mean, save_invstd  — or running stats in eval
   Saved<2> running;  // eval: running_mean, running_var
@@ -270,17 +289,7 @@ struct BatchNormBackward : Node {
     const Tensor& x = saved.t[0];
     const Tensor& w = saved.t[1];
     const Tensor dy = gy.contiguous();
-    double bdx = 0, bw = 0, bb = 0;
-    Tensor dx, dw, db;
-    if (g[0].needed) dx = grad_target(g[0], x, bdx, "batch_norm");
-    if (has_weight && g[1].needed) dw = grad_target(g[1], w, bw, "batch_norm");
-    if (has_bias && g[2].needed) {
-      db = grad_target(g[2], {C}, x.dtype(), x.device(), bb, "batch_norm");
-    }
-    // dw and db share one beta in the kernel; they are both persistent buffers or both fresh.
-    if (dw.defined() && db.defined() && bw != bb)
-      throw Error("batch_norm backward: weight and bias gradients must both accumulate or both be fresh");
-    const double bp = dw.defined() ? bw : bb;
+    auto [dx, dw, db, bdx, bp] = norm_grad_targets(g, x, w, has_weight, has_bias, C, "batch_norm");
     if (training) {
       TALLY_RUN("batch_norm", x, kc::batch_norm_backward<T>(N, C, HW, dy.data<T>(), x.data<T>(), ptr_or_null<T>(w),
                                                             saved.t[2].data<T>(), saved.t[3].data<T>(), ptr_or_null<T>(dx),
@@ -304,16 +313,7 @@ struct GroupNormBackward : Node {
     const Tensor& x = saved.t[0];
     const Tensor& w = saved.t[1];
     const Tensor dy = gy.contiguous();
-    double bdx = 0, bw = 0, bb = 0;
-    Tensor dx, dw, db;
-    if (g[0].needed) dx = grad_target(g[0], x, bdx, "group_norm");
-    if (has_weight && g[1].needed) dw = grad_target(g[1], w, bw, "group_norm");
-    if (has_bias && g[2].needed) {
-      db = grad_target(g[2], {C}, x.dtype(), x.device(), bb, "group_norm");
-    }
-    if (dw.defined() && db.defined() && bw != bb)
-      throw Error("group_norm backward: weight and bias gradients must both accumulate or both be fresh");
-    const double bp = dw.defined() ? bw : bb;
+    auto [dx, dw, db, bdx, bp] = norm_grad_targets(g, x, w, has_weight, has_bias, C, "group_norm");
     TALLY_RUN("group_norm", x, kc::group_norm_backward<T>(N, C, HW, G, dy.data<T>(), x.data<T>(), ptr_or_null<T>(w),
                                                           saved.t[2].data<T>(), saved.t[3].data<T>(), ptr_or_null<T>(dx),
                                                           T(bdx), ptr_or_null<T>(dw), ptr_or_null<T>(db), T(bp)));

@@ -206,13 +206,10 @@ Tensor Tensor::view(Shape s) const {
                                  shape_str(s), shape_numel(s)));
   if (!is_contiguous())
     throw ShapeError(fmt::format("view: {} is not contiguous; use reshape()", str()));
-  auto impl = std::make_shared<TensorImpl>(*impl_);
-  impl->shape = s;
-  impl->strides = contiguous_strides(s);
-  impl->grad_fn.reset();
-  impl->grad.reset();
-  impl->requires_grad = false;
-  return Tensor(std::move(impl));
+  Tensor v = detach();  // views share the storage and carry no history
+  v.impl().shape = s;
+  v.impl().strides = contiguous_strides(s);
+  return v;
 }
 
 Tensor Tensor::reshape(Shape s) const { return is_contiguous() ? view(std::move(s)) : contiguous().view(std::move(s)); }
@@ -223,13 +220,10 @@ Tensor Tensor::transpose(std::int64_t d0, std::int64_t d1) const {
   if (d1 < 0) d1 += n;
   if (d0 < 0 || d0 >= n || d1 < 0 || d1 >= n)
     throw ShapeError(fmt::format("transpose: dimensions ({}, {}) out of range for {}", d0, d1, str()));
-  auto impl = std::make_shared<TensorImpl>(*impl_);
-  std::swap(impl->shape[d0], impl->shape[d1]);
-  std::swap(impl->strides[d0], impl->strides[d1]);
-  impl->grad_fn.reset();
-  impl->grad.reset();
-  impl->requires_grad = false;
-  return Tensor(std::move(impl));
+  Tensor v = detach();
+  std::swap(v.impl().shape[d0], v.impl().shape[d1]);
+  std::swap(v.impl().strides[d0], v.impl().strides[d1]);
+  return v;
 }
 
 Tensor Tensor::narrow(std::int64_t d, std::int64_t start, std::int64_t length) const {
@@ -237,13 +231,10 @@ Tensor Tensor::narrow(std::int64_t d, std::int64_t start, std::int64_t length) c
   if (d < 0) d += n;
   if (d < 0 || d >= n || start < 0 || length < 0 || start + length > shape()[d])
     throw ShapeError(fmt::format("narrow: dim {} start {} length {} out of range for {}", d, start, length, str()));
-  auto impl = std::make_shared<TensorImpl>(*impl_);
-  impl->shape[d] = length;
-  impl->offset += start * impl->strides[d];
-  impl->grad_fn.reset();
-  impl->grad.reset();
-  impl->requires_grad = false;
-  return Tensor(std::move(impl));
+  Tensor v = detach();
+  v.impl().shape[d] = length;
+  v.impl().offset += start * v.impl().strides[d];
+  return v;
 }
 
 Tensor Tensor::clone(Category category) const {
