@@ -99,6 +99,25 @@ def write_atomic(path, payload):
             os.remove(tmp)
 
 
+def emit(path, payload, check, max_bytes):
+    """Writes `payload` to `path` (atomically), or with `check` compares it with the file there.
+    Returns True when checking found the file different or missing."""
+    if len(payload) > max_bytes:
+        raise RuntimeError("%s is %d bytes, over the %d byte limit" % (path, len(payload), max_bytes))
+    if check:
+        try:
+            with open(path, "rb") as f:
+                same = f.read() == payload
+        except FileNotFoundError:
+            same = False
+        if not same:
+            print("DIFFERS: %s" % path)
+        return not same
+    write_atomic(path, payload)
+    print("%8d  %s" % (len(payload), path))
+    return False
+
+
 # ----------------------------------------------------------------------------------------------
 # helpers
 
@@ -550,23 +569,8 @@ def main(argv):
     total, bad = 0, 0
     for name in names:
         payload = build(name)
-        path = os.path.join(args.out, name + ".safetensors")
-        if len(payload) > MAX_FILE_BYTES:
-            raise RuntimeError("%s is %d bytes, over the %d byte limit" % (path, len(payload),
-                                                                          MAX_FILE_BYTES))
         total += len(payload)
-        if args.check:
-            try:
-                with open(path, "rb") as f:
-                    same = f.read() == payload
-            except FileNotFoundError:
-                same = False
-            if not same:
-                bad += 1
-                print("DIFFERS: %s" % path)
-        else:
-            write_atomic(path, payload)
-            print("%7d  %s" % (len(payload), path))
+        bad += emit(os.path.join(args.out, name + ".safetensors"), payload, args.check, MAX_FILE_BYTES)
     if total > MAX_TOTAL_BYTES:
         raise RuntimeError("fixtures total %d bytes, over the %d byte limit" % (total,
                                                                               MAX_TOTAL_BYTES))

@@ -50,7 +50,7 @@ import torch.nn as nn
 import torchvision
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gen_fixtures import FIXTURE_DIR, serialize, write_atomic  # noqa: E402
+from gen_fixtures import FIXTURE_DIR, emit, serialize  # noqa: E402
 
 MAX_FILE_BYTES = 1_250_000
 
@@ -227,22 +227,7 @@ def main(argv):
     bad = 0
     for case in names:
         name, payload = BUILDERS[case]()
-        path = os.path.join(args.out, name + ".safetensors")
-        if len(payload) > MAX_FILE_BYTES:
-            raise RuntimeError("%s is %d bytes, over the %d byte limit" % (path, len(payload),
-                                                                          MAX_FILE_BYTES))
-        if args.check:
-            try:
-                with open(path, "rb") as f:
-                    same = f.read() == payload
-            except FileNotFoundError:
-                same = False
-            if not same:
-                bad += 1
-                print("DIFFERS: %s" % path)
-        else:
-            write_atomic(path, payload)
-            print("%8d  %s" % (len(payload), path))
+        bad += emit(os.path.join(args.out, name + ".safetensors"), payload, args.check, MAX_FILE_BYTES)
     return 1 if bad else 0
 
 

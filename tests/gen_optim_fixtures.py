@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gen_fixtures import FIXTURE_DIR, MAX_FILE_BYTES, fmt, serialize, write_atomic  # noqa: E402
+from gen_fixtures import FIXTURE_DIR, MAX_FILE_BYTES, fmt, emit, serialize  # noqa: E402
 
 SHAPES = [(3, 4), (5,)]
 STEPS = 4
@@ -271,23 +271,8 @@ def main(argv):
 
     total, bad = 0, 0
     for name, payload in build_all().items():
-        path = os.path.join(args.out, name + ".safetensors")
-        if len(payload) > MAX_FILE_BYTES:
-            raise RuntimeError("%s is %d bytes, over the %d byte limit" % (path, len(payload),
-                                                                          MAX_FILE_BYTES))
         total += len(payload)
-        if args.check:
-            try:
-                with open(path, "rb") as f:
-                    same = f.read() == payload
-            except FileNotFoundError:
-                same = False
-            if not same:
-                bad += 1
-                print("DIFFERS: %s" % path)
-        else:
-            write_atomic(path, payload)
-            print("%7d  %s" % (len(payload), path))
+        bad += emit(os.path.join(args.out, name + ".safetensors"), payload, args.check, MAX_FILE_BYTES)
     print("%d file(s), %d bytes in all%s" % (len(OPTIMIZER_CASES) + 1, total,
                                             (", %d differ" % bad) if args.check else ""))
     return 1 if bad else 0

@@ -16,62 +16,14 @@ import sys
 
 import numpy as np
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gen_fixtures import serialize, write_atomic  # noqa: E402
+from gen_model_fixtures import CifarResNet  # noqa: E402  (torchvision names)
 
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "train")
 STEPS, BATCH, LR, MOMENTUM, WD = 2, 16, 0.01, 0.9, 5e-4
-
-
-def norm_layer(kind, c):
-    if kind == "batch":
-        return nn.BatchNorm2d(c)
-    if kind == "group":
-        return nn.GroupNorm(min(32, c // 4), c)
-    return nn.Identity()
-
-
-class BasicBlock(nn.Module):
-    def __init__(self, cin, cout, stride, norm):
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = norm_layer(norm, cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = norm_layer(norm, cout)
-        self.downsample = None
-        if stride != 1 or cin != cout:
-            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), norm_layer(norm, cout))
-
-    def forward(self, x):
-        out = F.relu(self.bn1(self.conv1(x)))
-        out = self.bn2(self.conv2(out))
-        sc = x if self.downsample is None else self.downsample(x)
-        return F.relu(out + sc)
-
-
-class CifarResNet(nn.Module):
-    def __init__(self, depth, norm, classes=10):
-        super().__init__()
-        n = (depth - 2) // 6
-        self.conv1 = nn.Conv2d(3, 16, 3, 1, 1, bias=False)
-        self.bn1 = norm_layer(norm, 16)
-        cin = 16
-        for i, (w, s) in enumerate([(16, 1), (32, 2), (64, 2)]):
-            blocks = []
-            for b in range(n):
-                blocks.append(BasicBlock(cin, w, s if b == 0 else 1, norm))
-                cin = w
-            setattr(self, "layer%d" % (i + 1), nn.Sequential(*blocks))
-        self.avgpool = nn.AdaptiveAvgPool2d(1)
-        self.fc = nn.Linear(64, classes)
-
-    def forward(self, x):
-        x = F.relu(self.bn1(self.conv1(x)))
-        x = self.layer3(self.layer2(self.layer1(x)))
-        return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
 def state(model):
@@ -103,7 +55,7 @@ def main():
 
     for norm in ("batch", "group", "none"):
         torch.manual_seed({"batch": 1, "group": 2, "none": 3}[norm])
-        model = CifarResNet(20, norm)
+        model = CifarResNet(20, norm=norm)
         init = state(model)
         write_atomic(os.path.join(OUT, "init_%s.safetensors" % norm), serialize(init, {"norm": norm}))
         opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM, weight_decay=WD)
