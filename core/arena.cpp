@@ -62,9 +62,49 @@ std::shared_ptr<Arena> Arena::virtual_clone() const {
   v->free_set_ = free_set_;
   v->cat_ = cat_;
   v->total_ = total_;
+  v->high_water_ = high_water_;
   v->tracing_ = tracing_;
+  for (int c = 0; c < kNumCategories; ++c) v->trace_base_[c] = cat_[c].current;
   v->t0_ = t0_;
   return v;
+}
+
+std::shared_ptr<Arena> Arena::virtual_clone(std::size_t capacity) const {
+  capacity = capacity / kAlignment * kAlignment;
+  if (capacity < capacity_)
+    throw Error(fmt::format("arena on {}: a virtual clone cannot shrink the capacity from {} to {} bytes",
+                            device_.str(), capacity_, capacity));
+  auto v = virtual_clone();
+  if (capacity == capacity_) return v;
+  const std::size_t extra = capacity - capacity_;
+  v->capacity_ = capacity;
+  auto last = std::prev(v->blocks_.end());
+  if (!last->second.used) {  // grow the free tail
+    v->free_set_.erase({last->second.size, last->first});
+    last->second.size += extra;
+    v->free_set_.emplace(last->second.size, last->first);
+  } else {
+    v->blocks_.emplace(capacity_, Node{extra, false, 0, Category::temporary, {}});
+    v->free_set_.emplace(extra, capacity_);
+  }
+  return v;
+}
+
+void Arena::set_tracing(bool on) {
+  if (on && !tracing_) clear_trace();
+  tracing_ = on;
+}
+
+void Arena::clear_trace() {
+  trace_.clear();
+  marks_.clear();
+  for (int c = 0; c < kNumCategories; ++c) trace_base_[c] = cat_[c].current;
+}
+
+void Arena::mark(std::string label) {
+  if (!tracing_) return;
+  const double t = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0_).count();
+  marks_.push_back(TraceMark{t, trace_.size(), std::move(label)});
 }
 
 Arena::~Arena() {
@@ -81,6 +121,10 @@ Block Arena::allocate(std::size_t bytes, Category category, const std::string& o
   if (fail_countdown_ > 0 && --fail_countdown_ == 0) throw_oom(bytes, rounded, category, op, true);
   auto it = free_set_.lower_bound({rounded, 0});
   if (it == free_set_.end()) throw_oom(bytes, rounded, category, op, false);
+  if (it->first + it->second == capacity_) {  // the tail: only if no other free block fits
+    auto other = std::next(it);
+    if (other != free_set_.end()) it = other;
+  }
   const auto [size, offset] = *it;
   free_set_.erase(it);
   Node& n = blocks_.at(offset);
@@ -89,6 +133,7 @@ Block Arena::allocate(std::size_t bytes, Category category, const std::string& o
     free_set_.emplace(size - rounded, offset + rounded);
   }
   n = Node{rounded, true, bytes, category, op};
+  high_water_ = std::max(high_water_, offset + rounded);
   const auto r = static_cast<std::int64_t>(rounded);
   for (MemoryStat* s : {&cat_[static_cast<int>(category)], &total_}) {
     s->current += r;
@@ -142,6 +187,7 @@ ArenaStats Arena::stats() const {
   s.by_category = cat_;
   s.total = total_;
   s.capacity = capacity_;
+  s.high_water = high_water_;
   s.free_bytes = free_bytes();
   s.largest_free_block = largest_free_block();
   return s;
@@ -150,6 +196,8 @@ ArenaStats Arena::stats() const {
 void Arena::reset_peak() {
   for (auto& c : cat_) c.peak = c.current;
   total_.peak = total_.current;
+  const auto last = std::prev(blocks_.end());
+  high_water_ = last->second.used ? capacity_ : last->first;
 }
 
 std::vector<std::pair<std::size_t, Arena::LiveInfo>> Arena::live_blocks() const {
@@ -185,7 +233,7 @@ void Arena::record(bool is_alloc, std::size_t offset, const Node& n) {
 std::string Arena::trace_json() const {
   using nlohmann::json;
   json events = json::array();
-  std::array<std::int64_t, kNumCategories> live{};
+  std::array<std::int64_t, kNumCategories> live = trace_base_;
   const int pid = 1;
   events.push_back({{"ph", "M"}, {"pid", pid}, {"name", "process_name"},
                     {"args", {{"name", fmt::format("tally arena {}", device_.str())}}}});
@@ -202,6 +250,9 @@ std::string Arena::trace_json() const {
     events.push_back({{"ph", "C"}, {"pid", pid}, {"ts", e.time_us}, {"name", "live bytes"},
                       {"args", counters}});
   }
+  for (const TraceMark& m : marks_)
+    events.push_back({{"ph", "i"}, {"s", "g"}, {"pid", pid}, {"tid", 1}, {"ts", m.time_us}, {"cat", "mark"},
+                      {"name", m.label}});
   json doc = {{"traceEvents", events}, {"displayTimeUnit", "ms"}};
   return doc.dump();
 }

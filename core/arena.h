@@ -9,8 +9,13 @@
 //   * The arena is tiled by blocks, each free or used, kept in an offset-ordered map. Free blocks
 //     are also kept in a set ordered by (size, offset). allocate() rounds the request up to 256
 //     bytes and takes the *best fit*: the smallest free block that is large enough, the lowest
-//     offset among equals. The block is split: the front is used, the rest stays free.
-//     free() marks the block free and coalesces it with free neighbours.
+//     offset among equals — except the *tail* (the free block that ends at the capacity), which
+//     is used only when no other free block fits. The block is split: the front is used, the rest
+//     stays free. free() marks the block free and coalesces it with free neighbours.
+//   * Tail last makes the layout independent of the capacity: a sequence that never reaches past
+//     offset H lays out identically in any arena of capacity >= H (the tail's size never decides
+//     a choice). H, the high-water mark, is therefore the smallest budget that runs the sequence,
+//     and a dry run on a virtual arena with room to spare measures it exactly.
 //   * Deterministic: the result depends only on the sequence of requests and frees — no
 //     addresses, clocks or thread counts — so the same sequence gives the same offsets and the
 //     same peak. This is the property the MBP planner stands on.
@@ -61,6 +66,7 @@ struct ArenaStats {
   std::array<MemoryStat, kNumCategories> by_category{};
   MemoryStat total{};
   std::size_t capacity = 0;
+  std::size_t high_water = 0;  // highest end offset of a used block since creation / reset_peak()
   std::size_t free_bytes = 0;
   std::size_t largest_free_block = 0;
   const MemoryStat& operator[](Category c) const { return by_category[static_cast<int>(c)]; }
@@ -104,6 +110,9 @@ class Arena {
   // A virtual arena in exactly this arena's state (blocks, statistics, trace switch): a dry run
   // on it continues from here as the real arena would.
   std::shared_ptr<Arena> virtual_clone() const;
+  // The same, with a larger capacity (the extra bytes free at the end): how many bytes a step
+  // *would* need is measured on it when the real budget is too small (the planner's error).
+  std::shared_ptr<Arena> virtual_clone(std::size_t capacity) const;
   ~Arena();
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;
@@ -124,16 +133,28 @@ class Arena {
   std::size_t free_bytes() const { return capacity_ - static_cast<std::size_t>(total_.current); }
   std::size_t largest_free_block() const;
   // Peak of every category and of the total set back to their current values.
+  // The high-water mark goes back to the current extent (the end of the last used block).
   void reset_peak();
 
-  // Trace of every allocation and free since tracing was switched on.
-  void set_tracing(bool on) { tracing_ = on; }
+  // Trace of every allocation and free since tracing was switched on. Switching it on (or
+  // clearing it) records the live bytes per category at that moment, the trace's starting point.
+  void set_tracing(bool on);
   bool tracing() const { return tracing_; }
   const std::vector<TraceEvent>& trace() const { return trace_; }
-  void clear_trace() { trace_.clear(); }
+  void clear_trace();
+  // Live bytes per category when the trace started.
+  const std::array<std::int64_t, kNumCategories>& trace_base() const { return trace_base_; }
+  // A labelled instant in the trace (the MBP executor marks micro-batch boundaries).
+  struct TraceMark {
+    double time_us;
+    std::size_t event_index;  // number of trace events before the mark
+    std::string label;
+  };
+  void mark(std::string label);
+  const std::vector<TraceMark>& marks() const { return marks_; }
   // Chrome trace-event JSON (opens in Perfetto / chrome://tracing): one instant event per
-  // allocation and free (args: offset, size, category, op) plus a counter track of live bytes
-  // per category.
+  // allocation and free (args: offset, size, category, op), the marks as global instants, and a
+  // counter track of live bytes per category starting from trace_base().
   std::string trace_json() const;
 
   // Fault injection for tests of out-of-memory recovery: the n-th allocate() from now (1 = the
@@ -170,8 +191,11 @@ class Arena {
   MemoryStat total_{};
   bool tracing_ = false;
   std::vector<TraceEvent> trace_;
+  std::vector<TraceMark> marks_;
+  std::array<std::int64_t, kNumCategories> trace_base_{};
   std::chrono::steady_clock::time_point t0_;
   std::uint64_t fail_countdown_ = 0;
+  std::size_t high_water_ = 0;
 };
 
 // Parses a size such as "48MiB", "2GiB", "512KiB", "1.5GB", "4096" (bytes); throws tally::Error

@@ -17,15 +17,19 @@ using namespace tally;
 namespace {
 
 // Reference: blocks in offset order in a plain vector; best fit = smallest free block that fits,
-// lowest offset among equals; split front; coalesce neighbours on free.
+// lowest offset among equals, the tail (the free block ending at the capacity) only when no other
+// fits; split front; coalesce neighbours on free.
 struct RefArena {
   struct B { std::size_t off, size; bool used; };
   std::vector<B> blocks;
   explicit RefArena(std::size_t cap) { blocks.push_back({0, cap, false}); }
   std::optional<std::size_t> alloc(std::size_t rounded) {
     int best = -1;
-    for (int i = 0; i < static_cast<int>(blocks.size()); ++i)
+    const int n = static_cast<int>(blocks.size());
+    const bool has_tail = !blocks[n - 1].used;
+    for (int i = 0; i < n - (has_tail ? 1 : 0); ++i)
       if (!blocks[i].used && blocks[i].size >= rounded && (best < 0 || blocks[i].size < blocks[best].size)) best = i;
+    if (best < 0 && has_tail && blocks[n - 1].size >= rounded) best = n - 1;
     if (best < 0) return std::nullopt;
     B b = blocks[best];
     blocks[best] = {b.off, rounded, true};
@@ -58,6 +62,7 @@ TEST(Arena, RandomizedAgainstReferenceModel) {
   std::vector<Live> live;
   std::array<std::int64_t, kNumCategories> cur{}, peak{}, allocs{}, frees{};
   std::int64_t total = 0, total_peak = 0;
+  std::size_t high_water = 0;
   int ooms = 0;
   const int kOps = 120000;
   for (int op = 0; op < kOps; ++op) {
@@ -93,6 +98,8 @@ TEST(Arena, RandomizedAgainstReferenceModel) {
       const int c = static_cast<int>(cat);
       cur[c] += rounded; peak[c] = std::max(peak[c], cur[c]); allocs[c]++;
       total += rounded; total_peak = std::max(total_peak, total);
+      high_water = std::max(high_water, b.offset + rounded);
+      ASSERT_EQ(real.stats().high_water, high_water);
     } else {
       const std::size_t i = rng() % live.size();
       const Live l = live[i];
@@ -159,6 +166,52 @@ TEST(Arena, SameSequenceSameOffsetsAndPeak) {
   };
   Arena a(Device::cpu(), 256 << 20), b(Device::cpu(), 256 << 20);
   EXPECT_EQ(run(a), run(b));
+}
+
+// Tail last: a sequence laid out in a large arena, reaching at most offset H, lays out
+// identically in an arena of capacity exactly H; one alignment unit less runs out of memory.
+// This is what lets the planner state the smallest budget that runs a step.
+TEST(Arena, LayoutIndependentOfCapacityDownToTheHighWaterMark) {
+  auto run = [](Arena& a, std::vector<std::size_t>& offs) {
+    std::mt19937 rng(21);
+    std::vector<std::size_t> live;
+    for (int i = 0; i < 20000; ++i) {
+      if (live.empty() || rng() % 5 < 3) {
+        const Block b = a.allocate(1 + rng() % 300000, static_cast<Category>(rng() % kNumCategories), "x");
+        live.push_back(b.offset);
+        offs.push_back(b.offset);
+      } else {
+        const std::size_t k = rng() % live.size();
+        a.free(live[k]);
+        live.erase(live.begin() + static_cast<long>(k));
+      }
+      if (live.size() > 200) {  // keep the live set bounded so fragmentation, not growth, decides
+        a.free(live.front());
+        live.erase(live.begin());
+      }
+    }
+  };
+  auto big = Arena::make_virtual(Device::cpu(), std::size_t(1) << 36);
+  std::vector<std::size_t> ref;
+  run(*big, ref);
+  const std::size_t H = big->stats().high_water;
+  ASSERT_GT(H, 0u);
+  ASSERT_LT(H, std::size_t(1) << 36);
+  EXPECT_GT(H, static_cast<std::size_t>(big->stats().total.peak)) << "fragmentation: extent above live peak";
+  auto exact = Arena::make_virtual(Device::cpu(), H);
+  std::vector<std::size_t> offs;
+  run(*exact, offs);
+  EXPECT_EQ(offs, ref);
+  auto less = Arena::make_virtual(Device::cpu(), H - Arena::kAlignment);
+  std::vector<std::size_t> ignored;
+  EXPECT_THROW(run(*less, ignored), OutOfMemory);
+  // A clone with a larger capacity continues with the same layout too.
+  Arena a(Device::cpu(), 1 << 20);
+  a.allocate(1000, Category::parameter, "w");
+  auto wide = a.virtual_clone(std::size_t(1) << 30);
+  EXPECT_EQ(wide->capacity(), std::size_t(1) << 30);
+  EXPECT_EQ(wide->allocate(5000, Category::activation, "a").offset, a.allocate(5000, Category::activation, "a").offset);
+  EXPECT_THROW(a.virtual_clone(1 << 10), Error);
 }
 
 TEST(Arena, VirtualCloneContinuesFromTheSameState) {
