@@ -25,6 +25,8 @@ Node::Node() : sequence(tl_sequence++) {}
 bool grad_enabled() { return tl_grad_enabled; }
 NoGradGuard::NoGradGuard() : previous_(tl_grad_enabled) { tl_grad_enabled = false; }
 NoGradGuard::~NoGradGuard() { tl_grad_enabled = previous_; }
+EnableGradGuard::EnableGradGuard() : previous_(tl_grad_enabled) { tl_grad_enabled = true; }
+EnableGradGuard::~EnableGradGuard() { tl_grad_enabled = previous_; }
 
 bool any_requires_grad(std::initializer_list<const Tensor*> inputs) {
   if (!tl_grad_enabled) return false;

@@ -67,6 +67,19 @@ class NoGradGuard {
   bool previous_;
 };
 
+// Grad mode on for a scope whatever the caller set (torch.enable_grad): a training step that
+// must record its tape even when called from inside a NoGradGuard.
+class EnableGradGuard {
+ public:
+  EnableGradGuard();
+  ~EnableGradGuard();
+  EnableGradGuard(const EnableGradGuard&) = delete;
+  EnableGradGuard& operator=(const EnableGradGuard&) = delete;
+
+ private:
+  bool previous_;
+};
+
 // True if grad mode is on and any of the tensors requires grad (directly or via history).
 bool any_requires_grad(std::initializer_list<const Tensor*> inputs);
 // Connects `out` to `node`, whose edges point at `inputs` (undefined tensors get no edge).

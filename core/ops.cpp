@@ -792,6 +792,10 @@ double cross_entropy_divisor(const Tensor& targets, const CrossEntropyOptions& o
   if (targets.dtype() != DType::Int64 || targets.dim() != 1)
     throw ShapeError(fmt::format("cross_entropy_divisor: expected int64 targets (N), found {}", targets.str()));
   const std::vector<i64> t = targets.to_vector<i64>();
+  return cross_entropy_divisor(t.data(), static_cast<i64>(t.size()), o);
+}
+
+double cross_entropy_divisor(const i64* t, i64 n, const CrossEntropyOptions& o) {
   std::vector<double> w;
   if (o.weight.defined()) {
     if (o.weight.dtype() == DType::Float32) {
@@ -802,7 +806,8 @@ double cross_entropy_divisor(const Tensor& targets, const CrossEntropyOptions& o
     }
   }
   double d = 0;
-  for (i64 v : t) {
+  for (i64 i = 0; i < n; ++i) {
+    const i64 v = t[i];
     if (v == o.ignore_index) continue;
     if (!w.empty()) {
       if (v < 0 || v >= static_cast<i64>(w.size()))

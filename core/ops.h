@@ -90,5 +90,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const CrossEnt
 // The mean reduction's denominator for these targets: sum over kept samples of weight[target]
 // (the number of non-ignored targets without class weights). Computed on the host.
 double cross_entropy_divisor(const Tensor& targets, const CrossEntropyOptions& opt);
+// The same over n host targets (the MBP executor counts the whole batch before splitting it).
+double cross_entropy_divisor(const std::int64_t* targets, std::int64_t n, const CrossEntropyOptions& opt);
 
 }  // namespace tally

@@ -9,20 +9,38 @@ namespace tally::nn {
 
 namespace {
 
-// Moves one tensor to `device` in place: the impl keeps its identity (so every handle and every
-// optimizer that holds it sees the move) and takes the storage of a copy on the new device.
-void move_in_place(const Tensor& t, Device device) {
-  if (!t.defined() || t.device() == device) return;
-  Tensor moved = t.to(device);  // same category, dense
+// Replaces a tensor's storage in place by that of `f(t)` (a dense copy on another device or of
+// another dtype), and its gradient's likewise: the impl keeps its identity, so every handle and
+// every optimizer that holds it sees the change.
+template <class F>
+void replace_in_place(const Tensor& t, F f) {
+  Tensor moved = f(t);
   TensorImpl& impl = t.impl();
   impl.storage = moved.impl().storage;
   impl.offset = moved.offset();
   impl.strides = moved.strides();
-  impl.device = device;
-  if (impl.grad) impl.grad = Tensor(impl.grad).to(device).impl_ptr();
+  impl.device = moved.device();
+  impl.dtype = moved.dtype();
+  if (impl.grad) impl.grad = f(Tensor(impl.grad)).impl_ptr();
 }
 
+void move_in_place(const Tensor& t, Device device) {
+  if (!t.defined() || t.device() == device) return;
+  replace_in_place(t, [&](const Tensor& x) { return x.to(device); });  // same category, dense
+}
+
+void convert_in_place(const Tensor& t, DType dtype) {
+  if (!t.defined() || t.dtype() == dtype || !is_floating(t.dtype())) return;
+  replace_in_place(t, [&](const Tensor& x) { return x.to(dtype); });
+}
+
+thread_local ForwardObserver* t_observer = nullptr;
+
 }  // namespace
+
+ForwardObserver* forward_observer() { return t_observer; }
+ForwardObserverScope::ForwardObserverScope(ForwardObserver* o) : previous_(t_observer) { t_observer = o; }
+ForwardObserverScope::~ForwardObserverScope() { t_observer = previous_; }
 
 void Module::check_new_name(const std::string& name, const char* what) const {
   if (name.empty() || name.find('.') != std::string::npos)
@@ -101,6 +119,13 @@ void Module::to(Device device) {
   for (auto& [name, t] : buffers_)
     if (is_floating(t.dtype())) move_in_place(t, device);  // integer counters stay on the host
   for (auto& [name, child] : children_) child->to(device);
+}
+
+void Module::to(DType dtype) {
+  if (!is_floating(dtype)) throw Error(fmt::format("Module::to: expected a floating dtype, found {}", dtype_name(dtype)));
+  for (auto& [name, t] : parameters_) convert_in_place(t, dtype);
+  for (auto& [name, t] : buffers_) convert_in_place(t, dtype);
+  for (auto& [name, child] : children_) child->to(dtype);
 }
 
 }  // namespace tally::nn

@@ -31,6 +31,26 @@
 
 namespace tally::nn {
 
+class Module;
+// Watches every Module call on this thread (the MBP planner's per-layer table uses it to see
+// each layer's output shape and the bytes it keeps). Install with ForwardObserverScope.
+struct ForwardObserver {
+  virtual ~ForwardObserver() = default;
+  virtual void before(const Module& m) = 0;
+  virtual void after(const Module& m, const Tensor& output) = 0;
+};
+ForwardObserver* forward_observer();
+class ForwardObserverScope {
+ public:
+  explicit ForwardObserverScope(ForwardObserver* o);
+  ~ForwardObserverScope();
+  ForwardObserverScope(const ForwardObserverScope&) = delete;
+  ForwardObserverScope& operator=(const ForwardObserverScope&) = delete;
+
+ private:
+  ForwardObserver* previous_;
+};
+
 class Module {
  public:
   Module() = default;
@@ -39,7 +59,14 @@ class Module {
   Module& operator=(const Module&) = delete;
 
   virtual Tensor forward(const Tensor& x) = 0;
-  Tensor operator()(const Tensor& x) { return forward(x); }
+  Tensor operator()(const Tensor& x) {
+    ForwardObserver* o = forward_observer();
+    if (!o) return forward(x);
+    o->before(*this);
+    Tensor y = forward(x);
+    o->after(*this, y);
+    return y;
+  }
 
   // Dotted names, registration order, this module's own entries before its children's.
   std::vector<std::pair<std::string, Tensor>> named_parameters() const;
@@ -60,6 +87,10 @@ class Module {
   // place. Integer buffers (BatchNorm's num_batches_tracked) are host-side counters and stay on
   // the CPU.
   void to(Device device);
+  // Converts floating parameters (with their gradients) and floating buffers to `dtype`
+  // (float32 <-> float64), recursively, in place. Gradient checks and the MBP equivalence
+  // tests run whole models in float64 this way.
+  void to(DType dtype);
 
  protected:
   template <class M>
