@@ -36,11 +36,12 @@ build: configure
 
 RUN_DIR ?= runs/$(shell date +%Y%m%d-%H%M%S)
 
-# The main job: ResNet-20 on the built-in synthetic data (about 2 minutes on 2 CPU cores),
-# leaving metrics.csv and summary.json in a run folder.
+# The main job, the MBP demo: ResNet-20 on the built-in synthetic data with a batch of 256 in a
+# 48 MiB memory limit (the batch does not fit: the planner splits it into micro-batches),
+# leaving metrics.csv, summary.json, memory_trace.json and memory.svg in a run folder.
 train: build
-	@$(BUILD_DIR)/apps/tally train --model resnet20 --data synthetic --epochs 2 --batch-size 128 \
-	  --lr 0.1 --schedule onecycle --out $(RUN_DIR)
+	@$(BUILD_DIR)/apps/tally train --model resnet20 --data synthetic --epochs 3 --batch-size 256 \
+	  --memory-limit 48MiB --lr 0.2 --schedule onecycle --out $(RUN_DIR)
 	@echo "run folder: $(RUN_DIR)"
 
 test: build

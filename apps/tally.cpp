@@ -1,10 +1,13 @@
 // apps/tally.cpp — the tally command line.
 //   tally --version        build configuration (CUDA, cuDNN) and whether a GPU is present
 //   tally train [options]  train a ResNet (see apps/trainer.h and README.md for the options)
+//   tally plan [options]   the memory plan of a training step: per-layer table, micro-batch
+//                          size, predicted peak (see apps/plan.h); nothing is computed
 //   tally demo             a short walk through the arena: a small conv net's forward and
 //                          backward on the CPU, with the memory accounted by category
 #include <cstdio>
 #include <exception>
+#include <optional>
 #include <random>
 
 #include <CLI/CLI.hpp>
@@ -13,6 +16,7 @@
 #include "core/memory.h"
 #include "core/ops.h"
 #include "core/tensor.h"
+#include "apps/plan.h"
 #include "apps/trainer.h"
 #include <iostream>
 
@@ -84,6 +88,14 @@ int demo(std::size_t budget, int batch) {
   return 0;
 }
 
+// "auto" or a positive integer.
+std::optional<std::int64_t> parse_micro_batch(const std::string& s) {
+  if (s == "auto") return std::nullopt;
+  const auto v = app::parse_positive_integer(s);
+  if (!v) throw Error(fmt::format("--micro-batch '{}': expected a positive integer or auto", s));
+  return v;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -130,6 +142,28 @@ int main(int argc, char** argv) {
   train_cmd->add_option("--save", to.save, "write the trained weights (safetensors)");
   train_cmd->add_option("--out", to.out, "write metrics.csv and summary.json into this directory");
   train_cmd->add_flag("!--no-progress", to.progress, "no progress bar");
+  train_cmd->add_option("--memory-limit", to.memory_limit, "memory budget: a size (48MiB, 2GiB) or auto")->capture_default_str();
+  std::string micro = "auto";
+  train_cmd->add_option("--micro-batch", micro, "samples per micro-batch: M or auto (the largest that fits)")->capture_default_str();
+
+  app::PlanOptions po;
+  auto* plan_cmd = app.add_subcommand("plan", "print the memory plan of a training step (nothing is computed)");
+  plan_cmd->add_option("--model", po.model, "resnet20|resnet32|resnet44|resnet56|resnet110|resnet18|resnet34|resnet50|resnet9")
+      ->check(CLI::IsMember({"resnet20", "resnet32", "resnet44", "resnet56", "resnet110", "resnet18", "resnet34", "resnet50", "resnet9"}))
+      ->capture_default_str();
+  plan_cmd->add_option("--norm", po.norm, "batch|group|none")->check(CLI::IsMember({"batch", "group", "none"}))->capture_default_str();
+  plan_cmd->add_option("--input", po.input, "one sample's shape CxHxW")->capture_default_str();
+  std::int64_t classes = 0;
+  plan_cmd->add_option("--num-classes", classes, "classes (default 1000 for inputs >= 64 pixels, else 10)")->check(CLI::PositiveNumber);
+  plan_cmd->add_option("--batch-size", po.batch_size, "samples per optimizer step")->check(CLI::PositiveNumber)->capture_default_str();
+  plan_cmd->add_option("--memory-limit", po.memory_limit, "memory budget: a size (8GiB) or auto")->capture_default_str();
+  std::string plan_micro = "auto";
+  plan_cmd->add_option("--micro-batch", plan_micro, "check this micro-batch size instead of searching")->capture_default_str();
+  plan_cmd->add_option("--optimizer", po.optimizer, "sgd|adamw")->check(CLI::IsMember({"sgd", "adamw"}))->capture_default_str();
+  plan_cmd->add_option("--momentum", po.momentum, "SGD momentum (0: no momentum buffer)")->check(CLI::NonNegativeNumber)->capture_default_str();
+  plan_cmd->add_option("--device", po.device, "cpu|cuda|cuda:N")->capture_default_str();
+  bool no_layers = false;
+  plan_cmd->add_flag("--no-layers", no_layers, "skip the per-layer table");
   try {
     app.parse(argc, argv);
     if (train_cmd->parsed()) {
@@ -138,9 +172,18 @@ int main(int argc, char** argv) {
       if (no_augment) to.augment = false;
       if (no_shuffle) to.shuffle = false;
       if (no_normalize) to.normalize = false;
+      to.micro_batch = parse_micro_batch(micro);
+    }
+    if (plan_cmd->parsed()) {
+      if (classes > 0) po.num_classes = classes;
+      po.micro_batch = parse_micro_batch(plan_micro);
+      po.layers = !no_layers;
     }
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
+  } catch (const std::exception& e) {
+    fmt::print(stderr, "tally: error: {}\n", e.what());
+    return 1;
   }
   try {
     if (version || app.get_subcommands().empty()) {
@@ -150,6 +193,10 @@ int main(int argc, char** argv) {
     if (demo_cmd->parsed()) return demo(parse_size(budget), batch);
     if (train_cmd->parsed()) {
       app::train(to, std::cout);
+      return 0;
+    }
+    if (plan_cmd->parsed()) {
+      app::plan(po, std::cout);
       return 0;
     }
   } catch (const std::exception& e) {

@@ -21,6 +21,8 @@
 #include "layers/data.h"
 #include "layers/init.h"
 #include "layers/resnet.h"
+#include "mbp/executor.h"
+#include "mbp/timeline.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 
@@ -73,10 +75,13 @@ struct Eval {
   double loss = 0, accuracy = 0;
 };
 
-Eval evaluate(nn::Module& model, const data::Dataset& ds, bool normalize, Device dev) {
+Eval evaluate_with(nn::Module& model, const data::Dataset& ds, bool normalize, Device dev, std::int64_t B) {
   NoGradGuard ng;
   model.eval();
-  const std::int64_t B = 256;
+  struct Train {  // back to training mode however this ends
+    nn::Module& m;
+    ~Train() { m.train(); }
+  } back{model};
   double loss_sum = 0;
   std::int64_t correct = 0;
   const std::int64_t n = ds.size();
@@ -103,8 +108,28 @@ Eval evaluate(nn::Module& model, const data::Dataset& ds, bool normalize, Device
       correct += pred == b->labels[static_cast<std::size_t>(i)];
     }
   }
-  model.train();
   return {loss_sum / static_cast<double>(n), static_cast<double>(correct) / static_cast<double>(n)};
+}
+
+// Evaluation runs in the same arena as training, in batches of at most the planned micro-batch
+// (a no-grad forward keeps less than a training step of the same size); should it still run
+// out of memory, the batch halves.
+Eval evaluate(nn::Module& model, const data::Dataset& ds, bool normalize, Device dev, std::int64_t max_batch) {
+  std::int64_t B = std::max<std::int64_t>(1, std::min<std::int64_t>(256, max_batch));
+  for (;;) {
+    try {
+      return evaluate_with(model, ds, normalize, dev, B);
+    } catch (const OutOfMemory&) {
+      if (B == 1) throw;
+      B /= 2;
+    }
+  }
+}
+
+void write_file(const std::filesystem::path& p, const std::string& text) {
+  std::ofstream f(p);
+  f << text;
+  if (!f) throw Error(fmt::format("cannot write {}", p.string()));
 }
 
 }  // namespace
@@ -128,6 +153,11 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
   if (opt.threads > 0) {
     omp_set_num_threads(opt.threads);  // OpenBLAS stays single-threaded (kernels/cpu/gemm.cpp)
   }
+  if (opt.micro_batch && *opt.micro_batch < 1)
+    throw Error(fmt::format("--micro-batch must be >= 1 or auto, found {}", *opt.micro_batch));
+  if (opt.micro_batch && *opt.micro_batch > opt.batch_size)
+    throw Error(fmt::format("--micro-batch {} is larger than --batch-size {}", *opt.micro_batch, opt.batch_size));
+  if (opt.memory_limit != "auto") (void)parse_size(opt.memory_limit);  // a bad size fails before any work
   if (!opt.init.empty() && !std::filesystem::exists(opt.init))
     throw Error(fmt::format("--init {}: no such file", opt.init));
   if (!opt.out.empty()) std::filesystem::create_directories(opt.out);
@@ -152,6 +182,19 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
   const std::int64_t total_steps = opt.steps ? *opt.steps : opt.epochs * per_epoch;
   const std::int64_t epochs = (total_steps + per_epoch - 1) / per_epoch;
 
+  // ---- memory limit: the arena's capacity ----------------------------------------------------------
+  std::size_t limit = 0;
+  if (opt.memory_limit == "auto") {
+    limit = default_arena_capacity(dev);
+  } else {
+    limit = parse_size(opt.memory_limit);
+    if (limit < Arena::kAlignment)
+      throw Error(fmt::format("--memory-limit {} is below the arena's {}-byte granularity", opt.memory_limit,
+                              Arena::kAlignment));
+  }
+  configure_arena(dev, limit);
+  const std::shared_ptr<Arena> arena = current_arena(dev);
+
   // ---- model and optimizer ----------------------------------------------------------------------
   nn::manual_seed(opt.seed);
   nn::ModelConfig mc;
@@ -159,19 +202,26 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
   mc.in_channels = train_set.channels;
   mc.num_classes = train_set.num_classes;
   mc.norm = nn::parse_norm(opt.norm);
-  auto model = nn::make_model(mc);
-  if (!opt.init.empty()) nn::load_state_dict(*model, opt.init);
-  if (!dev.is_cpu()) model->to(dev);
-  model->train();
+  std::shared_ptr<nn::Module> model;
   std::unique_ptr<optim::Optimizer> optimizer;
-  if (opt.optimizer == "sgd") {
-    optim::SGDOptions so;
-    so.lr = opt.lr, so.momentum = opt.momentum, so.weight_decay = opt.weight_decay, so.nesterov = opt.nesterov;
-    optimizer = std::make_unique<optim::SGD>(model->parameters(), so);
-  } else {
-    optim::AdamWOptions ao;
-    ao.lr = opt.lr, ao.weight_decay = opt.weight_decay;
-    optimizer = std::make_unique<optim::AdamW>(model->parameters(), ao);
+  try {
+    model = nn::make_model(mc);
+    if (!opt.init.empty()) nn::load_state_dict(*model, opt.init);
+    if (!dev.is_cpu()) model->to(dev);
+    model->train();
+    if (opt.optimizer == "sgd") {
+      optim::SGDOptions so;
+      so.lr = opt.lr, so.momentum = opt.momentum, so.weight_decay = opt.weight_decay, so.nesterov = opt.nesterov;
+      optimizer = std::make_unique<optim::SGD>(model->parameters(), so);
+    } else {
+      optim::AdamWOptions ao;
+      ao.lr = opt.lr, ao.weight_decay = opt.weight_decay;
+      optimizer = std::make_unique<optim::AdamW>(model->parameters(), ao);
+    }
+  } catch (const OutOfMemory& e) {
+    throw OutOfMemory(fmt::format("--memory-limit {}: the {} model's parameters, gradients and {} state do not fit "
+                                  "({})", format_bytes(limit), opt.model, opt.optimizer, e.what()),
+                      e.requested());
   }
   optim::ScheduleOptions sched;
   sched.kind = opt.schedule;
@@ -180,7 +230,6 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
   sched.warmup_steps = static_cast<std::int64_t>(std::llround(opt.warmup_epochs * static_cast<double>(per_epoch)));
   const optim::LRSchedule schedule(sched);
 
-  const auto& arena = current_arena(dev);
   std::int64_t params = 0;
   for (const auto& p : model->parameters()) params += p.numel();
   fmt::print(log, "{}\n", build_info());
@@ -191,26 +240,45 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
              dev.str(), opt.batch_size, total_steps, per_epoch, opt.optimizer, opt.lr, opt.schedule, augment ? "on" : "off",
              opt.shuffle ? "on" : "off", opt.normalize ? "on" : "off");
   const ArenaStats s0 = arena->stats();
-  fmt::print(log, "memory: parameters {}, gradients {}, optimizer state {} (arena capacity {})\n",
+  fmt::print(log, "memory limit {}{}: parameters {}, gradients {}, optimizer state {} allocated before planning\n",
+             format_bytes(limit), opt.memory_limit == "auto" ? " (auto)" : "",
              format_bytes(static_cast<std::size_t>(s0[Category::parameter].current)),
              format_bytes(static_cast<std::size_t>(s0[Category::gradient].current)),
-             format_bytes(static_cast<std::size_t>(s0[Category::optimizer_state].current)), format_bytes(arena->capacity()));
+             format_bytes(static_cast<std::size_t>(s0[Category::optimizer_state].current)));
+
+  // ---- the plan -----------------------------------------------------------------------------------
+  mbp::ExecutorOptions eo;
+  eo.sample_shape = {train_set.channels, train_set.height, train_set.width};
+  eo.loss.label_smoothing = opt.label_smoothing;
+  eo.micro_batch = opt.micro_batch;
+  eo.log = [&log](const std::string& line) { fmt::print(log, "\n{}\n", line); };
+  mbp::Executor executor(*model, *optimizer, eo);
+  const mbp::Plan& plan = executor.plan(opt.batch_size);
+  fmt::print(log, "plan: {}\n", plan.summary());
+  fmt::print(log, "      live at the peak: {}\n", plan.at_peak.str());
+  fmt::print(log, "      {} ({} dry runs, {:.0f} ms)\n",
+             opt.micro_batch ? fmt::format("--micro-batch {} checked", *opt.micro_batch)
+                             : std::string("largest micro-batch that fits, found"),
+             plan.probes, plan.seconds * 1000.0);
 
   std::ofstream metrics;
   if (!opt.out.empty()) {
     metrics.open(std::filesystem::path(opt.out) / "metrics.csv");
-    metrics << "step,epoch,loss,lr,images_per_second,peak_bytes\n";
+    metrics << "step,epoch,loss,lr,images_per_second,peak_bytes,predicted_peak_bytes,micro_batch,micro_batches\n";
   }
 
   // ---- train ---------------------------------------------------------------------------------------
   using clock = std::chrono::steady_clock;
   TrainResult result;
   result.device = dev.str();
+  result.memory_limit_bytes = static_cast<std::int64_t>(arena->capacity());
   double steady_seconds = 0;
   std::int64_t steady_images = 0, step = 0;
   double last_loss = 0;
   Eval ev;
-  arena->reset_peak();
+  // The step whose memory timeline is written: the second (steady state) if there is one.
+  const std::int64_t traced_step = total_steps > 1 ? 1 : 0;
+  std::int64_t mismatches = 0;
   for (std::int64_t epoch = 0; epoch < epochs && step < total_steps; ++epoch) {
     loader.start_epoch(epoch);
     const std::int64_t in_epoch = std::min(per_epoch, total_steps - step);
@@ -222,23 +290,25 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
       if (!b) break;
       const auto t0 = clock::now();
       optimizer->set_lr(schedule.lr_at(step));
-      Tensor x = Tensor::from_vector(b->images, {b->size, train_set.channels, train_set.height, train_set.width}, dev,
-                                     Category::input);
-      Tensor y = Tensor::from_vector(b->labels, {b->size}, dev, Category::input);
-      CrossEntropyOptions co;
-      co.label_smoothing = opt.label_smoothing;
-      Tensor loss = cross_entropy((*model)(x), y, co);
-      loss.backward();
-      last_loss = loss.item();
+      const bool trace = step == traced_step && !opt.out.empty();
+      if (trace) arena->set_tracing(true);
+      if (opt.inject_oom && opt.inject_oom->first == step) arena->fail_allocation_after(opt.inject_oom->second);
+      const mbp::StepResult r = executor.step(b->images.data(), b->labels.data(), b->size);
+      arena->fail_allocation_after(0);
+      last_loss = r.loss;
       if (!std::isfinite(last_loss))
         throw Error(fmt::format("training diverged at step {}: loss is {} (try a smaller --lr)", step, last_loss));
-      loss = Tensor();
-      x = Tensor();
-      y = Tensor();
-      {
-        NoGradGuard ng;
-        optimizer->step();
-        optimizer->zero_grad();
+      if (trace) {
+        arena->set_tracing(false);
+        const std::filesystem::path dir(opt.out);
+        write_file(dir / "memory_trace.json", arena->trace_json());
+        mbp::TimelineOptions to;
+        to.title = fmt::format("{} (norm {}) on {}: step {}, batch {} as {} micro-batches of <= {}", opt.model, opt.norm,
+                               dev.str(), step + 1, b->size, r.micro_batches, r.micro_batch);
+        to.budget = arena->capacity();
+        to.predicted_peak = r.predicted_peak;
+        write_file(dir / "memory.svg", mbp::memory_svg(*arena, to));
+        arena->clear_trace();
       }
       const double dt = std::chrono::duration<double>(clock::now() - t0).count();
       if (step > 0) {  // the first step warms caches and is excluded from the steady-state rate
@@ -250,12 +320,18 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
       ++step;
       ++epoch_steps;
       epoch_loss += last_loss;
-      const std::int64_t peak = arena->stats().total.peak;
-      bar.update(epoch_steps, last_loss, ips, peak, epoch_steps == in_epoch);
+      result.peak_bytes = std::max(result.peak_bytes, static_cast<std::int64_t>(r.peak));
+      result.predicted_peak_bytes = std::max(result.predicted_peak_bytes, static_cast<std::int64_t>(r.predicted_peak));
+      result.micro_batch = r.micro_batch;
+      result.micro_batches_per_step = r.micro_batches;
+      result.oom_retries += r.oom_retries;
+      if (r.peak != r.predicted_peak && r.oom_retries == 0) ++mismatches;
+      bar.update(epoch_steps, last_loss, ips, static_cast<std::int64_t>(r.peak), epoch_steps == in_epoch);
       if (metrics.is_open())
-        metrics << fmt::format("{},{},{:.6f},{:.6g},{:.2f},{}\n", step, epoch, last_loss, optimizer->lr(), ips, peak);
+        metrics << fmt::format("{},{},{:.6f},{:.6g},{:.2f},{},{},{},{}\n", step, epoch, last_loss, optimizer->lr(), ips,
+                               r.peak, r.predicted_peak, r.micro_batch, r.micro_batches);
     }
-    ev = evaluate(*model, split.test, opt.normalize, dev);
+    ev = evaluate(*model, split.test, opt.normalize, dev, result.micro_batch);
     result.train_loss = epoch_steps > 0 ? epoch_loss / static_cast<double>(epoch_steps) : last_loss;
     fmt::print(log, "epoch {}/{}: train loss {:.4f} | test loss {:.4f} | test accuracy {:.2f}%\n", epoch + 1, epochs,
                result.train_loss, ev.loss, 100.0 * ev.accuracy);
@@ -263,22 +339,37 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
   result.test_accuracy = ev.accuracy;
   result.test_loss = ev.loss;
   result.images_per_second = steady_seconds > 0 ? static_cast<double>(steady_images) / steady_seconds : 0;
-  result.peak_bytes = arena->stats().total.peak;
   result.steps = step;
+  fmt::print(log, "memory: measured step peak {} ({} bytes), predicted {} ({} bytes){}, limit {}; {} out-of-memory "
+             "retries\n",
+             format_bytes(static_cast<std::size_t>(result.peak_bytes)), result.peak_bytes,
+             format_bytes(static_cast<std::size_t>(result.predicted_peak_bytes)), result.predicted_peak_bytes,
+             mismatches == 0 ? " — exact" : fmt::format(" — {} steps differed", mismatches), format_bytes(limit),
+             result.oom_retries);
 
   if (!opt.save.empty()) {
     nn::save_state_dict(*model, opt.save);
     fmt::print(log, "saved {}\n", opt.save);
   }
   if (!opt.out.empty()) {
-    nlohmann::json j = {{"test_accuracy", result.test_accuracy}, {"test_loss", result.test_loss},
-                        {"train_loss", result.train_loss},       {"images_per_second", result.images_per_second},
-                        {"peak_bytes", result.peak_bytes},       {"steps", result.steps},
-                        {"device", result.device},               {"model", opt.model},
-                        {"norm", opt.norm},                      {"batch_size", opt.batch_size},
+    nlohmann::json j = {{"test_accuracy", result.test_accuracy},
+                        {"test_loss", result.test_loss},
+                        {"train_loss", result.train_loss},
+                        {"images_per_second", result.images_per_second},
+                        {"peak_bytes", result.peak_bytes},
+                        {"predicted_peak_bytes", result.predicted_peak_bytes},
+                        {"memory_limit_bytes", result.memory_limit_bytes},
+                        {"micro_batch", result.micro_batch},
+                        {"micro_batches_per_step", result.micro_batches_per_step},
+                        {"oom_retries", result.oom_retries},
+                        {"steps", result.steps},
+                        {"device", result.device},
+                        {"model", opt.model},
+                        {"norm", opt.norm},
+                        {"batch_size", opt.batch_size},
                         {"data", opt.data}};
-    std::ofstream(std::filesystem::path(opt.out) / "summary.json") << j.dump(2) << "\n";
-    fmt::print(log, "wrote {}/metrics.csv and {}/summary.json\n", opt.out, opt.out);
+    write_file(std::filesystem::path(opt.out) / "summary.json", j.dump(2) + "\n");
+    fmt::print(log, "wrote {0}/metrics.csv, {0}/summary.json, {0}/memory_trace.json and {0}/memory.svg\n", opt.out);
   }
   return result;
 }

@@ -1,13 +1,15 @@
 // apps/trainer.h — the training loop behind `tally train`, as a library so tests can run it.
 //
 // One run: load the data set, build the model (ResNet family, torchvision names), optionally
-// load initial weights, train with SGD or AdamW under a learning-rate schedule, evaluate after
-// every epoch, optionally save the weights, and write metrics.csv and summary.json to --out.
+// load initial weights, plan the micro-batches that fit the memory limit (mbp/), train with SGD
+// or AdamW under a learning-rate schedule, evaluate after every epoch, optionally save the
+// weights, and write metrics.csv, summary.json, memory_trace.json and memory.svg to --out.
 #pragma once
 #include <cstdint>
 #include <iosfwd>
 #include <optional>
 #include <string>
+#include <utility>
 
 namespace tally::app {
 
@@ -31,11 +33,20 @@ struct TrainOptions {
   int threads = 0;  // 0: leave the default
   std::string init, save, out;
   bool progress = true;  // progress bar on stdout
+  // Arena capacity: a size ("48MiB", "2GiB") or "auto" (CPU: 8 GiB of address space; CUDA:
+  // free device memory less 512 MiB).
+  std::string memory_limit = "auto";
+  std::optional<std::int64_t> micro_batch;  // unset: the largest that fits ("auto")
+  // Tests: fail the n-th arena allocation of this (0-based) step once, to exercise recovery.
+  std::optional<std::pair<std::int64_t, std::uint64_t>> inject_oom;
 };
 
 struct TrainResult {
   double test_accuracy = 0, test_loss = 0, train_loss = 0, images_per_second = 0;
-  std::int64_t peak_bytes = 0, steps = 0;
+  std::int64_t peak_bytes = 0;            // highest measured peak of a training step
+  std::int64_t predicted_peak_bytes = 0;  // the planner's prediction for those steps
+  std::int64_t memory_limit_bytes = 0, micro_batch = 0, micro_batches_per_step = 0;
+  std::int64_t steps = 0, oom_retries = 0;
   std::string device;
 };
 

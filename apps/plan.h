@@ -1,0 +1,38 @@
+// apps/plan.h — `tally plan`: the memory plan of a training step, without training.
+//
+// Builds the model and optimizer on a virtual arena of the budget's size (no memory is touched
+// and nothing is computed), prints the per-layer table (mbp/layer_table.h) at the planned
+// micro-batch size and the plan (mbp/planner.h): B, m, k, predicted peak against the budget
+// and what is live at the peak. ResNet-50 at 3x224x224, batch 4096, plans in seconds on a CPU.
+#pragma once
+#include <cstdint>
+#include <iosfwd>
+#include <optional>
+#include <string>
+
+#include "mbp/planner.h"
+
+namespace tally::app {
+
+struct PlanOptions {
+  std::string model = "resnet50";
+  std::string norm = "batch";
+  std::string input = "3x224x224";           // C x H x W of one sample
+  std::optional<std::int64_t> num_classes;   // default: 1000 for inputs of 64 pixels and more, else 10
+  std::int64_t batch_size = 256;
+  std::string memory_limit = "auto";
+  std::optional<std::int64_t> micro_batch;   // check this m instead of searching
+  std::string optimizer = "sgd";
+  double momentum = 0.9;                     // SGD momentum (0: no momentum buffer)
+  std::string device = "cpu";
+  bool layers = true;                        // print the per-layer table
+};
+
+// "12" -> 12; anything but a whole positive number (a sign, a suffix, empty) -> nullopt.
+std::optional<std::int64_t> parse_positive_integer(const std::string& s);
+
+// Prints the table and the plan to `out`; returns the plan. Bad options and budgets that cannot
+// hold one sample are tally::Error / OutOfMemory with the bytes needed.
+mbp::Plan plan(const PlanOptions& opt, std::ostream& out);
+
+}  // namespace tally::app

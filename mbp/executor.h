@@ -1,0 +1,101 @@
+// mbp/executor.h — one training step of a batch larger than memory, through micro-batches.
+//
+// A step of B samples (see docs/mbp.md):
+//   1. The planner gives the split: k balanced micro-batches of at most m samples.
+//   2. The loss divisor D is counted on the host over the *whole* batch (samples, or weighted
+//      non-ignored targets). Every micro-batch's loss is sum_i w_i * loss_i / D, so the
+//      gradients accumulated over the micro-batches are the full batch's mean-loss gradient
+//      for any split (not the mean of the micro-batch means, which is wrong when the last
+//      micro-batch is smaller).
+//   3. For each micro-batch: copy its inputs into the arena (category input; on CUDA the next
+//      micro-batch's inputs are allocated before the current one computes, so the copy can
+//      overlap), forward, backward. Weight gradients accumulate with beta = 1 straight into the
+//      persistent gradient buffers; every other byte of the micro-batch is freed by its end.
+//   4. BatchNorm: each micro-batch normalizes with its own statistics; the running statistics
+//      are updated once per step from the moments of all micro-batches (layers/layers.h).
+//   5. One optimizer step, then the gradients are zeroed.
+// The planner dry-runs exactly this code (run_micro_batches), so the predicted peak is the real
+// step's peak. If the real step still runs out of memory, the partial step is discarded —
+// gradients zeroed, BatchNorm moments dropped; parameters, optimizer state and running
+// statistics were not touched yet — the micro-batch limit halves and the step is retried with
+// the same samples.
+#pragma once
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/ops.h"
+#include "core/tensor.h"
+#include "layers/layers.h"
+#include "layers/module.h"
+#include "mbp/planner.h"
+#include "optim/optimizer.h"
+
+namespace tally::mbp {
+
+struct ExecutorOptions {
+  Shape sample_shape{};                       // one input sample, e.g. {3, 32, 32}
+  CrossEntropyOptions loss{};                 // reduction is always the whole batch's mean
+  std::optional<std::int64_t> micro_batch{};  // fixed m; unset = the largest that fits
+  int max_oom_retries = 16;
+  // Called with a line of text when a step is retried after running out of memory.
+  std::function<void(const std::string&)> log{};
+};
+
+struct StepResult {
+  double loss = 0;                 // the full batch's mean loss
+  std::int64_t micro_batch = 0;    // m used (after any retry)
+  std::int64_t micro_batches = 0;  // k used
+  std::size_t predicted_peak = 0;  // the plan's prediction for the split used
+  std::size_t peak = 0;            // the arena's measured peak during the step
+  int oom_retries = 0;             // retries this step needed
+};
+
+class Executor {
+ public:
+  // The model's parameters, gradient buffers and the optimizer's state must exist already (the
+  // planner counts them). The model's device and dtype are those of its first parameter.
+  Executor(nn::Module& model, optim::Optimizer& optimizer, ExecutorOptions options);
+
+  // The plan for a batch of `batch` samples under the current limit (cached).
+  const Plan& plan(std::int64_t batch);
+
+  // One training step on host data: images (batch, sample_shape...) as float32, labels (batch).
+  StepResult step(const float* images, const std::int64_t* labels, std::int64_t batch);
+
+  // Forward and backward of every micro-batch of `sizes` (sum = batch), accumulating into the
+  // gradient buffers and BatchNorm moment accumulators; returns the full-batch loss (0 in a dry
+  // run). The step's building block; public for tests of gradient equivalence.
+  double accumulate(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes);
+
+  // Upper limit on m after out-of-memory retries (INT64_MAX if none happened).
+  std::int64_t micro_batch_limit() const { return limit_; }
+  int total_oom_retries() const { return total_retries_; }
+  Planner& planner() { return planner_; }
+  const std::shared_ptr<Arena>& arena() const { return arena_; }
+  Device device() const { return device_; }
+
+ private:
+  void discard_partial_step();
+  // The allocation sequence of a step; real data when images != nullptr, else a dry run.
+  void run_step(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes,
+                double* loss);
+
+  nn::Module& model_;
+  optim::Optimizer& optimizer_;
+  ExecutorOptions opt_;
+  Device device_;
+  DType dtype_;
+  std::shared_ptr<Arena> arena_;
+  Planner planner_;
+  std::vector<nn::BatchNorm2d*> bns_;
+  std::vector<BatchNormMoments> moments_;
+  std::int64_t sample_numel_ = 1;
+  std::int64_t limit_ = INT64_MAX;
+  int total_retries_ = 0;
+};
+
+}  // namespace tally::mbp

@@ -1,0 +1,198 @@
+// mbp/planner.cpp — dry-run search for the largest micro-batch; see mbp/planner.h.
+#include "mbp/planner.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include <fmt/format.h>
+
+#include "core/memory.h"
+
+namespace tally::mbp {
+
+std::vector<std::int64_t> balanced_sizes(std::int64_t batch, std::int64_t k) {
+  if (batch < 1 || k < 1 || k > batch)
+    throw Error(fmt::format("balanced_sizes: expected 1 <= micro-batches <= batch, found {} micro-batches for batch {}",
+                            k, batch));
+  std::vector<std::int64_t> s(static_cast<std::size_t>(k), batch / k);
+  for (std::int64_t i = 0; i < batch % k; ++i) ++s[static_cast<std::size_t>(i)];
+  return s;
+}
+
+std::int64_t Breakdown::total() const {
+  std::int64_t t = 0;
+  for (auto b : bytes) t += b;
+  return t;
+}
+
+std::string Breakdown::str() const {
+  std::string out;
+  for (int c = 0; c < kNumCategories; ++c)
+    if (bytes[c] > 0)
+      out += fmt::format("{}{} {}", out.empty() ? "" : ", ", category_name(static_cast<Category>(c)),
+                         format_bytes(static_cast<std::size_t>(bytes[c])));
+  return out.empty() ? "nothing" : out;
+}
+
+std::string Plan::summary() const {
+  std::string split;
+  if (micro_batches == 1) {
+    split = "1 micro-batch (the whole batch)";
+  } else {
+    const std::int64_t large = sizes.front(), small = sizes.back();
+    const auto n_large = std::count(sizes.begin(), sizes.end(), large);
+    split = large == small ? fmt::format("{} micro-batches of {}", micro_batches, large)
+                           : fmt::format("{} micro-batches ({} of {}, {} of {})", micro_batches, n_large, large,
+                                         micro_batches - n_large, small);
+  }
+  return fmt::format("batch {} = {} | predicted peak {} of {} ({:.1f}%)", batch_size, split,
+                     format_bytes(predicted_peak), format_bytes(budget),
+                     100.0 * static_cast<double>(predicted_peak) / static_cast<double>(budget));
+}
+
+namespace {
+
+// Each run of equal sizes shortened to at most two (see the header).
+std::vector<std::int64_t> compressed(const std::vector<std::int64_t>& sizes) {
+  std::vector<std::int64_t> out;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    const std::size_t n = out.size();
+    if (n >= 2 && out[n - 1] == sizes[i] && out[n - 2] == sizes[i]) continue;
+    out.push_back(sizes[i]);
+  }
+  return out;
+}
+
+std::vector<std::int64_t> split_for(std::int64_t batch, std::int64_t m) {
+  return balanced_sizes(batch, (batch + m - 1) / m);
+}
+
+// What is live per category at the first moment the trace reaches its highest total.
+Breakdown live_at_peak(const Arena& a) {
+  Breakdown cur, best;
+  cur.bytes = a.trace_base();
+  best = cur;
+  std::int64_t best_total = cur.total(), total = best_total;
+  for (const TraceEvent& e : a.trace()) {
+    const auto d = static_cast<std::int64_t>(e.rounded) * (e.is_alloc ? 1 : -1);
+    cur.bytes[static_cast<int>(e.category)] += d;
+    total += d;
+    if (total > best_total) best_total = total, best = cur;
+  }
+  return best;
+}
+
+}  // namespace
+
+Planner::Planner(std::shared_ptr<Arena> arena, StepFn step) : arena_(std::move(arena)), step_(std::move(step)) {
+  if (!arena_) throw Error("Planner: no arena");
+}
+
+Planner::Probe Planner::probe(const std::vector<std::int64_t>& sizes, bool detailed,
+                              std::optional<std::size_t> capacity) {
+  ++probes_;
+  auto v = capacity && *capacity > arena_->capacity() ? arena_->virtual_clone(*capacity) : arena_->virtual_clone();
+  v->reset_peak();
+  v->set_tracing(detailed);
+  Probe p;
+  try {
+    DryRunGuard dry;
+    ArenaScope scope(v);
+    step_(sizes);
+  } catch (const OutOfMemory&) {
+    return p;
+  } catch (const ShapeError& e) {
+    p.error = e.what();
+    return p;
+  }
+  p.fits = true;
+  p.peak = static_cast<std::size_t>(v->stats().total.peak);
+  p.high_water = v->stats().high_water;
+  if (detailed) p.at_peak = live_at_peak(*v);
+  return p;
+}
+
+void Planner::throw_too_small(std::int64_t batch, std::int64_t m, const std::string& why) {
+  // Measure what the split would need on a clone with room to spare.
+  const std::size_t unbounded = std::max<std::size_t>(arena_->capacity(), std::size_t(1) << 40) * 64;
+  const Probe need = probe(split_for(batch, m), true, unbounded);
+  if (!need.error.empty()) throw Error(fmt::format("micro-batches of {} cannot run: {}", m, need.error));
+  const std::string needs =
+      need.fits ? fmt::format("needs a memory limit of at least {} ({} bytes); live at its peak: {}",
+                              format_bytes(need.high_water), need.high_water, need.at_peak.str())
+                : std::string("needs more memory than can be measured");
+  throw OutOfMemory(fmt::format("memory limit {} ({} bytes) is too small: {} — a training step with micro-batches of "
+                                "{} {}",
+                                format_bytes(arena_->capacity()), arena_->capacity(), why, m, needs),
+                    need.high_water);
+}
+
+const Plan& Planner::plan(std::int64_t batch, std::optional<std::int64_t> micro_batch, std::int64_t max_micro_batch) {
+  if (batch < 1) throw Error(fmt::format("plan: batch size must be >= 1, found {}", batch));
+  if (micro_batch && (*micro_batch < 1 || *micro_batch > batch))
+    throw Error(fmt::format("--micro-batch must be between 1 and the batch size {}, found {}", batch, *micro_batch));
+  if (max_micro_batch < 1) throw Error(fmt::format("plan: upper limit on the micro-batch must be >= 1, found {}", max_micro_batch));
+  const auto key = std::make_tuple(batch, arena_->capacity(), std::min(max_micro_batch, batch), micro_batch.value_or(0));
+  if (auto it = cache_.find(key); it != cache_.end()) return it->second;
+
+  const auto t0 = std::chrono::steady_clock::now();
+  const int probes0 = probes_;
+  const std::int64_t hi_limit = std::min(max_micro_batch, batch);
+  std::int64_t m = 0;
+  if (micro_batch) {
+    m = *micro_batch;
+  } else {
+    // Gallop: 1, 2, 4, ... while the split fits; sizes whose split cannot run at all are passed over.
+    std::int64_t lo = 0, hi = 0;  // lo: largest size known to fit (0: none yet); hi (> 0): fails
+    std::string cannot_run;
+    for (std::int64_t next = 1;; next = std::min(next * 2, hi_limit)) {
+      const Probe p = probe(compressed(split_for(batch, next)), false);
+      if (p.fits) {
+        lo = next;
+        if (next == hi_limit) break;
+      } else if (!p.error.empty() && lo == 0) {
+        cannot_run = p.error;
+        if (next == hi_limit) throw Error(fmt::format("no micro-batch size can run: {}", cannot_run));
+      } else {
+        hi = next;
+        break;
+      }
+    }
+    if (lo == 0)
+      throw_too_small(batch, hi, hi == 1 ? std::string("not even one sample fits")
+                                         : fmt::format("the smallest micro-batch that can run ({} samples; fewer cannot: "
+                                                       "{}) does not fit", hi, cannot_run));
+    // Bisect (lo fits, hi does not).
+    while (hi > 0 && hi - lo > 1) {
+      const std::int64_t mid = lo + (hi - lo) / 2;
+      (probe(compressed(split_for(batch, mid)), false).fits ? lo : hi) = mid;
+    }
+    m = lo;
+  }
+  // Verify the exact split with a full, traced dry run. A compressed probe that fit should not
+  // differ, but if it ever does, step down until the full split fits.
+  Probe full;
+  std::vector<std::int64_t> sizes;
+  for (;;) {
+    sizes = split_for(batch, m);
+    full = probe(sizes, true);
+    if (full.fits) break;
+    if (!full.error.empty()) throw Error(fmt::format("micro-batches of {} cannot run: {}", m, full.error));
+    if (micro_batch) throw_too_small(batch, m, fmt::format("--micro-batch {} does not fit", m));
+    if (m == 1) throw_too_small(batch, 1, "not even one sample fits");
+    --m;
+  }
+  Plan p;
+  p.batch_size = batch;
+  p.sizes = sizes;
+  p.micro_batches = static_cast<std::int64_t>(sizes.size());
+  p.micro_batch = sizes.front();
+  p.predicted_peak = full.peak;
+  p.budget = arena_->capacity();
+  p.at_peak = full.at_peak;
+  p.probes = probes_ - probes0;
+  p.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return cache_.emplace(key, std::move(p)).first->second;
+}
+
+}  // namespace tally::mbp

@@ -1,0 +1,101 @@
+// mbp/planner.h — the MBP planner: the largest micro-batch whose whole training step fits.
+//
+// Algorithm (see docs/mbp.md):
+//   * Parameters, gradients and optimizer state are allocated before planning, so they are
+//     already in the arena and count against the budget like everything else.
+//   * A *probe* of a split — micro-batch sizes (n_1, ..., n_k) — is a dry run of the real step
+//     (the caller's StepFn: forward and backward of every micro-batch, then the optimizer step)
+//     on a virtual clone of the arena: same allocation sequence as the real step, no memory, no
+//     compute. The probe fits if no allocation fails; its peak is the real step's peak, to the
+//     byte, because the arena is deterministic.
+//   * A batch of B samples through micro-batches of at most m becomes k = ceil(B / m) balanced
+//     micro-batches (sizes differ by at most one, larger first). The search gallops m = 1, 2, 4,
+//     ... until a split fails (or m reaches B), then bisects between the last fit and the first
+//     failure. Search probes run a compressed split (each run of equal sizes shortened to two:
+//     after a micro-batch everything but the persistent state is freed, so further repetitions
+//     replay the same allocations); the chosen plan is then verified by a full dry run of its
+//     exact split, which gives the predicted peak and what is live at that moment.
+//   * Plans are cached by (B, budget, upper limit on m).
+//   * A split that cannot run at any budget (BatchNorm needs more than one value per channel, so a
+//     ResNet whose last feature map is 1x1 cannot train on micro-batches of 1) is skipped: the
+//     search gallops on to the first size that runs.
+// An explicit micro-batch size skips the search; if it does not fit, or if even the smallest
+// size does not, the error states the smallest budget that would run it — the high-water mark
+// of a dry run on a virtual clone with room to spare, exact because the arena's layout does not
+// depend on its capacity (core/arena.h) — and what is live at the peak, by category.
+#pragma once
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "core/arena.h"
+
+namespace tally::mbp {
+
+// k micro-batch sizes that split `batch` samples as evenly as possible, larger ones first.
+std::vector<std::int64_t> balanced_sizes(std::int64_t batch, std::int64_t micro_batches);
+
+// Bytes live per category at one moment (the peak of a step).
+struct Breakdown {
+  std::array<std::int64_t, kNumCategories> bytes{};
+  std::int64_t total() const;
+  std::string str() const;  // "parameter 1.0 MiB, gradient 1.0 MiB, ..." (non-zero entries)
+};
+
+struct Plan {
+  std::int64_t batch_size = 0;     // B
+  std::int64_t micro_batch = 0;    // m: the largest micro-batch of the split
+  std::int64_t micro_batches = 0;  // k = ceil(B / m)
+  std::vector<std::int64_t> sizes;  // the balanced split, sum = B
+  std::size_t predicted_peak = 0;  // bytes live at the step's peak (arena rounding included)
+  std::size_t budget = 0;          // the arena's capacity
+  Breakdown at_peak;               // what is live at that moment
+  int probes = 0;                  // dry runs the plan took
+  double seconds = 0;              // time the planning took
+  // "B 1024 = 19 micro-batches of 54 (16 of 54, 3 of 53) | predicted peak 47.9 MiB of 48.0 MiB"
+  std::string summary() const;
+};
+
+// Runs one training step's allocations for these micro-batch sizes on the current arena; the
+// planner calls it under a DryRunGuard with a virtual clone made current.
+using StepFn = std::function<void(const std::vector<std::int64_t>& sizes)>;
+
+class Planner {
+ public:
+  // `arena`: the real arena the step will run on (holding the persistent state now).
+  Planner(std::shared_ptr<Arena> arena, StepFn step);
+
+  // The plan for a batch of `batch` samples: the largest m <= max_micro_batch that fits, or
+  // exactly `micro_batch` if given. Throws OutOfMemory with the bytes needed if nothing fits.
+  const Plan& plan(std::int64_t batch, std::optional<std::int64_t> micro_batch = std::nullopt,
+                   std::int64_t max_micro_batch = INT64_MAX);
+
+  struct Probe {
+    bool fits = false;
+    std::size_t peak = 0;        // bytes live at the peak (valid when fits)
+    std::size_t high_water = 0;  // highest end offset: the smallest budget that runs it
+    Breakdown at_peak;           // valid when fits and detailed
+    std::string error;           // the split cannot run at all (BatchNorm on 1 value), not OOM
+  };
+  // Dry-runs the step for `sizes` on a virtual clone of the arena (of `capacity` bytes if
+  // given and larger). `detailed` traces the run to find what is live at the peak.
+  Probe probe(const std::vector<std::int64_t>& sizes, bool detailed,
+              std::optional<std::size_t> capacity = std::nullopt);
+  int probes() const { return probes_; }
+
+ private:
+  [[noreturn]] void throw_too_small(std::int64_t batch, std::int64_t m, const std::string& why);
+
+  std::shared_ptr<Arena> arena_;
+  StepFn step_;
+  int probes_ = 0;
+  std::map<std::tuple<std::int64_t, std::size_t, std::int64_t, std::int64_t>, Plan> cache_;
+};
+
+}  // namespace tally::mbp

@@ -1,0 +1,713 @@
+// MBP: the planner's exactness, the executor's equivalence with the full batch, out-of-memory
+// recovery, budgets that cannot fit, and the memory timeline.
+//   * Gradient equivalence (float32): ResNet-20 with norm group and none, B = 256, micro-batches
+//     of 1, 7 and 64: every accumulated gradient within 1e-5 (relative, per tensor) of the
+//     full-batch mean-loss gradient.
+//   * Training equivalence (float64): parameters after 3 SGD steps with momentum and weight
+//     decay through micro-batches of 7 match full-batch steps to 1e-10.
+//   * Exactness: for several models, budgets and micro-batch sizes, the measured peak of real
+//     steps equals the plan's predicted peak to the byte and never exceeds the budget.
+//   * Fault injection: an allocation failed in the middle of a step; the step is retried with a
+//     smaller micro-batch and the parameters equal, bit for bit, those of an uninterrupted run
+//     with that micro-batch.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "apps/plan.h"
+#include "apps/trainer.h"
+#include "core/autograd.h"
+#include "core/memory.h"
+#include "core/ops.h"
+#include "layers/init.h"
+#include "layers/resnet.h"
+#include "mbp/executor.h"
+#include "mbp/layer_table.h"
+#include "mbp/timeline.h"
+#include "optim/optimizer.h"
+
+using namespace tally;
+
+namespace {
+
+struct Data {
+  std::vector<float> images;
+  std::vector<std::int64_t> labels;
+};
+
+Data make_data(std::int64_t batch, const Shape& sample, std::uint32_t seed, std::int64_t classes = 10) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> n(0.f, 1.f);
+  std::uniform_int_distribution<std::int64_t> c(0, classes - 1);
+  Data d;
+  d.images.resize(static_cast<std::size_t>(batch * shape_numel(sample)));
+  for (auto& x : d.images) x = n(rng);
+  d.labels.resize(static_cast<std::size_t>(batch));
+  for (auto& l : d.labels) l = c(rng);
+  return d;
+}
+
+std::shared_ptr<nn::Module> model(const std::string& name, const std::string& norm, std::uint64_t seed = 1,
+                                  DType dtype = DType::Float32) {
+  nn::manual_seed(seed);
+  nn::ModelConfig mc;
+  mc.name = name;
+  mc.norm = nn::parse_norm(norm);
+  auto m = nn::make_model(mc);
+  if (dtype != DType::Float32) m->to(dtype);
+  m->train();
+  return m;
+}
+
+std::unique_ptr<optim::SGD> sgd(nn::Module& m, double lr = 0.05) {
+  optim::SGDOptions so;
+  so.lr = lr;
+  so.momentum = 0.9;
+  so.weight_decay = 5e-4;
+  return std::make_unique<optim::SGD>(m.parameters(), so);
+}
+
+template <class T>
+Tensor input_tensor(const Data& d, std::int64_t batch, const Shape& sample) {
+  Shape s{batch};
+  s.insert(s.end(), sample.begin(), sample.end());
+  return Tensor::from_vector(std::vector<T>(d.images.begin(), d.images.end()), s, Device::cpu(), Category::input);
+}
+
+// The reference: one plain full-batch forward and backward with the mean loss.
+template <class T>
+double full_batch_backward(nn::Module& m, const Data& d, std::int64_t batch, const Shape& sample) {
+  Tensor x = input_tensor<T>(d, batch, sample);
+  Tensor y = Tensor::from_vector(d.labels, {batch});
+  Tensor loss = cross_entropy(m(x), y);
+  loss.backward();
+  return loss.item();
+}
+
+template <class T>
+std::vector<std::vector<double>> grads(const nn::Module& m) {
+  std::vector<std::vector<double>> out;
+  for (const auto& p : m.parameters()) {
+    const auto g = p.grad().to_vector<T>();
+    out.emplace_back(g.begin(), g.end());
+  }
+  return out;
+}
+
+template <class T>
+std::vector<std::vector<double>> values(const nn::Module& m, bool buffers = false) {
+  std::vector<std::vector<double>> out;
+  for (const auto& [name, t] : buffers ? m.named_buffers() : m.named_parameters()) {
+    if (!is_floating(t.dtype())) continue;
+    const auto v = t.template to_vector<T>();
+    out.emplace_back(v.begin(), v.end());
+  }
+  return out;
+}
+
+// ||a - b|| / ||b||, with a NaN anywhere reported as infinity so it never passes.
+double rel_error(const std::vector<double>& a, const std::vector<double>& b) {
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) return INFINITY;
+    num += (a[i] - b[i]) * (a[i] - b[i]);
+    den += b[i] * b[i];
+  }
+  return den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+}
+
+bool bitwise_equal(const std::vector<std::vector<double>>& a, const std::vector<std::vector<double>>& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t i = 0; i < a.size(); ++i)
+    if (a[i] != b[i]) return false;
+  return true;
+}
+
+std::int64_t transient_bytes(const Arena& a) {
+  const ArenaStats s = a.stats();
+  return s[Category::activation].current + s[Category::workspace].current + s[Category::input].current +
+         s[Category::temporary].current;
+}
+
+class Mbp : public ::testing::Test {
+ protected:
+  void SetUp() override { configure_arena(Device::cpu(), kDefaultCpuArenaBytes); }
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+TEST(BalancedSizes, DifferByAtMostOneLargerFirst) {
+  EXPECT_EQ(mbp::balanced_sizes(10, 3), (std::vector<std::int64_t>{4, 3, 3}));
+  EXPECT_EQ(mbp::balanced_sizes(256, 37).size(), 37u);
+  for (std::int64_t B : {1, 7, 64, 255, 256, 1000})
+    for (std::int64_t k = 1; k <= B; k += 1 + B / 9) {
+      const auto s = mbp::balanced_sizes(B, k);
+      std::int64_t sum = 0;
+      for (auto v : s) sum += v;
+      EXPECT_EQ(sum, B);
+      EXPECT_LE(s.front() - s.back(), 1);
+      EXPECT_TRUE(std::is_sorted(s.rbegin(), s.rend()));
+    }
+  EXPECT_THROW(mbp::balanced_sizes(4, 5), Error);
+  EXPECT_THROW(mbp::balanced_sizes(4, 0), Error);
+}
+
+// ---------------------------------------------------------------------------------------------
+class GradientEquivalence : public Mbp, public ::testing::WithParamInterface<std::string> {};
+
+TEST_P(GradientEquivalence, MicroBatchesOf1_7_64MatchTheFullBatchFloat32) {
+  const std::string norm = GetParam();
+  const std::int64_t B = 256;
+  const Shape sample{3, 32, 32};
+  auto m = model("resnet20", norm);
+  auto opt = sgd(*m);
+  const Data d = make_data(B, sample, 11);
+  const double full_loss = full_batch_backward<float>(*m, d, B, sample);
+  const auto ref = grads<float>(*m);
+  m->zero_grad();
+  mbp::ExecutorOptions eo;
+  eo.sample_shape = sample;
+  mbp::Executor ex(*m, *opt, eo);
+  for (std::int64_t mb : {1, 7, 64}) {
+    const auto sizes = mbp::balanced_sizes(B, (B + mb - 1) / mb);
+    const double loss = ex.accumulate(d.images.data(), d.labels.data(), sizes);
+    EXPECT_NEAR(loss, full_loss, 1e-5 * std::abs(full_loss)) << "m = " << mb;
+    const auto g = grads<float>(*m);
+    double worst = 0;
+    for (std::size_t i = 0; i < g.size(); ++i) {
+      const double e = rel_error(g[i], ref[i]);
+      worst = std::max(worst, e);
+      EXPECT_LE(e, 1e-5) << "norm " << norm << ", m = " << mb << ", parameter " << i;
+    }
+    RecordProperty("worst_rel_error_m" + std::to_string(mb), std::to_string(worst));
+    std::cout << "norm " << norm << ", micro-batches of " << mb << " (k = " << sizes.size()
+              << "): worst per-tensor relative gradient error " << worst << "\n";
+    m->zero_grad();
+  }
+}
+
+// The mean of micro-batch means (what gradient accumulation usually does) is NOT the full-batch
+// gradient when the micro-batches differ in size: the test above would catch that normalization.
+TEST_F(Mbp, MeanOfMeansWouldBeWrongForUnequalSplits) {
+  const std::int64_t B = 10;
+  const Shape sample{3, 8, 8};
+  auto m = model("resnet20", "none");
+  const Data d = make_data(B, sample, 5);
+  full_batch_backward<float>(*m, d, B, sample);
+  const auto ref = grads<float>(*m);
+  m->zero_grad();
+  // micro-batches of 4, 3, 3, each loss its own mean divided by k.
+  std::int64_t off = 0;
+  for (std::int64_t n : {4, 3, 3}) {
+    Data part;
+    part.images.assign(d.images.begin() + off * 192, d.images.begin() + (off + n) * 192);
+    part.labels.assign(d.labels.begin() + off, d.labels.begin() + off + n);
+    Tensor loss = scale(cross_entropy((*m)(input_tensor<float>(part, n, sample)), Tensor::from_vector(part.labels, {n})),
+                        1.0 / 3.0);
+    loss.backward();
+    off += n;
+  }
+  const auto g = grads<float>(*m);
+  double worst = 0;
+  for (std::size_t i = 0; i < g.size(); ++i) worst = std::max(worst, rel_error(g[i], ref[i]));
+  EXPECT_GT(worst, 1e-3) << "a mean of means should differ from the full-batch gradient";
+}
+
+INSTANTIATE_TEST_SUITE_P(Norms, GradientEquivalence, ::testing::Values("group", "none"));
+
+// ---------------------------------------------------------------------------------------------
+class TrainingEquivalence : public Mbp, public ::testing::WithParamInterface<std::string> {};
+
+TEST_P(TrainingEquivalence, ThreeSgdStepsThroughMicroBatchesOf7MatchFullBatchFloat64) {
+  const std::string norm = GetParam();
+  const std::int64_t B = 48;
+  const Shape sample{3, 16, 16};
+  auto ref = model("resnet20", norm, 3, DType::Float64);
+  auto mbp_model = model("resnet20", norm, 3, DType::Float64);
+  ASSERT_TRUE(bitwise_equal(values<double>(*ref), values<double>(*mbp_model)));
+  auto ref_opt = sgd(*ref);
+  auto mbp_opt = sgd(*mbp_model);
+  mbp::ExecutorOptions eo;
+  eo.sample_shape = sample;
+  eo.micro_batch = 7;
+  mbp::Executor ex(*mbp_model, *mbp_opt, eo);
+  for (int step = 0; step < 3; ++step) {
+    const Data d = make_data(B, sample, 100 + static_cast<std::uint32_t>(step));
+    const double ref_loss = full_batch_backward<double>(*ref, d, B, sample);
+    {
+      NoGradGuard ng;
+      ref_opt->step();
+      ref_opt->zero_grad();
+    }
+    const mbp::StepResult r = ex.step(d.images.data(), d.labels.data(), B);
+    EXPECT_EQ(r.micro_batch, 7);
+    EXPECT_EQ(r.micro_batches, 7);  // 48 = 6 x 7 + 6
+    EXPECT_NEAR(r.loss, ref_loss, 1e-12 * std::abs(ref_loss));
+  }
+  const auto a = values<double>(*mbp_model), b = values<double>(*ref);
+  double worst = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    const double e = rel_error(a[i], b[i]);
+    worst = std::max(worst, e);
+    EXPECT_LE(e, 1e-10) << "parameter " << i;
+  }
+  std::cout << "norm " << norm << ": after 3 steps, worst per-tensor relative parameter difference " << worst << "\n";
+  // The parameters moved: the comparison is not between two untouched models.
+  const auto init = values<double>(*model("resnet20", norm, 3, DType::Float64));
+  double moved = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) moved = std::max(moved, rel_error(a[i], init[i]));
+  EXPECT_GT(moved, 1e-3);
+}
+
+INSTANTIATE_TEST_SUITE_P(Norms, TrainingEquivalence, ::testing::Values("group", "none"));
+
+// BatchNorm: running statistics are updated once per step, from the moments of every
+// micro-batch. The first BatchNorm sees the same samples either way, so its running statistics
+// equal the full batch's; num_batches_tracked counts steps, not micro-batches.
+TEST_F(Mbp, BatchNormRunningStatisticsOncePerStepFromTheWholeBatch) {
+  const std::int64_t B = 30;
+  const Shape sample{3, 16, 16};
+  auto ref = model("resnet20", "batch", 4, DType::Float64);
+  auto mb = model("resnet20", "batch", 4, DType::Float64);
+  auto ref_opt = sgd(*ref), mb_opt = sgd(*mb);
+  mbp::ExecutorOptions eo;
+  eo.sample_shape = sample;
+  eo.micro_batch = 4;
+  mbp::Executor ex(*mb, *mb_opt, eo);
+  for (int step = 0; step < 2; ++step) {
+    const Data d = make_data(B, sample, 40 + static_cast<std::uint32_t>(step));
+    full_batch_backward<double>(*ref, d, B, sample);
+    {
+      NoGradGuard ng;
+      ref_opt->step();
+      ref_opt->zero_grad();
+    }
+    NoGradGuard ng;  // the executor records its tape anyway (EnableGradGuard inside)
+    ex.step(d.images.data(), d.labels.data(), B);
+  }
+  for (auto* bn : nn::batch_norm_layers(*mb)) EXPECT_EQ(bn->num_batches_tracked.to_vector<std::int64_t>()[0], 2);
+  for (auto* bn : nn::batch_norm_layers(*ref)) EXPECT_EQ(bn->num_batches_tracked.to_vector<std::int64_t>()[0], 2);
+
+  // One step from equal weights: the first BatchNorm's input is the same samples either way.
+  auto ref1 = model("resnet20", "batch", 5, DType::Float64), mb1 = model("resnet20", "batch", 5, DType::Float64);
+  auto mb1_opt = sgd(*mb1);
+  mbp::Executor ex1(*mb1, *mb1_opt, eo);
+  const Data d = make_data(B, sample, 77);
+  full_batch_backward<double>(*ref1, d, B, sample);
+  ex1.step(d.images.data(), d.labels.data(), B);
+  const auto* a = nn::batch_norm_layers(*mb1).front();
+  const auto* b = nn::batch_norm_layers(*ref1).front();
+  const auto am = a->running_mean.to_vector<double>(), bm = b->running_mean.to_vector<double>();
+  const auto av = a->running_var.to_vector<double>(), bv = b->running_var.to_vector<double>();
+  EXPECT_LE(rel_error(std::vector<double>(am.begin(), am.end()), std::vector<double>(bm.begin(), bm.end())), 1e-12);
+  EXPECT_LE(rel_error(std::vector<double>(av.begin(), av.end()), std::vector<double>(bv.begin(), bv.end())), 1e-12);
+  EXPECT_GT(rel_error(std::vector<double>(am.begin(), am.end()), std::vector<double>(am.size(), 0.0)), 0.0);
+}
+
+// ---------------------------------------------------------------------------------------------
+struct ExactCase {
+  std::string model, norm;
+  Shape sample;
+  std::int64_t batch;
+  std::string budget;               // arena capacity
+  std::optional<std::int64_t> micro;  // fixed m, else searched
+  std::string name;
+};
+
+class PlannerExact : public Mbp, public ::testing::WithParamInterface<ExactCase> {};
+
+TEST_P(PlannerExact, PredictedPeakEqualsMeasuredPeak) {
+  const ExactCase& c = GetParam();
+  const std::size_t budget = parse_size(c.budget);
+  configure_arena(Device::cpu(), budget);
+  auto m = model(c.model, c.norm);
+  auto opt = sgd(*m, 0.01);
+  mbp::ExecutorOptions eo;
+  eo.sample_shape = c.sample;
+  eo.micro_batch = c.micro;
+  mbp::Executor ex(*m, *opt, eo);
+  const mbp::Plan& p = ex.plan(c.batch);
+  EXPECT_LE(p.predicted_peak, budget);
+  if (c.micro) {
+    EXPECT_LE(p.micro_batch, *c.micro);
+  }
+  // The planner's compressed probes agree with a full dry run of the split.
+  EXPECT_EQ(ex.planner().probe(p.sizes, false).peak, p.predicted_peak);
+  // The search found the largest m: the split with one micro-batch fewer (the next larger m)
+  // does not fit.
+  if (!c.micro && p.micro_batches > 1) {
+    const auto bigger = mbp::balanced_sizes(c.batch, p.micro_batches - 1);
+    EXPECT_FALSE(ex.planner().probe(bigger, false).fits) << "a split with micro-batches of " << bigger.front() << " fits too";
+  }
+  for (int step = 0; step < 2; ++step) {
+    const Data d = make_data(c.batch, c.sample, 7 + static_cast<std::uint32_t>(step));
+    const mbp::StepResult r = ex.step(d.images.data(), d.labels.data(), c.batch);
+    EXPECT_EQ(r.oom_retries, 0);
+    EXPECT_EQ(r.peak, r.predicted_peak) << "step " << step;
+    EXPECT_LE(r.peak, budget);
+    EXPECT_TRUE(std::isfinite(r.loss));
+    EXPECT_EQ(transient_bytes(*ex.arena()), 0) << "a step leaves only the persistent state";
+  }
+  std::cout << c.name << ": " << p.summary() << " (" << p.probes << " dry runs)\n";
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Models, PlannerExact,
+    ::testing::Values(ExactCase{"resnet20", "batch", {3, 32, 32}, 64, "12MiB", {}, "resnet20_batch_12MiB"},
+                      ExactCase{"resnet20", "group", {3, 32, 32}, 64, "24MiB", {}, "resnet20_group_24MiB"},
+                      ExactCase{"resnet20", "none", {3, 32, 32}, 50, "8GiB", 7, "resnet20_none_m7"},
+                      ExactCase{"resnet20", "batch", {3, 32, 32}, 40, "8GiB", 40, "resnet20_batch_full"},
+                      ExactCase{"resnet32", "batch", {3, 16, 16}, 33, "8MiB", {}, "resnet32_batch_8MiB"},
+                      ExactCase{"resnet9", "batch", {3, 32, 32}, 24, "120MiB", {}, "resnet9_120MiB"},
+                      ExactCase{"resnet18", "batch", {3, 32, 32}, 48, "150MiB", {}, "resnet18_150MiB"}),
+    [](const auto& info) { return info.param.name; });
+
+// ---------------------------------------------------------------------------------------------
+// An allocation fails in the middle of a step (the k-th allocation of the step, inside its second
+// micro-batch). The step is discarded and retried with half the micro-batch; the run must equal,
+// bit for bit, an uninterrupted run that used the smaller micro-batch from the start, and
+// nothing of the failed attempt may remain (no transient bytes, BatchNorm counted once).
+TEST_F(Mbp, InjectedOutOfMemoryRetriesTheStepAndLosesNothing) {
+  const std::int64_t B = 32;
+  const Shape sample{3, 16, 16};
+  std::vector<Data> batches;
+  for (int s = 0; s < 2; ++s) batches.push_back(make_data(B, sample, 300 + static_cast<std::uint32_t>(s)));
+
+  // Reference: micro-batches of 4 throughout.
+  auto ref = model("resnet20", "batch", 9);
+  auto ref_opt = sgd(*ref);
+  mbp::ExecutorOptions eo;
+  eo.sample_shape = sample;
+  eo.micro_batch = 4;
+  mbp::Executor ref_ex(*ref, *ref_opt, eo);
+  const auto arena = ref_ex.arena();
+  const std::int64_t allocs_before = arena->stats().total.allocations;
+  ref_ex.step(batches[0].images.data(), batches[0].labels.data(), B);
+  const std::int64_t step_allocs = arena->stats().total.allocations - allocs_before;  // 8 micro-batches
+  ref_ex.step(batches[1].images.data(), batches[1].labels.data(), B);
+
+  // Faulted run: micro-batches of 8; the allocation in the middle of micro-batch 2 of 4 fails.
+  auto run = model("resnet20", "batch", 9);
+  auto run_opt = sgd(*run);
+  eo.micro_batch = 8;
+  std::vector<std::string> log;
+  eo.log = [&](const std::string& l) { log.push_back(l); };
+  mbp::Executor ex(*run, *run_opt, eo);
+  const auto params_before = values<float>(*run);
+  const auto buffers_before = values<float>(*run, true);
+  const std::uint64_t k = static_cast<std::uint64_t>(step_allocs / 8 * 3 / 2);  // inside micro-batch 2
+  arena->fail_allocation_after(k);
+  const mbp::StepResult r = ex.step(batches[0].images.data(), batches[0].labels.data(), B);
+  EXPECT_EQ(r.oom_retries, 1);
+  EXPECT_EQ(r.micro_batch, 4);
+  EXPECT_EQ(ex.micro_batch_limit(), 4);
+  ASSERT_EQ(log.size(), 1u);
+  EXPECT_NE(log[0].find("injected"), std::string::npos) << log[0];
+  EXPECT_EQ(transient_bytes(*arena), 0);
+  EXPECT_FALSE(bitwise_equal(values<float>(*run), params_before));
+  ex.step(batches[1].images.data(), batches[1].labels.data(), B);
+  EXPECT_TRUE(bitwise_equal(values<float>(*run), values<float>(*ref))) << "parameters differ from the uninterrupted run";
+  EXPECT_TRUE(bitwise_equal(values<float>(*run, true), values<float>(*ref, true))) << "running statistics differ";
+  for (auto* bn : nn::batch_norm_layers(*run)) EXPECT_EQ(bn->num_batches_tracked.to_vector<std::int64_t>()[0], 2);
+  (void)buffers_before;
+}
+
+// When retries are exhausted the step fails with an error, and the training state is exactly
+// what it was before the step: parameters, running statistics, zero gradients.
+TEST_F(Mbp, FailedStepLeavesTheTrainingStateUntouched) {
+  const std::int64_t B = 12;
+  const Shape sample{3, 16, 16};
+  auto m = model("resnet20", "batch", 2);
+  auto opt = sgd(*m);
+  mbp::ExecutorOptions eo;
+  eo.sample_shape = sample;
+  eo.micro_batch = 4;
+  eo.max_oom_retries = 0;
+  mbp::Executor ex(*m, *opt, eo);
+  const Data d = make_data(B, sample, 8);
+  ex.step(d.images.data(), d.labels.data(), B);  // state with momentum, moved weights
+  const auto p0 = values<float>(*m), b0 = values<float>(*m, true);
+  ex.arena()->fail_allocation_after(150);
+  const Data d2 = make_data(B, sample, 9);
+  EXPECT_THROW(ex.step(d2.images.data(), d2.labels.data(), B), OutOfMemory);
+  EXPECT_TRUE(bitwise_equal(values<float>(*m), p0));
+  EXPECT_TRUE(bitwise_equal(values<float>(*m, true), b0));
+  for (const auto& g : grads<float>(*m))
+    for (double v : g) ASSERT_EQ(v, 0.0);
+  EXPECT_EQ(transient_bytes(*ex.arena()), 0);
+  // A bad label is not an out-of-memory error: also discarded, state intact, error names it.
+  Data bad = make_data(B, sample, 10);
+  bad.labels[7] = 10;
+  try {
+    ex.step(bad.images.data(), bad.labels.data(), B);
+    FAIL() << "expected an error for label 10 of 10 classes";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("10"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(bitwise_equal(values<float>(*m), p0));
+  EXPECT_EQ(transient_bytes(*ex.arena()), 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+TEST_F(Mbp, BudgetTooSmallForOneSampleStatesTheExactBudgetNeeded) {
+  mbp::ExecutorOptions eo;
+  eo.sample_shape = {3, 32, 32};
+  auto plan_in = [&](std::size_t budget) {
+    configure_arena(Device::cpu(), budget);
+    auto m = model("resnet20", "batch");
+    auto opt = sgd(*m);
+    mbp::Executor ex(*m, *opt, eo);
+    return ex.plan(128);
+  };
+  std::size_t needed = 0;
+  try {
+    plan_in(parse_size("4MiB"));
+    FAIL() << "expected OutOfMemory";
+  } catch (const OutOfMemory& e) {
+    const std::string w = e.what();
+    EXPECT_NE(w.find("4.0 MiB"), std::string::npos) << w;
+    EXPECT_NE(w.find("not even one sample fits"), std::string::npos) << w;
+    EXPECT_NE(w.find(fmt::format("at least {} ({} bytes)", format_bytes(e.requested()), e.requested())), std::string::npos) << w;
+    for (const char* c : {"parameter", "gradient", "optimizer_state", "activation", "input"})
+      EXPECT_NE(w.find(c), std::string::npos) << c << " missing from: " << w;
+    needed = e.requested();
+  }
+  // The stated budget is exact: it plans micro-batches of 1, one alignment unit less does not.
+  ASSERT_GT(needed, parse_size("4MiB"));
+  const mbp::Plan p = plan_in(needed);
+  EXPECT_EQ(p.micro_batch, 1);
+  EXPECT_LE(p.predicted_peak, needed);
+  EXPECT_THROW(plan_in(needed - Arena::kAlignment), OutOfMemory);
+}
+
+// ResNet-18 on 32x32 inputs ends in a 1x1 feature map: BatchNorm cannot train on one sample
+// there, at any budget. The planner passes over micro-batches of 1 instead of failing.
+TEST_F(Mbp, SplitsThatCannotRunAreSkipped) {
+  configure_arena(Device::cpu(), parse_size("8GiB"));
+  auto m = model("resnet18", "batch");
+  auto opt = sgd(*m);
+  mbp::ExecutorOptions eo;
+  eo.sample_shape = {3, 32, 32};
+  mbp::Executor ex(*m, *opt, eo);
+  EXPECT_FALSE(ex.planner().probe({1, 1}, false).error.empty());
+  EXPECT_EQ(ex.plan(8).micro_batches, 1);
+  eo.micro_batch = 1;
+  mbp::Executor fixed(*m, *opt, eo);
+  try {
+    fixed.plan(8);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("more than 1 value per channel"), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(Mbp, ExplicitMicroBatchThatCannotFitIsAnErrorWithTheBreakdown) {
+  configure_arena(Device::cpu(), parse_size("16MiB"));
+  auto m = model("resnet20", "none");
+  auto opt = sgd(*m);
+  mbp::ExecutorOptions eo;
+  eo.sample_shape = {3, 32, 32};
+  eo.micro_batch = 64;
+  mbp::Executor ex(*m, *opt, eo);
+  try {
+    ex.plan(128);
+    FAIL() << "expected OutOfMemory";
+  } catch (const OutOfMemory& e) {
+    const std::string w = e.what();
+    EXPECT_NE(w.find("--micro-batch 64 does not fit"), std::string::npos) << w;
+    EXPECT_NE(w.find("activation"), std::string::npos) << w;
+  }
+}
+
+TEST_F(Mbp, PlansAreCachedAndErrorsOnBadSizes) {
+  auto m = model("resnet20", "none");
+  auto opt = sgd(*m);
+  mbp::ExecutorOptions eo;
+  eo.sample_shape = {3, 8, 8};
+  mbp::Executor ex(*m, *opt, eo);
+  const mbp::Plan& a = ex.plan(16);
+  const int probes = ex.planner().probes();
+  const mbp::Plan& b = ex.plan(16);
+  EXPECT_EQ(&a, &b);
+  EXPECT_EQ(ex.planner().probes(), probes);
+  EXPECT_EQ(a.micro_batches, 1);  // 8 GiB: the whole batch fits
+  EXPECT_THROW(ex.plan(0), Error);
+  eo.micro_batch = 0;
+  EXPECT_THROW(mbp::Executor(*m, *opt, eo), Error);
+  eo.micro_batch.reset();
+  eo.sample_shape = {};
+  EXPECT_THROW(mbp::Executor(*m, *opt, eo), Error);
+}
+
+// ---------------------------------------------------------------------------------------------
+TEST_F(Mbp, LayerTableAccountsEveryLayer) {
+  auto m = model("resnet20", "batch");
+  const auto rows = mbp::layer_table(*m, {3, 32, 32}, 4);
+  std::int64_t params = 0, kept = 0;
+  bool saw_conv1 = false, saw_fc = false;
+  for (const auto& r : rows) {
+    params += r.parameters;
+    kept += r.kept_bytes;
+    if (r.name == "conv1") {
+      saw_conv1 = true;
+      EXPECT_EQ(r.type, "Conv2d");
+      EXPECT_EQ(r.output, (Shape{16, 32, 32}));
+      EXPECT_EQ(r.parameters, 16 * 3 * 9);
+      EXPECT_EQ(r.kept_bytes, 4 * 16 * 32 * 32 * 4);  // its output, float32
+    }
+    if (r.name == "fc") {
+      saw_fc = true;
+      EXPECT_EQ(r.output, (Shape{10}));
+    }
+  }
+  EXPECT_TRUE(saw_conv1 && saw_fc);
+  EXPECT_EQ(params, 272474);
+  EXPECT_GT(kept, 0);
+  const std::string text = mbp::format_layer_table(rows, 4);
+  EXPECT_NE(text.find("layer1.0.conv1"), std::string::npos);
+}
+
+TEST_F(Mbp, PlanCommandResNet50At224Batch4096In8GiB) {
+  app::PlanOptions po;
+  po.model = "resnet50";
+  po.input = "3x224x224";
+  po.batch_size = 4096;
+  po.memory_limit = "8GiB";
+  std::ostringstream out;
+  const mbp::Plan p = app::plan(po, out);
+  EXPECT_GT(p.micro_batch, 1);
+  EXPECT_LT(p.micro_batch, 4096);
+  EXPECT_LE(p.predicted_peak, parse_size("8GiB"));
+  EXPECT_NE(out.str().find("layer4.2.conv3"), std::string::npos);
+  EXPECT_NE(out.str().find("plan: batch 4096"), std::string::npos);
+  std::cout << out.str().substr(out.str().find("plan:"));
+}
+
+TEST_F(Mbp, PlanCommandRejectsBadOptions) {
+  app::PlanOptions po;
+  po.input = "3x224";
+  EXPECT_THROW(app::plan(po, std::cout), Error);
+  po.input = "3xax224";
+  EXPECT_THROW(app::plan(po, std::cout), Error);
+  po.input = "3x32x32";
+  po.memory_limit = "lots";
+  EXPECT_THROW(app::plan(po, std::cout), Error);
+  po.memory_limit = "1MiB";
+  EXPECT_THROW(app::plan(po, std::cout), OutOfMemory);  // resnet50's parameters alone are ~100 MiB
+}
+
+// ---------------------------------------------------------------------------------------------
+TEST_F(Mbp, TimelineDrawsBandsMarksBudgetAndPeak) {
+  configure_arena(Device::cpu(), parse_size("64MiB"));
+  auto m = model("resnet20", "group");
+  auto opt = sgd(*m);
+  mbp::ExecutorOptions eo;
+  eo.sample_shape = {3, 16, 16};
+  eo.micro_batch = 5;
+  mbp::Executor ex(*m, *opt, eo);
+  const Data d = make_data(12, {3, 16, 16}, 1);
+  ex.arena()->set_tracing(true);
+  const mbp::StepResult r = ex.step(d.images.data(), d.labels.data(), 12);
+  ex.arena()->set_tracing(false);
+  ASSERT_EQ(ex.arena()->marks().size(), 4u);  // 3 micro-batches + the optimizer step
+  EXPECT_EQ(ex.arena()->marks()[0].label, "micro-batch 1/3 (4 samples)");
+  mbp::TimelineOptions to;
+  to.budget = ex.arena()->capacity();
+  to.predicted_peak = r.predicted_peak;
+  const std::string svg = mbp::memory_svg(*ex.arena(), to);
+  EXPECT_EQ(svg.rfind("<svg", 0), 0u);
+  EXPECT_NE(svg.find("</svg>"), std::string::npos);
+  EXPECT_NE(svg.find("budget 64.0 MiB"), std::string::npos);
+  EXPECT_NE(svg.find("(exact)"), std::string::npos);
+  EXPECT_NE(svg.find("micro-batch 3/3"), std::string::npos);
+  for (const char* c : {"parameter", "gradient", "optimizer_state", "activation"})
+    EXPECT_NE(svg.find(fmt::format("<title>{}</title>", c)), std::string::npos) << c;
+  // The Perfetto trace starts from the live persistent bytes and carries the marks.
+  const auto j = nlohmann::json::parse(ex.arena()->trace_json());
+  int marks = 0;
+  for (const auto& e : j["traceEvents"]) marks += e.value("cat", "") == "mark";
+  EXPECT_EQ(marks, 4);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The done-when run, shortened to one step: batch 1024 in 48 MiB.
+TEST_F(Mbp, TrainBatch1024In48MiBPlansAndMeasuresExactly) {
+  const auto dir = std::filesystem::temp_directory_path() / "tally_mbp_train";
+  std::filesystem::remove_all(dir);
+  app::TrainOptions o;
+  o.data = "synthetic";
+  o.batch_size = 1024;
+  o.memory_limit = "48MiB";
+  o.steps = 1;
+  o.out = dir.string();
+  o.progress = false;
+  o.device = "cpu";
+  std::ostringstream log;
+  const app::TrainResult r = app::train(o, log);
+  EXPECT_LT(r.micro_batch, 1024);
+  EXPECT_GT(r.micro_batch, 1);
+  EXPECT_EQ(r.peak_bytes, r.predicted_peak_bytes);
+  EXPECT_LE(r.peak_bytes, parse_size("48MiB"));
+  EXPECT_EQ(r.memory_limit_bytes, static_cast<std::int64_t>(parse_size("48MiB")));
+  EXPECT_NE(log.str().find("plan: batch 1024"), std::string::npos) << log.str();
+  EXPECT_NE(log.str().find("exact"), std::string::npos) << log.str();
+  std::ifstream f(dir / "summary.json");
+  const auto j = nlohmann::json::parse(f);
+  for (const char* k : {"predicted_peak_bytes", "micro_batch", "micro_batches_per_step", "memory_limit_bytes", "oom_retries"})
+    EXPECT_TRUE(j.contains(k)) << k;
+  EXPECT_EQ(j["predicted_peak_bytes"], j["peak_bytes"]);
+  EXPECT_TRUE(std::filesystem::exists(dir / "memory.svg"));
+  EXPECT_TRUE(std::filesystem::exists(dir / "memory_trace.json"));
+  std::cout << log.str();
+}
+
+TEST_F(Mbp, TrainRecoversFromAnInjectedOutOfMemoryAndCountsIt) {
+  const auto dir = std::filesystem::temp_directory_path() / "tally_mbp_inject";
+  std::filesystem::remove_all(dir);
+  app::TrainOptions o;
+  o.data = "synthetic";
+  o.batch_size = 32;
+  o.micro_batch = 16;
+  o.steps = 2;
+  o.out = dir.string();
+  o.progress = false;
+  o.device = "cpu";
+  o.inject_oom = std::make_pair(std::int64_t{0}, std::uint64_t{100});
+  std::ostringstream log;
+  const app::TrainResult r = app::train(o, log);
+  EXPECT_EQ(r.oom_retries, 1);
+  EXPECT_EQ(r.micro_batch, 8);
+  EXPECT_NE(log.str().find("retrying with at most 8"), std::string::npos) << log.str();
+  std::ifstream f(dir / "summary.json");
+  EXPECT_EQ(nlohmann::json::parse(f)["oom_retries"], 1);
+}
+
+TEST_F(Mbp, TrainRejectsBadBudgetsAndMicroBatches) {
+  app::TrainOptions o;
+  o.steps = 1;
+  o.progress = false;
+  std::ostringstream log;
+  o.memory_limit = "48 elephants";
+  EXPECT_THROW(app::train(o, log), Error);
+  o.memory_limit = "auto";
+  o.micro_batch = 0;
+  EXPECT_THROW(app::train(o, log), Error);
+  o.micro_batch = o.batch_size + 1;
+  EXPECT_THROW(app::train(o, log), Error);
+  o.micro_batch.reset();
+  o.memory_limit = "512KiB";  // not even the parameters
+  try {
+    app::train(o, log);
+    FAIL() << "expected OutOfMemory";
+  } catch (const OutOfMemory& e) {
+    EXPECT_NE(std::string(e.what()).find("do not fit"), std::string::npos) << e.what();
+  }
+}
