@@ -8,6 +8,9 @@
 
 #if TALLY_HAVE_CUDA
 #include <cuda_runtime.h>
+
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/context.h"
 #endif
 
 namespace tally::cuda_rt {
@@ -15,12 +18,11 @@ namespace tally::cuda_rt {
 #if TALLY_HAVE_CUDA
 
 namespace {
-void check(cudaError_t e, const char* call) {
-  if (e != cudaSuccess)
-    throw Error(fmt::format("{} failed: {} ({})", call, cudaGetErrorString(e), cudaGetErrorName(e)));
-}
+// Copies go on the current device's compute stream (kernels/cuda/context.h), in order with every
+// kernel enqueued before them; the host-facing ones then wait for it, so that the host buffer may
+// be read (device to host) or reused (host to device) as soon as the call returns.
+cudaStream_t stream() { return kernels::cuda::compute_stream(); }
 }  // namespace
-#define TALLY_CUDA_CHECK(call) check((call), #call)
 
 int device_count() {
   int n = 0;
@@ -43,29 +45,40 @@ void* malloc(std::size_t bytes) {
   void* p = nullptr;
   const cudaError_t e = cudaMalloc(&p, bytes);
   if (e != cudaSuccess) {
-    (void)cudaGetLastError();
+    (void)cudaGetLastError();  // an allocation failure is not sticky: clear it
+    int dev = -1;
+    (void)cudaGetDevice(&dev);
     std::size_t fr = 0, tot = 0;
-    (void)cudaMemGetInfo(&fr, &tot);
+    const bool known = cudaMemGetInfo(&fr, &tot) == cudaSuccess;
+    if (!known) (void)cudaGetLastError();
     throw Error(fmt::format(
-        "cudaMalloc of {} bytes ({:.1f} MiB) for the arena failed: {}; the device has {} bytes "
-        "({:.1f} MiB) free of {} bytes — choose a smaller --memory-limit",
-        bytes, bytes / 1048576.0, cudaGetErrorString(e), fr, fr / 1048576.0, tot));
+        "cudaMalloc of {} bytes ({:.1f} MiB) for the arena on cuda:{} failed: {} ({}); {} — reserve less "
+        "(configure_arena(Device::cuda({}), bytes))",
+        bytes, bytes / 1048576.0, dev, cudaGetErrorName(e), cudaGetErrorString(e),
+        known ? fmt::format("the device has {} bytes ({:.1f} MiB) free of {} bytes ({:.1f} MiB)", fr, fr / 1048576.0,
+                            tot, tot / 1048576.0)
+              : std::string("the free device memory could not be read"),
+        dev));
   }
   return p;
 }
 
 void free(void* p) noexcept { (void)cudaFree(p); }
 void memcpy_h2d(void* d, const void* s, std::size_t n) {
-  TALLY_CUDA_CHECK(cudaMemcpy(d, s, n, cudaMemcpyHostToDevice));
+  TALLY_CUDA_CHECK(cudaMemcpyAsync(d, s, n, cudaMemcpyHostToDevice, stream()));
+  TALLY_CUDA_CHECK(cudaStreamSynchronize(stream()));
 }
 void memcpy_d2h(void* d, const void* s, std::size_t n) {
-  TALLY_CUDA_CHECK(cudaMemcpy(d, s, n, cudaMemcpyDeviceToHost));
+  TALLY_CUDA_CHECK(cudaMemcpyAsync(d, s, n, cudaMemcpyDeviceToHost, stream()));
+  TALLY_CUDA_CHECK(cudaStreamSynchronize(stream()));
 }
 void memcpy_d2d(void* d, const void* s, std::size_t n) {
-  TALLY_CUDA_CHECK(cudaMemcpy(d, s, n, cudaMemcpyDeviceToDevice));
+  // Stream order suffices: no host buffer involved.
+  TALLY_CUDA_CHECK(cudaMemcpyAsync(d, s, n, cudaMemcpyDeviceToDevice, stream()));
 }
 void mem_get_info(std::size_t* f, std::size_t* t) { TALLY_CUDA_CHECK(cudaMemGetInfo(f, t)); }
 void synchronize() { TALLY_CUDA_CHECK(cudaDeviceSynchronize()); }
+void initialize_context() { kernels::cuda::initialize(); }
 
 #else  // CPU-only build
 
@@ -84,6 +97,7 @@ void memcpy_d2h(void*, const void*, std::size_t) { no_cuda("memcpy_d2h"); }
 void memcpy_d2d(void*, const void*, std::size_t) { no_cuda("memcpy_d2d"); }
 void mem_get_info(std::size_t*, std::size_t*) { no_cuda("mem_get_info"); }
 void synchronize() {}
+void initialize_context() { no_cuda("initialize_context"); }
 
 #endif
 

@@ -33,6 +33,9 @@ std::shared_ptr<Arena>& override_slot(Device d) {
 std::size_t default_arena_capacity(Device device) {
   if (device.is_cpu()) return kDefaultCpuArenaBytes;
   cuda_rt::set_device(device.index);
+  // The context (streams, cuBLAS and cuDNN handles) takes its device memory first, so that the
+  // free memory measured below is what is really left for the arena.
+  cuda_rt::initialize_context();
   std::size_t fr = 0, tot = 0;
   cuda_rt::mem_get_info(&fr, &tot);
   return fr > kCudaArenaMarginBytes * 2 ? fr - kCudaArenaMarginBytes : fr / 2;

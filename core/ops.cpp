@@ -22,14 +22,10 @@ using i64 = std::int64_t;
 
 namespace {
 
-// Runs `cpu_body` (with T bound) unless this is a dry run; CUDA kernels arrive with the CUDA
-// backend, until then a CUDA operand is a clear error.
-#define TALLY_RUN(op, t, ...)                                  \
-  do {                                                         \
-    if (!::tally::is_dry_run()) {                              \
-      if ((t).device().is_cpu()) TALLY_DISPATCH_CPU(op, t, __VA_ARGS__); \
-      else ::tally::detail::no_kernel(op, t);                  \
-    }                                                          \
+// Runs the body on `t`'s backend (T and kk bound, core/dispatch.h) unless this is a dry run.
+#define TALLY_RUN(op, t, ...)                                   \
+  do {                                                          \
+    if (!::tally::is_dry_run()) TALLY_DISPATCH(op, t, __VA_ARGS__); \
   } while (0)
 
 Tensor out_like(const Tensor& like, const Shape& shape, const char* op) {
@@ -42,6 +38,16 @@ Tensor workspace(const Tensor& like, std::size_t bytes, const char* op) {
                        fmt::format("{}_workspace", op));
 }
 void* ws_ptr(const Tensor& ws) { return ws.defined() ? ws.raw_data() : nullptr; }
+
+// Scratch of one GEMM on `like`'s device: cuBLAS's workspace on CUDA, none on the CPU (so CPU
+// runs allocate exactly as before). Not a dispatch: the size depends on no element type.
+std::size_t gemm_workspace_bytes(const Tensor& like) {
+#if TALLY_HAVE_CUDA
+  if (like.device().is_cuda()) return kernels::cuda::gemm_workspace_bytes();
+#endif
+  (void)like;
+  return kc::gemm_workspace_bytes();
+}
 
 // Saved tensors of a Node: released after its backward.
 template <std::size_t N>
@@ -97,20 +103,20 @@ struct Conv2dBackward : Node {
     const Tensor &x = saved.t[0], &w = saved.t[1];
     const Tensor dy = gy.contiguous();
     std::size_t ws_bytes = 0;
-    TALLY_DISPATCH_CPU("conv2d", x, ws_bytes = kc::conv2d_workspace_bytes<T>(s));
+    TALLY_DISPATCH("conv2d", x, ws_bytes = kk::conv2d_workspace_bytes<T>(s));
     Tensor ws = (g[0].needed || g[1].needed) ? workspace(x, ws_bytes, "conv2d_backward") : Tensor();
     double beta = 0;
     if (g[0].needed) {
       Tensor& dx = grad_target(g[0], x, beta, "conv2d");
-      TALLY_RUN("conv2d", x, kc::conv2d_backward_data<T>(s, dy.data<T>(), w.data<T>(), dx.data<T>(), T(beta), ws_ptr(ws)));
+      TALLY_RUN("conv2d", x, kk::conv2d_backward_data<T>(s, dy.data<T>(), w.data<T>(), dx.data<T>(), T(beta), ws_ptr(ws)));
     }
     if (g[1].needed) {
       Tensor& dw = grad_target(g[1], w, beta, "conv2d");
-      TALLY_RUN("conv2d", x, kc::conv2d_backward_filter<T>(s, x.data<T>(), dy.data<T>(), dw.data<T>(), T(beta), ws_ptr(ws)));
+      TALLY_RUN("conv2d", x, kk::conv2d_backward_filter<T>(s, x.data<T>(), dy.data<T>(), dw.data<T>(), T(beta), ws_ptr(ws)));
     }
     if (has_bias && g[2].needed) {
       Tensor& db = grad_target(g[2], {s.K}, x.dtype(), x.device(), beta, "conv2d");
-      TALLY_RUN("conv2d", x, kc::conv2d_backward_bias<T>(s, dy.data<T>(), db.data<T>(), T(beta)));
+      TALLY_RUN("conv2d", x, kk::conv2d_backward_bias<T>(s, dy.data<T>(), db.data<T>(), T(beta)));
     }
   }
 };
@@ -143,9 +149,9 @@ Tensor conv2d(const Tensor& x_, const Tensor& w_, const Tensor& b, const Conv2dO
   Tensor y = out_like(x, {s.N, s.K, s.P(), s.Q()}, op);
   {
     std::size_t ws_bytes = 0;
-    TALLY_DISPATCH_CPU(op, x, ws_bytes = kc::conv2d_workspace_bytes<T>(s));
+    TALLY_DISPATCH(op, x, ws_bytes = kk::conv2d_workspace_bytes<T>(s));
     Tensor ws = workspace(x, ws_bytes, op);
-    TALLY_RUN(op, x, kc::conv2d_forward<T>(s, x.data<T>(), w.data<T>(), ptr_or_null<T>(b), y.data<T>(), ws_ptr(ws)));
+    TALLY_RUN(op, x, kk::conv2d_forward<T>(s, x.data<T>(), w.data<T>(), ptr_or_null<T>(b), y.data<T>(), ws_ptr(ws)));
   }
   if (any_requires_grad({&x_, &w_, &b})) {
     auto n = std::make_shared<Conv2dBackward>();
@@ -169,18 +175,19 @@ struct LinearBackward : Node {
     const Tensor &x = saved.t[0], &w = saved.t[1];
     const Tensor dy = gy.contiguous();
     const i64 N = x.size(0), I = x.size(1), O = w.size(0);
+    Tensor ws = (g[0].needed || g[1].needed) ? workspace(x, gemm_workspace_bytes(x), "linear_backward") : Tensor();
     double beta = 0;
     if (g[0].needed) {  // dx (N, in) = dy (N, out) @ w (out, in)
       Tensor& dx = grad_target(g[0], x, beta, "linear");
-      TALLY_RUN("linear", x, kc::gemm<T>(false, false, N, I, O, T(1), dy.data<T>(), O, w.data<T>(), I, T(beta), dx.data<T>(), I));
+      TALLY_RUN("linear", x, kk::gemm<T>(false, false, N, I, O, T(1), dy.data<T>(), O, w.data<T>(), I, T(beta), dx.data<T>(), I, ws_ptr(ws)));
     }
     if (g[1].needed) {  // dw (out, in) = dy^T (out, N) @ x (N, in)
       Tensor& dw = grad_target(g[1], w, beta, "linear");
-      TALLY_RUN("linear", x, kc::gemm<T>(true, false, O, I, N, T(1), dy.data<T>(), O, x.data<T>(), I, T(beta), dw.data<T>(), I));
+      TALLY_RUN("linear", x, kk::gemm<T>(true, false, O, I, N, T(1), dy.data<T>(), O, x.data<T>(), I, T(beta), dw.data<T>(), I, ws_ptr(ws)));
     }
     if (has_bias && g[2].needed) {
       Tensor& db = grad_target(g[2], {O}, x.dtype(), x.device(), beta, "linear");
-      TALLY_RUN("linear", x, kc::sum_rows<T>(N, O, dy.data<T>(), db.data<T>(), T(beta)));
+      TALLY_RUN("linear", x, kk::sum_rows<T>(N, O, dy.data<T>(), db.data<T>(), T(beta)));
     }
   }
 };
@@ -193,14 +200,15 @@ struct MatmulBackward : Node {
     const Tensor &a = saved.t[0], &b = saved.t[1];
     const Tensor dy = gy.contiguous();
     const i64 M = a.size(0), K = a.size(1), N = b.size(1);
+    Tensor ws = (g[0].needed || g[1].needed) ? workspace(a, gemm_workspace_bytes(a), "matmul_backward") : Tensor();
     double beta = 0;
     if (g[0].needed) {  // da (M, K) = dy (M, N) @ b^T
       Tensor& da = grad_target(g[0], a, beta, "matmul");
-      TALLY_RUN("matmul", a, kc::gemm<T>(false, true, M, K, N, T(1), dy.data<T>(), N, b.data<T>(), N, T(beta), da.data<T>(), K));
+      TALLY_RUN("matmul", a, kk::gemm<T>(false, true, M, K, N, T(1), dy.data<T>(), N, b.data<T>(), N, T(beta), da.data<T>(), K, ws_ptr(ws)));
     }
     if (g[1].needed) {  // db (K, N) = a^T @ dy
       Tensor& db = grad_target(g[1], b, beta, "matmul");
-      TALLY_RUN("matmul", a, kc::gemm<T>(true, false, K, N, M, T(1), a.data<T>(), K, dy.data<T>(), N, T(beta), db.data<T>(), N));
+      TALLY_RUN("matmul", a, kk::gemm<T>(true, false, K, N, M, T(1), a.data<T>(), K, dy.data<T>(), N, T(beta), db.data<T>(), N, ws_ptr(ws)));
     }
   }
 };
@@ -220,10 +228,13 @@ Tensor linear(const Tensor& x_, const Tensor& w_, const Tensor& b) {
   const Tensor x = x_.contiguous(), w = w_.contiguous();
   const i64 N = x.size(0), I = x.size(1), O = w.size(0);
   Tensor y = out_like(x, {N, O}, op);
-  TALLY_RUN(op, x, {
-    kc::gemm<T>(false, true, N, O, I, T(1), x.data<T>(), I, w.data<T>(), I, T(0), y.data<T>(), O);
-    if (b.defined()) kc::add_bias_rows<T>(N, O, y.data<T>(), b.data<T>(), y.data<T>());
-  });
+  {
+    Tensor ws = workspace(x, gemm_workspace_bytes(x), op);
+    TALLY_RUN(op, x, {
+      kk::gemm<T>(false, true, N, O, I, T(1), x.data<T>(), I, w.data<T>(), I, T(0), y.data<T>(), O, ws_ptr(ws));
+      if (b.defined()) kk::add_bias_rows<T>(N, O, y.data<T>(), b.data<T>(), y.data<T>());
+    });
+  }
   if (any_requires_grad({&x_, &w_, &b})) {
     auto n = std::make_shared<LinearBackward>();
     n->saved.t = {x, w};
@@ -245,7 +256,10 @@ Tensor matmul(const Tensor& a_, const Tensor& b_) {
   const Tensor a = a_.contiguous(), b = b_.contiguous();
   const i64 M = a.size(0), K = a.size(1), N = b.size(1);
   Tensor y = out_like(a, {M, N}, op);
-  TALLY_RUN(op, a, kc::gemm<T>(false, false, M, N, K, T(1), a.data<T>(), K, b.data<T>(), N, T(0), y.data<T>(), N));
+  {
+    Tensor ws = workspace(a, gemm_workspace_bytes(a), op);
+    TALLY_RUN(op, a, kk::gemm<T>(false, false, M, N, K, T(1), a.data<T>(), K, b.data<T>(), N, T(0), y.data<T>(), N, ws_ptr(ws)));
+  }
   if (any_requires_grad({&a_, &b_})) {
     auto n = std::make_shared<MatmulBackward>();
     n->saved.t = {a, b};
@@ -291,11 +305,11 @@ struct BatchNormBackward : Node {
     const Tensor dy = gy.contiguous();
     auto [dx, dw, db, bdx, bp] = norm_grad_targets(g, x, w, has_weight, has_bias, C, "batch_norm");
     if (training) {
-      TALLY_RUN("batch_norm", x, kc::batch_norm_backward<T>(N, C, HW, dy.data<T>(), x.data<T>(), ptr_or_null<T>(w),
+      TALLY_RUN("batch_norm", x, kk::batch_norm_backward<T>(N, C, HW, dy.data<T>(), x.data<T>(), ptr_or_null<T>(w),
                                                             saved.t[2].data<T>(), saved.t[3].data<T>(), ptr_or_null<T>(dx),
                                                             T(bdx), ptr_or_null<T>(dw), ptr_or_null<T>(db), T(bp)));
     } else {
-      TALLY_RUN("batch_norm", x, kc::batch_norm_backward_eval<T>(N, C, HW, dy.data<T>(), x.data<T>(), ptr_or_null<T>(w),
+      TALLY_RUN("batch_norm", x, kk::batch_norm_backward_eval<T>(N, C, HW, dy.data<T>(), x.data<T>(), ptr_or_null<T>(w),
                                                                  running.t[0].data<T>(), running.t[1].data<T>(), T(eps),
                                                                  ptr_or_null<T>(dx), T(bdx), ptr_or_null<T>(dw),
                                                                  ptr_or_null<T>(db), T(bp)));
@@ -314,7 +328,7 @@ struct GroupNormBackward : Node {
     const Tensor& w = saved.t[1];
     const Tensor dy = gy.contiguous();
     auto [dx, dw, db, bdx, bp] = norm_grad_targets(g, x, w, has_weight, has_bias, C, "group_norm");
-    TALLY_RUN("group_norm", x, kc::group_norm_backward<T>(N, C, HW, G, dy.data<T>(), x.data<T>(), ptr_or_null<T>(w),
+    TALLY_RUN("group_norm", x, kk::group_norm_backward<T>(N, C, HW, G, dy.data<T>(), x.data<T>(), ptr_or_null<T>(w),
                                                           saved.t[2].data<T>(), saved.t[3].data<T>(), ptr_or_null<T>(dx),
                                                           T(bdx), ptr_or_null<T>(dw), ptr_or_null<T>(db), T(bp)));
   }
@@ -343,7 +357,7 @@ Tensor batch_norm(const Tensor& x_, const Tensor& weight, const Tensor& bias, co
     Tensor save_mean = Tensor::empty({C}, x.dtype(), x.device(), Category::activation, "batch_norm_mean");
     Tensor save_invstd = Tensor::empty({C}, x.dtype(), x.device(), Category::activation, "batch_norm_invstd");
     const bool update = running_mean.defined() && !opt.defer_running_stats;
-    TALLY_RUN(op, x, kc::batch_norm_forward_train<T>(N, C, HW, x.data<T>(), ptr_or_null<T>(weight), ptr_or_null<T>(bias),
+    TALLY_RUN(op, x, kk::batch_norm_forward_train<T>(N, C, HW, x.data<T>(), ptr_or_null<T>(weight), ptr_or_null<T>(bias),
                                                      T(opt.eps), T(opt.momentum),
                                                      update ? running_mean.data<T>() : nullptr,
                                                      update ? running_var.data<T>() : nullptr, y.data<T>(),
@@ -381,7 +395,7 @@ Tensor batch_norm(const Tensor& x_, const Tensor& weight, const Tensor& bias, co
       set_history(y, n, {&x_, &weight, &bias});
     }
   } else {
-    TALLY_RUN(op, x, kc::batch_norm_forward_eval<T>(N, C, HW, x.data<T>(), ptr_or_null<T>(weight), ptr_or_null<T>(bias),
+    TALLY_RUN(op, x, kk::batch_norm_forward_eval<T>(N, C, HW, x.data<T>(), ptr_or_null<T>(weight), ptr_or_null<T>(bias),
                                                     running_mean.data<T>(), running_var.data<T>(), T(opt.eps), y.data<T>()));
     if (need_grad) {
       auto n = std::make_shared<BatchNormBackward>();
@@ -410,7 +424,7 @@ Tensor group_norm(const Tensor& x_, i64 groups, const Tensor& weight, const Tens
   Tensor y = out_like(x, x.shape(), op);
   Tensor save_mean = Tensor::empty({N, groups}, x.dtype(), x.device(), Category::activation, "group_norm_mean");
   Tensor save_invstd = Tensor::empty({N, groups}, x.dtype(), x.device(), Category::activation, "group_norm_invstd");
-  TALLY_RUN(op, x, kc::group_norm_forward<T>(N, C, HW, groups, x.data<T>(), ptr_or_null<T>(weight), ptr_or_null<T>(bias),
+  TALLY_RUN(op, x, kk::group_norm_forward<T>(N, C, HW, groups, x.data<T>(), ptr_or_null<T>(weight), ptr_or_null<T>(bias),
                                              T(eps), y.data<T>(), save_mean.data<T>(), save_invstd.data<T>()));
   if (any_requires_grad({&x_, &weight, &bias})) {
     auto n = std::make_shared<GroupNormBackward>();
@@ -434,7 +448,7 @@ struct ReluBackward : Node {
     const Tensor dy = gy.contiguous();
     double beta = 0;
     Tensor& dx = grad_target(g[0], y, beta, "relu");
-    TALLY_RUN("relu", y, kc::relu_backward<T>(y.numel(), dy.data<T>(), y.data<T>(), dx.data<T>(), T(beta)));
+    TALLY_RUN("relu", y, kk::relu_backward<T>(y.numel(), dy.data<T>(), y.data<T>(), dx.data<T>(), T(beta)));
   }
 };
 
@@ -457,7 +471,7 @@ struct LinearCombinationBackward : Node {
       }
       double beta = 0;
       Tensor& dx = grad_target(g[i], dy, beta, op);
-      TALLY_RUN(op, dy, kc::axpby<T>(dy.numel(), T(alpha[i]), dy.data<T>(), T(beta), dx.data<T>()));
+      TALLY_RUN(op, dy, kk::axpby<T>(dy.numel(), T(alpha[i]), dy.data<T>(), T(beta), dx.data<T>()));
     }
   }
 };
@@ -473,7 +487,7 @@ struct MulBackward : Node {
       if (!g[i].needed) continue;
       const Tensor& other = saved.t[1 - i];
       Tensor& d = grad_target(g[i], saved.t[i], beta, "mul");
-      TALLY_RUN("mul", dy, kc::mul_backward<T>(dy.numel(), dy.data<T>(), other.data<T>(), d.data<T>(), T(beta)));
+      TALLY_RUN("mul", dy, kk::mul_backward<T>(dy.numel(), dy.data<T>(), other.data<T>(), d.data<T>(), T(beta)));
     }
   }
 };
@@ -483,7 +497,7 @@ Tensor lincomb(const Tensor& a_, const Tensor& b_, double alpha_b, const char* o
   check_floating(op, a_);
   const Tensor a = a_.contiguous(), b = b_.contiguous();
   Tensor y = out_like(a, a.shape(), op);
-  TALLY_RUN(op, a, kc::add<T>(a.numel(), a.data<T>(), b.data<T>(), T(alpha_b), y.data<T>()));
+  TALLY_RUN(op, a, kk::add<T>(a.numel(), a.data<T>(), b.data<T>(), T(alpha_b), y.data<T>()));
   if (any_requires_grad({&a_, &b_})) {
     auto n = std::make_shared<LinearCombinationBackward>();
     n->alpha[1] = alpha_b;
@@ -498,7 +512,7 @@ Tensor relu(const Tensor& x_) {
   check_floating("relu", x_);
   const Tensor x = x_.contiguous();
   Tensor y = out_like(x, x.shape(), "relu");
-  TALLY_RUN("relu", x, kc::relu_forward<T>(x.numel(), x.data<T>(), y.data<T>()));
+  TALLY_RUN("relu", x, kk::relu_forward<T>(x.numel(), x.data<T>(), y.data<T>()));
   if (any_requires_grad({&x_})) {
     auto n = std::make_shared<ReluBackward>();
     n->saved.t = {y};
@@ -516,7 +530,7 @@ Tensor mul(const Tensor& a_, const Tensor& b_) {
   check_floating("mul", a_);
   const Tensor a = a_.contiguous(), b = b_.contiguous();
   Tensor y = out_like(a, a.shape(), "mul");
-  TALLY_RUN("mul", a, kc::mul<T>(a.numel(), a.data<T>(), b.data<T>(), y.data<T>()));
+  TALLY_RUN("mul", a, kk::mul<T>(a.numel(), a.data<T>(), b.data<T>(), y.data<T>()));
   if (any_requires_grad({&a_, &b_})) {
     auto n = std::make_shared<MulBackward>();
     n->saved.t = {a.detach(), b.detach()};
@@ -529,7 +543,7 @@ Tensor scale(const Tensor& x_, double alpha) {
   check_floating("scale", x_);
   const Tensor x = x_.contiguous();
   Tensor y = out_like(x, x.shape(), "scale");
-  TALLY_RUN("scale", x, kc::axpby<T>(x.numel(), T(alpha), x.data<T>(), T(0), y.data<T>()));
+  TALLY_RUN("scale", x, kk::axpby<T>(x.numel(), T(alpha), x.data<T>(), T(0), y.data<T>()));
   if (any_requires_grad({&x_})) {
     auto n = std::make_shared<LinearCombinationBackward>();
     n->alpha[0] = alpha;
@@ -543,7 +557,7 @@ void add_into(Tensor& dst, const Tensor& src_) {
   check_same_shape("add_into", dst, src_);
   if (!dst.is_contiguous()) throw ShapeError(fmt::format("add_into: destination {} must be contiguous", dst.str()));
   const Tensor src = src_.contiguous();
-  TALLY_RUN("add_into", dst, kc::axpby<T>(dst.numel(), T(1), src.data<T>(), T(1), dst.data<T>()));
+  TALLY_RUN("add_into", dst, kk::axpby<T>(dst.numel(), T(1), src.data<T>(), T(1), dst.data<T>()));
 }
 
 // =============================================================================================
@@ -576,7 +590,7 @@ struct MaxPoolBackward : Node {
     const Tensor dy = gy.contiguous();
     double beta = 0;
     Tensor& dx = grad_target(g[0], in_shape, dtype, device, beta, "max_pool2d");
-    TALLY_RUN("max_pool2d", dy, kc::max_pool2d_backward<T>(s, dy.data<T>(), argmax.data<std::int32_t>(), dx.data<T>(), T(beta)));
+    TALLY_RUN("max_pool2d", dy, kk::max_pool2d_backward<T>(s, dy.data<T>(), argmax.data<std::int32_t>(), dx.data<T>(), T(beta)));
   }
 };
 
@@ -592,9 +606,9 @@ struct AvgPoolBackward : Node {
     double beta = 0;
     Tensor& dx = grad_target(g[0], in_shape, dy.dtype(), dy.device(), beta, name());
     if (adaptive)
-      TALLY_RUN("adaptive_avg_pool2d", dy, kc::adaptive_avg_pool2d_backward<T>(s.N, s.C, s.H, s.W, OH, OW, dy.data<T>(), dx.data<T>(), T(beta)));
+      TALLY_RUN("adaptive_avg_pool2d", dy, kk::adaptive_avg_pool2d_backward<T>(s.N, s.C, s.H, s.W, OH, OW, dy.data<T>(), dx.data<T>(), T(beta)));
     else
-      TALLY_RUN("avg_pool2d", dy, kc::avg_pool2d_backward<T>(s, count_include_pad, dy.data<T>(), dx.data<T>(), T(beta)));
+      TALLY_RUN("avg_pool2d", dy, kk::avg_pool2d_backward<T>(s, count_include_pad, dy.data<T>(), dx.data<T>(), T(beta)));
   }
 };
 }  // namespace
@@ -607,7 +621,7 @@ Tensor max_pool2d(const Tensor& x_, std::array<i64, 2> kernel, std::array<i64, 2
   // The argmax is what backward needs; without grad it is scratch.
   Tensor argmax = Tensor::empty(y.shape(), DType::Int32, x.device(), need ? Category::activation : Category::workspace,
                                 "max_pool2d_argmax");
-  TALLY_RUN("max_pool2d", x, kc::max_pool2d_forward<T>(s, x.data<T>(), y.data<T>(), argmax.data<std::int32_t>()));
+  TALLY_RUN("max_pool2d", x, kk::max_pool2d_forward<T>(s, x.data<T>(), y.data<T>(), argmax.data<std::int32_t>()));
   if (need) {
     auto n = std::make_shared<MaxPoolBackward>();
     n->s = s;
@@ -625,7 +639,7 @@ Tensor avg_pool2d(const Tensor& x_, std::array<i64, 2> kernel, std::array<i64, 2
   const kc::Pool2dShape s = pool_shape(x_, kernel, stride, padding, "avg_pool2d");
   const Tensor x = x_.contiguous();
   Tensor y = out_like(x, {s.N, s.C, s.P(), s.Q()}, "avg_pool2d");
-  TALLY_RUN("avg_pool2d", x, kc::avg_pool2d_forward<T>(s, count_include_pad, x.data<T>(), y.data<T>()));
+  TALLY_RUN("avg_pool2d", x, kk::avg_pool2d_forward<T>(s, count_include_pad, x.data<T>(), y.data<T>()));
   if (any_requires_grad({&x_})) {
     auto n = std::make_shared<AvgPoolBackward>();
     n->s = s;
@@ -647,7 +661,7 @@ Tensor adaptive_avg_pool2d(const Tensor& x_, std::array<i64, 2> out) {
   const i64 N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
   if (H < 1 || W < 1) throw ShapeError(fmt::format("{}: empty input {}", op, x.str()));
   Tensor y = out_like(x, {N, C, out[0], out[1]}, op);
-  TALLY_RUN(op, x, kc::adaptive_avg_pool2d_forward<T>(N, C, H, W, out[0], out[1], x.data<T>(), y.data<T>()));
+  TALLY_RUN(op, x, kk::adaptive_avg_pool2d_forward<T>(N, C, H, W, out[0], out[1], x.data<T>(), y.data<T>()));
   if (any_requires_grad({&x_})) {
     auto n = std::make_shared<AvgPoolBackward>();
     n->s = kc::Pool2dShape{N, C, H, W, 1, 1, 1, 1};
@@ -725,8 +739,10 @@ Tensor reduce_all(const Tensor& x_, double factor, const char* op) {
   const Tensor x = x_.contiguous();
   Tensor y = out_like(x, {}, op);
   TALLY_RUN(op, x, {
-    const T s = kc::sum_all<T>(x.numel(), x.data<T>());
-    *y.data<T>() = T(s * factor);
+    // sum_all returns the value on the host (on CUDA after waiting for the stream); fill writes
+    // it to the scalar output on the tensor's own device.
+    const T s = kk::sum_all<T>(x.numel(), x.data<T>());
+    kk::fill<T>(1, T(s * factor), y.data<T>());
   });
   if (any_requires_grad({&x_})) {
     auto n = std::make_shared<SumBackward>();
@@ -782,7 +798,7 @@ struct CrossEntropyBackward : Node {
     if (is_dry_run()) return;
     dloss.fill_(gy.item() * scale);
     TALLY_RUN("cross_entropy", logits,
-              kc::cross_entropy_backward<T>(N, C, logits.data<T>(), targets.data<i64>(), ptr_or_null<T>(w),
+              kk::cross_entropy_backward<T>(N, C, logits.data<T>(), targets.data<i64>(), ptr_or_null<T>(w),
                                             ignore_index, T(label_smoothing), dloss.data<T>(), dx.data<T>(), T(beta)));
   }
 };
@@ -833,19 +849,19 @@ Tensor cross_entropy(const Tensor& logits_, const Tensor& targets_, const CrossE
   if (!is_dry_run()) {
     i64 bad = -1;
     TALLY_RUN("cross_entropy", logits,
-              bad = kc::cross_entropy_forward<T>(N, C, logits.data<T>(), targets.data<i64>(), ptr_or_null<T>(w),
+              bad = kk::cross_entropy_forward<T>(N, C, logits.data<T>(), targets.data<i64>(), ptr_or_null<T>(w),
                                                  o.ignore_index, T(o.label_smoothing), loss.data<T>(), sw.data<T>()));
     if (bad >= 0)
       throw ShapeError(fmt::format("cross_entropy: target {} of sample {} is out of range [0, {}) and is not ignore_index {}",
                                    targets.to_vector<i64>()[static_cast<std::size_t>(bad)], bad, C, o.ignore_index));
     double total = 0, wsum = 0;
-    TALLY_DISPATCH_CPU("cross_entropy", logits, {
-      total = static_cast<double>(kc::sum_all<T>(N, loss.data<T>()));
-      wsum = static_cast<double>(kc::sum_all<T>(N, sw.data<T>()));
+    TALLY_DISPATCH("cross_entropy", logits, {
+      total = static_cast<double>(kk::sum_all<T>(N, loss.data<T>()));
+      wsum = static_cast<double>(kk::sum_all<T>(N, sw.data<T>()));
     });
     if (o.divisor) scale = 1.0 / *o.divisor;
     else if (o.reduction == Reduction::Mean) scale = 1.0 / wsum;  // 0/0 = NaN when all are ignored, as PyTorch
-    TALLY_DISPATCH_CPU("cross_entropy", logits, *y.data<T>() = T(total * scale));
+    TALLY_DISPATCH("cross_entropy", logits, kk::fill<T>(1, T(total * scale), y.data<T>()));
   } else {
     // Same allocations, no compute; the divisor would need the targets' values.
   }

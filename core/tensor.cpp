@@ -9,6 +9,11 @@
 #include "core/cuda_runtime.h"
 #include "core/memory.h"
 #include "kernels/cpu/cpu_kernels.h"
+#include "tally/config.h"
+#if TALLY_HAVE_CUDA
+#include "kernels/cuda/context.h"
+#include "kernels/cuda/cuda_kernels.h"
+#endif
 
 namespace tally {
 
@@ -59,8 +64,10 @@ constexpr DType dtype_of() {
   return DType::Int64;
 }
 
-// Dense copy of a CPU tensor of element size `es` into dst (contiguous, same numel).
-void cpu_gather(const Tensor& src, void* dst) {
+// Dense copy of a tensor into dst (contiguous, same numel, same device as src), on src's device
+// (the CPU or CUDA strided_copy; elements are moved as bits, so 8-byte types travel as double
+// and 4-byte ones as float).
+void gather(const Tensor& src, void* dst) {
   const int nd = static_cast<int>(src.dim());
   if (nd > 8) throw ShapeError(fmt::format("contiguous: at most 8 dimensions, found {}", nd));
   Shape shape = src.shape(), strides = src.strides();
@@ -68,18 +75,29 @@ void cpu_gather(const Tensor& src, void* dst) {
     shape = {1};
     strides = {1};
   }
-  switch (dtype_size(src.dtype())) {
-    case 8:
-      kernels::cpu::strided_copy<double>(static_cast<int>(shape.size()), shape.data(), strides.data(),
-                                         static_cast<const double*>(src.raw_data()), static_cast<double*>(dst));
-      break;
-    case 4:
-      kernels::cpu::strided_copy<float>(static_cast<int>(shape.size()), shape.data(), strides.data(),
-                                        static_cast<const float*>(src.raw_data()), static_cast<float*>(dst));
-      break;
-    default:
-      throw ShapeError(fmt::format("contiguous: dtype {} not supported", dtype_name(src.dtype())));
+  const int ndim = static_cast<int>(shape.size());
+  const std::size_t es = dtype_size(src.dtype());
+  if (es != 8 && es != 4) throw ShapeError(fmt::format("contiguous: dtype {} not supported", dtype_name(src.dtype())));
+  if (src.device().is_cpu()) {
+    if (es == 8)
+      kernels::cpu::strided_copy<double>(ndim, shape.data(), strides.data(), static_cast<const double*>(src.raw_data()),
+                                         static_cast<double*>(dst));
+    else
+      kernels::cpu::strided_copy<float>(ndim, shape.data(), strides.data(), static_cast<const float*>(src.raw_data()),
+                                        static_cast<float*>(dst));
+    return;
   }
+#if TALLY_HAVE_CUDA
+  kernels::cuda::use_device(src.device().index);
+  if (es == 8)
+    kernels::cuda::strided_copy<double>(ndim, shape.data(), strides.data(), static_cast<const double*>(src.raw_data()),
+                                        static_cast<double*>(dst));
+  else
+    kernels::cuda::strided_copy<float>(ndim, shape.data(), strides.data(), static_cast<const float*>(src.raw_data()),
+                                       static_cast<float*>(dst));
+#else
+  throw Error(fmt::format("contiguous: {} is on a GPU but this build has no CUDA backend", src.str()));
+#endif
 }
 }  // namespace
 
@@ -259,15 +277,22 @@ Tensor Tensor::to(DType t) const {
   if (t == dtype()) return *this;
   Tensor out = empty(shape(), t, device(), category(), "to_dtype");
   if (is_dry_run()) return out;
-  if (!device().is_cpu())
-    throw Error(fmt::format("to({}): dtype conversion is implemented on the cpu only, found {}", dtype_name(t), str()));
+  const bool f2d = dtype() == DType::Float32 && t == DType::Float64;
+  const bool d2f = dtype() == DType::Float64 && t == DType::Float32;
   Tensor src = contiguous();
-  if (dtype() == DType::Float32 && t == DType::Float64)
-    kernels::cpu::convert<float, double>(numel(), src.data<float>(), out.data<double>());
-  else if (dtype() == DType::Float64 && t == DType::Float32)
-    kernels::cpu::convert<double, float>(numel(), src.data<double>(), out.data<float>());
-  else
-    throw Error(fmt::format("to: no conversion from {} to {}", dtype_name(dtype()), dtype_name(t)));
+  if (!f2d && !d2f) throw Error(fmt::format("to: no conversion from {} to {}", dtype_name(dtype()), dtype_name(t)));
+  if (device().is_cpu()) {
+    if (f2d) kernels::cpu::convert<float, double>(numel(), src.data<float>(), out.data<double>());
+    else kernels::cpu::convert<double, float>(numel(), src.data<double>(), out.data<float>());
+    return out;
+  }
+#if TALLY_HAVE_CUDA
+  kernels::cuda::use_device(device().index);
+  if (f2d) kernels::cuda::convert<float, double>(numel(), src.data<float>(), out.data<double>());
+  else kernels::cuda::convert<double, float>(numel(), src.data<double>(), out.data<float>());
+#else
+  throw Error(fmt::format("to({}): {} is on a GPU but this build has no CUDA backend", dtype_name(t), str()));
+#endif
   return out;
 }
 
@@ -282,15 +307,25 @@ void Tensor::copy_(const Tensor& src) {
       if (device().is_cpu()) std::memcpy(raw_data(), src.raw_data(), bytes);
       else cuda_rt::memcpy_h2d(raw_data(), src.raw_data(), bytes);
     } else if (device().is_cpu()) {
-      cpu_gather(src, raw_data());
+      gather(src, raw_data());
     } else {
       Tensor tmp = src.contiguous();  // gather on the host, then one upload
       cuda_rt::memcpy_h2d(raw_data(), tmp.raw_data(), bytes);
     }
     return;
   }
-  if (!src.is_contiguous())
-    throw Error(fmt::format("copy_: non-contiguous source {} on a GPU is not supported yet", src.str()));
+  // A GPU source: gathered on its device first when strided (straight into a GPU destination on
+  // the same device, else into a dense temporary), then one copy.
+  if (!src.is_contiguous()) {
+    if (device() == src.device()) {
+      gather(src, raw_data());
+      return;
+    }
+    Tensor tmp = empty(src.shape(), src.dtype(), src.device(), Category::temporary, "copy_gather");
+    gather(src, tmp.raw_data());
+    copy_(tmp);
+    return;
+  }
   if (device().is_cpu()) cuda_rt::memcpy_d2h(raw_data(), src.raw_data(), bytes);
   else cuda_rt::memcpy_d2d(raw_data(), src.raw_data(), bytes);
 }
@@ -308,10 +343,19 @@ void Tensor::fill_(double value) {
       default: throw Error(fmt::format("fill_: unsupported dtype {}", dtype_name(dtype())));
     }
   }
-  // CUDA: staged through the host until the CUDA backend has its own fill kernel.
-  if (dtype() != DType::Float32) throw Error(fmt::format("fill_: unsupported dtype on GPU: {}", str()));
-  std::vector<float> h(static_cast<std::size_t>(n), static_cast<float>(value));
-  cuda_rt::memcpy_h2d(raw_data(), h.data(), nbytes());
+#if TALLY_HAVE_CUDA
+  // CUDA: the fill kernel, enqueued on the compute stream (no host round trip).
+  kernels::cuda::use_device(device().index);
+  switch (dtype()) {
+    case DType::Float32: kernels::cuda::fill<float>(n, static_cast<float>(value), data<float>()); return;
+    case DType::Float64: kernels::cuda::fill<double>(n, value, data<double>()); return;
+    case DType::Int64: kernels::cuda::fill<std::int64_t>(n, static_cast<std::int64_t>(value), data<std::int64_t>()); return;
+    case DType::Int32: kernels::cuda::fill<std::int32_t>(n, static_cast<std::int32_t>(value), data<std::int32_t>()); return;
+    default: throw Error(fmt::format("fill_: unsupported dtype {}", dtype_name(dtype())));
+  }
+#else
+  throw Error(fmt::format("fill_: {} is on a GPU but this build has no CUDA backend", str()));
+#endif
 }
 
 // ---- autograd plumbing ------------------------------------------------------------------------

@@ -1,10 +1,12 @@
 // optim/optimizer.cpp — SGD and AdamW over persistent state (see optimizer.h for the contract,
 // kernels/cpu/optim.cpp for the update formulas).
 //
-// Each step() checks every parameter first and only then updates any, so an error (a missing
-// CUDA kernel, a parameter moved to another device after the optimizer was built) leaves all
+// Each step() checks every parameter first and only then updates any, so an error (a parameter
+// moved to another device after the optimizer was built, a float64 parameter on a GPU) leaves all
 // parameters and the step counter as they were. In a dry run the checks that concern data
 // (addressable memory, an existing kernel) are skipped, as ops skip dispatch in a dry run.
+// Updates dispatch like ops (core/dispatch.h): kernels::cpu or kernels::cuda, one fused kernel
+// per parameter, enqueued on the GPU's compute stream without waiting.
 #include "optim/optimizer.h"
 
 #include <fmt/format.h>
@@ -14,7 +16,6 @@
 #include "core/dispatch.h"
 #include "core/error.h"
 #include "core/memory.h"
-#include "kernels/cpu/cpu_kernels.h"
 
 namespace tally::optim {
 
@@ -86,7 +87,9 @@ Tensor Optimizer::checked_grad(std::size_t i, const std::vector<Tensor>& state) 
       throw Error(fmt::format("{}.step: {} is on {} but its optimizer state is on {} (build the optimizer after "
                               "moving the model)", name_, describe(i), p.device().str(), s.device().str()));
   if (is_dry_run()) return g;
-  if (p.device().is_cuda()) throw Error(fmt::format("{}.step: {}: no CUDA kernel yet", name_, describe(i)));
+  if (p.device().is_cuda() && (p.dtype() != DType::Float32 || !TALLY_HAVE_CUDA))
+    throw Error(fmt::format("{}.step: {}: no CUDA kernel ({})", name_, describe(i),
+                            TALLY_HAVE_CUDA ? "the CUDA updates are float32" : "this build has no CUDA backend"));
   if (p.numel() > 0) {
     bool null = p.raw_data() == nullptr || g.raw_data() == nullptr;
     for (const Tensor& s : state) null = null || s.raw_data() == nullptr;
@@ -127,9 +130,9 @@ void SGD::step() {
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const Tensor& p = params_[i];
     const Tensor& g = grads[i];
-    TALLY_DISPATCH_CPU("SGD.step", p, {
+    TALLY_DISPATCH("SGD.step", p, {
       T* buf = momentum_[i].defined() ? momentum_[i].data<T>() : nullptr;
-      kernels::cpu::sgd_update<T>(p.numel(), p.data<T>(), g.data<T>(), buf, static_cast<T>(lr_),
+      kk::sgd_update<T>(p.numel(), p.data<T>(), g.data<T>(), buf, static_cast<T>(lr_),
                                   static_cast<T>(o.momentum), static_cast<T>(o.dampening),
                                   static_cast<T>(o.weight_decay), o.nesterov, first);
     });
@@ -162,8 +165,8 @@ void AdamW::step() {
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const Tensor& p = params_[i];
     const Tensor& g = grads[i];
-    TALLY_DISPATCH_CPU("AdamW.step", p, {
-      kernels::cpu::adamw_update<T>(p.numel(), p.data<T>(), g.data<T>(), exp_avg_[i].data<T>(),
+    TALLY_DISPATCH("AdamW.step", p, {
+      kk::adamw_update<T>(p.numel(), p.data<T>(), g.data<T>(), exp_avg_[i].data<T>(),
                                     exp_avg_sq_[i].data<T>(), static_cast<T>(lr_), static_cast<T>(o.beta1),
                                     static_cast<T>(o.beta2), static_cast<T>(o.eps),
                                     static_cast<T>(o.weight_decay), t);

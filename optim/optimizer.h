@@ -30,8 +30,8 @@
 // e.g. from an optim::LRSchedule: opt.set_lr(schedule.lr_at(opt.steps()))).
 //
 // Devices: CPU parameters (float32 or float64, contiguous) run kernels::cpu::sgd_update /
-// adamw_update. CUDA parameters get their state on the GPU at construction, but step() throws
-// until the CUDA kernels exist.
+// adamw_update; CUDA parameters (float32) get their state on the GPU at construction and run the
+// fused kernels::cuda twins, enqueued on the compute stream (step() does not wait for them).
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -83,8 +83,8 @@ class Optimizer {
   // "<name>.<what>.<i>" in the arena; zero-filled if `zero`. Counted by state_bytes().
   Tensor new_state(std::size_t i, const std::string& what, bool zero);
   // Checks parameter i, its gradient and `state` before an update: gradient present, same shape,
-  // dtype and device, contiguous; state on the parameter's device; outside a dry run also a CPU
-  // device (no CUDA kernel yet) and memory behind every pointer (not built in a dry run on a
+  // dtype and device, contiguous; state on the parameter's device; outside a dry run also a
+  // kernel for it (float32 on CUDA) and memory behind every pointer (not built in a dry run on a
   // virtual arena). Returns the gradient; throws tally::Error naming the parameter.
   Tensor checked_grad(std::size_t i, const std::vector<Tensor>& state) const;
   // Throws tally::Error("<name>: <option> must be <expected>, found <value>") unless ok.

@@ -548,34 +548,6 @@ TEST(Module, ToCpuIsANoOpAndKeepsHandles) {
   EXPECT_EQ(bn.weight.raw_data(), data);
 }
 
-TEST(Module, ToCudaMovesParametersGradientsAndFloatBuffers) {
-  if (!cuda_available()) GTEST_SKIP() << "no CUDA device: " << build_info();
-  manual_seed(8);
-  auto model = make_model({"resnet20"});
-  const auto params_before = model->parameters();
-  const Tensor x = randn({2, 3, 16, 16}, 6);
-  model->eval();
-  const Tensor y_cpu = (*model)(x);
-  model->to(Device::cuda());
-  for (const auto& [name, p] : model->named_parameters()) {
-    EXPECT_TRUE(p.device().is_cuda()) << name;
-    EXPECT_TRUE(p.grad().device().is_cuda()) << name;
-    EXPECT_EQ(p.category(), Category::parameter) << name;
-    EXPECT_EQ(p.grad().category(), Category::gradient) << name;
-  }
-  for (const auto& [name, b] : model->named_buffers())
-    EXPECT_EQ(b.device().is_cuda(), b.dtype() != DType::Int64) << name;  // counters stay on the host
-  EXPECT_TRUE(params_before[0].device().is_cuda());  // handles held elsewhere see the move
-  const Tensor y_gpu = (*model)(x.to(Device::cuda()));
-  EXPECT_LE(rel_err(y_gpu.to(Device::cpu()), y_cpu), 1e-4);
-  model->train();
-  (*model)(x.to(Device::cuda()));
-  EXPECT_EQ(batch_norm_layers(*model)[0]->num_batches_tracked.item(), 1.0);
-  model->to(Device::cpu());
-  EXPECT_TRUE(params_before[0].device().is_cpu());
-  EXPECT_TRUE(params_before[0].grad().device().is_cpu());
-}
-
 TEST(Factory, UnknownNamesListTheAllowedOnes) {
   try {
     make_model({"resnet19"});

@@ -445,17 +445,4 @@ TEST(Optimizer, FailingStepUpdatesNothing) {
   EXPECT_EQ(opt.steps(), 0);
 }
 
-// CUDA parameters: state on the GPU at construction; step() has no kernel yet.
-TEST(Optimizer, CudaStepHasNoKernelYet) {
-  if (!cuda_available()) GTEST_SKIP() << "no GPU present: " << build_info();
-  Tensor a = Tensor::from_vector(std::vector<float>{1, 2}, {2}, Device::cuda(), Category::parameter);
-  a.allocate_grad();
-  const auto& arena = current_arena(Device::cuda());
-  const auto before = arena->stats()[Category::optimizer_state].current;
-  AdamW opt({a}, AdamWOptions{});
-  EXPECT_EQ(arena->stats()[Category::optimizer_state].current - before, 2 * static_cast<std::int64_t>(Arena::round_up(8)));
-  expect_error([&] { opt.step(); }, {"AdamW.step", "parameter 0", "cuda", "no CUDA kernel yet"});
-  EXPECT_EQ(a.to_vector<float>(), (std::vector<float>{1, 2}));
-}
-
 }  // namespace

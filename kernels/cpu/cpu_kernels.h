@@ -14,10 +14,12 @@ namespace tally::kernels::cpu {
 // gemm.cpp — row-major GEMM on OpenBLAS (cblas_sgemm / cblas_dgemm).
 // C (M, N) = alpha * op(A) * op(B) + beta * C, op(A) is (M, K), op(B) is (K, N).
 // A is (M, K) with leading dimension lda if !trans_a, else (K, M); likewise B.
-// beta == 0 never reads C.
+// beta == 0 never reads C. `workspace` exists for the CUDA twin's sake (cuBLAS scratch from the
+// arena); the CPU GEMM needs none: gemm_workspace_bytes() is 0 and the argument is ignored.
+std::size_t gemm_workspace_bytes();
 template <class T>
 void gemm(bool trans_a, bool trans_b, i64 M, i64 N, i64 K, T alpha, const T* A, i64 lda,
-          const T* B, i64 ldb, T beta, T* C, i64 ldc);
+          const T* B, i64 ldb, T beta, T* C, i64 ldc, void* workspace = nullptr);
 
 // ---------------------------------------------------------------------------------------------
 // conv.cpp — 2-D convolution (cross-correlation, as PyTorch) via im2col + GEMM, NCHW.

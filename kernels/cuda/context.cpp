@@ -1,0 +1,257 @@
+// kernels/cuda/context.cpp — per-device streams and handles, switches, checked-call errors,
+// pinned memory, events and overlapped uploads (see context.h for the contract).
+#include "kernels/cuda/context.h"
+
+#include <array>
+#include <atomic>
+#include <cstring>
+#include <mutex>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/cuda_kernels.h"
+
+namespace tally::kernels::cuda {
+namespace {
+
+// ---- switches -------------------------------------------------------------------------------
+std::atomic<bool> g_allow_tf32{false};
+std::atomic<bool> g_deterministic{true};
+std::atomic<std::size_t> g_conv_workspace_limit{std::size_t(64) << 20};
+std::atomic<std::size_t> g_gemm_workspace_bytes{std::size_t(4) << 20};
+
+// ---- per-device context ---------------------------------------------------------------------
+constexpr int kMaxDevices = 64;
+
+struct DeviceContext {
+  cudaStream_t compute = nullptr;
+  cudaStream_t copy = nullptr;
+  cublasHandle_t cublas = nullptr;
+#if TALLY_HAVE_CUDNN
+  cudnnHandle_t cudnn = nullptr;
+#endif
+  double* slot_host = nullptr;  // mapped pinned memory for reduction results
+  double* slot_device = nullptr;
+};
+
+// Contexts are created under the mutex and never destroyed (see context.h), so a pointer read
+// once stays valid; each member is created once, under the mutex, on first use.
+std::mutex g_mu;
+std::array<std::atomic<DeviceContext*>, kMaxDevices> g_contexts{};
+
+// "…/tally/kernels/cuda/conv.cu" -> "kernels/cuda/conv.cu": messages name files as the
+// repository does.
+const char* repo_path(const char* file) {
+  for (const char* dir : {"/kernels/", "/core/", "/optim/", "/layers/", "/tests/"}) {
+    const char* p = std::strstr(file, dir);
+    if (p) return p + 1;
+  }
+  return file;
+}
+
+DeviceContext& context() {
+  int dev = 0;
+  TALLY_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < 0 || dev >= kMaxDevices)
+    throw Error(fmt::format("CUDA device {} is beyond the {} devices tally supports", dev, kMaxDevices));
+  DeviceContext* ctx = g_contexts[static_cast<std::size_t>(dev)].load(std::memory_order_acquire);
+  if (ctx) return *ctx;
+  std::lock_guard<std::mutex> lock(g_mu);
+  ctx = g_contexts[static_cast<std::size_t>(dev)].load(std::memory_order_relaxed);
+  if (ctx) return *ctx;
+  auto* c = new DeviceContext;  // never deleted: see context.h
+  // Blocking compute stream: work on the legacy default stream stays ordered with it.
+  TALLY_CUDA_CHECK(cudaStreamCreateWithFlags(&c->compute, cudaStreamDefault));
+  // Non-blocking copy stream: uploads overlap whatever else runs.
+  TALLY_CUDA_CHECK(cudaStreamCreateWithFlags(&c->copy, cudaStreamNonBlocking));
+  TALLY_CUBLAS_CHECK(cublasCreate(&c->cublas));
+  // Set the stream once, here: cublasSetStream also resets the workspace to cuBLAS's own pool,
+  // and gemm() sets an arena workspace before every call.
+  TALLY_CUBLAS_CHECK(cublasSetStream(c->cublas, c->compute));
+  TALLY_CUBLAS_CHECK(cublasSetMathMode(c->cublas, CUBLAS_DEFAULT_MATH));
+  TALLY_CUBLAS_CHECK(cublasSetPointerMode(c->cublas, CUBLAS_POINTER_MODE_HOST));
+  void* slot = nullptr;
+  TALLY_CUDA_CHECK(cudaHostAlloc(&slot, 64, cudaHostAllocMapped));
+  c->slot_host = static_cast<double*>(slot);
+  void* dslot = nullptr;
+  TALLY_CUDA_CHECK(cudaHostGetDevicePointer(&dslot, slot, 0));
+  c->slot_device = static_cast<double*>(dslot);
+  g_contexts[static_cast<std::size_t>(dev)].store(c, std::memory_order_release);
+  return *c;
+}
+
+}  // namespace
+
+// ---- errors -----------------------------------------------------------------------------------
+namespace detail {
+
+void throw_cuda(cudaError_t status, const char* call, const char* file, int line) {
+  (void)cudaGetLastError();  // clear a non-sticky error so that the next call starts clean
+  throw Error(fmt::format("{} failed at {}:{}: {} ({})", call, repo_path(file), line, cudaGetErrorName(status),
+                          cudaGetErrorString(status)));
+}
+
+void throw_cublas(cublasStatus_t status, const char* call, const char* file, int line) {
+  throw Error(fmt::format("{} failed at {}:{}: {} ({})", call, repo_path(file), line, cublasGetStatusName(status),
+                          cublasGetStatusString(status)));
+}
+
+#if TALLY_HAVE_CUDNN
+void throw_cudnn(cudnnStatus_t status, const char* call, const char* file, int line) {
+  char detail[512] = {0};
+  cudnnGetLastErrorString(detail, sizeof(detail));
+  throw Error(fmt::format("{} failed at {}:{}: {}{}{}", call, repo_path(file), line, cudnnGetErrorString(status),
+                          detail[0] ? ": " : "", detail));
+}
+#endif
+
+void fail(const std::string& message) { throw Error(message); }
+
+void check_launch(const char* kernel, const char* file, int line) {
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess)
+    throw Error(fmt::format("launch of kernel {} failed at {}:{}: {} ({})", kernel, repo_path(file), line,
+                            cudaGetErrorName(e), cudaGetErrorString(e)));
+}
+
+cudaStream_t stream() { return context().compute; }
+cublasHandle_t cublas() { return context().cublas; }
+
+#if TALLY_HAVE_CUDNN
+cudnnHandle_t cudnn() {
+  DeviceContext& c = context();
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (!c.cudnn) {
+    TALLY_CUDNN_CHECK(cudnnCreate(&c.cudnn));
+    TALLY_CUDNN_CHECK(cudnnSetStream(c.cudnn, c.compute));
+  }
+  return c.cudnn;
+}
+#endif
+
+double* result_slot(double** device_ptr) {
+  DeviceContext& c = context();
+  *device_ptr = c.slot_device;
+  return c.slot_host;
+}
+
+}  // namespace detail
+
+// ---- devices and streams ----------------------------------------------------------------------
+void use_device(int device) {
+  int cur = -1;
+  TALLY_CUDA_CHECK(cudaGetDevice(&cur));
+  if (cur != device) TALLY_CUDA_CHECK(cudaSetDevice(device));
+}
+
+int current_device() {
+  int cur = 0;
+  TALLY_CUDA_CHECK(cudaGetDevice(&cur));
+  return cur;
+}
+
+CUstream_st* compute_stream() { return context().compute; }
+CUstream_st* copy_stream() { return context().copy; }
+
+void initialize() {
+  (void)context();
+#if TALLY_HAVE_CUDNN
+  (void)detail::cudnn();
+#endif
+}
+
+void synchronize() { TALLY_CUDA_CHECK(cudaStreamSynchronize(context().compute)); }
+
+// ---- switches ---------------------------------------------------------------------------------
+void set_allow_tf32(bool on) { g_allow_tf32 = on; }
+bool allow_tf32() { return g_allow_tf32; }
+void set_deterministic(bool on) { g_deterministic = on; }
+bool deterministic() { return g_deterministic; }
+void set_conv_workspace_limit(std::size_t bytes) { g_conv_workspace_limit = bytes; }
+std::size_t conv_workspace_limit() { return g_conv_workspace_limit; }
+void set_gemm_workspace_bytes(std::size_t bytes) {
+  // cuBLAS wants its workspace 256-byte aligned; arena blocks are, and so must the size be.
+  g_gemm_workspace_bytes = (bytes + 255) / 256 * 256;
+}
+std::size_t gemm_workspace_bytes() { return g_gemm_workspace_bytes; }
+
+// ---- pinned memory ----------------------------------------------------------------------------
+PinnedBuffer::PinnedBuffer(std::size_t bytes) : bytes_(bytes) {
+  if (bytes == 0) return;
+  const cudaError_t e = cudaHostAlloc(&ptr_, bytes, cudaHostAllocDefault);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    ptr_ = nullptr;
+    throw Error(fmt::format("cudaHostAlloc of {} bytes of pinned host memory failed: {} ({})", bytes,
+                            cudaGetErrorName(e), cudaGetErrorString(e)));
+  }
+}
+PinnedBuffer::~PinnedBuffer() {
+  if (ptr_) (void)cudaFreeHost(ptr_);
+}
+PinnedBuffer::PinnedBuffer(PinnedBuffer&& o) noexcept : ptr_(o.ptr_), bytes_(o.bytes_) {
+  o.ptr_ = nullptr;
+  o.bytes_ = 0;
+}
+PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& o) noexcept {
+  if (this != &o) {
+    if (ptr_) (void)cudaFreeHost(ptr_);
+    ptr_ = o.ptr_;
+    bytes_ = o.bytes_;
+    o.ptr_ = nullptr;
+    o.bytes_ = 0;
+  }
+  return *this;
+}
+
+// ---- events -----------------------------------------------------------------------------------
+Event::~Event() {
+  if (ev_) (void)cudaEventDestroy(ev_);
+}
+Event::Event(Event&& o) noexcept : ev_(o.ev_) { o.ev_ = nullptr; }
+Event& Event::operator=(Event&& o) noexcept {
+  if (this != &o) {
+    if (ev_) (void)cudaEventDestroy(ev_);
+    ev_ = o.ev_;
+    o.ev_ = nullptr;
+  }
+  return *this;
+}
+
+bool Event::done() const {
+  if (!ev_) return true;
+  const cudaError_t e = cudaEventQuery(ev_);
+  if (e == cudaErrorNotReady) return false;
+  TALLY_CUDA_CHECK(e);
+  return true;
+}
+
+void Event::wait() const {
+  if (ev_) TALLY_CUDA_CHECK(cudaEventSynchronize(ev_));
+}
+
+Event Event::record(CUstream_st* stream) {
+  cudaEvent_t ev = nullptr;
+  TALLY_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  Event e(ev);  // owns it from here, also if the record below throws
+  TALLY_CUDA_CHECK(cudaEventRecord(ev, stream));
+  return e;
+}
+
+Event upload_async(void* dst_device, const void* src_pinned, std::size_t bytes) {
+  cudaStream_t s = copy_stream();
+  if (bytes > 0) TALLY_CUDA_CHECK(cudaMemcpyAsync(dst_device, src_pinned, bytes, cudaMemcpyHostToDevice, s));
+  return Event::record(s);
+}
+
+void compute_wait(const Event& e) {
+  if (e.valid()) TALLY_CUDA_CHECK(cudaStreamWaitEvent(compute_stream(), e.get(), 0));
+}
+
+void copy_wait(const Event& e) {
+  if (e.valid()) TALLY_CUDA_CHECK(cudaStreamWaitEvent(copy_stream(), e.get(), 0));
+}
+
+}  // namespace tally::kernels::cuda

@@ -1,0 +1,113 @@
+// kernels/cuda/context.h — the CUDA context of tally: streams, library handles, numerical
+// switches, pinned host memory and overlapped uploads. A plain C++ header (no CUDA headers):
+// code compiled by the host compiler includes it where TALLY_HAVE_CUDA is 1.
+//
+// Per device, created on first use and kept for the life of the process (never destroyed: the
+// CUDA runtime may already be torn down when static destructors run):
+//   * a compute stream, on which every kernel, cuBLAS and cuDNN call and every synchronous copy of
+//     core/ (cuda_rt::memcpy_*) is enqueued. One stream means the arena can hand a freed block to
+//     the next op at once: stream order keeps the old reader before the new writer. It is a
+//     blocking stream, so stray work on the legacy default stream is still ordered with it.
+//   * a copy stream (non-blocking) for host-to-device uploads that overlap compute;
+//   * a cuBLAS handle and a cuDNN handle bound to the compute stream (cuDNN's is created on the
+//     first convolution: loading cuDNN takes a while).
+// The handles are not thread-safe: one host thread drives a device at a time.
+//
+// Switches (process-wide, read when a call is made):
+//   * allow_tf32 (default false): float32 GEMMs and convolutions may use TF32 tensor cores.
+//     Off, cuBLAS runs CUBLAS_COMPUTE_32F and cuDNN CUDNN_FMA_MATH — cuDNN's *default* math
+//     allows TF32 on Ampere and newer, so "off" must be said explicitly.
+//   * deterministic (default true): cuDNN may only pick algorithms it reports deterministic.
+//     tally's own kernels are deterministic either way.
+//   * conv_workspace_limit (default 64 MiB): the largest cuDNN workspace an algorithm may need.
+//   * gemm_workspace_bytes (default 4 MiB, cuBLAS's recommendation before Hopper): the cuBLAS
+//     workspace each GEMM gets from the arena (0: none).
+// The cuDNN algorithm cache is keyed by these settings as well as the shape, so changing a switch
+// between a dry run and the real run is seen as a different convolution, never a stale choice.
+#pragma once
+#include <cstddef>
+
+struct CUstream_st;  // cudaStream_t is CUstream_st*
+struct CUevent_st;   // cudaEvent_t is CUevent_st*
+
+namespace tally::kernels::cuda {
+
+// ---- devices and streams --------------------------------------------------------------------
+// Makes `device` current on this thread (cudaSetDevice only when it is not already).
+void use_device(int device);
+int current_device();
+// Streams of the current device.
+CUstream_st* compute_stream();
+CUstream_st* copy_stream();
+// Creates the current device's context now: streams, cuBLAS and cuDNN handles. They take device
+// memory outside the arena, so core/ calls this before it measures the free memory that the
+// default arena reserves.
+void initialize();
+// Waits until everything enqueued on the current device's compute stream has finished; throws
+// tally::Error if a kernel failed.
+void synchronize();
+
+// ---- switches ---------------------------------------------------------------------------------
+void set_allow_tf32(bool on);
+bool allow_tf32();
+void set_deterministic(bool on);
+bool deterministic();
+void set_conv_workspace_limit(std::size_t bytes);
+std::size_t conv_workspace_limit();
+void set_gemm_workspace_bytes(std::size_t bytes);  // gemm_workspace_bytes() in cuda_kernels.h
+
+// ---- pinned host memory -----------------------------------------------------------------------
+// Page-locked host memory (cudaHostAlloc): the source of an asynchronous upload must be pinned,
+// or the copy degrades to a synchronous staged one. Move-only; frees itself.
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  explicit PinnedBuffer(std::size_t bytes);
+  ~PinnedBuffer();
+  PinnedBuffer(PinnedBuffer&& o) noexcept;
+  PinnedBuffer& operator=(PinnedBuffer&& o) noexcept;
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  void* data() const { return ptr_; }
+  std::size_t size() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+// ---- events and overlapped uploads ------------------------------------------------------------
+// A CUDA event (timing disabled), move-only. Default-constructed: no event, already "complete".
+class Event {
+ public:
+  Event() = default;
+  ~Event();
+  Event(Event&& o) noexcept;
+  Event& operator=(Event&& o) noexcept;
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+  bool valid() const { return ev_ != nullptr; }
+  bool done() const;  // cudaEventQuery
+  void wait() const;  // the host waits (cudaEventSynchronize)
+  CUevent_st* get() const { return ev_; }
+  static Event record(CUstream_st* stream);  // a new event recorded on `stream`
+
+ private:
+  explicit Event(CUevent_st* ev) : ev_(ev) {}
+  CUevent_st* ev_ = nullptr;
+};
+
+// Copies `bytes` from pinned host memory to device memory on the copy stream and returns the
+// event that marks its completion; the compute stream does NOT wait for it until compute_wait().
+// Preconditions, the caller's to keep (the MBP executor's double-buffered inputs do):
+//   * `src_pinned` stays alive and unchanged until the event is done;
+//   * nothing already enqueued on the compute stream still reads or writes `dst_device` — use a
+//     buffer set aside for uploads, not a block the arena just handed back, or first make the
+//     copy stream wait for the compute stream with copy_wait(Event::record(compute_stream())).
+Event upload_async(void* dst_device, const void* src_pinned, std::size_t bytes);
+// Work enqueued on the compute stream from now on waits for `e` (no host wait).
+void compute_wait(const Event& e);
+// Work enqueued on the copy stream from now on waits for `e` (no host wait).
+void copy_wait(const Event& e);
+
+}  // namespace tally::kernels::cuda

@@ -1,0 +1,330 @@
+// kernels/cuda/conv.cu — 2-D convolution on cuDNN, NCHW float32: forward, backward data and
+// backward filter through cuDNN's legacy convolution API; bias (forward) and backward bias
+// through small deterministic kernels of tally's own. The CUDA twin of kernels/cpu/conv.cpp.
+//
+// Plans (docs/gpu.md, "Convolutions"): the first call for a shape builds a Plan — the tensor,
+// filter and convolution descriptors, and for each direction (forward, backward data, backward
+// filter) the algorithm, math type and exact workspace size — and caches it under the shape plus
+// the switches that change the choice (TF32, determinism, workspace limit) and the device.
+// Algorithms come from cuDNN's heuristics (cudnnGet*Algorithm_v7): host-side, no device memory,
+// no timing runs, and the same answer every time, so a dry run and the real run that follows
+// choose — and allocate — identically. The pick is the heuristics' best-ranked algorithm that
+//   * succeeded (status CUDNN_STATUS_SUCCESS),
+//   * needs at most conv_workspace_limit() bytes of workspace,
+//   * is deterministic when deterministic() is on,
+//   * does not use tensor-op (TF32) math unless allow_tf32() is on.
+// conv2d_workspace_bytes is the largest of the three workspaces: one arena block serves every
+// direction of the shape.
+#include <climits>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <tuple>
+
+#include "kernels/cuda/context.h"
+#include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/launch.cuh"
+
+namespace tally::kernels::cuda {
+namespace {
+
+// ---- CUDA kernels ------------------------------------------------------------------------------
+
+// y (N, K, PQ) += bias (K), as the CPU adds the bias after the convolution.
+template <class T>
+__global__ void add_channel_bias_kernel(i64 total, i64 K, i64 PQ, const T* __restrict__ bias, T* __restrict__ y) {
+  TALLY_GRID_LOOP(i, total) y[i] += bias[(i / PQ) % K];
+}
+
+// db (K) (=|+=) sum over n and pq of dy (N, K, PQ): one block per channel; each thread sums its
+// strided share in double (as the CPU), then the block tree.
+template <class T>
+__global__ void channel_sum_kernel(i64 N, i64 K, i64 PQ, const T* __restrict__ dy, T* __restrict__ db, T beta) {
+  const i64 M = N * PQ;
+  TALLY_BLOCK_LOOP(k, K) {
+    double acc = 0.0;
+    for (i64 m = threadIdx.x; m < M; m += blockDim.x) {
+      const i64 n = m / PQ, j = m - n * PQ;
+      acc += static_cast<double>(dy[(n * K + k) * PQ + j]);
+    }
+    acc = detail::block_sum(acc);
+    if (threadIdx.x == 0) db[k] = beta == T(0) ? static_cast<T>(acc) : beta * db[k] + static_cast<T>(acc);
+  }
+}
+
+// dw (n elements) = beta * dw, never reading dw when beta == 0 (the empty-batch backward filter).
+template <class T>
+__global__ void scale_kernel(i64 n, T beta, T* y) {
+  TALLY_GRID_LOOP(i, n) y[i] = beta == T(0) ? T(0) : beta * y[i];
+}
+
+#if TALLY_HAVE_CUDNN
+
+// ---- plans -------------------------------------------------------------------------------------
+
+int to_int(i64 v, const char* what, const Conv2dShape& s) {
+  if (v < 0 || v > INT_MAX)
+    detail::fail(std::string("conv2d: ") + what + " = " + std::to_string(v) +
+                 " does not fit cuDNN's 32-bit int (N " + std::to_string(s.N) + ", C " + std::to_string(s.C) +
+                 ", H " + std::to_string(s.H) + ", W " + std::to_string(s.W) + "): split the batch");
+  return static_cast<int>(v);
+}
+
+struct Plan {
+  cudnnTensorDescriptor_t x = nullptr, y = nullptr;
+  cudnnFilterDescriptor_t w = nullptr;
+  // One convolution descriptor per direction: each carries the math type of its algorithm.
+  cudnnConvolutionDescriptor_t fwd_conv = nullptr, bwd_data_conv = nullptr, bwd_filter_conv = nullptr;
+  cudnnConvolutionFwdAlgo_t fwd_algo{};
+  cudnnConvolutionBwdDataAlgo_t bwd_data_algo{};
+  cudnnConvolutionBwdFilterAlgo_t bwd_filter_algo{};
+  std::size_t fwd_ws = 0, bwd_data_ws = 0, bwd_filter_ws = 0;
+  std::size_t workspace() const { return std::max({fwd_ws, bwd_data_ws, bwd_filter_ws}); }
+};
+
+// Everything a plan depends on.
+using PlanKey = std::tuple<int /*device*/, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64,
+                           bool /*tf32*/, bool /*deterministic*/, std::size_t /*workspace limit*/>;
+
+PlanKey key_of(const Conv2dShape& s) {
+  return {current_device(), s.N,  s.C,      s.H,      s.W,     s.K,   s.R,     s.S,
+          s.stride_h,       s.stride_w, s.pad_h, s.pad_w, s.dil_h, s.dil_w, s.groups,
+          allow_tf32(),     deterministic(), conv_workspace_limit()};
+}
+
+bool math_allowed(cudnnMathType_t m) {
+  return allow_tf32() || (m != CUDNN_TENSOR_OP_MATH && m != CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION);
+}
+// The math type the descriptor runs with: without TF32, FMA math ("default" math lets cuDNN use
+// TF32 tensor cores on Ampere and newer).
+cudnnMathType_t run_math(cudnnMathType_t m) { return allow_tf32() ? m : CUDNN_FMA_MATH; }
+
+cudnnConvolutionDescriptor_t make_conv_desc(const Conv2dShape& s) {
+  cudnnConvolutionDescriptor_t d = nullptr;
+  TALLY_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&d));
+  TALLY_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(d, to_int(s.pad_h, "pad_h", s), to_int(s.pad_w, "pad_w", s),
+                                                    to_int(s.stride_h, "stride_h", s), to_int(s.stride_w, "stride_w", s),
+                                                    to_int(s.dil_h, "dil_h", s), to_int(s.dil_w, "dil_w", s),
+                                                    CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT));
+  TALLY_CUDNN_CHECK(cudnnSetConvolutionGroupCount(d, to_int(s.groups, "groups", s)));
+  // Heuristics are asked with the math type the run may use.
+  TALLY_CUDNN_CHECK(cudnnSetConvolutionMathType(d, allow_tf32() ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH));
+  return d;
+}
+
+[[noreturn]] void no_algorithm(const char* direction, const Conv2dShape& s) {
+  detail::fail(std::string("conv2d ") + direction + ": cuDNN offers no algorithm for input (" + std::to_string(s.N) +
+               ", " + std::to_string(s.C) + ", " + std::to_string(s.H) + ", " + std::to_string(s.W) + "), weight (" +
+               std::to_string(s.K) + ", " + std::to_string(s.C / s.groups) + ", " + std::to_string(s.R) + ", " +
+               std::to_string(s.S) + "), groups " + std::to_string(s.groups) + " within a workspace limit of " +
+               std::to_string(conv_workspace_limit()) + " bytes" + (deterministic() ? " that is deterministic" : "") +
+               (allow_tf32() ? "" : " without TF32") + ": raise set_conv_workspace_limit() or allow more");
+}
+
+// The first acceptable entry of a heuristics list (ranked best first).
+template <class Perf>
+const Perf* pick(const Perf* perf, int count) {
+  const std::size_t limit = conv_workspace_limit();
+  for (int i = 0; i < count; ++i) {
+    const Perf& p = perf[i];
+    if (p.status != CUDNN_STATUS_SUCCESS) continue;
+    if (p.memory > limit) continue;
+    if (deterministic() && p.determinism != CUDNN_DETERMINISTIC) continue;
+    if (!math_allowed(p.mathType)) continue;
+    return &p;
+  }
+  return nullptr;
+}
+
+std::unique_ptr<Plan> make_plan(const Conv2dShape& s) {
+  cudnnHandle_t h = detail::cudnn();
+  auto p = std::make_unique<Plan>();
+  const int N = to_int(s.N, "N", s), C = to_int(s.C, "C", s), H = to_int(s.H, "H", s), W = to_int(s.W, "W", s);
+  const int K = to_int(s.K, "K", s), Cg = to_int(s.C / s.groups, "C/groups", s), R = to_int(s.R, "R", s),
+            S = to_int(s.S, "S", s), P = to_int(s.P(), "P", s), Q = to_int(s.Q(), "Q", s);
+  to_int(s.N * s.C * s.H * s.W, "input elements", s);  // cuDNN's legacy API indexes with int
+  to_int(s.N * s.K * s.P() * s.Q(), "output elements", s);
+  TALLY_CUDNN_CHECK(cudnnCreateTensorDescriptor(&p->x));
+  TALLY_CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->x, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, N, C, H, W));
+  TALLY_CUDNN_CHECK(cudnnCreateTensorDescriptor(&p->y));
+  TALLY_CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->y, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, N, K, P, Q));
+  TALLY_CUDNN_CHECK(cudnnCreateFilterDescriptor(&p->w));
+  TALLY_CUDNN_CHECK(cudnnSetFilter4dDescriptor(p->w, CUDNN_DATA_FLOAT, CUDNN_TENSOR_NCHW, K, Cg, R, S));
+  p->fwd_conv = make_conv_desc(s);
+  p->bwd_data_conv = make_conv_desc(s);
+  p->bwd_filter_conv = make_conv_desc(s);
+
+  {  // forward
+    cudnnConvolutionFwdAlgoPerf_t perf[CUDNN_CONVOLUTION_FWD_ALGO_COUNT];
+    int n = 0;
+    TALLY_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(h, p->x, p->w, p->fwd_conv, p->y,
+                                                             CUDNN_CONVOLUTION_FWD_ALGO_COUNT, &n, perf));
+    const auto* best = pick(perf, n);
+    if (!best) no_algorithm("forward", s);
+    p->fwd_algo = best->algo;
+    TALLY_CUDNN_CHECK(cudnnSetConvolutionMathType(p->fwd_conv, run_math(best->mathType)));
+    TALLY_CUDNN_CHECK(cudnnGetConvolutionForwardWorkspaceSize(h, p->x, p->w, p->fwd_conv, p->y, p->fwd_algo,
+                                                              &p->fwd_ws));
+  }
+  {  // backward data
+    cudnnConvolutionBwdDataAlgoPerf_t perf[CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT];
+    int n = 0;
+    TALLY_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(h, p->w, p->y, p->bwd_data_conv, p->x,
+                                                                  CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT, &n, perf));
+    const auto* best = pick(perf, n);
+    if (!best) no_algorithm("backward data", s);
+    p->bwd_data_algo = best->algo;
+    TALLY_CUDNN_CHECK(cudnnSetConvolutionMathType(p->bwd_data_conv, run_math(best->mathType)));
+    TALLY_CUDNN_CHECK(cudnnGetConvolutionBackwardDataWorkspaceSize(h, p->w, p->y, p->bwd_data_conv, p->x,
+                                                                   p->bwd_data_algo, &p->bwd_data_ws));
+  }
+  {  // backward filter
+    cudnnConvolutionBwdFilterAlgoPerf_t perf[CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT];
+    int n = 0;
+    TALLY_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(
+        h, p->x, p->y, p->bwd_filter_conv, p->w, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT, &n, perf));
+    const auto* best = pick(perf, n);
+    if (!best) no_algorithm("backward filter", s);
+    p->bwd_filter_algo = best->algo;
+    TALLY_CUDNN_CHECK(cudnnSetConvolutionMathType(p->bwd_filter_conv, run_math(best->mathType)));
+    TALLY_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterWorkspaceSize(h, p->x, p->y, p->bwd_filter_conv, p->w,
+                                                                     p->bwd_filter_algo, &p->bwd_filter_ws));
+  }
+  return p;
+}
+
+// The cached plan of a shape (built on first use; plans live as long as the process).
+const Plan& plan_for(const Conv2dShape& s) {
+  static std::mutex mu;
+  static auto* cache = new std::map<PlanKey, std::unique_ptr<Plan>>;  // never destroyed, as the handles
+  const PlanKey key = key_of(s);
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache->find(key);
+  if (it == cache->end()) it = cache->emplace(key, make_plan(s)).first;
+  return *it->second;
+}
+
+#else  // no cuDNN in this build
+
+[[noreturn]] void no_cudnn() {
+  detail::fail("conv2d on a GPU: this build of tally has no cuDNN (configure with CUDNN_ROOT pointing at it)");
+}
+
+#endif
+
+bool empty_output(const Conv2dShape& s) { return s.N <= 0 || s.K <= 0 || s.P() <= 0 || s.Q() <= 0; }
+
+}  // namespace
+
+// ---- kernel launchers ----------------------------------------------------------------------------
+
+template <class T>
+std::size_t conv2d_workspace_bytes(const Conv2dShape& s) {
+  if (empty_output(s) || s.C <= 0) return 0;
+#if TALLY_HAVE_CUDNN
+  return plan_for(s).workspace();
+#else
+  no_cudnn();
+#endif
+}
+
+template <class T>
+void conv2d_forward(const Conv2dShape& s,
+                    const T* x,     // (N, C, H, W)
+                    const T* w,     // (K, C/g, R, S)
+                    const T* bias,  // (K) or null
+                    T* y,           // (N, K, P, Q)
+                    void* workspace) {
+  if (empty_output(s)) return;
+#if TALLY_HAVE_CUDNN
+  const Plan& p = plan_for(s);
+  const float one = 1.f, zero = 0.f;
+  TALLY_CUDNN_CHECK(cudnnConvolutionForward(detail::cudnn(), &one, p.x, x, p.w, w, p.fwd_conv, p.fwd_algo, workspace,
+                                            p.fwd_ws, &zero, p.y, y));
+  if (bias != nullptr) {
+    const i64 PQ = s.P() * s.Q(), total = s.N * s.K * PQ;
+    add_channel_bias_kernel<<<detail::grid_for(total), detail::kThreads, 0, detail::stream()>>>(total, s.K, PQ, bias,
+                                                                                                y);
+    TALLY_LAUNCH_CHECK("conv2d_forward.add_channel_bias");
+  }
+#else
+  (void)x, (void)w, (void)bias, (void)y, (void)workspace;
+  no_cudnn();
+#endif
+}
+
+template <class T>
+void conv2d_backward_data(const Conv2dShape& s,
+                          const T* dy,  // (N, K, P, Q)
+                          const T* w,   // (K, C/g, R, S)
+                          T* dx,        // (N, C, H, W)
+                          T beta, void* workspace) {
+  if (s.N <= 0 || s.C <= 0 || s.H * s.W <= 0) return;
+  if (empty_output(s)) {  // no output position: dx = beta * dx
+    const i64 n = s.N * s.C * s.H * s.W;
+    if (beta != T(1)) {
+      scale_kernel<<<detail::grid_for(n), detail::kThreads, 0, detail::stream()>>>(n, beta, dx);
+      TALLY_LAUNCH_CHECK("conv2d_backward_data.scale");
+    }
+    return;
+  }
+#if TALLY_HAVE_CUDNN
+  const Plan& p = plan_for(s);
+  const float one = 1.f, b = static_cast<float>(beta);
+  TALLY_CUDNN_CHECK(cudnnConvolutionBackwardData(detail::cudnn(), &one, p.w, w, p.y, dy, p.bwd_data_conv,
+                                                 p.bwd_data_algo, workspace, p.bwd_data_ws, &b, p.x, dx));
+#else
+  (void)dy, (void)w, (void)workspace;
+  no_cudnn();
+#endif
+}
+
+template <class T>
+void conv2d_backward_filter(const Conv2dShape& s,
+                            const T* x,   // (N, C, H, W)
+                            const T* dy,  // (N, K, P, Q)
+                            T* dw,        // (K, C/g, R, S)
+                            T beta, void* workspace) {
+  if (empty_output(s) || s.C <= 0) {  // empty sum: dw = beta * dw
+    const i64 n = s.K * (s.C / s.groups) * s.R * s.S;
+    if (n > 0 && beta != T(1)) {
+      scale_kernel<<<detail::grid_for(n), detail::kThreads, 0, detail::stream()>>>(n, beta, dw);
+      TALLY_LAUNCH_CHECK("conv2d_backward_filter.scale");
+    }
+    return;
+  }
+#if TALLY_HAVE_CUDNN
+  const Plan& p = plan_for(s);
+  // beta = 1 accumulates straight into the persistent gradient buffer (cuDNN's own scaling).
+  const float one = 1.f, b = static_cast<float>(beta);
+  TALLY_CUDNN_CHECK(cudnnConvolutionBackwardFilter(detail::cudnn(), &one, p.x, x, p.y, dy, p.bwd_filter_conv,
+                                                   p.bwd_filter_algo, workspace, p.bwd_filter_ws, &b, p.w, dw));
+#else
+  (void)x, (void)dy, (void)workspace;
+  no_cudnn();
+#endif
+}
+
+template <class T>
+void conv2d_backward_bias(const Conv2dShape& s,
+                          const T* dy,  // (N, K, P, Q)
+                          T* db,        // (K)
+                          T beta) {
+  if (s.K <= 0) return;
+  const i64 PQ = s.P() * s.Q();
+  channel_sum_kernel<<<detail::blocks_for(s.K), detail::kReduceThreads, 0, detail::stream()>>>(
+      s.N, s.K, PQ < 0 ? 0 : PQ, dy, db, beta);
+  TALLY_LAUNCH_CHECK("conv2d_backward_bias");
+}
+
+#define TALLY_INSTANTIATE_CONV(T)                                                                \
+  template std::size_t conv2d_workspace_bytes<T>(const Conv2dShape&);                            \
+  template void conv2d_forward<T>(const Conv2dShape&, const T*, const T*, const T*, T*, void*);  \
+  template void conv2d_backward_data<T>(const Conv2dShape&, const T*, const T*, T*, T, void*);   \
+  template void conv2d_backward_filter<T>(const Conv2dShape&, const T*, const T*, T*, T, void*); \
+  template void conv2d_backward_bias<T>(const Conv2dShape&, const T*, T*, T);
+
+TALLY_INSTANTIATE_CONV(float)
+#undef TALLY_INSTANTIATE_CONV
+
+}  // namespace tally::kernels::cuda

@@ -1,0 +1,161 @@
+// kernels/cuda/cuda_kernels.h — the CUDA kernels, one section per op family, with the same names
+// and signatures as kernels/cpu/cpu_kernels.h, so that an op body written once as
+// `kk::relu_forward<T>(n, x, y)` compiles with `kk` naming either namespace (core/dispatch.h).
+//
+// A plain C++ header: no CUDA types, includable where TALLY_HAVE_CUDA is 1 from code compiled by
+// the host compiler. Every function is a template on T explicitly instantiated for float only
+// (the CUDA backend is float32); a few memory-only functions (fill, copy, strided_copy, convert)
+// have more instantiations, listed in their files.
+//
+// Conventions (see kernels/common.h for layout, `beta` and workspaces):
+//   * Pointers are device pointers of the *current* device (kernels/cuda/context.h: use_device),
+//     except the shape/stride arrays of strided_copy, which are host arrays.
+//   * Every kernel is enqueued on the current device's compute stream and returns without waiting
+//     (the host thread runs ahead). The only exceptions are the functions that return a value
+//     computed on the device: sum_all and cross_entropy_forward wait for the compute stream
+//     before returning, and conv2d_workspace_bytes may run cuDNN's heuristics (host-side) once
+//     per shape.
+//   * Errors (a failing launch, a cuBLAS/cuDNN status) throw tally::Error naming the call,
+//     file:line and the status string. Launches are checked with cudaGetLastError; a fault
+//     inside a kernel surfaces at the next synchronizing call.
+//   * Reductions are deterministic: fixed launch shapes and fixed summation trees, no float
+//     atomics, so repeated runs give bitwise identical results.
+//   * Sizes are i64 and indexing is 64-bit wherever an index can pass 2^31; the cuBLAS and cuDNN
+//     calls take int sizes and throw a clear error beyond them.
+#pragma once
+#include "kernels/common.h"
+#include "kernels/cpu/cpu_kernels.h"  // Conv2dShape, Pool2dShape
+
+namespace tally::kernels::cuda {
+
+using cpu::Conv2dShape;
+using cpu::Pool2dShape;
+
+// ---------------------------------------------------------------------------------------------
+// gemm.cu — row-major GEMM on cuBLAS (cublasGemmEx on the column-major transpose).
+// C (M, N) = alpha * op(A) * op(B) + beta * C, as the CPU gemm; beta == 0 never reads C.
+// `workspace` is cuBLAS's scratch for this call: gemm_workspace_bytes() bytes carved from the
+// arena (category workspace), set with cublasSetWorkspace just before the call, or null to run
+// cuBLAS without any workspace (it then never allocates on its own either). float32 math, no
+// TF32 unless set_allow_tf32(true).
+std::size_t gemm_workspace_bytes();
+template <class T>
+void gemm(bool trans_a, bool trans_b, i64 M, i64 N, i64 K, T alpha, const T* A, i64 lda,
+          const T* B, i64 ldb, T beta, T* C, i64 ldc, void* workspace = nullptr);
+
+// ---------------------------------------------------------------------------------------------
+// conv.cu — 2-D convolution on cuDNN (legacy convolution API; docs/gpu.md says why).
+// The algorithms of forward, backward data and backward filter are chosen once per shape (and
+// per TF32 / determinism / workspace-limit setting) from cuDNN's heuristics, cached, and reused:
+// conv2d_workspace_bytes returns the largest of the three workspaces of that cached choice, the
+// same number in a dry run and a real run. Every conv2d_* call below takes at least that many
+// bytes of workspace.
+template <class T>
+std::size_t conv2d_workspace_bytes(const Conv2dShape& s);
+// y (N, K, P, Q) = conv(x (N, C, H, W), w (K, C/g, R, S)) + bias (K) ; bias may be null.
+template <class T>
+void conv2d_forward(const Conv2dShape& s, const T* x, const T* w, const T* bias, T* y,
+                    void* workspace);
+// dx (N, C, H, W) (=|+=) conv_transpose(dy (N, K, P, Q), w).
+template <class T>
+void conv2d_backward_data(const Conv2dShape& s, const T* dy, const T* w, T* dx, T beta,
+                          void* workspace);
+// dw (K, C/g, R, S) (=|+=) correlation of x and dy: cuDNN writes with beta = 1 straight into the
+// persistent gradient buffer.
+template <class T>
+void conv2d_backward_filter(const Conv2dShape& s, const T* x, const T* dy, T* dw, T beta,
+                            void* workspace);
+// db (K) (=|+=) sum over n, p, q of dy (a deterministic reduction kernel, not cuDNN).
+template <class T>
+void conv2d_backward_bias(const Conv2dShape& s, const T* dy, T* db, T beta);
+
+// ---------------------------------------------------------------------------------------------
+// elementwise.cu — n elements unless said otherwise; same formulas as the CPU.
+template <class T> void fill(i64 n, T value, T* y);
+template <class T> void copy(i64 n, const T* x, T* y);
+template <class T> void add(i64 n, const T* a, const T* b, T alpha, T* y);
+template <class T> void axpby(i64 n, T alpha, const T* x, T beta, T* y);
+template <class T> void mul(i64 n, const T* a, const T* b, T* y);
+template <class T> void mul_backward(i64 n, const T* dy, const T* b, T* da, T beta);
+template <class T> void relu_forward(i64 n, const T* x, T* y);
+template <class T> void relu_backward(i64 n, const T* dy, const T* y, T* dx, T beta);
+// shape and strides are HOST arrays of ndim <= 8 entries (passed to the kernel by value).
+template <class T>
+void strided_copy(int ndim, const i64* shape, const i64* strides, const T* x, T* y);
+template <class T> void add_bias_rows(i64 rows, i64 cols, const T* x, const T* bias, T* y);
+template <class T> void sum_rows(i64 rows, i64 cols, const T* dy, T* db, T beta);
+// Accumulated in double, as the CPU. Waits for the compute stream and returns the value.
+template <class T> T sum_all(i64 n, const T* x);
+template <class S, class D> void convert(i64 n, const S* x, D* y);
+
+// ---------------------------------------------------------------------------------------------
+// norm.cu — batch norm and group norm over x (N, C, HW), PyTorch semantics as the CPU.
+// One thread block per channel (batch norm) or per (n, group) (group norm); statistics in float
+// with two passes (mean, then the sum of squared deviations) and a fixed reduction tree.
+template <class T>
+void batch_norm_forward_train(i64 N, i64 C, i64 HW, const T* x, const T* gamma, const T* beta_,
+                              T eps, T momentum, T* running_mean, T* running_var, T* y,
+                              T* save_mean, T* save_invstd);
+template <class T>
+void batch_norm_forward_eval(i64 N, i64 C, i64 HW, const T* x, const T* gamma, const T* beta_,
+                             const T* running_mean, const T* running_var, T eps, T* y);
+template <class T>
+void batch_norm_backward(i64 N, i64 C, i64 HW, const T* dy, const T* x, const T* gamma,
+                         const T* save_mean, const T* save_invstd, T* dx, T beta_dx, T* dgamma,
+                         T* dbeta, T beta_param);
+template <class T>
+void batch_norm_backward_eval(i64 N, i64 C, i64 HW, const T* dy, const T* x, const T* gamma,
+                              const T* running_mean, const T* running_var, T eps, T* dx,
+                              T beta_dx, T* dgamma, T* dbeta, T beta_param);
+template <class T>
+void group_norm_forward(i64 N, i64 C, i64 HW, i64 G, const T* x, const T* gamma, const T* beta_,
+                        T eps, T* y, T* save_mean, T* save_invstd);
+template <class T>
+void group_norm_backward(i64 N, i64 C, i64 HW, i64 G, const T* dy, const T* x, const T* gamma,
+                         const T* save_mean, const T* save_invstd, T* dx, T beta_dx, T* dgamma,
+                         T* dbeta, T beta_param);
+
+// ---------------------------------------------------------------------------------------------
+// pool.cu — NCHW pooling, PyTorch semantics (floor mode), as the CPU. The backward kernels
+// gather (one thread per input element, summing its windows in the CPU's order) instead of
+// scattering, so overlapping windows need no atomics.
+template <class T>
+void max_pool2d_forward(const Pool2dShape& s, const T* x, T* y, std::int32_t* argmax);
+template <class T>
+void max_pool2d_backward(const Pool2dShape& s, const T* dy, const std::int32_t* argmax, T* dx,
+                         T beta);
+template <class T>
+void avg_pool2d_forward(const Pool2dShape& s, bool count_include_pad, const T* x, T* y);
+template <class T>
+void avg_pool2d_backward(const Pool2dShape& s, bool count_include_pad, const T* dy, T* dx,
+                         T beta);
+template <class T>
+void adaptive_avg_pool2d_forward(i64 N, i64 C, i64 H, i64 W, i64 OH, i64 OW, const T* x, T* y);
+template <class T>
+void adaptive_avg_pool2d_backward(i64 N, i64 C, i64 H, i64 W, i64 OH, i64 OW, const T* dy, T* dx,
+                                  T beta);
+
+// ---------------------------------------------------------------------------------------------
+// loss.cu — softmax cross-entropy, same semantics as the CPU (class weights, ignore_index,
+// label smoothing; log-sum-exp in double). cross_entropy_forward waits for the compute stream:
+// it returns the index of the first target outside [0, C) that is not ignore_index (else -1),
+// found on the host from a copy of the targets.
+template <class T>
+i64 cross_entropy_forward(i64 N, i64 C, const T* logits, const i64* targets, const T* class_weight,
+                          i64 ignore_index, T label_smoothing, T* loss, T* sample_weight);
+template <class T>
+void cross_entropy_backward(i64 N, i64 C, const T* logits, const i64* targets,
+                            const T* class_weight, i64 ignore_index, T label_smoothing,
+                            const T* dloss, T* dlogits, T beta);
+
+// ---------------------------------------------------------------------------------------------
+// optim.cu — fused optimizer updates, torch.optim semantics as the CPU (the scalar factors are
+// formed on the host in double, as there).
+template <class T>
+void sgd_update(i64 n, T* param, const T* grad, T* momentum_buf, T lr, T momentum, T dampening,
+                T weight_decay, bool nesterov, bool first_step);
+template <class T>
+void adamw_update(i64 n, T* param, const T* grad, T* m, T* v, T lr, T beta1, T beta2, T eps,
+                  T weight_decay, i64 step);
+
+}  // namespace tally::kernels::cuda

@@ -1,0 +1,280 @@
+// kernels/cuda/elementwise.cu — elementwise maps, strided gather, row broadcasts and reductions
+// on the GPU; the CUDA twin of kernels/cpu/elementwise.cpp (same functions, same order, same
+// formulas). See kernels/cuda/cuda_kernels.h for the contract and kernels/common.h for `beta`.
+#include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/launch.cuh"
+
+namespace tally::kernels::cuda {
+namespace {
+using detail::grid_for;
+using detail::kThreads;
+constexpr int kMaxDims = 8;
+
+// ---- CUDA kernels ------------------------------------------------------------------------------
+
+template <class T>
+__global__ void fill_kernel(i64 n, T value, T* __restrict__ y) {
+  TALLY_GRID_LOOP(i, n) y[i] = value;
+}
+
+template <class T>
+__global__ void copy_kernel(i64 n, const T* __restrict__ x, T* __restrict__ y) {
+  TALLY_GRID_LOOP(i, n) y[i] = x[i];
+}
+
+template <class T>
+__global__ void add_kernel(i64 n, const T* a, const T* b, T alpha, T* y) {
+  TALLY_GRID_LOOP(i, n) y[i] = a[i] + alpha * b[i];
+}
+
+// y may alias x (scale in place); beta == 0 never reads y.
+template <class T>
+__global__ void axpby_kernel(i64 n, T alpha, const T* x, T beta, T* y) {
+  if (beta == T(0)) {
+    TALLY_GRID_LOOP(i, n) y[i] = alpha * x[i];
+  } else {
+    TALLY_GRID_LOOP(i, n) y[i] = beta * y[i] + alpha * x[i];
+  }
+}
+
+template <class T>
+__global__ void mul_kernel(i64 n, const T* a, const T* b, T* y) {
+  TALLY_GRID_LOOP(i, n) y[i] = a[i] * b[i];
+}
+
+template <class T>
+__global__ void mul_backward_kernel(i64 n, const T* dy, const T* b, T* da, T beta) {
+  if (beta == T(0)) {
+    TALLY_GRID_LOOP(i, n) da[i] = dy[i] * b[i];
+  } else {
+    TALLY_GRID_LOOP(i, n) da[i] = beta * da[i] + dy[i] * b[i];
+  }
+}
+
+// NaN propagates (as torch.relu): test "x < 0", not "x > 0".
+template <class T>
+__global__ void relu_forward_kernel(i64 n, const T* x, T* y) {
+  TALLY_GRID_LOOP(i, n) y[i] = x[i] < T(0) ? T(0) : x[i];
+}
+
+// As torch's threshold_backward: masked where y <= 0 (a NaN y passes dy).
+template <class T>
+__global__ void relu_backward_kernel(i64 n, const T* dy, const T* y, T* dx, T beta) {
+  if (beta == T(0)) {
+    TALLY_GRID_LOOP(i, n) dx[i] = y[i] <= T(0) ? T(0) : dy[i];
+  } else {
+    TALLY_GRID_LOOP(i, n) dx[i] = beta * dx[i] + (y[i] <= T(0) ? T(0) : dy[i]);
+  }
+}
+
+// Shape and strides of a strided view, passed by value (kernel parameter space).
+struct StridedView {
+  int ndim;
+  i64 shape[kMaxDims];
+  i64 strides[kMaxDims];
+};
+
+// y (total, dense row-major over v.shape) = x[sum_k i_k * strides[k]]: each output element is
+// decoded from its linear index, so every one has exactly one writer.
+template <class T>
+__global__ void strided_copy_kernel(StridedView v, i64 total, const T* __restrict__ x, T* __restrict__ y) {
+  TALLY_GRID_LOOP(i, total) {
+    i64 rem = i, off = 0;
+    for (int k = v.ndim - 1; k >= 0; --k) {
+      const i64 idx = rem % v.shape[k];
+      rem /= v.shape[k];
+      off += idx * v.strides[k];
+    }
+    y[i] = x[off];
+  }
+}
+
+template <class T>
+__global__ void add_bias_rows_kernel(i64 rows, i64 cols, const T* x, const T* bias, T* y) {
+  TALLY_GRID_LOOP(i, rows * cols) y[i] = x[i] + bias[i % cols];
+}
+
+// db (cols) (=|+=) sum over rows of dy (rows, cols). Block (32, 8): threadIdx.x picks one of 32
+// consecutive columns (coalesced reads), threadIdx.y one of 8 row phases. Each thread sums its
+// rows in order (in double, as the CPU), then the 8 phases are added in a fixed order.
+constexpr int kColTile = 32, kRowPhases = 8;
+template <class T>
+__global__ void sum_rows_kernel(i64 rows, i64 cols, const T* __restrict__ dy, T* __restrict__ db, T beta) {
+  __shared__ double part[kRowPhases][kColTile];
+  const i64 ntiles = (cols + kColTile - 1) / kColTile;
+  for (i64 tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
+    const i64 c = tile * kColTile + threadIdx.x;
+    double acc = 0.0;
+    if (c < cols)
+      for (i64 r = threadIdx.y; r < rows; r += kRowPhases) acc += static_cast<double>(dy[r * cols + c]);
+    part[threadIdx.y][threadIdx.x] = acc;
+    __syncthreads();
+    if (threadIdx.y == 0 && c < cols) {
+      double s = 0.0;
+      for (int k = 0; k < kRowPhases; ++k) s += part[k][threadIdx.x];
+      db[c] = beta == T(0) ? static_cast<T>(s) : beta * db[c] + static_cast<T>(s);
+    }
+    __syncthreads();  // `part` is reused by the next tile
+  }
+}
+
+// One block: each thread sums a strided subset in double, then the block tree; the result goes
+// to mapped host memory, read by the host after synchronizing.
+template <class T>
+__global__ void sum_all_kernel(i64 n, const T* __restrict__ x, double* __restrict__ out) {
+  double acc = 0.0;
+  for (i64 i = threadIdx.x; i < n; i += blockDim.x) acc += static_cast<double>(x[i]);
+  acc = detail::block_sum(acc);
+  if (threadIdx.x == 0) *out = acc;
+}
+
+template <class S, class D>
+__global__ void convert_kernel(i64 n, const S* __restrict__ x, D* __restrict__ y) {
+  TALLY_GRID_LOOP(i, n) y[i] = static_cast<D>(x[i]);
+}
+
+}  // namespace
+
+// ---- kernel launchers ----------------------------------------------------------------------------
+
+template <class T>
+void fill(i64 n, T value, T* y) {
+  if (n <= 0) return;
+  fill_kernel<<<grid_for(n), kThreads, 0, detail::stream()>>>(n, value, y);
+  TALLY_LAUNCH_CHECK("fill");
+}
+
+template <class T>
+void copy(i64 n, const T* x, T* y) {
+  if (n <= 0) return;
+  copy_kernel<<<grid_for(n), kThreads, 0, detail::stream()>>>(n, x, y);
+  TALLY_LAUNCH_CHECK("copy");
+}
+
+template <class T>
+void add(i64 n, const T* a, const T* b, T alpha, T* y) {
+  if (n <= 0) return;
+  add_kernel<<<grid_for(n), kThreads, 0, detail::stream()>>>(n, a, b, alpha, y);
+  TALLY_LAUNCH_CHECK("add");
+}
+
+template <class T>
+void axpby(i64 n, T alpha, const T* x, T beta, T* y) {
+  if (n <= 0) return;
+  axpby_kernel<<<grid_for(n), kThreads, 0, detail::stream()>>>(n, alpha, x, beta, y);
+  TALLY_LAUNCH_CHECK("axpby");
+}
+
+template <class T>
+void mul(i64 n, const T* a, const T* b, T* y) {
+  if (n <= 0) return;
+  mul_kernel<<<grid_for(n), kThreads, 0, detail::stream()>>>(n, a, b, y);
+  TALLY_LAUNCH_CHECK("mul");
+}
+
+template <class T>
+void mul_backward(i64 n, const T* dy, const T* b, T* da, T beta) {
+  if (n <= 0) return;
+  mul_backward_kernel<<<grid_for(n), kThreads, 0, detail::stream()>>>(n, dy, b, da, beta);
+  TALLY_LAUNCH_CHECK("mul_backward");
+}
+
+template <class T>
+void relu_forward(i64 n, const T* x, T* y) {
+  if (n <= 0) return;
+  relu_forward_kernel<<<grid_for(n), kThreads, 0, detail::stream()>>>(n, x, y);
+  TALLY_LAUNCH_CHECK("relu_forward");
+}
+
+template <class T>
+void relu_backward(i64 n, const T* dy, const T* y, T* dx, T beta) {
+  if (n <= 0) return;
+  relu_backward_kernel<<<grid_for(n), kThreads, 0, detail::stream()>>>(n, dy, y, dx, beta);
+  TALLY_LAUNCH_CHECK("relu_backward");
+}
+
+template <class T>
+void strided_copy(int ndim, const i64* shape, const i64* strides, const T* x, T* y) {
+  if (ndim > kMaxDims)
+    detail::fail("strided_copy: at most " + std::to_string(kMaxDims) + " dimensions, found " + std::to_string(ndim));
+  StridedView v{};
+  v.ndim = ndim < 0 ? 0 : ndim;
+  i64 total = 1;  // a scalar view (ndim 0) is one element at offset 0
+  for (int k = 0; k < v.ndim; ++k) {
+    v.shape[k] = shape[k];
+    v.strides[k] = strides[k];
+    total *= shape[k];
+  }
+  if (total <= 0) return;
+  strided_copy_kernel<<<grid_for(total), kThreads, 0, detail::stream()>>>(v, total, x, y);
+  TALLY_LAUNCH_CHECK("strided_copy");
+}
+
+template <class T>
+void add_bias_rows(i64 rows, i64 cols, const T* x, const T* bias, T* y) {
+  if (rows <= 0 || cols <= 0) return;
+  add_bias_rows_kernel<<<grid_for(rows * cols), kThreads, 0, detail::stream()>>>(rows, cols, x, bias, y);
+  TALLY_LAUNCH_CHECK("add_bias_rows");
+}
+
+template <class T>
+void sum_rows(i64 rows, i64 cols, const T* dy, T* db, T beta) {
+  if (cols <= 0) return;
+  const i64 ntiles = (cols + kColTile - 1) / kColTile;
+  sum_rows_kernel<<<detail::blocks_for(ntiles), dim3(kColTile, kRowPhases), 0, detail::stream()>>>(rows, cols, dy,
+                                                                                                    db, beta);
+  TALLY_LAUNCH_CHECK("sum_rows");
+}
+
+template <class T>
+T sum_all(i64 n, const T* x) {
+  if (n <= 0) return T(0);
+  double* slot_device = nullptr;
+  volatile double* slot = detail::result_slot(&slot_device);
+  sum_all_kernel<<<1, detail::kReduceThreads, 0, detail::stream()>>>(n, x, slot_device);
+  TALLY_LAUNCH_CHECK("sum_all");
+  TALLY_CUDA_CHECK(cudaStreamSynchronize(detail::stream()));
+  return static_cast<T>(*slot);
+}
+
+template <class S, class D>
+void convert(i64 n, const S* x, D* y) {
+  if (n <= 0) return;
+  convert_kernel<<<grid_for(n), kThreads, 0, detail::stream()>>>(n, x, y);
+  TALLY_LAUNCH_CHECK("convert");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Explicit instantiations: float for every function; the memory-only ones also for the other
+// element types core/ moves around (tensor fills and copies of any dtype).
+#define TALLY_INSTANTIATE_ELEMENTWISE(T)                                    \
+  template void add<T>(i64, const T*, const T*, T, T*);                     \
+  template void axpby<T>(i64, T, const T*, T, T*);                          \
+  template void mul<T>(i64, const T*, const T*, T*);                        \
+  template void mul_backward<T>(i64, const T*, const T*, T*, T);            \
+  template void relu_forward<T>(i64, const T*, T*);                         \
+  template void relu_backward<T>(i64, const T*, const T*, T*, T);           \
+  template void add_bias_rows<T>(i64, i64, const T*, const T*, T*);         \
+  template void sum_rows<T>(i64, i64, const T*, T*, T);                     \
+  template T sum_all<T>(i64, const T*);
+
+TALLY_INSTANTIATE_ELEMENTWISE(float)
+#undef TALLY_INSTANTIATE_ELEMENTWISE
+
+#define TALLY_INSTANTIATE_MEMORY(T)                    \
+  template void fill<T>(i64, T, T*);                   \
+  template void copy<T>(i64, const T*, T*);            \
+  template void strided_copy<T>(int, const i64*, const i64*, const T*, T*);
+
+TALLY_INSTANTIATE_MEMORY(float)
+TALLY_INSTANTIATE_MEMORY(double)
+TALLY_INSTANTIATE_MEMORY(std::int32_t)
+TALLY_INSTANTIATE_MEMORY(std::int64_t)
+#undef TALLY_INSTANTIATE_MEMORY
+
+template void convert<float, double>(i64, const float*, double*);
+template void convert<double, float>(i64, const double*, float*);
+template void convert<float, float>(i64, const float*, float*);
+template void convert<double, double>(i64, const double*, double*);
+
+}  // namespace tally::kernels::cuda

@@ -1,0 +1,74 @@
+// kernels/cuda/gemm.cu — row-major GEMM on cuBLAS; the CUDA twin of kernels/cpu/gemm.cpp.
+// C (M, N) = alpha * op(A) * op(B) + beta * C; beta == 0 never reads C.
+//
+// cuBLAS is column-major. A row-major (M, N) matrix with leading dimension ldc is, read
+// column-major, its transpose (N, M) with the same leading dimension. So
+//   C^T (N, M) = op(B)^T (N, K) * op(A)^T (K, M)
+// is one column-major GEMM on the same pointers with the operands swapped: cuBLAS's "A" is our B
+// (transposed iff trans_b), its "B" is our A (transposed iff trans_a), m = N, n = M.
+//
+// Precision: cublasGemmEx with CUBLAS_COMPUTE_32F (plain float32) unless set_allow_tf32(true),
+// which asks for CUBLAS_COMPUTE_32F_FAST_TF32. The compute type is given per call, so neither the
+// handle's math mode nor another library's setting can turn TF32 on behind tally's back.
+// Workspace: cublasSetWorkspace before each call with the arena block the op carved for it (or
+// none), so cuBLAS never uses memory outside the arena and a block freed after the call is never
+// referenced again.
+#include <climits>
+
+#include "kernels/cuda/context.h"
+#include "kernels/cuda/cuda_kernels.h"
+#include "kernels/cuda/launch.cuh"
+
+namespace tally::kernels::cuda {
+namespace {
+
+// C (M, N) = beta * C, never reading C when beta == 0: the K == 0 / alpha == 0 case, which
+// cuBLAS would reject (lda = 0) or might still read A and B for.
+template <class T>
+__global__ void scale_matrix_kernel(i64 M, i64 N, T beta, T* C, i64 ldc) {
+  TALLY_GRID_LOOP(i, M * N) {
+    T* c = C + (i / N) * ldc + i % N;
+    *c = beta == T(0) ? T(0) : beta * *c;
+  }
+}
+
+int to_int(i64 v, const char* what) {
+  if (v < 0 || v > INT_MAX)
+    detail::fail(std::string("gemm: ") + what + " = " + std::to_string(v) +
+                 " does not fit cuBLAS's 32-bit int (split the product)");
+  return static_cast<int>(v);
+}
+
+}  // namespace
+
+template <class T>
+void gemm(bool trans_a, bool trans_b, i64 M, i64 N, i64 K, T alpha,
+          const T* A,  // (M, K) with leading dim lda, or (K, M) if trans_a
+          i64 lda,
+          const T* B,  // (K, N) with leading dim ldb, or (N, K) if trans_b
+          i64 ldb, T beta,
+          T* C,  // (M, N) with leading dim ldc
+          i64 ldc, void* workspace) {
+  if (M <= 0 || N <= 0) return;
+  if (K <= 0 || alpha == T(0)) {
+    if (beta != T(1)) {
+      scale_matrix_kernel<<<detail::grid_for(M * N), detail::kThreads, 0, detail::stream()>>>(M, N, beta, C, ldc);
+      TALLY_LAUNCH_CHECK("gemm.scale_matrix");
+    }
+    return;
+  }
+  const int m = to_int(N, "N"), n = to_int(M, "M"), k = to_int(K, "K");
+  const int lda_ = to_int(lda, "lda"), ldb_ = to_int(ldb, "ldb"), ldc_ = to_int(ldc, "ldc");
+  cublasHandle_t h = detail::cublas();
+  const std::size_t ws_bytes = workspace ? gemm_workspace_bytes() : 0;
+  TALLY_CUBLAS_CHECK(cublasSetWorkspace(h, workspace, ws_bytes));
+  const cublasComputeType_t compute = allow_tf32() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  TALLY_CUBLAS_CHECK(cublasGemmEx(h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, m, n, k,
+                                  &alpha, B, CUDA_R_32F, ldb_, A, CUDA_R_32F, lda_, &beta, C, CUDA_R_32F, ldc_, compute,
+                                  CUBLAS_GEMM_DEFAULT));
+}
+
+template void gemm<float>(bool, bool, i64, i64, i64, float, const float*, i64, const float*, i64, float, float*, i64,
+                          void*);
+
+}  // namespace tally::kernels::cuda

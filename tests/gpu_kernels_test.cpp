@@ -1,0 +1,671 @@
+// Every CUDA kernel (kernels/cuda) against its CPU reference (kernels/cpu) on fresh random inputs
+// at several shapes, odd sizes included (ctest label `gpu`; each test skips with a message when
+// no GPU is present, and the whole file is one skipping test in a build without CUDA).
+//
+// Device buffers are exact-size cudaMalloc allocations (class Buf), so that compute-sanitizer
+// sees each one's bounds. Outputs written with beta = 0 start as NaN on both sides, so an element
+// the kernel forgets stays NaN and fails; beta = 1 starts both sides from the same random values and checks the
+// accumulation. Tolerances (max-norm relative error, tests/gpu_common.h): 1e-5 for elementwise
+// kernels, pooling and the optimizer updates, 1e-4 for GEMM, convolution, norms and the loss
+// (float32, TF32 off). Reductions are also run twice and must agree bit for bit.
+#include "tests/gpu_common.h"
+#include "tally/config.h"
+
+#if !TALLY_HAVE_CUDA
+
+TEST(GpuKernels, NeedTheCudaBackend) { GTEST_SKIP() << "CPU-only build: " << tally::build_info(); }
+
+#else
+
+#include <cstring>
+#include <utility>
+
+#include "kernels/cpu/cpu_kernels.h"
+#include "kernels/cuda/check.h"
+#include "kernels/cuda/context.h"
+#include "kernels/cuda/cuda_kernels.h"
+
+using namespace tally;
+using namespace tally::test;
+namespace kc = tally::kernels::cpu;
+namespace kg = tally::kernels::cuda;
+using i64 = std::int64_t;
+
+namespace {
+
+constexpr double kElementwiseTol = 1e-5, kMathTol = 1e-4;
+
+// An exact-size device buffer from cudaMalloc — not an arena block — so that compute-sanitizer's
+// memcheck (scripts/gpu-check.sh) knows each buffer's true bounds and reports any access a kernel
+// makes past them; inside the arena such an access would land in a neighbour unseen. Transfers
+// go through the compute stream, in order with the kernels.
+template <class T>
+class Buf {
+ public:
+  explicit Buf(std::size_t n = 0) : n_(n) {
+    if (n) TALLY_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&p_), n * sizeof(T)));
+  }
+  explicit Buf(const std::vector<T>& v) : Buf(v.size()) {
+    if (n_) {
+      TALLY_CUDA_CHECK(cudaMemcpyAsync(p_, v.data(), n_ * sizeof(T), cudaMemcpyHostToDevice, kg::compute_stream()));
+      kg::synchronize();
+    }
+  }
+  ~Buf() {
+    if (p_) (void)cudaFree(p_);  // synchronizes: no kernel still uses it
+  }
+  Buf(Buf&& o) noexcept : p_(o.p_), n_(o.n_) { o.p_ = nullptr, o.n_ = 0; }
+  Buf& operator=(Buf&& o) noexcept {
+    std::swap(p_, o.p_);
+    std::swap(n_, o.n_);
+    return *this;
+  }
+  Buf(const Buf&) = delete;
+  Buf& operator=(const Buf&) = delete;
+  T* get() const { return p_; }
+  std::vector<T> host() const {
+    std::vector<T> v(n_);
+    if (n_) {
+      TALLY_CUDA_CHECK(cudaMemcpyAsync(v.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost, kg::compute_stream()));
+      kg::synchronize();
+    }
+    return v;
+  }
+
+ private:
+  T* p_ = nullptr;
+  std::size_t n_ = 0;
+};
+
+Buf<float> dev(const std::vector<float>& v) { return Buf<float>(v); }
+Buf<i64> dev_i64(const std::vector<i64>& v) { return Buf<i64>(v); }
+template <class T>
+std::vector<T> host(const Buf<T>& b) { return b.host(); }
+template <class T>
+T* P(const Buf<T>& b) { return b.get(); }
+std::vector<float> nans(std::size_t n) { return std::vector<float>(n, NAN); }
+// Device scratch of `bytes` (null for 0), standing in for the arena block core/ would carve.
+Buf<unsigned char> scratch(std::size_t bytes) { return Buf<unsigned char>(bytes); }
+void* ws_ptr(const Buf<unsigned char>& b) { return b.get(); }
+
+// Runs an accumulating kernel on both sides for beta = 0 (outputs NaN-poisoned) and beta = 1
+// (outputs from the same random start) and compares. cpu(out, beta) / gpu(out, beta).
+template <class Cpu, class Gpu>
+void check_beta(std::size_t n, std::mt19937& rng, double tol, Cpu cpu, Gpu gpu) {
+  for (float beta : {0.f, 1.f}) {
+    SCOPED_TRACE(testing::Message() << "beta " << beta);
+    const std::vector<float> init = beta == 0.f ? nans(n) : uniform(n, rng);
+    std::vector<float> want = init;
+    cpu(want.data(), beta);
+    Buf<float> d = dev(init);
+    gpu(P(d), beta);
+    EXPECT_CLOSE(host(d), want, tol);
+  }
+}
+
+}  // namespace
+
+// ---- elementwise --------------------------------------------------------------------------------
+
+TEST(GpuKernels, ElementwiseMapsMatchTheCpu) {
+  REQUIRE_GPU();
+  for (i64 n : {i64{1}, i64{7}, i64{1000}, i64{65536 * 4 + 13}}) {
+    const auto seed = fresh_seed();
+    SCOPED_TRACE(testing::Message() << "n " << n << " seed " << seed);
+    std::mt19937 rng(seed);
+    const auto a = uniform(n, rng), b = uniform(n, rng);
+    Buf<float> da = dev(a), db = dev(b);
+    std::vector<float> want(n);
+
+    Buf<float> y = dev(nans(n));
+    kg::fill<float>(n, 0.625f, P(y));
+    EXPECT_CLOSE(host(y), std::vector<float>(n, 0.625f), 0.0);
+
+    y = dev(nans(n));
+    kg::copy<float>(n, P(da), P(y));
+    EXPECT_EQ(host(y), a);
+
+    for (float alpha : {1.f, -1.f, 0.5f}) {
+      kc::add<float>(n, a.data(), b.data(), alpha, want.data());
+      y = dev(nans(n));
+      kg::add<float>(n, P(da), P(db), alpha, P(y));
+      EXPECT_CLOSE(host(y), want, kElementwiseTol) << "add alpha " << alpha;
+    }
+    kc::mul<float>(n, a.data(), b.data(), want.data());
+    y = dev(nans(n));
+    kg::mul<float>(n, P(da), P(db), P(y));
+    EXPECT_CLOSE(host(y), want, kElementwiseTol) << "mul";
+
+    kc::relu_forward<float>(n, a.data(), want.data());
+    y = dev(nans(n));
+    kg::relu_forward<float>(n, P(da), P(y));
+    EXPECT_CLOSE(host(y), want, kElementwiseTol) << "relu_forward";
+
+    check_beta(n, rng, kElementwiseTol, [&](float* o, float beta) { kc::axpby<float>(n, -0.75f, a.data(), beta, o); },
+               [&](float* o, float beta) { kg::axpby<float>(n, -0.75f, P(da), beta, o); });
+    check_beta(n, rng, kElementwiseTol, [&](float* o, float beta) { kc::mul_backward<float>(n, a.data(), b.data(), o, beta); },
+               [&](float* o, float beta) { kg::mul_backward<float>(n, P(da), P(db), o, beta); });
+    check_beta(n, rng, kElementwiseTol, [&](float* o, float beta) { kc::relu_backward<float>(n, a.data(), b.data(), o, beta); },
+               [&](float* o, float beta) { kg::relu_backward<float>(n, P(da), P(db), o, beta); });
+
+    // float <-> double
+    std::vector<double> wd(n);
+    kc::convert<float, double>(n, a.data(), wd.data());
+    Buf<double> yd(n);
+    kg::convert<float, double>(n, P(da), P(yd));
+    EXPECT_EQ(host(yd), wd);
+    Buf<float> back = dev(nans(n));
+    kg::convert<double, float>(n, P(yd), P(back));
+    EXPECT_EQ(host(back), a);
+  }
+}
+
+TEST(GpuKernels, RowBroadcastsAndReductionsMatchTheCpu) {
+  REQUIRE_GPU();
+  for (auto [rows, cols] : std::vector<std::pair<i64, i64>>{{1, 1}, {3, 5}, {1000, 33}, {7, 100}, {4097, 10}}) {
+    const auto seed = fresh_seed();
+    SCOPED_TRACE(testing::Message() << "rows " << rows << " cols " << cols << " seed " << seed);
+    std::mt19937 rng(seed);
+    const auto x = uniform(rows * cols, rng), bias = uniform(cols, rng);
+    Buf<float> dx = dev(x), dbias = dev(bias);
+    std::vector<float> want(rows * cols);
+    kc::add_bias_rows<float>(rows, cols, x.data(), bias.data(), want.data());
+    Buf<float> y = dev(nans(rows * cols));
+    kg::add_bias_rows<float>(rows, cols, P(dx), P(dbias), P(y));
+    EXPECT_CLOSE(host(y), want, kElementwiseTol) << "add_bias_rows";
+    // in place, as linear() calls it
+    kg::add_bias_rows<float>(rows, cols, P(dx), P(dbias), P(dx));
+    EXPECT_CLOSE(host(dx), want, kElementwiseTol) << "add_bias_rows in place";
+
+    dx = dev(x);
+    check_beta(cols, rng, kElementwiseTol, [&](float* o, float beta) { kc::sum_rows<float>(rows, cols, x.data(), o, beta); },
+               [&](float* o, float beta) { kg::sum_rows<float>(rows, cols, P(dx), o, beta); });
+    Buf<float> r1 = dev(nans(cols)), r2 = dev(nans(cols));
+    kg::sum_rows<float>(rows, cols, P(dx), P(r1), 0.f);
+    kg::sum_rows<float>(rows, cols, P(dx), P(r2), 0.f);
+    EXPECT_EQ(host(r1), host(r2)) << "sum_rows must be deterministic";
+  }
+  for (i64 n : {i64{1}, i64{1000}, (i64{1} << 20) + 3}) {
+    std::mt19937 rng(fresh_seed());
+    const auto x = uniform(n, rng, -1.f, 2.f);
+    Buf<float> dx = dev(x);
+    const float want = kc::sum_all<float>(n, x.data());
+    const float got = kg::sum_all<float>(n, P(dx));
+    EXPECT_NEAR(got, want, 1e-6 * std::max(1.0, std::abs(double(want)))) << "sum_all n " << n;
+    EXPECT_EQ(kg::sum_all<float>(n, P(dx)), got) << "sum_all must be deterministic";
+  }
+  EXPECT_EQ(kg::sum_all<float>(0, nullptr), 0.f);
+}
+
+TEST(GpuKernels, StridedCopyMatchesTheCpu) {
+  REQUIRE_GPU();
+  std::mt19937 rng(fresh_seed());
+  const auto x = uniform(3 * 5 * 7, rng);
+  Buf<float> dx = dev(x);
+  struct Case {
+    std::vector<i64> shape, strides;
+    i64 offset;
+  };
+  const std::vector<Case> cases = {
+      {{7, 5, 3}, {1, 7, 35}, 0},     // full transpose of (3, 5, 7)
+      {{3, 7}, {35, 1}, 7},           // a slice
+      {{4, 5, 6}, {0, 7, 1}, 1},      // broadcast along a stride-0 dimension
+      {{2, 2, 2, 2}, {35, 14, 7, 2}, 3},
+      {{}, {}, 11},                   // a scalar view
+  };
+  for (const Case& c : cases) {
+    i64 n = 1;
+    for (i64 d : c.shape) n *= d;
+    std::vector<float> want(n);
+    kc::strided_copy<float>(static_cast<int>(c.shape.size()), c.shape.data(), c.strides.data(), x.data() + c.offset,
+                            want.data());
+    Buf<float> y = dev(nans(n));
+    kg::strided_copy<float>(static_cast<int>(c.shape.size()), c.shape.data(), c.strides.data(), P(dx) + c.offset, P(y));
+    EXPECT_EQ(host(y), want) << "ndim " << c.shape.size();
+  }
+}
+
+// ---- GEMM ---------------------------------------------------------------------------------------
+
+TEST(GpuKernels, GemmMatchesTheCpuForEveryTransposeAndBeta) {
+  REQUIRE_GPU();
+  const auto ws = scratch(kg::gemm_workspace_bytes());
+  for (auto [M, N, K] : std::vector<std::array<i64, 3>>{{1, 1, 1}, {3, 5, 7}, {64, 33, 17}, {128, 10, 64}, {5, 3, 0}}) {
+    for (bool ta : {false, true}) {
+      for (bool tb : {false, true}) {
+        for (bool with_ws : {true, false}) {
+          const auto seed = fresh_seed();
+          SCOPED_TRACE(testing::Message() << "M " << M << " N " << N << " K " << K << " ta " << ta << " tb " << tb
+                                          << " workspace " << with_ws << " seed " << seed);
+          std::mt19937 rng(seed);
+          // leading dimensions with padding, so that ld != the logical width is exercised
+          const i64 lda = (ta ? M : K) + 2, ldb = (tb ? K : N) + 1, ldc = N + 3;
+          const auto A = uniform((ta ? K : M) * lda, rng), B = uniform((tb ? N : K) * ldb, rng);
+          Buf<float> dA = dev(A), dB = dev(B);
+          // Padding columns (j >= N) are never written: NaN stays NaN (beta 0) and the random
+          // start stays (beta 1) on both sides, which compares equal.
+          check_beta(M * ldc, rng, kMathTol,
+                     [&](float* C, float beta) {
+                       kc::gemm<float>(ta, tb, M, N, K, 1.5f, A.data(), lda, B.data(), ldb, beta, C, ldc);
+                     },
+                     [&](float* C, float beta) {
+                       kg::gemm<float>(ta, tb, M, N, K, 1.5f, P(dA), lda, P(dB), ldb, beta, C, ldc,
+                                       with_ws ? ws_ptr(ws) : nullptr);
+                     });
+        }
+      }
+    }
+  }
+}
+
+TEST(GpuKernels, GemmWithTf32AllowedStaysWithinTf32Accuracy) {
+  REQUIRE_GPU();
+  std::mt19937 rng(fresh_seed());
+  const i64 M = 96, N = 80, K = 256;
+  const auto A = uniform(M * K, rng), B = uniform(K * N, rng);
+  std::vector<float> want(M * N);
+  kc::gemm<float>(false, false, M, N, K, 1.f, A.data(), K, B.data(), N, 0.f, want.data(), N);
+  Buf<float> dA = dev(A), dB = dev(B), C = dev(nans(M * N));
+  kg::set_allow_tf32(true);
+  kg::gemm<float>(false, false, M, N, K, 1.f, P(dA), K, P(dB), N, 0.f, P(C), N);
+  kg::set_allow_tf32(false);
+  EXPECT_CLOSE(host(C), want, 1e-2);
+}
+
+// ---- convolution ----------------------------------------------------------------------------------
+
+namespace {
+struct ConvCase {
+  const char* name;
+  kc::Conv2dShape s;
+  bool bias;
+};
+
+std::vector<ConvCase> conv_cases() {
+  auto shape = [](i64 N, i64 C, i64 H, i64 W, i64 K, i64 R, i64 S, i64 stride, i64 pad, i64 dil, i64 groups) {
+    kc::Conv2dShape s;
+    s.N = N, s.C = C, s.H = H, s.W = W, s.K = K, s.R = R, s.S = S;
+    s.stride_h = s.stride_w = stride;
+    s.pad_h = s.pad_w = pad;
+    s.dil_h = s.dil_w = dil;
+    s.groups = groups;
+    return s;
+  };
+  return {
+      {"3x3 same, odd sizes", shape(3, 5, 7, 9, 4, 3, 3, 1, 1, 1, 1), true},
+      {"1x1 stride 1", shape(2, 8, 5, 5, 6, 1, 1, 1, 0, 1, 1), false},
+      {"1x1 stride 2 (projection shortcut)", shape(3, 16, 9, 9, 32, 1, 1, 2, 0, 1, 1), false},
+      {"3x3 stride 2", shape(3, 4, 9, 7, 8, 3, 3, 2, 1, 1, 1), true},
+      {"groups 2", shape(2, 6, 8, 8, 4, 3, 3, 1, 1, 1, 2), true},
+      {"depthwise", shape(2, 5, 7, 9, 5, 3, 3, 1, 1, 1, 5), false},
+      {"dilation 2, no padding", shape(2, 3, 11, 10, 4, 3, 3, 1, 0, 2, 1), false},
+      {"5x5 rectangular input", shape(1, 3, 12, 17, 2, 5, 5, 1, 2, 1, 1), true},
+  };
+}
+}  // namespace
+
+TEST(GpuKernels, ConvolutionMatchesTheCpu) {
+  REQUIRE_GPU();
+  for (const ConvCase& c : conv_cases()) {
+    const auto seed = fresh_seed();
+    SCOPED_TRACE(testing::Message() << c.name << " seed " << seed);
+    std::mt19937 rng(seed);
+    const kc::Conv2dShape& s = c.s;
+    const i64 P_ = s.P(), Q_ = s.Q();
+    const i64 nx = s.N * s.C * s.H * s.W, nw = s.K * (s.C / s.groups) * s.R * s.S, ny = s.N * s.K * P_ * Q_;
+    const auto x = uniform(nx, rng), w = uniform(nw, rng), b = uniform(s.K, rng), dy = uniform(ny, rng);
+    Buf<float> dx_in = dev(x), dw_in = dev(w), db_in = dev(b), ddy = dev(dy);
+    std::vector<unsigned char> cpu_ws(kc::conv2d_workspace_bytes<float>(s));
+    const std::size_t gpu_bytes = kg::conv2d_workspace_bytes<float>(s);
+    EXPECT_EQ(kg::conv2d_workspace_bytes<float>(s), gpu_bytes) << "the cached choice must not change";
+    const auto ws = scratch(gpu_bytes);
+
+    std::vector<float> want(ny, NAN);
+    kc::conv2d_forward<float>(s, x.data(), w.data(), c.bias ? b.data() : nullptr, want.data(), cpu_ws.data());
+    Buf<float> y = dev(nans(ny));
+    kg::conv2d_forward<float>(s, P(dx_in), P(dw_in), c.bias ? P(db_in) : nullptr, P(y), ws_ptr(ws));
+    EXPECT_CLOSE(host(y), want, kMathTol) << "forward";
+
+    check_beta(nx, rng, kMathTol,
+               [&](float* o, float beta) { kc::conv2d_backward_data<float>(s, dy.data(), w.data(), o, beta, cpu_ws.data()); },
+               [&](float* o, float beta) { kg::conv2d_backward_data<float>(s, P(ddy), P(dw_in), o, beta, ws_ptr(ws)); });
+    check_beta(nw, rng, kMathTol,
+               [&](float* o, float beta) { kc::conv2d_backward_filter<float>(s, x.data(), dy.data(), o, beta, cpu_ws.data()); },
+               [&](float* o, float beta) { kg::conv2d_backward_filter<float>(s, P(dx_in), P(ddy), o, beta, ws_ptr(ws)); });
+    check_beta(s.K, rng, kMathTol, [&](float* o, float beta) { kc::conv2d_backward_bias<float>(s, dy.data(), o, beta); },
+               [&](float* o, float beta) { kg::conv2d_backward_bias<float>(s, P(ddy), o, beta); });
+
+    // Deterministic mode (the default): the same backward twice, bit for bit.
+    Buf<float> f1 = dev(nans(nw)), f2 = dev(nans(nw));
+    kg::conv2d_backward_filter<float>(s, P(dx_in), P(ddy), P(f1), 0.f, ws_ptr(ws));
+    kg::conv2d_backward_filter<float>(s, P(dx_in), P(ddy), P(f2), 0.f, ws_ptr(ws));
+    EXPECT_EQ(host(f1), host(f2)) << "backward filter must be deterministic";
+  }
+}
+
+TEST(GpuKernels, ConvolutionWorkspaceFollowsTheLimitAndIsCachedPerSetting) {
+  REQUIRE_GPU();
+  const kc::Conv2dShape s = conv_cases()[0].s;
+  const std::size_t limit = kg::conv_workspace_limit();
+  EXPECT_LE(kg::conv2d_workspace_bytes<float>(s), limit);
+  kg::set_conv_workspace_limit(0);  // only algorithms that need no workspace, or a clear error
+  try {
+    EXPECT_EQ(kg::conv2d_workspace_bytes<float>(s), 0u);
+    std::mt19937 rng(fresh_seed());
+    const auto x = uniform(s.N * s.C * s.H * s.W, rng), w = uniform(s.K * s.C * s.R * s.S, rng);
+    std::vector<float> want(s.N * s.K * s.P() * s.Q());
+    std::vector<unsigned char> cpu_ws(kc::conv2d_workspace_bytes<float>(s));
+    kc::conv2d_forward<float>(s, x.data(), w.data(), nullptr, want.data(), cpu_ws.data());
+    Buf<float> dx = dev(x), dw = dev(w), y = dev(nans(want.size()));
+    kg::conv2d_forward<float>(s, P(dx), P(dw), nullptr, P(y), nullptr);
+    EXPECT_CLOSE(host(y), want, kMathTol);
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("workspace limit of 0 bytes"), std::string::npos) << e.what();
+  }
+  kg::set_conv_workspace_limit(limit);
+}
+
+// ---- normalization --------------------------------------------------------------------------------
+
+TEST(GpuKernels, BatchNormMatchesTheCpu) {
+  REQUIRE_GPU();
+  for (auto [N, C, HW] : std::vector<std::array<i64, 3>>{{3, 5, 63}, {2, 16, 1}, {8, 3, 1024}, {1, 7, 2}}) {
+    for (bool affine : {true, false}) {
+      const auto seed = fresh_seed();
+      SCOPED_TRACE(testing::Message() << "N " << N << " C " << C << " HW " << HW << " affine " << affine << " seed "
+                                      << seed);
+      std::mt19937 rng(seed);
+      const i64 n = N * C * HW;
+      const auto x = uniform(n, rng, 2.f, 6.f);  // an offset mean: the two-pass variance matters
+      const auto gamma = uniform(C, rng, 0.5f, 1.5f), beta_ = uniform(C, rng), dy = uniform(n, rng);
+      auto rm = uniform(C, rng), rv = uniform(C, rng, 0.5f, 2.f);
+      Buf<float> dx_in = dev(x), dgm = dev(gamma), dbt = dev(beta_), ddy = dev(dy), drm = dev(rm), drv = dev(rv);
+      const float* g_c = affine ? gamma.data() : nullptr;
+      const float* b_c = affine ? beta_.data() : nullptr;
+      const float* g_g = affine ? P(dgm) : nullptr;
+      const float* b_g = affine ? P(dbt) : nullptr;
+
+      std::vector<float> y(n, NAN), sm(C, NAN), si(C, NAN);
+      kc::batch_norm_forward_train<float>(N, C, HW, x.data(), g_c, b_c, 1e-5f, 0.1f, rm.data(), rv.data(), y.data(),
+                                          sm.data(), si.data());
+      Buf<float> gy = dev(nans(n)), gsm = dev(nans(C)), gsi = dev(nans(C));
+      kg::batch_norm_forward_train<float>(N, C, HW, P(dx_in), g_g, b_g, 1e-5f, 0.1f, P(drm), P(drv), P(gy), P(gsm),
+                                          P(gsi));
+      EXPECT_CLOSE(host(gy), y, kMathTol) << "y";
+      EXPECT_CLOSE(host(gsm), sm, kMathTol) << "save_mean";
+      EXPECT_CLOSE(host(gsi), si, kMathTol) << "save_invstd";
+      EXPECT_CLOSE(host(drm), rm, kMathTol) << "running_mean";
+      EXPECT_CLOSE(host(drv), rv, kMathTol) << "running_var";
+
+      // training backward, from the CPU's saved statistics on both sides
+      Buf<float> csm = dev(sm), csi = dev(si);
+      check_beta(n, rng, kMathTol,
+                 [&](float* o, float beta) {
+                   kc::batch_norm_backward<float>(N, C, HW, dy.data(), x.data(), g_c, sm.data(), si.data(), o, beta,
+                                                  nullptr, nullptr, 0.f);
+                 },
+                 [&](float* o, float beta) {
+                   kg::batch_norm_backward<float>(N, C, HW, P(ddy), P(dx_in), g_g, P(csm), P(csi), o, beta, nullptr,
+                                                  nullptr, 0.f);
+                 });
+      for (float bp : {0.f, 1.f}) {
+        std::vector<float> dg = bp == 0.f ? nans(C) : uniform(C, rng), db = bp == 0.f ? nans(C) : uniform(C, rng);
+        Buf<float> gdg = dev(dg), gdb = dev(db);
+        kc::batch_norm_backward<float>(N, C, HW, dy.data(), x.data(), g_c, sm.data(), si.data(), nullptr, 0.f,
+                                       dg.data(), db.data(), bp);
+        kg::batch_norm_backward<float>(N, C, HW, P(ddy), P(dx_in), g_g, P(csm), P(csi), nullptr, 0.f, P(gdg), P(gdb),
+                                       bp);
+        EXPECT_CLOSE(host(gdg), dg, kMathTol) << "dgamma beta " << bp;
+        EXPECT_CLOSE(host(gdb), db, kMathTol) << "dbeta beta " << bp;
+      }
+      Buf<float> r1 = dev(nans(n)), r2 = dev(nans(n));
+      kg::batch_norm_backward<float>(N, C, HW, P(ddy), P(dx_in), g_g, P(csm), P(csi), P(r1), 0.f, nullptr, nullptr, 0.f);
+      kg::batch_norm_backward<float>(N, C, HW, P(ddy), P(dx_in), g_g, P(csm), P(csi), P(r2), 0.f, nullptr, nullptr, 0.f);
+      EXPECT_EQ(host(r1), host(r2)) << "batch norm backward must be deterministic";
+
+      // eval forward and backward
+      std::vector<float> ye(n, NAN);
+      kc::batch_norm_forward_eval<float>(N, C, HW, x.data(), g_c, b_c, rm.data(), rv.data(), 1e-5f, ye.data());
+      Buf<float> gye = dev(nans(n)), erm = dev(rm), erv = dev(rv);
+      kg::batch_norm_forward_eval<float>(N, C, HW, P(dx_in), g_g, b_g, P(erm), P(erv), 1e-5f, P(gye));
+      EXPECT_CLOSE(host(gye), ye, kMathTol) << "eval y";
+      check_beta(n, rng, kMathTol,
+                 [&](float* o, float beta) {
+                   std::vector<float> dg(C), db(C);
+                   kc::batch_norm_backward_eval<float>(N, C, HW, dy.data(), x.data(), g_c, rm.data(), rv.data(), 1e-5f,
+                                                       o, beta, dg.data(), db.data(), 0.f);
+                 },
+                 [&](float* o, float beta) {
+                   Buf<float> dg = dev(nans(C)), db = dev(nans(C));
+                   kg::batch_norm_backward_eval<float>(N, C, HW, P(ddy), P(dx_in), g_g, P(erm), P(erv), 1e-5f, o,
+                                                       beta, P(dg), P(db), 0.f);
+                   std::vector<float> dgc(C), dbc(C);
+                   kc::batch_norm_backward_eval<float>(N, C, HW, dy.data(), x.data(), g_c, rm.data(), rv.data(),
+                                                       1e-5f, nullptr, 0.f, dgc.data(), dbc.data(), 0.f);
+                   EXPECT_CLOSE(host(dg), dgc, kMathTol) << "eval dgamma";
+                   EXPECT_CLOSE(host(db), dbc, kMathTol) << "eval dbeta";
+                 });
+    }
+  }
+}
+
+TEST(GpuKernels, GroupNormMatchesTheCpu) {
+  REQUIRE_GPU();
+  for (auto [N, C, HW, G] : std::vector<std::array<i64, 4>>{{3, 6, 63, 3}, {2, 5, 35, 5}, {2, 5, 35, 1}, {4, 32, 64, 8}}) {
+    for (bool affine : {true, false}) {
+      const auto seed = fresh_seed();
+      SCOPED_TRACE(testing::Message() << "N " << N << " C " << C << " HW " << HW << " G " << G << " affine " << affine
+                                      << " seed " << seed);
+      std::mt19937 rng(seed);
+      const i64 n = N * C * HW;
+      const auto x = uniform(n, rng, -3.f, 5.f), gamma = uniform(C, rng, 0.5f, 1.5f), beta_ = uniform(C, rng);
+      const auto dy = uniform(n, rng);
+      Buf<float> dx_in = dev(x), dgm = dev(gamma), dbt = dev(beta_), ddy = dev(dy);
+      const float* g_c = affine ? gamma.data() : nullptr;
+      const float* b_c = affine ? beta_.data() : nullptr;
+      const float* g_g = affine ? P(dgm) : nullptr;
+      const float* b_g = affine ? P(dbt) : nullptr;
+      std::vector<float> y(n, NAN), sm(N * G, NAN), si(N * G, NAN);
+      kc::group_norm_forward<float>(N, C, HW, G, x.data(), g_c, b_c, 1e-5f, y.data(), sm.data(), si.data());
+      Buf<float> gy = dev(nans(n)), gsm = dev(nans(N * G)), gsi = dev(nans(N * G));
+      kg::group_norm_forward<float>(N, C, HW, G, P(dx_in), g_g, b_g, 1e-5f, P(gy), P(gsm), P(gsi));
+      EXPECT_CLOSE(host(gy), y, kMathTol) << "y";
+      EXPECT_CLOSE(host(gsm), sm, kMathTol) << "save_mean";
+      EXPECT_CLOSE(host(gsi), si, kMathTol) << "save_invstd";
+
+      Buf<float> csm = dev(sm), csi = dev(si);
+      check_beta(n, rng, kMathTol,
+                 [&](float* o, float beta) {
+                   kc::group_norm_backward<float>(N, C, HW, G, dy.data(), x.data(), g_c, sm.data(), si.data(), o, beta,
+                                                  nullptr, nullptr, 0.f);
+                 },
+                 [&](float* o, float beta) {
+                   kg::group_norm_backward<float>(N, C, HW, G, P(ddy), P(dx_in), g_g, P(csm), P(csi), o, beta,
+                                                  nullptr, nullptr, 0.f);
+                 });
+      for (float bp : {0.f, 1.f}) {
+        std::vector<float> dg = bp == 0.f ? nans(C) : uniform(C, rng), db = bp == 0.f ? nans(C) : uniform(C, rng);
+        Buf<float> gdg = dev(dg), gdb = dev(db);
+        kc::group_norm_backward<float>(N, C, HW, G, dy.data(), x.data(), g_c, sm.data(), si.data(), nullptr, 0.f,
+                                       dg.data(), db.data(), bp);
+        kg::group_norm_backward<float>(N, C, HW, G, P(ddy), P(dx_in), g_g, P(csm), P(csi), nullptr, 0.f, P(gdg),
+                                       P(gdb), bp);
+        EXPECT_CLOSE(host(gdg), dg, kMathTol) << "dgamma beta " << bp;
+        EXPECT_CLOSE(host(gdb), db, kMathTol) << "dbeta beta " << bp;
+      }
+    }
+  }
+}
+
+// ---- pooling --------------------------------------------------------------------------------------
+
+TEST(GpuKernels, PoolingMatchesTheCpu) {
+  REQUIRE_GPU();
+  const std::vector<kc::Pool2dShape> shapes = {
+      {3, 5, 7, 9, 3, 3, 2, 2, 1, 1},  // ResNet stem: overlapping windows, padding
+      {2, 4, 8, 8, 2, 2, 2, 2, 0, 0},  // non-overlapping
+      {2, 3, 7, 9, 3, 3, 1, 1, 1, 1},  // stride 1: every input in 9 windows
+      {1, 2, 9, 7, 3, 2, 2, 3, 1, 0},  // rectangular kernel and strides
+  };
+  for (const kc::Pool2dShape& s : shapes) {
+    const auto seed = fresh_seed();
+    SCOPED_TRACE(testing::Message() << "kernel " << s.kh << "x" << s.kw << " stride " << s.stride_h << "x"
+                                    << s.stride_w << " pad " << s.pad_h << "x" << s.pad_w << " seed " << seed);
+    std::mt19937 rng(seed);
+    const i64 nx = s.N * s.C * s.H * s.W, ny = s.N * s.C * s.P() * s.Q();
+    const auto x = uniform(nx, rng), dy = uniform(ny, rng);
+    Buf<float> dxi = dev(x), ddy = dev(dy);
+
+    std::vector<float> y(ny, NAN);
+    std::vector<std::int32_t> am(ny, -7);
+    kc::max_pool2d_forward<float>(s, x.data(), y.data(), am.data());
+    Buf<float> gy = dev(nans(ny));
+    Buf<std::int32_t> gam(std::vector<std::int32_t>(ny, -7));
+    kg::max_pool2d_forward<float>(s, P(dxi), P(gy), P(gam));
+    EXPECT_CLOSE(host(gy), y, kElementwiseTol) << "max pool y";
+    EXPECT_EQ(host(gam), am) << "max pool argmax";
+    check_beta(nx, rng, kElementwiseTol,
+               [&](float* o, float beta) { kc::max_pool2d_backward<float>(s, dy.data(), am.data(), o, beta); },
+               [&](float* o, float beta) { kg::max_pool2d_backward<float>(s, P(ddy), P(gam), o, beta); });
+
+    for (bool cip : {true, false}) {
+      SCOPED_TRACE(testing::Message() << "count_include_pad " << cip);
+      std::vector<float> ya(ny, NAN);
+      kc::avg_pool2d_forward<float>(s, cip, x.data(), ya.data());
+      Buf<float> gya = dev(nans(ny));
+      kg::avg_pool2d_forward<float>(s, cip, P(dxi), P(gya));
+      EXPECT_CLOSE(host(gya), ya, kElementwiseTol) << "avg pool y";
+      check_beta(nx, rng, kElementwiseTol,
+                 [&](float* o, float beta) { kc::avg_pool2d_backward<float>(s, cip, dy.data(), o, beta); },
+                 [&](float* o, float beta) { kg::avg_pool2d_backward<float>(s, cip, P(ddy), o, beta); });
+    }
+  }
+  for (auto [H, W, OH, OW] : std::vector<std::array<i64, 4>>{{7, 9, 1, 1}, {7, 9, 3, 4}, {7, 9, 5, 5}, {8, 8, 2, 2},
+                                                              {5, 3, 7, 6}}) {
+    const auto seed = fresh_seed();
+    SCOPED_TRACE(testing::Message() << "adaptive " << H << "x" << W << " -> " << OH << "x" << OW << " seed " << seed);
+    std::mt19937 rng(seed);
+    const i64 N = 2, C = 3, nx = N * C * H * W, ny = N * C * OH * OW;
+    const auto x = uniform(nx, rng), dy = uniform(ny, rng);
+    Buf<float> dxi = dev(x), ddy = dev(dy);
+    std::vector<float> y(ny, NAN);
+    kc::adaptive_avg_pool2d_forward<float>(N, C, H, W, OH, OW, x.data(), y.data());
+    Buf<float> gy = dev(nans(ny));
+    kg::adaptive_avg_pool2d_forward<float>(N, C, H, W, OH, OW, P(dxi), P(gy));
+    EXPECT_CLOSE(host(gy), y, kElementwiseTol) << "adaptive y";
+    check_beta(nx, rng, kElementwiseTol,
+               [&](float* o, float beta) { kc::adaptive_avg_pool2d_backward<float>(N, C, H, W, OH, OW, dy.data(), o, beta); },
+               [&](float* o, float beta) { kg::adaptive_avg_pool2d_backward<float>(N, C, H, W, OH, OW, P(ddy), o, beta); });
+  }
+}
+
+// ---- loss -----------------------------------------------------------------------------------------
+
+TEST(GpuKernels, CrossEntropyMatchesTheCpu) {
+  REQUIRE_GPU();
+  for (auto [N, C] : std::vector<std::pair<i64, i64>>{{1, 1}, {37, 10}, {5, 1000}, {300, 3}}) {
+    for (bool weighted : {false, true}) {
+      for (float smoothing : {0.f, 0.1f}) {
+        const auto seed = fresh_seed();
+        SCOPED_TRACE(testing::Message() << "N " << N << " C " << C << " weighted " << weighted << " smoothing "
+                                        << smoothing << " seed " << seed);
+        std::mt19937 rng(seed);
+        const auto logits = uniform(N * C, rng, -4.f, 4.f), w = uniform(C, rng, 0.2f, 2.f), dloss = uniform(N, rng);
+        std::vector<i64> t(N);
+        for (i64 i = 0; i < N; ++i) t[i] = (i % 7 == 3) ? -100 : static_cast<i64>(rng() % C);  // some ignored
+        Buf<float> dl = dev(logits), dw = dev(w), ddl = dev(dloss);
+        Buf<i64> dt = dev_i64(t);
+        const float* wc = weighted ? w.data() : nullptr;
+        const float* wg = weighted ? P(dw) : nullptr;
+        std::vector<float> loss(N, NAN), sw(N, NAN);
+        EXPECT_EQ(kc::cross_entropy_forward<float>(N, C, logits.data(), t.data(), wc, -100, smoothing, loss.data(),
+                                                   sw.data()),
+                  -1);
+        Buf<float> gl = dev(nans(N)), gsw = dev(nans(N));
+        EXPECT_EQ(kg::cross_entropy_forward<float>(N, C, P(dl), P(dt), wg, -100, smoothing, P(gl), P(gsw)), -1);
+        EXPECT_CLOSE(host(gl), loss, kMathTol) << "loss";
+        EXPECT_CLOSE(host(gsw), sw, kMathTol) << "sample weight";
+        check_beta(N * C, rng, kMathTol,
+                   [&](float* o, float beta) {
+                     kc::cross_entropy_backward<float>(N, C, logits.data(), t.data(), wc, -100, smoothing,
+                                                       dloss.data(), o, beta);
+                   },
+                   [&](float* o, float beta) {
+                     kg::cross_entropy_backward<float>(N, C, P(dl), P(dt), wg, -100, smoothing, P(ddl), o,
+                                                       beta);
+                   });
+      }
+    }
+  }
+  // An invalid target is reported by its index, the first one, as on the CPU.
+  std::vector<i64> t = {1, 2, 9, 0, -5};
+  const auto logits = std::vector<float>(5 * 3, 0.5f);
+  Buf<float> dl = dev(logits), gl = dev(nans(5)), gsw = dev(nans(5));
+  Buf<i64> dt = dev_i64(t);
+  EXPECT_EQ(kg::cross_entropy_forward<float>(5, 3, P(dl), P(dt), nullptr, -100, 0.f, P(gl), P(gsw)), 2);
+}
+
+// ---- optimizers -----------------------------------------------------------------------------------
+
+TEST(GpuKernels, FusedOptimizerUpdatesMatchTheCpu) {
+  REQUIRE_GPU();
+  for (i64 n : {i64{1}, i64{1000}, i64{100003}}) {
+    const auto seed = fresh_seed();
+    SCOPED_TRACE(testing::Message() << "n " << n << " seed " << seed);
+    std::mt19937 rng(seed);
+    struct Sgd {
+      float momentum, dampening, wd;
+      bool nesterov;
+    };
+    for (const Sgd& o : {Sgd{0.f, 0.f, 0.f, false}, Sgd{0.9f, 0.f, 5e-4f, false}, Sgd{0.9f, 0.f, 1e-4f, true},
+                         Sgd{0.5f, 0.3f, 0.f, false}}) {
+      auto p = uniform(n, rng), buf = nans(n);
+      Buf<float> dp = dev(p), dbuf = dev(buf);
+      for (int step = 0; step < 3; ++step) {
+        const auto g = uniform(n, rng);
+        Buf<float> dg = dev(g);
+        kc::sgd_update<float>(n, p.data(), g.data(), o.momentum != 0 ? buf.data() : nullptr, 0.1f, o.momentum,
+                              o.dampening, o.wd, o.nesterov, step == 0);
+        kg::sgd_update<float>(n, P(dp), P(dg), o.momentum != 0 ? P(dbuf) : nullptr, 0.1f, o.momentum, o.dampening,
+                              o.wd, o.nesterov, step == 0);
+      }
+      EXPECT_CLOSE(host(dp), p, kElementwiseTol) << "SGD param, momentum " << o.momentum << " nesterov " << o.nesterov;
+      if (o.momentum != 0) {
+        EXPECT_CLOSE(host(dbuf), buf, kElementwiseTol) << "SGD momentum buffer";
+      }
+    }
+    auto p = uniform(n, rng), m = std::vector<float>(n, 0.f), v = std::vector<float>(n, 0.f);
+    Buf<float> dp = dev(p), dm = dev(m), dv = dev(v);
+    for (i64 step = 1; step <= 5; ++step) {
+      const auto g = uniform(n, rng);
+      Buf<float> dg = dev(g);
+      kc::adamw_update<float>(n, p.data(), g.data(), m.data(), v.data(), 1e-3f, 0.9f, 0.999f, 1e-8f, 1e-2f, step);
+      kg::adamw_update<float>(n, P(dp), P(dg), P(dm), P(dv), 1e-3f, 0.9f, 0.999f, 1e-8f, 1e-2f, step);
+    }
+    EXPECT_CLOSE(host(dp), p, kElementwiseTol) << "AdamW param";
+    EXPECT_CLOSE(host(dm), m, kElementwiseTol) << "AdamW exp_avg";
+    EXPECT_CLOSE(host(dv), v, kElementwiseTol) << "AdamW exp_avg_sq";
+  }
+}
+
+// ---- context: pinned memory and overlapped uploads --------------------------------------------------
+
+TEST(GpuKernels, PinnedUploadOnTheCopyStreamIsSeenByTheComputeStream) {
+  REQUIRE_GPU();
+  const i64 n = 1 << 20;
+  kg::PinnedBuffer pinned(n * sizeof(float));
+  std::mt19937 rng(fresh_seed());
+  const auto v = uniform(n, rng);
+  std::memcpy(pinned.data(), v.data(), n * sizeof(float));
+  Buf<float> dst = dev(nans(n)), y = dev(nans(n));
+  kg::Event up = kg::upload_async(P(dst), pinned.data(), n * sizeof(float));
+  kg::compute_wait(up);                        // the compute stream orders after the upload...
+  kg::copy<float>(n, P(dst), P(y));            // ...so this copy reads the uploaded values
+  EXPECT_EQ(host(y), v);
+  EXPECT_TRUE(up.done());
+  kg::Event moved = std::move(up);
+  EXPECT_FALSE(up.valid());
+  moved.wait();
+}
+
+#endif  // TALLY_HAVE_CUDA

@@ -1,0 +1,366 @@
+// The CUDA backend through tally's API (ctest label `gpu`; every test skips with a message when
+// no GPU is present, and the file builds without the CUDA backend too): every op forward and
+// backward on the GPU against the same graph on the CPU, a ResNet BasicBlock, a whole ResNet-20
+// training step, the arena accounting of a GPU step (a dry run's peak equals the real one, to the
+// byte), and tensor moves, gathers and conversions on the device.
+//
+// Tolerances (norm-wise relative error, tests/gpu_common.h): 1e-4 for one op or one block; for a
+// whole ResNet-20 step 1e-4 on the loss and 1e-3 on gradients and parameter updates, since the
+// float32 rounding of CPU (OpenBLAS) and GPU (cuDNN) convolutions compounds over 20 layers and
+// BatchNorm's backward amplifies it where a channel's variance is small.
+#include <fmt/format.h>
+
+#include <map>
+
+#include "core/autograd.h"
+#include "core/ops.h"
+#include "layers/init.h"
+#include "layers/layers.h"
+#include "layers/resnet.h"
+#include "optim/optimizer.h"
+#include "tests/gpu_common.h"
+
+using namespace tally;
+using namespace tally::test;
+using i64 = std::int64_t;
+
+namespace {
+
+Tensor host_tensor(const Shape& s, std::mt19937& rng, float lo = -1.f, float hi = 1.f,
+                   Category cat = Category::input) {
+  return Tensor::from_vector(uniform(static_cast<std::size_t>(shape_numel(s)), rng, lo, hi), s, Device::cpu(), cat);
+}
+
+// A leaf that requires grad, with its gradient buffer, on `device`.
+Tensor leaf(const Tensor& host, Device device) {
+  Tensor t = host.to(device).clone(Category::parameter);
+  t.set_requires_grad(true);
+  t.allocate_grad();
+  return t;
+}
+
+std::string names(const char* what, const std::string& name) { return fmt::format("{} of {}", what, name); }
+
+}  // namespace
+
+// ---- every op -----------------------------------------------------------------------------------
+
+// One graph that uses every op, on the CPU and on the GPU from the same values; outputs, loss and
+// every leaf's gradient must agree.
+TEST(GpuOps, EveryOpForwardAndBackwardMatchesTheCpu) {
+  REQUIRE_GPU();
+  const auto seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  const std::map<std::string, Tensor> host = {
+      {"x", host_tensor({3, 5, 7, 9}, rng)},
+      {"w1", host_tensor({6, 5, 3, 3}, rng, -0.3f, 0.3f)},
+      {"b1", host_tensor({6}, rng)},
+      {"bn_w", host_tensor({6}, rng, 0.5f, 1.5f)},
+      {"bn_b", host_tensor({6}, rng)},
+      {"w2", host_tensor({6, 3, 3, 3}, rng, -0.3f, 0.3f)},  // groups 2
+      {"gn_w", host_tensor({6}, rng, 0.5f, 1.5f)},
+      {"gn_b", host_tensor({6}, rng)},
+      {"fc_w", host_tensor({10, 24}, rng, -0.3f, 0.3f)},
+      {"fc_b", host_tensor({10}, rng)},
+      {"m", host_tensor({10, 10}, rng)},
+      {"r", host_tensor({3, 10}, rng)},
+  };
+  const Tensor labels = Tensor::from_vector(std::vector<i64>{3, -100, 7}, {3});
+  const Tensor class_w = host_tensor({10}, rng, 0.5f, 2.f, Category::parameter);
+
+  struct Result {
+    std::map<std::string, Tensor> leaves;
+    Tensor out, loss;
+  };
+  auto run = [&](Device d) {
+    Result r;
+    for (const auto& [k, v] : host) r.leaves[k] = leaf(v, d);
+    auto& L = r.leaves;
+    Tensor rm = Tensor::zeros({6}, DType::Float32, d, Category::parameter);
+    Tensor rv = Tensor::full({6}, 1.0, DType::Float32, d, Category::parameter);
+    Conv2dOptions o1;
+    o1.padding = {1, 1};
+    Tensor h = relu(batch_norm(conv2d(L["x"], L["w1"], L["b1"], o1), L["bn_w"], L["bn_b"], rm, rv));  // (3, 6, 7, 9)
+    Conv2dOptions o2;
+    o2.padding = {1, 1};
+    o2.stride = {2, 2};
+    o2.groups = 2;
+    Tensor g = group_norm(conv2d(h, L["w2"], {}, o2), 3, L["gn_w"], L["gn_b"]);        // (3, 6, 4, 5)
+    Tensor p1 = max_pool2d(g, {3, 3}, {2, 2}, {1, 1});                                  // (3, 6, 2, 3)
+    Tensor p2 = avg_pool2d(g, {2, 2}, {2, 2}, {0, 0}, false);                           // (3, 6, 2, 2)
+    Tensor a = adaptive_avg_pool2d(sub(scale(mul(p1, p1), 0.5), p1), {2, 2});          // (3, 6, 2, 2)
+    Tensor f = flatten(add(a, p2));                                                     // (3, 24)
+    Tensor logits = matmul(linear(f, L["fc_w"], L["fc_b"]), L["m"]);                   // (3, 10)
+    CrossEntropyOptions ce;
+    ce.label_smoothing = 0.1;
+    ce.weight = class_w.to(d);
+    r.out = logits;
+    r.loss = add(add(cross_entropy(logits, labels.to(d), ce), mean(mul(logits, L["r"]))), scale(sum(f), 1e-3));
+    r.loss.backward();
+    return r;
+  };
+  const Result cpu = run(Device::cpu());
+  const Result gpu = run(Device::cuda());
+  EXPECT_LE(norm_rel_err(gpu.out, cpu.out), 1e-4) << "logits";
+  EXPECT_LE(norm_rel_err(gpu.loss, cpu.loss), 1e-4) << "loss";
+  for (const auto& [k, t] : cpu.leaves) {
+    ASSERT_TRUE(gpu.leaves.at(k).grad().device().is_cuda()) << k;
+    EXPECT_LE(norm_rel_err(gpu.leaves.at(k).grad(), t.grad()), 1e-4) << names("gradient", k);
+  }
+}
+
+TEST(GpuOps, BatchNormEvalAndFloat64OnTheGpu) {
+  REQUIRE_GPU();
+  std::mt19937 rng(fresh_seed());
+  const Tensor x = host_tensor({4, 3, 5, 5}, rng), w = host_tensor({3}, rng), b = host_tensor({3}, rng);
+  const Tensor rm = host_tensor({3}, rng), rv = host_tensor({3}, rng, 0.5f, 2.f);
+  BatchNormOptions eval;
+  eval.training = false;
+  const Tensor want = batch_norm(x, w, b, rm, rv, eval);
+  const Tensor got = batch_norm(x.to(Device::cuda()), w.to(Device::cuda()), b.to(Device::cuda()),
+                                rm.to(Device::cuda()), rv.to(Device::cuda()), eval);
+  EXPECT_LE(norm_rel_err(got, want), 1e-5);
+  // float64 lives on the GPU (moves, conversions) but has no kernels there: a clear error.
+  const Tensor xd = x.to(DType::Float64).to(Device::cuda());
+  EXPECT_THROW(relu(xd), ShapeError);
+  EXPECT_EQ(xd.to(DType::Float32).to(Device::cpu()).to_vector<float>(), x.to_vector<float>());
+}
+
+// ---- a ResNet BasicBlock and a ResNet-20 step ---------------------------------------------------
+
+TEST(GpuOps, BasicBlockForwardBackwardMatchesTheCpu) {
+  REQUIRE_GPU();
+  for (nn::Norm norm : {nn::Norm::Batch, nn::Norm::Group}) {
+    const auto seed = fresh_seed();
+    SCOPED_TRACE(testing::Message() << "norm " << nn::norm_name(norm) << " seed " << seed);
+    nn::manual_seed(seed);
+    nn::BasicBlock cpu(16, 32, 2, norm);  // projection shortcut: 1x1 stride-2 conv + norm
+    nn::manual_seed(seed);
+    nn::BasicBlock gpu(16, 32, 2, norm);
+    gpu.to(Device::cuda());
+    std::mt19937 rng(seed);
+    const Tensor x = host_tensor({3, 16, 9, 11}, rng), r = host_tensor({3, 32, 5, 6}, rng);
+    Tensor xc = leaf(x, Device::cpu()), xg = leaf(x, Device::cuda());
+    const Tensor yc = cpu(xc), yg = gpu(xg);
+    EXPECT_LE(norm_rel_err(yg, yc), 1e-4) << "output";
+    sum(mul(yc, r)).backward();
+    sum(mul(yg, r.to(Device::cuda()))).backward();
+    EXPECT_LE(norm_rel_err(xg.grad(), xc.grad()), 1e-4) << "input gradient";
+    const auto pc = cpu.named_parameters(), pg = gpu.named_parameters();
+    ASSERT_EQ(pc.size(), pg.size());
+    for (std::size_t i = 0; i < pc.size(); ++i)
+      EXPECT_LE(norm_rel_err(pg[i].second.grad(), pc[i].second.grad()), 1e-4) << names("gradient", pc[i].first);
+    const auto bc = cpu.named_buffers(), bg = gpu.named_buffers();
+    for (std::size_t i = 0; i < bc.size(); ++i) {
+      if (bc[i].second.dtype() == DType::Float32) {
+        EXPECT_LE(norm_rel_err(bg[i].second, bc[i].second), 1e-4) << bc[i].first;
+      }
+    }
+  }
+}
+
+TEST(GpuOps, ResNet20TrainingStepsMatchTheCpu) {
+  REQUIRE_GPU();
+  const auto seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  nn::manual_seed(seed);
+  auto cpu = nn::make_model({"resnet20"});
+  nn::manual_seed(seed);
+  auto gpu = nn::make_model({"resnet20"});
+  gpu->to(Device::cuda());
+  std::vector<Tensor> initial;
+  for (const Tensor& p : cpu->parameters()) initial.push_back(p.clone(Category::temporary));
+  const optim::SGDOptions so{.lr = 0.05, .momentum = 0.9, .weight_decay = 5e-4};
+  optim::SGD opt_c(cpu->parameters(), so), opt_g(gpu->parameters(), so);
+  std::mt19937 rng(seed);
+  for (int step = 0; step < 2; ++step) {
+    SCOPED_TRACE(testing::Message() << "step " << step);
+    const Tensor x = host_tensor({8, 3, 32, 32}, rng);
+    std::vector<i64> labels(8);
+    for (auto& l : labels) l = static_cast<i64>(rng() % 10);
+    const Tensor y = Tensor::from_vector(labels, {8});
+    Tensor lc = cross_entropy((*cpu)(x), y);
+    Tensor lg = cross_entropy((*gpu)(x.to(Device::cuda())), y.to(Device::cuda()));
+    EXPECT_LE(norm_rel_err(lg, lc), 1e-4) << "loss";
+    lc.backward();
+    lg.backward();
+    const auto pc = cpu->named_parameters(), pg = gpu->named_parameters();
+    for (std::size_t i = 0; i < pc.size(); ++i)
+      EXPECT_LE(norm_rel_err(pg[i].second.grad(), pc[i].second.grad()), 1e-3) << names("gradient", pc[i].first);
+    opt_c.step();
+    opt_g.step();
+    opt_c.zero_grad();
+    opt_g.zero_grad();
+  }
+  // Parameters moved by the same updates (compared as updates: the parameters themselves barely
+  // move and would hide a wrong step), running statistics followed.
+  const auto pc = cpu->named_parameters(), pg = gpu->named_parameters();
+  for (std::size_t i = 0; i < pc.size(); ++i) {
+    const Tensor uc = sub(pc[i].second.detach(), initial[i]);
+    const Tensor ug = sub(pg[i].second.detach(), initial[i].to(Device::cuda()));
+    EXPECT_LE(norm_rel_err(ug, uc), 1e-3) << names("update", pc[i].first);
+  }
+  const auto bc = cpu->named_buffers(), bg = gpu->named_buffers();
+  for (std::size_t i = 0; i < bc.size(); ++i) {
+    if (bc[i].second.dtype() == DType::Float32) {
+      EXPECT_LE(norm_rel_err(bg[i].second, bc[i].second), 1e-4) << bc[i].first;
+    } else {
+      EXPECT_EQ(bg[i].second.item(), bc[i].second.item()) << bc[i].first;
+    }
+  }
+}
+
+// ---- arena accounting ---------------------------------------------------------------------------
+
+// A dry run of a GPU training step on a virtual clone of the arena allocates exactly as the real
+// step: the same events (size, offset, category, op) in the same order, and the same peak. This
+// holds only if every size a kernel asks for (cuDNN's algorithm workspaces, cuBLAS's) is decided
+// identically without running anything.
+TEST(GpuOps, DryRunPeakOfAResNet20StepEqualsTheRealStepToTheByte) {
+  REQUIRE_GPU();
+  auto arena = std::make_shared<Arena>(Device::cuda(0), std::size_t(768) << 20);
+  ArenaScope scope(arena);
+  nn::manual_seed(11);
+  auto model = nn::make_model({"resnet20"});
+  model->to(Device::cuda());
+  optim::SGD opt(model->parameters(), {.lr = 0.1, .momentum = 0.9, .weight_decay = 5e-4});
+  std::mt19937 rng(fresh_seed());
+  const Tensor x = host_tensor({16, 3, 32, 32}, rng).to(Device::cuda());
+  std::vector<i64> labels(16);
+  for (auto& l : labels) l = static_cast<i64>(rng() % 10);
+  const Tensor y = Tensor::from_vector(labels, {16}, Device::cuda(), Category::input);
+  auto step = [&] {
+    Tensor loss = cross_entropy((*model)(x), y);
+    loss.backward();
+    opt.step();
+    opt.zero_grad();
+  };
+  struct Ev {
+    bool alloc;
+    std::size_t requested, offset;
+    Category cat;
+    std::string op;
+    bool operator==(const Ev&) const = default;
+  };
+  auto events = [](const Arena& a) {
+    std::vector<Ev> e;
+    for (const auto& t : a.trace()) e.push_back({t.is_alloc, t.requested, t.offset, t.category, t.op});
+    return e;
+  };
+  arena->reset_peak();
+  auto virt = arena->virtual_clone();
+  virt->set_tracing(true);
+  {
+    ArenaScope vs(virt);
+    DryRunGuard dry;
+    step();
+  }
+  arena->set_tracing(true);
+  step();
+  const auto dry = events(*virt), real = events(*arena);
+  ASSERT_GT(real.size(), 200u);
+  ASSERT_EQ(dry.size(), real.size());
+  for (std::size_t i = 0; i < real.size(); ++i) ASSERT_EQ(dry[i], real[i]) << "event " << i << " op " << real[i].op;
+  EXPECT_EQ(virt->stats().total.peak, arena->stats().total.peak);
+  EXPECT_EQ(virt->stats()[Category::workspace].peak, arena->stats()[Category::workspace].peak);
+  EXPECT_GT(arena->stats()[Category::workspace].peak, 0) << "cuBLAS gets its workspace from the arena";
+  EXPECT_EQ(arena->stats()[Category::activation].current, 0);
+  EXPECT_EQ(arena->stats()[Category::workspace].current, 0);
+}
+
+// ---- tensors on the device ------------------------------------------------------------------------
+
+TEST(GpuOps, TensorsGatherConvertAndFillOnTheDevice) {
+  REQUIRE_GPU();
+  std::mt19937 rng(fresh_seed());
+  const Tensor h = host_tensor({3, 4, 5}, rng);
+  const Tensor d = h.to(Device::cuda());
+  // strided views: gathered on the device
+  const Tensor t = d.transpose(0, 2);
+  EXPECT_FALSE(t.is_contiguous());
+  EXPECT_EQ(t.contiguous().to(Device::cpu()).to_vector<float>(), h.transpose(0, 2).contiguous().to_vector<float>());
+  EXPECT_EQ(t.to_vector<float>(), h.transpose(0, 2).to_vector<float>());
+  EXPECT_EQ(d.narrow(1, 1, 2).to_vector<float>(), h.narrow(1, 1, 2).to_vector<float>());
+  // dtype conversion on the device
+  EXPECT_EQ(d.to(DType::Float64).to_vector<double>(), h.to(DType::Float64).to_vector<double>());
+  // fills of every dtype, no host staging
+  Tensor ints = Tensor::empty({1000}, DType::Int64, Device::cuda());
+  ints.fill_(-3);
+  EXPECT_EQ(ints.to_vector<i64>(), std::vector<i64>(1000, -3));
+  Tensor f = Tensor::full({7, 3}, 2.5, DType::Float32, Device::cuda());
+  EXPECT_EQ(f.to_vector<float>(), std::vector<float>(21, 2.5f));
+}
+
+TEST(GpuOps, CrossEntropyWithABadTargetIsAnErrorOnTheGpu) {
+  REQUIRE_GPU();
+  const Tensor logits = Tensor::full({3, 4}, 0.5, DType::Float32, Device::cuda());
+  const Tensor y = Tensor::from_vector(std::vector<i64>{1, 7, 2}, {3}, Device::cuda());
+  try {
+    (void)cross_entropy(logits, y);
+    FAIL() << "target 7 of 4 classes must be an error";
+  } catch (const ShapeError& e) {
+    EXPECT_NE(std::string(e.what()).find("target 7 of sample 1"), std::string::npos) << e.what();
+  }
+}
+
+// ---- modules and optimizers on the GPU (formerly in layers_test / optim_test) ---------------------
+
+TEST(Module, ToCudaMovesParametersGradientsAndFloatBuffers) {
+  REQUIRE_GPU();
+  nn::manual_seed(8);
+  auto model = nn::make_model({"resnet20"});
+  const auto params_before = model->parameters();
+  std::mt19937 rng(6);
+  const Tensor x = host_tensor({2, 3, 16, 16}, rng);
+  model->eval();
+  const Tensor y_cpu = (*model)(x);
+  model->to(Device::cuda());
+  for (const auto& [name, p] : model->named_parameters()) {
+    EXPECT_TRUE(p.device().is_cuda()) << name;
+    EXPECT_TRUE(p.grad().device().is_cuda()) << name;
+    EXPECT_EQ(p.category(), Category::parameter) << name;
+    EXPECT_EQ(p.grad().category(), Category::gradient) << name;
+  }
+  for (const auto& [name, b] : model->named_buffers())
+    EXPECT_EQ(b.device().is_cuda(), b.dtype() != DType::Int64) << name;  // counters stay on the host
+  EXPECT_TRUE(params_before[0].device().is_cuda());  // handles held elsewhere see the move
+  const Tensor y_gpu = (*model)(x.to(Device::cuda()));
+  EXPECT_LE(norm_rel_err(y_gpu, y_cpu), 1e-4);
+  model->train();
+  (*model)(x.to(Device::cuda()));
+  EXPECT_EQ(nn::batch_norm_layers(*model)[0]->num_batches_tracked.item(), 1.0);
+  model->to(Device::cpu());
+  EXPECT_TRUE(params_before[0].device().is_cpu());
+  EXPECT_TRUE(params_before[0].grad().device().is_cpu());
+}
+
+// CUDA parameters: state on the GPU at construction; step() runs the fused CUDA update, which
+// matches the CPU's.
+TEST(Optimizer, CudaStepRunsTheFusedUpdate) {
+  REQUIRE_GPU();
+  std::mt19937 rng(fresh_seed());
+  const Tensor p0 = host_tensor({1000}, rng, -1.f, 1.f, Category::parameter);
+  const Tensor g = host_tensor({1000}, rng);
+  Tensor pc = p0.clone(Category::parameter), pg = p0.to(Device::cuda()).clone(Category::parameter);
+  pc.allocate_grad();
+  pg.allocate_grad();
+  const auto& arena = current_arena(Device::cuda());
+  const auto before = arena->stats()[Category::optimizer_state].current;
+  optim::AdamW oc({pc}, optim::AdamWOptions{}), og({pg}, optim::AdamWOptions{});
+  EXPECT_EQ(arena->stats()[Category::optimizer_state].current - before,
+            2 * static_cast<std::int64_t>(Arena::round_up(1000 * 4)));
+  for (int s = 0; s < 3; ++s) {
+    pc.grad().copy_(g);
+    pg.grad().copy_(g);
+    oc.step();
+    og.step();
+  }
+  EXPECT_EQ(og.steps(), 3);
+  EXPECT_LE(max_rel_err(pg.to_vector<float>(), pc.to_vector<float>()), 1e-5);
+  optim::SGD sc({pc}, {.lr = 0.1, .momentum = 0.9, .nesterov = true}),
+      sg({pg}, {.lr = 0.1, .momentum = 0.9, .nesterov = true});
+  sc.step();
+  sg.step();
+  EXPECT_LE(max_rel_err(pg.to_vector<float>(), pc.to_vector<float>()), 1e-5);
+}
