@@ -1,0 +1,292 @@
+// bench/bench_kernels.cpp — micro-benchmarks of the kernels every training step runs: GEMM,
+// convolution forward / backward-data / backward-filter, batch norm and group norm forward and
+// backward, ReLU, residual add, softmax cross-entropy, and the fused SGD / AdamW updates.
+//
+// Each benchmark runs on the CPU kernels (kernels/cpu) and, when a GPU is present, on the CUDA
+// kernels (kernels/cuda) with the same shapes, so the two read side by side. Counters:
+//   FLOP/s  for GEMM and convolutions (2 * multiply-adds of the mathematical operation),
+//   bytes/s for memory-bound kernels (bytes that must be read and written at least once).
+// Inputs are fresh random numbers; kRotate independent input sets are cycled so that repeated
+// iterations do not find their operands in cache. CUDA iterations end with a device
+// synchronization (the time includes it; a launch is ~5 us, negligible at these sizes).
+#include <benchmark/benchmark.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/cuda_runtime.h"
+#include "kernels/cpu/cpu_kernels.h"
+#include "tally/config.h"
+#if TALLY_HAVE_CUDA
+#include "kernels/cuda/cuda_kernels.h"
+#endif
+
+namespace {
+
+using tally::kernels::i64;
+namespace kc = tally::kernels::cpu;
+constexpr int kRotate = 4;
+
+// A float buffer on the host or on the GPU, filled with N(0, 1) numbers (labels: [0, classes)).
+struct Buffer {
+  bool cuda = false;
+  std::size_t n = 0;
+  float* p = nullptr;
+  Buffer(bool on_cuda, std::size_t count, std::uint32_t seed, float scale = 1.f) : cuda(on_cuda), n(count) {
+    std::vector<float> h(n);
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> d(0.f, scale);
+    for (auto& x : h) x = d(rng);
+    alloc_and_copy(h.data(), n * sizeof(float));
+  }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer() {
+    if (cuda) tally::cuda_rt::free(p);
+    else std::free(p);
+  }
+  void alloc_and_copy(const void* h, std::size_t bytes) {
+    if (cuda) {
+      p = static_cast<float*>(tally::cuda_rt::malloc(bytes));
+      tally::cuda_rt::memcpy_h2d(p, h, bytes);
+    } else {
+      p = static_cast<float*>(std::aligned_alloc(256, (bytes + 255) / 256 * 256));
+      std::memcpy(p, h, bytes);
+    }
+  }
+};
+
+struct Labels {
+  bool cuda;
+  i64* p = nullptr;
+  Labels(bool on_cuda, i64 n, i64 classes) : cuda(on_cuda) {
+    std::vector<i64> h(static_cast<std::size_t>(n));
+    std::mt19937 rng(3);
+    for (auto& x : h) x = static_cast<i64>(rng() % static_cast<std::uint32_t>(classes));
+    const std::size_t bytes = h.size() * sizeof(i64);
+    if (cuda) {
+      p = static_cast<i64*>(tally::cuda_rt::malloc(bytes));
+      tally::cuda_rt::memcpy_h2d(p, h.data(), bytes);
+    } else {
+      p = static_cast<i64*>(std::malloc(bytes));
+      std::memcpy(p, h.data(), bytes);
+    }
+  }
+  ~Labels() {
+    if (cuda) tally::cuda_rt::free(p);
+    else std::free(p);
+  }
+};
+
+// The kernel families of one backend, under one name, so a benchmark body serves both.
+#define TALLY_BACKEND(NAME, NS, IS_CUDA, SYNC)                                                   \
+  struct NAME {                                                                                  \
+    static constexpr bool cuda = IS_CUDA;                                                        \
+    static void sync() { SYNC; }                                                                 \
+    template <class... A> static void gemm(A... a) { NS::gemm<float>(a...); }                    \
+    template <class... A> static void conv_fwd(A... a) { NS::conv2d_forward<float>(a...); }      \
+    template <class... A> static void conv_bwd_data(A... a) { NS::conv2d_backward_data<float>(a...); } \
+    template <class... A> static void conv_bwd_filter(A... a) { NS::conv2d_backward_filter<float>(a...); } \
+    static std::size_t conv_ws(const kc::Conv2dShape& s) { return NS::conv2d_workspace_bytes<float>(s); } \
+    template <class... A> static void bn_fwd(A... a) { NS::batch_norm_forward_train<float>(a...); } \
+    template <class... A> static void bn_bwd(A... a) { NS::batch_norm_backward<float>(a...); }  \
+    template <class... A> static void gn_fwd(A... a) { NS::group_norm_forward<float>(a...); }   \
+    template <class... A> static void gn_bwd(A... a) { NS::group_norm_backward<float>(a...); }  \
+    template <class... A> static void relu(A... a) { NS::relu_forward<float>(a...); }          \
+    template <class... A> static void add(A... a) { NS::add<float>(a...); }                    \
+    template <class... A> static i64 ce_fwd(A... a) { return NS::cross_entropy_forward<float>(a...); } \
+    template <class... A> static void ce_bwd(A... a) { NS::cross_entropy_backward<float>(a...); } \
+    template <class... A> static void sgd(A... a) { NS::sgd_update<float>(a...); }             \
+    template <class... A> static void adamw(A... a) { NS::adamw_update<float>(a...); }         \
+  };
+
+TALLY_BACKEND(Cpu, tally::kernels::cpu, false, (void)0)
+#if TALLY_HAVE_CUDA
+TALLY_BACKEND(Cuda, tally::kernels::cuda, true, tally::cuda_rt::synchronize())
+#endif
+
+template <class B>
+void BM_Gemm(benchmark::State& st) {
+  const i64 n = st.range(0);
+  std::vector<std::unique_ptr<Buffer>> a, b;
+  for (int r = 0; r < kRotate; ++r) {
+    a.push_back(std::make_unique<Buffer>(B::cuda, n * n, 10 + r));
+    b.push_back(std::make_unique<Buffer>(B::cuda, n * n, 20 + r));
+  }
+  Buffer c(B::cuda, n * n, 30);
+  int i = 0;
+  for (auto _ : st) {
+    B::gemm(false, false, n, n, n, 1.f, a[i % kRotate]->p, n, b[i % kRotate]->p, n, 0.f, c.p, n);
+    B::sync();
+    ++i;
+  }
+  st.counters["FLOP/s"] = benchmark::Counter(2.0 * n * n * n, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// ResNet layer shapes: {N, C, H, W, K, R, stride}.
+kc::Conv2dShape conv_shape(const benchmark::State& st) {
+  kc::Conv2dShape s;
+  s.N = st.range(0), s.C = st.range(1), s.H = s.W = st.range(2), s.K = st.range(3), s.R = s.S = st.range(4);
+  s.stride_h = s.stride_w = st.range(5);
+  s.pad_h = s.pad_w = s.R / 2;
+  return s;
+}
+double conv_flops(const kc::Conv2dShape& s) {
+  return 2.0 * static_cast<double>(s.N * s.K * s.P() * s.Q()) * static_cast<double>(s.C * s.R * s.S / s.groups);
+}
+
+enum class ConvPass { Forward, BackwardData, BackwardFilter };
+
+template <class B, ConvPass pass>
+void BM_Conv(benchmark::State& st) {
+  const kc::Conv2dShape s = conv_shape(st);
+  const std::size_t xs = s.N * s.C * s.H * s.W, ws = s.K * s.C * s.R * s.S, ys = s.N * s.K * s.P() * s.Q();
+  std::vector<std::unique_ptr<Buffer>> x, dy;
+  for (int r = 0; r < kRotate; ++r) {
+    x.push_back(std::make_unique<Buffer>(B::cuda, xs, 40 + r));
+    dy.push_back(std::make_unique<Buffer>(B::cuda, ys, 50 + r));
+  }
+  Buffer w(B::cuda, ws, 60, 0.05f), out_x(B::cuda, xs, 61), out_w(B::cuda, ws, 62), out_y(B::cuda, ys, 63);
+  const std::size_t wsb = B::conv_ws(s);
+  Buffer work(B::cuda, wsb / sizeof(float) + 1, 64);
+  int i = 0;
+  for (auto _ : st) {
+    const int r = i % kRotate;
+    if constexpr (pass == ConvPass::Forward) B::conv_fwd(s, x[r]->p, w.p, static_cast<const float*>(nullptr), out_y.p, static_cast<void*>(work.p));
+    if constexpr (pass == ConvPass::BackwardData) B::conv_bwd_data(s, dy[r]->p, w.p, out_x.p, 0.f, static_cast<void*>(work.p));
+    if constexpr (pass == ConvPass::BackwardFilter) B::conv_bwd_filter(s, x[r]->p, dy[r]->p, out_w.p, 1.f, static_cast<void*>(work.p));
+    B::sync();
+    ++i;
+  }
+  st.counters["FLOP/s"] = benchmark::Counter(conv_flops(s), benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// Normalization over x (N, C, HW): forward reads x, writes y; backward reads dy, x, writes dx.
+template <class B, bool group, bool backward>
+void BM_Norm(benchmark::State& st) {
+  const i64 N = st.range(0), C = st.range(1), HW = st.range(2) * st.range(2), G = 8;
+  const std::size_t n = static_cast<std::size_t>(N * C * HW);
+  std::vector<std::unique_ptr<Buffer>> x;
+  for (int r = 0; r < kRotate; ++r) x.push_back(std::make_unique<Buffer>(B::cuda, n, 70 + r));
+  Buffer y(B::cuda, n, 71), dy(B::cuda, n, 72), gamma(B::cuda, C, 73), beta(B::cuda, C, 74), dg(B::cuda, C, 75),
+      db(B::cuda, C, 76);
+  const i64 stats = group ? N * G : C;
+  Buffer mean(B::cuda, stats, 77), invstd(B::cuda, stats, 78), rm(B::cuda, C, 79), rv(B::cuda, C, 80);
+  // Saved statistics for the backward come from one real forward.
+  if constexpr (group) B::gn_fwd(N, C, HW, G, x[0]->p, gamma.p, beta.p, 1e-5f, y.p, mean.p, invstd.p);
+  else B::bn_fwd(N, C, HW, x[0]->p, gamma.p, beta.p, 1e-5f, 0.1f, static_cast<float*>(nullptr), static_cast<float*>(nullptr), y.p, mean.p, invstd.p);
+  int i = 0;
+  for (auto _ : st) {
+    const float* xr = x[i % kRotate]->p;
+    if constexpr (!backward) {
+      if constexpr (group) B::gn_fwd(N, C, HW, G, xr, gamma.p, beta.p, 1e-5f, y.p, mean.p, invstd.p);
+      else B::bn_fwd(N, C, HW, xr, gamma.p, beta.p, 1e-5f, 0.1f, rm.p, rv.p, y.p, mean.p, invstd.p);
+    } else {
+      if constexpr (group) B::gn_bwd(N, C, HW, G, dy.p, xr, gamma.p, mean.p, invstd.p, y.p, 0.f, dg.p, db.p, 1.f);
+      else B::bn_bwd(N, C, HW, dy.p, xr, gamma.p, mean.p, invstd.p, y.p, 0.f, dg.p, db.p, 1.f);
+    }
+    B::sync();
+    ++i;
+  }
+  const double bytes = (backward ? 3.0 : 2.0) * static_cast<double>(n) * sizeof(float);
+  st.counters["bytes/s"] = benchmark::Counter(bytes, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+template <class B, bool is_add>
+void BM_Elementwise(benchmark::State& st) {
+  const i64 n = st.range(0);
+  std::vector<std::unique_ptr<Buffer>> a;
+  for (int r = 0; r < kRotate; ++r) a.push_back(std::make_unique<Buffer>(B::cuda, n, 90 + r));
+  Buffer b(B::cuda, n, 95), y(B::cuda, n, 96);
+  int i = 0;
+  for (auto _ : st) {
+    if constexpr (is_add) B::add(n, a[i % kRotate]->p, b.p, 1.f, y.p);
+    else B::relu(n, a[i % kRotate]->p, y.p);
+    B::sync();
+    ++i;
+  }
+  const double bytes = (is_add ? 3.0 : 2.0) * static_cast<double>(n) * sizeof(float);
+  st.counters["bytes/s"] = benchmark::Counter(bytes, benchmark::Counter::kIsIterationInvariantRate);
+}
+
+template <class B, bool backward>
+void BM_CrossEntropy(benchmark::State& st) {
+  const i64 N = st.range(0), C = st.range(1);
+  Buffer logits(B::cuda, N * C, 100), loss(B::cuda, N, 101), w(B::cuda, N, 102), dloss(B::cuda, N, 103),
+      dlogits(B::cuda, N * C, 104);
+  Labels t(B::cuda, N, C);
+  for (auto _ : st) {
+    if constexpr (!backward) benchmark::DoNotOptimize(B::ce_fwd(N, C, logits.p, t.p, static_cast<const float*>(nullptr), i64{-100}, 0.f, loss.p, w.p));
+    else B::ce_bwd(N, C, logits.p, t.p, static_cast<const float*>(nullptr), i64{-100}, 0.f, dloss.p, dlogits.p, 0.f);
+    B::sync();
+  }
+  st.counters["bytes/s"] = benchmark::Counter((backward ? 2.0 : 1.0) * N * C * sizeof(float),
+                                              benchmark::Counter::kIsIterationInvariantRate);
+}
+
+template <class B, bool adamw>
+void BM_Optimizer(benchmark::State& st) {
+  const i64 n = st.range(0);
+  Buffer p(B::cuda, n, 110), g(B::cuda, n, 111), m(B::cuda, n, 112), v(B::cuda, n, 113, 0.f);
+  i64 step = 1;
+  for (auto _ : st) {
+    if constexpr (adamw) B::adamw(n, p.p, g.p, m.p, v.p, 1e-3f, 0.9f, 0.999f, 1e-8f, 1e-2f, step++);
+    else B::sgd(n, p.p, g.p, m.p, 0.1f, 0.9f, 0.f, 5e-4f, false, false);
+    B::sync();
+  }
+  // SGD: read p, g, buf; write p, buf. AdamW: read p, g, m, v; write p, m, v.
+  st.counters["bytes/s"] = benchmark::Counter((adamw ? 7.0 : 5.0) * n * sizeof(float),
+                                              benchmark::Counter::kIsIterationInvariantRate);
+}
+
+// Shapes: ResNet-20 (3x32x32) and ResNet-50 (224x224) layers at modest batch sizes.
+template <class B>
+void register_all(const std::string& dev) {
+  auto name = [&](const char* what) { return std::string(what) + "/" + dev; };
+  benchmark::RegisterBenchmark(name("gemm").c_str(), BM_Gemm<B>)->Arg(256)->Arg(1024);
+  const std::vector<std::vector<std::int64_t>> convs = {
+      {32, 16, 32, 16, 3, 1},   // ResNet-20 layer1
+      {32, 64, 8, 64, 3, 1},    // ResNet-20 layer3
+      {8, 64, 56, 64, 3, 1},    // ResNet-50 layer1 3x3
+      {8, 256, 56, 64, 1, 1},   // ResNet-50 layer1 1x1 reduce
+      {8, 256, 14, 256, 3, 1}}; // ResNet-50 layer3 3x3
+  for (const auto& a : convs) {
+    benchmark::RegisterBenchmark(name("conv_fwd").c_str(), BM_Conv<B, ConvPass::Forward>)->Args(a);
+    benchmark::RegisterBenchmark(name("conv_bwd_data").c_str(), BM_Conv<B, ConvPass::BackwardData>)->Args(a);
+    benchmark::RegisterBenchmark(name("conv_bwd_filter").c_str(), BM_Conv<B, ConvPass::BackwardFilter>)->Args(a);
+  }
+  for (const auto& a : std::vector<std::vector<std::int64_t>>{{32, 16, 32}, {8, 256, 56}}) {
+    benchmark::RegisterBenchmark(name("batch_norm_fwd").c_str(), BM_Norm<B, false, false>)->Args(a);
+    benchmark::RegisterBenchmark(name("batch_norm_bwd").c_str(), BM_Norm<B, false, true>)->Args(a);
+    benchmark::RegisterBenchmark(name("group_norm_fwd").c_str(), BM_Norm<B, true, false>)->Args(a);
+    benchmark::RegisterBenchmark(name("group_norm_bwd").c_str(), BM_Norm<B, true, true>)->Args(a);
+  }
+  benchmark::RegisterBenchmark(name("relu").c_str(), BM_Elementwise<B, false>)->Arg(1 << 20)->Arg(1 << 24);
+  benchmark::RegisterBenchmark(name("add").c_str(), BM_Elementwise<B, true>)->Arg(1 << 20)->Arg(1 << 24);
+  benchmark::RegisterBenchmark(name("cross_entropy_fwd").c_str(), BM_CrossEntropy<B, false>)->Args({256, 1000});
+  benchmark::RegisterBenchmark(name("cross_entropy_bwd").c_str(), BM_CrossEntropy<B, true>)->Args({256, 1000});
+  benchmark::RegisterBenchmark(name("sgd_update").c_str(), BM_Optimizer<B, false>)->Arg(25557032);
+  benchmark::RegisterBenchmark(name("adamw_update").c_str(), BM_Optimizer<B, true>)->Arg(25557032);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  register_all<Cpu>("cpu");
+#if TALLY_HAVE_CUDA
+  if (tally::cuda_rt::device_count() > 0) register_all<Cuda>("cuda");
+  else std::fprintf(stderr, "no GPU present: CUDA kernel benchmarks skipped\n");
+#else
+  std::fprintf(stderr, "CUDA backend not built: CUDA kernel benchmarks skipped\n");
+#endif
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  return 0;
+}

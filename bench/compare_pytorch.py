@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""bench/compare_pytorch.py — tally and PyTorch side by side: the same model, batch, precision
+and device, training steps in one run, images/s and peak memory of both and their ratio.
+
+    python3 bench/compare_pytorch.py --model resnet20 --batch 128 --steps 20 --device cpu
+    python3 bench/compare_pytorch.py --model resnet50 --batch 64 --device cuda [--tf32]
+
+PyTorch side: SGD (momentum 0.9, weight decay 5e-4) training steps on random data of the input
+shape, eager mode, float32, TF32 off unless --tf32; the first --warmup steps are not timed.
+tally side: `tally train --data synthetic` (same model, batch, optimizer, float32), whose
+images/s also leaves out the first step; its peak is the arena's measured step peak. On CUDA
+PyTorch's peak is torch.cuda.max_memory_allocated() for the timed steps. On the CPU PyTorch has
+no allocator statistics, so its column is the growth of the process's maximum resident set
+during training (an upper bound that includes allocator caching), and the ratio is omitted.
+ResNet-20 comes from tests/gen_model_fixtures.py (the same definition the fixtures use);
+ResNet-18/50 from torchvision.
+"""
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+
+def make_model(name, classes):
+    if name.startswith("resnet") and name[6:].isdigit() and int(name[6:]) in (20, 32, 44, 56, 110):
+        from gen_model_fixtures import CifarResNet
+        return CifarResNet(int(name[6:]), classes)
+    import torchvision
+    return getattr(torchvision.models, name)(num_classes=classes)
+
+
+def torch_side(args, hw, classes):
+    dev = torch.device(args.device)
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = args.tf32
+        torch.backends.cudnn.allow_tf32 = args.tf32
+        torch.backends.cudnn.benchmark = True
+    torch.manual_seed(0)
+    model = make_model(args.model, classes).to(dev).train()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
+    x = torch.randn(args.batch, 3, hw, hw, device=dev)
+    y = torch.randint(0, classes, (args.batch,), device=dev)
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    for _ in range(args.warmup):
+        step()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    if dev.type == "cuda":
+        peak, peak_kind = torch.cuda.max_memory_allocated(), "max_memory_allocated"
+    else:
+        peak, peak_kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - rss0, "max RSS growth"
+    return args.batch * args.steps / dt, peak, peak_kind
+
+
+def tally_side(args, hw):
+    if hw != 32:
+        raise SystemExit("the tally side trains on the synthetic 3x32x32 data set; use a CIFAR-sized model "
+                         "or bench/bench_train for 224x224 inputs")
+    with tempfile.TemporaryDirectory() as out:
+        cmd = [args.tally, "train", "--model", args.model, "--data", "synthetic", "--batch-size", str(args.batch),
+               "--steps", str(args.steps + 1), "--lr", "0.01", "--schedule", "constant", "--no-augment",
+               "--device", args.device, "--out", out, "--no-progress"]
+        if args.threads:
+            cmd += ["--threads", str(args.threads)]
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        with open(os.path.join(out, "summary.json")) as f:
+            s = json.load(f)
+    return s["images_per_second"], s["peak_bytes"], s["micro_batches_per_step"]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="resnet20")
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--tf32", action="store_true", help="allow TF32 on the PyTorch side (CUDA)")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for both (0: all cores)")
+    p.add_argument("--tally", default=os.path.join(ROOT, "build", "apps", "tally"))
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    hw = 32 if args.model in ("resnet20", "resnet32", "resnet44", "resnet56", "resnet110") else 224
+    classes = 10 if hw == 32 else 1000
+    t_ips, t_peak, k = tally_side(args, hw)
+    p_ips, p_peak, p_kind = torch_side(args, hw, classes)
+    mib = 1 << 20
+    print(f"{args.model} batch {args.batch}, float32, {args.device}, {args.steps} timed steps, "
+          f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
+    print(f"{'':10} {'images/s':>10} {'peak MiB':>10}")
+    print(f"{'tally':10} {t_ips:10.1f} {t_peak / mib:10.1f}   (arena step peak; {k} micro-batch(es))")
+    print(f"{'pytorch':10} {p_ips:10.1f} {p_peak / mib:10.1f}   ({p_kind})")
+    ratio_mem = f"{t_peak / p_peak:.2f}" if args.device != "cpu" and p_peak > 0 else "n/a"
+    print(f"{'ratio':10} {t_ips / p_ips:10.2f} {ratio_mem:>10}   (tally / pytorch)")
+
+
+if __name__ == "__main__":
+    main()
