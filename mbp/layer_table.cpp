@@ -11,6 +11,7 @@
 #include <fmt/format.h>
 
 #include "core/memory.h"
+#include "mbp/planner.h"
 
 namespace tally::mbp {
 
@@ -100,7 +101,7 @@ std::vector<LayerRow> layer_table(nn::Module& model, const Shape& sample_shape, 
   std::map<const nn::Module*, Info> info;
   index(model, "", 0, info);
   const auto& real = current_arena(dev);
-  auto v = real->virtual_clone(std::max<std::size_t>(real->capacity(), std::size_t(1) << 40) * 64);
+  auto v = unbounded_clone(*real);
   Observer obs(info, *v);
   {
     DryRunGuard dry;

@@ -10,6 +10,10 @@
 
 namespace tally::mbp {
 
+std::shared_ptr<Arena> unbounded_clone(const Arena& a) {
+  return a.virtual_clone(std::max<std::size_t>(a.capacity(), std::size_t(1) << 40) * 64);
+}
+
 std::vector<std::int64_t> balanced_sizes(std::int64_t batch, std::int64_t k) {
   if (batch < 1 || k < 1 || k > batch)
     throw Error(fmt::format("balanced_sizes: expected 1 <= micro-batches <= batch, found {} micro-batches for batch {}",
@@ -114,8 +118,7 @@ Planner::Probe Planner::probe(const std::vector<std::int64_t>& sizes, bool detai
 
 void Planner::throw_too_small(std::int64_t batch, std::int64_t m, const std::string& why) {
   // Measure what the split would need on a clone with room to spare.
-  const std::size_t unbounded = std::max<std::size_t>(arena_->capacity(), std::size_t(1) << 40) * 64;
-  const Probe need = probe(split_for(batch, m), true, unbounded);
+  const Probe need = probe(split_for(batch, m), true, unbounded_clone(*arena_)->capacity());
   if (!need.error.empty()) throw Error(fmt::format("micro-batches of {} cannot run: {}", m, need.error));
   const std::string needs =
       need.fits ? fmt::format("needs a memory limit of at least {} ({} bytes); live at its peak: {}",

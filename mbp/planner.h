@@ -38,6 +38,10 @@
 
 namespace tally::mbp {
 
+// A virtual clone of `a` with room to spare (64x its capacity, at least 64 TiB of offsets):
+// what a step would need is measured on it whatever the budget.
+std::shared_ptr<Arena> unbounded_clone(const Arena& a);
+
 // k micro-batch sizes that split `batch` samples as evenly as possible, larger ones first.
 std::vector<std::int64_t> balanced_sizes(std::int64_t batch, std::int64_t micro_batches);
 
