@@ -6,6 +6,9 @@
 #include "core/cuda_runtime.h"
 #include "core/error.h"
 #include "tally/config.h"
+#if TALLY_HAVE_CUDA
+#include "kernels/cuda/context.h"
+#endif
 
 namespace tally {
 
@@ -62,6 +65,9 @@ std::string build_info() {
     const int n = cuda_device_count();
     s += n > 0 ? fmt::format(" | GPU: {} ({} device{})", cuda_rt::device_name(0), n, n > 1 ? "s" : "")
                : std::string(" | GPU: none detected");
+#if TALLY_HAVE_CUDA
+    if (n > 0) s += " | loaded: " + kernels::cuda::runtime_versions();
+#endif
   } else {
     s += " | CPU-only build (no CUDA backend)";
   }

@@ -1,124 +1,332 @@
 #!/usr/bin/env bash
-# scripts/gpu-check.sh — build the GPU tests here, run them (and compute-sanitizer) on a GPU machine.
+# scripts/gpu-check.sh — build tally's GPU programs here, check and time them on a GPU machine.
 #
-#   scripts/gpu-check.sh pack   on the build machine (no GPU needed): configures build-gpu/
-#                               (Release, sm_90 only, line info for the sanitizer), builds the GPU
-#                               test binaries and packs them with their non-CUDA shared libraries
-#                               into .gpu-bundle/ (git-ignored), with the list of sanitizer runs.
-#   scripts/gpu-check.sh run    on the GPU machine, from the repository root, with .gpu-bundle/
-#                               carried along: runs every GPU test through the bundle's `run`
-#                               wrapper (which finds CUDA, cuBLAS and cuDNN there), then
-#                               compute-sanitizer on the runs listed in .gpu-bundle/sanitize.list.
-#                               Logs go to $OUT when it is set, else to .gpu-bundle/logs; the last
-#                               lines printed are a summary table. Exit status 0 only if all passed.
+#   scripts/gpu-check.sh pack          on the build machine (no GPU needed): configures build-gpu/
+#                                      (Release, sm_90, line info for the sanitizer), builds the GPU
+#                                      tests, tally, bench_kernels and bench_train, and packs them
+#                                      with their non-CUDA shared libraries into .gpu-bundle/
+#                                      (git-ignored; gzip-compressed when it would not travel).
+#   scripts/gpu-check.sh run STEP...   on the GPU machine, from the repository root, .gpu-bundle/
+#                                      carried along. Steps, each well under 10 minutes:
+#        env       nvidia-smi, the CUDA/cuBLAS/cuDNN versions loaded, `tally --version`  (~10 s)
+#        tests     the three GPU test binaries                                          (~1-2 min)
+#        sanitize  compute-sanitizer: memcheck on every binary (the 1 PiB cudaMalloc test
+#                  excluded), racecheck and synccheck on tally's own kernels only        (~3-6 min)
+#        train     `make train`'s recipe on the GPU (ResNet-20, batch 256 in 48 MiB), then
+#                  `tally plan --device cuda` for ResNet-50 224x224 batch 4096 in 8 GiB  (~1-3 min)
+#        bench     bench_train on the GPU and bench/compare_pytorch.py (PyTorch there)   (~3-5 min)
+#   scripts/gpu-check.sh build-deps    here: download the Debian packages a build on the GPU
+#                                      machine needs into .gpu-debs/ (git-ignored).
+#   scripts/gpu-check.sh build-there   on the GPU machine, .gpu-debs/ carried: unpack them into a
+#                                      prefix, configure and build build-gpu/ with nvcc there, and
+#                                      re-pack .gpu-bundle/ from it (for a fix made after `pack`).
 #
-# Environment: JOBS (build parallelism, default 2), BUILD_DIR (default build-gpu), ARCH (CUDA
-# architectures, default 90), TALLY_GPU_BUNDLER (the bundling script, default below),
-# SANITIZE=0 to skip compute-sanitizer in `run`.
+# Logs: into $OUT when it is set, else .gpu-bundle/logs; one file per binary or tool, written as the
+# step runs (a step killed at its limit leaves its log and the summary so far), at most 8 per call
+# of `run`. The last lines printed are the summary table; exit status 0 only if everything passed.
+#
+# Environment: JOBS (build parallelism, default: all cores), BUILD_DIR (default build-gpu), ARCH
+# (CUDA architectures, default 90), STEP_TIMEOUT (seconds per binary, default 420).
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
 bundle=.gpu-bundle
+debs=.gpu-debs
 tests=(gpu_test gpu_kernels_test gpu_ops_test)
+programs=("${tests[@]/#/tests/}" apps/tally bench/bench_kernels bench/bench_train)
 # The GPU machine takes 64 MiB of working tree in all: the tracked files travel with the bundle.
 tree_limit=$((64 * 1024 * 1024))
 
-pack() {
-  local build=${BUILD_DIR:-build-gpu} jobs=${JOBS:-2} arch=${ARCH:-90}
-  local bundler=${TALLY_GPU_BUNDLER:-/work/shared/tools/gpu-bundle.sh}
-  [[ -x $bundler || -f $bundler ]] || { echo "gpu-check: bundling script not found: $bundler" >&2; exit 2; }
-  cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DTALLY_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$arch" \
-    -DTALLY_BUILD_BENCH=OFF >/dev/null
-  cmake --build "$build" -j "$jobs" --target "${tests[@]}"
-  rm -rf "$bundle"
-  local bins=()
-  for t in "${tests[@]}"; do bins+=("$build/tests/$t"); done
-  bash "$bundler" "$bundle" "${bins[@]}"
-  # Sanitizer runs: tool, binary, gtest filter. memcheck everywhere (the kernel tests use exact-size
-  # buffers, so it sees out-of-bounds accesses; the op tests run inside one arena allocation, so
-  # there it sees API misuse and accesses outside the arena), racecheck and synccheck on the
-  # kernels with shared memory and barriers.
+# ---- packing -------------------------------------------------------------------------------------
+
+# Copies each program into $bundle/bin and every shared library it needs into $bundle/lib, except
+# the C runtime and the CUDA libraries, which come from the GPU machine.
+bundle_programs() {
+  local skip='^(linux-vdso|ld-linux|libc\.|libm\.|libdl\.|librt\.|libpthread\.|libstdc\+\+|libgcc_s|libcuda\.|libcudart|libcublas|libcudnn|libnccl|libnvrtc|libnvJitLink)'
+  mkdir -p "$bundle/bin" "$bundle/lib"
+  local prog name path
+  for prog in "$@"; do
+    cp -f "$prog" "$bundle/bin/"
+    while read -r name path; do
+      [[ $name =~ $skip ]] && continue
+      cp -fL "$path" "$bundle/lib/$name"
+    done < <(ldd "$prog" | awk '/=> \//{print $1, $3}')
+  done
+  write_run_wrapper
+}
+
+# $bundle/run: runs a command with the bundle's libraries and the GPU machine's CUDA runtime,
+# cuBLAS, cuBLASLt and cuDNN — all four from ONE tree, so that cuDNN finds the cuBLASLt it was built
+# with: the nvidia/* packages beside the machine's PyTorch first, else the CUDA toolkit.
+# TALLY_CUDA_LIBS (folders, colon-separated) overrides the search. Prints the files it chose.
+write_run_wrapper() {
+  cat >"$bundle/run" <<'RUN'
+#!/usr/bin/env bash
+here=$(cd "$(dirname "$0")" && pwd)
+libs=(libcudart.so.13 libcublas.so.13 libcublasLt.so.13 libcudnn.so.9)
+find_all() {  # the folders holding each of ${libs[@]} under the given roots, or failure
+  local dirs="" d lib
+  for lib in "${libs[@]}"; do
+    d=$(find "$@" -name "$lib" -print -quit 2>/dev/null | xargs -r dirname)
+    [[ -n $d ]] || return 1
+    [[ :$dirs: == *:$d:* ]] || dirs=${dirs:+$dirs:}$d
+  done
+  echo "$dirs"
+}
+cuda=${TALLY_CUDA_LIBS:-}
+if [[ -z $cuda ]]; then
+  site=$(python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))' 2>/dev/null)
+  [[ -n $site && -d $site/nvidia ]] && cuda=$(find_all "$site/nvidia")
+  [[ -n $cuda ]] || cuda=$(find_all /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local /opt /usr/lib 2>/dev/null)
+fi
+if [[ -z ${TALLY_RUN_QUIET:-} ]]; then
+  if [[ -n $cuda ]]; then
+    chosen=""
+    for lib in "${libs[@]}"; do
+      f=$(IFS=:; for d in $cuda; do [[ -e $d/$lib ]] && { readlink -f "$d/$lib"; break; }; done)
+      chosen+=" ${f:-$lib?}"
+    done
+    echo "run: CUDA libraries:$chosen" >&2
+  else
+    echo "run: no CUDA runtime/cuBLAS/cuDNN found on this machine (CPU-only use)" >&2
+  fi
+fi
+export LD_LIBRARY_PATH=$here/lib${cuda:+:$cuda}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+exec "$@"
+RUN
+  chmod +x "$bundle/run"
+}
+
+# Sanitizer runs: tool, binary, gtest filter, extra sanitizer options. memcheck everywhere (the
+# kernel tests use exact-size buffers, so it sees out-of-bounds accesses; the op tests run inside
+# one arena allocation, where it sees API misuse and accesses outside the arena) except the test
+# whose 1 PiB cudaMalloc fails on purpose and the whole-ResNet steps (time); racecheck and
+# synccheck only on tally's own kernels (--kernel-name), not inside cuBLAS or cuDNN.
+write_sanitize_list() {
   cat >"$bundle/sanitize.list" <<'LIST'
 memcheck gpu_kernels_test *
-memcheck gpu_test *
+memcheck gpu_test *:-Gpu.ReservingMoreThanTheDeviceHasIsAClearError
 memcheck gpu_ops_test GpuOps.EveryOp*:GpuOps.BasicBlock*:GpuOps.Tensors*:GpuOps.CrossEntropy*:Optimizer.*
-racecheck gpu_kernels_test GpuKernels.RowBroadcasts*:GpuKernels.BatchNorm*:GpuKernels.GroupNorm*:GpuKernels.CrossEntropy*:GpuKernels.Convolution*
-synccheck gpu_kernels_test GpuKernels.RowBroadcasts*:GpuKernels.BatchNorm*:GpuKernels.GroupNorm*
+racecheck gpu_kernels_test GpuKernels.* --kernel-name kns=tally
+synccheck gpu_kernels_test GpuKernels.* --kernel-name kns=tally
 LIST
+}
+
+pack_from() {  # BUILD_DIR ARCH
+  local build=$1 arch=$2
+  rm -rf "$bundle"
+  local bins=() p
+  for p in "${programs[@]}"; do bins+=("$build/$p"); done
+  bundle_programs "${bins[@]}"
+  write_sanitize_list
   {
-    echo "commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- . ':!.gpu-bundle' 2>/dev/null || echo ' (+ local changes)')"
-    echo "built  $(date -u +%Y-%m-%dT%H:%M:%SZ), CUDA architectures $arch, $(grep -m1 CMAKE_BUILD_TYPE: "$build/CMakeCache.txt")"
+    echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD -- . 2>/dev/null || echo ' (+ local changes)')"
+    echo "built  $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -n), CUDA architectures $arch, $(grep -m1 CMAKE_BUILD_TYPE: "$build/CMakeCache.txt")"
   } >"$bundle/BUILD_INFO"
   local bytes tracked
   bytes=$(du -sb "$bundle" | cut -f1)
   tracked=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+  if ((bytes + tracked > tree_limit - 4 * 1024 * 1024)); then
+    # Too large to travel as it is: one gzip archive, unpacked by `run` on arrival.
+    tar -C "$bundle" -czf /tmp/tally-gpu-bundle.tar.gz .
+    rm -rf "$bundle" && mkdir -p "$bundle" && mv /tmp/tally-gpu-bundle.tar.gz "$bundle/bundle.tar.gz"
+    bytes=$(du -sb "$bundle" | cut -f1)
+  fi
   echo "gpu-check: $bundle holds $((bytes / 1024 / 1024)) MiB ($bytes bytes), the tracked tree" \
     "$((tracked / 1024 / 1024)) MiB ($tracked bytes); together at most $((tree_limit / 1024 / 1024)) MiB may travel"
   if ((bytes + tracked > tree_limit - 1024 * 1024)); then
     echo "gpu-check: the bundle is too large to travel to the GPU machine with the working tree" >&2
     exit 1
   fi
-  echo "gpu-check: on the GPU machine, from the repository root with $bundle carried: scripts/gpu-check.sh run"
+}
+
+configure_build() {  # BUILD_DIR ARCH [cmake args...]
+  local build=$1 arch=$2
+  shift 2
+  cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DTALLY_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$arch" \
+    -DCMAKE_CUDA_FLAGS="-lineinfo" "$@" >/dev/null
+  local targets=() p
+  for p in "${programs[@]}"; do targets+=("$(basename "$p")"); done
+  cmake --build "$build" -j "${JOBS:-$(nproc)}" --target "${targets[@]}"
+}
+
+pack() {
+  local build=${BUILD_DIR:-build-gpu} arch=${ARCH:-90}
+  configure_build "$build" "$arch"
+  pack_from "$build" "$arch"
+  echo "gpu-check: on the GPU machine, from the repository root with $bundle carried: scripts/gpu-check.sh run env tests ..."
+}
+
+# ---- building on the GPU machine -----------------------------------------------------------------
+
+# The Debian packages (and what they pull in that the GPU machine lacks) for a build there.
+build_debs=(libfmt-dev libfmt9 nlohmann-json3-dev libcli11-dev libgtest-dev libgmock-dev googletest libbenchmark-dev
+  libbenchmark1debian libopenblas-dev libopenblas0 libopenblas0-pthread libopenblas-pthread-dev libgfortran5
+  libgomp1 pkg-config pkgconf pkgconf-bin libpkgconf3)
+
+build_deps() {
+  rm -rf "$debs" && mkdir -p "$debs"
+  (cd "$debs" && apt-get download "${build_debs[@]}")
+  echo "gpu-check: $(du -sh "$debs" | cut -f1) of packages in $debs: carry it, then run scripts/gpu-check.sh build-there"
+}
+
+build_there() {
+  [[ -d $debs ]] || { echo "gpu-check: no $debs: run 'scripts/gpu-check.sh build-deps' here first and carry it" >&2; exit 2; }
+  local prefix=${DEB_PREFIX:-/tmp/tally-debs} build=${BUILD_DIR:-build-gpu} arch=${ARCH:-90} f
+  mkdir -p "$prefix"
+  for f in "$debs"/*.deb; do dpkg-deb -x "$f" "$prefix" 2>/dev/null || (cd "$prefix" && ar p "$OLDPWD/$f" data.tar.xz | tar xJ); done
+  local multi=$prefix/usr/lib/x86_64-linux-gnu
+  # Debian's pkg-config files and CMake packages name /usr: point them at the prefix.
+  grep -rl '^prefix=/usr' "$multi/pkgconfig" "$prefix/usr/share/pkgconfig" 2>/dev/null | xargs -r sed -i "s|^prefix=/usr|prefix=$prefix/usr|"
+  # The OpenBLAS alternatives link (/etc/alternatives) does not unpack: make the plain names.
+  [[ -e $multi/libopenblas.so ]] || ln -sf openblas-pthread/libopenblas.so "$multi/libopenblas.so"
+  [[ -e $multi/libopenblas.so.0 ]] || ln -sf openblas-pthread/libopenblas.so.0 "$multi/libopenblas.so.0"
+  export PKG_CONFIG_PATH=$multi/pkgconfig:$multi/openblas-pthread/pkgconfig:$prefix/usr/share/pkgconfig
+  export LIBRARY_PATH=$multi:$multi/openblas-pthread${LIBRARY_PATH:+:$LIBRARY_PATH}
+  export LD_LIBRARY_PATH=$multi:$multi/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  local gen=()
+  command -v ninja >/dev/null && gen=(-G Ninja)
+  configure_build "$build" "$arch" "${gen[@]}" -DCMAKE_PREFIX_PATH="$prefix/usr" \
+    -DCUDNN_ROOT="${CUDNN_ROOT:-$(python3 -c 'import os, nvidia.cudnn as c; print(os.path.dirname(c.__file__))' 2>/dev/null || echo /usr/local/cuda)}"
+  pack_from "$build" "$arch"
+}
+
+# ---- running on the GPU machine ------------------------------------------------------------------
+
+logs=${OUT:-$bundle/logs}
+summary=""
+status=0
+
+note() { echo "$*" | tee -a "$summary"; }
+
+unpack_if_needed() {
+  if [[ ! -x $bundle/run && -f $bundle/bundle.tar.gz ]]; then
+    tar -C "$bundle" -xzf "$bundle/bundle.tar.gz" && rm -f "$bundle/bundle.tar.gz"
+  fi
+  [[ -x $bundle/run ]] || { echo "gpu-check: no $bundle/run: run 'scripts/gpu-check.sh pack' here first and carry $bundle" >&2; exit 2; }
+}
+
+# run_logged NAME LOG CMD...: runs CMD (under the step timeout) into LOG, records its exit status.
+run_logged() {
+  local name=$1 log=$2 rc=0
+  shift 2
+  echo "==== $(date -u +%H:%M:%S) $*" >>"$log"
+  timeout --kill-after=10 "${STEP_TIMEOUT:-420}" "$@" </dev/null >>"$log" 2>&1 || rc=$?
+  echo "==== exit $rc after $SECONDS s of the step" >>"$log"
+  last_rc=$rc
+  ((rc == 0)) || status=1
+  [[ $rc == 124 || $rc == 137 ]] && note "$(printf '%-44s TIMED OUT' "$name")"
+  return 0
+}
+
+step_env() {
+  local log=$logs/env.log
+  {
+    nvidia-smi 2>&1 || echo "nvidia-smi: not available"
+    echo
+    "$bundle/run" "$bundle/bin/tally" --version 2>&1
+    cat "$bundle/BUILD_INFO"
+  } >"$log"
+  note "$(grep -m1 -o 'GPU: .*' "$log" || echo 'GPU: none detected')"
+}
+
+step_tests() {
+  local t line
+  for t in "${tests[@]}"; do
+    local log=$logs/$t.log
+    : >"$log"
+    run_logged "$t" "$log" "$bundle/run" "$bundle/bin/$t" --gtest_color=no
+    line=$(grep -E '^\[ +(PASSED|FAILED|SKIPPED) +\] [0-9]+ tests?' "$log" | tr -s ' \n' ' ' || true)
+    if grep -q 'no GPU present' "$log"; then  # a check that skipped for want of a GPU checked nothing
+      line="$line(skipped: no GPU present)"
+      status=1
+    fi
+    note "$(printf '%-44s rc=%-3s %s' "$t" "$last_rc" "${line:-no gtest summary}")"
+  done
+}
+
+step_sanitize() {
+  local cs
+  cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1 || true)
+  if [[ -z $cs ]]; then
+    note "compute-sanitizer: not found, skipped"
+    status=1
+    return
+  fi
+  local tool bin filter extra
+  while read -r tool bin filter extra; do
+    [[ -z $tool || $tool == \#* ]] && continue
+    local log=$logs/$tool.log
+    run_logged "$tool $bin" "$log" "$bundle/run" "$cs" --tool "$tool" --error-exitcode 97 --print-limit 20 $extra \
+      "$bundle/bin/$bin" --gtest_color=no --gtest_filter="$filter"
+    local errs
+    errs=$(grep -E 'ERROR SUMMARY: [0-9]+|RACECHECK SUMMARY' "$log" | tail -1 || true)
+    note "$(printf '%-44s rc=%-3s %s' "$tool $bin" "$last_rc" "${errs:-no sanitizer summary}")"
+  done <"$bundle/sanitize.list"
+}
+
+step_train() {
+  local log=$logs/train.log run=/tmp/tally-gpu-train
+  rm -rf "$run"
+  run_logged "tally train (cuda, make train recipe)" "$log" "$bundle/run" "$bundle/bin/tally" train --model resnet20 \
+    --data synthetic --epochs 3 --batch-size 256 --memory-limit 48MiB --lr 0.2 --schedule onecycle --device cuda \
+    --out "$run" --no-progress
+  note "$(printf '%-44s rc=%-3s %s' "tally train cuda" "$last_rc" "$(grep -E 'test accuracy|peak' "$log" | tail -2 | tr '\n' ' ')")"
+  [[ -f $run/summary.json ]] && cp "$run/summary.json" "$logs/train-summary.json"
+  [[ -f $run/memory.svg ]] && cp "$run/memory.svg" "$logs/train-memory.svg"
+  log=$logs/plan.log
+  run_logged "tally plan (cuda, resnet50)" "$log" "$bundle/run" "$bundle/bin/tally" plan --model resnet50 \
+    --input 3x224x224 --batch-size 4096 --memory-limit 8GiB --device cuda
+  note "$(printf '%-44s rc=%-3s %s' "tally plan cuda resnet50" "$last_rc" "$(grep -m1 'plan:' "$log" || true)")"
+}
+
+step_bench() {
+  local log=$logs/bench.log
+  run_logged "bench_train (cuda)" "$log" "$bundle/run" "$bundle/bin/bench_train" --benchmark_filter='cuda' \
+    --benchmark_min_time=2 --benchmark_counters_tabular=true
+  note "$(printf '%-44s rc=%-3s' "bench_train cuda" "$last_rc")"
+  local m b
+  for m in "resnet20 128" "resnet50 256"; do
+    read -r m b <<<"$m"
+    run_logged "compare_pytorch $m" "$log" "$bundle/run" python3 bench/compare_pytorch.py --model "$m" --batch "$b" \
+      --device cuda --tally "$bundle/bin/tally"
+    note "$(printf '%-44s rc=%-3s %s' "compare_pytorch $m $b" "$last_rc" "$(grep -E '^ratio' "$log" | tail -1)")"
+  done
 }
 
 run() {
-  [[ -x $bundle/run ]] || { echo "gpu-check: no $bundle/run: run 'scripts/gpu-check.sh pack' here first and carry $bundle" >&2; exit 2; }
-  local logs=${OUT:-$bundle/logs}
+  unpack_if_needed
   mkdir -p "$logs"
-  local summary=$logs/summary.txt status=0
+  summary=$logs/summary.txt
   {
-    echo "== gpu-check $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-    cat "$bundle/BUILD_INFO" 2>/dev/null || true
-    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "nvidia-smi: not available"
-  } >"$summary"
-  local results=()
-  for t in "${tests[@]}"; do
-    local rc=0
-    "$bundle/run" "$bundle/bin/$t" --gtest_color=no </dev/null >"$logs/$t.log" 2>&1 || rc=$?
-    local line
-    line=$(grep -E '^\[ +(PASSED|FAILED|SKIPPED) +\] [0-9]+ tests?' "$logs/$t.log" | tr -s ' \n' ' ' || true)
-    # A GPU check that skipped for want of a GPU checked nothing: that is a failure here.
-    if grep -q 'no GPU present' "$logs/$t.log"; then
-      line="$line(skipped: no GPU present)"
-      rc=${rc/#0/98}
-    fi
-    results+=("$(printf '%-40s rc=%-3s %s' "$t" "$rc" "${line:-no gtest summary}")")
-    ((rc == 0)) || status=1
+    echo "== gpu-check $(date -u +%Y-%m-%dT%H:%M:%SZ): $*"
+    head -1 "$bundle/BUILD_INFO" 2>/dev/null || true
+  } >>"$summary"
+  local s
+  for s in "$@"; do
+    SECONDS=0
+    case $s in
+      env | tests | sanitize | train | bench) "step_$s" ;;
+      *) echo "gpu-check: unknown step '$s': expected env, tests, sanitize, train or bench" >&2; exit 2 ;;
+    esac
+    note "-- step $s: ${SECONDS}s"
   done
-  if [[ ${SANITIZE:-1} != 0 ]]; then
-    local cs
-    cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1 || true)
-    if [[ -z $cs ]]; then
-      results+=("compute-sanitizer: not found, skipped")
-      status=1
-    else
-      while read -r tool bin filter; do
-        [[ -z $tool || $tool == \#* ]] && continue
-        local rc=0
-        {
-          echo "==== $tool $bin --gtest_filter=$filter"
-          "$bundle/run" "$cs" --tool "$tool" --error-exitcode 97 "$bundle/bin/$bin" --gtest_color=no \
-            --gtest_filter="$filter" </dev/null
-        } >>"$logs/$tool.log" 2>&1 || rc=$?
-        local errs
-        errs=$(grep -E 'ERROR SUMMARY: [0-9]+' "$logs/$tool.log" | tail -1 || true)
-        results+=("$(printf '%-40s rc=%-3s %s' "$tool $bin" "$rc" "${errs:-no sanitizer summary}")")
-        ((rc == 0)) || status=1
-      done <"$bundle/sanitize.list"
-    fi
-  fi
-  printf '%s\n' "${results[@]}" >>"$summary"
-  echo "result: $([[ $status == 0 ]] && echo PASS || echo FAIL)" >>"$summary"
-  cat "$summary"
+  note "result: $([[ $status == 0 ]] && echo PASS || echo FAIL)"
   return $status
 }
 
 case ${1:-} in
   pack) pack ;;
-  run) run ;;
+  build-deps) build_deps ;;
+  build-there) build_there ;;
+  run)
+    shift
+    (($#)) || set -- env tests sanitize
+    run "$@"
+    ;;
   *)
-    echo "usage: scripts/gpu-check.sh pack|run   (see the top of this file)" >&2
+    echo "usage: scripts/gpu-check.sh pack | run STEP... | build-deps | build-there   (see the top of this file)" >&2
     exit 2
     ;;
 esac

@@ -164,6 +164,22 @@ void initialize() {
 
 void synchronize() { TALLY_CUDA_CHECK(cudaStreamSynchronize(context().compute)); }
 
+std::string runtime_versions() {
+  int driver = 0, runtime = 0, blas[3] = {0, 0, 0};
+  (void)cudaDriverGetVersion(&driver);
+  (void)cudaRuntimeGetVersion(&runtime);
+  (void)cublasGetProperty(MAJOR_VERSION, &blas[0]);
+  (void)cublasGetProperty(MINOR_VERSION, &blas[1]);
+  (void)cublasGetProperty(PATCH_LEVEL, &blas[2]);
+  std::string s = fmt::format("driver {}.{}, runtime {}.{}, cuBLAS {}.{}.{}", driver / 1000, driver % 1000 / 10,
+                              runtime / 1000, runtime % 1000 / 10, blas[0], blas[1], blas[2]);
+#if TALLY_HAVE_CUDNN
+  const std::size_t v = cudnnGetVersion();  // major*10000 + minor*100 + patch since cuDNN 9
+  s += fmt::format(", cuDNN {}.{}.{}", v / 10000, v % 10000 / 100, v % 100);
+#endif
+  return s;
+}
+
 // ---- switches ---------------------------------------------------------------------------------
 void set_allow_tf32(bool on) { g_allow_tf32 = on; }
 bool allow_tf32() { return g_allow_tf32; }

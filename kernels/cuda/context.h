@@ -26,6 +26,7 @@
 // between a dry run and the real run is seen as a different convolution, never a stale choice.
 #pragma once
 #include <cstddef>
+#include <string>
 
 struct CUstream_st;  // cudaStream_t is CUstream_st*
 struct CUevent_st;   // cudaEvent_t is CUevent_st*
@@ -46,6 +47,10 @@ void initialize();
 // Waits until everything enqueued on the current device's compute stream has finished; throws
 // tally::Error if a kernel failed.
 void synchronize();
+
+// The versions loaded at run time (which may differ from the headers built against):
+// "driver 13.0, runtime 13.0, cuBLAS 13.0.2, cuDNN 9.19.0".
+std::string runtime_versions();
 
 // ---- switches ---------------------------------------------------------------------------------
 void set_allow_tf32(bool on);
