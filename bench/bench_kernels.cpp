@@ -92,7 +92,7 @@ struct Labels {
     template <class... A> static void conv_fwd(A... a) { NS::conv2d_forward<float>(a...); }      \
     template <class... A> static void conv_bwd_data(A... a) { NS::conv2d_backward_data<float>(a...); } \
     template <class... A> static void conv_bwd_filter(A... a) { NS::conv2d_backward_filter<float>(a...); } \
-    static std::size_t conv_ws(const kc::Conv2dShape& s) { return NS::conv2d_workspace_bytes<float>(s); } \
+    static std::size_t conv_ws(const kc::Conv2dShape& s, tally::kernels::ConvPass p) { return NS::conv2d_workspace_bytes<float>(s, p); } \
     template <class... A> static void bn_fwd(A... a) { NS::batch_norm_forward_train<float>(a...); } \
     template <class... A> static void bn_bwd(A... a) { NS::batch_norm_backward<float>(a...); }  \
     template <class... A> static void gn_fwd(A... a) { NS::group_norm_forward<float>(a...); }   \
@@ -140,7 +140,7 @@ double conv_flops(const kc::Conv2dShape& s) {
   return 2.0 * static_cast<double>(s.N * s.K * s.P() * s.Q()) * static_cast<double>(s.C * s.R * s.S / s.groups);
 }
 
-enum class ConvPass { Forward, BackwardData, BackwardFilter };
+using tally::kernels::ConvPass;
 
 template <class B, ConvPass pass>
 void BM_Conv(benchmark::State& st) {
@@ -152,14 +152,14 @@ void BM_Conv(benchmark::State& st) {
     dy.push_back(std::make_unique<Buffer>(B::cuda, ys, 50 + r));
   }
   Buffer w(B::cuda, ws, 60, 0.05f), out_x(B::cuda, xs, 61), out_w(B::cuda, ws, 62), out_y(B::cuda, ys, 63);
-  const std::size_t wsb = B::conv_ws(s);
+  const std::size_t wsb = B::conv_ws(s, pass);
   Buffer work(B::cuda, wsb / sizeof(float) + 1, 64);
   int i = 0;
   for (auto _ : st) {
     const int r = i % kRotate;
-    if constexpr (pass == ConvPass::Forward) B::conv_fwd(s, x[r]->p, w.p, static_cast<const float*>(nullptr), out_y.p, static_cast<void*>(work.p));
-    if constexpr (pass == ConvPass::BackwardData) B::conv_bwd_data(s, dy[r]->p, w.p, out_x.p, 0.f, static_cast<void*>(work.p));
-    if constexpr (pass == ConvPass::BackwardFilter) B::conv_bwd_filter(s, x[r]->p, dy[r]->p, out_w.p, 1.f, static_cast<void*>(work.p));
+    if constexpr (pass == ConvPass::forward) B::conv_fwd(s, x[r]->p, w.p, static_cast<const float*>(nullptr), out_y.p, static_cast<void*>(work.p));
+    if constexpr (pass == ConvPass::backward_data) B::conv_bwd_data(s, dy[r]->p, w.p, out_x.p, 0.f, static_cast<void*>(work.p));
+    if constexpr (pass == ConvPass::backward_filter) B::conv_bwd_filter(s, x[r]->p, dy[r]->p, out_w.p, 1.f, static_cast<void*>(work.p));
     B::sync();
     ++i;
   }
@@ -256,9 +256,9 @@ void register_all(const std::string& dev) {
       {8, 256, 56, 64, 1, 1},   // ResNet-50 layer1 1x1 reduce
       {8, 256, 14, 256, 3, 1}}; // ResNet-50 layer3 3x3
   for (const auto& a : convs) {
-    benchmark::RegisterBenchmark(name("conv_fwd").c_str(), BM_Conv<B, ConvPass::Forward>)->Args(a);
-    benchmark::RegisterBenchmark(name("conv_bwd_data").c_str(), BM_Conv<B, ConvPass::BackwardData>)->Args(a);
-    benchmark::RegisterBenchmark(name("conv_bwd_filter").c_str(), BM_Conv<B, ConvPass::BackwardFilter>)->Args(a);
+    benchmark::RegisterBenchmark(name("conv_fwd").c_str(), BM_Conv<B, ConvPass::forward>)->Args(a);
+    benchmark::RegisterBenchmark(name("conv_bwd_data").c_str(), BM_Conv<B, ConvPass::backward_data>)->Args(a);
+    benchmark::RegisterBenchmark(name("conv_bwd_filter").c_str(), BM_Conv<B, ConvPass::backward_filter>)->Args(a);
   }
   for (const auto& a : std::vector<std::vector<std::int64_t>>{{32, 16, 32}, {8, 256, 56}}) {
     benchmark::RegisterBenchmark(name("batch_norm_fwd").c_str(), BM_Norm<B, false, false>)->Args(a);

@@ -31,7 +31,10 @@ const char* category_name(Category c) {
 Arena::Arena(Device device, std::size_t capacity) : Arena(device, capacity, true) {}
 
 Arena::Arena(Device device, std::size_t capacity, bool reserve)
-    : device_(device), capacity_(capacity / kAlignment * kAlignment), t0_(std::chrono::steady_clock::now()) {
+    : device_(device),
+      capacity_(capacity / kAlignment * kAlignment),
+      budget_(capacity_),
+      t0_(std::chrono::steady_clock::now()) {
   if (capacity_ == 0)
     throw Error(fmt::format("arena on {}: capacity {} bytes is below the {}-byte alignment",
                             device.str(), capacity, kAlignment));
@@ -58,6 +61,7 @@ std::shared_ptr<Arena> Arena::make_virtual(Device device, std::size_t capacity) 
 
 std::shared_ptr<Arena> Arena::virtual_clone() const {
   auto v = std::shared_ptr<Arena>(new Arena(device_, capacity_, false));
+  v->budget_ = budget_;
   v->blocks_ = blocks_;
   v->free_set_ = free_set_;
   v->cat_ = cat_;

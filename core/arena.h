@@ -129,6 +129,10 @@ class Arena {
   bool is_virtual() const { return base_ == nullptr; }
   void* base() const { return base_; }
   std::size_t capacity() const { return capacity_; }
+  // The capacity this arena's line was created with: a virtual clone keeps its source's budget
+  // even when it is wider. Workspace sizes that kernels may take (cuBLAS's workspace, cuDNN's
+  // limit) are fractions of it, so a dry run on a wide clone chooses as the real step does.
+  std::size_t budget() const { return budget_; }
   ArenaStats stats() const;
   std::size_t free_bytes() const { return capacity_ - static_cast<std::size_t>(total_.current); }
   std::size_t largest_free_block() const;
@@ -184,6 +188,7 @@ class Arena {
 
   Device device_;
   std::size_t capacity_;
+  std::size_t budget_;
   void* base_ = nullptr;
   std::map<std::size_t, Node> blocks_;                        // offset -> block, tiles [0, cap)
   std::set<std::pair<std::size_t, std::size_t>> free_set_;   // (size, offset) of free blocks

@@ -38,15 +38,20 @@ Tensor workspace(const Tensor& like, std::size_t bytes, const char* op) {
                        fmt::format("{}_workspace", op));
 }
 void* ws_ptr(const Tensor& ws) { return ws.defined() ? ws.raw_data() : nullptr; }
+std::size_t ws_size(const Tensor& ws) { return ws.defined() ? static_cast<std::size_t>(ws.numel()) * 8 : 0; }
+
+// The budget of the arena `like`'s device allocates from now: workspace sizes are fractions of it
+// (fixed when the arena was created and kept by its virtual clones, so dry runs choose as real
+// steps do).
+std::size_t arena_budget(const Tensor& like) { return current_arena(like.device())->budget(); }
 
 // Scratch of one GEMM on `like`'s device: cuBLAS's workspace on CUDA, none on the CPU (so CPU
 // runs allocate exactly as before). Not a dispatch: the size depends on no element type.
 std::size_t gemm_workspace_bytes(const Tensor& like) {
 #if TALLY_HAVE_CUDA
-  if (like.device().is_cuda()) return kernels::cuda::gemm_workspace_bytes();
+  if (like.device().is_cuda()) return kernels::cuda::gemm_workspace_bytes(arena_budget(like));
 #endif
-  (void)like;
-  return kc::gemm_workspace_bytes();
+  return kc::gemm_workspace_bytes(arena_budget(like));
 }
 
 // Saved tensors of a Node: released after its backward.
@@ -90,6 +95,9 @@ kc::Conv2dShape conv_shape(const Tensor& x, const Tensor& w, const Conv2dOptions
   s.pad_h = o.padding[0]; s.pad_w = o.padding[1];
   s.dil_h = o.dilation[0]; s.dil_w = o.dilation[1];
   s.groups = o.groups;
+#if TALLY_HAVE_CUDA
+  if (x.device().is_cuda()) s.workspace_limit = kernels::cuda::conv_workspace_limit(arena_budget(x));
+#endif
   return s;
 }
 
@@ -102,16 +110,20 @@ struct Conv2dBackward : Node {
   void backward(const Tensor& gy, std::vector<GradSlot>& g) override {
     const Tensor &x = saved.t[0], &w = saved.t[1];
     const Tensor dy = gy.contiguous();
-    std::size_t ws_bytes = 0;
-    TALLY_DISPATCH("conv2d", x, ws_bytes = kk::conv2d_workspace_bytes<T>(s));
-    Tensor ws = (g[0].needed || g[1].needed) ? workspace(x, ws_bytes, "conv2d_backward") : Tensor();
     double beta = 0;
+    // Each pass carves its own workspace just before it runs and returns it right after.
     if (g[0].needed) {
       Tensor& dx = grad_target(g[0], x, beta, "conv2d");
+      std::size_t ws_bytes = 0;
+      TALLY_DISPATCH("conv2d", x, ws_bytes = kk::conv2d_workspace_bytes<T>(s, kernels::ConvPass::backward_data));
+      const Tensor ws = workspace(x, ws_bytes, "conv2d_backward_data");
       TALLY_RUN("conv2d", x, kk::conv2d_backward_data<T>(s, dy.data<T>(), w.data<T>(), dx.data<T>(), T(beta), ws_ptr(ws)));
     }
     if (g[1].needed) {
       Tensor& dw = grad_target(g[1], w, beta, "conv2d");
+      std::size_t ws_bytes = 0;
+      TALLY_DISPATCH("conv2d", x, ws_bytes = kk::conv2d_workspace_bytes<T>(s, kernels::ConvPass::backward_filter));
+      const Tensor ws = workspace(x, ws_bytes, "conv2d_backward_filter");
       TALLY_RUN("conv2d", x, kk::conv2d_backward_filter<T>(s, x.data<T>(), dy.data<T>(), dw.data<T>(), T(beta), ws_ptr(ws)));
     }
     if (has_bias && g[2].needed) {
@@ -149,7 +161,7 @@ Tensor conv2d(const Tensor& x_, const Tensor& w_, const Tensor& b, const Conv2dO
   Tensor y = out_like(x, {s.N, s.K, s.P(), s.Q()}, op);
   {
     std::size_t ws_bytes = 0;
-    TALLY_DISPATCH(op, x, ws_bytes = kk::conv2d_workspace_bytes<T>(s));
+    TALLY_DISPATCH(op, x, ws_bytes = kk::conv2d_workspace_bytes<T>(s, kernels::ConvPass::forward));
     Tensor ws = workspace(x, ws_bytes, op);
     TALLY_RUN(op, x, kk::conv2d_forward<T>(s, x.data<T>(), w.data<T>(), ptr_or_null<T>(b), y.data<T>(), ws_ptr(ws)));
   }
@@ -179,11 +191,11 @@ struct LinearBackward : Node {
     double beta = 0;
     if (g[0].needed) {  // dx (N, in) = dy (N, out) @ w (out, in)
       Tensor& dx = grad_target(g[0], x, beta, "linear");
-      TALLY_RUN("linear", x, kk::gemm<T>(false, false, N, I, O, T(1), dy.data<T>(), O, w.data<T>(), I, T(beta), dx.data<T>(), I, ws_ptr(ws)));
+      TALLY_RUN("linear", x, kk::gemm<T>(false, false, N, I, O, T(1), dy.data<T>(), O, w.data<T>(), I, T(beta), dx.data<T>(), I, ws_ptr(ws), ws_size(ws)));
     }
     if (g[1].needed) {  // dw (out, in) = dy^T (out, N) @ x (N, in)
       Tensor& dw = grad_target(g[1], w, beta, "linear");
-      TALLY_RUN("linear", x, kk::gemm<T>(true, false, O, I, N, T(1), dy.data<T>(), O, x.data<T>(), I, T(beta), dw.data<T>(), I, ws_ptr(ws)));
+      TALLY_RUN("linear", x, kk::gemm<T>(true, false, O, I, N, T(1), dy.data<T>(), O, x.data<T>(), I, T(beta), dw.data<T>(), I, ws_ptr(ws), ws_size(ws)));
     }
     if (has_bias && g[2].needed) {
       Tensor& db = grad_target(g[2], {O}, x.dtype(), x.device(), beta, "linear");
@@ -204,11 +216,11 @@ struct MatmulBackward : Node {
     double beta = 0;
     if (g[0].needed) {  // da (M, K) = dy (M, N) @ b^T
       Tensor& da = grad_target(g[0], a, beta, "matmul");
-      TALLY_RUN("matmul", a, kk::gemm<T>(false, true, M, K, N, T(1), dy.data<T>(), N, b.data<T>(), N, T(beta), da.data<T>(), K, ws_ptr(ws)));
+      TALLY_RUN("matmul", a, kk::gemm<T>(false, true, M, K, N, T(1), dy.data<T>(), N, b.data<T>(), N, T(beta), da.data<T>(), K, ws_ptr(ws), ws_size(ws)));
     }
     if (g[1].needed) {  // db (K, N) = a^T @ dy
       Tensor& db = grad_target(g[1], b, beta, "matmul");
-      TALLY_RUN("matmul", a, kk::gemm<T>(true, false, K, N, M, T(1), a.data<T>(), K, dy.data<T>(), N, T(beta), db.data<T>(), N, ws_ptr(ws)));
+      TALLY_RUN("matmul", a, kk::gemm<T>(true, false, K, N, M, T(1), a.data<T>(), K, dy.data<T>(), N, T(beta), db.data<T>(), N, ws_ptr(ws), ws_size(ws)));
     }
   }
 };
@@ -231,7 +243,7 @@ Tensor linear(const Tensor& x_, const Tensor& w_, const Tensor& b) {
   {
     Tensor ws = workspace(x, gemm_workspace_bytes(x), op);
     TALLY_RUN(op, x, {
-      kk::gemm<T>(false, true, N, O, I, T(1), x.data<T>(), I, w.data<T>(), I, T(0), y.data<T>(), O, ws_ptr(ws));
+      kk::gemm<T>(false, true, N, O, I, T(1), x.data<T>(), I, w.data<T>(), I, T(0), y.data<T>(), O, ws_ptr(ws), ws_size(ws));
       if (b.defined()) kk::add_bias_rows<T>(N, O, y.data<T>(), b.data<T>(), y.data<T>());
     });
   }
@@ -258,7 +270,7 @@ Tensor matmul(const Tensor& a_, const Tensor& b_) {
   Tensor y = out_like(a, {M, N}, op);
   {
     Tensor ws = workspace(a, gemm_workspace_bytes(a), op);
-    TALLY_RUN(op, a, kk::gemm<T>(false, false, M, N, K, T(1), a.data<T>(), K, b.data<T>(), N, T(0), y.data<T>(), N, ws_ptr(ws)));
+    TALLY_RUN(op, a, kk::gemm<T>(false, false, M, N, K, T(1), a.data<T>(), K, b.data<T>(), N, T(0), y.data<T>(), N, ws_ptr(ws), ws_size(ws)));
   }
   if (any_requires_grad({&a_, &b_})) {
     auto n = std::make_shared<MatmulBackward>();

@@ -17,4 +17,7 @@
 
 namespace tally::kernels {
 using i64 = std::int64_t;
+
+// The three passes of a convolution; each has its own workspace (conv2d_workspace_bytes).
+enum class ConvPass { forward, backward_data, backward_filter };
 }  // namespace tally::kernels

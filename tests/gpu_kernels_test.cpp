@@ -18,6 +18,7 @@ TEST(GpuKernels, NeedTheCudaBackend) { GTEST_SKIP() << "CPU-only build: " << tal
 #else
 
 #include <cstring>
+#include <fmt/format.h>
 #include <utility>
 
 #include "kernels/cpu/cpu_kernels.h"
@@ -229,14 +230,16 @@ TEST(GpuKernels, StridedCopyMatchesTheCpu) {
 
 TEST(GpuKernels, GemmMatchesTheCpuForEveryTransposeAndBeta) {
   REQUIRE_GPU();
-  const auto ws = scratch(kg::gemm_workspace_bytes());
-  for (auto [M, N, K] : std::vector<std::array<i64, 3>>{{1, 1, 1}, {3, 5, 7}, {64, 33, 17}, {128, 10, 64}, {5, 3, 0}}) {
-    for (bool ta : {false, true}) {
-      for (bool tb : {false, true}) {
-        for (bool with_ws : {true, false}) {
+  // The smallest workspace gemm accepts, and the one a 2 GiB budget gives (32 MiB on Hopper).
+  for (std::size_t ws_bytes : {kg::kGemmMinWorkspace, kg::gemm_workspace_bytes(std::size_t(2) << 30)}) {
+    const auto ws = scratch(ws_bytes);
+    for (auto [M, N, K] : std::vector<std::array<i64, 3>>{{1, 1, 1}, {3, 5, 7}, {64, 33, 17}, {128, 10, 64}, {5, 3, 0},
+                                                          {512, 1000, 2048}}) {
+      for (bool ta : {false, true}) {
+        for (bool tb : {false, true}) {
           const auto seed = fresh_seed();
           SCOPED_TRACE(testing::Message() << "M " << M << " N " << N << " K " << K << " ta " << ta << " tb " << tb
-                                          << " workspace " << with_ws << " seed " << seed);
+                                          << " workspace " << ws_bytes << " seed " << seed);
           std::mt19937 rng(seed);
           // leading dimensions with padding, so that ld != the logical width is exercised
           const i64 lda = (ta ? M : K) + 2, ldb = (tb ? K : N) + 1, ldc = N + 3;
@@ -249,14 +252,44 @@ TEST(GpuKernels, GemmMatchesTheCpuForEveryTransposeAndBeta) {
                        kc::gemm<float>(ta, tb, M, N, K, 1.5f, A.data(), lda, B.data(), ldb, beta, C, ldc);
                      },
                      [&](float* C, float beta) {
-                       kg::gemm<float>(ta, tb, M, N, K, 1.5f, P(dA), lda, P(dB), ldb, beta, C, ldc,
-                                       with_ws ? ws_ptr(ws) : nullptr);
+                       kg::gemm<float>(ta, tb, M, N, K, 1.5f, P(dA), lda, P(dB), ldb, beta, C, ldc, ws_ptr(ws), ws_bytes);
                      });
         }
       }
     }
   }
 }
+
+TEST(GpuKernels, GemmWithoutAWorkspaceIsAClearError) {
+  REQUIRE_GPU();
+  EXPECT_GE(kg::gemm_workspace_bytes(0), kg::kGemmMinWorkspace) << "a tiny budget still gives the minimum";
+  EXPECT_LE(kg::gemm_workspace_bytes(std::size_t(1) << 40), std::size_t(32) << 20) << "at most the recommendation";
+  Buf<float> A = dev(std::vector<float>(4, 1.f)), C = dev(nans(4));
+  const auto small = scratch(kg::kGemmMinWorkspace / 2);
+  for (auto [ptr, bytes] : std::vector<std::pair<void*, std::size_t>>{{nullptr, 0}, {ws_ptr(small), kg::kGemmMinWorkspace / 2}}) {
+    try {
+      kg::gemm<float>(false, false, 2, 2, 2, 1.f, P(A), 2, P(A), 2, 0.f, P(C), 2, ptr, bytes);
+      ADD_FAILURE() << "gemm with a workspace of " << bytes << " bytes should be refused";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("workspace of at least"), std::string::npos) << e.what();
+    }
+  }
+}
+
+// Sets a process-wide CUDA switch for one scope and restores it however the scope ends, so that a
+// failing check cannot leave TF32 (or non-determinism) on for every later test.
+class ScopedSwitch {
+ public:
+  ScopedSwitch(void (*set)(bool), bool (*get)(), bool on) : set_(set), old_(get()) { set_(on); }
+  ~ScopedSwitch() { set_(old_); }
+  ScopedSwitch(const ScopedSwitch&) = delete;
+  ScopedSwitch& operator=(const ScopedSwitch&) = delete;
+
+ private:
+  void (*set_)(bool);
+  bool old_;
+};
+ScopedSwitch tf32(bool on) { return ScopedSwitch(kg::set_allow_tf32, kg::allow_tf32, on); }
 
 TEST(GpuKernels, GemmWithTf32AllowedStaysWithinTf32Accuracy) {
   REQUIRE_GPU();
@@ -265,11 +298,16 @@ TEST(GpuKernels, GemmWithTf32AllowedStaysWithinTf32Accuracy) {
   const auto A = uniform(M * K, rng), B = uniform(K * N, rng);
   std::vector<float> want(M * N);
   kc::gemm<float>(false, false, M, N, K, 1.f, A.data(), K, B.data(), N, 0.f, want.data(), N);
-  Buf<float> dA = dev(A), dB = dev(B), C = dev(nans(M * N));
-  kg::set_allow_tf32(true);
-  kg::gemm<float>(false, false, M, N, K, 1.f, P(dA), K, P(dB), N, 0.f, P(C), N);
-  kg::set_allow_tf32(false);
+  Buf<float> dA = dev(A), dB = dev(B), C = dev(nans(M * N)), C32 = dev(nans(M * N));
+  const auto ws = scratch(kg::kGemmMinWorkspace);
+  {
+    const auto on = tf32(true);
+    kg::gemm<float>(false, false, M, N, K, 1.f, P(dA), K, P(dB), N, 0.f, P(C), N, ws_ptr(ws), kg::kGemmMinWorkspace);
+  }
+  EXPECT_FALSE(kg::allow_tf32()) << "the switch is restored";
+  kg::gemm<float>(false, false, M, N, K, 1.f, P(dA), K, P(dB), N, 0.f, P(C32), N, ws_ptr(ws), kg::kGemmMinWorkspace);
   EXPECT_CLOSE(host(C), want, 1e-2);
+  EXPECT_CLOSE(host(C32), want, kMathTol);
 }
 
 // ---- convolution ----------------------------------------------------------------------------------
@@ -281,88 +319,222 @@ struct ConvCase {
   bool bias;
 };
 
+kc::Conv2dShape conv_shape(i64 N, i64 C, i64 H, i64 W, i64 K, i64 R, i64 S, i64 stride, i64 pad, i64 dil, i64 groups,
+                           std::size_t limit = std::size_t(64) << 20) {
+  kc::Conv2dShape s;
+  s.N = N, s.C = C, s.H = H, s.W = W, s.K = K, s.R = R, s.S = S;
+  s.stride_h = s.stride_w = stride;
+  s.pad_h = s.pad_w = pad;
+  s.dil_h = s.dil_w = dil;
+  s.groups = groups;
+  s.workspace_limit = limit;
+  return s;
+}
+
 std::vector<ConvCase> conv_cases() {
-  auto shape = [](i64 N, i64 C, i64 H, i64 W, i64 K, i64 R, i64 S, i64 stride, i64 pad, i64 dil, i64 groups) {
-    kc::Conv2dShape s;
-    s.N = N, s.C = C, s.H = H, s.W = W, s.K = K, s.R = R, s.S = S;
-    s.stride_h = s.stride_w = stride;
-    s.pad_h = s.pad_w = pad;
-    s.dil_h = s.dil_w = dil;
-    s.groups = groups;
-    return s;
-  };
+  constexpr std::size_t kLarge = std::size_t(1) << 30;  // room for FFT and Winograd workspaces
   return {
-      {"3x3 same, odd sizes", shape(3, 5, 7, 9, 4, 3, 3, 1, 1, 1, 1), true},
-      {"1x1 stride 1", shape(2, 8, 5, 5, 6, 1, 1, 1, 0, 1, 1), false},
-      {"1x1 stride 2 (projection shortcut)", shape(3, 16, 9, 9, 32, 1, 1, 2, 0, 1, 1), false},
-      {"3x3 stride 2", shape(3, 4, 9, 7, 8, 3, 3, 2, 1, 1, 1), true},
-      {"groups 2", shape(2, 6, 8, 8, 4, 3, 3, 1, 1, 1, 2), true},
-      {"depthwise", shape(2, 5, 7, 9, 5, 3, 3, 1, 1, 1, 5), false},
-      {"dilation 2, no padding", shape(2, 3, 11, 10, 4, 3, 3, 1, 0, 2, 1), false},
-      {"5x5 rectangular input", shape(1, 3, 12, 17, 2, 5, 5, 1, 2, 1, 1), true},
+      {"3x3 same, odd sizes", conv_shape(3, 5, 7, 9, 4, 3, 3, 1, 1, 1, 1), true},
+      {"1x1 stride 1", conv_shape(2, 8, 5, 5, 6, 1, 1, 1, 0, 1, 1), false},
+      {"1x1 stride 2 (projection shortcut)", conv_shape(3, 16, 9, 9, 32, 1, 1, 2, 0, 1, 1), false},
+      {"3x3 stride 2", conv_shape(3, 4, 9, 7, 8, 3, 3, 2, 1, 1, 1), true},
+      {"groups 2", conv_shape(2, 6, 8, 8, 4, 3, 3, 1, 1, 1, 2), true},
+      {"depthwise", conv_shape(2, 5, 7, 9, 5, 3, 3, 1, 1, 1, 5), false},
+      {"dilation 2, no padding", conv_shape(2, 3, 11, 10, 4, 3, 3, 1, 0, 2, 1), false},
+      {"5x5 rectangular input", conv_shape(1, 3, 12, 17, 2, 5, 5, 1, 2, 1, 1), true},
+      // ResNet shapes, large enough that cuDNN ranks FFT and Winograd algorithms.
+      {"ResNet-20 stage 1 3x3", conv_shape(8, 16, 32, 32, 16, 3, 3, 1, 1, 1, 1, kLarge), false},
+      {"ResNet-20 stage 3 3x3", conv_shape(8, 64, 8, 8, 64, 3, 3, 1, 1, 1, 1, kLarge), false},
+      {"ResNet-20 stem 3x3", conv_shape(8, 3, 32, 32, 16, 3, 3, 1, 1, 1, 1, kLarge), false},
+      {"ResNet-50 3x3 at 28x28", conv_shape(4, 128, 28, 28, 128, 3, 3, 1, 1, 1, 1, kLarge), false},
+      {"ResNet-50 1x1 at 56x56", conv_shape(4, 256, 56, 56, 64, 1, 1, 1, 0, 1, 1, kLarge), false},
+      {"ResNet-50 stem 7x7 stride 2", conv_shape(2, 3, 224, 224, 64, 7, 7, 2, 3, 1, 1, kLarge), false},
   };
+}
+
+// Runs every pass of `s` on the GPU and the CPU from the same random inputs and compares (beta 0
+// with NaN-poisoned outputs, beta 1 from random values); each pass gets exactly its own
+// workspace, so memcheck sees a pass that uses more.
+void check_conv(const kc::Conv2dShape& s, bool bias, double tol) {
+  const auto seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed << "\n" << kg::conv2d_plan_description(s));
+  std::mt19937 rng(seed);
+  const i64 P_ = s.P(), Q_ = s.Q();
+  const i64 nx = s.N * s.C * s.H * s.W, nw = s.K * (s.C / s.groups) * s.R * s.S, ny = s.N * s.K * P_ * Q_;
+  const auto x = uniform(nx, rng), w = uniform(nw, rng), b = uniform(s.K, rng), dy = uniform(ny, rng);
+  Buf<float> dx_in = dev(x), dw_in = dev(w), db_in = dev(b), ddy = dev(dy);
+  std::vector<unsigned char> cpu_ws(kc::conv2d_workspace_bytes<float>(s, kernels::ConvPass::forward));
+  using kernels::ConvPass;
+  const auto ws_f = scratch(kg::conv2d_workspace_bytes<float>(s, ConvPass::forward));
+  const auto ws_d = scratch(kg::conv2d_workspace_bytes<float>(s, ConvPass::backward_data));
+  const auto ws_w = scratch(kg::conv2d_workspace_bytes<float>(s, ConvPass::backward_filter));
+  for (ConvPass pass : {ConvPass::forward, ConvPass::backward_data, ConvPass::backward_filter})
+    EXPECT_LE(kg::conv2d_workspace_bytes<float>(s, pass), s.workspace_limit);
+
+  std::vector<float> want(ny, NAN);
+  kc::conv2d_forward<float>(s, x.data(), w.data(), bias ? b.data() : nullptr, want.data(), cpu_ws.data());
+  Buf<float> y = dev(nans(ny));
+  kg::conv2d_forward<float>(s, P(dx_in), P(dw_in), bias ? P(db_in) : nullptr, P(y), ws_ptr(ws_f));
+  EXPECT_CLOSE(host(y), want, tol) << "forward";
+
+  {
+    SCOPED_TRACE("backward data");
+    check_beta(nx, rng, tol,
+               [&](float* o, float beta) { kc::conv2d_backward_data<float>(s, dy.data(), w.data(), o, beta, cpu_ws.data()); },
+               [&](float* o, float beta) { kg::conv2d_backward_data<float>(s, P(ddy), P(dw_in), o, beta, ws_ptr(ws_d)); });
+  }
+  {
+    SCOPED_TRACE("backward filter");
+    check_beta(nw, rng, tol,
+               [&](float* o, float beta) { kc::conv2d_backward_filter<float>(s, x.data(), dy.data(), o, beta, cpu_ws.data()); },
+               [&](float* o, float beta) { kg::conv2d_backward_filter<float>(s, P(dx_in), P(ddy), o, beta, ws_ptr(ws_w)); });
+  }
+  if (bias) {
+    SCOPED_TRACE("backward bias");
+    check_beta(s.K, rng, tol, [&](float* o, float beta) { kc::conv2d_backward_bias<float>(s, dy.data(), o, beta); },
+               [&](float* o, float beta) { kg::conv2d_backward_bias<float>(s, P(ddy), o, beta); });
+  }
+
+  // Deterministic mode (the default): the same backward twice, bit for bit.
+  Buf<float> f1 = dev(nans(nw)), f2 = dev(nans(nw)), d1 = dev(nans(nx)), d2 = dev(nans(nx));
+  kg::conv2d_backward_filter<float>(s, P(dx_in), P(ddy), P(f1), 0.f, ws_ptr(ws_w));
+  kg::conv2d_backward_filter<float>(s, P(dx_in), P(ddy), P(f2), 0.f, ws_ptr(ws_w));
+  EXPECT_EQ(host(f1), host(f2)) << "backward filter must be deterministic";
+  kg::conv2d_backward_data<float>(s, P(ddy), P(dw_in), P(d1), 0.f, ws_ptr(ws_d));
+  kg::conv2d_backward_data<float>(s, P(ddy), P(dw_in), P(d2), 0.f, ws_ptr(ws_d));
+  EXPECT_EQ(host(d1), host(d2)) << "backward data must be deterministic";
 }
 }  // namespace
 
 TEST(GpuKernels, ConvolutionMatchesTheCpu) {
   REQUIRE_GPU();
   for (const ConvCase& c : conv_cases()) {
-    const auto seed = fresh_seed();
-    SCOPED_TRACE(testing::Message() << c.name << " seed " << seed);
-    std::mt19937 rng(seed);
-    const kc::Conv2dShape& s = c.s;
-    const i64 P_ = s.P(), Q_ = s.Q();
-    const i64 nx = s.N * s.C * s.H * s.W, nw = s.K * (s.C / s.groups) * s.R * s.S, ny = s.N * s.K * P_ * Q_;
-    const auto x = uniform(nx, rng), w = uniform(nw, rng), b = uniform(s.K, rng), dy = uniform(ny, rng);
-    Buf<float> dx_in = dev(x), dw_in = dev(w), db_in = dev(b), ddy = dev(dy);
-    std::vector<unsigned char> cpu_ws(kc::conv2d_workspace_bytes<float>(s));
-    const std::size_t gpu_bytes = kg::conv2d_workspace_bytes<float>(s);
-    EXPECT_EQ(kg::conv2d_workspace_bytes<float>(s), gpu_bytes) << "the cached choice must not change";
-    const auto ws = scratch(gpu_bytes);
-
-    std::vector<float> want(ny, NAN);
-    kc::conv2d_forward<float>(s, x.data(), w.data(), c.bias ? b.data() : nullptr, want.data(), cpu_ws.data());
-    Buf<float> y = dev(nans(ny));
-    kg::conv2d_forward<float>(s, P(dx_in), P(dw_in), c.bias ? P(db_in) : nullptr, P(y), ws_ptr(ws));
-    EXPECT_CLOSE(host(y), want, kMathTol) << "forward";
-
-    check_beta(nx, rng, kMathTol,
-               [&](float* o, float beta) { kc::conv2d_backward_data<float>(s, dy.data(), w.data(), o, beta, cpu_ws.data()); },
-               [&](float* o, float beta) { kg::conv2d_backward_data<float>(s, P(ddy), P(dw_in), o, beta, ws_ptr(ws)); });
-    check_beta(nw, rng, kMathTol,
-               [&](float* o, float beta) { kc::conv2d_backward_filter<float>(s, x.data(), dy.data(), o, beta, cpu_ws.data()); },
-               [&](float* o, float beta) { kg::conv2d_backward_filter<float>(s, P(dx_in), P(ddy), o, beta, ws_ptr(ws)); });
-    check_beta(s.K, rng, kMathTol, [&](float* o, float beta) { kc::conv2d_backward_bias<float>(s, dy.data(), o, beta); },
-               [&](float* o, float beta) { kg::conv2d_backward_bias<float>(s, P(ddy), o, beta); });
-
-    // Deterministic mode (the default): the same backward twice, bit for bit.
-    Buf<float> f1 = dev(nans(nw)), f2 = dev(nans(nw));
-    kg::conv2d_backward_filter<float>(s, P(dx_in), P(ddy), P(f1), 0.f, ws_ptr(ws));
-    kg::conv2d_backward_filter<float>(s, P(dx_in), P(ddy), P(f2), 0.f, ws_ptr(ws));
-    EXPECT_EQ(host(f1), host(f2)) << "backward filter must be deterministic";
+    SCOPED_TRACE(c.name);
+    const std::size_t before = kg::conv2d_workspace_bytes<float>(c.s, kernels::ConvPass::forward);
+    check_conv(c.s, c.bias, kMathTol);
+    EXPECT_EQ(kg::conv2d_workspace_bytes<float>(c.s, kernels::ConvPass::forward), before)
+        << "the cached choice must not change";
   }
 }
 
-TEST(GpuKernels, ConvolutionWorkspaceFollowsTheLimitAndIsCachedPerSetting) {
+// A limit between two candidates' workspaces: the choice under the larger limit no longer fits,
+// so the best one that does must be picked (and compute the same convolution); at a limit of 0
+// only workspace-free algorithms remain, or a clear error.
+TEST(GpuKernels, ConvolutionWorkspaceFollowsTheLimit) {
   REQUIRE_GPU();
-  const kc::Conv2dShape s = conv_cases()[0].s;
-  const std::size_t limit = kg::conv_workspace_limit();
-  EXPECT_LE(kg::conv2d_workspace_bytes<float>(s), limit);
-  kg::set_conv_workspace_limit(0);  // only algorithms that need no workspace, or a clear error
-  try {
-    EXPECT_EQ(kg::conv2d_workspace_bytes<float>(s), 0u);
-    std::mt19937 rng(fresh_seed());
-    const auto x = uniform(s.N * s.C * s.H * s.W, rng), w = uniform(s.K * s.C * s.R * s.S, rng);
-    std::vector<float> want(s.N * s.K * s.P() * s.Q());
-    std::vector<unsigned char> cpu_ws(kc::conv2d_workspace_bytes<float>(s));
-    kc::conv2d_forward<float>(s, x.data(), w.data(), nullptr, want.data(), cpu_ws.data());
-    Buf<float> dx = dev(x), dw = dev(w), y = dev(nans(want.size()));
-    kg::conv2d_forward<float>(s, P(dx), P(dw), nullptr, P(y), nullptr);
-    EXPECT_CLOSE(host(y), want, kMathTol);
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("workspace limit of 0 bytes"), std::string::npos) << e.what();
+  using kernels::ConvPass;
+  int narrowed = 0;
+  for (const ConvCase& c : conv_cases()) {
+    SCOPED_TRACE(c.name);
+    for (ConvPass pass : {ConvPass::forward, ConvPass::backward_data, ConvPass::backward_filter}) {
+      kc::Conv2dShape s = c.s;
+      s.workspace_limit = std::size_t(1) << 30;
+      const std::size_t wide = kg::conv2d_workspace_bytes<float>(s, pass);
+      if (wide == 0) continue;
+      s.workspace_limit = wide - 1;  // the wide choice is now over the limit by one byte
+      try {
+        EXPECT_LT(kg::conv2d_workspace_bytes<float>(s, pass), wide);
+        ++narrowed;
+        check_conv(s, c.bias, kMathTol);
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("workspace limit of"), std::string::npos) << e.what();
+      }
+    }
+    kc::Conv2dShape s = c.s;
+    s.workspace_limit = 0;
+    try {
+      for (ConvPass pass : {ConvPass::forward, ConvPass::backward_data, ConvPass::backward_filter})
+        EXPECT_EQ(kg::conv2d_workspace_bytes<float>(s, pass), 0u);
+      check_conv(s, c.bias, kMathTol);
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("workspace limit of 0 bytes"), std::string::npos) << e.what();
+    }
   }
-  kg::set_conv_workspace_limit(limit);
+  EXPECT_GT(narrowed, 0) << "no case had a choice that needed a workspace: the limit was never exercised";
+}
+
+// Every algorithm cuDNN offers at ResNet shapes, run directly with FMA math, against the CPU: the
+// table (printed) says which algorithms are accurate to float32 rounding; the plan's own choice
+// must be (checked in ConvolutionMatchesTheCpu).
+TEST(GpuKernels, ConvolutionEveryCudnnAlgorithmAtResNetShapes) {
+  REQUIRE_GPU();
+  cudnnHandle_t h = kg::detail::cudnn();
+  for (const ConvCase& c : conv_cases()) {
+    const kc::Conv2dShape& s = c.s;
+    if (s.N * s.C * s.H * s.W < 20000) continue;
+    std::mt19937 rng(fresh_seed());
+    const i64 nx = s.N * s.C * s.H * s.W, nw = s.K * s.C * s.R * s.S, ny = s.N * s.K * s.P() * s.Q();
+    const auto x = uniform(nx, rng), w = uniform(nw, rng), dy = uniform(ny, rng);
+    std::vector<unsigned char> cpu_ws(kc::conv2d_workspace_bytes<float>(s, kernels::ConvPass::forward));
+    std::vector<float> ref_y(ny), ref_dx(nx), ref_dw(nw);
+    kc::conv2d_forward<float>(s, x.data(), w.data(), nullptr, ref_y.data(), cpu_ws.data());
+    kc::conv2d_backward_data<float>(s, dy.data(), w.data(), ref_dx.data(), 0.f, cpu_ws.data());
+    kc::conv2d_backward_filter<float>(s, x.data(), dy.data(), ref_dw.data(), 0.f, cpu_ws.data());
+    Buf<float> dx_in = dev(x), dw_in = dev(w), ddy = dev(dy);
+    cudnnTensorDescriptor_t xd, yd;
+    cudnnFilterDescriptor_t wd;
+    cudnnConvolutionDescriptor_t cd;
+    TALLY_CUDNN_CHECK(cudnnCreateTensorDescriptor(&xd));
+    TALLY_CUDNN_CHECK(cudnnCreateTensorDescriptor(&yd));
+    TALLY_CUDNN_CHECK(cudnnCreateFilterDescriptor(&wd));
+    TALLY_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&cd));
+    TALLY_CUDNN_CHECK(cudnnSetTensor4dDescriptor(xd, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, s.N, s.C, s.H, s.W));
+    TALLY_CUDNN_CHECK(cudnnSetTensor4dDescriptor(yd, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, s.N, s.K, s.P(), s.Q()));
+    TALLY_CUDNN_CHECK(cudnnSetFilter4dDescriptor(wd, CUDNN_DATA_FLOAT, CUDNN_TENSOR_NCHW, s.K, s.C, s.R, s.S));
+    TALLY_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(cd, s.pad_h, s.pad_w, s.stride_h, s.stride_w, s.dil_h, s.dil_w,
+                                                      CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT));
+    TALLY_CUDNN_CHECK(cudnnSetConvolutionMathType(cd, CUDNN_FMA_MATH));
+    std::string table = std::string(c.name) + ": pass algo workspace error\n";
+    const float one = 1.f, zero = 0.f;
+    auto row = [&](const char* pass, int algo, cudnnStatus_t st, std::size_t bytes, auto run, const Buf<float>& out,
+                   const std::vector<float>& ref) {
+      if (st != CUDNN_STATUS_SUCCESS) {
+        table += fmt::format("  {:15} {} {:>10} {}\n", pass, algo, "-", cudnnGetErrorString(st));
+        return;
+      }
+      const auto ws = scratch(bytes);
+      const cudnnStatus_t rs = run(ws_ptr(ws), bytes);
+      if (rs != CUDNN_STATUS_SUCCESS) {
+        table += fmt::format("  {:15} {} {:>10} run: {}\n", pass, algo, bytes, cudnnGetErrorString(rs));
+        return;
+      }
+      const double err = max_rel_err(host(out), ref);
+      table += fmt::format("  {:15} {} {:>10} {:.2e}\n", pass, algo, bytes, err);
+      EXPECT_LE(err, 1e-2) << pass << " algorithm " << algo << " of " << c.name << " is far off";
+    };
+    for (int a = 0; a < CUDNN_CONVOLUTION_FWD_ALGO_COUNT; ++a) {
+      const auto algo = static_cast<cudnnConvolutionFwdAlgo_t>(a);
+      std::size_t bytes = 0;
+      const auto st = cudnnGetConvolutionForwardWorkspaceSize(h, xd, wd, cd, yd, algo, &bytes);
+      Buf<float> out = dev(nans(ny));
+      row("forward", a, st, bytes, [&](void* ws, std::size_t b) {
+        return cudnnConvolutionForward(h, &one, xd, P(dx_in), wd, P(dw_in), cd, algo, ws, b, &zero, yd, P(out));
+      }, out, ref_y);
+    }
+    for (int a = 0; a < CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT; ++a) {
+      const auto algo = static_cast<cudnnConvolutionBwdDataAlgo_t>(a);
+      std::size_t bytes = 0;
+      const auto st = cudnnGetConvolutionBackwardDataWorkspaceSize(h, wd, yd, cd, xd, algo, &bytes);
+      Buf<float> out = dev(nans(nx));
+      row("backward data", a, st, bytes, [&](void* ws, std::size_t b) {
+        return cudnnConvolutionBackwardData(h, &one, wd, P(dw_in), yd, P(ddy), cd, algo, ws, b, &zero, xd, P(out));
+      }, out, ref_dx);
+    }
+    for (int a = 0; a < CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT; ++a) {
+      const auto algo = static_cast<cudnnConvolutionBwdFilterAlgo_t>(a);
+      std::size_t bytes = 0;
+      const auto st = cudnnGetConvolutionBackwardFilterWorkspaceSize(h, xd, yd, cd, wd, algo, &bytes);
+      Buf<float> out = dev(nans(nw));
+      row("backward filter", a, st, bytes, [&](void* ws, std::size_t b) {
+        return cudnnConvolutionBackwardFilter(h, &one, xd, P(dx_in), yd, P(ddy), cd, algo, ws, b, &zero, wd, P(out));
+      }, out, ref_dw);
+    }
+    TALLY_CUDNN_CHECK(cudnnDestroyConvolutionDescriptor(cd));
+    TALLY_CUDNN_CHECK(cudnnDestroyFilterDescriptor(wd));
+    TALLY_CUDNN_CHECK(cudnnDestroyTensorDescriptor(yd));
+    TALLY_CUDNN_CHECK(cudnnDestroyTensorDescriptor(xd));
+    std::printf("%s%s\n", table.c_str(), kg::conv2d_plan_description(s).c_str());
+  }
 }
 
 // ---- normalization --------------------------------------------------------------------------------

@@ -329,12 +329,12 @@ class CpuConv : public testing::TestWithParam<ConvCase> {
     w = random_vec(w_size(s), 2);
     b = random_vec(s.K, 3);
     dy = random_vec(y_size(s), 4);
-    const std::size_t bytes = k::conv2d_workspace_bytes<double>(s);
+    const std::size_t bytes = k::conv2d_workspace_bytes<double>(s, tally::kernels::ConvPass::forward);
     const bool plain =
         s.R == 1 && s.S == 1 && s.stride_h == 1 && s.stride_w == 1 && s.pad_h == 0 && s.pad_w == 0;
     const i64 expect = plain ? 0 : (s.C / s.groups) * s.R * s.S * s.P() * s.Q();
     ASSERT_EQ(bytes, static_cast<std::size_t>(expect) * sizeof(double));
-    ASSERT_EQ(k::conv2d_workspace_bytes<float>(s),
+    ASSERT_EQ(k::conv2d_workspace_bytes<float>(s, tally::kernels::ConvPass::forward),
               static_cast<std::size_t>(expect) * sizeof(float));
     ws = guarded<double>(expect, kNaN);  // garbage in the workspace must not matter
   }
@@ -389,7 +389,7 @@ TEST_P(CpuConv, ForwardMatchesNaiveFloat) {
   const auto& s = GetParam().s;
   std::vector<float> xf(x.begin(), x.end()), wf(w.begin(), w.end()), bf(b.begin(), b.end());
   auto y = guarded<float>(y_size(s), std::numeric_limits<float>::quiet_NaN());
-  auto wsf = guarded<float>(static_cast<i64>(k::conv2d_workspace_bytes<float>(s) / sizeof(float)),
+  auto wsf = guarded<float>(static_cast<i64>(k::conv2d_workspace_bytes<float>(s, tally::kernels::ConvPass::forward) / sizeof(float)),
                             std::numeric_limits<float>::quiet_NaN());
   const float* bp = GetParam().bias ? bf.data() : nullptr;
   k::conv2d_forward<float>(s, xf.data(), wf.data(), bp, y.data(), wsf.data());

@@ -111,7 +111,7 @@ void scale_out(i64 n, T beta, T* y) {
 }  // namespace
 
 template <class T>
-std::size_t conv2d_workspace_bytes(const Conv2dShape& s) {
+std::size_t conv2d_workspace_bytes(const Conv2dShape& s, ConvPass) {
   if (is_plain_gemm(s)) return 0;
   const i64 P = s.P(), Q = s.Q();
   if (P <= 0 || Q <= 0) return 0;
@@ -239,7 +239,7 @@ void conv2d_backward_bias(const Conv2dShape& s,
 }
 
 #define TALLY_INSTANTIATE_CONV(T)                                                                \
-  template std::size_t conv2d_workspace_bytes<T>(const Conv2dShape&);                            \
+  template std::size_t conv2d_workspace_bytes<T>(const Conv2dShape&, ConvPass);                            \
   template void conv2d_forward<T>(const Conv2dShape&, const T*, const T*, const T*, T*, void*);  \
   template void conv2d_backward_data<T>(const Conv2dShape&, const T*, const T*, T*, T, void*);   \
   template void conv2d_backward_filter<T>(const Conv2dShape&, const T*, const T*, T*, T, void*); \

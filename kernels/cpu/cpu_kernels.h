@@ -15,11 +15,12 @@ namespace tally::kernels::cpu {
 // C (M, N) = alpha * op(A) * op(B) + beta * C, op(A) is (M, K), op(B) is (K, N).
 // A is (M, K) with leading dimension lda if !trans_a, else (K, M); likewise B.
 // beta == 0 never reads C. `workspace` exists for the CUDA twin's sake (cuBLAS scratch from the
-// arena); the CPU GEMM needs none: gemm_workspace_bytes() is 0 and the argument is ignored.
-std::size_t gemm_workspace_bytes();
+// arena); the CPU GEMM needs none: gemm_workspace_bytes(budget) is 0 and the arguments are ignored.
+std::size_t gemm_workspace_bytes(std::size_t budget);
 template <class T>
 void gemm(bool trans_a, bool trans_b, i64 M, i64 N, i64 K, T alpha, const T* A, i64 lda,
-          const T* B, i64 ldb, T beta, T* C, i64 ldc, void* workspace = nullptr);
+          const T* B, i64 ldb, T beta, T* C, i64 ldc, void* workspace = nullptr,
+          std::size_t workspace_bytes = 0);
 
 // ---------------------------------------------------------------------------------------------
 // conv.cpp — 2-D convolution (cross-correlation, as PyTorch) via im2col + GEMM, NCHW.
@@ -27,14 +28,17 @@ struct Conv2dShape {
   i64 N, C, H, W;      // input  (N, C, H, W)
   i64 K, R, S;         // weight (K, C / groups, R, S); output (N, K, P, Q)
   i64 stride_h = 1, stride_w = 1, pad_h = 0, pad_w = 0, dil_h = 1, dil_w = 1, groups = 1;
+  // The most workspace one pass may take (CUDA: cuDNN's algorithm is chosen under it; core/ sets
+  // it from the arena's budget, docs/gpu.md). The CPU's im2col workspace is fixed by the shape.
+  std::size_t workspace_limit = std::size_t(64) << 20;
   i64 P() const { return (H + 2 * pad_h - dil_h * (R - 1) - 1) / stride_h + 1; }
   i64 Q() const { return (W + 2 * pad_w - dil_w * (S - 1) - 1) / stride_w + 1; }
 };
-// Scratch bytes every conv2d_* kernel below may use (one image's im2col columns, or 0 where
-// the convolution is a plain GEMM: 1x1, stride 1, no padding). Independent of thread count,
-// so that memory planning is deterministic.
+// Scratch bytes the conv2d_* kernel of `pass` needs (one image's im2col columns, or 0 where
+// the convolution is a plain GEMM: 1x1, stride 1, no padding; the same for every pass).
+// Independent of thread count, so that memory planning is deterministic.
 template <class T>
-std::size_t conv2d_workspace_bytes(const Conv2dShape& s);
+std::size_t conv2d_workspace_bytes(const Conv2dShape& s, ConvPass pass);
 // y (N, K, P, Q) = conv(x (N, C, H, W), w (K, C/g, R, S)) + bias (K) ; bias may be null.
 template <class T>
 void conv2d_forward(const Conv2dShape& s, const T* x, const T* w, const T* bias, T* y,

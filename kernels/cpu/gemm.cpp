@@ -40,7 +40,7 @@ void blas_gemm(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, i64 M, i64 N, i64 K, doub
 
 }  // namespace
 
-std::size_t gemm_workspace_bytes() { return 0; }
+std::size_t gemm_workspace_bytes(std::size_t /*budget*/) { return 0; }
 
 template <class T>
 void gemm(bool trans_a, bool trans_b, i64 M, i64 N, i64 K, T alpha,
@@ -49,7 +49,7 @@ void gemm(bool trans_a, bool trans_b, i64 M, i64 N, i64 K, T alpha,
           const T* B,  // (K, N) with leading dim ldb, or (N, K) if trans_b
           i64 ldb, T beta,
           T* C,  // (M, N) with leading dim ldc
-          i64 ldc, void* /*workspace: none needed*/) {
+          i64 ldc, void* /*workspace: none needed*/, std::size_t /*workspace_bytes*/) {
   if (M <= 0 || N <= 0) return;
   if (K <= 0 || alpha == T(0)) {
     // op(A) * op(B) contributes nothing: C = beta * C, without reading C when beta == 0.
@@ -69,8 +69,8 @@ void gemm(bool trans_a, bool trans_b, i64 M, i64 N, i64 K, T alpha,
 }
 
 template void gemm<float>(bool, bool, i64, i64, i64, float, const float*, i64, const float*, i64,
-                          float, float*, i64, void*);
+                          float, float*, i64, void*, std::size_t);
 template void gemm<double>(bool, bool, i64, i64, i64, double, const double*, i64, const double*,
-                           i64, double, double*, i64, void*);
+                           i64, double, double*, i64, void*, std::size_t);
 
 }  // namespace tally::kernels::cpu

@@ -19,8 +19,6 @@ namespace {
 // ---- switches -------------------------------------------------------------------------------
 std::atomic<bool> g_allow_tf32{false};
 std::atomic<bool> g_deterministic{true};
-std::atomic<std::size_t> g_conv_workspace_limit{std::size_t(64) << 20};
-std::atomic<std::size_t> g_gemm_workspace_bytes{std::size_t(4) << 20};
 
 // ---- per-device context ---------------------------------------------------------------------
 constexpr int kMaxDevices = 64;
@@ -185,13 +183,6 @@ void set_allow_tf32(bool on) { g_allow_tf32 = on; }
 bool allow_tf32() { return g_allow_tf32; }
 void set_deterministic(bool on) { g_deterministic = on; }
 bool deterministic() { return g_deterministic; }
-void set_conv_workspace_limit(std::size_t bytes) { g_conv_workspace_limit = bytes; }
-std::size_t conv_workspace_limit() { return g_conv_workspace_limit; }
-void set_gemm_workspace_bytes(std::size_t bytes) {
-  // cuBLAS wants its workspace 256-byte aligned; arena blocks are, and so must the size be.
-  g_gemm_workspace_bytes = (bytes + 255) / 256 * 256;
-}
-std::size_t gemm_workspace_bytes() { return g_gemm_workspace_bytes; }
 
 // ---- pinned memory ----------------------------------------------------------------------------
 PinnedBuffer::PinnedBuffer(std::size_t bytes) : bytes_(bytes) {

@@ -19,11 +19,10 @@
 //     allows TF32 on Ampere and newer, so "off" must be said explicitly.
 //   * deterministic (default true): cuDNN may only pick algorithms it reports deterministic.
 //     tally's own kernels are deterministic either way.
-//   * conv_workspace_limit (default 64 MiB): the largest cuDNN workspace an algorithm may need.
-//   * gemm_workspace_bytes (default 4 MiB, cuBLAS's recommendation before Hopper): the cuBLAS
-//     workspace each GEMM gets from the arena (0: none).
-// The cuDNN algorithm cache is keyed by these settings as well as the shape, so changing a switch
-// between a dry run and the real run is seen as a different convolution, never a stale choice.
+// The cuDNN algorithm cache is keyed by these settings as well as the shape (whose
+// workspace_limit, like the cuBLAS workspace, core/ derives from the arena's budget: see
+// cuda_kernels.h), so changing a switch between a dry run and the real run is seen as a
+// different convolution, never a stale choice.
 #pragma once
 #include <cstddef>
 #include <string>
@@ -57,9 +56,6 @@ void set_allow_tf32(bool on);
 bool allow_tf32();
 void set_deterministic(bool on);
 bool deterministic();
-void set_conv_workspace_limit(std::size_t bytes);
-std::size_t conv_workspace_limit();
-void set_gemm_workspace_bytes(std::size_t bytes);  // gemm_workspace_bytes() in cuda_kernels.h
 
 // ---- pinned host memory -----------------------------------------------------------------------
 // Page-locked host memory (cudaHostAlloc): the source of an asynchronous upload must be pinned,

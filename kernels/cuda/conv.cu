@@ -3,22 +3,30 @@
 // through small deterministic kernels of tally's own. The CUDA twin of kernels/cpu/conv.cpp.
 //
 // Plans (docs/gpu.md, "Convolutions"): the first call for a shape builds a Plan — the tensor,
-// filter and convolution descriptors, and for each direction (forward, backward data, backward
-// filter) the algorithm, math type and exact workspace size — and caches it under the shape plus
-// the switches that change the choice (TF32, determinism, workspace limit) and the device.
-// Algorithms come from cuDNN's heuristics (cudnnGet*Algorithm_v7): host-side, no device memory,
-// no timing runs, and the same answer every time, so a dry run and the real run that follows
-// choose — and allocate — identically. The pick is the heuristics' best-ranked algorithm that
-//   * succeeded (status CUDNN_STATUS_SUCCESS),
-//   * needs at most conv_workspace_limit() bytes of workspace,
+// filter and convolution descriptors, and for each pass (forward, backward data, backward filter)
+// the algorithm, math type and exact workspace size — and caches it under the shape (its
+// workspace limit included), the switches that change the choice (TF32, determinism) and the
+// device. Algorithms come from cuDNN's heuristics (cudnnGet*Algorithm_v7): host-side, no device
+// memory, no timing runs, the same answer every time, so a dry run and the real run that follows
+// choose — and allocate — identically. A pass takes the best-ranked candidate that
+//   * the heuristics report as supported (status CUDNN_STATUS_SUCCESS),
 //   * is deterministic when deterministic() is on,
-//   * does not use tensor-op (TF32) math unless allow_tf32() is on.
-// conv2d_workspace_bytes is the largest of the three workspaces: one arena block serves every
-// direction of the shape.
+//   * does not use tensor-op (TF32) math unless allow_tf32() is on,
+//   * and, with the descriptor set to the math type it will run with, has a workspace size that
+//     cuDNN reports without error and that is at most the shape's workspace_limit.
+// The heuristics' own workspace estimate is not trusted: the size is asked again for the math
+// type that runs. When no ranked candidate passes, every algorithm of the pass is tried in enum
+// order under the same rules (cuDNN 9's heuristics list only some). None: a clear error.
+// Each pass has its own workspace (conv2d_workspace_bytes(s, pass)). TALLY_LOG_CONV=1 in the
+// environment (or set_log_conv_algorithms(true)) prints every plan's choice and candidates.
+#include <atomic>
 #include <climits>
+#include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <tuple>
 
 #include "kernels/cuda/context.h"
@@ -73,13 +81,13 @@ int to_int(i64 v, const char* what, const Conv2dShape& s) {
 struct Plan {
   cudnnTensorDescriptor_t x = nullptr, y = nullptr;
   cudnnFilterDescriptor_t w = nullptr;
-  // One convolution descriptor per direction: each carries the math type of its algorithm.
+  // One convolution descriptor per pass: each carries the math type of its algorithm.
   cudnnConvolutionDescriptor_t fwd_conv = nullptr, bwd_data_conv = nullptr, bwd_filter_conv = nullptr;
   cudnnConvolutionFwdAlgo_t fwd_algo{};
   cudnnConvolutionBwdDataAlgo_t bwd_data_algo{};
   cudnnConvolutionBwdFilterAlgo_t bwd_filter_algo{};
   std::size_t fwd_ws = 0, bwd_data_ws = 0, bwd_filter_ws = 0;
-  std::size_t workspace() const { return std::max({fwd_ws, bwd_data_ws, bwd_filter_ws}); }
+  std::string description;  // the choice and the candidates, for the log and for tests
 };
 
 // Everything a plan depends on.
@@ -89,13 +97,11 @@ using PlanKey = std::tuple<int /*device*/, i64, i64, i64, i64, i64, i64, i64, i6
 PlanKey key_of(const Conv2dShape& s) {
   return {current_device(), s.N,  s.C,      s.H,      s.W,     s.K,   s.R,     s.S,
           s.stride_h,       s.stride_w, s.pad_h, s.pad_w, s.dil_h, s.dil_w, s.groups,
-          allow_tf32(),     deterministic(), conv_workspace_limit()};
+          allow_tf32(),     deterministic(), s.workspace_limit};
 }
 
-bool math_allowed(cudnnMathType_t m) {
-  return allow_tf32() || (m != CUDNN_TENSOR_OP_MATH && m != CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION);
-}
-// The math type the descriptor runs with: without TF32, FMA math ("default" math lets cuDNN use
+bool is_tensor_op(cudnnMathType_t m) { return m == CUDNN_TENSOR_OP_MATH || m == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION; }
+// The math type a descriptor runs with: without TF32, FMA math ("default" math lets cuDNN use
 // TF32 tensor cores on Ampere and newer).
 cudnnMathType_t run_math(cudnnMathType_t m) { return allow_tf32() ? m : CUDNN_FMA_MATH; }
 
@@ -112,29 +118,132 @@ cudnnConvolutionDescriptor_t make_conv_desc(const Conv2dShape& s) {
   return d;
 }
 
-[[noreturn]] void no_algorithm(const char* direction, const Conv2dShape& s) {
-  detail::fail(std::string("conv2d ") + direction + ": cuDNN offers no algorithm for input (" + std::to_string(s.N) +
-               ", " + std::to_string(s.C) + ", " + std::to_string(s.H) + ", " + std::to_string(s.W) + "), weight (" +
-               std::to_string(s.K) + ", " + std::to_string(s.C / s.groups) + ", " + std::to_string(s.R) + ", " +
-               std::to_string(s.S) + "), groups " + std::to_string(s.groups) + " within a workspace limit of " +
-               std::to_string(conv_workspace_limit()) + " bytes" + (deterministic() ? " that is deterministic" : "") +
-               (allow_tf32() ? "" : " without TF32") + ": raise set_conv_workspace_limit() or allow more");
+std::string shape_text(const Conv2dShape& s) {
+  return "input (" + std::to_string(s.N) + ", " + std::to_string(s.C) + ", " + std::to_string(s.H) + ", " +
+         std::to_string(s.W) + "), weight (" + std::to_string(s.K) + ", " + std::to_string(s.C / s.groups) + ", " +
+         std::to_string(s.R) + ", " + std::to_string(s.S) + "), stride " + std::to_string(s.stride_h) + "x" +
+         std::to_string(s.stride_w) + ", padding " + std::to_string(s.pad_h) + "x" + std::to_string(s.pad_w) +
+         ", dilation " + std::to_string(s.dil_h) + "x" + std::to_string(s.dil_w) + ", groups " + std::to_string(s.groups);
 }
 
-// The first acceptable entry of a heuristics list (ranked best first).
-template <class Perf>
-const Perf* pick(const Perf* perf, int count) {
-  const std::size_t limit = conv_workspace_limit();
-  for (int i = 0; i < count; ++i) {
-    const Perf& p = perf[i];
-    if (p.status != CUDNN_STATUS_SUCCESS) continue;
-    if (p.memory > limit) continue;
-    if (deterministic() && p.determinism != CUDNN_DETERMINISTIC) continue;
-    if (!math_allowed(p.mathType)) continue;
-    return &p;
-  }
-  return nullptr;
+[[noreturn]] void no_algorithm(const char* pass, const Conv2dShape& s, const std::string& tried) {
+  detail::fail(std::string("conv2d ") + pass + ": cuDNN offers no algorithm for " + shape_text(s) +
+               " within a workspace limit of " + std::to_string(s.workspace_limit) + " bytes" +
+               (deterministic() ? " that is deterministic" : "") + (allow_tf32() ? "" : " without TF32") +
+               " (candidates: " + tried + "): raise the memory budget, or allow more");
 }
+
+// The parts of one pass that differ: its algorithm type, heuristics, workspace query and which of
+// its algorithms are not deterministic (for the enum-order fallback, where cuDNN reports nothing).
+struct FwdPass {
+  using Algo = cudnnConvolutionFwdAlgo_t;
+  using Perf = cudnnConvolutionFwdAlgoPerf_t;
+  static constexpr const char* name = "forward";
+  static constexpr int count = CUDNN_CONVOLUTION_FWD_ALGO_COUNT;
+  static cudnnStatus_t heuristics(cudnnHandle_t h, const Plan& p, cudnnConvolutionDescriptor_t c, int* n, Perf* perf) {
+    return cudnnGetConvolutionForwardAlgorithm_v7(h, p.x, p.w, c, p.y, count, n, perf);
+  }
+  static cudnnStatus_t size(cudnnHandle_t h, const Plan& p, cudnnConvolutionDescriptor_t c, Algo a, std::size_t* b) {
+    return cudnnGetConvolutionForwardWorkspaceSize(h, p.x, p.w, c, p.y, a, b);
+  }
+  static bool nondeterministic(Algo) { return false; }
+};
+struct BwdDataPass {
+  using Algo = cudnnConvolutionBwdDataAlgo_t;
+  using Perf = cudnnConvolutionBwdDataAlgoPerf_t;
+  static constexpr const char* name = "backward data";
+  static constexpr int count = CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT;
+  static cudnnStatus_t heuristics(cudnnHandle_t h, const Plan& p, cudnnConvolutionDescriptor_t c, int* n, Perf* perf) {
+    return cudnnGetConvolutionBackwardDataAlgorithm_v7(h, p.w, p.y, c, p.x, count, n, perf);
+  }
+  static cudnnStatus_t size(cudnnHandle_t h, const Plan& p, cudnnConvolutionDescriptor_t c, Algo a, std::size_t* b) {
+    return cudnnGetConvolutionBackwardDataWorkspaceSize(h, p.w, p.y, c, p.x, a, b);
+  }
+  static bool nondeterministic(Algo a) { return a == CUDNN_CONVOLUTION_BWD_DATA_ALGO_0; }
+};
+struct BwdFilterPass {
+  using Algo = cudnnConvolutionBwdFilterAlgo_t;
+  using Perf = cudnnConvolutionBwdFilterAlgoPerf_t;
+  static constexpr const char* name = "backward filter";
+  static constexpr int count = CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT;
+  static cudnnStatus_t heuristics(cudnnHandle_t h, const Plan& p, cudnnConvolutionDescriptor_t c, int* n, Perf* perf) {
+    return cudnnGetConvolutionBackwardFilterAlgorithm_v7(h, p.x, p.y, c, p.w, count, n, perf);
+  }
+  static cudnnStatus_t size(cudnnHandle_t h, const Plan& p, cudnnConvolutionDescriptor_t c, Algo a, std::size_t* b) {
+    return cudnnGetConvolutionBackwardFilterWorkspaceSize(h, p.x, p.y, c, p.w, a, b);
+  }
+  static bool nondeterministic(Algo a) {
+    return a == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0 || a == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_3;
+  }
+};
+
+// Chooses the algorithm of one pass (rules at the top of this file), sets its math type on
+// `conv` and returns it with its workspace size; appends what was tried to `log`.
+template <class Pass>
+typename Pass::Algo choose(cudnnHandle_t h, const Plan& p, cudnnConvolutionDescriptor_t conv, const Conv2dShape& s,
+                           std::size_t* ws, std::string* log) {
+  using Algo = typename Pass::Algo;
+  typename Pass::Perf perf[Pass::count];
+  int n = 0;
+  TALLY_CUDNN_CHECK(Pass::heuristics(h, p, conv, &n, perf));
+  bool tried[Pass::count] = {};
+  std::string seen;
+  // Sets the run's math type, asks the real size; true if the algorithm fits the limit.
+  auto fits = [&](Algo a, cudnnMathType_t math, std::string* note) {
+    TALLY_CUDNN_CHECK(cudnnSetConvolutionMathType(conv, run_math(math)));
+    std::size_t bytes = 0;
+    const cudnnStatus_t st = Pass::size(h, p, conv, a, &bytes);
+    if (st != CUDNN_STATUS_SUCCESS) {
+      *note = std::string("size query: ") + cudnnGetErrorString(st);
+      return false;
+    }
+    *note = std::to_string(bytes) + " B";
+    if (bytes > s.workspace_limit) {
+      *note += " > limit";
+      return false;
+    }
+    *ws = bytes;
+    return true;
+  };
+  for (int i = 0; i < n; ++i) {
+    const auto& c = perf[i];
+    if (static_cast<int>(c.algo) >= 0 && static_cast<int>(c.algo) < Pass::count) tried[static_cast<int>(c.algo)] = true;
+    std::string note;
+    bool ok = false;
+    if (c.status != CUDNN_STATUS_SUCCESS) note = cudnnGetErrorString(c.status);
+    else if (deterministic() && c.determinism != CUDNN_DETERMINISTIC) note = "not deterministic";
+    else if (!allow_tf32() && is_tensor_op(c.mathType)) note = "tensor-op math";
+    else ok = fits(c.algo, c.mathType, &note);
+    seen += (seen.empty() ? "" : ", ") + std::to_string(static_cast<int>(c.algo)) + " " + note;
+    if (ok) {
+      *log += std::string(Pass::name) + " algo " + std::to_string(static_cast<int>(c.algo)) + " (" +
+              std::to_string(*ws) + " B, rank " + std::to_string(i) + "; candidates: " + seen + ")";
+      return c.algo;
+    }
+  }
+  // Fallback: every algorithm the heuristics did not rank, in enum order.
+  for (int a = 0; a < Pass::count; ++a) {
+    if (tried[a]) continue;
+    const Algo algo = static_cast<Algo>(a);
+    std::string note;
+    bool ok = false;
+    if (deterministic() && Pass::nondeterministic(algo)) note = "not deterministic";
+    else ok = fits(algo, allow_tf32() ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH, &note);
+    seen += (seen.empty() ? "" : ", ") + std::to_string(a) + " (unranked) " + note;
+    if (ok) {
+      *log += std::string(Pass::name) + " algo " + std::to_string(a) + " (" + std::to_string(*ws) +
+              " B, unranked fallback; candidates: " + seen + ")";
+      return algo;
+    }
+  }
+  no_algorithm(Pass::name, s, seen);
+}
+
+bool log_conv_from_env() {
+  const char* v = std::getenv("TALLY_LOG_CONV");
+  return v != nullptr && v[0] != '\0' && v[0] != '0';
+}
+std::atomic<bool> g_log_conv{log_conv_from_env()};
 
 std::unique_ptr<Plan> make_plan(const Conv2dShape& s) {
   cudnnHandle_t h = detail::cudnn();
@@ -153,43 +262,15 @@ std::unique_ptr<Plan> make_plan(const Conv2dShape& s) {
   p->fwd_conv = make_conv_desc(s);
   p->bwd_data_conv = make_conv_desc(s);
   p->bwd_filter_conv = make_conv_desc(s);
-
-  {  // forward
-    cudnnConvolutionFwdAlgoPerf_t perf[CUDNN_CONVOLUTION_FWD_ALGO_COUNT];
-    int n = 0;
-    TALLY_CUDNN_CHECK(cudnnGetConvolutionForwardAlgorithm_v7(h, p->x, p->w, p->fwd_conv, p->y,
-                                                             CUDNN_CONVOLUTION_FWD_ALGO_COUNT, &n, perf));
-    const auto* best = pick(perf, n);
-    if (!best) no_algorithm("forward", s);
-    p->fwd_algo = best->algo;
-    TALLY_CUDNN_CHECK(cudnnSetConvolutionMathType(p->fwd_conv, run_math(best->mathType)));
-    TALLY_CUDNN_CHECK(cudnnGetConvolutionForwardWorkspaceSize(h, p->x, p->w, p->fwd_conv, p->y, p->fwd_algo,
-                                                              &p->fwd_ws));
-  }
-  {  // backward data
-    cudnnConvolutionBwdDataAlgoPerf_t perf[CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT];
-    int n = 0;
-    TALLY_CUDNN_CHECK(cudnnGetConvolutionBackwardDataAlgorithm_v7(h, p->w, p->y, p->bwd_data_conv, p->x,
-                                                                  CUDNN_CONVOLUTION_BWD_DATA_ALGO_COUNT, &n, perf));
-    const auto* best = pick(perf, n);
-    if (!best) no_algorithm("backward data", s);
-    p->bwd_data_algo = best->algo;
-    TALLY_CUDNN_CHECK(cudnnSetConvolutionMathType(p->bwd_data_conv, run_math(best->mathType)));
-    TALLY_CUDNN_CHECK(cudnnGetConvolutionBackwardDataWorkspaceSize(h, p->w, p->y, p->bwd_data_conv, p->x,
-                                                                   p->bwd_data_algo, &p->bwd_data_ws));
-  }
-  {  // backward filter
-    cudnnConvolutionBwdFilterAlgoPerf_t perf[CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT];
-    int n = 0;
-    TALLY_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterAlgorithm_v7(
-        h, p->x, p->y, p->bwd_filter_conv, p->w, CUDNN_CONVOLUTION_BWD_FILTER_ALGO_COUNT, &n, perf));
-    const auto* best = pick(perf, n);
-    if (!best) no_algorithm("backward filter", s);
-    p->bwd_filter_algo = best->algo;
-    TALLY_CUDNN_CHECK(cudnnSetConvolutionMathType(p->bwd_filter_conv, run_math(best->mathType)));
-    TALLY_CUDNN_CHECK(cudnnGetConvolutionBackwardFilterWorkspaceSize(h, p->x, p->y, p->bwd_filter_conv, p->w,
-                                                                     p->bwd_filter_algo, &p->bwd_filter_ws));
-  }
+  std::string log = "conv2d " + shape_text(s) + ", workspace limit " + std::to_string(s.workspace_limit) +
+                    (allow_tf32() ? " B, TF32" : " B, no TF32") + (deterministic() ? ", deterministic" : "") + ":\n  ";
+  p->fwd_algo = choose<FwdPass>(h, *p, p->fwd_conv, s, &p->fwd_ws, &log);
+  log += "\n  ";
+  p->bwd_data_algo = choose<BwdDataPass>(h, *p, p->bwd_data_conv, s, &p->bwd_data_ws, &log);
+  log += "\n  ";
+  p->bwd_filter_algo = choose<BwdFilterPass>(h, *p, p->bwd_filter_conv, s, &p->bwd_filter_ws, &log);
+  p->description = log;
+  if (g_log_conv) std::fprintf(stderr, "%s\n", log.c_str());
   return p;
 }
 
@@ -219,12 +300,36 @@ bool empty_output(const Conv2dShape& s) { return s.N <= 0 || s.K <= 0 || s.P() <
 // ---- kernel launchers ----------------------------------------------------------------------------
 
 template <class T>
-std::size_t conv2d_workspace_bytes(const Conv2dShape& s) {
+std::size_t conv2d_workspace_bytes(const Conv2dShape& s, ConvPass pass) {
   if (empty_output(s) || s.C <= 0) return 0;
 #if TALLY_HAVE_CUDNN
-  return plan_for(s).workspace();
+  const Plan& p = plan_for(s);
+  switch (pass) {
+    case ConvPass::forward: return p.fwd_ws;
+    case ConvPass::backward_data: return p.bwd_data_ws;
+    case ConvPass::backward_filter: return p.bwd_filter_ws;
+  }
+  return 0;
+#else
+  (void)pass;
+  no_cudnn();
+#endif
+}
+
+std::string conv2d_plan_description(const Conv2dShape& s) {
+  if (empty_output(s) || s.C <= 0) return "conv2d: empty, no cuDNN call";
+#if TALLY_HAVE_CUDNN
+  return plan_for(s).description;
 #else
   no_cudnn();
+#endif
+}
+
+void set_log_conv_algorithms(bool on) {
+#if TALLY_HAVE_CUDNN
+  g_log_conv = on;
+#else
+  (void)on;
 #endif
 }
 
@@ -318,7 +423,7 @@ void conv2d_backward_bias(const Conv2dShape& s,
 }
 
 #define TALLY_INSTANTIATE_CONV(T)                                                                \
-  template std::size_t conv2d_workspace_bytes<T>(const Conv2dShape&);                            \
+  template std::size_t conv2d_workspace_bytes<T>(const Conv2dShape&, ConvPass);                  \
   template void conv2d_forward<T>(const Conv2dShape&, const T*, const T*, const T*, T*, void*);  \
   template void conv2d_backward_data<T>(const Conv2dShape&, const T*, const T*, T*, T, void*);   \
   template void conv2d_backward_filter<T>(const Conv2dShape&, const T*, const T*, T*, T, void*); \

@@ -23,6 +23,8 @@
 //   * Sizes are i64 and indexing is 64-bit wherever an index can pass 2^31; the cuBLAS and cuDNN
 //     calls take int sizes and throw a clear error beyond them.
 #pragma once
+#include <string>
+
 #include "kernels/common.h"
 #include "kernels/cpu/cpu_kernels.h"  // Conv2dShape, Pool2dShape
 
@@ -34,24 +36,37 @@ using cpu::Pool2dShape;
 // ---------------------------------------------------------------------------------------------
 // gemm.cu — row-major GEMM on cuBLAS (cublasGemmEx on the column-major transpose).
 // C (M, N) = alpha * op(A) * op(B) + beta * C, as the CPU gemm; beta == 0 never reads C.
-// `workspace` is cuBLAS's scratch for this call: gemm_workspace_bytes() bytes carved from the
-// arena (category workspace), set with cublasSetWorkspace just before the call, or null to run
-// cuBLAS without any workspace (it then never allocates on its own either). float32 math, no
-// TF32 unless set_allow_tf32(true).
-std::size_t gemm_workspace_bytes();
+// `workspace` is cuBLAS's scratch for this call: gemm_workspace_bytes(budget) bytes carved from
+// the arena (category workspace) and set with cublasSetWorkspace just before the call; cuBLAS
+// never allocates on its own. cuBLAS may fail without one (CUBLAS_STATUS_ALLOC_FAILED), so a
+// null workspace or one under kGemmMinWorkspace bytes is an error. float32 math, no TF32 unless
+// set_allow_tf32(true).
+inline constexpr std::size_t kGemmMinWorkspace = std::size_t(1) << 20;
+// The workspace of every GEMM under a memory budget (an arena's budget()): budget / 16, at least
+// kGemmMinWorkspace, at most cuBLAS's recommendation for the current device (32 MiB on Hopper and
+// newer, 4 MiB before), in 256-byte units.
+std::size_t gemm_workspace_bytes(std::size_t budget);
 template <class T>
 void gemm(bool trans_a, bool trans_b, i64 M, i64 N, i64 K, T alpha, const T* A, i64 lda,
-          const T* B, i64 ldb, T beta, T* C, i64 ldc, void* workspace = nullptr);
+          const T* B, i64 ldb, T beta, T* C, i64 ldc, void* workspace = nullptr,
+          std::size_t workspace_bytes = 0);
+// The most workspace one convolution pass may take under a memory budget (Conv2dShape's
+// workspace_limit, set by core/ from the arena's budget()): budget / 8, at most 1 GiB.
+std::size_t conv_workspace_limit(std::size_t budget);
 
 // ---------------------------------------------------------------------------------------------
 // conv.cu — 2-D convolution on cuDNN (legacy convolution API; docs/gpu.md says why).
-// The algorithms of forward, backward data and backward filter are chosen once per shape (and
-// per TF32 / determinism / workspace-limit setting) from cuDNN's heuristics, cached, and reused:
-// conv2d_workspace_bytes returns the largest of the three workspaces of that cached choice, the
-// same number in a dry run and a real run. Every conv2d_* call below takes at least that many
-// bytes of workspace.
+// The algorithms of forward, backward data and backward filter are chosen once per shape (its
+// workspace_limit included, and per TF32 / determinism setting) from cuDNN's heuristics, cached,
+// and reused: conv2d_workspace_bytes(s, pass) is the workspace of that pass's cached choice (at
+// most s.workspace_limit), the same number in a dry run and a real run. Each conv2d_* call below
+// takes at least its pass's workspace.
 template <class T>
-std::size_t conv2d_workspace_bytes(const Conv2dShape& s);
+std::size_t conv2d_workspace_bytes(const Conv2dShape& s, ConvPass pass);
+// The cached plan of a shape in words: each pass's algorithm, workspace and the candidates seen.
+std::string conv2d_plan_description(const Conv2dShape& s);
+// Prints every new plan's description to stderr (also switched on by TALLY_LOG_CONV=1).
+void set_log_conv_algorithms(bool on);
 // y (N, K, P, Q) = conv(x (N, C, H, W), w (K, C/g, R, S)) + bias (K) ; bias may be null.
 template <class T>
 void conv2d_forward(const Conv2dShape& s, const T* x, const T* w, const T* bias, T* y,

@@ -13,7 +13,9 @@
 // Workspace: cublasSetWorkspace before each call with the arena block the op carved for it (or
 // none), so cuBLAS never uses memory outside the arena and a block freed after the call is never
 // referenced again.
+#include <algorithm>
 #include <climits>
+#include <string>
 
 #include "kernels/cuda/context.h"
 #include "kernels/cuda/cuda_kernels.h"
@@ -48,7 +50,7 @@ void gemm(bool trans_a, bool trans_b, i64 M, i64 N, i64 K, T alpha,
           const T* B,  // (K, N) with leading dim ldb, or (N, K) if trans_b
           i64 ldb, T beta,
           T* C,  // (M, N) with leading dim ldc
-          i64 ldc, void* workspace) {
+          i64 ldc, void* workspace, std::size_t workspace_bytes) {
   if (M <= 0 || N <= 0) return;
   if (K <= 0 || alpha == T(0)) {
     if (beta != T(1)) {
@@ -57,11 +59,13 @@ void gemm(bool trans_a, bool trans_b, i64 M, i64 N, i64 K, T alpha,
     }
     return;
   }
+  if (workspace == nullptr || workspace_bytes < kGemmMinWorkspace)
+    detail::fail("gemm on CUDA: cuBLAS needs a workspace of at least " + std::to_string(kGemmMinWorkspace) +
+                 " bytes from the arena, found " + (workspace ? std::to_string(workspace_bytes) + " bytes" : "none"));
   const int m = to_int(N, "N"), n = to_int(M, "M"), k = to_int(K, "K");
   const int lda_ = to_int(lda, "lda"), ldb_ = to_int(ldb, "ldb"), ldc_ = to_int(ldc, "ldc");
   cublasHandle_t h = detail::cublas();
-  const std::size_t ws_bytes = workspace ? gemm_workspace_bytes() : 0;
-  TALLY_CUBLAS_CHECK(cublasSetWorkspace(h, workspace, ws_bytes));
+  TALLY_CUBLAS_CHECK(cublasSetWorkspace(h, workspace, workspace_bytes));
   const cublasComputeType_t compute = allow_tf32() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
   TALLY_CUBLAS_CHECK(cublasGemmEx(h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, m, n, k,
                                   &alpha, B, CUDA_R_32F, ldb_, A, CUDA_R_32F, lda_, &beta, C, CUDA_R_32F, ldc_, compute,
@@ -69,6 +73,17 @@ void gemm(bool trans_a, bool trans_b, i64 M, i64 N, i64 K, T alpha,
 }
 
 template void gemm<float>(bool, bool, i64, i64, i64, float, const float*, i64, const float*, i64, float, float*, i64,
-                          void*);
+                          void*, std::size_t);
+
+std::size_t gemm_workspace_bytes(std::size_t budget) {
+  int dev = 0, major = 0;
+  TALLY_CUDA_CHECK(cudaGetDevice(&dev));
+  TALLY_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  const std::size_t recommended = std::size_t(major >= 9 ? 32 : 4) << 20;  // cuBLAS's documentation
+  const std::size_t bytes = std::clamp(budget / 16, kGemmMinWorkspace, recommended);
+  return bytes / 256 * 256;
+}
+
+std::size_t conv_workspace_limit(std::size_t budget) { return std::min(budget / 8, std::size_t(1) << 30); }
 
 }  // namespace tally::kernels::cuda
