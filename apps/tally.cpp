@@ -114,7 +114,10 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"resnet20", "resnet32", "resnet44", "resnet56", "resnet110", "resnet18", "resnet34", "resnet50", "resnet9"}))
       ->capture_default_str();
   train_cmd->add_option("--norm", to.norm, "batch|group|none")->check(CLI::IsMember({"batch", "group", "none"}))->capture_default_str();
-  train_cmd->add_option("--data", to.data, "synthetic|mnist:DIR|cifar10:DIR|cifar100:DIR")->capture_default_str();
+  train_cmd->add_option("--data", to.data, "synthetic|synthetic:CxHxW|mnist:DIR|cifar10:DIR|cifar100:DIR")->capture_default_str();
+  std::int64_t train_classes = 0;
+  train_cmd->add_option("--num-classes", train_classes, "classes of synthetic data (default 1000 for images >= 64 pixels, else 10)")
+      ->check(CLI::PositiveNumber);
   auto* epochs_opt = train_cmd->add_option("--epochs", to.epochs, "epochs to train")->check(CLI::PositiveNumber)->capture_default_str();
   std::int64_t steps = 0;
   train_cmd->add_option("--steps", steps, "optimizer steps to train (instead of --epochs)")->check(CLI::PositiveNumber)->excludes(epochs_opt);
@@ -138,6 +141,7 @@ int main(int argc, char** argv) {
   train_cmd->add_option("--seed", to.seed, "seed for initialization, shuffling and augmentation")->capture_default_str();
   train_cmd->add_option("--device", to.device, "cpu|cuda|auto")->capture_default_str();
   train_cmd->add_option("--threads", to.threads, "CPU threads (0: default)")->check(CLI::NonNegativeNumber);
+  train_cmd->add_flag("--tf32", to.tf32, "CUDA: let float32 GEMMs and convolutions use TF32 tensor cores (off by default)");
   train_cmd->add_option("--init", to.init, "initial weights (safetensors, torchvision names)");
   train_cmd->add_option("--save", to.save, "write the trained weights (safetensors)");
   train_cmd->add_option("--out", to.out, "write metrics.csv and summary.json into this directory");
@@ -168,6 +172,7 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
     if (train_cmd->parsed()) {
       if (steps > 0) to.steps = steps;
+      if (train_classes > 0) to.num_classes = train_classes;
       if (augment) to.augment = true;
       if (no_augment) to.augment = false;
       if (no_shuffle) to.shuffle = false;

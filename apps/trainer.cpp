@@ -15,6 +15,10 @@
 #include <nlohmann/json.hpp>
 
 #include "core/autograd.h"
+#include "tally/config.h"
+#if TALLY_HAVE_CUDA
+#include "kernels/cuda/context.h"
+#endif
 #include "core/memory.h"
 #include "core/ops.h"
 #include "layers/checkpoint.h"
@@ -163,7 +167,10 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
   if (!opt.out.empty()) std::filesystem::create_directories(opt.out);
 
   // ---- data ---------------------------------------------------------------------------------------
-  const data::Split split = data::load_dataset(opt.data);
+#if TALLY_HAVE_CUDA
+  if (dev.is_cuda()) kernels::cuda::set_allow_tf32(opt.tf32);
+#endif
+  const data::Split split = data::load_dataset(opt.data, opt.num_classes);
   const data::Dataset& train_set = split.train;
   const bool is_mnist = opt.data.rfind("mnist", 0) == 0;
   const bool augment = opt.augment.value_or(!is_mnist);
@@ -236,8 +243,8 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
   fmt::print(log, "model {} (norm {}), {} parameters | data {}: {} train / {} test, {}x{}x{}, {} classes\n", opt.model,
              opt.norm, params, train_set.name, train_set.size(), split.test.size(), train_set.channels, train_set.height,
              train_set.width, train_set.num_classes);
-  fmt::print(log, "device {} | batch {} | {} steps ({} per epoch) | {} lr {} schedule {} | augment {} shuffle {} normalize {}\n",
-             dev.str(), opt.batch_size, total_steps, per_epoch, opt.optimizer, opt.lr, opt.schedule, augment ? "on" : "off",
+  fmt::print(log, "device {}{} | batch {} | {} steps ({} per epoch) | {} lr {} schedule {} | augment {} shuffle {} normalize {}\n",
+             dev.str(), dev.is_cuda() ? (opt.tf32 ? " (TF32 on)" : " (TF32 off)") : (opt.tf32 ? " (--tf32: no effect on the CPU)" : ""), opt.batch_size, total_steps, per_epoch, opt.optimizer, opt.lr, opt.schedule, augment ? "on" : "off",
              opt.shuffle ? "on" : "off", opt.normalize ? "on" : "off");
   const ArenaStats s0 = arena->stats();
   fmt::print(log, "memory limit {}{}: parameters {}, gradients {}, optimizer state {} allocated before planning\n",
@@ -286,9 +293,11 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
     double epoch_loss = 0;
     std::int64_t epoch_steps = 0;
     while (step < total_steps) {
+      // A step's time runs from asking for its batch (a loader that cannot keep up counts) to
+      // the end of its optimizer step; writing the traced step's files does not count.
+      const auto t0 = clock::now();
       std::optional<data::Batch> b = loader.next();
       if (!b) break;
-      const auto t0 = clock::now();
       optimizer->set_lr(schedule.lr_at(step));
       const bool trace = step == traced_step && !opt.out.empty();
       if (trace) arena->set_tracing(true);
@@ -298,6 +307,7 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
       last_loss = r.loss;
       if (!std::isfinite(last_loss))
         throw Error(fmt::format("training diverged at step {}: loss is {} (try a smaller --lr)", step, last_loss));
+      const auto t1 = clock::now();
       if (trace) {
         arena->set_tracing(false);
         const std::filesystem::path dir(opt.out);
@@ -310,7 +320,7 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
         write_file(dir / "memory.svg", mbp::memory_svg(*arena, to));
         arena->clear_trace();
       }
-      const double dt = std::chrono::duration<double>(clock::now() - t0).count();
+      const double dt = std::chrono::duration<double>(t1 - t0).count();
       if (step > 0) {  // the first step warms caches and is excluded from the steady-state rate
         steady_seconds += dt;
         steady_images += b->size;

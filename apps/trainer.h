@@ -17,6 +17,7 @@ struct TrainOptions {
   std::string model = "resnet20";
   std::string norm = "batch";
   std::string data = "synthetic";
+  std::optional<std::int64_t> num_classes;  // synthetic data only (default: as `tally plan`)
   std::int64_t epochs = 2;
   std::optional<std::int64_t> steps;  // overrides epochs when set
   std::int64_t batch_size = 128;
@@ -31,6 +32,7 @@ struct TrainOptions {
   std::uint64_t seed = 0;
   std::string device = "auto";
   int threads = 0;  // 0: leave the default
+  bool tf32 = false;  // CUDA: float32 GEMMs and convolutions may use TF32 tensor cores
   std::string init, save, out;
   bool progress = true;  // progress bar on stdout
   // Arena capacity: a size ("48MiB", "2GiB") or "auto" (CPU: 8 GiB of address space; CUDA:

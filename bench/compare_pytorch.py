@@ -3,12 +3,14 @@
 and device, training steps in one run, images/s and peak memory of both and their ratio.
 
     python3 bench/compare_pytorch.py --model resnet20 --batch 128 --steps 20 --device cpu
-    python3 bench/compare_pytorch.py --model resnet50 --batch 64 --device cuda [--tf32]
+    python3 bench/compare_pytorch.py --model resnet50 --batch 256 --device cuda [--tf32]
 
 PyTorch side: SGD (momentum 0.9, weight decay 5e-4) training steps on random data of the input
-shape, eager mode, float32, TF32 off unless --tf32; the first --warmup steps are not timed.
-tally side: `tally train --data synthetic` (same model, batch, optimizer, float32), whose
-images/s also leaves out the first step; its peak is the arena's measured step peak. On CUDA
+shape, eager mode, float32, TF32 off unless --tf32 (then on for matmuls and cuDNN), cuDNN's
+benchmark mode on; the first --warmup steps are not timed.
+tally side: `tally train --data synthetic` for 3x32x32 models, `--data synthetic:3x224x224
+--num-classes 1000` for ImageNet-sized ones (same model, batch, optimizer, float32, --tf32 passed
+on), whose images/s leaves out the first step; its peak is the arena's measured step peak. On CUDA
 PyTorch's peak is torch.cuda.max_memory_allocated() for the timed steps. On the CPU PyTorch has
 no allocator statistics, so its column is the growth of the process's maximum resident set
 during training (an upper bound that includes allocator caching), and the ratio is omitted.
@@ -76,16 +78,16 @@ def torch_side(args, hw, classes):
     return args.batch * args.steps / dt, peak, peak_kind
 
 
-def tally_side(args, hw):
-    if hw != 32:
-        raise SystemExit("the tally side trains on the synthetic 3x32x32 data set; use a CIFAR-sized model "
-                         "or bench/bench_train for 224x224 inputs")
+def tally_side(args, hw, classes):
+    data = "synthetic" if hw == 32 else f"synthetic:3x{hw}x{hw}"
     with tempfile.TemporaryDirectory() as out:
-        cmd = [args.tally, "train", "--model", args.model, "--data", "synthetic", "--batch-size", str(args.batch),
-               "--steps", str(args.steps + 1), "--lr", "0.01", "--schedule", "constant", "--no-augment",
-               "--device", args.device, "--out", out, "--no-progress"]
+        cmd = [args.tally, "train", "--model", args.model, "--data", data, "--num-classes", str(classes),
+               "--batch-size", str(args.batch), "--steps", str(args.steps + 1), "--lr", "0.01", "--schedule",
+               "constant", "--no-augment", "--device", args.device, "--out", out, "--no-progress"]
         if args.threads:
             cmd += ["--threads", str(args.threads)]
+        if args.tf32:
+            cmd += ["--tf32"]
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
         with open(os.path.join(out, "summary.json")) as f:
             s = json.load(f)
@@ -99,7 +101,7 @@ def main():
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--tf32", action="store_true", help="allow TF32 on the PyTorch side (CUDA)")
+    p.add_argument("--tf32", action="store_true", help="allow TF32 on both sides (CUDA)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for both (0: all cores)")
     p.add_argument("--tally", default=os.path.join(ROOT, "build", "apps", "tally"))
     args = p.parse_args()
@@ -107,10 +109,10 @@ def main():
         torch.set_num_threads(args.threads)
     hw = 32 if args.model in ("resnet20", "resnet32", "resnet44", "resnet56", "resnet110") else 224
     classes = 10 if hw == 32 else 1000
-    t_ips, t_peak, k = tally_side(args, hw)
+    t_ips, t_peak, k = tally_side(args, hw, classes)
     p_ips, p_peak, p_kind = torch_side(args, hw, classes)
     mib = 1 << 20
-    print(f"{args.model} batch {args.batch}, float32, {args.device}, {args.steps} timed steps, "
+    print(f"{args.model} batch {args.batch}, float32{' (TF32 on)' if args.tf32 else ''}, {args.device}, {args.steps} timed steps, "
           f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
     print(f"{'':10} {'images/s':>10} {'peak MiB':>10}")
     print(f"{'tally':10} {t_ips:10.1f} {t_peak / mib:10.1f}   (arena step peak; {k} micro-batch(es))")

@@ -353,11 +353,15 @@ bool inside(const ShapeParams& p, std::int64_t u, std::int64_t v) {
   }
 }
 
+// The six orders of three colour channels: classes 10k..10k+9 use order k mod 6.
+constexpr std::array<std::array<int, 3>, 6> kChannelOrders = {{{0, 1, 2}, {1, 2, 0}, {2, 0, 1}, {0, 2, 1}, {2, 1, 0}, {1, 0, 2}}};
+
 // Draws one 3x32x32 image of class `cls` as levels 0..255 into q (3*32*32).
 void draw_synthetic(int cls, std::uint64_t image_key, std::uint8_t* q) {
   Rng rng(image_key);
   ShapeParams p{};
-  p.cls = cls;
+  p.cls = cls % kSynClasses;
+  const auto& order = kChannelOrders[static_cast<std::size_t>(cls / kSynClasses) % kChannelOrders.size()];
   p.s = rng.between(48, 80);
   p.cx = rng.between(p.s, kSynSide * 8 - p.s);
   p.cy = rng.between(p.s, kSynSide * 8 - p.s);
@@ -371,7 +375,9 @@ void draw_synthetic(int cls, std::uint64_t image_key, std::uint8_t* q) {
   }
   int fg[3], bg[3];
   for (int c = 0; c < 3; ++c)
-    fg[c] = std::clamp(kPalette[cls][c] + static_cast<int>(rng.between(-20, 20)), 0, 255);
+    fg[c] = std::clamp(kPalette[static_cast<std::size_t>(p.cls)][static_cast<std::size_t>(order[c])] +
+                           static_cast<int>(rng.between(-20, 20)),
+                       0, 255);
   for (int c = 0; c < 3; ++c) bg[c] = static_cast<int>(rng.between(0, 100));
 
   constexpr int kPlane = kSynSide * kSynSide;
@@ -447,7 +453,7 @@ void check_dataset(const Dataset& ds, bool normalize, const char* who) {
     throw Error(fmt::format("{}: data set '{}' has shape C={} H={} W={} and {} classes: expected "
                             "all positive",
                             who, ds.name, ds.channels, ds.height, ds.width, ds.num_classes));
-  const auto want = static_cast<std::size_t>(ds.size() * ds.sample_numel());
+  const auto want = ds.generate ? std::size_t{0} : static_cast<std::size_t>(ds.size() * ds.sample_numel());
   if (ds.images.size() != want)
     throw Error(fmt::format("{}: data set '{}' has {} labels of {}x{}x{} images: expected {} "
                             "image values, found {}",
@@ -472,9 +478,22 @@ void copy_sample(const Dataset& ds, std::int64_t idx, bool augment, std::uint64_
     throw Error(fmt::format("data set '{}': sample {} has label {}: expected 0..{}", ds.name, idx,
                             label, ds.num_classes - 1));
   const std::int64_t C = ds.channels, H = ds.height, W = ds.width, plane = H * W;
-  const float* src = ds.images.data() + idx * C * plane;
+  const float* src = nullptr;
+  thread_local std::vector<float> drawn;  // a procedural sample, before augmentation
+  if (ds.generate) {
+    if (!augment) {
+      ds.generate(idx, dst);
+      src = dst;
+    } else {
+      drawn.resize(static_cast<std::size_t>(C * plane));
+      ds.generate(idx, drawn.data());
+      src = drawn.data();
+    }
+  } else {
+    src = ds.images.data() + idx * C * plane;
+  }
   if (!augment) {
-    std::copy(src, src + C * plane, dst);
+    if (src != dst) std::copy(src, src + C * plane, dst);
   } else {
     // Crop offset (oy, ox) in 0..8 of the image padded by 4 zeros per side, then maybe a flip:
     // out(y, x) = in(y + oy - 4, flip ? W-1-x + ox - 4 : x + ox - 4), zero outside.
@@ -540,6 +559,82 @@ Split load_cifar100(const std::string& dir) {
   return s;
 }
 
+namespace {
+
+// The procedural synthetic set of `o`'s shape: labels now, images drawn on demand.
+Dataset procedural_synthetic_set(const SyntheticOptions& o, std::int64_t n, std::uint64_t split) {
+  Dataset ds;
+  ds.name = fmt::format("synthetic:{}x{}x{}", o.channels, o.height, o.width);
+  ds.channels = o.channels;
+  ds.height = o.height;
+  ds.width = o.width;
+  ds.num_classes = o.num_classes;
+  ds.labels.resize(static_cast<std::size_t>(n));
+  for (std::int64_t i = 0; i < n; ++i) ds.labels[static_cast<std::size_t>(i)] = i % o.num_classes;
+  Rng label_rng(key(o.seed, kTagLabels, split));
+  shuffle(ds.labels, label_rng);
+  const std::uint64_t image_key = key(o.seed, kTagSynth, split);
+  const auto labels = std::make_shared<const std::vector<std::int64_t>>(ds.labels);
+  const std::int64_t C = o.channels, H = o.height, W = o.width;
+  ds.generate = [labels, image_key, C, H, W](std::int64_t i, float* dst) {
+    std::uint8_t q[3 * kSynSide * kSynSide];
+    draw_synthetic(static_cast<int>((*labels)[static_cast<std::size_t>(i)]), key(image_key, static_cast<std::uint64_t>(i)), q);
+    const auto& lut = level_to_float();
+    // Nearest neighbour: output pixel (y, x) takes drawing pixel (y * 32 / H, x * 32 / W).
+    std::vector<int> xs(static_cast<std::size_t>(W));
+    for (std::int64_t x = 0; x < W; ++x) xs[static_cast<std::size_t>(x)] = static_cast<int>(x * kSynSide / W);
+    for (std::int64_t c = 0; c < C; ++c) {
+      const std::uint8_t* plane = q + (c % 3) * kSynSide * kSynSide;
+      for (std::int64_t y = 0; y < H; ++y) {
+        const std::uint8_t* row = plane + (y * kSynSide / H) * kSynSide;
+        float* out = dst + (c * H + y) * W;
+        for (std::int64_t x = 0; x < W; ++x) out[x] = lut[row[xs[static_cast<std::size_t>(x)]]];
+      }
+    }
+  };
+  return ds;
+}
+
+}  // namespace
+
+Split make_synthetic(const SyntheticOptions& o) {
+  if (o.n_train <= 0 || o.n_test < 0)
+    throw Error(fmt::format("make_synthetic: expected n_train > 0 and n_test >= 0, found {} and {}", o.n_train,
+                            o.n_test));
+  if (o.channels < 1 || o.height < 1 || o.width < 1 || o.num_classes < 1)
+    throw Error(fmt::format("synthetic data: expected a shape CxHxW and a class count of at least 1 each, found "
+                            "{}x{}x{} and {} classes", o.channels, o.height, o.width, o.num_classes));
+  if (o.channels == 3 && o.height == kSynSide && o.width == kSynSide && o.num_classes == kSynClasses)
+    return make_synthetic(o.n_train, o.n_test, o.seed);
+  Split s;
+  s.train = procedural_synthetic_set(o, o.n_train, 0);
+  s.test = procedural_synthetic_set(o, o.n_test, 1);
+  // Normalisation constants: per colour channel over the first drawings of the train set.
+  LevelStats st;
+  const std::int64_t probe = std::min<std::int64_t>(o.n_train, 2000);
+  std::uint8_t q[3 * kSynSide * kSynSide];
+  for (std::int64_t i = 0; i < probe; ++i) {
+    draw_synthetic(static_cast<int>(s.train.labels[static_cast<std::size_t>(i)]),
+                   key(key(o.seed, kTagSynth, 0), static_cast<std::uint64_t>(i)), q);
+    for (int c = 0; c < 3; ++c)
+      for (int j = 0; j < kSynSide * kSynSide; ++j) {
+        const std::uint64_t v = q[c * kSynSide * kSynSide + j];
+        st.sum[c] += v;
+        st.sumsq[c] += v * v;
+      }
+    st.per_channel += kSynSide * kSynSide;
+  }
+  for (std::int64_t c = 0; c < std::min<std::int64_t>(o.channels, 3); ++c) {
+    const double n = static_cast<double>(st.per_channel), sum = static_cast<double>(st.sum[c % 3]);
+    const double mean = sum / n, var = static_cast<double>(st.sumsq[c % 3]) / n - mean * mean;
+    s.train.mean[static_cast<std::size_t>(c)] = static_cast<float>(mean / 255.0);
+    s.train.stddev[static_cast<std::size_t>(c)] = static_cast<float>(std::sqrt(std::max(var, 0.0)) / 255.0);
+  }
+  s.test.mean = s.train.mean;
+  s.test.stddev = s.train.stddev;
+  return s;
+}
+
 Split make_synthetic(std::int64_t n_train, std::int64_t n_test, std::uint64_t seed) {
   if (n_train <= 0 || n_test < 0)
     throw Error(fmt::format("make_synthetic: expected n_train > 0 and n_test >= 0, found {} and {}",
@@ -564,18 +659,62 @@ Split make_synthetic(std::int64_t n_train, std::int64_t n_test, std::uint64_t se
   return s;
 }
 
-Split load_dataset(const std::string& spec) {
-  if (spec == "synthetic") return make_synthetic();
+namespace {
+// "3x224x224" -> {3, 224, 224}; nullopt if it is not three positive integers.
+std::optional<std::array<std::int64_t, 3>> parse_chw(const std::string& t) {
+  std::array<std::int64_t, 3> v{};
+  std::size_t pos = 0;
+  for (int i = 0; i < 3; ++i) {
+    std::size_t end = pos;
+    while (end < t.size() && t[end] >= '0' && t[end] <= '9') ++end;
+    if (end == pos || end - pos > 6) return std::nullopt;
+    v[static_cast<std::size_t>(i)] = std::stoll(t.substr(pos, end - pos));
+    if (v[static_cast<std::size_t>(i)] < 1) return std::nullopt;
+    if (i < 2) {
+      if (end >= t.size() || t[end] != 'x') return std::nullopt;
+      pos = end + 1;
+    } else if (end != t.size()) {
+      return std::nullopt;
+    }
+  }
+  return v;
+}
+}  // namespace
+
+Split load_dataset(const std::string& spec, std::optional<std::int64_t> num_classes) {
+  if (num_classes && *num_classes < 1)
+    throw Error(fmt::format("--num-classes must be >= 1, found {}", *num_classes));
+  if (spec == "synthetic" || spec.rfind("synthetic:", 0) == 0) {
+    SyntheticOptions o;
+    if (spec != "synthetic") {
+      const auto chw = parse_chw(spec.substr(10));
+      if (!chw)
+        throw Error(fmt::format("data set '{}': expected synthetic:CxHxW with three positive integers, e.g. "
+                                "synthetic:3x224x224", spec));
+      o.channels = (*chw)[0], o.height = (*chw)[1], o.width = (*chw)[2];
+    }
+    o.num_classes = num_classes.value_or(std::min(o.height, o.width) >= 64 ? 1000 : 10);
+    return make_synthetic(o);
+  }
+  Split s;
+  bool known = false;
   const auto colon = spec.find(':');
   if (colon != std::string::npos && colon + 1 < spec.size()) {
     const std::string kind = spec.substr(0, colon), dir = spec.substr(colon + 1);
-    if (kind == "mnist") return load_mnist(dir);
-    if (kind == "cifar10") return load_cifar10(dir);
-    if (kind == "cifar100") return load_cifar100(dir);
+    known = true;
+    if (kind == "mnist") s = load_mnist(dir);
+    else if (kind == "cifar10") s = load_cifar10(dir);
+    else if (kind == "cifar100") s = load_cifar100(dir);
+    else known = false;
   }
-  throw Error(fmt::format("load_dataset: unknown data set '{}': expected one of synthetic, "
-                          "mnist:DIR, cifar10:DIR, cifar100:DIR",
-                          spec));
+  if (!known)
+    throw Error(fmt::format("load_dataset: unknown data set '{}': expected one of synthetic, synthetic:CxHxW, "
+                            "mnist:DIR, cifar10:DIR, cifar100:DIR",
+                            spec));
+  if (num_classes && *num_classes != s.train.num_classes)
+    throw Error(fmt::format("--num-classes {} does not match {}, which has {} classes (--num-classes is for "
+                            "synthetic data)", *num_classes, spec, s.train.num_classes));
+  return s;
 }
 
 // ---- public: loader ---------------------------------------------------------------------------
@@ -636,12 +775,22 @@ struct Loader::State {
     b.images.resize(static_cast<std::size_t>(size * numel));
     b.labels.resize(static_cast<std::size_t>(size));
     const std::uint64_t aug_key = key(opt.seed, kTagAugment, static_cast<std::uint64_t>(ep));
+    // Drawing procedural samples (large synthetic images) is the expensive part: spread it over
+    // the cores. Every sample depends only on its position, so the batch is the same either way.
+    std::exception_ptr err;
+#pragma omp parallel for schedule(dynamic, 4) if (ds.generate && size > 1)
     for (std::int64_t j = 0; j < size; ++j) {
-      const std::int64_t pos = start + j, idx = ord[static_cast<std::size_t>(pos)];
-      const std::uint64_t draw = opt.augment ? mix64(aug_key ^ static_cast<std::uint64_t>(pos)) : 0;
-      copy_sample(ds, idx, opt.augment, draw, opt.normalize, b.images.data() + j * numel);
-      b.labels[static_cast<std::size_t>(j)] = ds.labels[static_cast<std::size_t>(idx)];
+      try {
+        const std::int64_t pos = start + j, idx = ord[static_cast<std::size_t>(pos)];
+        const std::uint64_t draw = opt.augment ? mix64(aug_key ^ static_cast<std::uint64_t>(pos)) : 0;
+        copy_sample(ds, idx, opt.augment, draw, opt.normalize, b.images.data() + j * numel);
+        b.labels[static_cast<std::size_t>(j)] = ds.labels[static_cast<std::size_t>(idx)];
+      } catch (...) {
+#pragma omp critical(tally_loader_error)
+        if (!err) err = std::current_exception();
+      }
     }
+    if (err) std::rethrow_exception(err);
     return b;
   }
 

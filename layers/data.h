@@ -11,7 +11,11 @@
 //   * Synthetic: 10 classes of 3x32x32 images, each class a shape drawn in a class colour on a
 //     random dark background with pixel noise (see data.cpp for the classes). Every value comes
 //     from integer arithmetic on a counter-based generator, so the images and their statistics
-//     are bit-identical on every machine for a given seed.
+//     are bit-identical on every machine for a given seed. Any other shape CxHxW ("synthetic:
+//     3x224x224") and class count is *procedural*: no image is held in memory, each is drawn
+//     when a batch needs it (the 32x32 drawing scaled to HxW by nearest neighbour, channel c from
+//     colour channel c mod 3); classes beyond 10 repeat the 10 shapes with the class colour's
+//     channels permuted (distinct up to 60 classes).
 // Any file that is missing, truncated or malformed throws tally::FormatError naming the file,
 // what was expected and what was found (gzip files are recognised and the message says to
 // decompress them). Train and test sets carry the data set's usual normalisation constants.
@@ -29,6 +33,7 @@
 #pragma once
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -38,8 +43,11 @@ namespace tally::data {
 
 struct Dataset {  // images in [0,1] float, CHW; labels int64
   std::int64_t channels = 0, height = 0, width = 0, num_classes = 0;
-  std::vector<float> images;              // (N, C, H, W)
+  std::vector<float> images;              // (N, C, H, W); empty when `generate` is set
   std::vector<std::int64_t> labels;       // (N)
+  // A procedural data set draws sample i into dst (C*H*W values) when it is needed; it must be
+  // safe to call from several threads at once.
+  std::function<void(std::int64_t i, float* dst)> generate;
   std::array<float, 3> mean{}, stddev{};  // usual per-channel normalisation (first `channels` used)
   std::string name;
 
@@ -57,11 +65,19 @@ Split load_mnist(const std::string& dir);     // train-images-idx3-ubyte, train-
 Split load_cifar10(const std::string& dir);   // data_batch_1..5.bin, test_batch.bin
 Split load_cifar100(const std::string& dir);  // train.bin, test.bin
 // Deterministic in `seed`; train and test are independent draws from the same distribution.
-// mean/stddev of both are the per-channel statistics of the train set.
-Split make_synthetic(std::int64_t n_train = 10000, std::int64_t n_test = 2000,
-                     std::uint64_t seed = 0);
-// "synthetic" | "mnist:DIR" | "cifar10:DIR" | "cifar100:DIR"; anything else throws tally::Error.
-Split load_dataset(const std::string& spec);
+// mean/stddev of both are the per-channel statistics of the train set (of its first 2000
+// drawings at 32x32 for a procedural set).
+struct SyntheticOptions {
+  std::int64_t n_train = 10000, n_test = 2000;
+  std::uint64_t seed = 0;
+  std::int64_t channels = 3, height = 32, width = 32, num_classes = 10;
+};
+Split make_synthetic(const SyntheticOptions& o);
+Split make_synthetic(std::int64_t n_train = 10000, std::int64_t n_test = 2000, std::uint64_t seed = 0);
+// "synthetic" | "synthetic:CxHxW" | "mnist:DIR" | "cifar10:DIR" | "cifar100:DIR"; anything else
+// throws tally::Error. num_classes applies to synthetic data only (default: 10 below 64 pixels,
+// else 1000, as `tally plan`); given for another data set it must equal that set's classes.
+Split load_dataset(const std::string& spec, std::optional<std::int64_t> num_classes = std::nullopt);
 
 struct LoaderOptions {
   std::int64_t batch_size = 128;

@@ -9,21 +9,26 @@
 #   scripts/gpu-check.sh run STEP...   on the GPU machine, from the repository root, .gpu-bundle/
 #                                      carried along. Steps, each well under 10 minutes:
 #        env       nvidia-smi, the CUDA/cuBLAS/cuDNN versions loaded, `tally --version`  (~10 s)
-#        tests     the three GPU test binaries                                          (~1-2 min)
+#        tests     the three GPU test binaries (cuDNN's choices logged)                 (~1 min)
 #        sanitize  compute-sanitizer: memcheck on every binary (the 1 PiB cudaMalloc test
 #                  excluded), racecheck and synccheck on tally's own kernels only        (~3-6 min)
-#        train     `make train`'s recipe on the GPU (ResNet-20, batch 256 in 48 MiB), then
-#                  `tally plan --device cuda` for ResNet-50 224x224 batch 4096 in 8 GiB  (~1-3 min)
-#        bench     bench_train on the GPU and bench/compare_pytorch.py (PyTorch there)   (~3-5 min)
+#        train     `make train`'s recipe on the GPU (ResNet-20, batch 256 in 48 MiB)     (~30 s)
+#        resnet50  `tally plan --device cuda` for ResNet-50 224x224 batch 4096 in 8 GiB,
+#                  3 steps of it, and 3 steps of native batch m (the plan's micro-batch)  (~2 min)
+#        compare   bench/compare_pytorch.py with the PyTorch there: ResNet-20 batch 128 and
+#                  ResNet-50 batch 256, TF32 off and on                                 (~3 min)
+#        bench     bench_train on the GPU                                              (~2 min)
 #   scripts/gpu-check.sh build-deps    here: download the Debian packages a build on the GPU
 #                                      machine needs into .gpu-debs/ (git-ignored).
 #   scripts/gpu-check.sh build-there   on the GPU machine, .gpu-debs/ carried: unpack them into a
 #                                      prefix, configure and build build-gpu/ with nvcc there, and
 #                                      re-pack .gpu-bundle/ from it (for a fix made after `pack`).
 #
-# Logs: into $OUT when it is set, else .gpu-bundle/logs; one file per binary or tool, written as the
-# step runs (a step killed at its limit leaves its log and the summary so far), at most 8 per call
-# of `run`. The last lines printed are the summary table; exit status 0 only if everything passed.
+# Logs: one file per binary or tool in $LOGS (default /tmp/tally-gpu-logs), written as the step
+# runs; after every command they are packed into $OUT/logs.tar.gz and the summary so far is
+# copied to $OUT/summary.txt (OUT defaults to .gpu-bundle/out), so a call killed at its limit
+# still returns what ran. The last lines printed are the summary table; exit status 0 only if
+# everything passed.
 #
 # Environment: JOBS (build parallelism, default: all cores), BUILD_DIR (default build-gpu), ARCH
 # (CUDA architectures, default 90), STEP_TIMEOUT (seconds per binary, default 420).
@@ -105,11 +110,11 @@ RUN
 # synccheck only on tally's own kernels (--kernel-name), not inside cuBLAS or cuDNN.
 write_sanitize_list() {
   cat >"$bundle/sanitize.list" <<'LIST'
-memcheck gpu_kernels_test *
+memcheck gpu_kernels_test *:-GpuKernels.ConvolutionEveryCudnnAlgorithm*
 memcheck gpu_test *:-Gpu.ReservingMoreThanTheDeviceHasIsAClearError
 memcheck gpu_ops_test GpuOps.EveryOp*:GpuOps.BasicBlock*:GpuOps.Tensors*:GpuOps.CrossEntropy*:Optimizer.*
-racecheck gpu_kernels_test GpuKernels.* --kernel-name kns=tally
-synccheck gpu_kernels_test GpuKernels.* --kernel-name kns=tally
+racecheck gpu_kernels_test GpuKernels.*:-GpuKernels.ConvolutionEveryCudnnAlgorithm* --kernel-name kns=tally
+synccheck gpu_kernels_test GpuKernels.*:-GpuKernels.ConvolutionEveryCudnnAlgorithm* --kernel-name kns=tally
 LIST
 }
 
@@ -194,11 +199,17 @@ build_there() {
 
 # ---- running on the GPU machine ------------------------------------------------------------------
 
-logs=${OUT:-$bundle/logs}
+logs=${LOGS:-/tmp/tally-gpu-logs}
+out=${OUT:-$bundle/out}
 summary=""
 status=0
 
 note() { echo "$*" | tee -a "$summary"; }
+publish() {  # the logs so far, where they come back from
+  mkdir -p "$out"
+  tar -C "$logs" -czf "$out/logs.tar.gz.tmp" . && mv "$out/logs.tar.gz.tmp" "$out/logs.tar.gz"
+  cp "$summary" "$out/summary.txt"
+}
 
 unpack_if_needed() {
   if [[ ! -x $bundle/run && -f $bundle/bundle.tar.gz ]]; then
@@ -215,6 +226,7 @@ run_logged() {
   timeout --kill-after=10 "${STEP_TIMEOUT:-420}" "$@" </dev/null >>"$log" 2>&1 || rc=$?
   echo "==== exit $rc after $SECONDS s of the step" >>"$log"
   last_rc=$rc
+  publish
   ((rc == 0)) || status=1
   [[ $rc == 124 || $rc == 137 ]] && note "$(printf '%-44s TIMED OUT' "$name")"
   return 0
@@ -236,7 +248,7 @@ step_tests() {
   for t in "${tests[@]}"; do
     local log=$logs/$t.log
     : >"$log"
-    run_logged "$t" "$log" "$bundle/run" "$bundle/bin/$t" --gtest_color=no
+    TALLY_LOG_CONV=1 run_logged "$t" "$log" "$bundle/run" "$bundle/bin/$t" --gtest_color=no
     line=$(grep -E '^\[ +(PASSED|FAILED|SKIPPED) +\] [0-9]+ tests?' "$log" | tr -s ' \n' ' ' || true)
     if grep -q 'no GPU present' "$log"; then  # a check that skipped for want of a GPU checked nothing
       line="$line(skipped: no GPU present)"
@@ -275,29 +287,57 @@ step_train() {
   note "$(printf '%-44s rc=%-3s %s' "tally train cuda" "$last_rc" "$(grep -E 'test accuracy|peak' "$log" | tail -2 | tr '\n' ' ')")"
   [[ -f $run/summary.json ]] && cp "$run/summary.json" "$logs/train-summary.json"
   [[ -f $run/memory.svg ]] && cp "$run/memory.svg" "$logs/train-memory.svg"
-  log=$logs/plan.log
+  publish
+}
+
+step_resnet50() {
+  local log=$logs/resnet50.log run=/tmp/tally-gpu-resnet50
   run_logged "tally plan (cuda, resnet50)" "$log" "$bundle/run" "$bundle/bin/tally" plan --model resnet50 \
     --input 3x224x224 --batch-size 4096 --memory-limit 8GiB --device cuda
-  note "$(printf '%-44s rc=%-3s %s' "tally plan cuda resnet50" "$last_rc" "$(grep -m1 'plan:' "$log" || true)")"
+  note "$(printf '%-44s rc=%-3s %s' "tally plan cuda resnet50" "$last_rc" "$(grep 'plan:' "$log" | tail -1)")"
+  rm -rf "$run"
+  run_logged "tally train resnet50 4096 in 8GiB" "$log" "$bundle/run" "$bundle/bin/tally" train --model resnet50 \
+    --data synthetic:3x224x224 --batch-size 4096 --memory-limit 8GiB --steps 3 --lr 0.1 --schedule constant \
+    --no-augment --device cuda --out "$run" --no-progress
+  note "$(printf '%-44s rc=%-3s %s' "train resnet50 B=4096 8GiB" "$last_rc" "$(grep -E '^memory:|img/s' "$log" | tail -1)")"
+  [[ -f $run/summary.json ]] && cp "$run/summary.json" "$logs/resnet50-mbp-summary.json"
+  [[ -f $run/memory.svg ]] && cp "$run/memory.svg" "$logs/resnet50-memory.svg"
+  local m
+  m=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["micro_batch"])' "$run/summary.json" 2>/dev/null || echo 0)
+  if [[ $m -gt 0 ]]; then
+    rm -rf "$run-native"
+    run_logged "tally train resnet50 native m" "$log" "$bundle/run" "$bundle/bin/tally" train --model resnet50 \
+      --data synthetic:3x224x224 --batch-size "$m" --memory-limit 8GiB --steps 12 --lr 0.1 --schedule constant \
+      --no-augment --device cuda --out "$run-native" --no-progress
+    [[ -f $run-native/summary.json ]] && cp "$run-native/summary.json" "$logs/resnet50-native-summary.json"
+    note "$(printf '%-44s rc=%-3s %s' "train resnet50 native B=$m" "$last_rc" \
+      "$(python3 -c 'import json,sys; a=json.load(open(sys.argv[1])); b=json.load(open(sys.argv[2])); print(f"mbp {a[\"images_per_second\"]:.1f} img/s, native {b[\"images_per_second\"]:.1f} img/s, overhead {100*(1-a[\"images_per_second\"]/b[\"images_per_second\"]):.1f}%")' "$run/summary.json" "$run-native/summary.json" 2>/dev/null)")"
+  fi
+  publish
+}
+
+step_compare() {
+  local log=$logs/compare.log m b tf
+  for m in "resnet20 128" "resnet50 256"; do
+    read -r m b <<<"$m"
+    for tf in "" "--tf32"; do
+      run_logged "compare_pytorch $m $tf" "$log" "$bundle/run" python3 bench/compare_pytorch.py --model "$m" \
+        --batch "$b" --device cuda --tally "$bundle/bin/tally" $tf
+      note "$(printf '%-44s rc=%-3s %s' "compare_pytorch $m $b ${tf:-fp32}" "$last_rc" "$(grep -A3 -E '^ +images/s' "$log" | tail -3 | tr -s ' ' | tr '\n' ';')")"
+    done
+  done
 }
 
 step_bench() {
   local log=$logs/bench.log
   run_logged "bench_train (cuda)" "$log" "$bundle/run" "$bundle/bin/bench_train" --benchmark_filter='cuda' \
-    --benchmark_min_time=2 --benchmark_counters_tabular=true
+    --benchmark_min_time=1 --benchmark_counters_tabular=true
   note "$(printf '%-44s rc=%-3s' "bench_train cuda" "$last_rc")"
-  local m b
-  for m in "resnet20 128" "resnet50 256"; do
-    read -r m b <<<"$m"
-    run_logged "compare_pytorch $m" "$log" "$bundle/run" python3 bench/compare_pytorch.py --model "$m" --batch "$b" \
-      --device cuda --tally "$bundle/bin/tally"
-    note "$(printf '%-44s rc=%-3s %s' "compare_pytorch $m $b" "$last_rc" "$(grep -E '^ratio' "$log" | tail -1)")"
-  done
 }
 
 run() {
   unpack_if_needed
-  mkdir -p "$logs"
+  mkdir -p "$logs" "$out"
   summary=$logs/summary.txt
   {
     echo "== gpu-check $(date -u +%Y-%m-%dT%H:%M:%SZ): $*"
@@ -307,10 +347,11 @@ run() {
   for s in "$@"; do
     SECONDS=0
     case $s in
-      env | tests | sanitize | train | bench) "step_$s" ;;
-      *) echo "gpu-check: unknown step '$s': expected env, tests, sanitize, train or bench" >&2; exit 2 ;;
+      env | tests | sanitize | train | resnet50 | compare | bench) "step_$s" ;;
+      *) echo "gpu-check: unknown step '$s': expected env, tests, sanitize, train, resnet50, compare or bench" >&2; exit 2 ;;
     esac
     note "-- step $s: ${SECONDS}s"
+    publish
   done
   note "result: $([[ $status == 0 ]] && echo PASS || echo FAIL)"
   return $status
