@@ -142,6 +142,7 @@ int main(int argc, char** argv) {
   train_cmd->add_option("--device", to.device, "cpu|cuda|auto")->capture_default_str();
   train_cmd->add_option("--threads", to.threads, "CPU threads (0: default)")->check(CLI::NonNegativeNumber);
   train_cmd->add_flag("--tf32", to.tf32, "CUDA: let float32 GEMMs and convolutions use TF32 tensor cores (off by default)");
+  train_cmd->add_flag("--profile", to.profile, "CUDA: GPU time per op, printed at the end and written to profile.txt");
   train_cmd->add_option("--init", to.init, "initial weights (safetensors, torchvision names)");
   train_cmd->add_option("--save", to.save, "write the trained weights (safetensors)");
   train_cmd->add_option("--out", to.out, "write metrics.csv and summary.json into this directory");

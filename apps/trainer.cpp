@@ -168,8 +168,12 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
 
   // ---- data ---------------------------------------------------------------------------------------
 #if TALLY_HAVE_CUDA
-  if (dev.is_cuda()) kernels::cuda::set_allow_tf32(opt.tf32);
+  if (dev.is_cuda()) {
+    kernels::cuda::set_allow_tf32(opt.tf32);
+    if (opt.profile) kernels::cuda::set_profiling(true);
+  }
 #endif
+  if (opt.profile && !dev.is_cuda()) throw Error("--profile measures GPU time per op: it needs --device cuda");
   const data::Split split = data::load_dataset(opt.data, opt.num_classes);
   const data::Dataset& train_set = split.train;
   const bool is_mnist = opt.data.rfind("mnist", 0) == 0;
@@ -325,6 +329,12 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
         steady_seconds += dt;
         steady_images += b->size;
       }
+#if TALLY_HAVE_CUDA
+      if (opt.profile) {  // the step has waited for the device: its events are complete
+        if (step == 0) kernels::cuda::profile_reset();
+        else kernels::cuda::profile_collect();
+      }
+#endif
       const double ips = steady_seconds > 0 ? static_cast<double>(steady_images) / steady_seconds
                                             : static_cast<double>(b->size) / dt;
       ++step;
@@ -341,7 +351,13 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
         metrics << fmt::format("{},{},{:.6f},{:.6g},{:.2f},{},{},{},{}\n", step, epoch, last_loss, optimizer->lr(), ips,
                                r.peak, r.predicted_peak, r.micro_batch, r.micro_batches);
     }
+#if TALLY_HAVE_CUDA
+    if (opt.profile) kernels::cuda::set_profiling(false);  // the profile is of training steps
+#endif
     ev = evaluate(*model, split.test, opt.normalize, dev, result.micro_batch);
+#if TALLY_HAVE_CUDA
+    if (opt.profile) kernels::cuda::set_profiling(true);
+#endif
     result.train_loss = epoch_steps > 0 ? epoch_loss / static_cast<double>(epoch_steps) : last_loss;
     fmt::print(log, "epoch {}/{}: train loss {:.4f} | test loss {:.4f} | test accuracy {:.2f}%\n", epoch + 1, epochs,
                result.train_loss, ev.loss, 100.0 * ev.accuracy);
@@ -357,6 +373,16 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
              mismatches == 0 ? " — exact" : fmt::format(" — {} steps differed", mismatches), format_bytes(limit),
              result.oom_retries);
 
+#if TALLY_HAVE_CUDA
+  if (opt.profile) {
+    const std::string report = kernels::cuda::profile_report(fmt::format(
+        "GPU time per op over steps 2..{} ({:.1f} ms of wall time per step, data included)", step,
+        steady_images > 0 ? 1000.0 * steady_seconds / static_cast<double>(step - 1) : 0.0));
+    fmt::print(log, "{}", report);
+    if (!opt.out.empty()) write_file(std::filesystem::path(opt.out) / "profile.txt", report);
+    kernels::cuda::set_profiling(false);
+  }
+#endif
   if (!opt.save.empty()) {
     nn::save_state_dict(*model, opt.save);
     fmt::print(log, "saved {}\n", opt.save);

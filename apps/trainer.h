@@ -33,10 +33,11 @@ struct TrainOptions {
   std::string device = "auto";
   int threads = 0;  // 0: leave the default
   bool tf32 = false;  // CUDA: float32 GEMMs and convolutions may use TF32 tensor cores
+  bool profile = false;  // CUDA: GPU time per op over the steps after the first (profile.txt)
   std::string init, save, out;
   bool progress = true;  // progress bar on stdout
   // Arena capacity: a size ("48MiB", "2GiB") or "auto" (CPU: 8 GiB of address space; CUDA:
-  // free device memory less 512 MiB).
+  // free device memory less a margin of max(1 GiB, 1/32 of the device)).
   std::string memory_limit = "auto";
   std::optional<std::int64_t> micro_batch;  // unset: the largest that fits ("auto")
   // Tests: fail the n-th arena allocation of this (0-based) step once, to exercise recovery.

@@ -94,6 +94,7 @@ struct Labels {
     template <class... A> static void conv_bwd_filter(A... a) { NS::conv2d_backward_filter<float>(a...); } \
     static std::size_t conv_ws(const kc::Conv2dShape& s, tally::kernels::ConvPass p) { return NS::conv2d_workspace_bytes<float>(s, p); } \
     template <class... A> static void bn_fwd(A... a) { NS::batch_norm_forward_train<float>(a...); } \
+    static std::size_t bn_ws(i64 N, i64 C, i64 HW) { return NS::batch_norm_workspace_bytes(N, C, HW); } \
     template <class... A> static void bn_bwd(A... a) { NS::batch_norm_backward<float>(a...); }  \
     template <class... A> static void gn_fwd(A... a) { NS::group_norm_forward<float>(a...); }   \
     template <class... A> static void gn_bwd(A... a) { NS::group_norm_backward<float>(a...); }  \
@@ -177,18 +178,20 @@ void BM_Norm(benchmark::State& st) {
       db(B::cuda, C, 76);
   const i64 stats = group ? N * G : C;
   Buffer mean(B::cuda, stats, 77), invstd(B::cuda, stats, 78), rm(B::cuda, C, 79), rv(B::cuda, C, 80);
+  Buffer work(B::cuda, B::bn_ws(N, C, HW) / sizeof(float) + 1, 81);
+  void* ws = static_cast<void*>(work.p);
   // Saved statistics for the backward come from one real forward.
   if constexpr (group) B::gn_fwd(N, C, HW, G, x[0]->p, gamma.p, beta.p, 1e-5f, y.p, mean.p, invstd.p);
-  else B::bn_fwd(N, C, HW, x[0]->p, gamma.p, beta.p, 1e-5f, 0.1f, static_cast<float*>(nullptr), static_cast<float*>(nullptr), y.p, mean.p, invstd.p);
+  else B::bn_fwd(N, C, HW, x[0]->p, gamma.p, beta.p, 1e-5f, 0.1f, static_cast<float*>(nullptr), static_cast<float*>(nullptr), y.p, mean.p, invstd.p, ws);
   int i = 0;
   for (auto _ : st) {
     const float* xr = x[i % kRotate]->p;
     if constexpr (!backward) {
       if constexpr (group) B::gn_fwd(N, C, HW, G, xr, gamma.p, beta.p, 1e-5f, y.p, mean.p, invstd.p);
-      else B::bn_fwd(N, C, HW, xr, gamma.p, beta.p, 1e-5f, 0.1f, rm.p, rv.p, y.p, mean.p, invstd.p);
+      else B::bn_fwd(N, C, HW, xr, gamma.p, beta.p, 1e-5f, 0.1f, rm.p, rv.p, y.p, mean.p, invstd.p, ws);
     } else {
       if constexpr (group) B::gn_bwd(N, C, HW, G, dy.p, xr, gamma.p, mean.p, invstd.p, y.p, 0.f, dg.p, db.p, 1.f);
-      else B::bn_bwd(N, C, HW, dy.p, xr, gamma.p, mean.p, invstd.p, y.p, 0.f, dg.p, db.p, 1.f);
+      else B::bn_bwd(N, C, HW, dy.p, xr, gamma.p, mean.p, invstd.p, y.p, 0.f, dg.p, db.p, 1.f, ws);
     }
     B::sync();
     ++i;

@@ -6,8 +6,10 @@ and device, training steps in one run, images/s and peak memory of both and thei
     python3 bench/compare_pytorch.py --model resnet50 --batch 256 --device cuda [--tf32]
 
 PyTorch side: SGD (momentum 0.9, weight decay 5e-4) training steps on random data of the input
-shape, eager mode, float32, TF32 off unless --tf32 (then on for matmuls and cuDNN), cuDNN's
-benchmark mode on; the first --warmup steps are not timed.
+shape, each step's batch copied from pinned host memory, eager mode, float32, TF32 off unless
+--tf32 (then on for matmuls and cuDNN), cuDNN's benchmark mode on (it times the algorithms and may
+pick non-deterministic ones; tally picks deterministic ones by heuristics); the first --warmup
+steps are not timed.
 tally side: `tally train --data synthetic` for 3x32x32 models, `--data synthetic:3x224x224
 --num-classes 1000` for ImageNet-sized ones (same model, batch, optimizer, float32, --tf32 passed
 on), whose images/s leaves out the first step; its peak is the arena's measured step peak. On CUDA
@@ -50,10 +52,15 @@ def torch_side(args, hw, classes):
     torch.manual_seed(0)
     model = make_model(args.model, classes).to(dev).train()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
-    x = torch.randn(args.batch, 3, hw, hw, device=dev)
-    y = torch.randint(0, classes, (args.batch,), device=dev)
+    # Each step takes its batch from host memory, as a training loop does (tally's steps upload
+    # theirs too): pinned, copied without blocking, as DataLoader(pin_memory=True) would give it.
+    pin = dev.type == "cuda"
+    x_host = torch.randn(args.batch, 3, hw, hw, pin_memory=pin)
+    y_host = torch.randint(0, classes, (args.batch,), pin_memory=pin)
 
     def step():
+        x = x_host.to(dev, non_blocking=True)
+        y = y_host.to(dev, non_blocking=True)
         opt.zero_grad(set_to_none=False)
         loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()

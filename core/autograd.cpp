@@ -64,6 +64,12 @@ Tensor& grad_target(GradSlot& slot, const Tensor& like, double& beta, const char
   return grad_target(slot, like.shape(), like.dtype(), like.device(), beta, op);
 }
 
+namespace {
+thread_local bool tl_in_backward = false;
+}  // namespace
+
+bool in_backward() { return tl_in_backward; }
+
 void run_backward(const Tensor& root) {
   if (root.numel() != 1)
     throw ShapeError(fmt::format("backward: expected a scalar (one-element) tensor, found {}", root.str()));
@@ -106,6 +112,11 @@ void run_backward(const Tensor& root) {
       Tensor::full(root.shape(), 1.0, root.dtype(), root.device(), Category::temporary, "grad_seed");
   ready.push(root.grad_fn());
   std::vector<std::shared_ptr<Node>> done;
+  struct InBackward {
+    bool previous = tl_in_backward;
+    InBackward() { tl_in_backward = true; }
+    ~InBackward() { tl_in_backward = previous; }
+  } in_backward_scope;
 
   while (!ready.empty()) {
     std::shared_ptr<Node> node = ready.top();

@@ -91,5 +91,7 @@ Tensor& grad_target(GradSlot& slot, const Tensor& like, double& beta, const char
 Tensor& grad_target(GradSlot& slot, const Shape& shape, DType dtype, Device device, double& beta, const char* op);
 
 void run_backward(const Tensor& root);
+// True on this thread while run_backward executes nodes (profiles tell forward from backward).
+bool in_backward();
 
 }  // namespace tally

@@ -66,18 +66,18 @@ void* malloc(std::size_t bytes) {
 void free(void* p) noexcept { (void)cudaFree(p); }
 void memcpy_h2d(void* d, const void* s, std::size_t n) {
   TALLY_CUDA_CHECK(cudaMemcpyAsync(d, s, n, cudaMemcpyHostToDevice, stream()));
-  TALLY_CUDA_CHECK(cudaStreamSynchronize(stream()));
+  kernels::cuda::synchronize();
 }
 void memcpy_d2h(void* d, const void* s, std::size_t n) {
   TALLY_CUDA_CHECK(cudaMemcpyAsync(d, s, n, cudaMemcpyDeviceToHost, stream()));
-  TALLY_CUDA_CHECK(cudaStreamSynchronize(stream()));
+  kernels::cuda::synchronize();
 }
 void memcpy_d2d(void* d, const void* s, std::size_t n) {
   // Stream order suffices: no host buffer involved.
   TALLY_CUDA_CHECK(cudaMemcpyAsync(d, s, n, cudaMemcpyDeviceToDevice, stream()));
 }
 void mem_get_info(std::size_t* f, std::size_t* t) { TALLY_CUDA_CHECK(cudaMemGetInfo(f, t)); }
-void synchronize() { TALLY_CUDA_CHECK(cudaDeviceSynchronize()); }
+void synchronize() { kernels::cuda::synchronize_device(); }
 void initialize_context() { kernels::cuda::initialize(); }
 
 #else  // CPU-only build

@@ -14,6 +14,7 @@
 #pragma once
 #include <fmt/format.h>
 
+#include "core/autograd.h"
 #include "core/error.h"
 #include "core/tensor.h"
 #include "kernels/cpu/cpu_kernels.h"
@@ -54,6 +55,7 @@ namespace tally::detail {
   do {                                                                              \
     if ((t).dtype() != ::tally::DType::Float32) ::tally::detail::no_kernel(op, t);  \
     ::tally::kernels::cuda::use_device((t).device().index);                         \
+    const ::tally::kernels::cuda::OpTimer tally_op_timer_(op, ::tally::in_backward()); \
     using T = float;                                                                \
     namespace kk = ::tally::kernels::cuda;                                          \
     __VA_ARGS__;                                                                    \

@@ -1,6 +1,8 @@
 // core/memory.cpp — default arenas per device, thread-local arena scopes and dry-run switch.
 #include "core/memory.h"
 
+#include <algorithm>
+
 #include <mutex>
 #include <unordered_map>
 
@@ -30,6 +32,8 @@ std::shared_ptr<Arena>& override_slot(Device d) {
 
 }  // namespace
 
+std::size_t cuda_arena_margin(std::size_t total) { return std::max(kCudaArenaMarginBytes, total / 32); }
+
 std::size_t default_arena_capacity(Device device) {
   if (device.is_cpu()) return kDefaultCpuArenaBytes;
   cuda_rt::set_device(device.index);
@@ -38,7 +42,17 @@ std::size_t default_arena_capacity(Device device) {
   cuda_rt::initialize_context();
   std::size_t fr = 0, tot = 0;
   cuda_rt::mem_get_info(&fr, &tot);
-  return fr > kCudaArenaMarginBytes * 2 ? fr - kCudaArenaMarginBytes : fr / 2;
+  {
+    // A default arena that nothing but the registry holds is given back by configure_arena before
+    // the new one is reserved: its bytes count as free.
+    auto& d = defaults();
+    std::lock_guard<std::mutex> lock(d.mu);
+    const auto it = d.arenas.find(key(device));
+    if (it != d.arenas.end() && it->second && it->second.use_count() == 1 && !it->second->is_virtual())
+      fr += it->second->capacity();
+  }
+  const std::size_t margin = cuda_arena_margin(tot);
+  return fr > margin * 2 ? fr - margin : fr / 2;
 }
 
 const std::shared_ptr<Arena>& default_arena(Device device) {

@@ -2,7 +2,7 @@
 //
 // Each device has a default arena, created on first use with a documented capacity (CPU: 8 GiB
 // of address space, reserved with MAP_NORESERVE so untouched bytes cost nothing; CUDA: the free
-// device memory less a 512 MiB margin) or with the capacity given to configure_arena().
+// device memory less a margin of max(1 GiB, 1/32 of the device)) or with the capacity given to configure_arena().
 // An ArenaScope makes another arena (typically a virtual clone for a dry run) the current one
 // for its device on this thread until the scope ends.
 //
@@ -18,7 +18,11 @@
 namespace tally {
 
 inline constexpr std::size_t kDefaultCpuArenaBytes = std::size_t(8) << 30;
-inline constexpr std::size_t kCudaArenaMarginBytes = std::size_t(512) << 20;
+// CUDA: the default arena leaves this much of the free memory (or 1/32 of the device, if more)
+// to what is loaded after it is reserved: cuBLASLt's and cuDNN's kernel images, loaded lazily on
+// first use (docs/gpu.md).
+inline constexpr std::size_t kCudaArenaMarginBytes = std::size_t(1) << 30;
+std::size_t cuda_arena_margin(std::size_t device_total_bytes);
 
 // The arena new allocations on `device` come from on this thread.
 const std::shared_ptr<Arena>& current_arena(Device device);

@@ -54,6 +54,15 @@ std::size_t gemm_workspace_bytes(const Tensor& like) {
   return kc::gemm_workspace_bytes(arena_budget(like));
 }
 
+// Scratch of a batch norm on `like`'s device (the CUDA kernels' partial sums; none on the CPU).
+std::size_t batch_norm_workspace_bytes(const Tensor& like, i64 N, i64 C, i64 HW) {
+#if TALLY_HAVE_CUDA
+  if (like.device().is_cuda()) return kernels::cuda::batch_norm_workspace_bytes(N, C, HW);
+#endif
+  (void)like;
+  return kc::batch_norm_workspace_bytes(N, C, HW);
+}
+
 // Saved tensors of a Node: released after its backward.
 template <std::size_t N>
 struct Saved {
@@ -316,15 +325,16 @@ struct BatchNormBackward : Node {
     const Tensor& w = saved.t[1];
     const Tensor dy = gy.contiguous();
     auto [dx, dw, db, bdx, bp] = norm_grad_targets(g, x, w, has_weight, has_bias, C, "batch_norm");
+    const Tensor ws = workspace(x, batch_norm_workspace_bytes(x, N, C, HW), "batch_norm_backward");
     if (training) {
       TALLY_RUN("batch_norm", x, kk::batch_norm_backward<T>(N, C, HW, dy.data<T>(), x.data<T>(), ptr_or_null<T>(w),
                                                             saved.t[2].data<T>(), saved.t[3].data<T>(), ptr_or_null<T>(dx),
-                                                            T(bdx), ptr_or_null<T>(dw), ptr_or_null<T>(db), T(bp)));
+                                                            T(bdx), ptr_or_null<T>(dw), ptr_or_null<T>(db), T(bp), ws_ptr(ws)));
     } else {
       TALLY_RUN("batch_norm", x, kk::batch_norm_backward_eval<T>(N, C, HW, dy.data<T>(), x.data<T>(), ptr_or_null<T>(w),
                                                                  running.t[0].data<T>(), running.t[1].data<T>(), T(eps),
                                                                  ptr_or_null<T>(dx), T(bdx), ptr_or_null<T>(dw),
-                                                                 ptr_or_null<T>(db), T(bp)));
+                                                                 ptr_or_null<T>(db), T(bp), ws_ptr(ws)));
     }
   }
 };
@@ -369,32 +379,27 @@ Tensor batch_norm(const Tensor& x_, const Tensor& weight, const Tensor& bias, co
     Tensor save_mean = Tensor::empty({C}, x.dtype(), x.device(), Category::activation, "batch_norm_mean");
     Tensor save_invstd = Tensor::empty({C}, x.dtype(), x.device(), Category::activation, "batch_norm_invstd");
     const bool update = running_mean.defined() && !opt.defer_running_stats;
-    TALLY_RUN(op, x, kk::batch_norm_forward_train<T>(N, C, HW, x.data<T>(), ptr_or_null<T>(weight), ptr_or_null<T>(bias),
-                                                     T(opt.eps), T(opt.momentum),
-                                                     update ? running_mean.data<T>() : nullptr,
-                                                     update ? running_var.data<T>() : nullptr, y.data<T>(),
-                                                     save_mean.data<T>(), save_invstd.data<T>()));
-    if (opt.defer_running_stats && !is_dry_run()) {
+    {
+      const Tensor ws = workspace(x, batch_norm_workspace_bytes(x, N, C, HW), op);
+      TALLY_RUN(op, x, kk::batch_norm_forward_train<T>(N, C, HW, x.data<T>(), ptr_or_null<T>(weight), ptr_or_null<T>(bias),
+                                                       T(opt.eps), T(opt.momentum),
+                                                       update ? running_mean.data<T>() : nullptr,
+                                                       update ? running_var.data<T>() : nullptr, y.data<T>(),
+                                                       save_mean.data<T>(), save_invstd.data<T>(), ws_ptr(ws)));
+    }
+    if (opt.defer_running_stats) {
       BatchNormMoments& m = *opt.defer_running_stats;
-      if (m.sum.empty()) m.sum.assign(C, 0.0), m.sum_sq.assign(C, 0.0);
-      if (static_cast<i64>(m.sum.size()) != C)
-        throw ShapeError(fmt::format("batch_norm: moment accumulator has {} channels, input has {}", m.sum.size(), C));
-      // sum = M * mean, sum_sq = M * (var + mean^2) with var = 1/invstd^2 - eps (biased).
-      std::vector<double> mean, invstd;
-      if (x.dtype() == DType::Float32) {
-        auto a = save_mean.to_vector<float>(), b = save_invstd.to_vector<float>();
-        mean.assign(a.begin(), a.end());
-        invstd.assign(b.begin(), b.end());
-      } else {
-        mean = save_mean.to_vector<double>();
-        invstd = save_invstd.to_vector<double>();
+      if (!m.sum.defined()) {  // the first call of a step allocates the sums (a dry run too)
+        m.sum = Tensor::zeros({C}, DType::Float64, x.device(), Category::temporary, "batch_norm_moments");
+        m.sum_sq = Tensor::zeros({C}, DType::Float64, x.device(), Category::temporary, "batch_norm_moments");
+        m.count = 0;
       }
-      const double M = static_cast<double>(N * HW);
-      for (i64 c = 0; c < C; ++c) {
-        const double var = 1.0 / (invstd[c] * invstd[c]) - opt.eps;
-        m.sum[c] += M * mean[c];
-        m.sum_sq[c] += M * (var + mean[c] * mean[c]);
-      }
+      if (m.sum.numel() != C || m.sum.device() != x.device())
+        throw ShapeError(fmt::format("batch_norm: moment accumulator {} does not fit input {}", m.sum.str(), x.str()));
+      // sum += M * mean, sum_sq += M * (var + mean^2) with var = 1/invstd^2 - eps (biased).
+      TALLY_RUN(op, x, kk::batch_norm_accumulate_moments<T>(C, N * HW, T(opt.eps), save_mean.data<T>(),
+                                                            save_invstd.data<T>(), m.sum.data<double>(),
+                                                            m.sum_sq.data<double>()));
       m.count += N * HW;
     }
     if (need_grad) {
@@ -735,14 +740,8 @@ struct SumBackward : Node {
     // gradient of a scalar: every element receives factor * dy. Read dy on the host (one value).
     double beta = 0;
     Tensor& dx = grad_target(g[0], in_shape, gy.dtype(), gy.device(), beta, "sum");
-    if (is_dry_run()) return;
-    const double v = gy.item() * factor;
-    if (beta == 0) {
-      dx.fill_(v);
-    } else {
-      Tensor c = Tensor::full(in_shape, v, dx.dtype(), dx.device(), Category::temporary, "sum_backward");
-      add_into(dx, c);
-    }
+    const Tensor dy = gy.contiguous();
+    TALLY_RUN("sum", dx, kk::broadcast_scalar<T>(dx.numel(), dy.data<T>(), T(factor), dx.data<T>(), T(beta)));
   }
 };
 
@@ -750,12 +749,8 @@ Tensor reduce_all(const Tensor& x_, double factor, const char* op) {
   check_floating(op, x_);
   const Tensor x = x_.contiguous();
   Tensor y = out_like(x, {}, op);
-  TALLY_RUN(op, x, {
-    // sum_all returns the value on the host (on CUDA after waiting for the stream); fill writes
-    // it to the scalar output on the tensor's own device.
-    const T s = kk::sum_all<T>(x.numel(), x.data<T>());
-    kk::fill<T>(1, T(s * factor), y.data<T>());
-  });
+  // Reduced where x lives, into y: nothing waits.
+  TALLY_RUN(op, x, kk::sum_to<T>(x.numel(), x.data<T>(), T(factor), y.data<T>()));
   if (any_requires_grad({&x_})) {
     auto n = std::make_shared<SumBackward>();
     n->in_shape = x.shape();
@@ -794,21 +789,20 @@ void check_ce(const Tensor& logits, const Tensor& targets, const CrossEntropyOpt
 }
 
 struct CrossEntropyBackward : Node {
-  Saved<3> saved;  // logits, targets, weight
+  Saved<4> saved;  // logits, targets, weight, scale (a device scalar: d loss / d (sum_i loss_i))
   double label_smoothing;
   i64 ignore_index;
-  double scale;  // d loss / d (sum_i loss_i)
   const char* name() const override { return "cross_entropy"; }
   void release() override { saved.release(); }
   void backward(const Tensor& gy, std::vector<GradSlot>& g) override {
     if (!g[0].needed) return;
-    const Tensor &logits = saved.t[0], &targets = saved.t[1], &w = saved.t[2];
+    const Tensor &logits = saved.t[0], &targets = saved.t[1], &w = saved.t[2], &scale = saved.t[3];
     const i64 N = logits.size(0), C = logits.size(1);
     Tensor dloss = Tensor::empty({N}, logits.dtype(), logits.device(), Category::temporary, "cross_entropy_dloss");
     double beta = 0;
     Tensor& dx = grad_target(g[0], logits, beta, "cross_entropy");
-    if (is_dry_run()) return;
-    dloss.fill_(gy.item() * scale);
+    const Tensor dy = gy.contiguous();
+    TALLY_RUN("cross_entropy", logits, kk::fill_product<T>(N, dy.data<T>(), scale.data<T>(), dloss.data<T>()));
     TALLY_RUN("cross_entropy", logits,
               kk::cross_entropy_backward<T>(N, C, logits.data<T>(), targets.data<i64>(), ptr_or_null<T>(w),
                                             ignore_index, T(label_smoothing), dloss.data<T>(), dx.data<T>(), T(beta)));
@@ -855,37 +849,41 @@ Tensor cross_entropy(const Tensor& logits_, const Tensor& targets_, const CrossE
   const i64 N = logits.size(0), C = logits.size(1);
   Tensor y = out_like(logits, {}, "cross_entropy");
   // Per-sample losses and weights are scratch: the backward recomputes the softmax from logits.
+  // The scale d loss / d (sum_i loss_i) stays on the device for the backward (the mean's
+  // 1 / sum of weights is known only there).
   Tensor loss = Tensor::empty({N}, logits.dtype(), logits.device(), Category::temporary, "cross_entropy_loss");
   Tensor sw = Tensor::empty({N}, logits.dtype(), logits.device(), Category::temporary, "cross_entropy_weight");
-  double scale = 1.0;
+  Tensor scale = Tensor::empty({}, logits.dtype(), logits.device(), Category::activation, "cross_entropy_scale");
   if (!is_dry_run()) {
     i64 bad = -1;
     TALLY_RUN("cross_entropy", logits,
               bad = kk::cross_entropy_forward<T>(N, C, logits.data<T>(), targets.data<i64>(), ptr_or_null<T>(w),
-                                                 o.ignore_index, T(o.label_smoothing), loss.data<T>(), sw.data<T>()));
+                                                 o.ignore_index, T(o.label_smoothing), loss.data<T>(), sw.data<T>(),
+                                                 !o.targets_checked));
     if (bad >= 0)
       throw ShapeError(fmt::format("cross_entropy: target {} of sample {} is out of range [0, {}) and is not ignore_index {}",
                                    targets.to_vector<i64>()[static_cast<std::size_t>(bad)], bad, C, o.ignore_index));
-    double total = 0, wsum = 0;
-    TALLY_DISPATCH("cross_entropy", logits, {
-      total = static_cast<double>(kk::sum_all<T>(N, loss.data<T>()));
-      wsum = static_cast<double>(kk::sum_all<T>(N, sw.data<T>()));
-    });
-    if (o.divisor) scale = 1.0 / *o.divisor;
-    else if (o.reduction == Reduction::Mean) scale = 1.0 / wsum;  // 0/0 = NaN when all are ignored, as PyTorch
-    TALLY_DISPATCH("cross_entropy", logits, kk::fill<T>(1, T(total * scale), y.data<T>()));
-  } else {
-    // Same allocations, no compute; the divisor would need the targets' values.
+    // A positive fixed scale (a divisor, or 1 for the sum); 0 asks for 1 / sum of weights (the
+    // mean: 0/0 = NaN when every target is ignored, as PyTorch).
+    const double fixed = o.divisor ? 1.0 / *o.divisor : o.reduction == Reduction::Mean ? 0.0 : 1.0;
+    TALLY_RUN("cross_entropy", logits,
+              kk::cross_entropy_reduce<T>(N, loss.data<T>(), sw.data<T>(), T(fixed), y.data<T>(), scale.data<T>()));
   }
   if (any_requires_grad({&logits_})) {
     auto n = std::make_shared<CrossEntropyBackward>();
-    n->saved.t = {logits, targets, w};
+    n->saved.t = {logits, targets, w, scale};
     n->label_smoothing = o.label_smoothing;
     n->ignore_index = o.ignore_index;
-    n->scale = scale;
     set_history(y, n, {&logits_});
   }
   return y;
+}
+
+void check_cross_entropy_targets(const i64* t, i64 n, i64 classes, i64 ignore_index) {
+  for (i64 i = 0; i < n; ++i)
+    if (t[i] != ignore_index && (t[i] < 0 || t[i] >= classes))
+      throw ShapeError(fmt::format("cross_entropy: target {} of sample {} is out of range [0, {}) and is not ignore_index {}",
+                                   t[i], i, classes, ignore_index));
 }
 
 }  // namespace tally

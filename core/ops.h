@@ -32,9 +32,11 @@ Tensor matmul(const Tensor& a, const Tensor& b);
 // ---- normalization ----------------------------------------------------------------------------
 // Moments of the batch that batch_norm sees, summed over calls (the MBP executor uses this to
 // update running statistics once per batch from all its micro-batches, see docs/mbp.md).
+// The sums live where the input does (float64 tensors of category temporary, allocated by the
+// first batch_norm that adds to them, in dry runs too): accumulating them never waits for a GPU.
 struct BatchNormMoments {
-  std::vector<double> sum, sum_sq;  // (C): sum of x and of x^2 over every element seen
-  std::int64_t count = 0;           // elements per channel seen
+  Tensor sum, sum_sq;      // (C) float64: sum of x and of x^2 over every element seen
+  std::int64_t count = 0;  // elements per channel seen
 };
 struct BatchNormOptions {
   bool training = true;
@@ -84,7 +86,15 @@ struct CrossEntropyOptions {
   // MBP loss normalization: if set, the result is sum_i w_i * loss_i / *divisor whatever the
   // reduction (the divisor is the whole batch's count of weighted targets), see docs/mbp.md.
   std::optional<double> divisor;
+  // The caller has checked every target (in [0, C) or ignore_index) on the host: on a GPU the op
+  // then never waits for the device. Unset, an invalid target is a ShapeError, which on a GPU
+  // costs one wait for the targets.
+  bool targets_checked = false;
 };
+// Throws ShapeError naming the first of n host targets that is neither in [0, classes) nor
+// ignore_index (what cross_entropy would report).
+void check_cross_entropy_targets(const std::int64_t* targets, std::int64_t n, std::int64_t classes,
+                                 std::int64_t ignore_index);
 // logits (N, C), targets int64 (N) -> scalar.
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, const CrossEntropyOptions& opt = {});
 // The mean reduction's denominator for these targets: sum over kept samples of weight[target]

@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include "core/dispatch.h"
 #include "core/error.h"
 #include "core/memory.h"
 #include "layers/init.h"
@@ -100,38 +101,21 @@ Tensor BatchNorm2d::forward(const Tensor& x) {
 
 void BatchNorm2d::apply_moments(const BatchNormMoments& m) {
   if (m.count == 0) return;
-  if (static_cast<std::int64_t>(m.sum.size()) != num_features || static_cast<std::int64_t>(m.sum_sq.size()) != num_features)
-    throw ShapeError(fmt::format("BatchNorm2d::apply_moments: expected moments of {} channels, found {} and {}",
-                                 num_features, m.sum.size(), m.sum_sq.size()));
+  if (!m.sum.defined() || !m.sum_sq.defined() || m.sum.numel() != num_features || m.sum_sq.numel() != num_features ||
+      m.sum.dtype() != DType::Float64 || m.sum_sq.dtype() != DType::Float64)
+    throw ShapeError(fmt::format("BatchNorm2d::apply_moments: expected float64 moments of {} channels, found {} and {}",
+                                 num_features, m.sum.defined() ? m.sum.str() : "none",
+                                 m.sum_sq.defined() ? m.sum_sq.str() : "none"));
+  if (m.sum.device() != running_mean.device())
+    throw ShapeError(fmt::format("BatchNorm2d::apply_moments: moments on {}, running statistics on {}",
+                                 m.sum.device().str(), running_mean.device().str()));
   if (m.count < 2)
     throw ShapeError("BatchNorm2d::apply_moments: need more than 1 value per channel for an unbiased variance");
   if (is_dry_run()) return;
-  const auto C = static_cast<std::size_t>(num_features);
-  const double n = static_cast<double>(m.count);
-  std::vector<double> rm(C), rv(C);
-  if (running_mean.dtype() == DType::Float64) {
-    rm = running_mean.to_vector<double>();
-    rv = running_var.to_vector<double>();
-  } else {
-    const auto a = running_mean.to_vector<float>(), b = running_var.to_vector<float>();
-    rm.assign(a.begin(), a.end());
-    rv.assign(b.begin(), b.end());
-  }
-  for (std::size_t c = 0; c < C; ++c) {
-    const double mean = m.sum[c] / n;
-    const double var = std::max(0.0, m.sum_sq[c] / n - mean * mean);  // biased
-    rm[c] = (1.0 - momentum) * rm[c] + momentum * mean;
-    rv[c] = (1.0 - momentum) * rv[c] + momentum * var * n / (n - 1.0);
-  }
-  if (running_mean.dtype() == DType::Float64) {
-    running_mean.copy_(Tensor::from_vector(rm, running_mean.shape(), Device::cpu(), Category::temporary));
-    running_var.copy_(Tensor::from_vector(rv, running_var.shape(), Device::cpu(), Category::temporary));
-  } else {
-    running_mean.copy_(Tensor::from_vector(std::vector<float>(rm.begin(), rm.end()), running_mean.shape(),
-                                           Device::cpu(), Category::temporary));
-    running_var.copy_(Tensor::from_vector(std::vector<float>(rv.begin(), rv.end()), running_var.shape(),
-                                          Device::cpu(), Category::temporary));
-  }
+  // Where the statistics live: on a GPU nothing waits.
+  TALLY_DISPATCH("batch_norm", running_mean,
+                 kk::batch_norm_apply_moments<T>(num_features, m.count, T(momentum), m.sum.data<double>(),
+                                                 m.sum_sq.data<double>(), running_mean.data<T>(), running_var.data<T>()));
   count_batch();
 }
 

@@ -9,24 +9,53 @@
 #include "core/autograd.h"
 #include "core/cuda_runtime.h"
 #include "core/memory.h"
+#include "tally/config.h"
+#if TALLY_HAVE_CUDA
+#include "kernels/cuda/context.h"
+#endif
 
 namespace tally::mbp {
 
 namespace {
 
-// The input tensors of one micro-batch (category input), filled from host data unless this is a
-// dry run. Images arrive as float32 and are converted to the model's dtype on the host.
+// The input tensors of one micro-batch (category input), allocated in the arena, and on CUDA the
+// event that marks the end of their upload (the compute stream waits for it before the forward).
 struct Inputs {
   Tensor x, y;
+#if TALLY_HAVE_CUDA
+  kernels::cuda::Event uploaded;
+#endif
 };
 
-Inputs upload(const float* images, const std::int64_t* labels, std::int64_t offset, std::int64_t n,
-              const Shape& sample_shape, std::int64_t sample_numel, DType dtype, Device device) {
+}  // namespace
+
+// Pinned host memory for one step's inputs on CUDA: each micro-batch's samples are copied there
+// by the host and uploaded from there on the copy stream, overlapping the previous micro-batch's
+// compute. One slot per micro-batch, never reused within a step, so the host never waits for an
+// upload; the next step reuses them after the step's one synchronization (reading the loss).
+struct Executor::Staging {
+#if TALLY_HAVE_CUDA
+  kernels::cuda::PinnedBuffer buffer;
+#endif
+};
+
+namespace {
+
+Inputs allocate_inputs(std::int64_t n, const Shape& sample_shape, DType dtype, Device device) {
   Shape xs{n};
   xs.insert(xs.end(), sample_shape.begin(), sample_shape.end());
-  Inputs in{Tensor::empty(xs, dtype, device, Category::input, "input"),
-            Tensor::empty({n}, DType::Int64, device, Category::input, "labels")};
-  if (is_dry_run()) return in;
+  Inputs in;
+  in.x = Tensor::empty(xs, dtype, device, Category::input, "input");
+  in.y = Tensor::empty({n}, DType::Int64, device, Category::input, "labels");
+  return in;
+}
+
+// Fills `in` with samples [offset, offset + n) of the host batch. CPU: plain copies. CUDA: into
+// the staging slot of these samples, then an upload on the copy stream after the compute work
+// enqueued so far (the arena may have handed the blocks over from tensors it still reads).
+void fill_inputs(Inputs& in, const float* images, const std::int64_t* labels, std::int64_t offset, std::int64_t n,
+                 std::int64_t batch, std::int64_t sample_numel, DType dtype, Device device, void* staging) {
+  if (is_dry_run()) return;
   const float* src = images + offset * sample_numel;
   const std::size_t count = static_cast<std::size_t>(n * sample_numel);
   const std::int64_t* lab = labels + offset;
@@ -34,13 +63,34 @@ Inputs upload(const float* images, const std::int64_t* labels, std::int64_t offs
     if (dtype == DType::Float32) std::copy(src, src + count, in.x.data<float>());
     else std::copy(src, src + count, in.x.data<double>());
     std::copy(lab, lab + n, in.y.data<std::int64_t>());
-  } else {
-    if (dtype != DType::Float32)
-      throw Error(fmt::format("MBP executor: inputs on {} must be float32, the model is {}", device.str(), dtype_name(dtype)));
-    cuda_rt::memcpy_h2d(in.x.raw_data(), src, count * sizeof(float));
-    cuda_rt::memcpy_h2d(in.y.raw_data(), lab, static_cast<std::size_t>(n) * sizeof(std::int64_t));
+    return;
   }
-  return in;
+#if TALLY_HAVE_CUDA
+  if (dtype != DType::Float32)
+    throw Error(fmt::format("MBP executor: inputs on {} must be float32, the model is {}", device.str(), dtype_name(dtype)));
+  namespace kcu = kernels::cuda;
+  kcu::use_device(device.index);
+  // Staging layout: all images of the batch, then all labels.
+  float* img_slot = static_cast<float*>(staging) + offset * sample_numel;
+  auto* lab_slot = reinterpret_cast<std::int64_t*>(static_cast<float*>(staging) + batch * sample_numel) + offset;
+  std::copy(src, src + count, img_slot);
+  std::copy(lab, lab + n, lab_slot);
+  kcu::copy_wait(kcu::Event::record(kcu::compute_stream()));
+  (void)kcu::upload_async(in.x.raw_data(), img_slot, count * sizeof(float));
+  in.uploaded = kcu::upload_async(in.y.raw_data(), lab_slot, static_cast<std::size_t>(n) * sizeof(std::int64_t));
+#else
+  (void)staging, (void)batch;
+  throw Error("MBP executor: a CUDA device in a build without the CUDA backend");
+#endif
+}
+
+// The compute stream waits for the inputs' upload (no host wait).
+void ready(const Inputs& in) {
+#if TALLY_HAVE_CUDA
+  if (in.uploaded.valid()) kernels::cuda::compute_wait(in.uploaded);
+#else
+  (void)in;
+#endif
 }
 
 Tensor first_parameter(const nn::Module& m) {
@@ -60,7 +110,8 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, ExecutorOptio
       arena_(current_arena(device_)),
       planner_(arena_, [this](const std::vector<std::int64_t>& sizes) { run_step(nullptr, nullptr, sizes, nullptr); }),
       bns_(nn::batch_norm_layers(model)),
-      moments_(bns_.size()) {
+      moments_(bns_.size()),
+      staging_(std::make_unique<Staging>()) {
   if (opt_.sample_shape.empty())
     throw Error("MBP executor: the sample shape is empty (expected e.g. {3, 32, 32})");
   for (std::int64_t d : opt_.sample_shape) {
@@ -76,6 +127,8 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, ExecutorOptio
                               "they must exist before planning (Module::zero_grad allocates them)", p.str()));
 }
 
+Executor::~Executor() = default;
+
 const Plan& Executor::plan(std::int64_t batch) {
   ArenaScope scope(arena_);
   std::optional<std::int64_t> fixed;
@@ -84,6 +137,11 @@ const Plan& Executor::plan(std::int64_t batch) {
 }
 
 double Executor::accumulate(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes) {
+  const Tensor total = accumulate_loss(images, labels, sizes);
+  return total.defined() && !is_dry_run() ? total.item() : 0.0;
+}
+
+Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes) {
   const bool dry = is_dry_run();
   if (!dry && (images == nullptr || labels == nullptr)) throw Error("MBP executor: no input data");
   std::int64_t batch = 0;
@@ -112,30 +170,60 @@ double Executor::accumulate(const float* images, const std::int64_t* labels, con
     }
   } undefer{bns_};
 
+  // Pinned staging for the batch's samples (CUDA): grown when a larger batch comes.
+  void* staging = nullptr;
+#if TALLY_HAVE_CUDA
+  if (device_.is_cuda() && !dry) {
+    const std::size_t bytes = static_cast<std::size_t>(batch) * (static_cast<std::size_t>(sample_numel_) * sizeof(float) +
+                                                                 sizeof(std::int64_t));
+    if (staging_->buffer.size() < bytes) {
+      staging_->buffer = kernels::cuda::PinnedBuffer();  // the last step's uploads are done: it synchronized
+      staging_->buffer = kernels::cuda::PinnedBuffer(bytes);
+    }
+    staging = staging_->buffer.data();
+  }
+#endif
+
   EnableGradGuard grad_on;  // the step records its tape even if the caller is in a NoGradGuard
   const auto& arena = current_arena(device_);
-  const bool prefetch = device_.is_cuda();  // next inputs allocated before the current micro-batch computes
+  // The loss of the step, summed where it is computed: read once, after the optimizer step.
+  Tensor total = Tensor::zeros({}, dtype_, device_, Category::temporary, "step_loss");
+  const bool prefetch = device_.is_cuda();  // next inputs allocated and uploaded before the current micro-batch computes
   const auto k = sizes.size();
-  double total = 0;
   std::int64_t offset = 0;
+  bool targets_checked = false;
   Inputs next;
-  if (prefetch) next = upload(images, labels, 0, sizes[0], opt_.sample_shape, sample_numel_, dtype_, device_);
+  if (prefetch) {
+    next = allocate_inputs(sizes[0], opt_.sample_shape, dtype_, device_);
+    fill_inputs(next, images, labels, 0, sizes[0], batch, sample_numel_, dtype_, device_, staging);
+  }
   for (std::size_t i = 0; i < k; ++i) {
     arena->mark(fmt::format("micro-batch {}/{} ({} samples)", i + 1, k, sizes[i]));
     Inputs cur;
     if (prefetch) {
       cur = std::move(next);
       next = Inputs{};
-      if (i + 1 < k)
-        next = upload(images, labels, offset + sizes[i], sizes[i + 1], opt_.sample_shape, sample_numel_, dtype_, device_);
+      if (i + 1 < k) {
+        next = allocate_inputs(sizes[i + 1], opt_.sample_shape, dtype_, device_);
+        fill_inputs(next, images, labels, offset + sizes[i], sizes[i + 1], batch, sample_numel_, dtype_, device_, staging);
+      }
     } else {
-      cur = upload(images, labels, offset, sizes[i], opt_.sample_shape, sample_numel_, dtype_, device_);
+      cur = allocate_inputs(sizes[i], opt_.sample_shape, dtype_, device_);
+      fill_inputs(cur, images, labels, offset, sizes[i], batch, sample_numel_, dtype_, device_, staging);
+    }
+    ready(cur);
+    Tensor logits = model_(cur.x);
+    if (!dry && !targets_checked) {  // every target of the batch, on the host, once the class count is known
+      check_cross_entropy_targets(labels, batch, logits.size(1), opt_.loss.ignore_index);
+      targets_checked = true;
     }
     CrossEntropyOptions co = opt_.loss;
     co.divisor = divisor;  // sum_i w_i loss_i / D: the full batch's mean, split
-    Tensor loss = cross_entropy(model_(cur.x), cur.y, co);
+    co.targets_checked = !dry;
+    Tensor loss = cross_entropy(logits, cur.y, co);
+    logits = Tensor();
     loss.backward();
-    if (!dry) total += loss.item();
+    add_into(total, loss);
     offset += sizes[i];
   }
   return total;
@@ -143,14 +231,16 @@ double Executor::accumulate(const float* images, const std::int64_t* labels, con
 
 void Executor::run_step(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes,
                         double* loss) {
-  const double l = accumulate(images, labels, sizes);
-  if (loss) *loss = l;
+  const Tensor total = accumulate_loss(images, labels, sizes);
   current_arena(device_)->mark("optimizer step");
   if (!is_dry_run())
     for (std::size_t i = 0; i < bns_.size(); ++i) bns_[i]->apply_moments(moments_[i]);
+  for (auto& m : moments_) m = BatchNormMoments{};
   NoGradGuard ng;
   optimizer_.step();
   optimizer_.zero_grad();
+  // The step's one wait for the device: the loss value.
+  if (loss) *loss = is_dry_run() ? 0.0 : total.item();
 }
 
 void Executor::discard_partial_step() {

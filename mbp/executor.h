@@ -8,12 +8,15 @@
 //      for any split (not the mean of the micro-batch means, which is wrong when the last
 //      micro-batch is smaller).
 //   3. For each micro-batch: copy its inputs into the arena (category input; on CUDA the next
-//      micro-batch's inputs are allocated before the current one computes, so the copy can
-//      overlap), forward, backward. Weight gradients accumulate with beta = 1 straight into the
-//      persistent gradient buffers; every other byte of the micro-batch is freed by its end.
+//      micro-batch's inputs are allocated and uploaded — host to pinned staging, then on the copy
+//      stream — before the current one computes, so the upload overlaps it), forward, backward.
+//      Weight gradients accumulate with beta = 1 straight into the persistent gradient buffers;
+//      every other byte of the micro-batch is freed by its end. Targets are checked on the host
+//      once per step, and the loss is summed on the device.
 //   4. BatchNorm: each micro-batch normalizes with its own statistics; the running statistics
 //      are updated once per step from the moments of all micro-batches (layers/layers.h).
-//   5. One optimizer step, then the gradients are zeroed.
+//   5. One optimizer step, then the gradients are zeroed; then the step's loss is read — on CUDA
+//      the one time a step waits for the device.
 // The planner dry-runs exactly this code (run_micro_batches), so the predicted peak is the real
 // step's peak. If the real step still runs out of memory, the partial step is discarded —
 // gradients zeroed, BatchNorm moments dropped; parameters, optimizer state and running
@@ -78,8 +81,15 @@ class Executor {
   const std::shared_ptr<Arena>& arena() const { return arena_; }
   Device device() const { return device_; }
 
+  ~Executor();
+  Executor(const Executor&) = delete;
+  Executor& operator=(const Executor&) = delete;
+
  private:
+  struct Staging;
   void discard_partial_step();
+  // accumulate() with the loss left where it was computed (undefined in a dry run: no values).
+  Tensor accumulate_loss(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes);
   // The allocation sequence of a step; real data when images != nullptr, else a dry run.
   void run_step(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes,
                 double* loss);
@@ -96,6 +106,7 @@ class Executor {
   std::int64_t sample_numel_ = 1;
   std::int64_t limit_ = INT64_MAX;
   int total_retries_ = 0;
+  std::unique_ptr<Staging> staging_;
 };
 
 }  // namespace tally::mbp

@@ -17,6 +17,8 @@
 #                  3 steps of it, and 3 steps of native batch m (the plan's micro-batch)  (~2 min)
 #        compare   bench/compare_pytorch.py with the PyTorch there: ResNet-20 batch 128 and
 #                  ResNet-50 batch 256, TF32 off and on                                 (~3 min)
+#        profile   `tally train --profile`: GPU time per op of ResNet-50 (batch 256) and
+#                  ResNet-20 (batch 128) training steps                                 (~1 min)
 #        bench     bench_train on the GPU                                              (~2 min)
 #   scripts/gpu-check.sh build-deps    here: download the Debian packages a build on the GPU
 #                                      machine needs into .gpu-debs/ (git-ignored).
@@ -328,6 +330,17 @@ step_compare() {
   done
 }
 
+step_profile() {
+  local log=$logs/profile.log m
+  for m in "resnet50 synthetic:3x224x224 256 1000" "resnet20 synthetic 128 10"; do
+    read -r m d b k <<<"$m"
+    run_logged "tally train --profile $m" "$log" "$bundle/run" "$bundle/bin/tally" train --model "$m" --data "$d" \
+      --num-classes "$k" --batch-size "$b" --steps 12 --lr 0.01 --schedule constant --no-augment --device cuda \
+      --no-progress --profile
+  done
+  note "$(printf '%-44s rc=%-3s' "profiles" "$last_rc")"
+}
+
 step_bench() {
   local log=$logs/bench.log
   run_logged "bench_train (cuda)" "$log" "$bundle/run" "$bundle/bin/bench_train" --benchmark_filter='cuda' \
@@ -347,8 +360,8 @@ run() {
   for s in "$@"; do
     SECONDS=0
     case $s in
-      env | tests | sanitize | train | resnet50 | compare | bench) "step_$s" ;;
-      *) echo "gpu-check: unknown step '$s': expected env, tests, sanitize, train, resnet50, compare or bench" >&2; exit 2 ;;
+      env | tests | sanitize | train | resnet50 | compare | profile | bench) "step_$s" ;;
+      *) echo "gpu-check: unknown step '$s': expected env, tests, sanitize, train, resnet50, compare, profile or bench" >&2; exit 2 ;;
     esac
     note "-- step $s: ${SECONDS}s"
     publish

@@ -395,7 +395,9 @@ void check_conv(const kc::Conv2dShape& s, bool bias, double tol) {
                [&](float* o, float beta) { kg::conv2d_backward_bias<float>(s, P(ddy), o, beta); });
   }
 
-  // Deterministic mode (the default): the same backward twice, bit for bit.
+  // Deterministic mode (the default): the same backward twice, bit for bit — unless no
+  // deterministic algorithm fitted the limit (the plan says so).
+  if (kg::conv2d_plan_description(s).find("NOT deterministic") != std::string::npos) return;
   Buf<float> f1 = dev(nans(nw)), f2 = dev(nans(nw)), d1 = dev(nans(nx)), d2 = dev(nans(nx));
   kg::conv2d_backward_filter<float>(s, P(dx_in), P(ddy), P(f1), 0.f, ws_ptr(ws_w));
   kg::conv2d_backward_filter<float>(s, P(dx_in), P(ddy), P(f2), 0.f, ws_ptr(ws_w));
@@ -539,15 +541,21 @@ TEST(GpuKernels, ConvolutionEveryCudnnAlgorithmAtResNetShapes) {
 
 // ---- normalization --------------------------------------------------------------------------------
 
+// Both sides compute every sum and every element in double and round once: they agree to float
+// rounding even where the backward cancels (few values per channel, an offset mean).
+constexpr double kNormTol = 1e-5;
+
 TEST(GpuKernels, BatchNormMatchesTheCpu) {
   REQUIRE_GPU();
-  for (auto [N, C, HW] : std::vector<std::array<i64, 3>>{{3, 5, 63}, {2, 16, 1}, {8, 3, 1024}, {1, 7, 2}}) {
+  // The last two are large enough that a channel's sum is split over several blocks.
+  for (auto [N, C, HW] : std::vector<std::array<i64, 3>>{{3, 5, 63}, {2, 16, 1}, {8, 3, 1024}, {1, 7, 2}, {16, 64, 784}, {32, 16, 1024}}) {
     for (bool affine : {true, false}) {
       const auto seed = fresh_seed();
       SCOPED_TRACE(testing::Message() << "N " << N << " C " << C << " HW " << HW << " affine " << affine << " seed "
                                       << seed);
       std::mt19937 rng(seed);
       const i64 n = N * C * HW;
+      const auto bnws = scratch(kg::batch_norm_workspace_bytes(N, C, HW));
       const auto x = uniform(n, rng, 2.f, 6.f);  // an offset mean: the two-pass variance matters
       const auto gamma = uniform(C, rng, 0.5f, 1.5f), beta_ = uniform(C, rng), dy = uniform(n, rng);
       auto rm = uniform(C, rng), rv = uniform(C, rng, 0.5f, 2.f);
@@ -562,23 +570,23 @@ TEST(GpuKernels, BatchNormMatchesTheCpu) {
                                           sm.data(), si.data());
       Buf<float> gy = dev(nans(n)), gsm = dev(nans(C)), gsi = dev(nans(C));
       kg::batch_norm_forward_train<float>(N, C, HW, P(dx_in), g_g, b_g, 1e-5f, 0.1f, P(drm), P(drv), P(gy), P(gsm),
-                                          P(gsi));
-      EXPECT_CLOSE(host(gy), y, kMathTol) << "y";
-      EXPECT_CLOSE(host(gsm), sm, kMathTol) << "save_mean";
-      EXPECT_CLOSE(host(gsi), si, kMathTol) << "save_invstd";
-      EXPECT_CLOSE(host(drm), rm, kMathTol) << "running_mean";
-      EXPECT_CLOSE(host(drv), rv, kMathTol) << "running_var";
+                                          P(gsi), ws_ptr(bnws));
+      EXPECT_CLOSE(host(gy), y, kNormTol) << "y";
+      EXPECT_CLOSE(host(gsm), sm, kNormTol) << "save_mean";
+      EXPECT_CLOSE(host(gsi), si, kNormTol) << "save_invstd";
+      EXPECT_CLOSE(host(drm), rm, kNormTol) << "running_mean";
+      EXPECT_CLOSE(host(drv), rv, kNormTol) << "running_var";
 
       // training backward, from the CPU's saved statistics on both sides
       Buf<float> csm = dev(sm), csi = dev(si);
-      check_beta(n, rng, kMathTol,
+      check_beta(n, rng, kNormTol,
                  [&](float* o, float beta) {
                    kc::batch_norm_backward<float>(N, C, HW, dy.data(), x.data(), g_c, sm.data(), si.data(), o, beta,
                                                   nullptr, nullptr, 0.f);
                  },
                  [&](float* o, float beta) {
                    kg::batch_norm_backward<float>(N, C, HW, P(ddy), P(dx_in), g_g, P(csm), P(csi), o, beta, nullptr,
-                                                  nullptr, 0.f);
+                                                  nullptr, 0.f, ws_ptr(bnws));
                  });
       for (float bp : {0.f, 1.f}) {
         std::vector<float> dg = bp == 0.f ? nans(C) : uniform(C, rng), db = bp == 0.f ? nans(C) : uniform(C, rng);
@@ -586,13 +594,13 @@ TEST(GpuKernels, BatchNormMatchesTheCpu) {
         kc::batch_norm_backward<float>(N, C, HW, dy.data(), x.data(), g_c, sm.data(), si.data(), nullptr, 0.f,
                                        dg.data(), db.data(), bp);
         kg::batch_norm_backward<float>(N, C, HW, P(ddy), P(dx_in), g_g, P(csm), P(csi), nullptr, 0.f, P(gdg), P(gdb),
-                                       bp);
-        EXPECT_CLOSE(host(gdg), dg, kMathTol) << "dgamma beta " << bp;
-        EXPECT_CLOSE(host(gdb), db, kMathTol) << "dbeta beta " << bp;
+                                       bp, ws_ptr(bnws));
+        EXPECT_CLOSE(host(gdg), dg, kNormTol) << "dgamma beta " << bp;
+        EXPECT_CLOSE(host(gdb), db, kNormTol) << "dbeta beta " << bp;
       }
       Buf<float> r1 = dev(nans(n)), r2 = dev(nans(n));
-      kg::batch_norm_backward<float>(N, C, HW, P(ddy), P(dx_in), g_g, P(csm), P(csi), P(r1), 0.f, nullptr, nullptr, 0.f);
-      kg::batch_norm_backward<float>(N, C, HW, P(ddy), P(dx_in), g_g, P(csm), P(csi), P(r2), 0.f, nullptr, nullptr, 0.f);
+      kg::batch_norm_backward<float>(N, C, HW, P(ddy), P(dx_in), g_g, P(csm), P(csi), P(r1), 0.f, nullptr, nullptr, 0.f, ws_ptr(bnws));
+      kg::batch_norm_backward<float>(N, C, HW, P(ddy), P(dx_in), g_g, P(csm), P(csi), P(r2), 0.f, nullptr, nullptr, 0.f, ws_ptr(bnws));
       EXPECT_EQ(host(r1), host(r2)) << "batch norm backward must be deterministic";
 
       // eval forward and backward
@@ -600,8 +608,8 @@ TEST(GpuKernels, BatchNormMatchesTheCpu) {
       kc::batch_norm_forward_eval<float>(N, C, HW, x.data(), g_c, b_c, rm.data(), rv.data(), 1e-5f, ye.data());
       Buf<float> gye = dev(nans(n)), erm = dev(rm), erv = dev(rv);
       kg::batch_norm_forward_eval<float>(N, C, HW, P(dx_in), g_g, b_g, P(erm), P(erv), 1e-5f, P(gye));
-      EXPECT_CLOSE(host(gye), ye, kMathTol) << "eval y";
-      check_beta(n, rng, kMathTol,
+      EXPECT_CLOSE(host(gye), ye, kNormTol) << "eval y";
+      check_beta(n, rng, kNormTol,
                  [&](float* o, float beta) {
                    std::vector<float> dg(C), db(C);
                    kc::batch_norm_backward_eval<float>(N, C, HW, dy.data(), x.data(), g_c, rm.data(), rv.data(), 1e-5f,
@@ -610,12 +618,12 @@ TEST(GpuKernels, BatchNormMatchesTheCpu) {
                  [&](float* o, float beta) {
                    Buf<float> dg = dev(nans(C)), db = dev(nans(C));
                    kg::batch_norm_backward_eval<float>(N, C, HW, P(ddy), P(dx_in), g_g, P(erm), P(erv), 1e-5f, o,
-                                                       beta, P(dg), P(db), 0.f);
+                                                       beta, P(dg), P(db), 0.f, ws_ptr(bnws));
                    std::vector<float> dgc(C), dbc(C);
                    kc::batch_norm_backward_eval<float>(N, C, HW, dy.data(), x.data(), g_c, rm.data(), rv.data(),
                                                        1e-5f, nullptr, 0.f, dgc.data(), dbc.data(), 0.f);
-                   EXPECT_CLOSE(host(dg), dgc, kMathTol) << "eval dgamma";
-                   EXPECT_CLOSE(host(db), dbc, kMathTol) << "eval dbeta";
+                   EXPECT_CLOSE(host(dg), dgc, kNormTol) << "eval dgamma";
+                   EXPECT_CLOSE(host(db), dbc, kNormTol) << "eval dbeta";
                  });
     }
   }
@@ -641,12 +649,12 @@ TEST(GpuKernels, GroupNormMatchesTheCpu) {
       kc::group_norm_forward<float>(N, C, HW, G, x.data(), g_c, b_c, 1e-5f, y.data(), sm.data(), si.data());
       Buf<float> gy = dev(nans(n)), gsm = dev(nans(N * G)), gsi = dev(nans(N * G));
       kg::group_norm_forward<float>(N, C, HW, G, P(dx_in), g_g, b_g, 1e-5f, P(gy), P(gsm), P(gsi));
-      EXPECT_CLOSE(host(gy), y, kMathTol) << "y";
-      EXPECT_CLOSE(host(gsm), sm, kMathTol) << "save_mean";
-      EXPECT_CLOSE(host(gsi), si, kMathTol) << "save_invstd";
+      EXPECT_CLOSE(host(gy), y, kNormTol) << "y";
+      EXPECT_CLOSE(host(gsm), sm, kNormTol) << "save_mean";
+      EXPECT_CLOSE(host(gsi), si, kNormTol) << "save_invstd";
 
       Buf<float> csm = dev(sm), csi = dev(si);
-      check_beta(n, rng, kMathTol,
+      check_beta(n, rng, kNormTol,
                  [&](float* o, float beta) {
                    kc::group_norm_backward<float>(N, C, HW, G, dy.data(), x.data(), g_c, sm.data(), si.data(), o, beta,
                                                   nullptr, nullptr, 0.f);
@@ -662,8 +670,8 @@ TEST(GpuKernels, GroupNormMatchesTheCpu) {
                                        dg.data(), db.data(), bp);
         kg::group_norm_backward<float>(N, C, HW, G, P(ddy), P(dx_in), g_g, P(csm), P(csi), nullptr, 0.f, P(gdg),
                                        P(gdb), bp);
-        EXPECT_CLOSE(host(gdg), dg, kMathTol) << "dgamma beta " << bp;
-        EXPECT_CLOSE(host(gdb), db, kMathTol) << "dbeta beta " << bp;
+        EXPECT_CLOSE(host(gdg), dg, kNormTol) << "dgamma beta " << bp;
+        EXPECT_CLOSE(host(gdb), db, kNormTol) << "dbeta beta " << bp;
       }
     }
   }

@@ -17,8 +17,13 @@
 #include "layers/init.h"
 #include "layers/layers.h"
 #include "layers/resnet.h"
+#include "mbp/executor.h"
 #include "optim/optimizer.h"
 #include "tests/gpu_common.h"
+#include "tally/config.h"
+#if TALLY_HAVE_CUDA
+#include "kernels/cuda/context.h"
+#endif
 
 using namespace tally;
 using namespace tally::test;
@@ -270,6 +275,47 @@ TEST(GpuOps, DryRunPeakOfAResNet20StepEqualsTheRealStepToTheByte) {
   EXPECT_GT(arena->stats()[Category::workspace].peak, 0) << "cuBLAS gets its workspace from the arena";
   EXPECT_EQ(arena->stats()[Category::activation].current, 0);
   EXPECT_EQ(arena->stats()[Category::workspace].current, 0);
+}
+
+// An MBP step on the GPU waits for the device once (reading the loss after the optimizer step):
+// inputs go up from pinned memory on the copy stream, targets are checked on the host, losses and
+// BatchNorm moments are summed on the device. Its gradients equal the whole batch's, and its
+// peak is the one predicted.
+TEST(GpuOps, AMicroBatchedStepWaitsForTheDeviceOnce) {
+#if TALLY_HAVE_CUDA
+  REQUIRE_GPU();
+  auto arena = std::make_shared<Arena>(Device::cuda(0), std::size_t(1) << 30);
+  ArenaScope scope(arena);
+  nn::manual_seed(3);
+  auto model = nn::make_model({"resnet20"});
+  model->to(Device::cuda());
+  model->train();
+  optim::SGD opt(model->parameters(), {.lr = 0.05, .momentum = 0.9, .weight_decay = 5e-4});
+  mbp::ExecutorOptions eo;
+  eo.sample_shape = {3, 32, 32};
+  eo.micro_batch = 8;
+  mbp::Executor ex(*model, opt, eo);
+  std::mt19937 rng(fresh_seed());
+  const i64 B = 30;  // micro-batches of 8, 8, 7, 7
+  const auto images = uniform(static_cast<std::size_t>(B * 3 * 32 * 32), rng);
+  std::vector<i64> labels(B);
+  for (auto& l : labels) l = static_cast<i64>(rng() % 10);
+  ex.step(images.data(), labels.data(), B);  // warm-up: plans, cuDNN choices, pinned staging
+  const std::uint64_t before = kernels::cuda::host_sync_count();
+  const mbp::StepResult r = ex.step(images.data(), labels.data(), B);
+  EXPECT_EQ(kernels::cuda::host_sync_count() - before, 1u) << "host waits in one step of " << r.micro_batches
+                                                           << " micro-batches";
+  EXPECT_EQ(r.micro_batches, 4);
+  EXPECT_TRUE(std::isfinite(r.loss));
+  EXPECT_EQ(r.peak, r.predicted_peak);
+  // A bad target is found on the host before anything changes.
+  labels[17] = 10;
+  const auto p0 = model->parameters().front().to_vector<float>();
+  EXPECT_THROW(ex.step(images.data(), labels.data(), B), ShapeError);
+  EXPECT_EQ(model->parameters().front().to_vector<float>(), p0);
+#else
+  GTEST_SKIP() << "CPU-only build: " << build_info();
+#endif
 }
 
 // ---- tensors on the device ------------------------------------------------------------------------

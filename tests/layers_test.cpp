@@ -456,8 +456,8 @@ TEST(BatchNormDefer, WholeModelMicroBatchesMatchOneBatch) {
 TEST(BatchNormDefer, ApplyMomentsChecksChannels) {
   BatchNorm2d bn(4);
   BatchNormMoments m;
-  m.sum = {1, 2};
-  m.sum_sq = {1, 2};
+  m.sum = Tensor::from_vector(std::vector<double>{1, 2}, {2});
+  m.sum_sq = Tensor::from_vector(std::vector<double>{1, 2}, {2});
   m.count = 10;
   EXPECT_THROW(bn.apply_moments(m), ShapeError);
   bn.apply_moments(BatchNormMoments{});  // nothing seen: nothing changes

@@ -81,6 +81,13 @@ template <class T> void add_bias_rows(i64 rows, i64 cols, const T* x, const T* b
 template <class T> void sum_rows(i64 rows, i64 cols, const T* dy, T* db, T beta);
 // Full reductions (accumulated in double).
 template <class T> T sum_all(i64 n, const T* x);
+// y[0] = factor * sum of x (accumulated in double), written where y lives: no value reaches the
+// host (the CUDA twin never waits).
+template <class T> void sum_to(i64 n, const T* x, T factor, T* y);
+// y (n) (=|+=) factor * s[0]: a scalar's gradient spread over a tensor, read where it lives.
+template <class T> void broadcast_scalar(i64 n, const T* s, T factor, T* y, T beta);
+// y (n) = a[0] * b[0].
+template <class T> void fill_product(i64 n, const T* a, const T* b, T* y);
 // Convert between element types (float <-> double), n elements.
 template <class S, class D> void convert(i64 n, const S* x, D* y);
 
@@ -93,10 +100,13 @@ template <class S, class D> void convert(i64 n, const S* x, D* y);
 //     running_mean = (1 - momentum) * running_mean + momentum * mean
 //     running_var  = (1 - momentum) * running_var  + momentum * var * M / (M - 1),  M = N*HW
 //   gamma / beta_ may be null (affine = false: gamma = 1, beta = 0).
+//   `workspace` (batch_norm_workspace_bytes, 0 on the CPU) holds the CUDA twin's per-block
+//   partial sums; the CPU ignores it.
+std::size_t batch_norm_workspace_bytes(i64 N, i64 C, i64 HW);
 template <class T>
 void batch_norm_forward_train(i64 N, i64 C, i64 HW, const T* x, const T* gamma, const T* beta_,
                               T eps, T momentum, T* running_mean, T* running_var, T* y,
-                              T* save_mean, T* save_invstd);
+                              T* save_mean, T* save_invstd, void* workspace = nullptr);
 // Eval mode: y = (x - running_mean) / sqrt(running_var + eps) * gamma + beta_.
 template <class T>
 void batch_norm_forward_eval(i64 N, i64 C, i64 HW, const T* x, const T* gamma, const T* beta_,
@@ -106,14 +116,25 @@ void batch_norm_forward_eval(i64 N, i64 C, i64 HW, const T* x, const T* gamma, c
 template <class T>
 void batch_norm_backward(i64 N, i64 C, i64 HW, const T* dy, const T* x, const T* gamma,
                          const T* save_mean, const T* save_invstd, T* dx, T beta_dx, T* dgamma,
-                         T* dbeta, T beta_param);
+                         T* dbeta, T beta_param, void* workspace = nullptr);
 // Eval-mode backward (statistics are constants): dx = dy * gamma * invstd_running.
 template <class T>
 void batch_norm_backward_eval(i64 N, i64 C, i64 HW, const T* dy, const T* x, const T* gamma,
                               const T* running_mean, const T* running_var, T eps, T* dx,
-                              T beta_dx, T* dgamma, T* dbeta, T beta_param);
+                              T beta_dx, T* dgamma, T* dbeta, T beta_param, void* workspace = nullptr);
 // Group norm: G groups of C/G channels; statistics per (n, g) over (C/G, HW), biased var.
 // gamma / beta_ are per channel (C), may be null. save_mean, save_invstd are (N, G).
+// Micro-batch moments (MBP): sum (C) += M * mean, sum_sq (C) += M * (var + mean^2) with
+// var = 1 / invstd^2 - eps from a training forward's saved statistics, M = N * HW. Double sums.
+template <class T>
+void batch_norm_accumulate_moments(i64 C, i64 M, T eps, const T* save_mean, const T* save_invstd, double* sum,
+                                   double* sum_sq);
+// The running statistics from `count` elements' moments, as one batch of them would update them:
+// mean = sum / count, var = sum_sq / count - mean^2 (biased); running_mean = (1 - momentum)
+// running_mean + momentum mean; running_var likewise with var * count / (count - 1).
+template <class T>
+void batch_norm_apply_moments(i64 C, i64 count, T momentum, const double* sum, const double* sum_sq, T* running_mean,
+                              T* running_var);
 template <class T>
 void group_norm_forward(i64 N, i64 C, i64 HW, i64 G, const T* x, const T* gamma, const T* beta_,
                         T eps, T* y, T* save_mean, T* save_invstd);
@@ -163,9 +184,17 @@ void adaptive_avg_pool2d_backward(i64 N, i64 C, i64 H, i64 W, i64 OH, i64 OW, co
 // Writes per-sample loss (N) and per-sample weight (N); returns nothing else. A target outside
 // [0, C) that is not ignore_index is reported by returning its index (else -1): nothing throws
 // from a kernel.
+// check_targets = false: the caller has validated the targets (the MBP executor does, on the
+// host, before they are uploaded); nothing is checked and -1 is returned.
 template <class T>
 i64 cross_entropy_forward(i64 N, i64 C, const T* logits, const i64* targets, const T* class_weight,
-                          i64 ignore_index, T label_smoothing, T* loss, T* sample_weight);
+                          i64 ignore_index, T label_smoothing, T* loss, T* sample_weight,
+                          bool check_targets = true);
+// The reduction, where the values live: scale[0] = fixed_scale if fixed_scale > 0 (a divisor or
+// the sum reduction), else 1 / sum_i sample_weight_i (the mean; 0/0 is NaN, as PyTorch);
+// y[0] = scale[0] * sum_i loss_i. Sums in double.
+template <class T>
+void cross_entropy_reduce(i64 N, const T* loss, const T* sample_weight, T fixed_scale, T* y, T* scale);
 // dlogits (N, C) (=|+=) d(sum_i scale_i * loss_i)/dlogits with scale_i = dloss[i]
 // (dloss (N) is the upstream gradient of each per-sample loss; reductions fold into it).
 template <class T>

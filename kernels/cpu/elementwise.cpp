@@ -211,6 +211,23 @@ T sum_all(i64 n, const T* x) {
   return static_cast<T>(s);
 }
 
+template <class T>
+void sum_to(i64 n, const T* x, T factor, T* y) {
+  y[0] = static_cast<T>(static_cast<double>(sum_all<T>(n, x)) * static_cast<double>(factor));
+}
+
+template <class T>
+void broadcast_scalar(i64 n, const T* s, T factor, T* y, T beta) {
+  const T v = static_cast<T>(static_cast<double>(s[0]) * static_cast<double>(factor));
+  for (i64 i = 0; i < n; ++i) y[i] = beta == T(0) ? v : beta * y[i] + v;
+}
+
+template <class T>
+void fill_product(i64 n, const T* a, const T* b, T* y) {
+  const T v = a[0] * b[0];
+  for (i64 i = 0; i < n; ++i) y[i] = v;
+}
+
 template <class S, class D>
 void convert(i64 n, const S* x, D* y) {
 #pragma omp parallel for schedule(static) if (n > kParallelThreshold)
@@ -231,7 +248,10 @@ void convert(i64 n, const S* x, D* y) {
   template void strided_copy<T>(int, const i64*, const i64*, const T*, T*);               \
   template void add_bias_rows<T>(i64, i64, const T*, const T*, T*);                       \
   template void sum_rows<T>(i64, i64, const T*, T*, T);                                   \
-  template T sum_all<T>(i64, const T*);
+  template T sum_all<T>(i64, const T*);                                                    \
+  template void sum_to<T>(i64, const T*, T, T*);                                          \
+  template void broadcast_scalar<T>(i64, const T*, T, T*, T);                             \
+  template void fill_product<T>(i64, const T*, const T*, T*);
 
 TALLY_INSTANTIATE_ELEMENTWISE(float)
 TALLY_INSTANTIATE_ELEMENTWISE(double)

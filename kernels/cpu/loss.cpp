@@ -32,10 +32,11 @@ inline double row_lse(i64 C, const T* z) {
 
 template <class T>
 i64 cross_entropy_forward(i64 N, i64 C, const T* logits, const i64* targets, const T* class_weight,
-                          i64 ignore_index, T label_smoothing, T* loss, T* sample_weight) {
+                          i64 ignore_index, T label_smoothing, T* loss, T* sample_weight,
+                          bool check_targets) {
   // Find the first invalid target sequentially (cheap, and gives a deterministic answer).
   i64 first_invalid = -1;
-  for (i64 i = 0; i < N; ++i) {
+  for (i64 i = 0; check_targets && i < N; ++i) {
     const i64 t = targets[i];
     if (t != ignore_index && (t < 0 || t >= C)) {
       first_invalid = i;
@@ -69,6 +70,18 @@ i64 cross_entropy_forward(i64 N, i64 C, const T* logits, const i64* targets, con
     if (sample_weight) sample_weight[i] = static_cast<T>(wt);
   }
   return first_invalid;
+}
+
+template <class T>
+void cross_entropy_reduce(i64 N, const T* loss, const T* sample_weight, T fixed_scale, T* y, T* scale) {
+  double total = 0, wsum = 0;
+  for (i64 i = 0; i < N; ++i) {
+    total += static_cast<double>(loss[i]);
+    wsum += static_cast<double>(sample_weight[i]);
+  }
+  const double sc = fixed_scale > T(0) ? static_cast<double>(fixed_scale) : 1.0 / wsum;
+  scale[0] = static_cast<T>(sc);
+  y[0] = static_cast<T>(total * sc);
 }
 
 template <class T>
@@ -118,7 +131,8 @@ void cross_entropy_backward(i64 N, i64 C, const T* logits, const i64* targets,
 // Explicit instantiations.
 #define TALLY_INSTANTIATE_LOSS(T)                                                            \
   template i64 cross_entropy_forward<T>(i64, i64, const T*, const i64*, const T*, i64, T, T*, \
-                                        T*);                                                 \
+                                        T*, bool);                                           \
+  template void cross_entropy_reduce<T>(i64, const T*, const T*, T, T*, T*);                 \
   template void cross_entropy_backward<T>(i64, i64, const T*, const i64*, const T*, i64, T,   \
                                           const T*, T*, T);
 

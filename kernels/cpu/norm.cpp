@@ -4,6 +4,7 @@
 // Parallelism: batch norm over channels, group norm over (n, g) for dx and over channels for
 // dgamma / dbeta; every output element has exactly one writer and every sum is formed in a fixed
 // order, so results do not depend on the thread count.
+#include <algorithm>
 #include <cmath>
 
 #include "kernels/cpu/cpu_kernels.h"
@@ -28,10 +29,12 @@ inline void store(T* out, T beta, double v) {
 // ---------------------------------------------------------------------------------------------
 // Batch norm.
 
+std::size_t batch_norm_workspace_bytes(i64, i64, i64) { return 0; }
+
 template <class T>
 void batch_norm_forward_train(i64 N, i64 C, i64 HW, const T* x, const T* gamma, const T* beta_,
                               T eps, T momentum, T* running_mean, T* running_var, T* y,
-                              T* save_mean, T* save_invstd) {
+                              T* save_mean, T* save_invstd, void* /*workspace: none needed*/) {
   const i64 M = N * HW;
   const i64 CHW = C * HW;
 #pragma omp parallel for schedule(static) if (N * C * HW > kParallelThreshold && C > 1)
@@ -104,7 +107,7 @@ void batch_norm_forward_eval(i64 N, i64 C, i64 HW, const T* x, const T* gamma, c
 template <class T>
 void batch_norm_backward(i64 N, i64 C, i64 HW, const T* dy, const T* x, const T* gamma,
                          const T* save_mean, const T* save_invstd, T* dx, T beta_dx, T* dgamma,
-                         T* dbeta, T beta_param) {
+                         T* dbeta, T beta_param, void* /*workspace*/) {
   const i64 M = N * HW;
   const i64 CHW = C * HW;
 #pragma omp parallel for schedule(static) if (N * C * HW > kParallelThreshold && C > 1)
@@ -145,7 +148,7 @@ void batch_norm_backward(i64 N, i64 C, i64 HW, const T* dy, const T* x, const T*
 template <class T>
 void batch_norm_backward_eval(i64 N, i64 C, i64 HW, const T* dy, const T* x, const T* gamma,
                               const T* running_mean, const T* running_var, T eps, T* dx,
-                              T beta_dx, T* dgamma, T* dbeta, T beta_param) {
+                              T beta_dx, T* dgamma, T* dbeta, T beta_param, void* /*workspace*/) {
   const i64 CHW = C * HW;
 #pragma omp parallel for schedule(static) if (N * C * HW > kParallelThreshold && C > 1)
   for (i64 c = 0; c < C; ++c) {
@@ -173,6 +176,30 @@ void batch_norm_backward_eval(i64 N, i64 C, i64 HW, const T* dy, const T* x, con
 
 // ---------------------------------------------------------------------------------------------
 // Group norm. x (N, C, HW) viewed as (N, G, C/G * HW): each (n, g) is one contiguous block.
+
+template <class T>
+void batch_norm_accumulate_moments(i64 C, i64 M, T eps, const T* save_mean, const T* save_invstd, double* sum,
+                                   double* sum_sq) {
+  const double m = static_cast<double>(M);
+  for (i64 c = 0; c < C; ++c) {
+    const double mean = static_cast<double>(save_mean[c]), invstd = static_cast<double>(save_invstd[c]);
+    const double var = 1.0 / (invstd * invstd) - static_cast<double>(eps);
+    sum[c] += m * mean;
+    sum_sq[c] += m * (var + mean * mean);
+  }
+}
+
+template <class T>
+void batch_norm_apply_moments(i64 C, i64 count, T momentum, const double* sum, const double* sum_sq, T* running_mean,
+                              T* running_var) {
+  const double n = static_cast<double>(count), mom = static_cast<double>(momentum);
+  for (i64 c = 0; c < C; ++c) {
+    const double mean = sum[c] / n;
+    const double var = std::max(0.0, sum_sq[c] / n - mean * mean);  // biased
+    running_mean[c] = static_cast<T>((1.0 - mom) * static_cast<double>(running_mean[c]) + mom * mean);
+    running_var[c] = static_cast<T>((1.0 - mom) * static_cast<double>(running_var[c]) + mom * var * n / (n - 1.0));
+  }
+}
 
 template <class T>
 void group_norm_forward(i64 N, i64 C, i64 HW, i64 G, const T* x, const T* gamma, const T* beta_,
@@ -281,13 +308,15 @@ void group_norm_backward(i64 N, i64 C, i64 HW, i64 G, const T* dy, const T* x, c
 // Explicit instantiations.
 #define TALLY_INSTANTIATE_NORM(T)                                                             \
   template void batch_norm_forward_train<T>(i64, i64, i64, const T*, const T*, const T*, T, T, \
-                                            T*, T*, T*, T*, T*);                              \
+                                            T*, T*, T*, T*, T*, void*);                       \
   template void batch_norm_forward_eval<T>(i64, i64, i64, const T*, const T*, const T*,        \
                                            const T*, const T*, T, T*);                        \
   template void batch_norm_backward<T>(i64, i64, i64, const T*, const T*, const T*, const T*,  \
-                                       const T*, T*, T, T*, T*, T);                           \
+                                       const T*, T*, T, T*, T*, T, void*);                    \
   template void batch_norm_backward_eval<T>(i64, i64, i64, const T*, const T*, const T*,       \
-                                            const T*, const T*, T, T*, T, T*, T*, T);         \
+                                            const T*, const T*, T, T*, T, T*, T*, T, void*);  \
+  template void batch_norm_accumulate_moments<T>(i64, i64, T, const T*, const T*, double*, double*); \
+  template void batch_norm_apply_moments<T>(i64, i64, T, const double*, const double*, T*, T*); \
   template void group_norm_forward<T>(i64, i64, i64, i64, const T*, const T*, const T*, T, T*, \
                                       T*, T*);                                                \
   template void group_norm_backward<T>(i64, i64, i64, i64, const T*, const T*, const T*,       \

@@ -31,6 +31,10 @@ namespace tally::kernels::cuda::detail {
 // Checks cudaGetLastError after a kernel launch (a bad configuration, a missing kernel image).
 void check_launch(const char* kernel, const char* file, int line);
 
+// Waits for `s` on the host, counted by host_sync_count() (context.h): every host-blocking wait
+// of kernels/cuda goes through it.
+void host_wait(cudaStream_t s);
+
 // The current device's compute stream and library handles (created on first use).
 cudaStream_t stream();
 cublasHandle_t cublas();

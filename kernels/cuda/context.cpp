@@ -2,10 +2,15 @@
 // pinned memory, events and overlapped uploads (see context.h for the contract).
 #include "kernels/cuda/context.h"
 
+#include <algorithm>
 #include <array>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
+#include <string>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -160,7 +165,23 @@ void initialize() {
 #endif
 }
 
-void synchronize() { TALLY_CUDA_CHECK(cudaStreamSynchronize(context().compute)); }
+namespace {
+std::atomic<std::uint64_t> g_host_syncs{0};
+}  // namespace
+
+namespace detail {
+void host_wait(cudaStream_t s) {
+  ++g_host_syncs;
+  TALLY_CUDA_CHECK(cudaStreamSynchronize(s));
+}
+}  // namespace detail
+
+void synchronize() { detail::host_wait(context().compute); }
+void synchronize_device() {
+  ++g_host_syncs;
+  TALLY_CUDA_CHECK(cudaDeviceSynchronize());
+}
+std::uint64_t host_sync_count() { return g_host_syncs; }
 
 std::string runtime_versions() {
   int driver = 0, runtime = 0, blas[3] = {0, 0, 0};
@@ -236,7 +257,9 @@ bool Event::done() const {
 }
 
 void Event::wait() const {
-  if (ev_) TALLY_CUDA_CHECK(cudaEventSynchronize(ev_));
+  if (!ev_) return;
+  ++g_host_syncs;
+  TALLY_CUDA_CHECK(cudaEventSynchronize(ev_));
 }
 
 Event Event::record(CUstream_st* stream) {
@@ -259,6 +282,113 @@ void compute_wait(const Event& e) {
 
 void copy_wait(const Event& e) {
   if (e.valid()) TALLY_CUDA_CHECK(cudaStreamWaitEvent(copy_stream(), e.get(), 0));
+}
+
+// ---- per-op GPU time ----------------------------------------------------------------------------
+namespace {
+bool profile_from_env() {
+  const char* v = std::getenv("TALLY_PROFILE");
+  return v != nullptr && v[0] != '\0' && v[0] != '0';
+}
+std::atomic<bool> g_profiling{profile_from_env()};
+
+struct ProfileState {
+  struct Pending {
+    std::string name;
+    cudaEvent_t start, stop;
+  };
+  std::mutex mu;
+  std::vector<Pending> pending;           // recorded, not yet read
+  std::vector<cudaEvent_t> free_events;   // to reuse
+  struct Row {
+    std::int64_t calls = 0;
+    double ms = 0;
+  };
+  std::map<std::string, Row> table;
+  cudaEvent_t take() {
+    if (!free_events.empty()) {
+      cudaEvent_t e = free_events.back();
+      free_events.pop_back();
+      return e;
+    }
+    cudaEvent_t e = nullptr;
+    TALLY_CUDA_CHECK(cudaEventCreate(&e));
+    return e;
+  }
+};
+ProfileState& profile_state() {
+  static auto* p = new ProfileState;  // never destroyed, as the contexts
+  return *p;
+}
+}  // namespace
+
+void set_profiling(bool on) { g_profiling = on; }
+bool profiling() { return g_profiling; }
+
+OpTimer::OpTimer(const char* op, bool backward) {
+  if (!g_profiling) return;
+  ProfileState& p = profile_state();
+  std::lock_guard<std::mutex> lock(p.mu);
+  ProfileState::Pending e{std::string(op) + (backward ? " (backward)" : ""), p.take(), p.take()};
+  TALLY_CUDA_CHECK(cudaEventRecord(e.start, context().compute));
+  slot_ = static_cast<int>(p.pending.size());
+  p.pending.push_back(std::move(e));
+}
+
+OpTimer::~OpTimer() {
+  if (slot_ < 0) return;
+  ProfileState& p = profile_state();
+  std::lock_guard<std::mutex> lock(p.mu);
+  if (static_cast<std::size_t>(slot_) < p.pending.size())
+    (void)cudaEventRecord(p.pending[static_cast<std::size_t>(slot_)].stop, context().compute);
+}
+
+void profile_collect() {
+  ProfileState& p = profile_state();
+  std::lock_guard<std::mutex> lock(p.mu);
+  std::size_t kept = 0;
+  for (std::size_t i = 0; i < p.pending.size(); ++i) {
+    auto& e = p.pending[i];
+    float ms = 0;
+    const cudaError_t st = cudaEventElapsedTime(&ms, e.start, e.stop);
+    if (st == cudaErrorNotReady) {  // still running: keep it for the next collection
+      p.pending[kept++] = std::move(e);
+      continue;
+    }
+    (void)cudaGetLastError();
+    if (st == cudaSuccess) {
+      auto& row = p.table[e.name];
+      ++row.calls;
+      row.ms += ms;
+    }
+    p.free_events.push_back(e.start);
+    p.free_events.push_back(e.stop);
+  }
+  p.pending.resize(kept);
+}
+
+std::string profile_report(const std::string& title) {
+  profile_collect();
+  ProfileState& p = profile_state();
+  std::lock_guard<std::mutex> lock(p.mu);
+  std::vector<std::pair<std::string, ProfileState::Row>> rows(p.table.begin(), p.table.end());
+  std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.ms > b.second.ms; });
+  double total = 0;
+  for (const auto& r : rows) total += r.second.ms;
+  std::string out = fmt::format("{}\n{:<34} {:>8} {:>11} {:>10} {:>7}\n", title, "op (GPU time between its events)",
+                                "calls", "total ms", "mean us", "share");
+  for (const auto& [name, r] : rows)
+    out += fmt::format("{:<34} {:>8} {:>11.2f} {:>10.1f} {:>6.1f}%\n", name, r.calls, r.ms,
+                       r.calls ? 1000.0 * r.ms / static_cast<double>(r.calls) : 0.0, total > 0 ? 100.0 * r.ms / total : 0.0);
+  out += fmt::format("{:<34} {:>8} {:>11.2f}\n", "all ops", "", total);
+  return out;
+}
+
+void profile_reset() {
+  profile_collect();
+  ProfileState& p = profile_state();
+  std::lock_guard<std::mutex> lock(p.mu);
+  p.table.clear();
 }
 
 }  // namespace tally::kernels::cuda

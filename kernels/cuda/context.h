@@ -25,6 +25,7 @@
 // different convolution, never a stale choice.
 #pragma once
 #include <cstddef>
+#include <cstdint>
 #include <string>
 
 struct CUstream_st;  // cudaStream_t is CUstream_st*
@@ -46,6 +47,11 @@ void initialize();
 // Waits until everything enqueued on the current device's compute stream has finished; throws
 // tally::Error if a kernel failed.
 void synchronize();
+// Every host-blocking CUDA call of core/ and kernels/cuda/ (stream, device and event waits, and
+// the copies that wait) goes through one counter: a test asserts how many a training step makes.
+std::uint64_t host_sync_count();
+// Waits for the whole device (cudaDeviceSynchronize), counted.
+void synchronize_device();
 
 // The versions loaded at run time (which may differ from the headers built against):
 // "driver 13.0, runtime 13.0, cuBLAS 13.0.2, cuDNN 9.19.0".
@@ -110,5 +116,28 @@ Event upload_async(void* dst_device, const void* src_pinned, std::size_t bytes);
 void compute_wait(const Event& e);
 // Work enqueued on the copy stream from now on waits for `e` (no host wait).
 void copy_wait(const Event& e);
+
+// ---- per-op GPU time ----------------------------------------------------------------------------
+// With profiling on (set_profiling(true), or TALLY_PROFILE=1 in the environment), every op
+// dispatched to CUDA (core/dispatch.h) records a pair of events on the compute stream around its
+// launches; profile_collect() — called where the stream is known to be idle, e.g. after a
+// training step's one wait — adds their elapsed times to a table per op name (forward and
+// backward apart) without waiting itself; profile_report() prints the table, largest first.
+void set_profiling(bool on);
+bool profiling();
+class OpTimer {
+ public:
+  OpTimer(const char* op, bool backward);
+  ~OpTimer();
+  OpTimer(const OpTimer&) = delete;
+  OpTimer& operator=(const OpTimer&) = delete;
+
+ private:
+  int slot_ = -1;
+};
+void profile_collect();
+// The table so far: op, calls, total ms, mean us, share of the time of all ops; `title` on top.
+std::string profile_report(const std::string& title);
+void profile_reset();
 
 }  // namespace tally::kernels::cuda

@@ -16,7 +16,9 @@
 //     cuDNN reports without error and that is at most the shape's workspace_limit.
 // The heuristics' own workspace estimate is not trusted: the size is asked again for the math
 // type that runs. When no ranked candidate passes, every algorithm of the pass is tried in enum
-// order under the same rules (cuDNN 9's heuristics list only some). None: a clear error.
+// order under the same rules (cuDNN 9's heuristics list only some). If deterministic() is on and
+// no deterministic algorithm fits, the search runs again without that rule, with a warning (as
+// PyTorch, whose default is not deterministic, would run); none at all: a clear error.
 // Each pass has its own workspace (conv2d_workspace_bytes(s, pass)). TALLY_LOG_CONV=1 in the
 // environment (or set_log_conv_algorithms(true)) prints every plan's choice and candidates.
 #include <atomic>
@@ -180,8 +182,35 @@ struct BwdFilterPass {
 // Chooses the algorithm of one pass (rules at the top of this file), sets its math type on
 // `conv` and returns it with its workspace size; appends what was tried to `log`.
 template <class Pass>
+bool choose_among(cudnnHandle_t h, const Plan& p, cudnnConvolutionDescriptor_t conv, const Conv2dShape& s,
+                  bool require_deterministic, typename Pass::Algo* chosen, std::size_t* ws, std::string* log,
+                  std::string* seen);
+
+template <class Pass>
 typename Pass::Algo choose(cudnnHandle_t h, const Plan& p, cudnnConvolutionDescriptor_t conv, const Conv2dShape& s,
                            std::size_t* ws, std::string* log) {
+  typename Pass::Algo algo{};
+  std::string seen;
+  if (choose_among<Pass>(h, p, conv, s, deterministic(), &algo, ws, log, &seen)) return algo;
+  if (deterministic()) {
+    // No deterministic algorithm fits: rather than stop a training run, take the best other one
+    // (as PyTorch does by default) and say so once.
+    std::string seen2;
+    if (choose_among<Pass>(h, p, conv, s, false, &algo, ws, log, &seen2)) {
+      *log += " -- NOT deterministic: no deterministic algorithm fits";
+      std::fprintf(stderr, "tally: warning: conv2d %s of %s: no deterministic cuDNN algorithm fits the workspace limit "
+                   "of %zu bytes; using algorithm %d, which is not deterministic\n", Pass::name, shape_text(s).c_str(),
+                   s.workspace_limit, static_cast<int>(algo));
+      return algo;
+    }
+  }
+  no_algorithm(Pass::name, s, seen);
+}
+
+template <class Pass>
+bool choose_among(cudnnHandle_t h, const Plan& p, cudnnConvolutionDescriptor_t conv, const Conv2dShape& s,
+                  bool require_deterministic, typename Pass::Algo* chosen, std::size_t* ws, std::string* log,
+                  std::string* seen_out) {
   using Algo = typename Pass::Algo;
   typename Pass::Perf perf[Pass::count];
   int n = 0;
@@ -211,14 +240,15 @@ typename Pass::Algo choose(cudnnHandle_t h, const Plan& p, cudnnConvolutionDescr
     std::string note;
     bool ok = false;
     if (c.status != CUDNN_STATUS_SUCCESS) note = cudnnGetErrorString(c.status);
-    else if (deterministic() && c.determinism != CUDNN_DETERMINISTIC) note = "not deterministic";
+    else if (require_deterministic && c.determinism != CUDNN_DETERMINISTIC) note = "not deterministic";
     else if (!allow_tf32() && is_tensor_op(c.mathType)) note = "tensor-op math";
     else ok = fits(c.algo, c.mathType, &note);
     seen += (seen.empty() ? "" : ", ") + std::to_string(static_cast<int>(c.algo)) + " " + note;
     if (ok) {
       *log += std::string(Pass::name) + " algo " + std::to_string(static_cast<int>(c.algo)) + " (" +
               std::to_string(*ws) + " B, rank " + std::to_string(i) + "; candidates: " + seen + ")";
-      return c.algo;
+      *chosen = c.algo;
+      return true;
     }
   }
   // Fallback: every algorithm the heuristics did not rank, in enum order.
@@ -227,16 +257,18 @@ typename Pass::Algo choose(cudnnHandle_t h, const Plan& p, cudnnConvolutionDescr
     const Algo algo = static_cast<Algo>(a);
     std::string note;
     bool ok = false;
-    if (deterministic() && Pass::nondeterministic(algo)) note = "not deterministic";
+    if (require_deterministic && Pass::nondeterministic(algo)) note = "not deterministic";
     else ok = fits(algo, allow_tf32() ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH, &note);
     seen += (seen.empty() ? "" : ", ") + std::to_string(a) + " (unranked) " + note;
     if (ok) {
       *log += std::string(Pass::name) + " algo " + std::to_string(a) + " (" + std::to_string(*ws) +
               " B, unranked fallback; candidates: " + seen + ")";
-      return algo;
+      *chosen = algo;
+      return true;
     }
   }
-  no_algorithm(Pass::name, s, seen);
+  *seen_out = seen;
+  return false;
 }
 
 bool log_conv_from_env() {

@@ -101,27 +101,39 @@ template <class T> void add_bias_rows(i64 rows, i64 cols, const T* x, const T* b
 template <class T> void sum_rows(i64 rows, i64 cols, const T* dy, T* db, T beta);
 // Accumulated in double, as the CPU. Waits for the compute stream and returns the value.
 template <class T> T sum_all(i64 n, const T* x);
+// Device-side twins of the CPU's: nothing waits.
+template <class T> void sum_to(i64 n, const T* x, T factor, T* y);
+template <class T> void broadcast_scalar(i64 n, const T* s, T factor, T* y, T beta);
+template <class T> void fill_product(i64 n, const T* a, const T* b, T* y);
 template <class S, class D> void convert(i64 n, const S* x, D* y);
 
 // ---------------------------------------------------------------------------------------------
-// norm.cu — batch norm and group norm over x (N, C, HW), PyTorch semantics as the CPU.
-// One thread block per channel (batch norm) or per (n, group) (group norm); statistics in float
-// with two passes (mean, then the sum of squared deviations) and a fixed reduction tree.
+// norm.cu — batch norm and group norm over x (N, C, HW), PyTorch semantics as the CPU, sums and
+// per-element formulas in double. Batch norm: partial sums over several blocks per channel (its
+// workspace: batch_norm_workspace_bytes), a per-channel finalize, an elementwise pass; group
+// norm: one block per (n, group).
+std::size_t batch_norm_workspace_bytes(i64 N, i64 C, i64 HW);
 template <class T>
 void batch_norm_forward_train(i64 N, i64 C, i64 HW, const T* x, const T* gamma, const T* beta_,
                               T eps, T momentum, T* running_mean, T* running_var, T* y,
-                              T* save_mean, T* save_invstd);
+                              T* save_mean, T* save_invstd, void* workspace = nullptr);
 template <class T>
 void batch_norm_forward_eval(i64 N, i64 C, i64 HW, const T* x, const T* gamma, const T* beta_,
                              const T* running_mean, const T* running_var, T eps, T* y);
 template <class T>
 void batch_norm_backward(i64 N, i64 C, i64 HW, const T* dy, const T* x, const T* gamma,
                          const T* save_mean, const T* save_invstd, T* dx, T beta_dx, T* dgamma,
-                         T* dbeta, T beta_param);
+                         T* dbeta, T beta_param, void* workspace = nullptr);
 template <class T>
 void batch_norm_backward_eval(i64 N, i64 C, i64 HW, const T* dy, const T* x, const T* gamma,
                               const T* running_mean, const T* running_var, T eps, T* dx,
-                              T beta_dx, T* dgamma, T* dbeta, T beta_param);
+                              T beta_dx, T* dgamma, T* dbeta, T beta_param, void* workspace = nullptr);
+template <class T>
+void batch_norm_accumulate_moments(i64 C, i64 M, T eps, const T* save_mean, const T* save_invstd, double* sum,
+                                   double* sum_sq);
+template <class T>
+void batch_norm_apply_moments(i64 C, i64 count, T momentum, const double* sum, const double* sum_sq, T* running_mean,
+                              T* running_var);
 template <class T>
 void group_norm_forward(i64 N, i64 C, i64 HW, i64 G, const T* x, const T* gamma, const T* beta_,
                         T eps, T* y, T* save_mean, T* save_invstd);
@@ -152,12 +164,15 @@ void adaptive_avg_pool2d_backward(i64 N, i64 C, i64 H, i64 W, i64 OH, i64 OW, co
 
 // ---------------------------------------------------------------------------------------------
 // loss.cu — softmax cross-entropy, same semantics as the CPU (class weights, ignore_index,
-// label smoothing; log-sum-exp in double). cross_entropy_forward waits for the compute stream:
-// it returns the index of the first target outside [0, C) that is not ignore_index (else -1),
-// found on the host from a copy of the targets.
+// label smoothing; log-sum-exp in double). With check_targets, cross_entropy_forward waits for
+// the compute stream: it returns the index of the first target outside [0, C) that is not
+// ignore_index (else -1), found on the host from a copy of the targets; without, it never waits.
 template <class T>
 i64 cross_entropy_forward(i64 N, i64 C, const T* logits, const i64* targets, const T* class_weight,
-                          i64 ignore_index, T label_smoothing, T* loss, T* sample_weight);
+                          i64 ignore_index, T label_smoothing, T* loss, T* sample_weight,
+                          bool check_targets = true);
+template <class T>
+void cross_entropy_reduce(i64 N, const T* loss, const T* sample_weight, T fixed_scale, T* y, T* scale);
 template <class T>
 void cross_entropy_backward(i64 N, i64 C, const T* logits, const i64* targets,
                             const T* class_weight, i64 ignore_index, T label_smoothing,

@@ -128,6 +128,27 @@ __global__ void sum_all_kernel(i64 n, const T* __restrict__ x, double* __restric
   if (threadIdx.x == 0) *out = acc;
 }
 
+// y[0] = factor * sum x (one block, double, fixed tree): a device scalar, nobody waits.
+template <class T>
+__global__ void sum_to_kernel(i64 n, const T* __restrict__ x, double factor, T* __restrict__ y) {
+  double acc = 0.0;
+  for (i64 i = threadIdx.x; i < n; i += blockDim.x) acc += static_cast<double>(x[i]);
+  acc = detail::block_sum(acc);
+  if (threadIdx.x == 0) y[0] = static_cast<T>(acc * factor);
+}
+
+template <class T>
+__global__ void broadcast_scalar_kernel(i64 n, const T* __restrict__ s, double factor, T* y, T beta) {
+  const T v = static_cast<T>(static_cast<double>(s[0]) * factor);
+  TALLY_GRID_LOOP(i, n) y[i] = beta == T(0) ? v : beta * y[i] + v;
+}
+
+template <class T>
+__global__ void fill_product_kernel(i64 n, const T* __restrict__ a, const T* __restrict__ b, T* y) {
+  const T v = a[0] * b[0];
+  TALLY_GRID_LOOP(i, n) y[i] = v;
+}
+
 template <class S, class D>
 __global__ void convert_kernel(i64 n, const S* __restrict__ x, D* __restrict__ y) {
   TALLY_GRID_LOOP(i, n) y[i] = static_cast<D>(x[i]);
@@ -233,8 +254,28 @@ T sum_all(i64 n, const T* x) {
   volatile double* slot = detail::result_slot(&slot_device);
   sum_all_kernel<<<1, detail::kReduceThreads, 0, detail::stream()>>>(n, x, slot_device);
   TALLY_LAUNCH_CHECK("sum_all");
-  TALLY_CUDA_CHECK(cudaStreamSynchronize(detail::stream()));
+  detail::host_wait(detail::stream());
   return static_cast<T>(*slot);
+}
+
+template <class T>
+void sum_to(i64 n, const T* x, T factor, T* y) {
+  sum_to_kernel<<<1, detail::kReduceThreads, 0, detail::stream()>>>(n, x, static_cast<double>(factor), y);
+  TALLY_LAUNCH_CHECK("sum_to");
+}
+
+template <class T>
+void broadcast_scalar(i64 n, const T* s, T factor, T* y, T beta) {
+  if (n <= 0) return;
+  broadcast_scalar_kernel<<<grid_for(n), kThreads, 0, detail::stream()>>>(n, s, static_cast<double>(factor), y, beta);
+  TALLY_LAUNCH_CHECK("broadcast_scalar");
+}
+
+template <class T>
+void fill_product(i64 n, const T* a, const T* b, T* y) {
+  if (n <= 0) return;
+  fill_product_kernel<<<grid_for(n), kThreads, 0, detail::stream()>>>(n, a, b, y);
+  TALLY_LAUNCH_CHECK("fill_product");
 }
 
 template <class S, class D>
@@ -256,7 +297,10 @@ void convert(i64 n, const S* x, D* y) {
   template void relu_backward<T>(i64, const T*, const T*, T*, T);           \
   template void add_bias_rows<T>(i64, i64, const T*, const T*, T*);         \
   template void sum_rows<T>(i64, i64, const T*, T*, T);                     \
-  template T sum_all<T>(i64, const T*);
+  template T sum_all<T>(i64, const T*);                                     \
+  template void sum_to<T>(i64, const T*, T, T*);                            \
+  template void broadcast_scalar<T>(i64, const T*, T, T*, T);               \
+  template void fill_product<T>(i64, const T*, const T*, T*);
 
 TALLY_INSTANTIATE_ELEMENTWISE(float)
 #undef TALLY_INSTANTIATE_ELEMENTWISE

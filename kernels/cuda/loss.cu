@@ -114,23 +114,49 @@ __global__ void cross_entropy_backward_kernel(i64 N, i64 C, const T* __restrict_
 
 unsigned row_blocks(i64 N) { return detail::blocks_for((N + kRowsPerBlock - 1) / kRowsPerBlock); }
 
+// y[0] = scale * sum loss, scale = fixed (> 0) or 1 / sum sample_weight; one block, double.
+template <class T>
+__global__ void cross_entropy_reduce_kernel(i64 N, const T* __restrict__ loss, const T* __restrict__ sample_weight,
+                                            double fixed_scale, T* y, T* scale) {
+  double total = 0.0, wsum = 0.0;
+  for (i64 i = threadIdx.x; i < N; i += blockDim.x) {
+    total += static_cast<double>(loss[i]);
+    wsum += static_cast<double>(sample_weight[i]);
+  }
+  total = detail::block_sum(total);
+  wsum = detail::block_sum(wsum);
+  if (threadIdx.x == 0) {
+    const double sc = fixed_scale > 0.0 ? fixed_scale : 1.0 / wsum;
+    scale[0] = static_cast<T>(sc);
+    y[0] = static_cast<T>(total * sc);
+  }
+}
+
 }  // namespace
 
 // ---- kernel launchers ----------------------------------------------------------------------------
 
 template <class T>
+void cross_entropy_reduce(i64 N, const T* loss, const T* sample_weight, T fixed_scale, T* y, T* scale) {
+  cross_entropy_reduce_kernel<<<1, detail::kReduceThreads, 0, detail::stream()>>>(
+      N, loss, sample_weight, static_cast<double>(fixed_scale), y, scale);
+  TALLY_LAUNCH_CHECK("cross_entropy_reduce");
+}
+
+template <class T>
 i64 cross_entropy_forward(i64 N, i64 C, const T* logits, const i64* targets, const T* class_weight,
-                          i64 ignore_index, T label_smoothing, T* loss, T* sample_weight) {
+                          i64 ignore_index, T label_smoothing, T* loss, T* sample_weight, bool check_targets) {
   if (N <= 0) return -1;
   cross_entropy_forward_kernel<<<row_blocks(N), kThreads, 0, detail::stream()>>>(
       N, C, logits, targets, class_weight, ignore_index, static_cast<double>(label_smoothing), loss, sample_weight);
   TALLY_LAUNCH_CHECK("cross_entropy_forward");
+  if (!check_targets) return -1;
   // The first invalid target, found as the CPU does (sequentially, so the answer is the same):
   // the targets are N int64 values, and the caller needs the answer on the host anyway.
   std::vector<i64> t(static_cast<std::size_t>(N));
   TALLY_CUDA_CHECK(cudaMemcpyAsync(t.data(), targets, t.size() * sizeof(i64), cudaMemcpyDeviceToHost,
                                    detail::stream()));
-  TALLY_CUDA_CHECK(cudaStreamSynchronize(detail::stream()));
+  detail::host_wait(detail::stream());
   for (i64 i = 0; i < N; ++i) {
     const i64 v = t[static_cast<std::size_t>(i)];
     if (v != ignore_index && (v < 0 || v >= C)) return i;
@@ -148,7 +174,8 @@ void cross_entropy_backward(i64 N, i64 C, const T* logits, const i64* targets, c
 }
 
 #define TALLY_INSTANTIATE_LOSS(T)                                                                        \
-  template i64 cross_entropy_forward<T>(i64, i64, const T*, const i64*, const T*, i64, T, T*, T*);       \
+  template i64 cross_entropy_forward<T>(i64, i64, const T*, const i64*, const T*, i64, T, T*, T*, bool); \
+  template void cross_entropy_reduce<T>(i64, const T*, const T*, T, T*, T*);                              \
   template void cross_entropy_backward<T>(i64, i64, const T*, const i64*, const T*, i64, T, const T*, T*, \
                                           T);
 

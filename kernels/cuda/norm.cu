@@ -1,17 +1,21 @@
 // kernels/cuda/norm.cu — batch norm and group norm over x (N, C, HW) on the GPU, PyTorch
-// semantics; the CUDA twin of kernels/cpu/norm.cpp (same functions, same order, same formulas).
+// semantics; the CUDA twin of kernels/cpu/norm.cpp (same functions, same formulas, and like the
+// CPU, every sum and every per-element formula in double, rounded to float once at the end: the
+// backward's dy - mean(dy) - xhat * mean(dy * xhat) cancels, and in float it lost up to 1e-3 of
+// the gradient, which a ResNet compounds).
 //
-// Work split: one thread block of kReduceThreads owns one reduction — a channel for batch norm
-// (N * HW elements, strided by C * HW) and for the group-norm weight gradients, an (n, group) for
-// group norm (Cg * HW contiguous elements) — and also writes that reduction's outputs, so every
-// output has one writer and no atomics are needed.
-// Statistics are accumulated in float with two passes (the mean first, then the sum of squared
-// deviations from it), so a large mean does not cancel the variance away; each thread sums its
-// strided share in order and the block adds the partial sums along a fixed tree (launch.cuh):
-// deterministic, and well within 1e-4 of the CPU's double accumulation.
-// Known limit: a layer with few channels runs few blocks (C blocks for batch norm); fine for
-// correctness, slow on a large GPU — a two-phase reduction over several blocks per channel would
-// need a workspace, which these kernels' signatures do not have yet.
+// Batch norm runs in three deterministic launches, so that a layer with few channels still fills
+// the GPU:
+//   1. partial sums: grid of C x P blocks; block (c, p) sums channel c over its chunk of rows
+//      (images n) in a fixed order, then along the block tree (launch.cuh), into the workspace;
+//   2. finalize: one thread per channel adds its P partials in order and writes the statistics
+//      (save_mean/invstd, running stats; dgamma/dbeta in the backward) and the per-channel
+//      coefficients of step 3 (double, in the workspace);
+//   3. elementwise: y (or dx) for every element, one plane (n, c) per block row.
+// P = batch_norm_chunks(N, C, HW) depends only on the shape, so a dry run sizes the workspace as
+// the real run does. Forward sums are taken about a pivot (the channel's first element): the
+// shifted sum of squares keeps the variance exact when the mean is large.
+// Group norm: one block per (n, group) and per channel for the weight gradients, in double.
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/launch.cuh"
 
@@ -23,157 +27,270 @@ using detail::grid_for;
 using detail::kReduceThreads;
 using detail::kThreads;
 
-// beta == 0 overwrites (never reads out); otherwise out = beta * out + v.
+constexpr int kNormThreads = 256;
+constexpr i64 kTargetBlocks = 1024;  // partial-sum blocks to aim for (several waves on 132 SMs)
+constexpr i64 kMinChunk = 4096;      // elements a partial-sum block should have at least
+
+// beta == 0 overwrites (never reads out); otherwise out = beta * out + v, v rounded once.
 template <class T>
-__device__ __forceinline__ void store(T* out, T beta, T v) {
-  *out = beta == T(0) ? v : beta * *out + v;
+__device__ __forceinline__ void store(T* out, T beta, double v) {
+  *out = beta == T(0) ? static_cast<T>(v) : static_cast<T>(static_cast<double>(beta) * static_cast<double>(*out) + v);
 }
 
-// Offset of element m of channel c in x (N, C, HW), m = n * HW + j.
-__device__ __forceinline__ i64 channel_offset(i64 m, i64 c, i64 C, i64 HW) {
-  const i64 n = m / HW, j = m - n * HW;
-  return (n * C + c) * HW + j;
-}
-
-// ---- CUDA kernels: batch norm ------------------------------------------------------------------
-
-template <class T>
-__global__ void batch_norm_forward_train_kernel(i64 N, i64 C, i64 HW, const T* __restrict__ x,
-                                                const T* __restrict__ gamma, const T* __restrict__ beta_, T eps,
-                                                T momentum, T* running_mean, T* running_var, T* __restrict__ y,
-                                                T* save_mean, T* save_invstd) {
+// Chunks per channel: rows of x (images) are split into P contiguous groups.
+i64 batch_norm_chunks(i64 N, i64 C, i64 HW) {
   const i64 M = N * HW;
-  TALLY_BLOCK_LOOP(c, C) {
-    T acc = 0;
-    for (i64 m = threadIdx.x; m < M; m += blockDim.x) acc += x[channel_offset(m, c, C, HW)];
-    const T mean = M > 0 ? block_sum(acc) / static_cast<T>(M) : T(0);
-    acc = 0;
-    for (i64 m = threadIdx.x; m < M; m += blockDim.x) {
-      const T d = x[channel_offset(m, c, C, HW)] - mean;
-      acc += d * d;
-    }
-    const T ssd = block_sum(acc);
-    const T var = M > 0 ? ssd / static_cast<T>(M) : T(0);  // biased
-    const T invstd = T(1) / sqrt(var + eps);
-    const T scale = invstd * (gamma ? gamma[c] : T(1));
-    const T shift = beta_ ? beta_[c] : T(0);
-    for (i64 m = threadIdx.x; m < M; m += blockDim.x) {
-      const i64 o = channel_offset(m, c, C, HW);
-      y[o] = (x[o] - mean) * scale + shift;
-    }
-    if (threadIdx.x == 0) {
-      if (save_mean) save_mean[c] = mean;
-      if (save_invstd) save_invstd[c] = invstd;
-      if (running_mean) running_mean[c] = (T(1) - momentum) * running_mean[c] + momentum * mean;
-      // Unbiased variance, as PyTorch (M == 1 divides by zero, as on the CPU; core/ rejects it).
-      if (running_var)
-        running_var[c] = (T(1) - momentum) * running_var[c] + momentum * (ssd / static_cast<T>(M - 1));
-    }
+  const i64 by_size = std::max<i64>(1, M / kMinChunk);
+  const i64 by_grid = std::max<i64>(1, (kTargetBlocks + C - 1) / std::max<i64>(C, 1));
+  const i64 by_index = (M + (i64{1} << 30) - 1) >> 30;  // a block's element count fits 32 bits
+  return std::min(N, std::max({i64{1}, std::min(by_size, by_grid), by_index}));
+}
+
+// Workspace layout (doubles): partial sums (2, C, P); the elementwise pass's coefficients (3, C);
+// the backward's statistics in double (2, C).
+struct BnWorkspace {
+  double* part;   // (2, C, P)
+  double* coef;   // (3, C), then (2, C) of statistics
+  static std::size_t doubles(i64 C, i64 P) { return static_cast<std::size_t>(2 * C * P + 5 * C); }
+};
+
+// Rows [n0, n1) of channel c of block p.
+__device__ __forceinline__ void chunk_rows(i64 N, i64 P, i64 p, i64* n0, i64* n1) {
+  *n0 = p * N / P;
+  *n1 = (p + 1) * N / P;
+}
+
+// ---- batch norm: partial sums ---------------------------------------------------------------------
+
+// Forward: s1 = sum (x - K), s2 = sum (x - K)^2 over the chunk, K = the channel's first element.
+template <class T>
+__global__ void bn_forward_partial_kernel(i64 N, i64 C, i64 HW, i64 P, const T* __restrict__ x, double* part) {
+  const i64 c = blockIdx.x / P, p = blockIdx.x % P;
+  i64 n0, n1;
+  chunk_rows(N, P, p, &n0, &n1);
+  const double K = static_cast<double>(x[c * HW]);
+  const unsigned count = static_cast<unsigned>((n1 - n0) * HW), hw = static_cast<unsigned>(HW);
+  double s1 = 0, s2 = 0;
+  for (unsigned i = threadIdx.x; i < count; i += blockDim.x) {
+    const unsigned r = i / hw, j = i - r * hw;
+    const double d = static_cast<double>(x[((n0 + r) * C + c) * HW + j]) - K;
+    s1 += d;
+    s2 += d * d;
+  }
+  s1 = block_sum(s1);
+  s2 = block_sum(s2);
+  if (threadIdx.x == 0) {
+    part[c * P + p] = s1;
+    part[(C + c) * P + p] = s2;
   }
 }
 
+// Backward (training or eval statistics): s1 = sum dy, s2 = sum dy * (x - mean) * invstd.
 template <class T>
-__global__ void batch_norm_forward_eval_kernel(i64 N, i64 C, i64 HW, const T* __restrict__ x,
-                                               const T* __restrict__ gamma, const T* __restrict__ beta_,
-                                               const T* __restrict__ running_mean,
-                                               const T* __restrict__ running_var, T eps, T* __restrict__ y) {
-  TALLY_GRID_LOOP(i, N * C * HW) {
-    const i64 c = (i / HW) % C;
-    const T invstd = T(1) / sqrt(running_var[c] + eps);
-    const T scale = invstd * (gamma ? gamma[c] : T(1));
-    y[i] = (x[i] - running_mean[c]) * scale + (beta_ ? beta_[c] : T(0));
+__global__ void bn_backward_partial_kernel(i64 N, i64 C, i64 HW, i64 P, const T* __restrict__ dy,
+                                           const T* __restrict__ x, const double* __restrict__ mean,
+                                           const double* __restrict__ invstd, double* part) {
+  const i64 c = blockIdx.x / P, p = blockIdx.x % P;
+  i64 n0, n1;
+  chunk_rows(N, P, p, &n0, &n1);
+  const double mu = mean[c], is = invstd[c];
+  const unsigned count = static_cast<unsigned>((n1 - n0) * HW), hw = static_cast<unsigned>(HW);
+  double s1 = 0, s2 = 0;
+  for (unsigned i = threadIdx.x; i < count; i += blockDim.x) {
+    const unsigned r = i / hw, j = i - r * hw;
+    const i64 o = ((n0 + r) * C + c) * HW + j;
+    const double d = static_cast<double>(dy[o]);
+    s1 += d;
+    s2 += d * ((static_cast<double>(x[o]) - mu) * is);
+  }
+  s1 = block_sum(s1);
+  s2 = block_sum(s2);
+  if (threadIdx.x == 0) {
+    part[c * P + p] = s1;
+    part[(C + c) * P + p] = s2;
   }
 }
 
+// ---- batch norm: per-channel finalize ------------------------------------------------------------
+
+// Statistics of the forward: coef = (mean, scale, shift) for the elementwise pass.
 template <class T>
-__global__ void batch_norm_backward_kernel(i64 N, i64 C, i64 HW, const T* __restrict__ dy, const T* __restrict__ x,
-                                           const T* __restrict__ gamma, const T* __restrict__ save_mean,
-                                           const T* __restrict__ save_invstd, T* dx, T beta_dx, T* dgamma, T* dbeta,
-                                           T beta_param) {
-  const i64 M = N * HW;
-  TALLY_BLOCK_LOOP(c, C) {
-    const T mean = save_mean[c], invstd = save_invstd[c];
-    T a_dy = 0, a_dy_xhat = 0;
-    for (i64 m = threadIdx.x; m < M; m += blockDim.x) {
-      const i64 o = channel_offset(m, c, C, HW);
-      a_dy += dy[o];
-      a_dy_xhat += dy[o] * ((x[o] - mean) * invstd);
-    }
-    const T sum_dy = block_sum(a_dy);
-    const T sum_dy_xhat = block_sum(a_dy_xhat);
-    if (threadIdx.x == 0) {
-      if (dgamma) store(dgamma + c, beta_param, sum_dy_xhat);
-      if (dbeta) store(dbeta + c, beta_param, sum_dy);
-    }
-    if (dx && M > 0) {
-      const T k = (gamma ? gamma[c] : T(1)) * invstd;
-      const T mean_dy = sum_dy / static_cast<T>(M), mean_dy_xhat = sum_dy_xhat / static_cast<T>(M);
-      for (i64 m = threadIdx.x; m < M; m += blockDim.x) {
-        const i64 o = channel_offset(m, c, C, HW);
-        const T xhat = (x[o] - mean) * invstd;
-        store(dx + o, beta_dx, k * (dy[o] - mean_dy - xhat * mean_dy_xhat));
-      }
-    }
+__global__ void bn_forward_finalize_kernel(i64 N, i64 C, i64 HW, i64 P, const T* __restrict__ x,
+                                           const T* __restrict__ gamma, const T* __restrict__ beta_, double eps,
+                                           double momentum, T* running_mean, T* running_var, T* save_mean,
+                                           T* save_invstd, const double* __restrict__ part, double* coef) {
+  const i64 c = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  double s1 = 0, s2 = 0;
+  for (i64 p = 0; p < P; ++p) {
+    s1 += part[c * P + p];
+    s2 += part[(C + c) * P + p];
+  }
+  const double M = static_cast<double>(N * HW);
+  const double K = static_cast<double>(x[c * HW]);
+  const double mean = K + s1 / M;
+  const double ssd = s2 - s1 * s1 / M > 0 ? s2 - s1 * s1 / M : 0.0;  // sum of squared deviations
+  const double var = ssd / M;                                          // biased
+  const double invstd = 1.0 / sqrt(var + eps);
+  const double scale = invstd * (gamma ? static_cast<double>(gamma[c]) : 1.0);
+  coef[c] = mean;
+  coef[C + c] = scale;
+  coef[2 * C + c] = beta_ ? static_cast<double>(beta_[c]) : 0.0;
+  if (save_mean) save_mean[c] = static_cast<T>(mean);
+  if (save_invstd) save_invstd[c] = static_cast<T>(invstd);
+  if (running_mean) running_mean[c] = static_cast<T>((1.0 - momentum) * static_cast<double>(running_mean[c]) + momentum * mean);
+  // Unbiased variance, as PyTorch (M == 1 divides by zero, as on the CPU; core/ rejects it).
+  if (running_var)
+    running_var[c] = static_cast<T>((1.0 - momentum) * static_cast<double>(running_var[c]) + momentum * (ssd / (M - 1.0)));
+}
+
+// The statistics a backward uses, in double: saved (training) or running (eval) ones.
+template <class T>
+__global__ void bn_backward_stats_kernel(i64 C, const T* __restrict__ mean, const T* __restrict__ invstd_or_var,
+                                         bool is_var, double eps, double* out_mean, double* out_invstd) {
+  const i64 c = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  out_mean[c] = static_cast<double>(mean[c]);
+  const double v = static_cast<double>(invstd_or_var[c]);
+  out_invstd[c] = is_var ? 1.0 / sqrt(v + eps) : v;
+}
+
+// dgamma/dbeta from the sums, and coef = (k, mean_dy, mean_dy_xhat) for dx (training) or k alone
+// (eval: dx = k dy).
+template <class T>
+__global__ void bn_backward_finalize_kernel(i64 N, i64 C, i64 HW, i64 P, const T* __restrict__ gamma,
+                                            const double* __restrict__ invstd, const double* __restrict__ part,
+                                            T* dgamma, T* dbeta, T beta_param, double* coef) {
+  const i64 c = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  double s1 = 0, s2 = 0;
+  for (i64 p = 0; p < P; ++p) {
+    s1 += part[c * P + p];
+    s2 += part[(C + c) * P + p];
+  }
+  if (dgamma) store(dgamma + c, beta_param, s2);
+  if (dbeta) store(dbeta + c, beta_param, s1);
+  const double M = static_cast<double>(N * HW);
+  coef[c] = (gamma ? static_cast<double>(gamma[c]) : 1.0) * invstd[c];
+  coef[C + c] = M > 0 ? s1 / M : 0.0;
+  coef[2 * C + c] = M > 0 ? s2 / M : 0.0;
+}
+
+// ---- batch norm: elementwise ------------------------------------------------------------------------
+
+// Planes (n, c) of HW elements: blockIdx.y strides over planes, x-blocks over the plane.
+#define TALLY_PLANE_LOOP(plane, j, planes, HW)                                                            \
+  for (i64 plane = blockIdx.y; plane < (planes); plane += gridDim.y)                                      \
+    for (i64 j = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x; j < (HW); j += static_cast<i64>(blockDim.x) * gridDim.x)
+
+dim3 plane_grid(i64 planes, i64 HW) {
+  const i64 x = std::clamp<i64>((HW + kNormThreads - 1) / kNormThreads, 1, 64);
+  const i64 y = std::clamp<i64>(planes, 1, 65535);
+  return dim3(static_cast<unsigned>(x), static_cast<unsigned>(y));
+}
+
+// y = (x - mean) * scale + shift (coef = mean, scale, shift per channel).
+template <class T>
+__global__ void bn_normalize_kernel(i64 planes, i64 C, i64 HW, const T* __restrict__ x, const double* __restrict__ coef,
+                                    T* __restrict__ y) {
+  TALLY_PLANE_LOOP(plane, j, planes, HW) {
+    const i64 c = plane % C, o = plane * HW + j;
+    y[o] = static_cast<T>((static_cast<double>(x[o]) - coef[c]) * coef[C + c] + coef[2 * C + c]);
   }
 }
 
+// Training: dx = k (dy - mean_dy - xhat mean_dy_xhat), xhat = (x - mean) invstd.
 template <class T>
-__global__ void batch_norm_backward_eval_kernel(i64 N, i64 C, i64 HW, const T* __restrict__ dy,
-                                                const T* __restrict__ x, const T* __restrict__ gamma,
-                                                const T* __restrict__ running_mean, const T* __restrict__ running_var,
-                                                T eps, T* dx, T beta_dx, T* dgamma, T* dbeta, T beta_param) {
-  const i64 M = N * HW;
-  TALLY_BLOCK_LOOP(c, C) {
-    const T mean = running_mean[c];
-    const T invstd = T(1) / sqrt(running_var[c] + eps);
-    const T k = (gamma ? gamma[c] : T(1)) * invstd;
-    T a_dy = 0, a_dy_xhat = 0;
-    for (i64 m = threadIdx.x; m < M; m += blockDim.x) {
-      const i64 o = channel_offset(m, c, C, HW);
-      const T d = dy[o];
-      a_dy += d;
-      a_dy_xhat += d * ((x[o] - mean) * invstd);
-      if (dx) store(dx + o, beta_dx, d * k);
-    }
-    const T sum_dy = block_sum(a_dy);
-    const T sum_dy_xhat = block_sum(a_dy_xhat);
-    if (threadIdx.x == 0) {
-      if (dgamma) store(dgamma + c, beta_param, sum_dy_xhat);
-      if (dbeta) store(dbeta + c, beta_param, sum_dy);
-    }
+__global__ void bn_backward_dx_kernel(i64 planes, i64 C, i64 HW, const T* __restrict__ dy, const T* __restrict__ x,
+                                      const double* __restrict__ mean, const double* __restrict__ invstd,
+                                      const double* __restrict__ coef, T* dx, T beta_dx) {
+  TALLY_PLANE_LOOP(plane, j, planes, HW) {
+    const i64 c = plane % C, o = plane * HW + j;
+    const double xhat = (static_cast<double>(x[o]) - mean[c]) * invstd[c];
+    store(dx + o, beta_dx, coef[c] * (static_cast<double>(dy[o]) - coef[C + c] - xhat * coef[2 * C + c]));
   }
+}
+
+// Eval: dx = k dy.
+template <class T>
+__global__ void bn_backward_eval_dx_kernel(i64 planes, i64 C, i64 HW, const T* __restrict__ dy,
+                                           const double* __restrict__ coef, T* dx, T beta_dx) {
+  TALLY_PLANE_LOOP(plane, j, planes, HW) {
+    const i64 c = plane % C, o = plane * HW + j;
+    store(dx + o, beta_dx, coef[c] * static_cast<double>(dy[o]));
+  }
+}
+
+// Eval forward: y = (x - running_mean) / sqrt(running_var + eps) * gamma + beta.
+template <class T>
+__global__ void bn_forward_eval_kernel(i64 planes, i64 C, i64 HW, const T* __restrict__ x,
+                                       const T* __restrict__ gamma, const T* __restrict__ beta_,
+                                       const T* __restrict__ running_mean, const T* __restrict__ running_var,
+                                       double eps, T* __restrict__ y) {
+  TALLY_PLANE_LOOP(plane, j, planes, HW) {
+    const i64 c = plane % C, o = plane * HW + j;
+    const double invstd = 1.0 / sqrt(static_cast<double>(running_var[c]) + eps);
+    const double scale = invstd * (gamma ? static_cast<double>(gamma[c]) : 1.0);
+    y[o] = static_cast<T>((static_cast<double>(x[o]) - static_cast<double>(running_mean[c])) * scale +
+                          (beta_ ? static_cast<double>(beta_[c]) : 0.0));
+  }
+}
+
+// ---- batch norm: micro-batch moments (MBP) -------------------------------------------------------
+
+template <class T>
+__global__ void bn_accumulate_moments_kernel(i64 C, double M, double eps, const T* __restrict__ save_mean,
+                                             const T* __restrict__ save_invstd, double* sum, double* sum_sq) {
+  const i64 c = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  const double mean = static_cast<double>(save_mean[c]), invstd = static_cast<double>(save_invstd[c]);
+  const double var = 1.0 / (invstd * invstd) - eps;
+  sum[c] += M * mean;
+  sum_sq[c] += M * (var + mean * mean);
+}
+
+template <class T>
+__global__ void bn_apply_moments_kernel(i64 C, double n, double momentum, const double* __restrict__ sum,
+                                        const double* __restrict__ sum_sq, T* running_mean, T* running_var) {
+  const i64 c = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= C) return;
+  const double mean = sum[c] / n;
+  const double v = sum_sq[c] / n - mean * mean;
+  const double var = v > 0.0 ? v : 0.0;  // biased
+  running_mean[c] = static_cast<T>((1.0 - momentum) * static_cast<double>(running_mean[c]) + momentum * mean);
+  running_var[c] = static_cast<T>((1.0 - momentum) * static_cast<double>(running_var[c]) + momentum * var * n / (n - 1.0));
 }
 
 // ---- CUDA kernels: group norm. x (N, C, HW) viewed as (N * G, Cg * HW): each (n, g) contiguous.
 
 template <class T>
 __global__ void group_norm_forward_kernel(i64 N, i64 C, i64 HW, i64 G, const T* __restrict__ x,
-                                          const T* __restrict__ gamma, const T* __restrict__ beta_, T eps,
+                                          const T* __restrict__ gamma, const T* __restrict__ beta_, double eps,
                                           T* __restrict__ y, T* save_mean, T* save_invstd) {
   const i64 Cg = C / G, M = Cg * HW;
   TALLY_BLOCK_LOOP(ng, N * G) {
     const i64 g = ng % G;
     const T* xp = x + ng * M;
     T* yp = y + ng * M;
-    T acc = 0;
-    for (i64 i = threadIdx.x; i < M; i += blockDim.x) acc += xp[i];
-    const T mean = M > 0 ? block_sum(acc) / static_cast<T>(M) : T(0);
+    double acc = 0;
+    for (i64 i = threadIdx.x; i < M; i += blockDim.x) acc += static_cast<double>(xp[i]);
+    const double mean = M > 0 ? block_sum(acc) / static_cast<double>(M) : 0.0;
     acc = 0;
     for (i64 i = threadIdx.x; i < M; i += blockDim.x) {
-      const T d = xp[i] - mean;
+      const double d = static_cast<double>(xp[i]) - mean;
       acc += d * d;
     }
-    const T ssd = block_sum(acc);
-    const T var = M > 0 ? ssd / static_cast<T>(M) : T(0);  // biased
-    const T invstd = T(1) / sqrt(var + eps);
+    const double ssd = block_sum(acc);
+    const double var = M > 0 ? ssd / static_cast<double>(M) : 0.0;  // biased
+    const double invstd = 1.0 / sqrt(var + eps);
     for (i64 i = threadIdx.x; i < M; i += blockDim.x) {
       const i64 c = g * Cg + i / HW;
-      const T scale = invstd * (gamma ? gamma[c] : T(1));
-      yp[i] = (xp[i] - mean) * scale + (beta_ ? beta_[c] : T(0));
+      const double scale = invstd * (gamma ? static_cast<double>(gamma[c]) : 1.0);
+      yp[i] = static_cast<T>((static_cast<double>(xp[i]) - mean) * scale + (beta_ ? static_cast<double>(beta_[c]) : 0.0));
     }
     if (threadIdx.x == 0) {
-      if (save_mean) save_mean[ng] = mean;
-      if (save_invstd) save_invstd[ng] = invstd;
+      if (save_mean) save_mean[ng] = static_cast<T>(mean);
+      if (save_invstd) save_invstd[ng] = static_cast<T>(invstd);
     }
   }
 }
@@ -188,24 +305,30 @@ __global__ void group_norm_backward_dx_kernel(i64 N, i64 C, i64 HW, i64 G, const
   const i64 Cg = C / G, M = Cg * HW;
   TALLY_BLOCK_LOOP(ng, N * G) {
     const i64 g = ng % G;
-    const T mean = save_mean[ng], invstd = save_invstd[ng];
+    const double mean = static_cast<double>(save_mean[ng]), invstd = static_cast<double>(save_invstd[ng]);
     const T* xp = x + ng * M;
     const T* dyp = dy + ng * M;
     T* dxp = dx + ng * M;
-    T a1 = 0, a2 = 0;
+    double a1 = 0, a2 = 0;
     for (i64 i = threadIdx.x; i < M; i += blockDim.x) {
-      const T dxh = dyp[i] * (gamma ? gamma[g * Cg + i / HW] : T(1));
+      const double dxh = static_cast<double>(dyp[i]) * (gamma ? static_cast<double>(gamma[g * Cg + i / HW]) : 1.0);
       a1 += dxh;
-      a2 += dxh * ((xp[i] - mean) * invstd);
+      a2 += dxh * ((static_cast<double>(xp[i]) - mean) * invstd);
     }
-    const T m1 = block_sum(a1) / static_cast<T>(M);
-    const T m2 = block_sum(a2) / static_cast<T>(M);
+    const double m1 = block_sum(a1) / static_cast<double>(M);
+    const double m2 = block_sum(a2) / static_cast<double>(M);
     for (i64 i = threadIdx.x; i < M; i += blockDim.x) {
-      const T xhat = (xp[i] - mean) * invstd;
-      const T dxh = dyp[i] * (gamma ? gamma[g * Cg + i / HW] : T(1));
+      const double xhat = (static_cast<double>(xp[i]) - mean) * invstd;
+      const double dxh = static_cast<double>(dyp[i]) * (gamma ? static_cast<double>(gamma[g * Cg + i / HW]) : 1.0);
       store(dxp + i, beta_dx, invstd * (dxh - m1 - xhat * m2));
     }
   }
+}
+
+// Offset of element m of channel c in x (N, C, HW), m = n * HW + j.
+__device__ __forceinline__ i64 channel_offset(i64 m, i64 c, i64 C, i64 HW) {
+  const i64 n = m / HW, j = m - n * HW;
+  return (n * C + c) * HW + j;
 }
 
 // dgamma, dbeta per channel, summed over n and HW (each n with its own group statistics).
@@ -217,16 +340,17 @@ __global__ void group_norm_backward_param_kernel(i64 N, i64 C, i64 HW, i64 G, co
   const i64 Cg = C / G, M = N * HW;
   TALLY_BLOCK_LOOP(c, C) {
     const i64 g = c / Cg;
-    T a_dy = 0, a_dy_xhat = 0;
+    double a_dy = 0, a_dy_xhat = 0;
     for (i64 m = threadIdx.x; m < M; m += blockDim.x) {
       const i64 n = m / HW;
       const i64 o = channel_offset(m, c, C, HW);
-      const T d = dy[o];
+      const double d = static_cast<double>(dy[o]);
       a_dy += d;
-      a_dy_xhat += d * ((x[o] - save_mean[n * G + g]) * save_invstd[n * G + g]);
+      a_dy_xhat += d * ((static_cast<double>(x[o]) - static_cast<double>(save_mean[n * G + g])) *
+                        static_cast<double>(save_invstd[n * G + g]));
     }
-    const T sdy = block_sum(a_dy);
-    const T sdy_xhat = block_sum(a_dy_xhat);
+    const double sdy = block_sum(a_dy);
+    const double sdy_xhat = block_sum(a_dy_xhat);
     if (threadIdx.x == 0) {
       if (dgamma) store(dgamma + c, beta_param, sdy_xhat);
       if (dbeta) store(dbeta + c, beta_param, sdy);
@@ -238,42 +362,110 @@ __global__ void group_norm_backward_param_kernel(i64 N, i64 C, i64 HW, i64 G, co
 
 // ---- kernel launchers ----------------------------------------------------------------------------
 
+std::size_t batch_norm_workspace_bytes(i64 N, i64 C, i64 HW) {
+  if (N <= 0 || C <= 0 || HW <= 0) return 0;
+  return BnWorkspace::doubles(C, batch_norm_chunks(N, C, HW)) * sizeof(double);
+}
+
+namespace {
+BnWorkspace bn_workspace(void* workspace, i64 N, i64 C, i64 HW, const char* who) {
+  if (!workspace) detail::fail(std::string(who) + ": the CUDA batch norm needs its workspace (batch_norm_workspace_bytes)");
+  auto* d = static_cast<double*>(workspace);
+  const i64 P = batch_norm_chunks(N, C, HW);
+  return {d, d + 2 * C * P};
+}
+unsigned per_channel_blocks(i64 C) { return static_cast<unsigned>((C + kNormThreads - 1) / kNormThreads); }
+
+// The partial sums and finalize of a backward, leaving (k, mean_dy, mean_dy_xhat) in ws.coef.
+template <class T>
+void bn_backward_sums(i64 N, i64 C, i64 HW, const T* dy, const T* x, const T* gamma, const T* mean,
+                      const T* invstd_or_var, bool is_var, double eps, T* dgamma, T* dbeta, T beta_param,
+                      const BnWorkspace& ws, double* stats) {
+  const i64 P = batch_norm_chunks(N, C, HW);
+  double* smean = stats;
+  double* sinvstd = stats + C;
+  bn_backward_stats_kernel<<<per_channel_blocks(C), kNormThreads, 0, detail::stream()>>>(C, mean, invstd_or_var, is_var,
+                                                                                         eps, smean, sinvstd);
+  TALLY_LAUNCH_CHECK("batch_norm_backward.stats");
+  bn_backward_partial_kernel<<<static_cast<unsigned>(C * P), kNormThreads, 0, detail::stream()>>>(N, C, HW, P, dy, x,
+                                                                                                  smean, sinvstd, ws.part);
+  TALLY_LAUNCH_CHECK("batch_norm_backward.partial");
+  bn_backward_finalize_kernel<<<per_channel_blocks(C), kNormThreads, 0, detail::stream()>>>(
+      N, C, HW, P, gamma, sinvstd, ws.part, dgamma, dbeta, beta_param, ws.coef);
+  TALLY_LAUNCH_CHECK("batch_norm_backward.finalize");
+}
+}  // namespace
+
 template <class T>
 void batch_norm_forward_train(i64 N, i64 C, i64 HW, const T* x, const T* gamma, const T* beta_, T eps, T momentum,
-                              T* running_mean, T* running_var, T* y, T* save_mean, T* save_invstd) {
-  if (C <= 0) return;
-  batch_norm_forward_train_kernel<<<blocks_for(C), kReduceThreads, 0, detail::stream()>>>(
-      N, C, HW, x, gamma, beta_, eps, momentum, running_mean, running_var, y, save_mean, save_invstd);
-  TALLY_LAUNCH_CHECK("batch_norm_forward_train");
+                              T* running_mean, T* running_var, T* y, T* save_mean, T* save_invstd, void* workspace) {
+  if (C <= 0 || N * HW <= 0) return;
+  const BnWorkspace ws = bn_workspace(workspace, N, C, HW, "batch_norm_forward_train");
+  const i64 P = batch_norm_chunks(N, C, HW);
+  bn_forward_partial_kernel<<<static_cast<unsigned>(C * P), kNormThreads, 0, detail::stream()>>>(N, C, HW, P, x, ws.part);
+  TALLY_LAUNCH_CHECK("batch_norm_forward_train.partial");
+  bn_forward_finalize_kernel<<<per_channel_blocks(C), kNormThreads, 0, detail::stream()>>>(
+      N, C, HW, P, x, gamma, beta_, static_cast<double>(eps), static_cast<double>(momentum), running_mean, running_var,
+      save_mean, save_invstd, ws.part, ws.coef);
+  TALLY_LAUNCH_CHECK("batch_norm_forward_train.finalize");
+  bn_normalize_kernel<<<plane_grid(N * C, HW), kNormThreads, 0, detail::stream()>>>(N * C, C, HW, x, ws.coef, y);
+  TALLY_LAUNCH_CHECK("batch_norm_forward_train.normalize");
 }
 
 template <class T>
 void batch_norm_forward_eval(i64 N, i64 C, i64 HW, const T* x, const T* gamma, const T* beta_,
                              const T* running_mean, const T* running_var, T eps, T* y) {
-  const i64 total = N * C * HW;
-  if (total <= 0) return;
-  batch_norm_forward_eval_kernel<<<grid_for(total), kThreads, 0, detail::stream()>>>(N, C, HW, x, gamma, beta_,
-                                                                                      running_mean, running_var, eps, y);
+  if (N * C * HW <= 0) return;
+  bn_forward_eval_kernel<<<plane_grid(N * C, HW), kNormThreads, 0, detail::stream()>>>(
+      N * C, C, HW, x, gamma, beta_, running_mean, running_var, static_cast<double>(eps), y);
   TALLY_LAUNCH_CHECK("batch_norm_forward_eval");
 }
 
 template <class T>
 void batch_norm_backward(i64 N, i64 C, i64 HW, const T* dy, const T* x, const T* gamma, const T* save_mean,
-                         const T* save_invstd, T* dx, T beta_dx, T* dgamma, T* dbeta, T beta_param) {
-  if (C <= 0) return;
-  batch_norm_backward_kernel<<<blocks_for(C), kReduceThreads, 0, detail::stream()>>>(
-      N, C, HW, dy, x, gamma, save_mean, save_invstd, dx, beta_dx, dgamma, dbeta, beta_param);
-  TALLY_LAUNCH_CHECK("batch_norm_backward");
+                         const T* save_invstd, T* dx, T beta_dx, T* dgamma, T* dbeta, T beta_param, void* workspace) {
+  if (C <= 0 || N * HW <= 0) return;
+  const BnWorkspace ws = bn_workspace(workspace, N, C, HW, "batch_norm_backward");
+  bn_backward_sums(N, C, HW, dy, x, gamma, save_mean, save_invstd, false, 0.0, dgamma, dbeta, beta_param, ws,
+                   ws.coef + 3 * C);
+  if (dx) {
+    bn_backward_dx_kernel<<<plane_grid(N * C, HW), kNormThreads, 0, detail::stream()>>>(
+        N * C, C, HW, dy, x, ws.coef + 3 * C, ws.coef + 4 * C, ws.coef, dx, beta_dx);
+    TALLY_LAUNCH_CHECK("batch_norm_backward.dx");
+  }
 }
 
 template <class T>
 void batch_norm_backward_eval(i64 N, i64 C, i64 HW, const T* dy, const T* x, const T* gamma,
                               const T* running_mean, const T* running_var, T eps, T* dx, T beta_dx, T* dgamma,
-                              T* dbeta, T beta_param) {
+                              T* dbeta, T beta_param, void* workspace) {
+  if (C <= 0 || N * HW <= 0) return;
+  const BnWorkspace ws = bn_workspace(workspace, N, C, HW, "batch_norm_backward_eval");
+  bn_backward_sums(N, C, HW, dy, x, gamma, running_mean, running_var, true, static_cast<double>(eps), dgamma, dbeta,
+                   beta_param, ws, ws.coef + 3 * C);
+  if (dx) {
+    bn_backward_eval_dx_kernel<<<plane_grid(N * C, HW), kNormThreads, 0, detail::stream()>>>(N * C, C, HW, dy, ws.coef,
+                                                                                             dx, beta_dx);
+    TALLY_LAUNCH_CHECK("batch_norm_backward_eval.dx");
+  }
+}
+
+template <class T>
+void batch_norm_accumulate_moments(i64 C, i64 M, T eps, const T* save_mean, const T* save_invstd, double* sum,
+                                   double* sum_sq) {
   if (C <= 0) return;
-  batch_norm_backward_eval_kernel<<<blocks_for(C), kReduceThreads, 0, detail::stream()>>>(
-      N, C, HW, dy, x, gamma, running_mean, running_var, eps, dx, beta_dx, dgamma, dbeta, beta_param);
-  TALLY_LAUNCH_CHECK("batch_norm_backward_eval");
+  bn_accumulate_moments_kernel<<<per_channel_blocks(C), kNormThreads, 0, detail::stream()>>>(
+      C, static_cast<double>(M), static_cast<double>(eps), save_mean, save_invstd, sum, sum_sq);
+  TALLY_LAUNCH_CHECK("batch_norm_accumulate_moments");
+}
+
+template <class T>
+void batch_norm_apply_moments(i64 C, i64 count, T momentum, const double* sum, const double* sum_sq, T* running_mean,
+                              T* running_var) {
+  if (C <= 0) return;
+  bn_apply_moments_kernel<<<per_channel_blocks(C), kNormThreads, 0, detail::stream()>>>(
+      C, static_cast<double>(count), static_cast<double>(momentum), sum, sum_sq, running_mean, running_var);
+  TALLY_LAUNCH_CHECK("batch_norm_apply_moments");
 }
 
 template <class T>
@@ -304,13 +496,15 @@ void group_norm_backward(i64 N, i64 C, i64 HW, i64 G, const T* dy, const T* x, c
 
 #define TALLY_INSTANTIATE_NORM(T)                                                                             \
   template void batch_norm_forward_train<T>(i64, i64, i64, const T*, const T*, const T*, T, T, T*, T*, T*, T*, \
-                                            T*);                                                              \
+                                            T*, void*);                                                       \
   template void batch_norm_forward_eval<T>(i64, i64, i64, const T*, const T*, const T*, const T*, const T*, T, \
                                            T*);                                                               \
   template void batch_norm_backward<T>(i64, i64, i64, const T*, const T*, const T*, const T*, const T*, T*, T, \
-                                       T*, T*, T);                                                            \
+                                       T*, T*, T, void*);                                                     \
   template void batch_norm_backward_eval<T>(i64, i64, i64, const T*, const T*, const T*, const T*, const T*, T, \
-                                            T*, T, T*, T*, T);                                                \
+                                            T*, T, T*, T*, T, void*);                                         \
+  template void batch_norm_accumulate_moments<T>(i64, i64, T, const T*, const T*, double*, double*);         \
+  template void batch_norm_apply_moments<T>(i64, i64, T, const double*, const double*, T*, T*);              \
   template void group_norm_forward<T>(i64, i64, i64, i64, const T*, const T*, const T*, T, T*, T*, T*);       \
   template void group_norm_backward<T>(i64, i64, i64, i64, const T*, const T*, const T*, const T*, const T*,  \
                                        T*, T, T*, T*, T);
