@@ -139,7 +139,7 @@ int main(int argc, char** argv) {
   auto* nrm = train_cmd->add_flag("--normalize", normalize, "per-channel mean/std normalization (default)");
   train_cmd->add_flag("--no-normalize", no_normalize, "pixels in [0, 1]")->excludes(nrm);
   train_cmd->add_option("--seed", to.seed, "seed for initialization, shuffling and augmentation")->capture_default_str();
-  train_cmd->add_option("--device", to.device, "cpu|cuda|auto")->capture_default_str();
+  train_cmd->add_option("--device", to.device, "cpu|cuda|cuda:N|auto (auto: the GPU when there is one)")->capture_default_str();
   train_cmd->add_option("--threads", to.threads, "CPU threads (0: default)")->check(CLI::NonNegativeNumber);
   train_cmd->add_flag("--tf32", to.tf32, "CUDA: let float32 GEMMs and convolutions use TF32 tensor cores (off by default)");
   train_cmd->add_flag("--profile", to.profile, "CUDA: GPU time per op, printed at the end and written to profile.txt");

@@ -48,7 +48,7 @@ Device choose_device(const std::string& d) {
       throw Error(fmt::format("--device {}: no GPU is present ({})", d, build_info()));
     return dev;
   }
-  if (d == "auto") return Device::cpu();  // the CUDA op kernels are not built yet: auto stays on the CPU
+  if (d == "auto") return cuda_available() ? Device::cuda(0) : Device::cpu();  // the GPU when there is one
   throw Error(fmt::format("--device '{}' is not allowed: expected one of cpu, cuda, cuda:N, auto", d));
 }
 

@@ -7,9 +7,9 @@ and device, training steps in one run, images/s and peak memory of both and thei
 
 PyTorch side: SGD (momentum 0.9, weight decay 5e-4) training steps on random data of the input
 shape, each step's batch copied from pinned host memory, eager mode, float32, TF32 off unless
---tf32 (then on for matmuls and cuDNN), cuDNN's benchmark mode on (it times the algorithms and may
-pick non-deterministic ones; tally picks deterministic ones by heuristics); the first --warmup
-steps are not timed.
+--tf32 (then on for matmuls and cuDNN), cuDNN's benchmark mode off as by default (--cudnn-benchmark:
+on; it then times the algorithms and may pick non-deterministic ones, where tally picks
+deterministic ones by heuristics); the first --warmup steps are not timed.
 tally side: `tally train --data synthetic` for 3x32x32 models, `--data synthetic:3x224x224
 --num-classes 1000` for ImageNet-sized ones (same model, batch, optimizer, float32, --tf32 passed
 on), whose images/s leaves out the first step; its peak is the arena's measured step peak. On CUDA
@@ -48,7 +48,7 @@ def torch_side(args, hw, classes):
     if dev.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = args.tf32
         torch.backends.cudnn.allow_tf32 = args.tf32
-        torch.backends.cudnn.benchmark = True
+        torch.backends.cudnn.benchmark = args.cudnn_benchmark
     torch.manual_seed(0)
     model = make_model(args.model, classes).to(dev).train()
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
@@ -109,6 +109,7 @@ def main():
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--tf32", action="store_true", help="allow TF32 on both sides (CUDA)")
+    p.add_argument("--cudnn-benchmark", action="store_true", help="PyTorch: torch.backends.cudnn.benchmark = True")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for both (0: all cores)")
     p.add_argument("--tally", default=os.path.join(ROOT, "build", "apps", "tally"))
     args = p.parse_args()
@@ -120,6 +121,7 @@ def main():
     p_ips, p_peak, p_kind = torch_side(args, hw, classes)
     mib = 1 << 20
     print(f"{args.model} batch {args.batch}, float32{' (TF32 on)' if args.tf32 else ''}, {args.device}, {args.steps} timed steps, "
+          f"{'cudnn.benchmark on, ' if args.cudnn_benchmark else ''}"
           f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
     print(f"{'':10} {'images/s':>10} {'peak MiB':>10}")
     print(f"{'tally':10} {t_ips:10.1f} {t_peak / mib:10.1f}   (arena step peak; {k} micro-batch(es))")

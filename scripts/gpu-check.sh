@@ -16,7 +16,8 @@
 #        resnet50  `tally plan --device cuda` for ResNet-50 224x224 batch 4096 in 8 GiB,
 #                  3 steps of it, and 3 steps of native batch m (the plan's micro-batch)  (~2 min)
 #        compare   bench/compare_pytorch.py with the PyTorch there: ResNet-20 batch 128 and
-#                  ResNet-50 batch 256, TF32 off and on                                 (~3 min)
+#                  ResNet-50 batch 256, TF32 off and on; ResNet-50 also against PyTorch
+#                  with cudnn.benchmark                                                 (~4 min)
 #        profile   `tally train --profile`: GPU time per op of ResNet-50 (batch 256) and
 #                  ResNet-20 (batch 128) training steps                                 (~1 min)
 #        bench     bench_train on the GPU                                              (~2 min)
@@ -299,7 +300,7 @@ step_resnet50() {
   note "$(printf '%-44s rc=%-3s %s' "tally plan cuda resnet50" "$last_rc" "$(grep 'plan:' "$log" | tail -1)")"
   rm -rf "$run"
   run_logged "tally train resnet50 4096 in 8GiB" "$log" "$bundle/run" "$bundle/bin/tally" train --model resnet50 \
-    --data synthetic:3x224x224 --batch-size 4096 --memory-limit 8GiB --steps 3 --lr 0.1 --schedule constant \
+    --data synthetic:3x224x224 --batch-size 4096 --memory-limit 8GiB --steps 4 --lr 0.1 --schedule constant \
     --no-augment --device cuda --out "$run" --no-progress
   note "$(printf '%-44s rc=%-3s %s' "train resnet50 B=4096 8GiB" "$last_rc" "$(grep -E '^memory:|img/s' "$log" | tail -1)")"
   [[ -f $run/summary.json ]] && cp "$run/summary.json" "$logs/resnet50-mbp-summary.json"
@@ -309,7 +310,7 @@ step_resnet50() {
   if [[ $m -gt 0 ]]; then
     rm -rf "$run-native"
     run_logged "tally train resnet50 native m" "$log" "$bundle/run" "$bundle/bin/tally" train --model resnet50 \
-      --data synthetic:3x224x224 --batch-size "$m" --memory-limit 8GiB --steps 12 --lr 0.1 --schedule constant \
+      --data synthetic:3x224x224 --batch-size "$m" --memory-limit 8GiB --steps 24 --lr 0.1 --schedule constant \
       --no-augment --device cuda --out "$run-native" --no-progress
     [[ -f $run-native/summary.json ]] && cp "$run-native/summary.json" "$logs/resnet50-native-summary.json"
     note "$(printf '%-44s rc=%-3s %s' "train resnet50 native B=$m" "$last_rc" \
@@ -320,12 +321,12 @@ step_resnet50() {
 
 step_compare() {
   local log=$logs/compare.log m b tf
-  for m in "resnet20 128" "resnet50 256"; do
-    read -r m b <<<"$m"
+  for m in "resnet20 128" "resnet50 256" "resnet50 256 --cudnn-benchmark"; do
+    read -r m b extra <<<"$m"
     for tf in "" "--tf32"; do
-      run_logged "compare_pytorch $m $tf" "$log" "$bundle/run" python3 bench/compare_pytorch.py --model "$m" \
-        --batch "$b" --device cuda --tally "$bundle/bin/tally" $tf
-      note "$(printf '%-44s rc=%-3s %s' "compare_pytorch $m $b ${tf:-fp32}" "$last_rc" "$(grep -A3 -E '^ +images/s' "$log" | tail -3 | tr -s ' ' | tr '\n' ';')")"
+      run_logged "compare_pytorch $m $tf $extra" "$log" "$bundle/run" python3 bench/compare_pytorch.py --model "$m" \
+        --batch "$b" --device cuda --tally "$bundle/bin/tally" $tf $extra
+      note "$(printf '%-44s rc=%-3s %s' "compare_pytorch $m $b ${tf:-fp32} $extra" "$last_rc" "$(grep -A3 -E '^ +images/s' "$log" | tail -3 | tr -s ' ' | tr '\n' ';')")"
     done
   done
 }
