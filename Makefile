@@ -40,8 +40,8 @@ RUN_DIR ?= runs/$(shell date +%Y%m%d-%H%M%S)
 # 48 MiB memory limit (the batch does not fit: the planner splits it into micro-batches),
 # leaving metrics.csv, summary.json, memory_trace.json and memory.svg in a run folder.
 train: build
-	@$(BUILD_DIR)/apps/tally train --model resnet20 --data synthetic --epochs 3 --batch-size 256 \
-	  --memory-limit 48MiB --lr 0.2 --schedule onecycle --out $(RUN_DIR)
+	@$(BUILD_DIR)/apps/tally train --model resnet20 --data synthetic --epochs 5 --batch-size 256 \
+	  --memory-limit 48MiB --lr 0.1 --schedule onecycle --out $(RUN_DIR)
 	@echo "run folder: $(RUN_DIR)"
 
 test: build

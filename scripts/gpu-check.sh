@@ -285,7 +285,7 @@ step_train() {
   local log=$logs/train.log run=/tmp/tally-gpu-train
   rm -rf "$run"
   run_logged "tally train (cuda, make train recipe)" "$log" "$bundle/run" "$bundle/bin/tally" train --model resnet20 \
-    --data synthetic --epochs 3 --batch-size 256 --memory-limit 48MiB --lr 0.2 --schedule onecycle --device cuda \
+    --data synthetic --epochs 5 --batch-size 256 --memory-limit 48MiB --lr 0.1 --schedule onecycle --device cuda \
     --out "$run" --no-progress
   note "$(printf '%-44s rc=%-3s %s' "tally train cuda" "$last_rc" "$(grep -E 'test accuracy|peak' "$log" | tail -2 | tr '\n' ' ')")"
   [[ -f $run/summary.json ]] && cp "$run/summary.json" "$logs/train-summary.json"

@@ -229,6 +229,19 @@ TEST(Arena, VirtualCloneContinuesFromTheSameState) {
   (void)q;
 }
 
+// Kernels size their workspaces from the budget (docs/gpu.md): a clone widened for the planner's
+// search keeps the budget of the arena it was cloned from, so dry runs choose as the real step.
+TEST(Arena, ClonesKeepTheBudgetTheirLineWasCreatedWith) {
+  Arena a(Device::cpu(), (48 << 20) + 100);
+  EXPECT_EQ(a.budget(), std::size_t(48) << 20);  // rounded down to the alignment, as the capacity
+  EXPECT_EQ(a.virtual_clone()->budget(), a.budget());
+  const auto wide = a.virtual_clone(std::size_t(48) << 26);
+  EXPECT_EQ(wide->capacity(), std::size_t(48) << 26);
+  EXPECT_EQ(wide->budget(), a.budget());
+  EXPECT_EQ(wide->virtual_clone()->budget(), a.budget());
+  EXPECT_EQ(Arena::make_virtual(Device::cpu(), 1 << 20)->budget(), std::size_t(1) << 20);
+}
+
 TEST(Arena, OutOfMemoryMessageAndStateUnchanged) {
   Arena a(Device::cpu(), 1 << 20);
   a.allocate(300 << 10, Category::parameter, "conv1.weight");
