@@ -436,6 +436,85 @@ TEST(Synthetic, DeterministicAndSeedDependent) {
   EXPECT_EQ(d.test.images, a.test.images) << "the test set does not depend on n_train";
 }
 
+// synthetic:CxHxW — drawn when a batch needs it, deterministic, any shape and class count.
+TEST(Synthetic, AnyShapeIsDrawnOnDemand) {
+  const Split s = load_dataset("synthetic:3x64x48", 20);
+  EXPECT_EQ(s.train.name, "synthetic:3x64x48");
+  EXPECT_EQ(s.train.size(), 10000);
+  EXPECT_EQ(s.test.size(), 2000);
+  EXPECT_EQ(s.train.channels, 3);
+  EXPECT_EQ(s.train.height, 64);
+  EXPECT_EQ(s.train.width, 48);
+  EXPECT_EQ(s.train.num_classes, 20);
+  EXPECT_TRUE(s.train.images.empty()) << "no image is held in memory";
+  ASSERT_TRUE(s.train.generate);
+  std::vector<std::int64_t> per_class(20, 0);
+  for (std::int64_t l : s.train.labels) {
+    ASSERT_GE(l, 0);
+    ASSERT_LT(l, 20);
+    ++per_class[static_cast<std::size_t>(l)];
+  }
+  for (std::int64_t n : per_class) EXPECT_EQ(n, 500) << "balanced classes";
+  for (int c = 0; c < 3; ++c) {
+    EXPECT_GT(s.train.mean[static_cast<std::size_t>(c)], 0.05f);
+    EXPECT_GT(s.train.stddev[static_cast<std::size_t>(c)], 0.05f);
+  }
+  // The same sample twice, from another split object too: identical; values are pixel levels.
+  std::vector<float> a(64 * 48 * 3), b(a.size());
+  s.train.generate(17, a.data());
+  load_dataset("synthetic:3x64x48", 20).train.generate(17, b.data());
+  EXPECT_EQ(a, b);
+  for (float v : a) {
+    ASSERT_GE(v, 0.f);
+    ASSERT_LE(v, 1.f);
+  }
+  s.train.generate(18, b.data());
+  EXPECT_NE(a, b);
+  // The loader builds batches from the drawings, in parallel, the same as batch_at.
+  Loader l(s.train, {.batch_size = 16, .shuffle = false, .normalize = true});
+  l.start_epoch(0);
+  const auto first = l.next();
+  ASSERT_TRUE(first.has_value());
+  const Batch ref = batch_at(s.train, 0, 16, true);
+  EXPECT_EQ(first->images, ref.images);
+  EXPECT_EQ(first->labels, ref.labels);
+  // 1 channel and the default class count: 10 below 64 pixels, 1000 from 64 up.
+  EXPECT_EQ(load_dataset("synthetic:1x28x28").train.num_classes, 10);
+  EXPECT_EQ(load_dataset("synthetic:3x224x224").train.num_classes, 1000);
+  // synthetic:3x32x32 with 10 classes is the in-memory set itself.
+  EXPECT_EQ(load_dataset("synthetic:3x32x32").train.images, make_synthetic().train.images);
+}
+
+TEST(Synthetic, BadShapesAndClassCountsAreClearErrors) {
+  for (const char* spec : {"synthetic:3x64", "synthetic:0x32x32", "synthetic:3x32x32x1", "synthetic:axbxc",
+                           "synthetic:", "synthetic:3x-2x4"}) {
+    try {
+      load_dataset(spec);
+      ADD_FAILURE() << "no exception for '" << spec << "'";
+    } catch (const Error& e) {
+      expect_contains(e.what(), {"CxHxW", spec});
+    }
+  }
+  try {
+    load_dataset("synthetic", 0);
+    ADD_FAILURE() << "--num-classes 0 accepted";
+  } catch (const Error& e) {
+    expect_contains(e.what(), {"--num-classes", "0"});
+  }
+}
+
+TEST(LoadDataset, NumClassesMustMatchARealDataSet) {
+  TempDir dir;
+  write_cifar10(dir);
+  EXPECT_EQ(load_dataset("cifar10:" + dir.path().string(), 10).train.num_classes, 10);
+  try {
+    load_dataset("cifar10:" + dir.path().string(), 7);
+    ADD_FAILURE() << "a class count that contradicts the data set was accepted";
+  } catch (const Error& e) {
+    expect_contains(e.what(), {"--num-classes 7", "10 classes"});
+  }
+}
+
 TEST(Synthetic, ShapeRangeBalanceAndStatistics) {
   const Split s = make_synthetic(1000, 500, 3);
   for (const Dataset* d : {&s.train, &s.test}) {
