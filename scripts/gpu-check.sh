@@ -185,18 +185,25 @@ build_there() {
   mkdir -p "$prefix"
   for f in "$debs"/*.deb; do dpkg-deb -x "$f" "$prefix" 2>/dev/null || (cd "$prefix" && ar p "$OLDPWD/$f" data.tar.xz | tar xJ); done
   local multi=$prefix/usr/lib/x86_64-linux-gnu
-  # Debian's pkg-config files and CMake packages name /usr: point them at the prefix.
-  grep -rl '^prefix=/usr' "$multi/pkgconfig" "$prefix/usr/share/pkgconfig" 2>/dev/null | xargs -r sed -i "s|^prefix=/usr|prefix=$prefix/usr|"
+  # Debian's pkg-config files name /usr (prefix=, exec_prefix=, and OpenBLAS's absolute libdir= and
+  # includedir=): point every one at the prefix. (The CMake packages find themselves relative to
+  # their own location.)
+  find "$prefix" -name '*.pc' -print0 | xargs -0 -r sed -i -E "s#^([a-z_]+)=/usr#\1=$prefix/usr#"
   # The OpenBLAS alternatives link (/etc/alternatives) does not unpack: make the plain names.
   [[ -e $multi/libopenblas.so ]] || ln -sf openblas-pthread/libopenblas.so "$multi/libopenblas.so"
   [[ -e $multi/libopenblas.so.0 ]] || ln -sf openblas-pthread/libopenblas.so.0 "$multi/libopenblas.so.0"
   export PKG_CONFIG_PATH=$multi/pkgconfig:$multi/openblas-pthread/pkgconfig:$prefix/usr/share/pkgconfig
   export LIBRARY_PATH=$multi:$multi/openblas-pthread${LIBRARY_PATH:+:$LIBRARY_PATH}
   export LD_LIBRARY_PATH=$multi:$multi/openblas-pthread${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+  export PATH=$PATH:$prefix/usr/bin  # pkg-config, where the machine has none
+  [[ -e $prefix/usr/bin/pkg-config ]] || ln -sf pkgconf "$prefix/usr/bin/pkg-config"
+  local cudnn=${CUDNN_ROOT:-$(python3 -c 'import nvidia.cudnn as c; print(list(c.__path__)[0])' 2>/dev/null || echo /usr/local/cuda)}
   local gen=()
   command -v ninja >/dev/null && gen=(-G Ninja)
-  configure_build "$build" "$arch" "${gen[@]}" -DCMAKE_PREFIX_PATH="$prefix/usr" \
-    -DCUDNN_ROOT="${CUDNN_ROOT:-$(python3 -c 'import os, nvidia.cudnn as c; print(os.path.dirname(c.__file__))' 2>/dev/null || echo /usr/local/cuda)}"
+  configure_build "$build" "$arch" "${gen[@]}" -DCMAKE_PREFIX_PATH="$prefix/usr" -DCUDNN_ROOT="$cudnn"
+  # What was found, and from where: every package should come from the prefix.
+  grep -E '^(fmt_DIR|nlohmann_json_DIR|CLI11_DIR|GTest_DIR|benchmark_DIR|CUDNN_LIBRARY|CUDNN_INCLUDE_DIR):' "$build/CMakeCache.txt"
+  echo "openblas: $(pkg-config --cflags --libs openblas)"
   pack_from "$build" "$arch"
 }
 
