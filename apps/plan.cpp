@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 #include <fmt/ostream.h>
 
+#include "apps/setup.h"
 #include "core/memory.h"
 #include "layers/resnet.h"
 #include "mbp/executor.h"
@@ -33,23 +34,10 @@ Shape parse_input(const std::string& s) {
 
 }  // namespace
 
-std::optional<std::int64_t> parse_positive_integer(const std::string& s) {
-  if (s.empty() || !std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; })) return std::nullopt;
-  try {
-    const long long v = std::stoll(s);
-    if (v < 1) return std::nullopt;
-    return v;
-  } catch (const std::exception&) {
-    return std::nullopt;  // out of range
-  }
-}
-
 mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
-  const auto names = nn::model_names();
-  if (std::find(names.begin(), names.end(), opt.model) == names.end())
-    throw Error(fmt::format("--model '{}' is not allowed: expected one of {}", opt.model, fmt::join(names, ", ")));
-  if (opt.optimizer != "sgd" && opt.optimizer != "adamw")
-    throw Error(fmt::format("--optimizer '{}' is not allowed: expected one of sgd, adamw", opt.optimizer));
+  check_choice("--model", opt.model, nn::model_names());
+  check_choice("--norm", opt.norm, norm_names());
+  check_choice("--optimizer", opt.optimizer, optimizer_names());
   if (opt.batch_size < 1) throw Error(fmt::format("--batch-size must be >= 1, found {}", opt.batch_size));
   if (opt.micro_batch && (*opt.micro_batch < 1 || *opt.micro_batch > opt.batch_size))
     throw Error(fmt::format("--micro-batch must be between 1 and --batch-size {}, found {}", opt.batch_size,
@@ -59,7 +47,7 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   if (dev.is_cuda() && !cuda_available())
     throw Error(fmt::format("--device {}: no GPU is present (CUDA workspace sizes come from the GPU's libraries)",
                             opt.device));
-  const std::size_t limit = opt.memory_limit == "auto" ? default_arena_capacity(dev) : parse_size(opt.memory_limit);
+  const std::size_t limit = parse_memory_limit(opt.memory_limit, dev);
   nn::ModelConfig mc;
   mc.name = opt.model;
   mc.norm = nn::parse_norm(opt.norm);
@@ -68,45 +56,26 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   if (mc.num_classes < 1) throw Error(fmt::format("--num-classes must be >= 1, found {}", mc.num_classes));
 
   // Everything lives on a virtual arena of the budget's size: offsets only, no memory, no compute.
-  auto arena = Arena::make_virtual(dev, limit);
-  ArenaScope scope(arena);
+  const auto arena = Arena::make_virtual(dev, limit);
   DryRunGuard dry;
-  std::shared_ptr<nn::Module> model;
-  std::unique_ptr<optim::Optimizer> optimizer;
-  try {
-    model = nn::make_model(mc);
-    if (!dev.is_cpu()) model->to(dev);
-    model->train();
-    if (opt.optimizer == "sgd") {
-      optim::SGDOptions so;
-      so.momentum = opt.momentum;
-      optimizer = std::make_unique<optim::SGD>(model->parameters(), so);
-    } else {
-      optimizer = std::make_unique<optim::AdamW>(model->parameters(), optim::AdamWOptions{});
-    }
-  } catch (const OutOfMemory& e) {
-    throw OutOfMemory(fmt::format("--memory-limit {}: the {} model's parameters, gradients and {} state do not fit "
-                                  "({})", format_bytes(limit), opt.model, opt.optimizer, e.what()),
-                      e.requested());
-  }
-  std::int64_t params = 0;
-  for (const auto& p : model->parameters()) params += p.numel();
-  const ArenaStats s0 = arena->stats();
+  OptimizerConfig oc;
+  oc.name = opt.optimizer;
+  oc.momentum = opt.momentum;
+  const Setup setup = build_setup(arena, mc, "", oc, format_bytes(limit));
   fmt::print(out, "model {} (norm {}), {} parameters, {} classes | input {} | batch {} | optimizer {} | device {}\n",
-             opt.model, opt.norm, params, mc.num_classes, shape_str(sample), opt.batch_size, opt.optimizer, dev.str());
-  fmt::print(out, "memory limit {} ({} bytes): parameters {}, gradients {}, optimizer state {} allocated first\n",
-             format_bytes(limit), limit, format_bytes(static_cast<std::size_t>(s0[Category::parameter].current)),
-             format_bytes(static_cast<std::size_t>(s0[Category::gradient].current)),
-             format_bytes(static_cast<std::size_t>(s0[Category::optimizer_state].current)));
+             opt.model, opt.norm, setup.parameters, mc.num_classes, shape_str(sample), opt.batch_size, opt.optimizer,
+             dev.str());
+  fmt::print(out, "memory limit {} ({} bytes): {} allocated first\n", format_bytes(limit), limit,
+             persistent_summary(*arena));
 
   mbp::ExecutorOptions eo;
   eo.sample_shape = sample;
   eo.micro_batch = opt.micro_batch;
-  mbp::Executor executor(*model, *optimizer, eo);
-  const mbp::Plan p = executor.plan(opt.batch_size);
+  mbp::Executor executor(*setup.model, *setup.optimizer, arena, eo);
+  const mbp::Plan p = plan_step(executor, opt.batch_size, opt.micro_batch);
   if (opt.layers) {
     fmt::print(out, "\nper layer, forward in training mode at the planned micro-batch of {}:\n", p.micro_batch);
-    out << mbp::format_layer_table(mbp::layer_table(*model, sample, p.micro_batch), p.micro_batch);
+    out << mbp::format_layer_table(mbp::layer_table(*setup.model, *arena, sample, p.micro_batch), p.micro_batch);
   }
   fmt::print(out, "\nplan: {}\n", p.summary());
   fmt::print(out, "      live at the peak: {}\n", p.at_peak.str());

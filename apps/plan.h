@@ -28,9 +28,6 @@ struct PlanOptions {
   bool layers = true;                        // print the per-layer table
 };
 
-// "12" -> 12; anything but a whole positive number (a sign, a suffix, empty) -> nullopt.
-std::optional<std::int64_t> parse_positive_integer(const std::string& s);
-
 // Prints the table and the plan to `out`; returns the plan. Bad options and budgets that cannot
 // hold one sample are tally::Error / OutOfMemory with the bytes needed.
 mbp::Plan plan(const PlanOptions& opt, std::ostream& out);

@@ -3,117 +3,33 @@
 //   tally train [options]  train a ResNet (see apps/trainer.h and README.md for the options)
 //   tally plan [options]   the memory plan of a training step: per-layer table, micro-batch
 //                          size, predicted peak (see apps/plan.h); nothing is computed
-//   tally demo             a short walk through the arena: a small conv net's forward and
-//                          backward on the CPU, with the memory accounted by category
 #include <cstdio>
 #include <exception>
+#include <iostream>
 #include <optional>
-#include <random>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
-#include "core/memory.h"
-#include "core/ops.h"
-#include "core/tensor.h"
 #include "apps/plan.h"
+#include "apps/setup.h"
 #include "apps/trainer.h"
-#include <iostream>
+#include "core/device.h"
+#include "layers/resnet.h"
 
 using namespace tally;
-
-namespace {
-
-void print_stats(const char* when, const Arena& a) {
-  const ArenaStats s = a.stats();
-  fmt::print("{:<28}", when);
-  for (int c = 0; c < kNumCategories; ++c)
-    if (s.by_category[c].current > 0)
-      fmt::print(" {}={}", category_name(static_cast<Category>(c)),
-                 format_bytes(static_cast<std::size_t>(s.by_category[c].current)));
-  fmt::print(" | total {} (peak {})\n", format_bytes(static_cast<std::size_t>(s.total.current)),
-             format_bytes(static_cast<std::size_t>(s.total.peak)));
-}
-
-Tensor random(const Shape& shape, std::mt19937& rng, Category cat, double scale = 1.0) {
-  std::normal_distribution<float> n(0.f, static_cast<float>(scale));
-  std::vector<float> v(static_cast<std::size_t>(shape_numel(shape)));
-  for (auto& x : v) x = n(rng);
-  return Tensor::from_vector(v, shape, Device::cpu(), cat);
-}
-
-int demo(std::size_t budget, int batch) {
-  configure_arena(Device::cpu(), budget);
-  const auto& arena = default_arena(Device::cpu());
-  arena->set_tracing(true);
-  fmt::print("{}\n", build_info());
-  fmt::print("CPU arena: {} reserved (MAP_NORESERVE: untouched bytes cost nothing)\n\n",
-             format_bytes(arena->capacity()));
-  std::mt19937 rng(0);
-  // A tiny residual network on 3x32x32 inputs: parameters and their gradient buffers first.
-  Tensor w1 = random({16, 3, 3, 3}, rng, Category::parameter, 0.2);
-  Tensor w2 = random({16, 16, 3, 3}, rng, Category::parameter, 0.1);
-  Tensor fc = random({10, 16}, rng, Category::parameter, 0.2);
-  for (Tensor* p : {&w1, &w2, &fc}) {
-    p->set_requires_grad(true);
-    p->allocate_grad();
-  }
-  print_stats("parameters + gradients:", *arena);
-  std::vector<std::int64_t> labels(static_cast<std::size_t>(batch));
-  for (auto& l : labels) l = static_cast<std::int64_t>(rng() % 10);
-  for (int step = 0; step < 2; ++step) {
-    arena->reset_peak();
-    Tensor x = random({batch, 3, 32, 32}, rng, Category::input);
-    Tensor y = Tensor::from_vector(labels, {batch});
-    Conv2dOptions same;
-    same.padding = {1, 1};
-    Tensor h = relu(conv2d(x, w1, {}, same));
-    h = relu(add(h, conv2d(h, w2, {}, same)));
-    Tensor logits = linear(flatten(adaptive_avg_pool2d(h, {1, 1})), fc);
-    Tensor loss = cross_entropy(logits, y);
-    h = Tensor();
-    logits = Tensor();
-    print_stats(fmt::format("step {} after forward:", step).c_str(), *arena);
-    loss.backward();
-    fmt::print("step {} loss {:.4f}\n", step, loss.item());
-    loss = Tensor();
-    x = Tensor();
-    y = Tensor();
-    print_stats(fmt::format("step {} after backward:", step).c_str(), *arena);
-    for (Tensor* p : {&w1, &w2, &fc}) p->zero_grad();
-  }
-  fmt::print("\n{} allocations and frees traced; activation bytes return to zero after each backward,\n"
-             "gradient bytes stay constant: that is what lets the MBP planner account a step exactly.\n",
-             arena->trace().size());
-  return 0;
-}
-
-// "auto" or a positive integer.
-std::optional<std::int64_t> parse_micro_batch(const std::string& s) {
-  if (s == "auto") return std::nullopt;
-  const auto v = app::parse_positive_integer(s);
-  if (!v) throw Error(fmt::format("--micro-batch '{}': expected a positive integer or auto", s));
-  return v;
-}
-
-}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"tally — deep learning with micro-batch processing and exact memory accounting"};
   app.require_subcommand(0, 1);
   bool version = false;
   app.add_flag("--version", version, "print the build configuration and whether a GPU is present");
-  auto* demo_cmd = app.add_subcommand("demo", "a short allocator demo: forward and backward of a small net on the CPU");
-  std::string budget = "256MiB";
-  int batch = 32;
-  demo_cmd->add_option("--memory-limit", budget, "CPU arena capacity, e.g. 256MiB");
-  demo_cmd->add_option("--batch-size", batch, "samples per step")->check(CLI::Range(1, 1 << 20));
+  const auto& models = nn::model_names();
   app::TrainOptions to;
   auto* train_cmd = app.add_subcommand("train", "train a ResNet on a data set");
-  train_cmd->add_option("--model", to.model, "resnet20|resnet32|resnet44|resnet56|resnet110|resnet18|resnet34|resnet50|resnet9")
-      ->check(CLI::IsMember({"resnet20", "resnet32", "resnet44", "resnet56", "resnet110", "resnet18", "resnet34", "resnet50", "resnet9"}))
+  train_cmd->add_option("--model", to.model, app::choices(models))->check(CLI::IsMember(models))
       ->capture_default_str();
-  train_cmd->add_option("--norm", to.norm, "batch|group|none")->check(CLI::IsMember({"batch", "group", "none"}))->capture_default_str();
+  train_cmd->add_option("--norm", to.norm, app::choices(app::norm_names()))->check(CLI::IsMember(app::norm_names()))->capture_default_str();
   train_cmd->add_option("--data", to.data, "synthetic|synthetic:CxHxW|mnist:DIR|cifar10:DIR|cifar100:DIR")->capture_default_str();
   std::int64_t train_classes = 0;
   train_cmd->add_option("--num-classes", train_classes, "classes of synthetic data (default 1000 for images >= 64 pixels, else 10)")
@@ -122,7 +38,7 @@ int main(int argc, char** argv) {
   std::int64_t steps = 0;
   train_cmd->add_option("--steps", steps, "optimizer steps to train (instead of --epochs)")->check(CLI::PositiveNumber)->excludes(epochs_opt);
   train_cmd->add_option("--batch-size", to.batch_size, "samples per optimizer step")->check(CLI::PositiveNumber)->capture_default_str();
-  train_cmd->add_option("--optimizer", to.optimizer, "sgd|adamw")->check(CLI::IsMember({"sgd", "adamw"}))->capture_default_str();
+  train_cmd->add_option("--optimizer", to.optimizer, app::choices(app::optimizer_names()))->check(CLI::IsMember(app::optimizer_names()))->capture_default_str();
   train_cmd->add_option("--lr", to.lr, "learning rate")->check(CLI::NonNegativeNumber)->capture_default_str();
   train_cmd->add_option("--momentum", to.momentum, "SGD momentum")->check(CLI::NonNegativeNumber)->capture_default_str();
   train_cmd->add_flag("--nesterov", to.nesterov, "Nesterov momentum");
@@ -153,10 +69,9 @@ int main(int argc, char** argv) {
 
   app::PlanOptions po;
   auto* plan_cmd = app.add_subcommand("plan", "print the memory plan of a training step (nothing is computed)");
-  plan_cmd->add_option("--model", po.model, "resnet20|resnet32|resnet44|resnet56|resnet110|resnet18|resnet34|resnet50|resnet9")
-      ->check(CLI::IsMember({"resnet20", "resnet32", "resnet44", "resnet56", "resnet110", "resnet18", "resnet34", "resnet50", "resnet9"}))
+  plan_cmd->add_option("--model", po.model, app::choices(models))->check(CLI::IsMember(models))
       ->capture_default_str();
-  plan_cmd->add_option("--norm", po.norm, "batch|group|none")->check(CLI::IsMember({"batch", "group", "none"}))->capture_default_str();
+  plan_cmd->add_option("--norm", po.norm, app::choices(app::norm_names()))->check(CLI::IsMember(app::norm_names()))->capture_default_str();
   plan_cmd->add_option("--input", po.input, "one sample's shape CxHxW")->capture_default_str();
   std::int64_t classes = 0;
   plan_cmd->add_option("--num-classes", classes, "classes (default 1000 for inputs >= 64 pixels, else 10)")->check(CLI::PositiveNumber);
@@ -164,7 +79,7 @@ int main(int argc, char** argv) {
   plan_cmd->add_option("--memory-limit", po.memory_limit, "memory budget: a size (8GiB) or auto")->capture_default_str();
   std::string plan_micro = "auto";
   plan_cmd->add_option("--micro-batch", plan_micro, "check this micro-batch size instead of searching")->capture_default_str();
-  plan_cmd->add_option("--optimizer", po.optimizer, "sgd|adamw")->check(CLI::IsMember({"sgd", "adamw"}))->capture_default_str();
+  plan_cmd->add_option("--optimizer", po.optimizer, app::choices(app::optimizer_names()))->check(CLI::IsMember(app::optimizer_names()))->capture_default_str();
   plan_cmd->add_option("--momentum", po.momentum, "SGD momentum (0: no momentum buffer)")->check(CLI::NonNegativeNumber)->capture_default_str();
   plan_cmd->add_option("--device", po.device, "cpu|cuda|cuda:N")->capture_default_str();
   bool no_layers = false;
@@ -178,11 +93,11 @@ int main(int argc, char** argv) {
       if (no_augment) to.augment = false;
       if (no_shuffle) to.shuffle = false;
       if (no_normalize) to.normalize = false;
-      to.micro_batch = parse_micro_batch(micro);
+      to.micro_batch = app::parse_micro_batch(micro);
     }
     if (plan_cmd->parsed()) {
       if (classes > 0) po.num_classes = classes;
-      po.micro_batch = parse_micro_batch(plan_micro);
+      po.micro_batch = app::parse_micro_batch(plan_micro);
       po.layers = !no_layers;
     }
   } catch (const CLI::ParseError& e) {
@@ -196,7 +111,6 @@ int main(int argc, char** argv) {
       fmt::print("{}\n", build_info());
       return 0;
     }
-    if (demo_cmd->parsed()) return demo(parse_size(budget), batch);
     if (train_cmd->parsed()) {
       app::train(to, std::cout);
       return 0;

@@ -14,6 +14,7 @@
 #include <fmt/ostream.h>
 #include <nlohmann/json.hpp>
 
+#include "apps/setup.h"
 #include "core/autograd.h"
 #include "tally/config.h"
 #if TALLY_HAVE_CUDA
@@ -22,7 +23,7 @@
 #include "core/memory.h"
 #include "core/ops.h"
 #include "layers/checkpoint.h"
-#include "layers/data.h"
+#include "data/data.h"
 #include "layers/init.h"
 #include "layers/resnet.h"
 #include "mbp/executor.h"
@@ -33,12 +34,6 @@
 
 namespace tally::app {
 namespace {
-
-void check_choice(const char* flag, const std::string& v, std::initializer_list<const char*> allowed) {
-  for (const char* a : allowed)
-    if (v == a) return;
-  throw Error(fmt::format("{} '{}' is not allowed: expected one of {}", flag, v, fmt::join(allowed, ", ")));
-}
 
 Device choose_device(const std::string& d) {
   if (d == "cpu") return Device::cpu();
@@ -136,14 +131,12 @@ void write_file(const std::filesystem::path& p, const std::string& text) {
   if (!f) throw Error(fmt::format("cannot write {}", p.string()));
 }
 
-}  // namespace
-
-TrainResult train(const TrainOptions& opt, std::ostream& log) {
-  // ---- validate everything before any work -----------------------------------------------------
-  check_choice("--model", opt.model, {"resnet20", "resnet32", "resnet44", "resnet56", "resnet110", "resnet18", "resnet34",
-                                      "resnet50", "resnet9"});
-  check_choice("--norm", opt.norm, {"batch", "group", "none"});
-  check_choice("--optimizer", opt.optimizer, {"sgd", "adamw"});
+// Every option, checked before any work: a bad value is an Error naming the flag, the value found
+// and what is allowed. Returns the device the run uses.
+Device validate(const TrainOptions& opt) {
+  check_choice("--model", opt.model, nn::model_names());
+  check_choice("--norm", opt.norm, norm_names());
+  check_choice("--optimizer", opt.optimizer, optimizer_names());
   check_choice("--schedule", opt.schedule, {"constant", "step", "cosine", "onecycle"});
   if (opt.batch_size < 1) throw Error(fmt::format("--batch-size must be >= 1, found {}", opt.batch_size));
   if (opt.epochs < 1 && !opt.steps) throw Error(fmt::format("--epochs must be >= 1, found {}", opt.epochs));
@@ -153,10 +146,9 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
     throw Error(fmt::format("--label-smoothing must be in [0, 1], found {}", opt.label_smoothing));
   if (!(opt.warmup_epochs >= 0)) throw Error(fmt::format("--warmup-epochs must be >= 0, found {}", opt.warmup_epochs));
   if (opt.threads < 0) throw Error(fmt::format("--threads must be >= 0, found {}", opt.threads));
+  if (opt.num_classes && *opt.num_classes < 1)
+    throw Error(fmt::format("--num-classes must be >= 1, found {}", *opt.num_classes));
   const Device dev = choose_device(opt.device);
-  if (opt.threads > 0) {
-    omp_set_num_threads(opt.threads);  // OpenBLAS stays single-threaded (kernels/cpu/gemm.cpp)
-  }
   if (opt.micro_batch && *opt.micro_batch < 1)
     throw Error(fmt::format("--micro-batch must be >= 1 or auto, found {}", *opt.micro_batch));
   if (opt.micro_batch && *opt.micro_batch > opt.batch_size)
@@ -164,20 +156,82 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
   if (opt.memory_limit != "auto") (void)parse_size(opt.memory_limit);  // a bad size fails before any work
   if (!opt.init.empty() && !std::filesystem::exists(opt.init))
     throw Error(fmt::format("--init {}: no such file", opt.init));
-  if (!opt.out.empty()) std::filesystem::create_directories(opt.out);
+  if (opt.profile && !dev.is_cuda()) throw Error("--profile measures GPU time per op: it needs --device cuda");
+  return dev;
+}
 
-  // ---- data ---------------------------------------------------------------------------------------
+bool is_synthetic(const std::string& spec) { return spec == "synthetic" || spec.rfind("synthetic:", 0) == 0; }
+
+// The data set of --data; --num-classes chooses the class count of synthetic data and must agree
+// with a real data set's.
+data::Split load_data(const TrainOptions& opt) {
+  const bool synthetic = is_synthetic(opt.data);
+  data::Split split = data::load_dataset(opt.data, synthetic ? opt.num_classes : std::nullopt);
+  if (!synthetic && opt.num_classes && *opt.num_classes != split.train.num_classes)
+    throw Error(fmt::format("--num-classes {} does not match {}, which has {} classes (--num-classes is for "
+                            "synthetic data)", *opt.num_classes, opt.data, split.train.num_classes));
+  return split;
+}
+
+// The run's arena: --memory-limit bytes on `dev`, owned by the run. A default arena that nothing
+// else holds is given back first, so that "auto" (measured with it counted as free) fits.
+std::shared_ptr<Arena> make_arena(const TrainOptions& opt, Device dev) {
+  const std::size_t limit = parse_memory_limit(opt.memory_limit, dev);
+  release_default_arena(dev);
+  return std::make_shared<Arena>(dev, limit);
+}
+
+// The traced step's memory timeline: memory_trace.json (Perfetto) and memory.svg.
+void write_timeline(const TrainOptions& opt, Arena& arena, Device dev, std::int64_t step, const mbp::StepResult& r,
+                    std::int64_t batch) {
+  const std::filesystem::path dir(opt.out);
+  write_file(dir / "memory_trace.json", arena.trace_json());
+  mbp::TimelineOptions to;
+  to.title = fmt::format("{} (norm {}) on {}: step {}, batch {} as {} micro-batches of <= {}", opt.model, opt.norm,
+                         dev.str(), step + 1, batch, r.micro_batches, r.micro_batch);
+  to.budget = arena.capacity();
+  to.predicted_peak = r.predicted_peak;
+  write_file(dir / "memory.svg", mbp::memory_svg(arena, to));
+  arena.clear_trace();
+}
+
+void write_summary(const TrainOptions& opt, const TrainResult& result) {
+  nlohmann::json j = {{"test_accuracy", result.test_accuracy},
+                      {"test_loss", result.test_loss},
+                      {"train_loss", result.train_loss},
+                      {"images_per_second", result.images_per_second},
+                      {"peak_bytes", result.peak_bytes},
+                      {"predicted_peak_bytes", result.predicted_peak_bytes},
+                      {"memory_limit_bytes", result.memory_limit_bytes},
+                      {"micro_batch", result.micro_batch},
+                      {"micro_batches_per_step", result.micro_batches_per_step},
+                      {"oom_retries", result.oom_retries},
+                      {"steps", result.steps},
+                      {"device", result.device},
+                      {"model", opt.model},
+                      {"norm", opt.norm},
+                      {"batch_size", opt.batch_size},
+                      {"data", opt.data}};
+  write_file(std::filesystem::path(opt.out) / "summary.json", j.dump(2) + "\n");
+}
+
+}  // namespace
+
+TrainResult train(const TrainOptions& opt, std::ostream& log) {
+  const Device dev = validate(opt);
+  if (opt.threads > 0) omp_set_num_threads(opt.threads);  // OpenBLAS stays single-threaded (kernels/cpu/gemm.cpp)
+  if (!opt.out.empty()) std::filesystem::create_directories(opt.out);
 #if TALLY_HAVE_CUDA
   if (dev.is_cuda()) {
     kernels::cuda::set_allow_tf32(opt.tf32);
     if (opt.profile) kernels::cuda::set_profiling(true);
   }
 #endif
-  if (opt.profile && !dev.is_cuda()) throw Error("--profile measures GPU time per op: it needs --device cuda");
-  const data::Split split = data::load_dataset(opt.data, opt.num_classes);
+
+  // ---- data ---------------------------------------------------------------------------------------
+  const data::Split split = load_data(opt);
   const data::Dataset& train_set = split.train;
-  const bool is_mnist = opt.data.rfind("mnist", 0) == 0;
-  const bool augment = opt.augment.value_or(!is_mnist);
+  const bool augment = opt.augment.value_or(opt.data.rfind("mnist", 0) != 0);
   data::LoaderOptions lo;
   lo.batch_size = opt.batch_size;
   lo.shuffle = opt.shuffle;
@@ -193,47 +247,21 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
   const std::int64_t total_steps = opt.steps ? *opt.steps : opt.epochs * per_epoch;
   const std::int64_t epochs = (total_steps + per_epoch - 1) / per_epoch;
 
-  // ---- memory limit: the arena's capacity ----------------------------------------------------------
-  std::size_t limit = 0;
-  if (opt.memory_limit == "auto") {
-    limit = default_arena_capacity(dev);
-  } else {
-    limit = parse_size(opt.memory_limit);
-    if (limit < Arena::kAlignment)
-      throw Error(fmt::format("--memory-limit {} is below the arena's {}-byte granularity", opt.memory_limit,
-                              Arena::kAlignment));
-  }
-  configure_arena(dev, limit);
-  const std::shared_ptr<Arena> arena = current_arena(dev);
-
-  // ---- model and optimizer ----------------------------------------------------------------------
+  // ---- the budget, and the model and optimizer inside it -------------------------------------------
+  const std::shared_ptr<Arena> arena = make_arena(opt, dev);
+  ArenaScope in_budget(arena);  // every tensor of the run (evaluation too) comes from the budget
   nn::manual_seed(opt.seed);
   nn::ModelConfig mc;
   mc.name = opt.model;
   mc.in_channels = train_set.channels;
   mc.num_classes = train_set.num_classes;
   mc.norm = nn::parse_norm(opt.norm);
-  std::shared_ptr<nn::Module> model;
-  std::unique_ptr<optim::Optimizer> optimizer;
-  try {
-    model = nn::make_model(mc);
-    if (!opt.init.empty()) nn::load_state_dict(*model, opt.init);
-    if (!dev.is_cpu()) model->to(dev);
-    model->train();
-    if (opt.optimizer == "sgd") {
-      optim::SGDOptions so;
-      so.lr = opt.lr, so.momentum = opt.momentum, so.weight_decay = opt.weight_decay, so.nesterov = opt.nesterov;
-      optimizer = std::make_unique<optim::SGD>(model->parameters(), so);
-    } else {
-      optim::AdamWOptions ao;
-      ao.lr = opt.lr, ao.weight_decay = opt.weight_decay;
-      optimizer = std::make_unique<optim::AdamW>(model->parameters(), ao);
-    }
-  } catch (const OutOfMemory& e) {
-    throw OutOfMemory(fmt::format("--memory-limit {}: the {} model's parameters, gradients and {} state do not fit "
-                                  "({})", format_bytes(limit), opt.model, opt.optimizer, e.what()),
-                      e.requested());
-  }
+  OptimizerConfig oc;
+  oc.name = opt.optimizer;
+  oc.lr = opt.lr, oc.momentum = opt.momentum, oc.weight_decay = opt.weight_decay, oc.nesterov = opt.nesterov;
+  const Setup setup = build_setup(arena, mc, opt.init, oc, format_bytes(arena->capacity()));
+  nn::Module& model = *setup.model;
+  optim::Optimizer& optimizer = *setup.optimizer;
   optim::ScheduleOptions sched;
   sched.kind = opt.schedule;
   sched.base_lr = opt.lr;
@@ -241,21 +269,16 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
   sched.warmup_steps = static_cast<std::int64_t>(std::llround(opt.warmup_epochs * static_cast<double>(per_epoch)));
   const optim::LRSchedule schedule(sched);
 
-  std::int64_t params = 0;
-  for (const auto& p : model->parameters()) params += p.numel();
   fmt::print(log, "{}\n", build_info());
   fmt::print(log, "model {} (norm {}), {} parameters | data {}: {} train / {} test, {}x{}x{}, {} classes\n", opt.model,
-             opt.norm, params, train_set.name, train_set.size(), split.test.size(), train_set.channels, train_set.height,
-             train_set.width, train_set.num_classes);
+             opt.norm, setup.parameters, train_set.name, train_set.size(), split.test.size(), train_set.channels,
+             train_set.height, train_set.width, train_set.num_classes);
   fmt::print(log, "device {}{} | batch {} | {} steps ({} per epoch) | {} lr {} schedule {} | augment {} shuffle {} normalize {}\n",
-             dev.str(), dev.is_cuda() ? (opt.tf32 ? " (TF32 on)" : " (TF32 off)") : (opt.tf32 ? " (--tf32: no effect on the CPU)" : ""), opt.batch_size, total_steps, per_epoch, opt.optimizer, opt.lr, opt.schedule, augment ? "on" : "off",
+             dev.str(), dev.is_cuda() ? (opt.tf32 ? " (TF32 on)" : " (TF32 off)") : (opt.tf32 ? " (--tf32: no effect on the CPU)" : ""),
+             opt.batch_size, total_steps, per_epoch, opt.optimizer, opt.lr, opt.schedule, augment ? "on" : "off",
              opt.shuffle ? "on" : "off", opt.normalize ? "on" : "off");
-  const ArenaStats s0 = arena->stats();
-  fmt::print(log, "memory limit {}{}: parameters {}, gradients {}, optimizer state {} allocated before planning\n",
-             format_bytes(limit), opt.memory_limit == "auto" ? " (auto)" : "",
-             format_bytes(static_cast<std::size_t>(s0[Category::parameter].current)),
-             format_bytes(static_cast<std::size_t>(s0[Category::gradient].current)),
-             format_bytes(static_cast<std::size_t>(s0[Category::optimizer_state].current)));
+  fmt::print(log, "memory limit {}{}: {} allocated before planning\n", format_bytes(arena->capacity()),
+             opt.memory_limit == "auto" ? " (auto)" : "", persistent_summary(*arena));
 
   // ---- the plan -----------------------------------------------------------------------------------
   mbp::ExecutorOptions eo;
@@ -263,8 +286,8 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
   eo.loss.label_smoothing = opt.label_smoothing;
   eo.micro_batch = opt.micro_batch;
   eo.log = [&log](const std::string& line) { fmt::print(log, "\n{}\n", line); };
-  mbp::Executor executor(*model, *optimizer, eo);
-  const mbp::Plan& plan = executor.plan(opt.batch_size);
+  mbp::Executor executor(model, optimizer, arena, eo);
+  const mbp::Plan& plan = plan_step(executor, opt.batch_size, opt.micro_batch);
   fmt::print(log, "plan: {}\n", plan.summary());
   fmt::print(log, "      live at the peak: {}\n", plan.at_peak.str());
   fmt::print(log, "      {} ({} dry runs, {:.0f} ms)\n",
@@ -302,7 +325,7 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
       const auto t0 = clock::now();
       std::optional<data::Batch> b = loader.next();
       if (!b) break;
-      optimizer->set_lr(schedule.lr_at(step));
+      optimizer.set_lr(schedule.lr_at(step));
       const bool trace = step == traced_step && !opt.out.empty();
       if (trace) arena->set_tracing(true);
       if (opt.inject_oom && opt.inject_oom->first == step) arena->fail_allocation_after(opt.inject_oom->second);
@@ -314,15 +337,7 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
       const auto t1 = clock::now();
       if (trace) {
         arena->set_tracing(false);
-        const std::filesystem::path dir(opt.out);
-        write_file(dir / "memory_trace.json", arena->trace_json());
-        mbp::TimelineOptions to;
-        to.title = fmt::format("{} (norm {}) on {}: step {}, batch {} as {} micro-batches of <= {}", opt.model, opt.norm,
-                               dev.str(), step + 1, b->size, r.micro_batches, r.micro_batch);
-        to.budget = arena->capacity();
-        to.predicted_peak = r.predicted_peak;
-        write_file(dir / "memory.svg", mbp::memory_svg(*arena, to));
-        arena->clear_trace();
+        write_timeline(opt, *arena, dev, step, r, b->size);
       }
       const double dt = std::chrono::duration<double>(t1 - t0).count();
       if (step > 0) {  // the first step warms caches and is excluded from the steady-state rate
@@ -348,13 +363,13 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
       if (r.peak != r.predicted_peak && r.oom_retries == 0) ++mismatches;
       bar.update(epoch_steps, last_loss, ips, static_cast<std::int64_t>(r.peak), epoch_steps == in_epoch);
       if (metrics.is_open())
-        metrics << fmt::format("{},{},{:.6f},{:.6g},{:.2f},{},{},{},{}\n", step, epoch, last_loss, optimizer->lr(), ips,
+        metrics << fmt::format("{},{},{:.6f},{:.6g},{:.2f},{},{},{},{}\n", step, epoch, last_loss, optimizer.lr(), ips,
                                r.peak, r.predicted_peak, r.micro_batch, r.micro_batches);
     }
 #if TALLY_HAVE_CUDA
     if (opt.profile) kernels::cuda::set_profiling(false);  // the profile is of training steps
 #endif
-    ev = evaluate(*model, split.test, opt.normalize, dev, result.micro_batch);
+    ev = evaluate(model, split.test, opt.normalize, dev, result.micro_batch);
 #if TALLY_HAVE_CUDA
     if (opt.profile) kernels::cuda::set_profiling(true);
 #endif
@@ -366,13 +381,14 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
   result.test_loss = ev.loss;
   result.images_per_second = steady_seconds > 0 ? static_cast<double>(steady_images) / steady_seconds : 0;
   result.steps = step;
+
+  // ---- report --------------------------------------------------------------------------------------
   fmt::print(log, "memory: measured step peak {} ({} bytes), predicted {} ({} bytes){}, limit {}; {} out-of-memory "
              "retries\n",
              format_bytes(static_cast<std::size_t>(result.peak_bytes)), result.peak_bytes,
              format_bytes(static_cast<std::size_t>(result.predicted_peak_bytes)), result.predicted_peak_bytes,
-             mismatches == 0 ? " — exact" : fmt::format(" — {} steps differed", mismatches), format_bytes(limit),
-             result.oom_retries);
-
+             mismatches == 0 ? " — exact" : fmt::format(" — {} steps differed", mismatches),
+             format_bytes(arena->capacity()), result.oom_retries);
 #if TALLY_HAVE_CUDA
   if (opt.profile) {
     const std::string report = kernels::cuda::profile_report(fmt::format(
@@ -384,27 +400,11 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
   }
 #endif
   if (!opt.save.empty()) {
-    nn::save_state_dict(*model, opt.save);
+    nn::save_state_dict(model, opt.save);
     fmt::print(log, "saved {}\n", opt.save);
   }
   if (!opt.out.empty()) {
-    nlohmann::json j = {{"test_accuracy", result.test_accuracy},
-                        {"test_loss", result.test_loss},
-                        {"train_loss", result.train_loss},
-                        {"images_per_second", result.images_per_second},
-                        {"peak_bytes", result.peak_bytes},
-                        {"predicted_peak_bytes", result.predicted_peak_bytes},
-                        {"memory_limit_bytes", result.memory_limit_bytes},
-                        {"micro_batch", result.micro_batch},
-                        {"micro_batches_per_step", result.micro_batches_per_step},
-                        {"oom_retries", result.oom_retries},
-                        {"steps", result.steps},
-                        {"device", result.device},
-                        {"model", opt.model},
-                        {"norm", opt.norm},
-                        {"batch_size", opt.batch_size},
-                        {"data", opt.data}};
-    write_file(std::filesystem::path(opt.out) / "summary.json", j.dump(2) + "\n");
+    write_summary(opt, result);
     fmt::print(log, "wrote {0}/metrics.csv, {0}/summary.json, {0}/memory_trace.json and {0}/memory.svg\n", opt.out);
   }
   return result;

@@ -71,6 +71,15 @@ void configure_arena(Device device, std::size_t capacity) {
   slot = std::make_shared<Arena>(device, capacity);
 }
 
+bool release_default_arena(Device device) {
+  auto& d = defaults();
+  std::lock_guard<std::mutex> lock(d.mu);
+  const auto it = d.arenas.find(key(device));
+  if (it == d.arenas.end() || !it->second || it->second.use_count() != 1) return false;
+  d.arenas.erase(it);
+  return true;
+}
+
 const std::shared_ptr<Arena>& current_arena(Device device) {
   const auto& o = override_slot(device);
   if (o) return o;

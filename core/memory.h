@@ -31,6 +31,10 @@ const std::shared_ptr<Arena>& default_arena(Device device);
 // Replaces the default arena of `device` by a fresh one of `capacity` bytes. Tensors still
 // alive in the old arena keep it alive until they are freed.
 void configure_arena(Device device, std::size_t capacity);
+// Gives the default arena of `device` back when nothing but the registry holds it, so that its
+// reservation is free for an arena the caller builds itself (a later default_arena() creates a
+// fresh one). Returns whether it did.
+bool release_default_arena(Device device);
 // Default capacity for `device` when none was configured.
 std::size_t default_arena_capacity(Device device);
 

@@ -6,7 +6,7 @@
 #include <fmt/format.h>
 
 #include "core/memory.h"
-#include "layers/data.h"
+#include "data/data.h"
 #include "layers/resnet.h"
 #include "mbp/executor.h"
 #include "optim/optimizer.h"

@@ -4,7 +4,7 @@
 
 #include "core/ops.h"
 #include "layers/checkpoint.h"
-#include "layers/data.h"
+#include "data/data.h"
 #include "layers/resnet.h"
 #include "optim/optimizer.h"
 

@@ -102,12 +102,16 @@ Tensor first_parameter(const nn::Module& m) {
 }  // namespace
 
 Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, ExecutorOptions options)
+    : Executor(model, optimizer, current_arena(first_parameter(model).device()), std::move(options)) {}
+
+Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_ptr<Arena> arena,
+                   ExecutorOptions options)
     : model_(model),
       optimizer_(optimizer),
       opt_(std::move(options)),
       device_(first_parameter(model).device()),
       dtype_(first_parameter(model).dtype()),
-      arena_(current_arena(device_)),
+      arena_(std::move(arena)),
       planner_(arena_, [this](const std::vector<std::int64_t>& sizes) { run_step(nullptr, nullptr, sizes, nullptr); }),
       bns_(nn::batch_norm_layers(model)),
       moments_(bns_.size()),
@@ -119,12 +123,20 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, ExecutorOptio
     sample_numel_ *= d;
   }
   if (opt_.micro_batch && *opt_.micro_batch < 1)
-    throw Error(fmt::format("--micro-batch must be >= 1, found {}", *opt_.micro_batch));
+    throw Error(fmt::format("MBP executor: the micro-batch size must be >= 1, found {}", *opt_.micro_batch));
   if (opt_.max_oom_retries < 0) throw Error("MBP executor: max_oom_retries must be >= 0");
-  for (const Tensor& p : model.parameters())
+  if (!arena_) throw Error("MBP executor: expected an arena to run on, found none");
+  if (arena_->device() != device_)
+    throw Error(fmt::format("MBP executor: the arena is on {} but the model's parameters are on {}",
+                            arena_->device().str(), device_.str()));
+  for (const auto& [name, p] : model.named_parameters()) {
     if (!p.grad().defined())
       throw Error(fmt::format("MBP executor: parameter {} has no gradient buffer; the planner counts gradients, so "
-                              "they must exist before planning (Module::zero_grad allocates them)", p.str()));
+                              "they must exist before planning (Module::zero_grad allocates them)", name));
+    if (p.storage()->arena() != arena_ || p.grad().storage()->arena() != arena_)
+      throw Error(fmt::format("MBP executor: parameter {} (or its gradient) lives in another arena than the one the "
+                              "executor runs on; build the model inside an ArenaScope of that arena", name));
+  }
 }
 
 Executor::~Executor() = default;
@@ -185,6 +197,7 @@ Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels
 #endif
 
   EnableGradGuard grad_on;  // the step records its tape even if the caller is in a NoGradGuard
+  // The arena in scope: arena_ in a real step, the planner's virtual clone of it in a dry run.
   const auto& arena = current_arena(device_);
   // The loss of the step, summed where it is computed: read once, after the optimizer step.
   Tensor total = Tensor::zeros({}, dtype_, device_, Category::temporary, "step_loss");

@@ -59,8 +59,11 @@ struct StepResult {
 
 class Executor {
  public:
-  // The model's parameters, gradient buffers and the optimizer's state must exist already (the
-  // planner counts them). The model's device and dtype are those of its first parameter.
+  // Runs on `arena`, the budget of the plan: the model's parameters and gradient buffers must live
+  // in it, and they and the optimizer's state must exist already (the planner counts them). The
+  // model's device and dtype are those of its first parameter.
+  Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_ptr<Arena> arena, ExecutorOptions options);
+  // Convenience: on the current arena of the model's device (core/memory.h).
   Executor(nn::Module& model, optim::Optimizer& optimizer, ExecutorOptions options);
 
   // The plan for a batch of `batch` samples under the current limit (cached).

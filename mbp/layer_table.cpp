@@ -93,15 +93,16 @@ class Observer : public nn::ForwardObserver {
 
 }  // namespace
 
-std::vector<LayerRow> layer_table(nn::Module& model, const Shape& sample_shape, std::int64_t batch) {
+std::vector<LayerRow> layer_table(nn::Module& model, const Arena& arena, const Shape& sample_shape, std::int64_t batch) {
   const auto params = model.parameters();
   if (params.empty()) throw Error("layer_table: the model has no parameters");
   if (batch < 1) throw Error(fmt::format("layer_table: batch must be >= 1, found {}", batch));
   const Device dev = params.front().device();
   std::map<const nn::Module*, Info> info;
   index(model, "", 0, info);
-  const auto& real = current_arena(dev);
-  auto v = unbounded_clone(*real);
+  if (arena.device() != dev)
+    throw Error(fmt::format("layer_table: the arena is on {} but the model is on {}", arena.device().str(), dev.str()));
+  auto v = unbounded_clone(arena);
   Observer obs(info, *v);
   {
     DryRunGuard dry;

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "core/arena.h"
 #include "core/tensor.h"
 #include "layers/module.h"
 
@@ -26,8 +27,9 @@ struct LayerRow {
   std::int64_t workspace_bytes = 0; // largest workspace during the call
 };
 
-// Rows in call order for a batch of `batch` samples of `sample_shape` on `model`'s device.
-std::vector<LayerRow> layer_table(nn::Module& model, const Shape& sample_shape, std::int64_t batch);
+// Rows in call order for a batch of `batch` samples of `sample_shape`; `arena` holds the model
+// (the dry forward runs on an unbounded virtual clone of it).
+std::vector<LayerRow> layer_table(nn::Module& model, const Arena& arena, const Shape& sample_shape, std::int64_t batch);
 
 // A fixed-width text table (kept bytes shown per sample) with totals.
 std::string format_layer_table(const std::vector<LayerRow>& rows, std::int64_t batch);

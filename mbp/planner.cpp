@@ -133,7 +133,7 @@ void Planner::throw_too_small(std::int64_t batch, std::int64_t m, const std::str
 const Plan& Planner::plan(std::int64_t batch, std::optional<std::int64_t> micro_batch, std::int64_t max_micro_batch) {
   if (batch < 1) throw Error(fmt::format("plan: batch size must be >= 1, found {}", batch));
   if (micro_batch && (*micro_batch < 1 || *micro_batch > batch))
-    throw Error(fmt::format("--micro-batch must be between 1 and the batch size {}, found {}", batch, *micro_batch));
+    throw Error(fmt::format("plan: a fixed micro-batch size must be between 1 and the batch size {}, found {}", batch, *micro_batch));
   if (max_micro_batch < 1) throw Error(fmt::format("plan: upper limit on the micro-batch must be >= 1, found {}", max_micro_batch));
   const auto key = std::make_tuple(batch, arena_->capacity(), std::min(max_micro_batch, batch), micro_batch.value_or(0));
   if (auto it = cache_.find(key); it != cache_.end()) return it->second;
@@ -181,7 +181,7 @@ const Plan& Planner::plan(std::int64_t batch, std::optional<std::int64_t> micro_
     full = probe(sizes, true);
     if (full.fits) break;
     if (!full.error.empty()) throw Error(fmt::format("micro-batches of {} cannot run: {}", m, full.error));
-    if (micro_batch) throw_too_small(batch, m, fmt::format("--micro-batch {} does not fit", m));
+    if (micro_batch) throw_too_small(batch, m, fmt::format("the fixed micro-batch of {} does not fit", m));
     if (m == 1) throw_too_small(batch, 1, "not even one sample fits");
     --m;
   }

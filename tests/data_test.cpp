@@ -1,9 +1,9 @@
-// tests/data_test.cpp — data sets and the batch loader (layers/data.h).
+// tests/data_test.cpp — data sets and the batch loader (data/data.h).
 //
 // File formats are tested on tiny MNIST / CIFAR-10 / CIFAR-100 files written here into a temporary
 // directory: a clean set must read back exactly, and every kind of damage must throw
 // tally::FormatError whose message names the file and says what was expected and found.
-#include "layers/data.h"
+#include "data/data.h"
 
 #include <unistd.h>
 
@@ -497,9 +497,9 @@ TEST(Synthetic, BadShapesAndClassCountsAreClearErrors) {
   }
   try {
     load_dataset("synthetic", 0);
-    ADD_FAILURE() << "--num-classes 0 accepted";
+    ADD_FAILURE() << "a class count of 0 accepted";
   } catch (const Error& e) {
-    expect_contains(e.what(), {"--num-classes", "0"});
+    expect_contains(e.what(), {"class count", "0"});
   }
 }
 
@@ -511,7 +511,7 @@ TEST(LoadDataset, NumClassesMustMatchARealDataSet) {
     load_dataset("cifar10:" + dir.path().string(), 7);
     ADD_FAILURE() << "a class count that contradicts the data set was accepted";
   } catch (const Error& e) {
-    expect_contains(e.what(), {"--num-classes 7", "10 classes"});
+    expect_contains(e.what(), {"7 classes asked for", "10 classes"});
   }
 }
 

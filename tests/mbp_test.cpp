@@ -522,7 +522,7 @@ TEST_F(Mbp, ExplicitMicroBatchThatCannotFitIsAnErrorWithTheBreakdown) {
     FAIL() << "expected OutOfMemory";
   } catch (const OutOfMemory& e) {
     const std::string w = e.what();
-    EXPECT_NE(w.find("--micro-batch 64 does not fit"), std::string::npos) << w;
+    EXPECT_NE(w.find("the fixed micro-batch of 64 does not fit"), std::string::npos) << w;
     EXPECT_NE(w.find("activation"), std::string::npos) << w;
   }
 }
@@ -548,9 +548,56 @@ TEST_F(Mbp, PlansAreCachedAndErrorsOnBadSizes) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// The budget as an argument: the executor runs on the arena it is given, not on a default one,
+// and refuses a model whose parameters live elsewhere.
+TEST_F(Mbp, ExecutorRunsOnTheArenaItIsGivenAndChecksTheParametersLiveThere) {
+  const Shape sample{3, 16, 16};
+  const auto budget = std::make_shared<Arena>(Device::cpu(), parse_size("24MiB"));
+  std::shared_ptr<nn::Module> m;
+  std::unique_ptr<optim::SGD> opt;
+  {
+    ArenaScope in_budget(budget);
+    m = model("resnet20", "batch");
+    opt = sgd(*m);
+  }
+  const auto& fallback = default_arena(Device::cpu());
+  const std::int64_t fallback_before = fallback->stats().total.peak;
+  mbp::ExecutorOptions eo;
+  eo.sample_shape = sample;
+  mbp::Executor ex(*m, *opt, budget, eo);
+  EXPECT_EQ(ex.arena(), budget);
+  const Data d = make_data(40, sample, 9);
+  const mbp::StepResult r = ex.step(d.images.data(), d.labels.data(), 40);
+  EXPECT_EQ(r.peak, r.predicted_peak);
+  EXPECT_LE(r.peak, budget->capacity());
+  EXPECT_GT(budget->stats()[Category::activation].peak, 0);
+  EXPECT_EQ(fallback->stats().total.peak, fallback_before) << "the default arena was used";
+
+  const auto elsewhere = std::make_shared<Arena>(Device::cpu(), parse_size("24MiB"));
+  try {
+    mbp::Executor wrong(*m, *opt, elsewhere, eo);
+    ADD_FAILURE() << "an executor on an arena that does not hold the parameters was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("another arena"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Memory, ReleaseDefaultArenaOnlyWhenNothingElseHoldsIt) {
+  configure_arena(Device::cpu(), parse_size("8MiB"));
+  {
+    const std::shared_ptr<Arena> held = default_arena(Device::cpu());
+    EXPECT_FALSE(release_default_arena(Device::cpu()));
+    EXPECT_EQ(default_arena(Device::cpu()), held);
+  }
+  EXPECT_TRUE(release_default_arena(Device::cpu()));
+  EXPECT_FALSE(release_default_arena(Device::cpu()));  // nothing left to release
+  EXPECT_EQ(default_arena(Device::cpu())->capacity(), kDefaultCpuArenaBytes);  // a fresh default on next use
+}
+
+// ---------------------------------------------------------------------------------------------
 TEST_F(Mbp, LayerTableAccountsEveryLayer) {
   auto m = model("resnet20", "batch");
-  const auto rows = mbp::layer_table(*m, {3, 32, 32}, 4);
+  const auto rows = mbp::layer_table(*m, *current_arena(Device::cpu()), {3, 32, 32}, 4);
   std::int64_t params = 0, kept = 0;
   bool saw_conv1 = false, saw_fc = false;
   for (const auto& r : rows) {

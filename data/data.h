@@ -1,4 +1,4 @@
-// layers/data.h — data sets in host memory and a batch loader with one batch of prefetch.
+// data/data.h — data sets in host memory and a batch loader with one batch of prefetch.
 //
 // Data sets (all images are float in [0,1], layout (N, C, H, W); labels int64 in [0, classes)):
 //   * MNIST: the four uncompressed IDX files. Header big-endian int32: magic (2051 images,

@@ -1,11 +1,11 @@
-// layers/data.cpp — see layers/data.h.
+// data/data.cpp — see data/data.h.
 //
 // Note [Portable randomness]: the shuffles, the augmentation draws and the synthetic images
 // use only a splitmix64-style integer hash and generator written here — never the <random>
 // distributions, whose outputs differ between standard libraries — and the synthetic images are
 // computed in integer pixel levels (0..255) before the single conversion to float, so no
 // floating-point contraction or rounding difference can change them between machines.
-#include "layers/data.h"
+#include "data/data.h"
 
 #include <algorithm>
 #include <array>
@@ -683,7 +683,7 @@ std::optional<std::array<std::int64_t, 3>> parse_chw(const std::string& t) {
 
 Split load_dataset(const std::string& spec, std::optional<std::int64_t> num_classes) {
   if (num_classes && *num_classes < 1)
-    throw Error(fmt::format("--num-classes must be >= 1, found {}", *num_classes));
+    throw Error(fmt::format("load_dataset: the class count must be >= 1, found {}", *num_classes));
   if (spec == "synthetic" || spec.rfind("synthetic:", 0) == 0) {
     SyntheticOptions o;
     if (spec != "synthetic") {
@@ -712,8 +712,8 @@ Split load_dataset(const std::string& spec, std::optional<std::int64_t> num_clas
                             "mnist:DIR, cifar10:DIR, cifar100:DIR",
                             spec));
   if (num_classes && *num_classes != s.train.num_classes)
-    throw Error(fmt::format("--num-classes {} does not match {}, which has {} classes (--num-classes is for "
-                            "synthetic data)", *num_classes, spec, s.train.num_classes));
+    throw Error(fmt::format("load_dataset: {} classes asked for, but {} has {} classes (a class count is chosen "
+                            "for synthetic data only)", *num_classes, spec, s.train.num_classes));
   return s;
 }
 

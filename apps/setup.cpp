@@ -1,0 +1,104 @@
+// apps/setup.cpp — see apps/setup.h.
+#include "apps/setup.h"
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "core/memory.h"
+#include "layers/checkpoint.h"
+
+namespace tally::app {
+
+std::optional<std::int64_t> parse_positive_integer(const std::string& s) {
+  if (s.empty() || !std::all_of(s.begin(), s.end(), [](char c) { return c >= '0' && c <= '9'; })) return std::nullopt;
+  try {
+    const long long v = std::stoll(s);
+    if (v < 1) return std::nullopt;
+    return v;
+  } catch (const std::exception&) {
+    return std::nullopt;  // out of range
+  }
+}
+
+std::optional<std::int64_t> parse_micro_batch(const std::string& s) {
+  if (s == "auto") return std::nullopt;
+  const auto v = parse_positive_integer(s);
+  if (!v) throw Error(fmt::format("--micro-batch '{}': expected a positive integer or auto", s));
+  return v;
+}
+
+void check_choice(const std::string& flag, const std::string& value, const std::vector<std::string>& allowed) {
+  if (std::find(allowed.begin(), allowed.end(), value) != allowed.end()) return;
+  throw Error(fmt::format("{} '{}' is not allowed: expected one of {}", flag, value, fmt::join(allowed, ", ")));
+}
+
+const std::vector<std::string>& norm_names() {
+  static const std::vector<std::string> v{"batch", "group", "none"};
+  return v;
+}
+
+const std::vector<std::string>& optimizer_names() {
+  static const std::vector<std::string> v{"sgd", "adamw"};
+  return v;
+}
+
+std::string choices(const std::vector<std::string>& names) { return fmt::format("{}", fmt::join(names, "|")); }
+
+std::size_t parse_memory_limit(const std::string& text, Device dev) {
+  if (text == "auto") return default_arena_capacity(dev);
+  const std::size_t limit = parse_size(text);
+  if (limit < Arena::kAlignment)
+    throw Error(fmt::format("--memory-limit {} is below the arena's {}-byte granularity", text, Arena::kAlignment));
+  return limit;
+}
+
+Setup build_setup(const std::shared_ptr<Arena>& arena, const nn::ModelConfig& model, const std::string& init,
+                  const OptimizerConfig& optimizer, const std::string& limit_text) {
+  check_choice("--optimizer", optimizer.name, optimizer_names());
+  const Device dev = arena->device();
+  ArenaScope scope(arena);
+  Setup s;
+  try {
+    s.model = nn::make_model(model);
+    if (!init.empty()) nn::load_state_dict(*s.model, init);
+    if (!dev.is_cpu()) s.model->to(dev);
+    s.model->train();
+    if (optimizer.name == "sgd") {
+      optim::SGDOptions so;
+      so.lr = optimizer.lr, so.momentum = optimizer.momentum, so.weight_decay = optimizer.weight_decay;
+      so.nesterov = optimizer.nesterov;
+      s.optimizer = std::make_unique<optim::SGD>(s.model->parameters(), so);
+    } else {
+      optim::AdamWOptions ao;
+      ao.lr = optimizer.lr, ao.weight_decay = optimizer.weight_decay;
+      s.optimizer = std::make_unique<optim::AdamW>(s.model->parameters(), ao);
+    }
+  } catch (const OutOfMemory& e) {
+    throw OutOfMemory(fmt::format("--memory-limit {}: the {} model's parameters, gradients and {} state do not fit "
+                                  "({})", limit_text, model.name, optimizer.name, e.what()),
+                      e.requested());
+  }
+  for (const auto& p : s.model->parameters()) s.parameters += p.numel();
+  return s;
+}
+
+std::string persistent_summary(const Arena& arena) {
+  const ArenaStats s = arena.stats();
+  return fmt::format("parameters {}, gradients {}, optimizer state {}",
+                     format_bytes(static_cast<std::size_t>(s[Category::parameter].current)),
+                     format_bytes(static_cast<std::size_t>(s[Category::gradient].current)),
+                     format_bytes(static_cast<std::size_t>(s[Category::optimizer_state].current)));
+}
+
+const mbp::Plan& plan_step(mbp::Executor& executor, std::int64_t batch, std::optional<std::int64_t> micro_batch) {
+  try {
+    return executor.plan(batch);
+  } catch (const OutOfMemory& e) {
+    if (!micro_batch) throw;
+    throw OutOfMemory(fmt::format("--micro-batch {}: {}", *micro_batch, e.what()), e.requested());
+  }
+}
+
+}  // namespace tally::app

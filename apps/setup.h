@@ -1,0 +1,68 @@
+// apps/setup.h — what `tally train` and `tally plan` build alike, written once.
+//
+// The memory budget travels as an object, not through a global: the app turns --memory-limit
+// into an arena (a real one for `train`, a virtual one for `plan`), builds the model and the
+// optimizer inside it, and hands it to the MBP executor, whose planner dry-runs on clones of it:
+//
+//   --memory-limit  ->  Arena  ->  build_setup (model, optimizer)  ->  mbp::Executor  ->  Planner
+//
+// Option checks that both commands share live here too, so a flag's allowed values are written
+// in one place (the model names come from nn::model_names()).
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/arena.h"
+#include "core/device.h"
+#include "layers/module.h"
+#include "layers/resnet.h"
+#include "mbp/executor.h"
+#include "optim/optimizer.h"
+
+namespace tally::app {
+
+// "12" -> 12; anything but a whole positive number (a sign, a suffix, empty) -> nullopt.
+std::optional<std::int64_t> parse_positive_integer(const std::string& s);
+// --micro-batch: "auto" (nullopt) or a positive integer; anything else is an error naming the flag.
+std::optional<std::int64_t> parse_micro_batch(const std::string& s);
+
+// Throws an Error naming `flag`, the value found and the allowed values unless `value` is one of them.
+void check_choice(const std::string& flag, const std::string& value, const std::vector<std::string>& allowed);
+// The values of --model, --norm and --optimizer, for checks and for the command line's help.
+const std::vector<std::string>& norm_names();
+const std::vector<std::string>& optimizer_names();
+std::string choices(const std::vector<std::string>& names);  // "a|b|c"
+
+// --memory-limit: a size ("48MiB", "2GiB") or "auto" (core/memory.h's default capacity for the device).
+std::size_t parse_memory_limit(const std::string& text, Device dev);
+
+struct OptimizerConfig {
+  std::string name = "sgd";  // sgd | adamw
+  double lr = 0.1, momentum = 0.9, weight_decay = 5e-4;
+  bool nesterov = false;
+};
+
+struct Setup {
+  std::shared_ptr<nn::Module> model;
+  std::unique_ptr<optim::Optimizer> optimizer;
+  std::int64_t parameters = 0;  // elements
+};
+
+// The model (from `init`'s safetensors weights if not empty, then on `arena`'s device, in training
+// mode) and its optimizer, every persistent byte — parameters, gradients, optimizer state — in
+// `arena`. When they do not fit, an OutOfMemory names the budget (`limit_text`, as the user wrote
+// it), the model and the optimizer.
+Setup build_setup(const std::shared_ptr<Arena>& arena, const nn::ModelConfig& model, const std::string& init,
+                  const OptimizerConfig& optimizer, const std::string& limit_text);
+
+// "parameters 1.1 MiB, gradients 1.0 MiB, optimizer state 1.0 MiB": the persistent bytes in `arena`.
+std::string persistent_summary(const Arena& arena);
+
+// executor.plan(batch), with an explicit micro-batch's failure named by its flag.
+const mbp::Plan& plan_step(mbp::Executor& executor, std::int64_t batch, std::optional<std::int64_t> micro_batch);
+
+}  // namespace tally::app
