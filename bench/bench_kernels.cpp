@@ -92,7 +92,7 @@ struct Labels {
     template <class... A> static void conv_fwd(A... a) { NS::conv2d_forward<float>(a...); }      \
     template <class... A> static void conv_bwd_data(A... a) { NS::conv2d_backward_data<float>(a...); } \
     template <class... A> static void conv_bwd_filter(A... a) { NS::conv2d_backward_filter<float>(a...); } \
-    static std::size_t conv_ws(const kc::Conv2dShape& s, tally::kernels::ConvPass p) { return NS::conv2d_workspace_bytes<float>(s, p); } \
+    static std::size_t conv_ws(const tally::kernels::Conv2dShape& s, tally::kernels::ConvPass p) { return NS::conv2d_workspace_bytes<float>(s, p); } \
     template <class... A> static void bn_fwd(A... a) { NS::batch_norm_forward_train<float>(a...); } \
     static std::size_t bn_ws(i64 N, i64 C, i64 HW) { return NS::batch_norm_workspace_bytes(N, C, HW); } \
     template <class... A> static void bn_bwd(A... a) { NS::batch_norm_backward<float>(a...); }  \
@@ -130,14 +130,14 @@ void BM_Gemm(benchmark::State& st) {
 }
 
 // ResNet layer shapes: {N, C, H, W, K, R, stride}.
-kc::Conv2dShape conv_shape(const benchmark::State& st) {
-  kc::Conv2dShape s;
+tally::kernels::Conv2dShape conv_shape(const benchmark::State& st) {
+  tally::kernels::Conv2dShape s;
   s.N = st.range(0), s.C = st.range(1), s.H = s.W = st.range(2), s.K = st.range(3), s.R = s.S = st.range(4);
   s.stride_h = s.stride_w = st.range(5);
   s.pad_h = s.pad_w = s.R / 2;
   return s;
 }
-double conv_flops(const kc::Conv2dShape& s) {
+double conv_flops(const tally::kernels::Conv2dShape& s) {
   return 2.0 * static_cast<double>(s.N * s.K * s.P() * s.Q()) * static_cast<double>(s.C * s.R * s.S / s.groups);
 }
 
@@ -145,7 +145,7 @@ using tally::kernels::ConvPass;
 
 template <class B, ConvPass pass>
 void BM_Conv(benchmark::State& st) {
-  const kc::Conv2dShape s = conv_shape(st);
+  const tally::kernels::Conv2dShape s = conv_shape(st);
   const std::size_t xs = s.N * s.C * s.H * s.W, ws = s.K * s.C * s.R * s.S, ys = s.N * s.K * s.P() * s.Q();
   std::vector<std::unique_ptr<Buffer>> x, dy;
   for (int r = 0; r < kRotate; ++r) {

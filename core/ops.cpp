@@ -96,8 +96,8 @@ i64 spatial(const Tensor& x) {
 // =============================================================================================
 // conv2d
 namespace {
-kc::Conv2dShape conv_shape(const Tensor& x, const Tensor& w, const Conv2dOptions& o) {
-  kc::Conv2dShape s;
+kernels::Conv2dShape conv_shape(const Tensor& x, const Tensor& w, const Conv2dOptions& o) {
+  kernels::Conv2dShape s;
   s.N = x.size(0); s.C = x.size(1); s.H = x.size(2); s.W = x.size(3);
   s.K = w.size(0); s.R = w.size(2); s.S = w.size(3);
   s.stride_h = o.stride[0]; s.stride_w = o.stride[1];
@@ -112,7 +112,7 @@ kc::Conv2dShape conv_shape(const Tensor& x, const Tensor& w, const Conv2dOptions
 
 struct Conv2dBackward : Node {
   Saved<2> saved;  // x, weight
-  kc::Conv2dShape s;
+  kernels::Conv2dShape s;
   bool has_bias;
   const char* name() const override { return "conv2d"; }
   void release() override { saved.release(); }
@@ -163,7 +163,7 @@ Tensor conv2d(const Tensor& x_, const Tensor& w_, const Tensor& b, const Conv2dO
                                  w_.size(1) * o.groups, o.groups, x_.str()));
   check_matching(op, x_, b, "bias", w_.size(0));
   const Tensor x = x_.contiguous(), w = w_.contiguous();
-  const kc::Conv2dShape s = conv_shape(x, w, o);
+  const kernels::Conv2dShape s = conv_shape(x, w, o);
   if (s.P() < 1 || s.Q() < 1)
     throw ShapeError(fmt::format("conv2d: input {} is too small for kernel {}x{} with padding ({}, {}) and dilation ({}, {})",
                                  x.str(), s.R, s.S, s.pad_h, s.pad_w, s.dil_h, s.dil_w));
@@ -580,7 +580,7 @@ void add_into(Tensor& dst, const Tensor& src_) {
 // =============================================================================================
 // pooling
 namespace {
-kc::Pool2dShape pool_shape(const Tensor& x, std::array<i64, 2> k, std::array<i64, 2> s, std::array<i64, 2> p,
+kernels::Pool2dShape pool_shape(const Tensor& x, std::array<i64, 2> k, std::array<i64, 2> s, std::array<i64, 2> p,
                            const char* op) {
   check_dim(op, "input", x, 4);
   check_floating(op, x);
@@ -589,14 +589,14 @@ kc::Pool2dShape pool_shape(const Tensor& x, std::array<i64, 2> k, std::array<i64
                                  "padding ({}, {})", op, k[0], k[1], s[0], s[1], p[0], p[1]));
   if (p[0] * 2 > k[0] || p[1] * 2 > k[1])
     throw ShapeError(fmt::format("{}: padding ({}, {}) must be at most half the kernel ({}, {})", op, p[0], p[1], k[0], k[1]));
-  kc::Pool2dShape ps{x.size(0), x.size(1), x.size(2), x.size(3), k[0], k[1], s[0], s[1], p[0], p[1]};
+  kernels::Pool2dShape ps{x.size(0), x.size(1), x.size(2), x.size(3), k[0], k[1], s[0], s[1], p[0], p[1]};
   if (ps.H + 2 * ps.pad_h < ps.kh || ps.W + 2 * ps.pad_w < ps.kw)
     throw ShapeError(fmt::format("{}: input {} is smaller than the kernel ({}, {})", op, x.str(), k[0], k[1]));
   return ps;
 }
 
 struct MaxPoolBackward : Node {
-  kc::Pool2dShape s;
+  kernels::Pool2dShape s;
   Tensor argmax;  // int32 (N, C, P, Q), category activation
   Shape in_shape;
   DType dtype;
@@ -612,7 +612,7 @@ struct MaxPoolBackward : Node {
 };
 
 struct AvgPoolBackward : Node {
-  kc::Pool2dShape s;
+  kernels::Pool2dShape s;
   bool count_include_pad;
   bool adaptive;
   i64 OH, OW;
@@ -631,7 +631,7 @@ struct AvgPoolBackward : Node {
 }  // namespace
 
 Tensor max_pool2d(const Tensor& x_, std::array<i64, 2> kernel, std::array<i64, 2> stride, std::array<i64, 2> padding) {
-  const kc::Pool2dShape s = pool_shape(x_, kernel, stride, padding, "max_pool2d");
+  const kernels::Pool2dShape s = pool_shape(x_, kernel, stride, padding, "max_pool2d");
   const Tensor x = x_.contiguous();
   Tensor y = out_like(x, {s.N, s.C, s.P(), s.Q()}, "max_pool2d");
   const bool need = any_requires_grad({&x_});
@@ -653,7 +653,7 @@ Tensor max_pool2d(const Tensor& x_, std::array<i64, 2> kernel, std::array<i64, 2
 
 Tensor avg_pool2d(const Tensor& x_, std::array<i64, 2> kernel, std::array<i64, 2> stride, std::array<i64, 2> padding,
                   bool count_include_pad) {
-  const kc::Pool2dShape s = pool_shape(x_, kernel, stride, padding, "avg_pool2d");
+  const kernels::Pool2dShape s = pool_shape(x_, kernel, stride, padding, "avg_pool2d");
   const Tensor x = x_.contiguous();
   Tensor y = out_like(x, {s.N, s.C, s.P(), s.Q()}, "avg_pool2d");
   TALLY_RUN("avg_pool2d", x, kk::avg_pool2d_forward<T>(s, count_include_pad, x.data<T>(), y.data<T>()));
@@ -681,7 +681,7 @@ Tensor adaptive_avg_pool2d(const Tensor& x_, std::array<i64, 2> out) {
   TALLY_RUN(op, x, kk::adaptive_avg_pool2d_forward<T>(N, C, H, W, out[0], out[1], x.data<T>(), y.data<T>()));
   if (any_requires_grad({&x_})) {
     auto n = std::make_shared<AvgPoolBackward>();
-    n->s = kc::Pool2dShape{N, C, H, W, 1, 1, 1, 1};
+    n->s = kernels::Pool2dShape{N, C, H, W, 1, 1, 1, 1};
     n->adaptive = true;
     n->OH = out[0], n->OW = out[1];
     n->in_shape = x.shape();

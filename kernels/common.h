@@ -12,6 +12,7 @@
 //     and receives a `void* workspace` of at least that size, carved from the arena by core/.
 //   * Integer labels are int64 (PyTorch's torch.long); pooling argmax indices are int32.
 #pragma once
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
@@ -20,4 +21,38 @@ using i64 = std::int64_t;
 
 // The three passes of a convolution; each has its own workspace (conv2d_workspace_bytes).
 enum class ConvPass { forward, backward_data, backward_filter };
+
+// A 2-d convolution, as both backends take it.
+struct Conv2dShape {
+  i64 N, C, H, W;      // input  (N, C, H, W)
+  i64 K, R, S;         // weight (K, C / groups, R, S); output (N, K, P, Q)
+  i64 stride_h = 1, stride_w = 1, pad_h = 0, pad_w = 0, dil_h = 1, dil_w = 1, groups = 1;
+  // The most workspace one pass may take (CUDA: cuDNN's algorithm is chosen under it; core/ sets
+  // it from the arena's budget, docs/gpu.md). The CPU's im2col workspace is fixed by the shape.
+  std::size_t workspace_limit = std::size_t(64) << 20;
+  i64 P() const { return (H + 2 * pad_h - dil_h * (R - 1) - 1) / stride_h + 1; }
+  i64 Q() const { return (W + 2 * pad_w - dil_w * (S - 1) - 1) / stride_w + 1; }
+};
+
+// A 2-d pooling window, as both backends take it.
+struct Pool2dShape {
+  i64 N, C, H, W;
+  i64 kh, kw, stride_h, stride_w, pad_h = 0, pad_w = 0;
+  i64 P() const { return (H + 2 * pad_h - kh) / stride_h + 1; }
+  i64 Q() const { return (W + 2 * pad_w - kw) / stride_w + 1; }
+};
+
+// AdamW's per-step scalars (PyTorch's formulas), formed on the host in double from the step t >= 1
+// and then rounded once to T: both backends' updates use exactly these.
+struct AdamWFactors {
+  double step_size;  // lr / (1 - beta1^t)
+  double bc2_sqrt;   // sqrt(1 - beta2^t)
+  double decay;      // 1 - lr * weight_decay
+  double w1, w2;     // 1 - beta1, 1 - beta2 (lerp weights)
+};
+inline AdamWFactors adamw_factors(double lr, double beta1, double beta2, double weight_decay, i64 step) {
+  const double t = static_cast<double>(step);
+  return {lr / (1.0 - std::pow(beta1, t)), std::sqrt(1.0 - std::pow(beta2, t)), 1.0 - lr * weight_decay,
+          1.0 - beta1, 1.0 - beta2};
+}
 }  // namespace tally::kernels

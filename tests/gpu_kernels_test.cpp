@@ -315,13 +315,13 @@ TEST(GpuKernels, GemmWithTf32AllowedStaysWithinTf32Accuracy) {
 namespace {
 struct ConvCase {
   const char* name;
-  kc::Conv2dShape s;
+  tally::kernels::Conv2dShape s;
   bool bias;
 };
 
-kc::Conv2dShape conv_shape(i64 N, i64 C, i64 H, i64 W, i64 K, i64 R, i64 S, i64 stride, i64 pad, i64 dil, i64 groups,
+tally::kernels::Conv2dShape conv_shape(i64 N, i64 C, i64 H, i64 W, i64 K, i64 R, i64 S, i64 stride, i64 pad, i64 dil, i64 groups,
                            std::size_t limit = std::size_t(64) << 20) {
-  kc::Conv2dShape s;
+  tally::kernels::Conv2dShape s;
   s.N = N, s.C = C, s.H = H, s.W = W, s.K = K, s.R = R, s.S = S;
   s.stride_h = s.stride_w = stride;
   s.pad_h = s.pad_w = pad;
@@ -355,7 +355,7 @@ std::vector<ConvCase> conv_cases() {
 // Runs every pass of `s` on the GPU and the CPU from the same random inputs and compares (beta 0
 // with NaN-poisoned outputs, beta 1 from random values); each pass gets exactly its own
 // workspace, so memcheck sees a pass that uses more.
-void check_conv(const kc::Conv2dShape& s, bool bias, double tol) {
+void check_conv(const tally::kernels::Conv2dShape& s, bool bias, double tol) {
   const auto seed = fresh_seed();
   SCOPED_TRACE(testing::Message() << "seed " << seed << "\n" << kg::conv2d_plan_description(s));
   std::mt19937 rng(seed);
@@ -429,7 +429,7 @@ TEST(GpuKernels, ConvolutionWorkspaceFollowsTheLimit) {
   for (const ConvCase& c : conv_cases()) {
     SCOPED_TRACE(c.name);
     for (ConvPass pass : {ConvPass::forward, ConvPass::backward_data, ConvPass::backward_filter}) {
-      kc::Conv2dShape s = c.s;
+      tally::kernels::Conv2dShape s = c.s;
       s.workspace_limit = std::size_t(1) << 30;
       const std::size_t wide = kg::conv2d_workspace_bytes<float>(s, pass);
       if (wide == 0) continue;
@@ -442,7 +442,7 @@ TEST(GpuKernels, ConvolutionWorkspaceFollowsTheLimit) {
         EXPECT_NE(std::string(e.what()).find("workspace limit of"), std::string::npos) << e.what();
       }
     }
-    kc::Conv2dShape s = c.s;
+    tally::kernels::Conv2dShape s = c.s;
     s.workspace_limit = 0;
     try {
       for (ConvPass pass : {ConvPass::forward, ConvPass::backward_data, ConvPass::backward_filter})
@@ -462,7 +462,7 @@ TEST(GpuKernels, ConvolutionEveryCudnnAlgorithmAtResNetShapes) {
   REQUIRE_GPU();
   cudnnHandle_t h = kg::detail::cudnn();
   for (const ConvCase& c : conv_cases()) {
-    const kc::Conv2dShape& s = c.s;
+    const tally::kernels::Conv2dShape& s = c.s;
     if (s.N * s.C * s.H * s.W < 20000) continue;
     std::mt19937 rng(fresh_seed());
     const i64 nx = s.N * s.C * s.H * s.W, nw = s.K * s.C * s.R * s.S, ny = s.N * s.K * s.P() * s.Q();
@@ -681,13 +681,13 @@ TEST(GpuKernels, GroupNormMatchesTheCpu) {
 
 TEST(GpuKernels, PoolingMatchesTheCpu) {
   REQUIRE_GPU();
-  const std::vector<kc::Pool2dShape> shapes = {
+  const std::vector<tally::kernels::Pool2dShape> shapes = {
       {3, 5, 7, 9, 3, 3, 2, 2, 1, 1},  // ResNet stem: overlapping windows, padding
       {2, 4, 8, 8, 2, 2, 2, 2, 0, 0},  // non-overlapping
       {2, 3, 7, 9, 3, 3, 1, 1, 1, 1},  // stride 1: every input in 9 windows
       {1, 2, 9, 7, 3, 2, 2, 3, 1, 0},  // rectangular kernel and strides
   };
-  for (const kc::Pool2dShape& s : shapes) {
+  for (const tally::kernels::Pool2dShape& s : shapes) {
     const auto seed = fresh_seed();
     SCOPED_TRACE(testing::Message() << "kernel " << s.kh << "x" << s.kw << " stride " << s.stride_h << "x"
                                     << s.stride_w << " pad " << s.pad_h << "x" << s.pad_w << " seed " << seed);

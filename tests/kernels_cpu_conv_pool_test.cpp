@@ -251,20 +251,20 @@ TEST(CpuGemm, EmptyInnerDimension) {
 
 struct ConvCase {
   const char* name;
-  k::Conv2dShape s;
+  tally::kernels::Conv2dShape s;
   bool bias;
   i64 fd_step = 1;  // finite differences on every fd_step-th element
 };
 
 std::ostream& operator<<(std::ostream& os, const ConvCase& c) { return os << c.name; }
 
-i64 x_size(const k::Conv2dShape& s) { return s.N * s.C * s.H * s.W; }
-i64 w_size(const k::Conv2dShape& s) { return s.K * (s.C / s.groups) * s.R * s.S; }
-i64 y_size(const k::Conv2dShape& s) { return s.N * s.K * s.P() * s.Q(); }
+i64 x_size(const tally::kernels::Conv2dShape& s) { return s.N * s.C * s.H * s.W; }
+i64 w_size(const tally::kernels::Conv2dShape& s) { return s.K * (s.C / s.groups) * s.R * s.S; }
+i64 y_size(const tally::kernels::Conv2dShape& s) { return s.N * s.K * s.P() * s.Q(); }
 
-k::Conv2dShape conv(i64 N, i64 C, i64 H, i64 W, i64 K, i64 R, i64 S, i64 sh, i64 sw, i64 ph, i64 pw,
+tally::kernels::Conv2dShape conv(i64 N, i64 C, i64 H, i64 W, i64 K, i64 R, i64 S, i64 sh, i64 sw, i64 ph, i64 pw,
                     i64 dh, i64 dw, i64 g) {
-  k::Conv2dShape s{N, C, H, W, K, R, S};
+  tally::kernels::Conv2dShape s{N, C, H, W, K, R, S};
   s.stride_h = sh;
   s.stride_w = sw;
   s.pad_h = ph;
@@ -277,7 +277,7 @@ k::Conv2dShape conv(i64 N, i64 C, i64 H, i64 W, i64 K, i64 R, i64 S, i64 sh, i64
 
 // Direct convolution, seven nested loops (n, k, p, q, c, r, s), straight from the definition.
 template <class T>
-std::vector<double> naive_conv(const k::Conv2dShape& s, const std::vector<T>& x,
+std::vector<double> naive_conv(const tally::kernels::Conv2dShape& s, const std::vector<T>& x,
                                const std::vector<T>& w, const T* bias) {
   const i64 P = s.P(), Q = s.Q(), Cg = s.C / s.groups, Kg = s.K / s.groups;
   std::vector<double> y(static_cast<std::size_t>(y_size(s)));
@@ -435,13 +435,13 @@ INSTANTIATE_TEST_SUITE_P(Shapes, CpuConv, testing::ValuesIn(kConvCases),
 
 struct PoolCase {
   const char* name;
-  k::Pool2dShape s;
+  tally::kernels::Pool2dShape s;
   i64 fd_step = 1;  // finite differences on every fd_step-th element
 };
 std::ostream& operator<<(std::ostream& os, const PoolCase& c) { return os << c.name; }
 
-k::Pool2dShape pool(i64 N, i64 C, i64 H, i64 W, i64 kh, i64 kw, i64 sh, i64 sw, i64 ph, i64 pw) {
-  k::Pool2dShape s{N, C, H, W, kh, kw, sh, sw};
+tally::kernels::Pool2dShape pool(i64 N, i64 C, i64 H, i64 W, i64 kh, i64 kw, i64 sh, i64 sw, i64 ph, i64 pw) {
+  tally::kernels::Pool2dShape s{N, C, H, W, kh, kw, sh, sw};
   s.pad_h = ph;
   s.pad_w = pw;
   return s;
@@ -459,11 +459,11 @@ const PoolCase kPoolCases[] = {
     {"Large32x32", pool(4, 8, 32, 32, 3, 3, 1, 1, 1, 1), 97},
 };
 
-i64 px_size(const k::Pool2dShape& s) { return s.N * s.C * s.H * s.W; }
-i64 py_size(const k::Pool2dShape& s) { return s.N * s.C * s.P() * s.Q(); }
+i64 px_size(const tally::kernels::Pool2dShape& s) { return s.N * s.C * s.H * s.W; }
+i64 py_size(const tally::kernels::Pool2dShape& s) { return s.N * s.C * s.P() * s.Q(); }
 
 // Naive max pooling: padding is -inf, the window is [p*sh - ph, p*sh - ph + kh).
-void naive_max_pool(const k::Pool2dShape& s, const std::vector<double>& x, std::vector<double>& y,
+void naive_max_pool(const tally::kernels::Pool2dShape& s, const std::vector<double>& x, std::vector<double>& y,
                     std::vector<std::int32_t>& arg) {
   const i64 P = s.P(), Q = s.Q();
   y.assign(static_cast<std::size_t>(py_size(s)), 0.0);
@@ -490,7 +490,7 @@ void naive_max_pool(const k::Pool2dShape& s, const std::vector<double>& x, std::
 
 // Naive average pooling (floor mode): sum of the in-bounds window elements divided by kh*kw
 // (count_include_pad) or by the number of in-bounds elements.
-std::vector<double> naive_avg_pool(const k::Pool2dShape& s, bool include_pad,
+std::vector<double> naive_avg_pool(const tally::kernels::Pool2dShape& s, bool include_pad,
                                    const std::vector<double>& x) {
   const i64 P = s.P(), Q = s.Q();
   std::vector<double> y(static_cast<std::size_t>(py_size(s)));

@@ -24,16 +24,6 @@ void gemm(bool trans_a, bool trans_b, i64 M, i64 N, i64 K, T alpha, const T* A, 
 
 // ---------------------------------------------------------------------------------------------
 // conv.cpp — 2-D convolution (cross-correlation, as PyTorch) via im2col + GEMM, NCHW.
-struct Conv2dShape {
-  i64 N, C, H, W;      // input  (N, C, H, W)
-  i64 K, R, S;         // weight (K, C / groups, R, S); output (N, K, P, Q)
-  i64 stride_h = 1, stride_w = 1, pad_h = 0, pad_w = 0, dil_h = 1, dil_w = 1, groups = 1;
-  // The most workspace one pass may take (CUDA: cuDNN's algorithm is chosen under it; core/ sets
-  // it from the arena's budget, docs/gpu.md). The CPU's im2col workspace is fixed by the shape.
-  std::size_t workspace_limit = std::size_t(64) << 20;
-  i64 P() const { return (H + 2 * pad_h - dil_h * (R - 1) - 1) / stride_h + 1; }
-  i64 Q() const { return (W + 2 * pad_w - dil_w * (S - 1) - 1) / stride_w + 1; }
-};
 // Scratch bytes the conv2d_* kernel of `pass` needs (one image's im2col columns, or 0 where
 // the convolution is a plain GEMM: 1x1, stride 1, no padding; the same for every pass).
 // Independent of thread count, so that memory planning is deterministic.
@@ -145,12 +135,6 @@ void group_norm_backward(i64 N, i64 C, i64 HW, i64 G, const T* dy, const T* x, c
 
 // ---------------------------------------------------------------------------------------------
 // pool.cpp — NCHW pooling, PyTorch semantics (floor mode).
-struct Pool2dShape {
-  i64 N, C, H, W;
-  i64 kh, kw, stride_h, stride_w, pad_h = 0, pad_w = 0;
-  i64 P() const { return (H + 2 * pad_h - kh) / stride_h + 1; }
-  i64 Q() const { return (W + 2 * pad_w - kw) / stride_w + 1; }
-};
 // y (N, C, P, Q); argmax (N, C, P, Q) = index h*W + w of the max inside the input plane.
 // Padding counts as -inf. NaN propagates (a NaN input wins, as in PyTorch).
 template <class T>

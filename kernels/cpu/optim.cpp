@@ -49,14 +49,9 @@ void sgd_update(i64 n, T* param, const T* grad, T* momentum_buf, T lr, T momentu
 template <class T>
 void adamw_update(i64 n, T* param, const T* grad, T* m, T* v, T lr, T beta1, T beta2, T eps,
                   T weight_decay, i64 step) {
-  const double t = static_cast<double>(step);
-  const double bc1 = 1.0 - std::pow(static_cast<double>(beta1), t);
-  const double bc2 = 1.0 - std::pow(static_cast<double>(beta2), t);
-  const T step_size = static_cast<T>(static_cast<double>(lr) / bc1);
-  const T bc2_sqrt = static_cast<T>(std::sqrt(bc2));
-  const T decay = static_cast<T>(1.0 - static_cast<double>(lr) * static_cast<double>(weight_decay));
-  const T w1 = static_cast<T>(1.0 - static_cast<double>(beta1));  // lerp weight
-  const T w2 = static_cast<T>(1.0 - static_cast<double>(beta2));
+  const AdamWFactors f = adamw_factors(lr, beta1, beta2, weight_decay, step);
+  const T step_size = static_cast<T>(f.step_size), bc2_sqrt = static_cast<T>(f.bc2_sqrt);
+  const T decay = static_cast<T>(f.decay), w1 = static_cast<T>(f.w1), w2 = static_cast<T>(f.w2);
   const bool use_wd = weight_decay != T(0);
 #pragma omp parallel for schedule(static) if (n > kParallelThreshold)
   for (i64 i = 0; i < n; ++i) {

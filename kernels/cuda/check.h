@@ -6,8 +6,7 @@
 // tally::Error whose message names the call as written, file:line and the library's status
 // string, e.g.
 //   "cudnnConvolutionForward(...) failed at kernels/cuda/conv.cu:212: CUDNN_STATUS_BAD_PARAM (...)".
-// core/error.h is header-only and depends on nothing: it is the one header kernels/ takes from
-// core/, so that errors from every layer share one type.
+// The error type is kernels/error.h's, below core/, so that errors from every layer share one type.
 #pragma once
 #include <cublas_v2.h>
 #include <cuda_runtime.h>

@@ -25,13 +25,9 @@
 #pragma once
 #include <string>
 
-#include "kernels/common.h"
-#include "kernels/cpu/cpu_kernels.h"  // Conv2dShape, Pool2dShape
+#include "kernels/common.h"  // Conv2dShape, Pool2dShape
 
 namespace tally::kernels::cuda {
-
-using cpu::Conv2dShape;
-using cpu::Pool2dShape;
 
 // ---------------------------------------------------------------------------------------------
 // gemm.cu — row-major GEMM on cuBLAS (cublasGemmEx on the column-major transpose).
