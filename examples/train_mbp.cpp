@@ -13,11 +13,12 @@
 
 int main() {
   using namespace tally;
-  configure_arena(Device::cpu(), 48 << 20);                        // the budget: 48 MiB in all
   const data::Split ds = data::make_synthetic();                  // 10 classes of 3x32x32
+  auto budget = std::make_shared<Arena>(Device::cpu(), 48 << 20);  // the budget: 48 MiB in all
+  ArenaScope in_budget(budget);                                   // new tensors take their bytes from it
   auto model = nn::make_model({.name = "resnet20"});
   optim::SGD sgd(model->parameters(), {.lr = 0.1, .momentum = 0.9, .weight_decay = 5e-4});
-  mbp::Executor executor(*model, sgd, {.sample_shape = {3, 32, 32}});
+  mbp::Executor executor(*model, sgd, budget, {.sample_shape = {3, 32, 32}});
   const mbp::Plan& plan = executor.plan(1024);                    // m, k, predicted peak, breakdown
   fmt::print("{}\nlive at the peak: {}\n", plan.summary(), plan.at_peak.str());
   data::Loader loader(ds.train, {.batch_size = 1024, .augment = true, .normalize = true});
