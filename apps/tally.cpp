@@ -30,7 +30,7 @@ int main(int argc, char** argv) {
   train_cmd->add_option("--model", to.model, app::choices(models))->check(CLI::IsMember(models))
       ->capture_default_str();
   train_cmd->add_option("--norm", to.norm, app::choices(app::norm_names()))->check(CLI::IsMember(app::norm_names()))->capture_default_str();
-  train_cmd->add_option("--data", to.data, "synthetic|synthetic:CxHxW|mnist:DIR|cifar10:DIR|cifar100:DIR")->capture_default_str();
+  train_cmd->add_option("--data", to.data, "synthetic|synthetic:CxHxW|mnist:DIR|fashion-mnist|fashion-mnist:DIR|cifar10:DIR|cifar100:DIR")->capture_default_str();
   std::int64_t train_classes = 0;
   train_cmd->add_option("--num-classes", train_classes, "classes of synthetic data (default 1000 for images >= 64 pixels, else 10)")
       ->check(CLI::PositiveNumber);
@@ -48,7 +48,7 @@ int main(int argc, char** argv) {
   train_cmd->add_option("--warmup-epochs", to.warmup_epochs, "linear warm-up, in epochs")->check(CLI::NonNegativeNumber)->capture_default_str();
   train_cmd->add_option("--label-smoothing", to.label_smoothing, "label smoothing in [0, 1]")->check(CLI::Range(0.0, 1.0))->capture_default_str();
   bool augment = false, no_augment = false, shuffle = false, no_shuffle = false, normalize = false, no_normalize = false;
-  auto* aug = train_cmd->add_flag("--augment", augment, "random crop (pad 4) + horizontal flip (default: on, off for MNIST)");
+  auto* aug = train_cmd->add_flag("--augment", augment, "random crop (pad 4) + horizontal flip (default: on, off for MNIST and Fashion-MNIST)");
   train_cmd->add_flag("--no-augment", no_augment, "no augmentation")->excludes(aug);
   auto* shf = train_cmd->add_flag("--shuffle", shuffle, "shuffle the training set every epoch (default)");
   train_cmd->add_flag("--no-shuffle", no_shuffle, "file order: step k uses samples [kB, (k+1)B)")->excludes(shf);

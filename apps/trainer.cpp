@@ -231,7 +231,8 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
   // ---- data ---------------------------------------------------------------------------------------
   const data::Split split = load_data(opt);
   const data::Dataset& train_set = split.train;
-  const bool augment = opt.augment.value_or(opt.data.rfind("mnist", 0) != 0);
+  const bool grey_28 = opt.data.rfind("mnist", 0) == 0 || opt.data.rfind("fashion-mnist", 0) == 0;
+  const bool augment = opt.augment.value_or(!grey_28);  // crop + flip for CIFAR and synthetic images
   data::LoaderOptions lo;
   lo.batch_size = opt.batch_size;
   lo.shuffle = opt.shuffle;

@@ -27,7 +27,7 @@ struct TrainOptions {
   std::string schedule = "cosine";
   double warmup_epochs = 0;
   double label_smoothing = 0;
-  std::optional<bool> augment;  // default: on, except for MNIST
+  std::optional<bool> augment;  // default: on, except for MNIST and Fashion-MNIST
   bool shuffle = true, normalize = true;
   std::uint64_t seed = 0;
   std::string device = "auto";

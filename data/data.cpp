@@ -22,6 +22,7 @@
 #include <utility>
 
 #include <fmt/format.h>
+#include <zlib.h>
 
 #include "core/error.h"
 
@@ -84,24 +85,83 @@ void shuffle(std::vector<std::int64_t>& v, Rng& rng) {
 
 std::string show(const fs::path& p) { return p.string(); }
 
-bool is_gzip(const std::vector<std::uint8_t>& b) {
-  return b.size() >= 2 && b[0] == 0x1f && b[1] == 0x8b;
+// A file's bytes, decompressed when it is gzip, and the name errors should show: the path read,
+// with " (decompressed)" when the bytes are what its gzip stream held.
+struct FileBytes {
+  std::vector<std::uint8_t> bytes;
+  std::string name;
+};
+
+bool starts_gzip(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  unsigned char m[2] = {0, 0};
+  in.read(reinterpret_cast<char*>(m), 2);
+  return in.gcount() == 2 && m[0] == 0x1f && m[1] == 0x8b;
 }
 
-std::vector<std::uint8_t> read_file(const fs::path& path) {
-  std::error_code ec;
-  if (!fs::exists(path, ec)) {
-    fs::path gz = path;
-    gz += ".gz";
-    if (fs::exists(gz, ec))
-      throw FormatError(fmt::format(
-          "{}: expected an uncompressed file, found only {} — files must be decompressed first "
-          "(gunzip {})",
-          show(path), show(gz), show(gz)));
-    throw FormatError(fmt::format("{}: expected a file, found nothing at that path", show(path)));
+// Inflates a gzip file (one member or several concatenated), read and decompressed in chunks
+// with zlib. Corrupt data (a bad header, a bad deflate block, a CRC or length mismatch in the
+// trailer) and a stream that stops before its trailer are FormatErrors naming the file, the
+// compressed offset and what was expected.
+std::vector<std::uint8_t> read_gzip(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in)
+    throw FormatError(fmt::format("{}: expected a readable file, found one that cannot be opened", show(path)));
+  z_stream z{};
+  if (inflateInit2(&z, 16 + MAX_WBITS) != Z_OK)  // 16: the gzip wrapper, not zlib's
+    throw Error(fmt::format("{}: zlib could not start a gzip stream (inflateInit2 failed)", show(path)));
+  struct End {
+    z_stream& z;
+    ~End() { inflateEnd(&z); }
+  } end{z};
+  constexpr std::size_t kChunk = std::size_t(1) << 18, kGrow = std::size_t(1) << 20;
+  std::vector<unsigned char> chunk(kChunk);
+  std::vector<std::uint8_t> out;
+  std::uint64_t fed = 0;      // compressed bytes read before this chunk
+  bool member_done = false;   // the last member ended with its trailer
+  for (;;) {
+    in.read(reinterpret_cast<char*>(chunk.data()), static_cast<std::streamsize>(kChunk));
+    const auto n = static_cast<std::size_t>(in.gcount());
+    if (n == 0) break;
+    z.next_in = chunk.data();
+    z.avail_in = static_cast<uInt>(n);
+    while (z.avail_in > 0) {
+      if (member_done) {  // more bytes after a member: the next member of a concatenated file
+        inflateReset(&z);
+        member_done = false;
+      }
+      const std::size_t have = out.size();
+      out.resize(have + kGrow);
+      z.next_out = out.data() + have;
+      z.avail_out = static_cast<uInt>(kGrow);
+      const int ret = inflate(&z, Z_NO_FLUSH);
+      out.resize(out.size() - z.avail_out);
+      if (ret == Z_STREAM_END) {
+        member_done = true;
+      } else if (ret == Z_DATA_ERROR || ret == Z_NEED_DICT || ret == Z_STREAM_ERROR) {
+        throw FormatError(fmt::format(
+            "{}: corrupt gzip data near compressed byte {}: expected a valid gzip stream, found an error "
+            "({}) after {} decompressed bytes",
+            show(path), fed + (n - z.avail_in), z.msg ? z.msg : "data error", out.size()));
+      } else if (ret == Z_MEM_ERROR) {
+        throw Error(fmt::format("{}: zlib ran out of memory while decompressing", show(path)));
+      } else if (ret == Z_BUF_ERROR) {
+        break;  // no progress without more input
+      }
+    }
+    fed += n;
   }
-  if (fs::is_directory(path, ec))
-    throw FormatError(fmt::format("{}: expected a file, found a directory", show(path)));
+  if (in.bad())
+    throw FormatError(fmt::format("{}: expected a readable file, found a read error after {} bytes", show(path), fed));
+  if (!member_done)
+    throw FormatError(fmt::format(
+        "{}: truncated gzip file: expected the compressed stream to end with its trailer, found the end of the "
+        "file after {} compressed bytes ({} bytes decompressed)",
+        show(path), fed, out.size()));
+  return out;
+}
+
+std::vector<std::uint8_t> read_plain(const fs::path& path) {
   std::ifstream in(path, std::ios::binary | std::ios::ate);
   if (!in)
     throw FormatError(fmt::format("{}: expected a readable file, found one that cannot be opened",
@@ -113,6 +173,24 @@ std::vector<std::uint8_t> read_file(const fs::path& path) {
     throw FormatError(fmt::format("{}: expected {} bytes, found a read error after {}", show(path),
                                   size, static_cast<std::int64_t>(in.gcount())));
   return bytes;
+}
+
+// `path`, or `path`.gz when only that exists; gzip content (by its magic bytes) is decompressed.
+FileBytes read_file(const fs::path& path) {
+  std::error_code ec;
+  fs::path p = path;
+  if (!fs::exists(p, ec)) {
+    fs::path gz = path;
+    gz += ".gz";
+    if (!fs::exists(gz, ec))
+      throw FormatError(fmt::format("{}: expected a file (or {}), found nothing at that path", show(path),
+                                    show(gz.filename())));
+    p = gz;
+  }
+  if (fs::is_directory(p, ec))
+    throw FormatError(fmt::format("{}: expected a file, found a directory", show(p)));
+  if (starts_gzip(p)) return {read_gzip(p), show(p) + " (decompressed)"};
+  return {read_plain(p), show(p)};
 }
 
 std::uint32_t be32(const std::uint8_t* p) {
@@ -135,104 +213,101 @@ const std::array<float, 256>& level_to_float() {
 constexpr std::uint32_t kIdxImages = 0x00000803;  // 2051: unsigned bytes, 3 dimensions
 constexpr std::uint32_t kIdxLabels = 0x00000801;  // 2049: unsigned bytes, 1 dimension
 
-std::string magic_hint(const std::vector<std::uint8_t>& b, std::uint32_t found) {
-  if (is_gzip(b)) return " (a gzip file? decompress it first)";
+std::string magic_hint(std::uint32_t found) {
   if (found == kIdxImages) return " (an IDX images file: are the file names swapped?)";
   if (found == kIdxLabels) return " (an IDX labels file: are the file names swapped?)";
+  if ((found >> 16) == 0x1f8b) return " (gzip data inside the gzip file)";
   return "";
 }
 
 std::string found_magic(const std::vector<std::uint8_t>& b) {
   std::uint32_t m = 0;
   for (std::size_t i = 0; i < 4; ++i) m = (m << 8) | (i < b.size() ? b[i] : 0u);
-  return fmt::format("0x{:08x}{}", m, magic_hint(b, m));
+  return fmt::format("0x{:08x}{}", m, magic_hint(m));
 }
 
 struct IdxImages {
   std::int64_t count, rows, cols;
   std::vector<std::uint8_t> bytes;  // header + pixels
+  std::string name;                 // for errors
 };
 
 IdxImages read_idx_images(const fs::path& path) {
-  IdxImages r{0, 0, 0, read_file(path)};
+  FileBytes f = read_file(path);
+  IdxImages r{0, 0, 0, std::move(f.bytes), f.name};
   const auto& b = r.bytes;
-  if (is_gzip(b) || (b.size() >= 4 && be32(b.data()) != kIdxImages))
-    throw FormatError(fmt::format("{}: expected magic 0x{:08x} (IDX images), found {}", show(path),
-                                  kIdxImages, found_magic(b)));
+  const std::string& name = r.name;
+  if (b.size() >= 4 && be32(b.data()) != kIdxImages)
+    throw FormatError(fmt::format("{}: expected magic 0x{:08x} (IDX images), found {}", name, kIdxImages,
+                                  found_magic(b)));
   if (b.size() < 16)
     throw FormatError(fmt::format(
-        "{}: truncated header: expected at least 16 bytes (magic, count, rows, cols), found {}",
-        show(path), b.size()));
+        "{}: truncated header: expected at least 16 bytes (magic, count, rows, cols), found {}", name, b.size()));
   const auto count = static_cast<std::int32_t>(be32(b.data() + 4));
   const auto rows = static_cast<std::int32_t>(be32(b.data() + 8));
   const auto cols = static_cast<std::int32_t>(be32(b.data() + 12));
-  if (count <= 0)
-    throw FormatError(
-        fmt::format("{}: expected a positive image count, found {}", show(path), count));
+  if (count <= 0) throw FormatError(fmt::format("{}: expected a positive image count, found {}", name, count));
   if (rows <= 0 || cols <= 0 || rows > 4096 || cols > 4096)
-    throw FormatError(fmt::format("{}: expected rows and cols in 1..4096, found {}x{}", show(path),
-                                  rows, cols));
+    throw FormatError(fmt::format("{}: expected rows and cols in 1..4096, found {}x{}", name, rows, cols));
   r.count = count;
   r.rows = rows;
   r.cols = cols;
   const std::uint64_t want = 16 + std::uint64_t(count) * std::uint64_t(rows) * std::uint64_t(cols);
   if (b.size() != want)
-    throw FormatError(fmt::format("{}: expected 16 + {} x {} x {} = {} bytes, found {} ({})",
-                                  show(path), count, rows, cols, want, b.size(),
-                                  b.size() < want ? "truncated pixel data" : "trailing bytes"));
+    throw FormatError(fmt::format("{}: expected 16 + {} x {} x {} = {} bytes, found {} ({})", name, count, rows, cols,
+                                  want, b.size(), b.size() < want ? "truncated pixel data" : "trailing bytes"));
   return r;
 }
 
-std::vector<std::uint8_t> read_idx_labels(const fs::path& path) {
-  std::vector<std::uint8_t> b = read_file(path);
-  if (is_gzip(b) || (b.size() >= 4 && be32(b.data()) != kIdxLabels))
-    throw FormatError(fmt::format("{}: expected magic 0x{:08x} (IDX labels), found {}", show(path),
-                                  kIdxLabels, found_magic(b)));
+FileBytes read_idx_labels(const fs::path& path) {
+  FileBytes f = read_file(path);
+  const auto& b = f.bytes;
+  const std::string& name = f.name;
+  if (b.size() >= 4 && be32(b.data()) != kIdxLabels)
+    throw FormatError(fmt::format("{}: expected magic 0x{:08x} (IDX labels), found {}", name, kIdxLabels,
+                                  found_magic(b)));
   if (b.size() < 8)
-    throw FormatError(fmt::format(
-        "{}: truncated header: expected at least 8 bytes (magic, count), found {}", show(path),
-        b.size()));
-  const auto count = static_cast<std::int32_t>(be32(b.data() + 4));
-  if (count <= 0)
     throw FormatError(
-        fmt::format("{}: expected a positive label count, found {}", show(path), count));
+        fmt::format("{}: truncated header: expected at least 8 bytes (magic, count), found {}", name, b.size()));
+  const auto count = static_cast<std::int32_t>(be32(b.data() + 4));
+  if (count <= 0) throw FormatError(fmt::format("{}: expected a positive label count, found {}", name, count));
   const std::uint64_t want = 8 + std::uint64_t(count);
   if (b.size() != want)
-    throw FormatError(fmt::format("{}: expected 8 + {} = {} bytes, found {} ({})", show(path),
-                                  count, want, b.size(),
+    throw FormatError(fmt::format("{}: expected 8 + {} = {} bytes, found {} ({})", name, count, want, b.size(),
                                   b.size() < want ? "truncated label data" : "trailing bytes"));
-  return b;
+  return f;
 }
 
-Dataset read_mnist_pair(const fs::path& images_path, const fs::path& labels_path) {
+// An IDX images file and its labels (MNIST's layout); `name`, mean and stddev describe the set.
+Dataset read_idx_pair(const fs::path& images_path, const fs::path& labels_path, const char* set_name, float mean,
+                      float stddev) {
   IdxImages img = read_idx_images(images_path);
-  std::vector<std::uint8_t> lab = read_idx_labels(labels_path);
+  const FileBytes labels = read_idx_labels(labels_path);
+  const std::vector<std::uint8_t>& lab = labels.bytes;
   const std::int64_t n_labels = static_cast<std::int64_t>(lab.size()) - 8;
   if (n_labels != img.count)
-    throw FormatError(fmt::format(
-        "{} has {} labels but {} has {} images: expected the same count in both files",
-        show(labels_path), n_labels, show(images_path), img.count));
+    throw FormatError(fmt::format("{} has {} labels but {} has {} images: expected the same count in both files",
+                                  labels.name, n_labels, img.name, img.count));
 
   Dataset ds;
-  ds.name = "mnist";
+  ds.name = set_name;
   ds.channels = 1;
   ds.height = img.rows;
   ds.width = img.cols;
   ds.num_classes = 10;
-  ds.mean = {0.1307f, 0.0f, 0.0f};
-  ds.stddev = {0.3081f, 0.0f, 0.0f};
+  ds.mean = {mean, 0.0f, 0.0f};
+  ds.stddev = {stddev, 0.0f, 0.0f};
   ds.labels.resize(static_cast<std::size_t>(img.count));
   for (std::int64_t i = 0; i < img.count; ++i) {
     const std::uint8_t l = lab[8 + static_cast<std::size_t>(i)];
     if (l >= ds.num_classes)
-      throw FormatError(fmt::format("{}: label {} at index {} is out of range: expected 0..{}",
-                                    show(labels_path), l, i, ds.num_classes - 1));
+      throw FormatError(fmt::format("{}: label {} at index {} is out of range: expected 0..{}", labels.name, l, i,
+                                    ds.num_classes - 1));
     ds.labels[static_cast<std::size_t>(i)] = l;
   }
   const auto& lut = level_to_float();
   ds.images.resize(img.bytes.size() - 16);
-  std::transform(img.bytes.begin() + 16, img.bytes.end(), ds.images.begin(),
-                 [&](std::uint8_t v) { return lut[v]; });
+  std::transform(img.bytes.begin() + 16, img.bytes.end(), ds.images.begin(), [&](std::uint8_t v) { return lut[v]; });
   return ds;
 }
 
@@ -243,23 +318,20 @@ constexpr std::int64_t kCifarPixels = 3 * 32 * 32;
 // Appends the records of one CIFAR file. label_bytes is 1 (CIFAR-10: label) or 2 (CIFAR-100:
 // coarse, fine); the last label byte is the one kept.
 void append_cifar(const fs::path& path, int label_bytes, Dataset& ds) {
-  const std::vector<std::uint8_t> b = read_file(path);
+  const FileBytes f = read_file(path);
+  const std::vector<std::uint8_t>& b = f.bytes;
   const std::int64_t record = label_bytes + kCifarPixels;
   const auto size = static_cast<std::int64_t>(b.size());
   const char* what = label_bytes == 1 ? "label byte" : "coarse and fine label bytes";
-  if (is_gzip(b))
-    throw FormatError(fmt::format(
-        "{}: expected raw {}-byte records, found a gzip file (decompress it first)", show(path),
-        record));
   if (size == 0)
     throw FormatError(fmt::format("{}: expected at least one {}-byte record ({} + {} pixel bytes), "
                                   "found an empty file",
-                                  show(path), record, what, kCifarPixels));
+                                  f.name, record, what, kCifarPixels));
   if (size % record != 0)
     throw FormatError(fmt::format(
         "{}: size {} is not a multiple of the {}-byte record ({} + {} pixel bytes): found {} "
         "whole records and {} bytes more (truncated or not a CIFAR binary file?)",
-        show(path), size, record, what, kCifarPixels, size / record, size % record));
+        f.name, size, record, what, kCifarPixels, size / record, size % record));
   const std::int64_t n = size / record;
   const auto& lut = level_to_float();
   const std::size_t old_n = ds.labels.size();
@@ -269,10 +341,10 @@ void append_cifar(const fs::path& path, int label_bytes, Dataset& ds) {
     const std::uint8_t* r = b.data() + i * record;
     if (label_bytes == 2 && r[0] >= 20)
       throw FormatError(fmt::format("{}: record {} has coarse label {}: expected 0..19",
-                                    show(path), i, r[0]));
+                                    f.name, i, r[0]));
     const std::uint8_t label = r[label_bytes - 1];
     if (label >= ds.num_classes)
-      throw FormatError(fmt::format("{}: record {} has {}label {}: expected 0..{}", show(path), i,
+      throw FormatError(fmt::format("{}: record {} has {}label {}: expected 0..{}", f.name, i,
                                     label_bytes == 2 ? "fine " : "", label, ds.num_classes - 1));
     ds.labels[old_n + static_cast<std::size_t>(i)] = label;
     float* dst = ds.images.data() + (old_n + static_cast<std::size_t>(i)) * kCifarPixels;
@@ -526,16 +598,27 @@ void copy_sample(const Dataset& ds, std::int64_t idx, bool augment, std::uint64_
 
 // ---- public: data sets ------------------------------------------------------------------------
 
-Split load_mnist(const std::string& dir) {
+namespace {
+
+// MNIST's file layout (four IDX files, plain or .gz) for MNIST and Fashion-MNIST alike.
+Split load_idx_set(const std::string& dir, const char* name, float mean, float stddev) {
   const fs::path d(dir);
   Split s;
-  s.train = read_mnist_pair(d / "train-images-idx3-ubyte", d / "train-labels-idx1-ubyte");
-  s.test = read_mnist_pair(d / "t10k-images-idx3-ubyte", d / "t10k-labels-idx1-ubyte");
+  s.train = read_idx_pair(d / "train-images-idx3-ubyte", d / "train-labels-idx1-ubyte", name, mean, stddev);
+  s.test = read_idx_pair(d / "t10k-images-idx3-ubyte", d / "t10k-labels-idx1-ubyte", name, mean, stddev);
   if (s.test.height != s.train.height || s.test.width != s.train.width)
     throw FormatError(fmt::format("{}: expected {}x{} images like the train set, found {}x{}",
-                                  show(d / "t10k-images-idx3-ubyte"), s.train.height,
-                                  s.train.width, s.test.height, s.test.width));
+                                  show(d / "t10k-images-idx3-ubyte"), s.train.height, s.train.width, s.test.height,
+                                  s.test.width));
   return s;
+}
+
+}  // namespace
+
+Split load_mnist(const std::string& dir) { return load_idx_set(dir, "mnist", 0.1307f, 0.3081f); }
+
+Split load_fashion_mnist(const std::string& dir) {
+  return load_idx_set(dir, "fashion-mnist", 0.2860f, 0.3530f);  // the training set's pixel mean and std
 }
 
 Split load_cifar10(const std::string& dir) {
@@ -703,13 +786,23 @@ Split load_dataset(const std::string& spec, std::optional<std::int64_t> num_clas
     const std::string kind = spec.substr(0, colon), dir = spec.substr(colon + 1);
     known = true;
     if (kind == "mnist") s = load_mnist(dir);
+    else if (kind == "fashion-mnist") s = load_fashion_mnist(dir);
     else if (kind == "cifar10") s = load_cifar10(dir);
     else if (kind == "cifar100") s = load_cifar100(dir);
     else known = false;
   }
+  if (spec == "fashion-mnist") {
+    std::error_code ec;
+    if (!fs::is_directory(kFashionMnistDir, ec))
+      throw FormatError(fmt::format("fashion-mnist: expected the data set in {} (Debian's dataset-fashion-mnist "
+                                    "package: apt-get install dataset-fashion-mnist), found no such folder; or "
+                                    "give its folder as fashion-mnist:DIR", kFashionMnistDir));
+    s = load_fashion_mnist(kFashionMnistDir);
+    known = true;
+  }
   if (!known)
     throw Error(fmt::format("load_dataset: unknown data set '{}': expected one of synthetic, synthetic:CxHxW, "
-                            "mnist:DIR, cifar10:DIR, cifar100:DIR",
+                            "mnist:DIR, fashion-mnist, fashion-mnist:DIR, cifar10:DIR, cifar100:DIR",
                             spec));
   if (num_classes && *num_classes != s.train.num_classes)
     throw Error(fmt::format("load_dataset: {} classes asked for, but {} has {} classes (a class count is chosen "

@@ -1,8 +1,11 @@
 // data/data.h — data sets in host memory and a batch loader with one batch of prefetch.
 //
 // Data sets (all images are float in [0,1], layout (N, C, H, W); labels int64 in [0, classes)):
-//   * MNIST: the four uncompressed IDX files. Header big-endian int32: magic (2051 images,
-//     2049 labels), count, and for images rows, cols. Pixels are bytes, divided by 255.
+//   * MNIST and Fashion-MNIST: the four IDX files, plain or gzipped (`name` or `name.gz`). Header
+//     big-endian int32: magic (2051 images, 2049 labels), count, and for images rows, cols.
+//     Pixels are bytes, divided by 255. Fashion-MNIST (Zalando: 10 classes of 28x28 grey
+//     clothing images, 60,000 train, 10,000 test) is read from Debian's dataset-fashion-mnist
+//     (/usr/share/datasets/fashion-mnist) in place.
 //   * CIFAR-10: data_batch_1..5.bin (train, in that order) and test_batch.bin; each a sequence of
 //     3073-byte records: label byte, then 3072 pixel bytes (1024 R, 1024 G, 1024 B, row-major —
 //     already CHW).
@@ -16,9 +19,10 @@
 //     when a batch needs it (the 32x32 drawing scaled to HxW by nearest neighbour, channel c from
 //     colour channel c mod 3); classes beyond 10 repeat the 10 shapes with the class colour's
 //     channels permuted (distinct up to 60 classes).
-// Any file that is missing, truncated or malformed throws tally::FormatError naming the file,
-// what was expected and what was found (gzip files are recognised and the message says to
-// decompress them). Train and test sets carry the data set's usual normalisation constants.
+// Any file whose content is gzip (by its magic bytes) is decompressed while it is read (zlib,
+// streamed in chunks). Any file that is missing, truncated or malformed — a corrupt or truncated
+// gzip stream too — throws tally::FormatError naming the file, what was expected and what was
+// found. Train and test sets carry the data set's usual normalisation constants.
 //
 // Loader: the samples of an epoch are visited in an order fixed by start_epoch(epoch) — a
 // permutation drawn from (seed, epoch) when shuffle is on, file order otherwise — and cut into
@@ -61,7 +65,9 @@ struct Split {
 
 // Each reads the named files from `dir`; see the top of this file for the formats.
 Split load_mnist(const std::string& dir);     // train-images-idx3-ubyte, train-labels-idx1-ubyte,
-                                              // t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte
+                                              // t10k-images-idx3-ubyte, t10k-labels-idx1-ubyte (or .gz)
+Split load_fashion_mnist(const std::string& dir);  // the same four names
+inline constexpr const char* kFashionMnistDir = "/usr/share/datasets/fashion-mnist";
 Split load_cifar10(const std::string& dir);   // data_batch_1..5.bin, test_batch.bin
 Split load_cifar100(const std::string& dir);  // train.bin, test.bin
 // Deterministic in `seed`; train and test are independent draws from the same distribution.
@@ -74,7 +80,8 @@ struct SyntheticOptions {
 };
 Split make_synthetic(const SyntheticOptions& o);
 Split make_synthetic(std::int64_t n_train = 10000, std::int64_t n_test = 2000, std::uint64_t seed = 0);
-// "synthetic" | "synthetic:CxHxW" | "mnist:DIR" | "cifar10:DIR" | "cifar100:DIR"; anything else
+// "synthetic" | "synthetic:CxHxW" | "mnist:DIR" | "fashion-mnist" (kFashionMnistDir) |
+// "fashion-mnist:DIR" | "cifar10:DIR" | "cifar100:DIR"; anything else
 // throws tally::Error. num_classes applies to synthetic data only (default: 10 below 64 pixels,
 // else 1000, as `tally plan`); given for another data set it must equal that set's classes.
 Split load_dataset(const std::string& spec, std::optional<std::int64_t> num_classes = std::nullopt);
