@@ -64,6 +64,10 @@ int main(int argc, char** argv) {
   train_cmd->add_option("--out", to.out, "write metrics.csv and summary.json into this directory");
   train_cmd->add_flag("!--no-progress", to.progress, "no progress bar");
   train_cmd->add_option("--memory-limit", to.memory_limit, "memory budget: a size (48MiB, 2GiB) or auto")->capture_default_str();
+  train_cmd->add_option("--loss-normalization", to.loss_normalization,
+                        "exact (the full batch's mean for any split) | per-micro-batch (each micro-batch's mean / k, "
+                        "as the MBP paper's code)")
+      ->check(CLI::IsMember({"exact", "per-micro-batch"}))->capture_default_str();
   std::string micro = "auto";
   train_cmd->add_option("--micro-batch", micro, "samples per micro-batch: M or auto (the largest that fits)")->capture_default_str();
 

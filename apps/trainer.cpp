@@ -138,6 +138,7 @@ Device validate(const TrainOptions& opt) {
   check_choice("--norm", opt.norm, norm_names());
   check_choice("--optimizer", opt.optimizer, optimizer_names());
   check_choice("--schedule", opt.schedule, {"constant", "step", "cosine", "onecycle"});
+  check_choice("--loss-normalization", opt.loss_normalization, {"exact", "per-micro-batch"});
   if (opt.batch_size < 1) throw Error(fmt::format("--batch-size must be >= 1, found {}", opt.batch_size));
   if (opt.epochs < 1 && !opt.steps) throw Error(fmt::format("--epochs must be >= 1, found {}", opt.epochs));
   if (opt.steps && *opt.steps < 1) throw Error(fmt::format("--steps must be >= 1, found {}", *opt.steps));
@@ -211,6 +212,7 @@ void write_summary(const TrainOptions& opt, const TrainResult& result) {
                       {"model", opt.model},
                       {"norm", opt.norm},
                       {"batch_size", opt.batch_size},
+                      {"loss_normalization", opt.loss_normalization},
                       {"data", opt.data}};
   write_file(std::filesystem::path(opt.out) / "summary.json", j.dump(2) + "\n");
 }
@@ -286,6 +288,8 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
   eo.sample_shape = {train_set.channels, train_set.height, train_set.width};
   eo.loss.label_smoothing = opt.label_smoothing;
   eo.micro_batch = opt.micro_batch;
+  eo.normalization = opt.loss_normalization == "exact" ? mbp::LossNormalization::exact
+                                                       : mbp::LossNormalization::per_micro_batch;
   eo.log = [&log](const std::string& line) { fmt::print(log, "\n{}\n", line); };
   mbp::Executor executor(model, optimizer, arena, eo);
   const mbp::Plan& plan = plan_step(executor, opt.batch_size, opt.micro_batch);
@@ -295,6 +299,9 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
              opt.micro_batch ? fmt::format("--micro-batch {} checked", *opt.micro_batch)
                              : std::string("largest micro-batch that fits, found"),
              plan.probes, plan.seconds * 1000.0);
+  if (eo.normalization == mbp::LossNormalization::per_micro_batch)
+    fmt::print(log, "      loss normalization per-micro-batch: each micro-batch's mean / {} (not the full batch's "
+                    "mean when the micro-batches differ in size)\n", plan.micro_batches);
 
   std::ofstream metrics;
   if (!opt.out.empty()) {

@@ -40,6 +40,9 @@ struct TrainOptions {
   // free device memory less a margin of max(1 GiB, 1/32 of the device)).
   std::string memory_limit = "auto";
   std::optional<std::int64_t> micro_batch;  // unset: the largest that fits ("auto")
+  // "exact" (the full batch's mean for any split) or "per-micro-batch" (each micro-batch's mean
+  // divided by their number, as the MBP paper's code: differs for uneven splits; for teaching).
+  std::string loss_normalization = "exact";
   // Tests: fail the n-th arena allocation of this (0-based) step once, to exercise recovery.
   std::optional<std::pair<std::int64_t, std::uint64_t>> inject_oom;
 };

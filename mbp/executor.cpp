@@ -232,6 +232,14 @@ Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels
     }
     CrossEntropyOptions co = opt_.loss;
     co.divisor = divisor;  // sum_i w_i loss_i / D: the full batch's mean, split
+    if (opt_.normalization == LossNormalization::per_micro_batch && !dry) {
+      // This micro-batch's own mean, divided by k: the mean of the micro-batch means.
+      const double own = cross_entropy_divisor(labels + offset, sizes[i], opt_.loss);
+      if (!(own > 0))
+        throw Error(fmt::format("MBP executor: micro-batch {} of {} has no counted target, so its own mean loss "
+                                "(per-micro-batch normalization) is undefined", i + 1, k));
+      co.divisor = own * static_cast<double>(k);
+    }
     co.targets_checked = !dry;
     Tensor loss = cross_entropy(logits, cur.y, co);
     logits = Tensor();

@@ -39,9 +39,19 @@
 
 namespace tally::mbp {
 
+// How each micro-batch's loss is divided (docs/mbp.md, "Loss normalization"):
+//   exact           sum_i w_i loss_i / D with D counted over the whole batch: the accumulated
+//                   gradient is the full batch's for any split (tally's default).
+//   per_micro_batch each micro-batch's own mean loss divided by the number of micro-batches k
+//                   (the MBP paper's reference code; plain gradient accumulation): the mean of
+//                   the micro-batch means, which differs from the full batch's mean whenever the
+//                   micro-batches differ in size (or in weighted/ignored targets). For teaching.
+enum class LossNormalization { exact, per_micro_batch };
+
 struct ExecutorOptions {
   Shape sample_shape{};                       // one input sample, e.g. {3, 32, 32}
   CrossEntropyOptions loss{};                 // reduction is always the whole batch's mean
+  LossNormalization normalization = LossNormalization::exact;
   std::optional<std::int64_t> micro_batch{};  // fixed m; unset = the largest that fits
   int max_oom_retries = 16;
   // Called with a line of text when a step is retried after running out of memory.

@@ -223,6 +223,44 @@ TEST_F(Mbp, MeanOfMeansWouldBeWrongForUnequalSplits) {
 
 INSTANTIATE_TEST_SUITE_P(Norms, GradientEquivalence, ::testing::Values("group", "none"));
 
+// --loss-normalization: exact is the full batch for any split; per-micro-batch (the MBP paper's
+// code) equals it for an even split and differs for an uneven one.
+TEST_F(Mbp, PerMicroBatchNormalizationDiffersFromTheFullBatchOnlyForUnevenSplits) {
+  const std::int64_t B = 10;
+  const Shape sample{3, 8, 8};
+  auto m = model("resnet20", "none", 4, DType::Float64);
+  auto opt = sgd(*m);
+  const Data d = make_data(B, sample, 21);
+  const double full_loss = full_batch_backward<double>(*m, d, B, sample);
+  const auto ref = grads<double>(*m);
+  m->zero_grad();
+  auto worst_error = [&](mbp::LossNormalization how, const std::vector<std::int64_t>& sizes, double* loss) {
+    mbp::ExecutorOptions eo;
+    eo.sample_shape = sample;
+    eo.normalization = how;
+    mbp::Executor ex(*m, *opt, eo);
+    *loss = ex.accumulate(d.images.data(), d.labels.data(), sizes);
+    const auto g = grads<double>(*m);
+    double worst = 0;
+    for (std::size_t i = 0; i < g.size(); ++i) worst = std::max(worst, rel_error(g[i], ref[i]));
+    m->zero_grad();
+    return worst;
+  };
+  double loss = 0;
+  for (const auto& sizes : {std::vector<std::int64_t>{5, 5}, std::vector<std::int64_t>{4, 3, 3}}) {
+    EXPECT_LE(worst_error(mbp::LossNormalization::exact, sizes, &loss), 1e-12);
+    EXPECT_NEAR(loss, full_loss, 1e-12 * std::abs(full_loss));
+  }
+  const double even = worst_error(mbp::LossNormalization::per_micro_batch, {5, 5}, &loss);
+  EXPECT_LE(even, 1e-12) << "an even split: the mean of the means is the full mean";
+  EXPECT_NEAR(loss, full_loss, 1e-12 * std::abs(full_loss));
+  const double uneven = worst_error(mbp::LossNormalization::per_micro_batch, {4, 3, 3}, &loss);
+  EXPECT_GT(uneven, 1e-3) << "an uneven split: the mean of the means is not the full batch's";
+  EXPECT_GT(std::abs(loss - full_loss), 1e-6 * std::abs(full_loss));
+  std::cout << "split 4+3+3 of 10: per-micro-batch normalization's worst per-tensor gradient difference from the "
+               "full batch " << uneven << ", loss " << loss << " vs " << full_loss << "\n";
+}
+
 // ---------------------------------------------------------------------------------------------
 class TrainingEquivalence : public Mbp, public ::testing::WithParamInterface<std::string> {};
 
