@@ -3,6 +3,7 @@
 //   tally train [options]  train a ResNet (see apps/trainer.h and README.md for the options)
 //   tally plan [options]   the memory plan of a training step: per-layer table, micro-batch
 //                          size, predicted peak (see apps/plan.h); nothing is computed
+//   tally sweep [options]  the batch-size experiment: a run per batch size (see apps/sweep.h)
 #include <cstdio>
 #include <exception>
 #include <iostream>
@@ -13,11 +14,96 @@
 
 #include "apps/plan.h"
 #include "apps/setup.h"
+#include "apps/sweep.h"
 #include "apps/trainer.h"
 #include "core/device.h"
 #include "layers/resnet.h"
 
 using namespace tally;
+
+namespace {
+
+// The options of `tally train`, registered on `cmd` (also for `tally sweep`, which sets the batch
+// size, the output files and the weights per run itself: `sweep` leaves those flags out).
+struct TrainFlags {
+  app::TrainOptions to;
+  std::int64_t classes = 0, steps = 0;
+  bool augment = false, no_augment = false, shuffle = false, no_shuffle = false, normalize = false,
+       no_normalize = false;
+  std::string micro = "auto";
+
+  void add(CLI::App* cmd, bool sweep) {
+    const auto& models = nn::model_names();
+    cmd->add_option("--model", to.model, app::choices(models))->check(CLI::IsMember(models))->capture_default_str();
+    cmd->add_option("--norm", to.norm, app::choices(app::norm_names()))->check(CLI::IsMember(app::norm_names()))
+        ->capture_default_str();
+    cmd->add_option("--data", to.data,
+                    "synthetic|synthetic:CxHxW|mnist:DIR|fashion-mnist|fashion-mnist:DIR|cifar10:DIR|cifar100:DIR")
+        ->capture_default_str();
+    cmd->add_option("--num-classes", classes, "classes of synthetic data (default 1000 for images >= 64 pixels, else 10)")
+        ->check(CLI::PositiveNumber);
+    auto* epochs = cmd->add_option("--epochs", to.epochs, sweep ? "epochs per batch size" : "epochs to train")
+                       ->check(CLI::PositiveNumber)->capture_default_str();
+    cmd->add_option("--steps", steps, "optimizer steps to train (instead of --epochs)")->check(CLI::PositiveNumber)
+        ->excludes(epochs);
+    if (!sweep)
+      cmd->add_option("--batch-size", to.batch_size, "samples per optimizer step")->check(CLI::PositiveNumber)
+          ->capture_default_str();
+    cmd->add_option("--optimizer", to.optimizer, app::choices(app::optimizer_names()))
+        ->check(CLI::IsMember(app::optimizer_names()))->capture_default_str();
+    cmd->add_option("--lr", to.lr, sweep ? "learning rate of the first batch size of the list" : "learning rate")
+        ->check(CLI::NonNegativeNumber)->capture_default_str();
+    cmd->add_option("--momentum", to.momentum, "SGD momentum")->check(CLI::NonNegativeNumber)->capture_default_str();
+    cmd->add_flag("--nesterov", to.nesterov, "Nesterov momentum");
+    cmd->add_option("--weight-decay", to.weight_decay, "weight decay")->check(CLI::NonNegativeNumber)->capture_default_str();
+    cmd->add_option("--schedule", to.schedule, "constant|step|cosine|onecycle")
+        ->check(CLI::IsMember({"constant", "step", "cosine", "onecycle"}))->capture_default_str();
+    cmd->add_option("--warmup-epochs", to.warmup_epochs, "linear warm-up, in epochs")->check(CLI::NonNegativeNumber)
+        ->capture_default_str();
+    cmd->add_option("--label-smoothing", to.label_smoothing, "label smoothing in [0, 1]")->check(CLI::Range(0.0, 1.0))
+        ->capture_default_str();
+    auto* aug = cmd->add_flag("--augment", augment,
+                              "random crop (pad 4) + horizontal flip (default: on, off for MNIST and Fashion-MNIST)");
+    cmd->add_flag("--no-augment", no_augment, "no augmentation")->excludes(aug);
+    auto* shf = cmd->add_flag("--shuffle", shuffle, "shuffle the training set every epoch (default)");
+    cmd->add_flag("--no-shuffle", no_shuffle, "file order: step k uses samples [kB, (k+1)B)")->excludes(shf);
+    auto* nrm = cmd->add_flag("--normalize", normalize, "per-channel mean/std normalization (default)");
+    cmd->add_flag("--no-normalize", no_normalize, "pixels in [0, 1]")->excludes(nrm);
+    cmd->add_option("--seed", to.seed, "seed for initialization, shuffling and augmentation")->capture_default_str();
+    cmd->add_option("--device", to.device, "cpu|cuda|cuda:N|auto (auto: the GPU when there is one)")->capture_default_str();
+    cmd->add_option("--threads", to.threads, "CPU threads (0: default)")->check(CLI::NonNegativeNumber);
+    cmd->add_flag("--tf32", to.tf32, "CUDA: let float32 GEMMs and convolutions use TF32 tensor cores (off by default)");
+    if (!sweep) {
+      cmd->add_flag("--profile", to.profile, "CUDA: GPU time per op, printed at the end and written to profile.txt");
+      cmd->add_option("--init", to.init, "initial weights (safetensors, torchvision names)");
+      cmd->add_option("--save", to.save, "write the trained weights (safetensors)");
+      cmd->add_option("--out", to.out, "write metrics.csv and summary.json into this directory");
+      cmd->add_flag("!--no-progress", to.progress, "no progress bar");
+    } else {
+      cmd->add_option("--out", to.out, "folder for sweep.csv, sweep.svg and one folder per run")->required();
+    }
+    cmd->add_option("--memory-limit", to.memory_limit, "memory budget: a size (48MiB, 2GiB) or auto")->capture_default_str();
+    cmd->add_option("--loss-normalization", to.loss_normalization,
+                    "exact (the full batch's mean for any split) | per-micro-batch (each micro-batch's mean / k, "
+                    "as the MBP paper's code)")
+        ->check(CLI::IsMember({"exact", "per-micro-batch"}))->capture_default_str();
+    cmd->add_option("--micro-batch", micro, "samples per micro-batch: M or auto (the largest that fits)")
+        ->capture_default_str();
+  }
+
+  // After parsing: the flags that fill optional fields.
+  void finish() {
+    if (steps > 0) to.steps = steps;
+    if (classes > 0) to.num_classes = classes;
+    if (augment) to.augment = true;
+    if (no_augment) to.augment = false;
+    if (no_shuffle) to.shuffle = false;
+    if (no_normalize) to.normalize = false;
+    to.micro_batch = app::parse_micro_batch(micro);
+  }
+};
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"tally — deep learning with micro-batch processing and exact memory accounting"};
@@ -25,51 +111,19 @@ int main(int argc, char** argv) {
   bool version = false;
   app.add_flag("--version", version, "print the build configuration and whether a GPU is present");
   const auto& models = nn::model_names();
-  app::TrainOptions to;
+  TrainFlags train_flags;
   auto* train_cmd = app.add_subcommand("train", "train a ResNet on a data set");
-  train_cmd->add_option("--model", to.model, app::choices(models))->check(CLI::IsMember(models))
+  train_flags.add(train_cmd, false);
+  TrainFlags sweep_flags;
+  app::SweepOptions so;
+  auto* sweep_cmd = app.add_subcommand("sweep", "train each batch size of a list from the same weights: accuracy, "
+                                                "speed and memory per batch size (sweep.csv, sweep.svg)");
+  sweep_flags.to.warmup_epochs = 0.5;  // linear scaling comes with a warm-up (Goyal et al. 2017)
+  sweep_flags.add(sweep_cmd, true);
+  sweep_cmd->add_option("--batch-sizes", so.batch_sizes, "comma-separated batch sizes, e.g. 128,256,512,1024")
       ->capture_default_str();
-  train_cmd->add_option("--norm", to.norm, app::choices(app::norm_names()))->check(CLI::IsMember(app::norm_names()))->capture_default_str();
-  train_cmd->add_option("--data", to.data, "synthetic|synthetic:CxHxW|mnist:DIR|fashion-mnist|fashion-mnist:DIR|cifar10:DIR|cifar100:DIR")->capture_default_str();
-  std::int64_t train_classes = 0;
-  train_cmd->add_option("--num-classes", train_classes, "classes of synthetic data (default 1000 for images >= 64 pixels, else 10)")
-      ->check(CLI::PositiveNumber);
-  auto* epochs_opt = train_cmd->add_option("--epochs", to.epochs, "epochs to train")->check(CLI::PositiveNumber)->capture_default_str();
-  std::int64_t steps = 0;
-  train_cmd->add_option("--steps", steps, "optimizer steps to train (instead of --epochs)")->check(CLI::PositiveNumber)->excludes(epochs_opt);
-  train_cmd->add_option("--batch-size", to.batch_size, "samples per optimizer step")->check(CLI::PositiveNumber)->capture_default_str();
-  train_cmd->add_option("--optimizer", to.optimizer, app::choices(app::optimizer_names()))->check(CLI::IsMember(app::optimizer_names()))->capture_default_str();
-  train_cmd->add_option("--lr", to.lr, "learning rate")->check(CLI::NonNegativeNumber)->capture_default_str();
-  train_cmd->add_option("--momentum", to.momentum, "SGD momentum")->check(CLI::NonNegativeNumber)->capture_default_str();
-  train_cmd->add_flag("--nesterov", to.nesterov, "Nesterov momentum");
-  train_cmd->add_option("--weight-decay", to.weight_decay, "weight decay")->check(CLI::NonNegativeNumber)->capture_default_str();
-  train_cmd->add_option("--schedule", to.schedule, "constant|step|cosine|onecycle")
-      ->check(CLI::IsMember({"constant", "step", "cosine", "onecycle"}))->capture_default_str();
-  train_cmd->add_option("--warmup-epochs", to.warmup_epochs, "linear warm-up, in epochs")->check(CLI::NonNegativeNumber)->capture_default_str();
-  train_cmd->add_option("--label-smoothing", to.label_smoothing, "label smoothing in [0, 1]")->check(CLI::Range(0.0, 1.0))->capture_default_str();
-  bool augment = false, no_augment = false, shuffle = false, no_shuffle = false, normalize = false, no_normalize = false;
-  auto* aug = train_cmd->add_flag("--augment", augment, "random crop (pad 4) + horizontal flip (default: on, off for MNIST and Fashion-MNIST)");
-  train_cmd->add_flag("--no-augment", no_augment, "no augmentation")->excludes(aug);
-  auto* shf = train_cmd->add_flag("--shuffle", shuffle, "shuffle the training set every epoch (default)");
-  train_cmd->add_flag("--no-shuffle", no_shuffle, "file order: step k uses samples [kB, (k+1)B)")->excludes(shf);
-  auto* nrm = train_cmd->add_flag("--normalize", normalize, "per-channel mean/std normalization (default)");
-  train_cmd->add_flag("--no-normalize", no_normalize, "pixels in [0, 1]")->excludes(nrm);
-  train_cmd->add_option("--seed", to.seed, "seed for initialization, shuffling and augmentation")->capture_default_str();
-  train_cmd->add_option("--device", to.device, "cpu|cuda|cuda:N|auto (auto: the GPU when there is one)")->capture_default_str();
-  train_cmd->add_option("--threads", to.threads, "CPU threads (0: default)")->check(CLI::NonNegativeNumber);
-  train_cmd->add_flag("--tf32", to.tf32, "CUDA: let float32 GEMMs and convolutions use TF32 tensor cores (off by default)");
-  train_cmd->add_flag("--profile", to.profile, "CUDA: GPU time per op, printed at the end and written to profile.txt");
-  train_cmd->add_option("--init", to.init, "initial weights (safetensors, torchvision names)");
-  train_cmd->add_option("--save", to.save, "write the trained weights (safetensors)");
-  train_cmd->add_option("--out", to.out, "write metrics.csv and summary.json into this directory");
-  train_cmd->add_flag("!--no-progress", to.progress, "no progress bar");
-  train_cmd->add_option("--memory-limit", to.memory_limit, "memory budget: a size (48MiB, 2GiB) or auto")->capture_default_str();
-  train_cmd->add_option("--loss-normalization", to.loss_normalization,
-                        "exact (the full batch's mean for any split) | per-micro-batch (each micro-batch's mean / k, "
-                        "as the MBP paper's code)")
-      ->check(CLI::IsMember({"exact", "per-micro-batch"}))->capture_default_str();
-  std::string micro = "auto";
-  train_cmd->add_option("--micro-batch", micro, "samples per micro-batch: M or auto (the largest that fits)")->capture_default_str();
+  sweep_cmd->add_option("--lr-scaling", so.lr_scaling, "linear (lr * B / B0) | sqrt (lr * sqrt(B / B0))")
+      ->check(CLI::IsMember({"linear", "sqrt"}))->capture_default_str();
 
   app::PlanOptions po;
   auto* plan_cmd = app.add_subcommand("plan", "print the memory plan of a training step (nothing is computed)");
@@ -90,14 +144,10 @@ int main(int argc, char** argv) {
   plan_cmd->add_flag("--no-layers", no_layers, "skip the per-layer table");
   try {
     app.parse(argc, argv);
-    if (train_cmd->parsed()) {
-      if (steps > 0) to.steps = steps;
-      if (train_classes > 0) to.num_classes = train_classes;
-      if (augment) to.augment = true;
-      if (no_augment) to.augment = false;
-      if (no_shuffle) to.shuffle = false;
-      if (no_normalize) to.normalize = false;
-      to.micro_batch = app::parse_micro_batch(micro);
+    if (train_cmd->parsed()) train_flags.finish();
+    if (sweep_cmd->parsed()) {
+      sweep_flags.finish();
+      so.train = sweep_flags.to;
     }
     if (plan_cmd->parsed()) {
       if (classes > 0) po.num_classes = classes;
@@ -116,7 +166,11 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (train_cmd->parsed()) {
-      app::train(to, std::cout);
+      app::train(train_flags.to, std::cout);
+      return 0;
+    }
+    if (sweep_cmd->parsed()) {
+      app::sweep(so, std::cout);
       return 0;
     }
     if (plan_cmd->parsed()) {

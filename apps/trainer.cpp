@@ -219,6 +219,14 @@ void write_summary(const TrainOptions& opt, const TrainResult& result) {
 
 }  // namespace
 
+std::string check_train_options(const TrainOptions& opt) { return validate(opt).str(); }
+
+DataInfo describe_data(const TrainOptions& opt) {
+  const data::Split split = load_data(opt);
+  const data::Dataset& t = split.train;
+  return {t.channels, t.height, t.width, t.num_classes, t.size()};
+}
+
 TrainResult train(const TrainOptions& opt, std::ostream& log) {
   const Device dev = validate(opt);
   if (opt.threads > 0) omp_set_num_threads(opt.threads);  // OpenBLAS stays single-threaded (kernels/cpu/gemm.cpp)
@@ -314,8 +322,8 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
   TrainResult result;
   result.device = dev.str();
   result.memory_limit_bytes = static_cast<std::int64_t>(arena->capacity());
-  double steady_seconds = 0;
-  std::int64_t steady_images = 0, step = 0;
+  double steady_seconds = 0, first_seconds = 0;
+  std::int64_t steady_images = 0, first_images = 0, step = 0;
   double last_loss = 0;
   Eval ev;
   // The step whose memory timeline is written: the second (steady state) if there is one.
@@ -351,6 +359,9 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
       if (step > 0) {  // the first step warms caches and is excluded from the steady-state rate
         steady_seconds += dt;
         steady_images += b->size;
+      } else {
+        first_seconds = dt;
+        first_images = b->size;
       }
 #if TALLY_HAVE_CUDA
       if (opt.profile) {  // the step has waited for the device: its events are complete
@@ -387,7 +398,10 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
   }
   result.test_accuracy = ev.accuracy;
   result.test_loss = ev.loss;
-  result.images_per_second = steady_seconds > 0 ? static_cast<double>(steady_images) / steady_seconds : 0;
+  // Steps after the first; a run of one step has only the first to report.
+  result.images_per_second = steady_seconds > 0  ? static_cast<double>(steady_images) / steady_seconds
+                             : first_seconds > 0 ? static_cast<double>(first_images) / first_seconds
+                                                 : 0;
   result.steps = step;
 
   // ---- report --------------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ struct TrainOptions {
 };
 
 struct TrainResult {
+  // images/s over the steps after the first (the first warms caches); of the first when it is the only one.
   double test_accuracy = 0, test_loss = 0, train_loss = 0, images_per_second = 0;
   std::int64_t peak_bytes = 0;            // highest measured peak of a training step
   std::int64_t predicted_peak_bytes = 0;  // the planner's prediction for those steps
@@ -58,5 +59,15 @@ struct TrainResult {
 
 // Validates every option first (a bad value is a tally::Error listing the allowed values).
 TrainResult train(const TrainOptions& opt, std::ostream& log);
+
+// The checks train() starts with, on their own: every option (not the data set's files); returns
+// the device the run would use.
+std::string check_train_options(const TrainOptions& opt);
+
+// What --data holds: one sample's shape, the class count and the training set's size (loads it).
+struct DataInfo {
+  std::int64_t channels = 0, height = 0, width = 0, num_classes = 0, train_size = 0;
+};
+DataInfo describe_data(const TrainOptions& opt);
 
 }  // namespace tally::app

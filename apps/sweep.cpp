@@ -1,0 +1,244 @@
+// apps/sweep.cpp — `tally sweep`; see apps/sweep.h.
+#include "apps/sweep.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <ostream>
+#include <set>
+#include <sstream>
+
+#include <fmt/format.h>
+#include <fmt/ostream.h>
+
+#include "apps/plan.h"
+#include "apps/setup.h"
+#include "core/arena.h"
+#include "core/error.h"
+
+namespace tally::app {
+
+std::vector<std::int64_t> parse_batch_sizes(const std::string& list) {
+  std::vector<std::int64_t> sizes;
+  std::set<std::int64_t> seen;
+  std::stringstream ss(list);
+  std::string item;
+  while (std::getline(ss, item, ',')) {
+    const auto v = parse_positive_integer(item);
+    if (!v)
+      throw Error(fmt::format("--batch-sizes '{}': expected a comma-separated list of positive integers (e.g. "
+                              "128,256,512), found '{}'", list, item));
+    if (!seen.insert(*v).second) throw Error(fmt::format("--batch-sizes '{}': batch size {} is listed twice", list, *v));
+    sizes.push_back(*v);
+  }
+  if (sizes.empty() || (!list.empty() && list.back() == ','))
+    throw Error(fmt::format("--batch-sizes '{}': expected a comma-separated list of positive integers (e.g. "
+                            "128,256,512)", list));
+  return sizes;
+}
+
+double scaled_lr(double lr, std::int64_t b, std::int64_t b0, const std::string& rule) {
+  const double r = static_cast<double>(b) / static_cast<double>(b0);
+  if (rule == "linear") return lr * r;
+  if (rule == "sqrt") return lr * std::sqrt(r);
+  throw Error(fmt::format("--lr-scaling '{}' is not allowed: expected one of linear, sqrt", rule));
+}
+
+namespace {
+
+const char* kHeader =
+    "batch_size,micro_batch,micro_batches_per_step,steps,lr,train_loss,test_accuracy,images_per_second,"
+    "predicted_peak_bytes,peak_bytes,wall_seconds\n";
+
+void write_text(const std::filesystem::path& p, const std::string& text) {
+  std::ofstream f(p);
+  f << text;
+  if (!f) throw Error(fmt::format("cannot write {}", p.string()));
+}
+
+std::string xml_escape(const std::string& t) {
+  std::string s;
+  for (char c : t) {
+    if (c == '&') s += "&amp;";
+    else if (c == '<') s += "&lt;";
+    else if (c == '>') s += "&gt;";
+    else if (c == '"') s += "&quot;";
+    else s += c;
+  }
+  return s;
+}
+
+std::string csv(const std::vector<SweepRow>& rows) {
+  std::string s = kHeader;
+  for (const SweepRow& r : rows)
+    s += fmt::format("{},{},{},{},{:.6g},{:.6f},{:.6f},{:.2f},{},{},{:.2f}\n", r.batch_size, r.micro_batch,
+                     r.micro_batches_per_step, r.steps, r.lr, r.train_loss, r.test_accuracy, r.images_per_second,
+                     r.predicted_peak_bytes, r.peak_bytes, r.wall_seconds);
+  return s;
+}
+
+}  // namespace
+
+std::vector<SweepRow> sweep(const SweepOptions& opt, std::ostream& log) {
+  // ---- every check before any training ------------------------------------------------------------
+  if (opt.train.out.empty()) throw Error("tally sweep needs --out DIR for sweep.csv, sweep.svg and the runs");
+  check_choice("--lr-scaling", opt.lr_scaling, {"linear", "sqrt"});
+  const std::vector<std::int64_t> sizes = parse_batch_sizes(opt.batch_sizes);
+  const std::string device = check_train_options(opt.train);
+  const DataInfo data = describe_data(opt.train);
+  std::vector<std::string> plans;
+  for (std::int64_t b : sizes) {
+    if (b > data.train_size)
+      throw Error(fmt::format("--batch-sizes: batch size {} is larger than the {} training samples of {}", b,
+                              data.train_size, opt.train.data));
+    const std::int64_t per_epoch = data.train_size / b;
+    const std::int64_t steps = opt.train.steps ? *opt.train.steps : opt.train.epochs * per_epoch;
+    const auto warm = static_cast<std::int64_t>(std::llround(opt.train.warmup_epochs * static_cast<double>(per_epoch)));
+    if (warm > 0 && warm >= steps)
+      throw Error(fmt::format("batch size {}: the warm-up of {} epochs ({} steps) is not shorter than the run's {} "
+                              "steps: give a smaller --warmup-epochs (0 for none) or more --epochs",
+                              b, opt.train.warmup_epochs, warm, steps));
+    PlanOptions po;
+    po.model = opt.train.model;
+    po.norm = opt.train.norm;
+    po.input = fmt::format("{}x{}x{}", data.channels, data.height, data.width);
+    po.num_classes = data.num_classes;
+    po.batch_size = b;
+    po.memory_limit = opt.train.memory_limit;
+    if (opt.train.micro_batch) po.micro_batch = std::min(*opt.train.micro_batch, b);
+    po.optimizer = opt.train.optimizer;
+    po.momentum = opt.train.momentum;
+    po.device = device;
+    po.layers = false;
+    std::ostringstream quiet;
+    try {
+      plans.push_back(plan(po, quiet).summary());
+    } catch (const OutOfMemory& e) {
+      throw OutOfMemory(fmt::format("batch size {}: {}", b, e.what()), e.requested());
+    }
+  }
+  const std::filesystem::path out(opt.train.out);
+  std::filesystem::create_directories(out);
+  fmt::print(log, "sweep: {} on {} ({}), {} batch sizes, lr {} at batch {} scaled {}, memory limit {}, {} per run\n",
+             opt.train.model, opt.train.data, device, sizes.size(), opt.train.lr, sizes.front(), opt.lr_scaling,
+             opt.train.memory_limit,
+             opt.train.steps ? fmt::format("{} steps", *opt.train.steps) : fmt::format("{} epochs", opt.train.epochs));
+
+  // ---- the runs ---------------------------------------------------------------------------------------
+  std::vector<SweepRow> rows;
+  std::int64_t limit_bytes = 0;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    const std::int64_t b = sizes[i];
+    TrainOptions t = opt.train;
+    t.batch_size = b;
+    t.lr = scaled_lr(opt.train.lr, b, sizes.front(), opt.lr_scaling);
+    t.out = (out / fmt::format("b{}", b)).string();
+    t.save.clear();
+    t.progress = false;
+    std::filesystem::create_directories(t.out);
+    fmt::print(log, "[{}/{}] batch {} lr {:.4g} | plan: {}\n", i + 1, sizes.size(), b, t.lr, plans[i]);
+    log.flush();
+    std::ofstream run_log(std::filesystem::path(t.out) / "train.log");
+    const auto t0 = std::chrono::steady_clock::now();
+    const TrainResult r = train(t, run_log);
+    const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    SweepRow row;
+    row.batch_size = b;
+    row.micro_batch = r.micro_batch;
+    row.micro_batches_per_step = r.micro_batches_per_step;
+    row.steps = r.steps;
+    row.lr = t.lr;
+    row.train_loss = r.train_loss;
+    row.test_accuracy = r.test_accuracy;
+    row.images_per_second = r.images_per_second;
+    row.predicted_peak_bytes = r.predicted_peak_bytes;
+    row.peak_bytes = r.peak_bytes;
+    row.wall_seconds = wall;
+    rows.push_back(row);
+    limit_bytes = r.memory_limit_bytes;
+    fmt::print(log, "      {} steps | test accuracy {:.2f}% | {:.1f} img/s | peak {} bytes, predicted {}{} | {:.0f} s\n",
+               r.steps, 100.0 * r.test_accuracy, r.images_per_second, r.peak_bytes, r.predicted_peak_bytes,
+               r.peak_bytes == r.predicted_peak_bytes ? " (exact)" : "", wall);
+    log.flush();
+    // Written after every run, so an interrupted sweep leaves what it measured.
+    write_text(out / "sweep.csv", csv(rows));
+    write_text(out / "sweep.svg",
+               sweep_svg(rows, limit_bytes,
+                         fmt::format("{} on {}: {} per batch size, lr {} at batch {} ({} scaling)", opt.train.model,
+                                     opt.train.data,
+                                     opt.train.steps ? fmt::format("{} steps", *opt.train.steps)
+                                                     : fmt::format("{} epochs", opt.train.epochs),
+                                     opt.train.lr, sizes.front(), opt.lr_scaling)));
+  }
+  fmt::print(log, "wrote {0}/sweep.csv and {0}/sweep.svg\n", out.string());
+  return rows;
+}
+
+// ---- the picture ---------------------------------------------------------------------------------------
+
+std::string sweep_svg(const std::vector<SweepRow>& rows, std::int64_t memory_limit_bytes, const std::string& title) {
+  const int W = 840, left = 80, right = 40, pw = W - left - right, ph = 200, top1 = 60, gap = 70;
+  const int top2 = top1 + ph + gap, H = top2 + ph + 80;
+  std::vector<SweepRow> r = rows;
+  std::sort(r.begin(), r.end(), [](const SweepRow& a, const SweepRow& b) { return a.batch_size < b.batch_size; });
+  std::string s = fmt::format(
+      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{0}\" height=\"{1}\" viewBox=\"0 0 {0} {1}\" "
+      "font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+      "<text x=\"{2}\" y=\"22\" font-size=\"15\" font-weight=\"bold\">{3}</text>\n"
+      "<text x=\"{2}\" y=\"40\">memory limit {4}; filled: the batch ran as micro-batches (k &gt; 1), hollow: in one "
+      "piece</text>\n",
+      W, H, left, xml_escape(title), format_bytes(static_cast<std::size_t>(memory_limit_bytes)));
+  if (r.empty()) return s + "</svg>\n";
+  const double lx0 = std::log2(static_cast<double>(r.front().batch_size)) - 0.5;
+  const double lx1 = std::log2(static_cast<double>(r.back().batch_size)) + 0.5;
+  auto x_of = [&](std::int64_t b) {
+    return left + pw * (std::log2(static_cast<double>(b)) - lx0) / (lx1 - lx0);
+  };
+  auto panel = [&](int top, const char* label, const char* color, auto value, double lo, double hi, auto fmt_tick) {
+    std::string p;
+    p += fmt::format("<line x1=\"{0}\" y1=\"{1}\" x2=\"{0}\" y2=\"{2}\" stroke=\"black\"/>\n", left, top, top + ph);
+    p += fmt::format("<line x1=\"{0}\" y1=\"{1}\" x2=\"{2}\" y2=\"{1}\" stroke=\"black\"/>\n", left, top + ph, left + pw);
+    p += fmt::format("<text x=\"18\" y=\"{0}\" transform=\"rotate(-90 18 {0})\" text-anchor=\"middle\">{1}</text>\n",
+                     top + ph / 2, label);
+    for (int t = 0; t <= 4; ++t) {
+      const double v = lo + (hi - lo) * t / 4.0, y = top + ph - ph * t / 4.0;
+      p += fmt::format("<line x1=\"{}\" y1=\"{:.1f}\" x2=\"{}\" y2=\"{:.1f}\" stroke=\"#dddddd\"/>\n", left, y,
+                       left + pw, y);
+      p += fmt::format("<text x=\"{}\" y=\"{:.1f}\" text-anchor=\"end\">{}</text>\n", left - 6, y + 4, fmt_tick(v));
+    }
+    auto y_of = [&](double v) { return top + ph - ph * (v - lo) / (hi - lo > 0 ? hi - lo : 1.0); };
+    std::string path;
+    for (const SweepRow& row : r)
+      path += fmt::format("{}{:.1f},{:.1f}", path.empty() ? "M" : " L", x_of(row.batch_size), y_of(value(row)));
+    p += fmt::format("<path d=\"{}\" fill=\"none\" stroke=\"{}\" stroke-width=\"2\"/>\n", path, color);
+    for (const SweepRow& row : r) {
+      const bool split = row.micro_batches_per_step > 1;
+      p += fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"5\" fill=\"{}\" stroke=\"{}\" stroke-width=\"2\">"
+                       "<title>batch {}: {} micro-batches of &lt;= {}</title></circle>\n",
+                       x_of(row.batch_size), y_of(value(row)), split ? color : "white", color, row.batch_size,
+                       row.micro_batches_per_step, row.micro_batch);
+    }
+    return p;
+  };
+  double amin = 1, amax = 0, imax = 0;
+  for (const SweepRow& row : r) {
+    amin = std::min(amin, row.test_accuracy);
+    amax = std::max(amax, row.test_accuracy);
+    imax = std::max(imax, row.images_per_second);
+  }
+  const double alo = std::max(0.0, std::floor((amin - 0.02) * 50) / 50), ahi = std::min(1.0, std::ceil((amax + 0.01) * 50) / 50);
+  s += panel(top1, "test accuracy (%)", "#4e79a7", [](const SweepRow& row) { return row.test_accuracy; }, alo,
+             ahi > alo ? ahi : alo + 0.02, [](double v) { return fmt::format("{:.1f}", 100 * v); });
+  s += panel(top2, "training images/s", "#f28e2b", [](const SweepRow& row) { return row.images_per_second; }, 0.0,
+             imax > 0 ? imax * 1.1 : 1.0, [](double v) { return fmt::format("{:.0f}", v); });
+  for (const SweepRow& row : r)
+    s += fmt::format("<text x=\"{:.1f}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n", x_of(row.batch_size),
+                     top2 + ph + 18, row.batch_size);
+  s += fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">batch size (log scale)</text>\n", left + pw / 2,
+                   top2 + ph + 40);
+  return s + "</svg>\n";
+}
+
+}  // namespace tally::app

@@ -1,0 +1,49 @@
+// apps/sweep.h — `tally sweep`: the batch-size experiment as one command.
+//
+// For each batch size B of a list, one `tally train` run (apps/trainer.h) from the same initial
+// weights (the same seed) and the same budget of epochs or steps, with the learning rate scaled
+// from the first batch size B0 of the list: lr * B / B0 (linear, the default, with the warm-up
+// the options give) or lr * sqrt(B / B0). Every batch runs through the micro-batches the planner
+// picks for the memory limit, so batch sizes far beyond memory train as their full batch would.
+// Before any training, every batch size is planned (a dry run, as `tally plan`): a bad list, a
+// batch below 1 or above the training set, or a limit that cannot hold even one sample is an
+// error. Results go to --out: sweep.csv (a row per batch size), sweep.svg (test accuracy and
+// images/s against batch size on a log axis, the batches that needed micro-batches marked, the
+// memory limit stated) and one folder per run (b<B>/: the run's log, metrics, summary, memory
+// timeline). A line per run shows progress.
+#pragma once
+#include <cstdint>
+#include <iosfwd>
+#include <string>
+#include <vector>
+
+#include "apps/trainer.h"
+
+namespace tally::app {
+
+struct SweepOptions {
+  TrainOptions train;                 // batch_size, out, save and init are set per run
+  std::string batch_sizes = "128,256,512,1024";
+  std::string lr_scaling = "linear";  // linear | sqrt
+};
+
+struct SweepRow {
+  std::int64_t batch_size = 0, micro_batch = 0, micro_batches_per_step = 0, steps = 0;
+  double lr = 0, train_loss = 0, test_accuracy = 0, images_per_second = 0;
+  std::int64_t predicted_peak_bytes = 0, peak_bytes = 0;
+  double wall_seconds = 0;
+};
+
+// "128,256,512" -> {128, 256, 512}; an empty item, a non-number, a value below 1 or a repeated
+// size is an Error naming the item.
+std::vector<std::int64_t> parse_batch_sizes(const std::string& list);
+
+// The learning rate of batch b when `lr` is that of b0 ("linear": lr*b/b0, "sqrt": lr*sqrt(b/b0)).
+double scaled_lr(double lr, std::int64_t b, std::int64_t b0, const std::string& rule);
+
+std::vector<SweepRow> sweep(const SweepOptions& opt, std::ostream& log);
+
+// The picture of a sweep: accuracy and images/s against batch size (log axis).
+std::string sweep_svg(const std::vector<SweepRow>& rows, std::int64_t memory_limit_bytes, const std::string& title);
+
+}  // namespace tally::app
