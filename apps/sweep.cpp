@@ -58,6 +58,12 @@ void write_text(const std::filesystem::path& p, const std::string& text) {
   if (!f) throw Error(fmt::format("cannot write {}", p.string()));
 }
 
+// "1 epoch", "3 epochs", "50 steps": a run's budget.
+std::string budget_text(const TrainOptions& t) {
+  const std::int64_t n = t.steps ? *t.steps : t.epochs;
+  return fmt::format("{} {}{}", n, t.steps ? "step" : "epoch", n == 1 ? "" : "s");
+}
+
 std::string xml_escape(const std::string& t) {
   std::string s;
   for (char c : t) {
@@ -124,7 +130,7 @@ std::vector<SweepRow> sweep(const SweepOptions& opt, std::ostream& log) {
   fmt::print(log, "sweep: {} on {} ({}), {} batch sizes, lr {} at batch {} scaled {}, memory limit {}, {} per run\n",
              opt.train.model, opt.train.data, device, sizes.size(), opt.train.lr, sizes.front(), opt.lr_scaling,
              opt.train.memory_limit,
-             opt.train.steps ? fmt::format("{} steps", *opt.train.steps) : fmt::format("{} epochs", opt.train.epochs));
+             budget_text(opt.train));
 
   // ---- the runs ---------------------------------------------------------------------------------------
   std::vector<SweepRow> rows;
@@ -168,8 +174,7 @@ std::vector<SweepRow> sweep(const SweepOptions& opt, std::ostream& log) {
                sweep_svg(rows, limit_bytes,
                          fmt::format("{} on {}: {} per batch size, lr {} at batch {} ({} scaling)", opt.train.model,
                                      opt.train.data,
-                                     opt.train.steps ? fmt::format("{} steps", *opt.train.steps)
-                                                     : fmt::format("{} epochs", opt.train.epochs),
+                                     budget_text(opt.train),
                                      opt.train.lr, sizes.front(), opt.lr_scaling)));
   }
   fmt::print(log, "wrote {0}/sweep.csv and {0}/sweep.svg\n", out.string());
