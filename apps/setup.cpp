@@ -2,6 +2,7 @@
 #include "apps/setup.h"
 
 #include <algorithm>
+#include <fstream>
 
 #include <fmt/format.h>
 
@@ -45,6 +46,12 @@ const std::vector<std::string>& optimizer_names() {
 }
 
 std::string choices(const std::vector<std::string>& names) { return fmt::format("{}", fmt::join(names, "|")); }
+
+void write_text(const std::filesystem::path& path, const std::string& text) {
+  std::ofstream f(path);
+  f << text;
+  if (!f) throw Error(fmt::format("cannot write {}", path.string()));
+}
 
 std::size_t parse_memory_limit(const std::string& text, Device dev) {
   if (text == "auto") return default_arena_capacity(dev);

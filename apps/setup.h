@@ -11,6 +11,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <filesystem>
 #include <memory>
 #include <optional>
 #include <string>
@@ -36,6 +37,9 @@ void check_choice(const std::string& flag, const std::string& value, const std::
 const std::vector<std::string>& norm_names();
 const std::vector<std::string>& optimizer_names();
 std::string choices(const std::vector<std::string>& names);  // "a|b|c"
+
+// Writes `text` to `path`; an Error naming the path when it cannot.
+void write_text(const std::filesystem::path& path, const std::string& text);
 
 // --memory-limit: a size ("48MiB", "2GiB") or "auto" (core/memory.h's default capacity for the device).
 std::size_t parse_memory_limit(const std::string& text, Device dev);

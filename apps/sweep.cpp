@@ -17,6 +17,7 @@
 #include "apps/setup.h"
 #include "core/arena.h"
 #include "core/error.h"
+#include "mbp/timeline.h"
 
 namespace tally::app {
 
@@ -52,28 +53,10 @@ const char* kHeader =
     "batch_size,micro_batch,micro_batches_per_step,steps,lr,train_loss,test_accuracy,images_per_second,"
     "predicted_peak_bytes,peak_bytes,wall_seconds\n";
 
-void write_text(const std::filesystem::path& p, const std::string& text) {
-  std::ofstream f(p);
-  f << text;
-  if (!f) throw Error(fmt::format("cannot write {}", p.string()));
-}
-
 // "1 epoch", "3 epochs", "50 steps": a run's budget.
 std::string budget_text(const TrainOptions& t) {
   const std::int64_t n = t.steps ? *t.steps : t.epochs;
   return fmt::format("{} {}{}", n, t.steps ? "step" : "epoch", n == 1 ? "" : "s");
-}
-
-std::string xml_escape(const std::string& t) {
-  std::string s;
-  for (char c : t) {
-    if (c == '&') s += "&amp;";
-    else if (c == '<') s += "&lt;";
-    else if (c == '>') s += "&gt;";
-    else if (c == '"') s += "&quot;";
-    else s += c;
-  }
-  return s;
 }
 
 std::string csv(const std::vector<SweepRow>& rows) {
@@ -99,13 +82,11 @@ std::vector<SweepRow> sweep(const SweepOptions& opt, std::ostream& log) {
     if (b > data.train_size)
       throw Error(fmt::format("--batch-sizes: batch size {} is larger than the {} training samples of {}", b,
                               data.train_size, opt.train.data));
-    const std::int64_t per_epoch = data.train_size / b;
-    const std::int64_t steps = opt.train.steps ? *opt.train.steps : opt.train.epochs * per_epoch;
-    const auto warm = static_cast<std::int64_t>(std::llround(opt.train.warmup_epochs * static_cast<double>(per_epoch)));
-    if (warm > 0 && warm >= steps)
+    const RunSteps run = run_steps(opt.train, data.train_size / b);  // the loader drops the last partial batch
+    if (run.warmup > 0 && run.warmup >= run.total)
       throw Error(fmt::format("batch size {}: the warm-up of {} epochs ({} steps) is not shorter than the run's {} "
                               "steps: give a smaller --warmup-epochs (0 for none) or more --epochs",
-                              b, opt.train.warmup_epochs, warm, steps));
+                              b, opt.train.warmup_epochs, run.warmup, run.total));
     PlanOptions po;
     po.model = opt.train.model;
     po.norm = opt.train.norm;
@@ -131,6 +112,10 @@ std::vector<SweepRow> sweep(const SweepOptions& opt, std::ostream& log) {
              opt.train.model, opt.train.data, device, sizes.size(), opt.train.lr, sizes.front(), opt.lr_scaling,
              opt.train.memory_limit,
              budget_text(opt.train));
+
+  const std::string title = fmt::format("{} on {}: {} per batch size, lr {} at batch {} ({} scaling)",
+                                        opt.train.model, opt.train.data, budget_text(opt.train), opt.train.lr,
+                                        sizes.front(), opt.lr_scaling);
 
   // ---- the runs ---------------------------------------------------------------------------------------
   std::vector<SweepRow> rows;
@@ -170,12 +155,7 @@ std::vector<SweepRow> sweep(const SweepOptions& opt, std::ostream& log) {
     log.flush();
     // Written after every run, so an interrupted sweep leaves what it measured.
     write_text(out / "sweep.csv", csv(rows));
-    write_text(out / "sweep.svg",
-               sweep_svg(rows, limit_bytes,
-                         fmt::format("{} on {}: {} per batch size, lr {} at batch {} ({} scaling)", opt.train.model,
-                                     opt.train.data,
-                                     budget_text(opt.train),
-                                     opt.train.lr, sizes.front(), opt.lr_scaling)));
+    write_text(out / "sweep.svg", sweep_svg(rows, limit_bytes, title));
   }
   fmt::print(log, "wrote {0}/sweep.csv and {0}/sweep.svg\n", out.string());
   return rows;
@@ -194,7 +174,7 @@ std::string sweep_svg(const std::vector<SweepRow>& rows, std::int64_t memory_lim
       "<text x=\"{2}\" y=\"22\" font-size=\"15\" font-weight=\"bold\">{3}</text>\n"
       "<text x=\"{2}\" y=\"40\">memory limit {4}; filled: the batch ran as micro-batches (k &gt; 1), hollow: in one "
       "piece</text>\n",
-      W, H, left, xml_escape(title), format_bytes(static_cast<std::size_t>(memory_limit_bytes)));
+      W, H, left, mbp::svg_escape(title), format_bytes(static_cast<std::size_t>(memory_limit_bytes)));
   if (r.empty()) return s + "</svg>\n";
   const double lx0 = std::log2(static_cast<double>(r.front().batch_size)) - 0.5;
   const double lx1 = std::log2(static_cast<double>(r.back().batch_size)) + 0.5;

@@ -125,12 +125,6 @@ Eval evaluate(nn::Module& model, const data::Dataset& ds, bool normalize, Device
   }
 }
 
-void write_file(const std::filesystem::path& p, const std::string& text) {
-  std::ofstream f(p);
-  f << text;
-  if (!f) throw Error(fmt::format("cannot write {}", p.string()));
-}
-
 // Every option, checked before any work: a bad value is an Error naming the flag, the value found
 // and what is allowed. Returns the device the run uses.
 Device validate(const TrainOptions& opt) {
@@ -161,12 +155,10 @@ Device validate(const TrainOptions& opt) {
   return dev;
 }
 
-bool is_synthetic(const std::string& spec) { return spec == "synthetic" || spec.rfind("synthetic:", 0) == 0; }
-
 // The data set of --data; --num-classes chooses the class count of synthetic data and must agree
 // with a real data set's.
 data::Split load_data(const TrainOptions& opt) {
-  const bool synthetic = is_synthetic(opt.data);
+  const bool synthetic = data::is_synthetic(opt.data);
   data::Split split = data::load_dataset(opt.data, synthetic ? opt.num_classes : std::nullopt);
   if (!synthetic && opt.num_classes && *opt.num_classes != split.train.num_classes)
     throw Error(fmt::format("--num-classes {} does not match {}, which has {} classes (--num-classes is for "
@@ -186,13 +178,13 @@ std::shared_ptr<Arena> make_arena(const TrainOptions& opt, Device dev) {
 void write_timeline(const TrainOptions& opt, Arena& arena, Device dev, std::int64_t step, const mbp::StepResult& r,
                     std::int64_t batch) {
   const std::filesystem::path dir(opt.out);
-  write_file(dir / "memory_trace.json", arena.trace_json());
+  write_text(dir / "memory_trace.json", arena.trace_json());
   mbp::TimelineOptions to;
   to.title = fmt::format("{} (norm {}) on {}: step {}, batch {} as {} micro-batches of <= {}", opt.model, opt.norm,
                          dev.str(), step + 1, batch, r.micro_batches, r.micro_batch);
   to.budget = arena.capacity();
   to.predicted_peak = r.predicted_peak;
-  write_file(dir / "memory.svg", mbp::memory_svg(arena, to));
+  write_text(dir / "memory.svg", mbp::memory_svg(arena, to));
   arena.clear_trace();
 }
 
@@ -214,12 +206,19 @@ void write_summary(const TrainOptions& opt, const TrainResult& result) {
                       {"batch_size", opt.batch_size},
                       {"loss_normalization", opt.loss_normalization},
                       {"data", opt.data}};
-  write_file(std::filesystem::path(opt.out) / "summary.json", j.dump(2) + "\n");
+  write_text(std::filesystem::path(opt.out) / "summary.json", j.dump(2) + "\n");
 }
 
 }  // namespace
 
 std::string check_train_options(const TrainOptions& opt) { return validate(opt).str(); }
+
+RunSteps run_steps(const TrainOptions& opt, std::int64_t per_epoch) {
+  RunSteps r;
+  r.total = opt.steps ? *opt.steps : opt.epochs * per_epoch;
+  r.warmup = static_cast<std::int64_t>(std::llround(opt.warmup_epochs * static_cast<double>(per_epoch)));
+  return r;
+}
 
 DataInfo describe_data(const TrainOptions& opt) {
   const data::Split split = load_data(opt);
@@ -255,7 +254,8 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
   if (per_epoch < 1)
     throw Error(fmt::format("--batch-size {} is larger than the {} training samples of {}", opt.batch_size,
                             train_set.size(), opt.data));
-  const std::int64_t total_steps = opt.steps ? *opt.steps : opt.epochs * per_epoch;
+  const RunSteps run = run_steps(opt, per_epoch);
+  const std::int64_t total_steps = run.total;
   const std::int64_t epochs = (total_steps + per_epoch - 1) / per_epoch;
 
   // ---- the budget, and the model and optimizer inside it -------------------------------------------
@@ -277,7 +277,7 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
   sched.kind = opt.schedule;
   sched.base_lr = opt.lr;
   sched.total_steps = total_steps;
-  sched.warmup_steps = static_cast<std::int64_t>(std::llround(opt.warmup_epochs * static_cast<double>(per_epoch)));
+  sched.warmup_steps = run.warmup;
   const optim::LRSchedule schedule(sched);
 
   fmt::print(log, "{}\n", build_info());
@@ -417,7 +417,7 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
         "GPU time per op over steps 2..{} ({:.1f} ms of wall time per step, data included)", step,
         steady_images > 0 ? 1000.0 * steady_seconds / static_cast<double>(step - 1) : 0.0));
     fmt::print(log, "{}", report);
-    if (!opt.out.empty()) write_file(std::filesystem::path(opt.out) / "profile.txt", report);
+    if (!opt.out.empty()) write_text(std::filesystem::path(opt.out) / "profile.txt", report);
     kernels::cuda::set_profiling(false);
   }
 #endif

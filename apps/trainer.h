@@ -64,6 +64,13 @@ TrainResult train(const TrainOptions& opt, std::ostream& log);
 // the device the run would use.
 std::string check_train_options(const TrainOptions& opt);
 
+// A run's steps when an epoch has `per_epoch` of them: in all (--steps, or --epochs epochs) and
+// of warm-up (--warmup-epochs, rounded).
+struct RunSteps {
+  std::int64_t total = 0, warmup = 0;
+};
+RunSteps run_steps(const TrainOptions& opt, std::int64_t per_epoch);
+
 // What --data holds: one sample's shape, the class count and the training set's size (loads it).
 struct DataInfo {
   std::int64_t channels = 0, height = 0, width = 0, num_classes = 0, train_size = 0;

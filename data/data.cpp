@@ -764,10 +764,12 @@ std::optional<std::array<std::int64_t, 3>> parse_chw(const std::string& t) {
 }
 }  // namespace
 
+bool is_synthetic(const std::string& spec) { return spec == "synthetic" || spec.rfind("synthetic:", 0) == 0; }
+
 Split load_dataset(const std::string& spec, std::optional<std::int64_t> num_classes) {
   if (num_classes && *num_classes < 1)
     throw Error(fmt::format("load_dataset: the class count must be >= 1, found {}", *num_classes));
-  if (spec == "synthetic" || spec.rfind("synthetic:", 0) == 0) {
+  if (is_synthetic(spec)) {
     SyntheticOptions o;
     if (spec != "synthetic") {
       const auto chw = parse_chw(spec.substr(10));

@@ -85,6 +85,8 @@ Split make_synthetic(std::int64_t n_train = 10000, std::int64_t n_test = 2000, s
 // throws tally::Error. num_classes applies to synthetic data only (default: 10 below 64 pixels,
 // else 1000, as `tally plan`); given for another data set it must equal that set's classes.
 Split load_dataset(const std::string& spec, std::optional<std::int64_t> num_classes = std::nullopt);
+// Whether `spec` names the synthetic data ("synthetic" or "synthetic:CxHxW"), whose class count is chosen.
+bool is_synthetic(const std::string& spec);
 
 struct LoaderOptions {
   std::int64_t batch_size = 128;

@@ -43,18 +43,6 @@ const char* color(Category c) {
   return "#999999";
 }
 
-std::string escape(const std::string& s) {
-  std::string o;
-  for (char c : s) {
-    if (c == '<') o += "&lt;";
-    else if (c == '>') o += "&gt;";
-    else if (c == '&') o += "&amp;";
-    else if (c == '"') o += "&quot;";
-    else o += c;
-  }
-  return o;
-}
-
 // A "nice" step (1, 2, 5 x 10^n) giving about `n` ticks over [0, span].
 double nice_step(double span, int n) {
   const double raw = span / n;
@@ -65,6 +53,18 @@ double nice_step(double span, int n) {
 }
 
 }  // namespace
+
+std::string svg_escape(const std::string& s) {
+  std::string o;
+  for (char c : s) {
+    if (c == '<') o += "&lt;";
+    else if (c == '>') o += "&gt;";
+    else if (c == '&') o += "&amp;";
+    else if (c == '"') o += "&quot;";
+    else o += c;
+  }
+  return o;
+}
 
 std::string memory_svg(const Arena& arena, const TimelineOptions& o) {
   const auto& ev = arena.trace();
@@ -109,7 +109,7 @@ std::string memory_svg(const Arena& arena, const TimelineOptions& o) {
       "font-family=\"Helvetica, Arial, sans-serif\" font-size=\"12\">\n"
       "<rect width=\"{0}\" height=\"{1}\" fill=\"white\"/>\n"
       "<text x=\"{2}\" y=\"24\" font-size=\"15\" font-weight=\"bold\">{3}</text>\n",
-      W, H, left, escape(o.title.empty() ? "memory over one training step" : o.title));
+      W, H, left, svg_escape(o.title.empty() ? "memory over one training step" : o.title));
 
   // Bands, bottom to top.
   for (std::size_t j = 0; j < kStack.size(); ++j) {
@@ -159,7 +159,7 @@ std::string memory_svg(const Arena& arena, const TimelineOptions& o) {
     const double x = x_of(marks[i].time_us);
     s += fmt::format("<line x1=\"{0:.1f}\" y1=\"{1}\" x2=\"{0:.1f}\" y2=\"{2}\" stroke=\"#555555\" stroke-width=\"0.6\" "
                      "stroke-dasharray=\"2,2\"><title>{3}</title></line>\n",
-                     x, top, top + ph, escape(marks[i].label));
+                     x, top, top + ph, svg_escape(marks[i].label));
     const bool is_step = marks[i].label.rfind("optimizer", 0) == 0;
     if (i % every == 0 || is_step) {
       const std::string label = is_step ? "step" : fmt::format("{}", i + 1);
