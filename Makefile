@@ -12,7 +12,8 @@ JOBS       ?= $(shell n=$$(nproc); q=$$(awk '$$1 != "max" { print int(($$1 + $$2
                 /sys/fs/cgroup/cpu.max 2>/dev/null); [ -n "$$q" ] && [ "$$q" -ge 1 ] && [ "$$q" -lt "$$n" ] && n=$$q; echo $$n)
 
 DEB_PACKAGES := cmake g++ make pkg-config googletest libgtest-dev libgmock-dev libbenchmark-dev \
-                libopenblas-dev libcli11-dev nlohmann-json3-dev libfmt-dev zlib1g-dev dataset-fashion-mnist
+                libopenblas-dev libcli11-dev nlohmann-json3-dev libfmt-dev zlib1g-dev dataset-fashion-mnist \
+                libopenmpi-dev openmpi-bin
 
 .PHONY: train test build bench bootstrap configure clean
 

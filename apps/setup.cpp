@@ -47,6 +47,17 @@ const std::vector<std::string>& optimizer_names() {
 
 std::string choices(const std::vector<std::string>& names) { return fmt::format("{}", fmt::join(names, "|")); }
 
+std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> items;
+  std::size_t start = 0;
+  for (;;) {
+    const std::size_t comma = text.find(',', start);
+    items.push_back(text.substr(start, comma == std::string::npos ? std::string::npos : comma - start));
+    if (comma == std::string::npos) return items;
+    start = comma + 1;
+  }
+}
+
 void write_text(const std::filesystem::path& path, const std::string& text) {
   std::ofstream f(path);
   f << text;

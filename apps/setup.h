@@ -38,6 +38,9 @@ const std::vector<std::string>& norm_names();
 const std::vector<std::string>& optimizer_names();
 std::string choices(const std::vector<std::string>& names);  // "a|b|c"
 
+// "a,b,c" -> {"a", "b", "c"}; "a" -> {"a"} (empty items stay, for the caller to refuse).
+std::vector<std::string> split_list(const std::string& text);
+
 // Writes `text` to `path`; an Error naming the path when it cannot.
 void write_text(const std::filesystem::path& path, const std::string& text);
 

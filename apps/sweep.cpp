@@ -15,6 +15,7 @@
 
 #include "apps/plan.h"
 #include "apps/setup.h"
+#include "dist/communicator.h"
 #include "core/arena.h"
 #include "core/error.h"
 #include "mbp/timeline.h"
@@ -73,6 +74,8 @@ std::string csv(const std::vector<SweepRow>& rows) {
 std::vector<SweepRow> sweep(const SweepOptions& opt, std::ostream& log) {
   // ---- every check before any training ------------------------------------------------------------
   if (opt.train.out.empty()) throw Error("tally sweep needs --out DIR for sweep.csv, sweep.svg and the runs");
+  if (dist::launched_by_mpi())
+    throw Error("tally sweep runs in one process; under mpirun, run `tally train` once per batch size instead");
   check_choice("--lr-scaling", opt.lr_scaling, {"linear", "sqrt"});
   const std::vector<std::int64_t> sizes = parse_batch_sizes(opt.batch_sizes);
   const std::string device = check_train_options(opt.train);

@@ -17,6 +17,7 @@
 #include "apps/sweep.h"
 #include "apps/trainer.h"
 #include "core/device.h"
+#include "dist/communicator.h"
 #include "layers/resnet.h"
 
 using namespace tally;
@@ -82,7 +83,7 @@ struct TrainFlags {
     } else {
       cmd->add_option("--out", to.out, "folder for sweep.csv, sweep.svg and one folder per run")->required();
     }
-    cmd->add_option("--memory-limit", to.memory_limit, "memory budget: a size (48MiB, 2GiB) or auto")->capture_default_str();
+    cmd->add_option("--memory-limit", to.memory_limit, "memory budget: a size (48MiB, 2GiB) or auto; under mpirun one per rank (48MiB,24MiB)")->capture_default_str();
     cmd->add_option("--loss-normalization", to.loss_normalization,
                     "exact (the full batch's mean for any split) | per-micro-batch (each micro-batch's mean / k, "
                     "as the MBP paper's code)")
@@ -104,6 +105,25 @@ struct TrainFlags {
 };
 
 }  // namespace
+
+// An error ends the run with a non-zero exit. Under mpirun it ends every rank: the others would
+// otherwise wait in their next collective for this one forever.
+int fail(const std::exception& e) {
+  if (tally::dist::launched_by_mpi() && tally::dist::have_mpi()) {
+    std::shared_ptr<tally::dist::Communicator> world;
+    try {
+      world = tally::dist::mpi_world();
+    } catch (const std::exception&) {
+    }
+    if (world && world->size() > 1) {
+      fmt::print(stderr, "tally: error on rank {} of {}: {}\n", world->rank(), world->size(), e.what());
+      std::fflush(stderr);
+      world->abort(1);
+    }
+  }
+  fmt::print(stderr, "tally: error: {}\n", e.what());
+  return 1;
+}
 
 int main(int argc, char** argv) {
   CLI::App app{"tally — deep learning with micro-batch processing and exact memory accounting"};
@@ -178,8 +198,7 @@ int main(int argc, char** argv) {
       return 0;
     }
   } catch (const std::exception& e) {
-    fmt::print(stderr, "tally: error: {}\n", e.what());
-    return 1;
+    return fail(e);
   }
   return 0;
 }

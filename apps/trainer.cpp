@@ -24,6 +24,8 @@
 #include "core/ops.h"
 #include "layers/checkpoint.h"
 #include "data/data.h"
+#include "dist/communicator.h"
+#include "dist/data_parallel.h"
 #include "layers/init.h"
 #include "layers/resnet.h"
 #include "mbp/executor.h"
@@ -148,11 +150,29 @@ Device validate(const TrainOptions& opt) {
     throw Error(fmt::format("--micro-batch must be >= 1 or auto, found {}", *opt.micro_batch));
   if (opt.micro_batch && *opt.micro_batch > opt.batch_size)
     throw Error(fmt::format("--micro-batch {} is larger than --batch-size {}", *opt.micro_batch, opt.batch_size));
-  if (opt.memory_limit != "auto") (void)parse_size(opt.memory_limit);  // a bad size fails before any work
+  for (const std::string& limit : split_list(opt.memory_limit))  // a bad size fails before any work
+    if (limit != "auto") (void)parse_size(limit);
   if (!opt.init.empty() && !std::filesystem::exists(opt.init))
     throw Error(fmt::format("--init {}: no such file", opt.init));
   if (opt.profile && !dev.is_cuda()) throw Error("--profile measures GPU time per op: it needs --device cuda");
   return dev;
+}
+
+// Every option as "name value" lines: what the ranks of a data-parallel run compare.
+std::string options_text(const TrainOptions& o) {
+  auto opt_int = [](const std::optional<std::int64_t>& v) { return v ? std::to_string(*v) : std::string("auto"); };
+  std::string t;
+  auto line = [&t](const char* name, const auto& value) { t += fmt::format("--{} {}\n", name, value); };
+  line("model", o.model), line("norm", o.norm), line("data", o.data), line("num-classes", opt_int(o.num_classes));
+  line("epochs", o.epochs), line("steps", opt_int(o.steps)), line("batch-size", o.batch_size);
+  line("optimizer", o.optimizer), line("lr", o.lr), line("momentum", o.momentum), line("weight-decay", o.weight_decay);
+  line("nesterov", o.nesterov), line("schedule", o.schedule), line("warmup-epochs", o.warmup_epochs);
+  line("label-smoothing", o.label_smoothing), line("augment", o.augment ? (*o.augment ? "on" : "off") : "default");
+  line("shuffle", o.shuffle), line("normalize", o.normalize), line("seed", o.seed), line("device", o.device);
+  line("threads", o.threads), line("tf32", o.tf32), line("profile", o.profile), line("init", o.init);
+  line("save", o.save), line("out", o.out), line("memory-limit", o.memory_limit);
+  line("micro-batch", opt_int(o.micro_batch)), line("loss-normalization", o.loss_normalization);
+  return t;
 }
 
 // The data set of --data; --num-classes chooses the class count of synthetic data and must agree
@@ -188,6 +208,24 @@ void write_timeline(const TrainOptions& opt, Arena& arena, Device dev, std::int6
   arena.clear_trace();
 }
 
+// Every rank's memory plan and peaks, known to all (a sum where each rank fills its own row).
+std::vector<RankResult> gather_ranks(dist::Communicator& comm, const TrainResult& mine) {
+  constexpr std::size_t kFields = 5;
+  std::vector<double> rows(kFields * static_cast<std::size_t>(comm.size()), 0.0);
+  double* row = rows.data() + kFields * static_cast<std::size_t>(comm.rank());
+  row[0] = static_cast<double>(mine.memory_limit_bytes), row[1] = static_cast<double>(mine.micro_batch);
+  row[2] = static_cast<double>(mine.micro_batches_per_step), row[3] = static_cast<double>(mine.predicted_peak_bytes);
+  row[4] = static_cast<double>(mine.peak_bytes);
+  comm.all_reduce_sum(rows.data(), rows.size());  // byte counts < 2^53: exact in a double
+  std::vector<RankResult> out;
+  for (int r = 0; r < comm.size(); ++r) {
+    const double* v = rows.data() + kFields * static_cast<std::size_t>(r);
+    out.push_back({r, static_cast<std::int64_t>(v[0]), static_cast<std::int64_t>(v[1]), static_cast<std::int64_t>(v[2]),
+                   static_cast<std::int64_t>(v[3]), static_cast<std::int64_t>(v[4])});
+  }
+  return out;
+}
+
 void write_summary(const TrainOptions& opt, const TrainResult& result) {
   nlohmann::json j = {{"test_accuracy", result.test_accuracy},
                       {"test_loss", result.test_loss},
@@ -205,7 +243,17 @@ void write_summary(const TrainOptions& opt, const TrainResult& result) {
                       {"norm", opt.norm},
                       {"batch_size", opt.batch_size},
                       {"loss_normalization", opt.loss_normalization},
-                      {"data", opt.data}};
+                      {"data", opt.data},
+                      {"world_size", result.world_size}};
+  nlohmann::json ranks = nlohmann::json::array();
+  for (const RankResult& r : result.ranks)
+    ranks.push_back({{"rank", r.rank},
+                     {"memory_limit_bytes", r.memory_limit_bytes},
+                     {"micro_batch", r.micro_batch},
+                     {"micro_batches_per_step", r.micro_batches_per_step},
+                     {"predicted_peak_bytes", r.predicted_peak_bytes},
+                     {"peak_bytes", r.peak_bytes}});
+  j["ranks"] = ranks;
   write_text(std::filesystem::path(opt.out) / "summary.json", j.dump(2) + "\n");
 }
 
@@ -226,8 +274,28 @@ DataInfo describe_data(const TrainOptions& opt) {
   return {t.channels, t.height, t.width, t.num_classes, t.size()};
 }
 
-TrainResult train(const TrainOptions& opt, std::ostream& log) {
-  const Device dev = validate(opt);
+TrainResult train(const TrainOptions& options, std::ostream& all_log) {
+  // ---- the ranks: this process alone, or one of mpirun's (docs/distributed.md) ----------------------
+  const std::shared_ptr<dist::Communicator> world = dist::process_world();
+  const int rank = world->rank(), ranks = world->size();
+  TrainOptions opt = options;
+  Device dev = validate(opt);
+  // One --memory-limit for every rank, or a list with one per rank.
+  const std::vector<std::string> limits = split_list(options.memory_limit);
+  if (limits.size() != 1 && static_cast<int>(limits.size()) != ranks)
+    throw Error(fmt::format("--memory-limit {} lists {} sizes, one per rank, but this run has {} rank{}{}",
+                            options.memory_limit, limits.size(), ranks, ranks == 1 ? "" : "s",
+                            ranks == 1 ? fmt::format(" (start it with mpirun -np {})", limits.size()) : ""));
+  opt.memory_limit = limits.size() == 1 ? limits[0] : limits[static_cast<std::size_t>(rank)];
+  dist::check_same_text(options_text(options), *world, "options");
+  if (ranks > 1 && opt.loss_normalization != "exact")
+    throw Error("--loss-normalization per-micro-batch is for one process; data parallelism uses exact");
+  if (ranks > 1 && dev.is_cuda() && (opt.device == "auto" || opt.device == "cuda"))
+    dev = Device::cuda(dist::local_rank());  // each rank of a machine on its own GPU
+  // Rank 0 speaks and writes the run folder; the others train silently.
+  std::ofstream silent;
+  std::ostream& log = rank == 0 ? all_log : silent;
+  if (rank != 0) opt.out.clear(), opt.save.clear(), opt.progress = false;
   if (opt.threads > 0) omp_set_num_threads(opt.threads);  // OpenBLAS stays single-threaded (kernels/cpu/gemm.cpp)
   if (!opt.out.empty()) std::filesystem::create_directories(opt.out);
 #if TALLY_HAVE_CUDA
@@ -272,6 +340,8 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
   oc.lr = opt.lr, oc.momentum = opt.momentum, oc.weight_decay = opt.weight_decay, oc.nesterov = opt.nesterov;
   const Setup setup = build_setup(arena, mc, opt.init, oc, format_bytes(arena->capacity()));
   nn::Module& model = *setup.model;
+  const std::shared_ptr<dist::Communicator> comm = dist::for_device(world, dev);
+  dist::broadcast_parameters(model, *comm);  // every rank starts from rank 0's weights
   optim::Optimizer& optimizer = *setup.optimizer;
   optim::ScheduleOptions sched;
   sched.kind = opt.schedule;
@@ -299,8 +369,16 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
   eo.normalization = opt.loss_normalization == "exact" ? mbp::LossNormalization::exact
                                                        : mbp::LossNormalization::per_micro_batch;
   eo.log = [&log](const std::string& line) { fmt::print(log, "\n{}\n", line); };
+  eo.communicator = comm;
   mbp::Executor executor(model, optimizer, arena, eo);
-  const mbp::Plan& plan = plan_step(executor, opt.batch_size, opt.micro_batch);
+  // This rank's share of every global batch (drop_last: every step has the full batch).
+  const dist::Shard share = dist::shard(opt.batch_size, ranks, rank);
+  const std::int64_t sample_numel = train_set.channels * train_set.height * train_set.width;
+  if (ranks > 1)
+    fmt::print(log, "data parallel: {} ranks over {} ({}), rank 0 takes {} of the {} samples of a step, each rank "
+                    "plans its own micro-batches\n",
+               ranks, comm->backend(), options.memory_limit, share.size, opt.batch_size);
+  const mbp::Plan& plan = plan_step(executor, share.size, opt.micro_batch);
   fmt::print(log, "plan: {}\n", plan.summary());
   fmt::print(log, "      live at the peak: {}\n", plan.at_peak.str());
   fmt::print(log, "      {} ({} dry runs, {:.0f} ms)\n",
@@ -345,7 +423,8 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
       const bool trace = step == traced_step && !opt.out.empty();
       if (trace) arena->set_tracing(true);
       if (opt.inject_oom && opt.inject_oom->first == step) arena->fail_allocation_after(opt.inject_oom->second);
-      const mbp::StepResult r = executor.step(b->images.data(), b->labels.data(), b->size);
+      const mbp::StepResult r = executor.step(b->images.data() + share.offset * sample_numel,
+                                              b->labels.data() + share.offset, share.size);
       arena->fail_allocation_after(0);
       last_loss = r.loss;
       if (!std::isfinite(last_loss))
@@ -388,7 +467,7 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
 #if TALLY_HAVE_CUDA
     if (opt.profile) kernels::cuda::set_profiling(false);  // the profile is of training steps
 #endif
-    ev = evaluate(model, split.test, opt.normalize, dev, result.micro_batch);
+    if (rank == 0) ev = evaluate(model, split.test, opt.normalize, dev, result.micro_batch);
 #if TALLY_HAVE_CUDA
     if (opt.profile) kernels::cuda::set_profiling(true);
 #endif
@@ -403,6 +482,18 @@ TrainResult train(const TrainOptions& opt, std::ostream& log) {
                              : first_seconds > 0 ? static_cast<double>(first_images) / first_seconds
                                                  : 0;
   result.steps = step;
+  result.world_size = ranks;
+  result.ranks = gather_ranks(*world, result);
+  if (!dist::parameters_identical(model, *comm))
+    throw Error(fmt::format("after {} steps the ranks' parameters differ; a data-parallel run must keep them identical",
+                            step));
+  if (ranks > 1) {
+    fmt::print(log, "parameters bit-identical on all {} ranks\n", ranks);
+    for (const RankResult& rr : result.ranks)
+      fmt::print(log, "rank {}: memory limit {}, micro-batches of {} x {} per step, peak {} bytes, predicted {}\n",
+                 rr.rank, format_bytes(static_cast<std::size_t>(rr.memory_limit_bytes)), rr.micro_batch,
+                 rr.micro_batches_per_step, rr.peak_bytes, rr.predicted_peak_bytes);
+  }
 
   // ---- report --------------------------------------------------------------------------------------
   fmt::print(log, "memory: measured step peak {} ({} bytes), predicted {} ({} bytes){}, limit {}; {} out-of-memory "

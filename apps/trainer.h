@@ -10,6 +10,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <vector>
 
 namespace tally::app {
 
@@ -36,7 +37,8 @@ struct TrainOptions {
   bool profile = false;  // CUDA: GPU time per op over the steps after the first (profile.txt)
   std::string init, save, out;
   bool progress = true;  // progress bar on stdout
-  // Arena capacity: a size ("48MiB", "2GiB") or "auto" (CPU: 8 GiB of address space; CUDA:
+  // Arena capacity: a size ("48MiB", "2GiB") or "auto", or under mpirun a comma list with one
+  // per rank ("48MiB,24MiB"); (CPU: 8 GiB of address space; CUDA:
   // free device memory less a margin of max(1 GiB, 1/32 of the device)).
   std::string memory_limit = "auto";
   std::optional<std::int64_t> micro_batch;  // unset: the largest that fits ("auto")
@@ -47,6 +49,13 @@ struct TrainOptions {
   std::optional<std::pair<std::int64_t, std::uint64_t>> inject_oom;
 };
 
+// One rank's memory plan in a data-parallel run (summary.json's "ranks").
+struct RankResult {
+  int rank = 0;
+  std::int64_t memory_limit_bytes = 0, micro_batch = 0, micro_batches_per_step = 0, predicted_peak_bytes = 0,
+               peak_bytes = 0;
+};
+
 struct TrainResult {
   // images/s over the steps after the first (the first warms caches); of the first when it is the only one.
   double test_accuracy = 0, test_loss = 0, train_loss = 0, images_per_second = 0;
@@ -55,6 +64,8 @@ struct TrainResult {
   std::int64_t memory_limit_bytes = 0, micro_batch = 0, micro_batches_per_step = 0;
   std::int64_t steps = 0, oom_retries = 0;
   std::string device;
+  int world_size = 1;               // ranks of a data-parallel run (mpirun -np N), else 1
+  std::vector<RankResult> ranks;    // one per rank
 };
 
 // Validates every option first (a bad value is a tally::Error listing the allowed values).

@@ -126,6 +126,16 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_p
     throw Error(fmt::format("MBP executor: the micro-batch size must be >= 1, found {}", *opt_.micro_batch));
   if (opt_.max_oom_retries < 0) throw Error("MBP executor: max_oom_retries must be >= 0");
   if (!arena_) throw Error("MBP executor: expected an arena to run on, found none");
+  if (distributed()) {
+    if (!opt_.communicator->serves(device_))
+      throw Error(fmt::format("MBP executor: the {} communicator cannot carry tensors on {}",
+                              opt_.communicator->backend(), device_.str()));
+    if (opt_.normalization == LossNormalization::per_micro_batch)
+      throw Error("MBP executor: per-micro-batch loss normalization is for one process; data parallelism uses the "
+                  "exact normalization");
+  }
+  if (opt_.bucket_bytes < dtype_size(dtype_))
+    throw Error(fmt::format("MBP executor: bucket_bytes must hold at least one element, found {}", opt_.bucket_bytes));
   if (arena_->device() != device_)
     throw Error(fmt::format("MBP executor: the arena is on {} but the model's parameters are on {}",
                             arena_->device().str(), device_.str()));
@@ -153,7 +163,8 @@ double Executor::accumulate(const float* images, const std::int64_t* labels, con
   return total.defined() && !is_dry_run() ? total.item() : 0.0;
 }
 
-Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes) {
+Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes,
+                                 std::optional<double> given_divisor) {
   const bool dry = is_dry_run();
   if (!dry && (images == nullptr || labels == nullptr)) throw Error("MBP executor: no input data");
   std::int64_t batch = 0;
@@ -164,7 +175,9 @@ Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels
   if (sizes.empty()) throw Error("MBP executor: no micro-batches");
   // The whole batch's divisor (computed on the host before any micro-batch runs).
   double divisor = 1.0;
-  if (!dry) {
+  if (given_divisor) {
+    divisor = *given_divisor;
+  } else if (!dry) {
     divisor = cross_entropy_divisor(labels, batch, opt_.loss);
     if (!(divisor > 0))
       throw Error(fmt::format("MBP executor: the batch of {} has no counted target (all ignore_index {} or zero "
@@ -252,7 +265,8 @@ Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels
 
 void Executor::run_step(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes,
                         double* loss) {
-  const Tensor total = accumulate_loss(images, labels, sizes);
+  Tensor total = accumulate_loss(images, labels, sizes, global_divisor_);
+  if (distributed()) reduce_across_ranks(total);
   current_arena(device_)->mark("optimizer step");
   if (!is_dry_run())
     for (std::size_t i = 0; i < bns_.size(); ++i) bns_[i]->apply_moments(moments_[i]);
@@ -262,6 +276,80 @@ void Executor::run_step(const float* images, const std::int64_t* labels, const s
   optimizer_.zero_grad();
   // The step's one wait for the device: the loss value.
   if (loss) *loss = is_dry_run() ? 0.0 : total.item();
+}
+
+void Executor::reduce_across_ranks(Tensor& loss) {
+  dist::Communicator& comm = *opt_.communicator;
+  const bool dry = is_dry_run();
+  const auto& arena = current_arena(device_);
+  arena->mark("all-reduce");
+  // What is summed: every gradient, flattened, then the step's loss (one more element of the last
+  // bucket); and the BatchNorm moments, float64.
+  std::vector<Tensor> flat;
+  std::int64_t n = 0;
+  for (const Tensor& p : model_.parameters()) {
+    flat.push_back(p.grad().view({-1}));
+    n += flat.back().numel();
+  }
+  flat.push_back(loss.view({1}));
+  n += 1;
+  std::int64_t moment_count = 0;
+  for (const auto& m : moments_)
+    if (m.sum.defined()) moment_count += m.sum.numel() + m.sum_sq.numel();
+  // Both buffers before the first collective (see step 6 in executor.h).
+  const auto per_bucket = static_cast<std::int64_t>(opt_.bucket_bytes / dtype_size(dtype_));
+  Tensor bucket = Tensor::empty({std::min(n, per_bucket)}, dtype_, device_, Category::temporary, "gradient_bucket");
+  Tensor moments;
+  if (moment_count > 0)
+    moments = Tensor::empty({moment_count}, DType::Float64, device_, Category::temporary, "batch_norm_moments");
+
+  // Gradients and loss: fill a bucket, sum it over the ranks, copy the sums back.
+  std::vector<std::pair<Tensor, std::int64_t>> pieces;  // (a piece of a flat tensor, its offset in the bucket)
+  std::int64_t used = 0;
+  auto flush = [&] {
+    Tensor filled = bucket.narrow(0, 0, used);
+    comm.all_reduce_sum(filled);
+    for (auto& [piece, at] : pieces) piece.copy_(bucket.narrow(0, at, piece.numel()));
+    pieces.clear();
+    used = 0;
+  };
+  for (const Tensor& t : flat) {
+    for (std::int64_t start = 0; start < t.numel();) {
+      const std::int64_t len = std::min(t.numel() - start, bucket.numel() - used);
+      Tensor piece = t.narrow(0, start, len);
+      bucket.narrow(0, used, len).copy_(piece);
+      pieces.emplace_back(piece, used);
+      used += len;
+      start += len;
+      if (used == bucket.numel()) flush();
+    }
+  }
+  if (used > 0) flush();
+
+  // BatchNorm moments: one buffer, one collective. The element count per channel scales with the
+  // batch (every sample adds H*W), so the global count needs no collective.
+  if (moments.defined()) {
+    std::int64_t at = 0;
+    auto each = [&](auto&& fn) {
+      at = 0;
+      for (auto& m : moments_) {
+        if (!m.sum.defined()) continue;
+        fn(m.sum);
+        fn(m.sum_sq);
+      }
+    };
+    each([&](Tensor& t) { moments.narrow(0, at, t.numel()).copy_(t), at += t.numel(); });
+    comm.all_reduce_sum(moments);
+    each([&](Tensor& t) { t.copy_(moments.narrow(0, at, t.numel())), at += t.numel(); });
+  }
+  if (!dry) {
+    for (auto& m : moments_) {
+      if (m.count == 0) continue;
+      if (m.count % local_batch_ != 0)
+        throw Error(fmt::format("MBP executor: BatchNorm saw {} values per channel for {} samples", m.count, local_batch_));
+      m.count = m.count / local_batch_ * global_batch_;
+    }
+  }
 }
 
 void Executor::discard_partial_step() {
@@ -274,6 +362,19 @@ StepResult Executor::step(const float* images, const std::int64_t* labels, std::
   if (images == nullptr || labels == nullptr) throw Error("MBP executor: step needs images and labels");
   ArenaScope scope(arena_);
   StepResult r;
+  global_divisor_.reset();
+  if (distributed()) {
+    // D and the batch size over every rank, before any micro-batch (and outside the retry loop:
+    // a retry on this rank must not repeat a collective the others do not).
+    double sums[2] = {cross_entropy_divisor(labels, batch, opt_.loss), static_cast<double>(batch)};
+    opt_.communicator->all_reduce_sum(sums, 2);
+    if (!(sums[0] > 0))
+      throw Error(fmt::format("MBP executor: the global batch of {} has no counted target (all ignore_index {} or "
+                              "zero class weight), so its mean loss is undefined", sums[1], opt_.loss.ignore_index));
+    global_divisor_ = sums[0];
+    local_batch_ = batch;
+    global_batch_ = static_cast<std::int64_t>(sums[1]);
+  }
   for (;;) {
     const Plan& p = plan(batch);
     arena_->reset_peak();

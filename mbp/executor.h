@@ -17,6 +17,15 @@
 //      are updated once per step from the moments of all micro-batches (layers/layers.h).
 //   5. One optimizer step, then the gradients are zeroed; then the step's loss is read — on CUDA
 //      the one time a step waits for the device.
+//   6. Data parallelism (an MPI or NCCL communicator; docs/distributed.md): the batch
+//      given to step() is this rank's share of the global batch. The divisor D and the global
+//      batch size are summed over the ranks before the first micro-batch, so each rank's
+//      gradients are its part of the global batch's mean-loss gradient; after the last
+//      micro-batch the gradients (and the step's loss) are summed over the ranks once, in
+//      buckets of at most bucket_bytes, and the BatchNorm moments once, in one buffer — both
+//      allocated in the arena before the first collective, so the planner counts them and an
+//      out-of-memory retry never leaves another rank inside a collective. Every rank then takes
+//      the same optimizer step. Each rank plans its own micro-batches for its own arena.
 // The planner dry-runs exactly this code (run_micro_batches), so the predicted peak is the real
 // step's peak. If the real step still runs out of memory, the partial step is discarded —
 // gradients zeroed, BatchNorm moments dropped; parameters, optimizer state and running
@@ -32,6 +41,7 @@
 
 #include "core/ops.h"
 #include "core/tensor.h"
+#include "dist/communicator.h"
 #include "layers/layers.h"
 #include "layers/module.h"
 #include "mbp/planner.h"
@@ -54,6 +64,11 @@ struct ExecutorOptions {
   LossNormalization normalization = LossNormalization::exact;
   std::optional<std::int64_t> micro_batch{};  // fixed m; unset = the largest that fits
   int max_oom_retries = 16;
+  // Data parallelism: the ranks this step is shared with (unset or dist::local(): this process
+  // alone). Must serve the model's device (MPI: CPU, NCCL: CUDA).
+  std::shared_ptr<dist::Communicator> communicator{};
+  // The most bytes of gradients summed over the ranks in one collective.
+  std::size_t bucket_bytes = std::size_t(8) << 20;
   // Called with a line of text when a step is retried after running out of memory.
   std::function<void(const std::string&)> log{};
 };
@@ -80,6 +95,8 @@ class Executor {
   const Plan& plan(std::int64_t batch);
 
   // One training step on host data: images (batch, sample_shape...) as float32, labels (batch).
+  // With a communicator of N > 1 ranks: this rank's share of the global batch (dist::shard), and
+  // every rank calls step() for every global step.
   StepResult step(const float* images, const std::int64_t* labels, std::int64_t batch);
 
   // Forward and backward of every micro-batch of `sizes` (sum = batch), accumulating into the
@@ -101,11 +118,17 @@ class Executor {
  private:
   struct Staging;
   void discard_partial_step();
+  // Collectives run with any communicator but the local one (an MPI or NCCL world of one too).
+  bool distributed() const { return opt_.communicator && opt_.communicator->backend() != "local"; }
   // accumulate() with the loss left where it was computed (undefined in a dry run: no values).
-  Tensor accumulate_loss(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes);
+  // `divisor`: the loss divisor D when it was counted elsewhere (over every rank's samples).
+  Tensor accumulate_loss(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes,
+                         std::optional<double> divisor = std::nullopt);
   // The allocation sequence of a step; real data when images != nullptr, else a dry run.
   void run_step(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes,
                 double* loss);
+  // Sums the gradients, the step's loss and the BatchNorm moments over the ranks (step 6 above).
+  void reduce_across_ranks(Tensor& loss);
 
   nn::Module& model_;
   optim::Optimizer& optimizer_;
@@ -118,6 +141,9 @@ class Executor {
   std::vector<BatchNormMoments> moments_;
   std::int64_t sample_numel_ = 1;
   std::int64_t limit_ = INT64_MAX;
+  // The step under way, for data parallelism: D over every rank, this rank's and the global batch.
+  std::optional<double> global_divisor_;
+  std::int64_t local_batch_ = 0, global_batch_ = 0;
   int total_retries_ = 0;
   std::unique_ptr<Staging> staging_;
 };

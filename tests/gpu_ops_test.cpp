@@ -17,6 +17,7 @@
 #include "layers/init.h"
 #include "layers/layers.h"
 #include "layers/resnet.h"
+#include "dist/communicator.h"
 #include "mbp/executor.h"
 #include "optim/optimizer.h"
 #include "tests/gpu_common.h"
@@ -433,4 +434,55 @@ TEST(Optimizer, CudaStepRunsTheFusedUpdate) {
   sc.step();
   sg.step();
   EXPECT_LE(max_rel_err(pg.to_vector<float>(), pc.to_vector<float>()), 1e-5);
+}
+
+// The NCCL path of a data-parallel step on one GPU (a world of one: what a single-GPU machine can
+// run): gradients, loss and BatchNorm moments go through the buckets and ncclAllReduce on the
+// compute stream, and the step equals the plain step bit for bit, its peak predicted exactly.
+TEST(GpuDist, NcclStepOfOneRankEqualsThePlainStepBitForBit) {
+  REQUIRE_GPU();
+  if (!dist::have_nccl()) GTEST_SKIP() << "this build has no NCCL backend: " << build_info();
+  const auto comm = dist::for_device(dist::local(), Device::cuda(0));
+  ASSERT_EQ(comm->backend(), "nccl");
+  std::mt19937 rng(fresh_seed());
+  const std::int64_t B = 24;
+  const Tensor x = host_tensor({B, 3, 32, 32}, rng);
+  std::vector<i64> labels(B);
+  for (auto& l : labels) l = static_cast<i64>(rng() % 10);
+  std::vector<std::vector<float>> results;
+  for (bool nccl : {false, true}) {
+    auto arena = std::make_shared<Arena>(Device::cuda(0), std::size_t(256) << 20);
+    std::shared_ptr<nn::Module> model;
+    std::unique_ptr<optim::SGD> opt;
+    {
+      ArenaScope scope(arena);
+      nn::manual_seed(12);
+      model = nn::make_model({"resnet20"});
+      model->to(Device::cuda());
+      opt = std::make_unique<optim::SGD>(model->parameters(), optim::SGDOptions{.lr = 0.1, .momentum = 0.9});
+    }
+    mbp::ExecutorOptions eo;
+    eo.sample_shape = {3, 32, 32};
+    eo.micro_batch = 10;
+    eo.bucket_bytes = std::size_t(256) << 10;  // several buckets
+    if (nccl) eo.communicator = comm;
+    mbp::Executor ex(*model, *opt, arena, eo);
+    for (int step = 0; step < 2; ++step) {
+      const mbp::StepResult r = ex.step(x.data<float>(), labels.data(), B);
+      EXPECT_EQ(r.peak, r.predicted_peak) << (nccl ? "nccl" : "plain") << " step " << step;
+      EXPECT_TRUE(std::isfinite(r.loss));
+    }
+    std::vector<float> all;
+    for (const auto& [name, t] : model->named_parameters()) {
+      const auto v = t.to(Device::cpu()).to_vector<float>();
+      all.insert(all.end(), v.begin(), v.end());
+    }
+    for (auto* bn : nn::batch_norm_layers(*model)) {
+      const auto v = bn->running_var.to(Device::cpu()).to_vector<float>();
+      all.insert(all.end(), v.begin(), v.end());
+    }
+    results.push_back(all);
+  }
+  ASSERT_EQ(results[0].size(), results[1].size());
+  EXPECT_TRUE(results[0] == results[1]) << "the NCCL step changed bits";
 }

@@ -1,0 +1,101 @@
+// dist/communicator.cpp — the local backend and the choice of backend; see dist/communicator.h.
+#include "dist/communicator.h"
+
+#include <cstdlib>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "core/memory.h"
+#include "dist/backends.h"
+#include "tally/config.h"
+
+namespace tally::dist {
+
+namespace detail {
+
+void check_collective_tensor(const Tensor& t, const char* what) {
+  if (!t.defined()) throw Error(fmt::format("{}: expected a tensor, found none", what));
+  if (!t.is_contiguous()) throw Error(fmt::format("{}: expected a contiguous tensor, found {}", what, t.str()));
+  if (t.dtype() != DType::Float32 && t.dtype() != DType::Float64)
+    throw Error(fmt::format("{}: expected a float32 or float64 tensor, found {}", what, t.str()));
+}
+
+}  // namespace detail
+
+namespace {
+
+class Local final : public Communicator {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  std::string backend() const override { return "local"; }
+  void all_reduce_sum(double*, std::size_t) override {}
+  void broadcast(void*, std::size_t, int root) override { check_root(root); }
+  void all_reduce_sum(Tensor& t) override { detail::check_collective_tensor(t, "all_reduce_sum"); }
+  void broadcast(Tensor& t, int root) override {
+    detail::check_collective_tensor(t, "broadcast");
+    check_root(root);
+  }
+  void barrier() override {}
+  void abort(int) override {}
+  bool serves(Device) const override { return true; }
+
+ private:
+  static void check_root(int root) {
+    if (root != 0) throw Error(fmt::format("broadcast: root {} is not a rank of a world of 1", root));
+  }
+};
+
+}  // namespace
+
+std::shared_ptr<Communicator> local() {
+  static const std::shared_ptr<Communicator> c = std::make_shared<Local>();
+  return c;
+}
+
+bool launched_by_mpi() {
+  for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"})
+    if (std::getenv(v) != nullptr) return true;
+  return false;
+}
+
+int local_rank() {
+  for (const char* v : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMIX_LOCAL_RANK"})
+    if (const char* s = std::getenv(v)) return std::atoi(s);
+  return 0;
+}
+
+bool have_mpi() { return TALLY_HAVE_MPI; }
+bool have_nccl() { return TALLY_HAVE_NCCL; }
+
+std::shared_ptr<Communicator> mpi_world() {
+#if TALLY_HAVE_MPI
+  static const std::shared_ptr<Communicator> world = detail::make_mpi_world();
+  return world;
+#else
+  throw Error("this build of tally has no MPI backend (configure with Open MPI installed: libopenmpi-dev)");
+#endif
+}
+
+std::shared_ptr<Communicator> for_device(const std::shared_ptr<Communicator>& host, Device device) {
+  if (!host) throw Error("dist::for_device: expected a host communicator, found none");
+  if (device.is_cpu()) return host;
+#if TALLY_HAVE_NCCL
+  return detail::make_nccl(host, device);
+#else
+  if (host->size() == 1) return host;  // nothing travels in a world of one
+  throw Error(fmt::format("data parallelism on {} needs the NCCL backend, which this build lacks (configure with "
+                          "the CUDA toolkit's NCCL: nccl.h and libnccl)", device.str()));
+#endif
+}
+
+std::shared_ptr<Communicator> process_world() {
+  if (!launched_by_mpi()) return local();
+  if (!have_mpi())
+    throw Error("tally was started by mpirun, but this build has no MPI backend (configure with Open MPI installed: "
+                "libopenmpi-dev), so its ranks could not work together");
+  return mpi_world();
+}
+
+}  // namespace tally::dist

@@ -1,0 +1,78 @@
+// dist/communicator.h — the collectives of data-parallel training, on an existing engine.
+//
+// A Communicator joins the ranks (processes) of one job. tally needs three collectives, all of
+// them blocking from the caller's point of view and called by every rank in the same order:
+//
+//   all_reduce_sum   in place: every rank ends with the element-wise sum over all ranks
+//   broadcast        in place: every rank ends with `root`'s bytes
+//   barrier
+//
+// Backends:
+//   local  one process, world size 1: every collective leaves the data as it is.
+//   mpi    Open MPI (or any MPI): processes on one machine or many, started by `mpirun`. Host
+//          buffers and CPU tensors travel over MPI; a CUDA tensor is an error (use nccl).
+//   nccl   CUDA tensors over NCCL on the compute stream (no host wait), bootstrapped through MPI
+//          (rank 0 makes the unique id, MPI broadcasts it); host buffers still travel over MPI.
+//          NCCL's own internal buffers are outside tally's arena: docs/distributed.md.
+//
+// The buffers a collective touches are the caller's: in training, tensors of tally's arena (the
+// gradient buckets and the BatchNorm moments are allocated there, so the planner counts them).
+// MPI is initialized on the first call of mpi_world() and finalized at exit; nothing starts MPI
+// unless the process was launched by an MPI launcher (launched_by_mpi()).
+#pragma once
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "core/device.h"
+#include "core/tensor.h"
+
+namespace tally::dist {
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual std::string backend() const = 0;  // "local", "mpi" or "nccl"
+
+  // Host memory.
+  virtual void all_reduce_sum(double* data, std::size_t count) = 0;
+  virtual void broadcast(void* data, std::size_t bytes, int root) = 0;
+  // A contiguous float32 or float64 tensor on a device this backend serves (a no-op in a dry run:
+  // a tensor of a dry run has no values).
+  virtual void all_reduce_sum(Tensor& t) = 0;
+  virtual void broadcast(Tensor& t, int root) = 0;
+  virtual void barrier() = 0;
+  // Ends every rank of the job with `code` (after an error on this one: the others would wait in
+  // their next collective forever). Returns only for a world of one.
+  virtual void abort(int code) = 0;
+  // Whether tensors on `device` can travel through this communicator.
+  virtual bool serves(Device device) const = 0;
+};
+
+// World size 1: the single-process run, and what every test compares with.
+std::shared_ptr<Communicator> local();
+
+// Whether this process was started by mpirun / mpiexec (Open MPI, MPICH or a PMIx launcher).
+bool launched_by_mpi();
+// This process's rank among the ranks of its machine (for the choice of GPU); 0 when not launched
+// by mpirun.
+int local_rank();
+// Whether this build has the MPI and NCCL backends.
+bool have_mpi();
+bool have_nccl();
+
+// The job's MPI world (initializes MPI on the first call). Without MPI in this build: an Error
+// that says so.
+std::shared_ptr<Communicator> mpi_world();
+
+// The communicator for tensors on `device`: MPI for the CPU, NCCL for a CUDA device (each rank on
+// its own GPU), bootstrapped through `host` (which also carries its host buffers).
+std::shared_ptr<Communicator> for_device(const std::shared_ptr<Communicator>& host, Device device);
+
+// The communicator of a `tally` process: the MPI world when launched by mpirun (and the build has
+// MPI), else local(). Launched by mpirun without MPI in the build: an Error.
+std::shared_ptr<Communicator> process_world();
+
+}  // namespace tally::dist
