@@ -244,7 +244,8 @@ void write_summary(const TrainOptions& opt, const TrainResult& result) {
                       {"batch_size", opt.batch_size},
                       {"loss_normalization", opt.loss_normalization},
                       {"data", opt.data},
-                      {"world_size", result.world_size}};
+                      {"world_size", result.world_size},
+                      {"communication_seconds_per_step", result.communication_seconds_per_step}};
   nlohmann::json ranks = nlohmann::json::array();
   for (const RankResult& r : result.ranks)
     ranks.push_back({{"rank", r.rank},
@@ -400,7 +401,7 @@ TrainResult train(const TrainOptions& options, std::ostream& all_log) {
   TrainResult result;
   result.device = dev.str();
   result.memory_limit_bytes = static_cast<std::int64_t>(arena->capacity());
-  double steady_seconds = 0, first_seconds = 0;
+  double steady_seconds = 0, first_seconds = 0, steady_communication = 0;
   std::int64_t steady_images = 0, first_images = 0, step = 0;
   double last_loss = 0;
   Eval ev;
@@ -438,6 +439,7 @@ TrainResult train(const TrainOptions& options, std::ostream& all_log) {
       if (step > 0) {  // the first step warms caches and is excluded from the steady-state rate
         steady_seconds += dt;
         steady_images += b->size;
+        steady_communication += r.communication_seconds;
       } else {
         first_seconds = dt;
         first_images = b->size;
@@ -483,12 +485,16 @@ TrainResult train(const TrainOptions& options, std::ostream& all_log) {
                                                  : 0;
   result.steps = step;
   result.world_size = ranks;
+  if (step > 1) result.communication_seconds_per_step = steady_communication / static_cast<double>(step - 1);
   result.ranks = gather_ranks(*world, result);
   if (!dist::parameters_identical(model, *comm))
     throw Error(fmt::format("after {} steps the ranks' parameters differ; a data-parallel run must keep them identical",
                             step));
   if (ranks > 1) {
-    fmt::print(log, "parameters bit-identical on all {} ranks\n", ranks);
+    fmt::print(log, "parameters bit-identical on all {} ranks | collectives {:.1f} ms per step ({:.1f}% of the step, "
+                    "rank 0, steps after the first)\n",
+               ranks, 1000.0 * result.communication_seconds_per_step,
+               steady_seconds > 0 ? 100.0 * steady_communication / steady_seconds : 0.0);
     for (const RankResult& rr : result.ranks)
       fmt::print(log, "rank {}: memory limit {}, micro-batches of {} x {} per step, peak {} bytes, predicted {}\n",
                  rr.rank, format_bytes(static_cast<std::size_t>(rr.memory_limit_bytes)), rr.micro_batch,

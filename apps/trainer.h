@@ -64,6 +64,8 @@ struct TrainResult {
   std::int64_t memory_limit_bytes = 0, micro_batch = 0, micro_batches_per_step = 0;
   std::int64_t steps = 0, oom_retries = 0;
   std::string device;
+  // Data parallelism: host seconds per step in collectives (steps after the first; rank 0's).
+  double communication_seconds_per_step = 0;
   int world_size = 1;               // ranks of a data-parallel run (mpirun -np N), else 1
   std::vector<RankResult> ranks;    // one per rank
 };

@@ -2,6 +2,7 @@
 #include "mbp/executor.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 
 #include <fmt/format.h>
@@ -266,7 +267,12 @@ Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels
 void Executor::run_step(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes,
                         double* loss) {
   Tensor total = accumulate_loss(images, labels, sizes, global_divisor_);
-  if (distributed()) reduce_across_ranks(total);
+  if (distributed()) {
+    const auto t0 = std::chrono::steady_clock::now();
+    reduce_across_ranks(total);
+    if (!is_dry_run())
+      communication_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
   current_arena(device_)->mark("optimizer step");
   if (!is_dry_run())
     for (std::size_t i = 0; i < bns_.size(); ++i) bns_[i]->apply_moments(moments_[i]);
@@ -363,7 +369,9 @@ StepResult Executor::step(const float* images, const std::int64_t* labels, std::
   ArenaScope scope(arena_);
   StepResult r;
   global_divisor_.reset();
+  communication_seconds_ = 0;
   if (distributed()) {
+    const auto t0 = std::chrono::steady_clock::now();
     // D and the batch size over every rank, before any micro-batch (and outside the retry loop:
     // a retry on this rank must not repeat a collective the others do not).
     double sums[2] = {cross_entropy_divisor(labels, batch, opt_.loss), static_cast<double>(batch)};
@@ -374,6 +382,7 @@ StepResult Executor::step(const float* images, const std::int64_t* labels, std::
     global_divisor_ = sums[0];
     local_batch_ = batch;
     global_batch_ = static_cast<std::int64_t>(sums[1]);
+    communication_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
   for (;;) {
     const Plan& p = plan(batch);
@@ -384,6 +393,7 @@ StepResult Executor::step(const float* images, const std::int64_t* labels, std::
       r.micro_batches = p.micro_batches;
       r.predicted_peak = p.predicted_peak;
       r.peak = static_cast<std::size_t>(arena_->stats().total.peak);
+      r.communication_seconds = communication_seconds_;
       return r;
     } catch (const OutOfMemory& e) {
       discard_partial_step();

@@ -80,6 +80,10 @@ struct StepResult {
   std::size_t predicted_peak = 0;  // the plan's prediction for the split used
   std::size_t peak = 0;            // the arena's measured peak during the step
   int oom_retries = 0;             // retries this step needed
+  // Data parallelism: host time spent in the step's collectives (the divisor's sum, the buckets,
+  // the moments), waiting for the slowest rank included; on CUDA only their enqueueing (NCCL runs
+  // on the compute stream).
+  double communication_seconds = 0;
 };
 
 class Executor {
@@ -144,6 +148,7 @@ class Executor {
   // The step under way, for data parallelism: D over every rank, this rank's and the global batch.
   std::optional<double> global_divisor_;
   std::int64_t local_batch_ = 0, global_batch_ = 0;
+  double communication_seconds_ = 0;  // of the step under way
   int total_retries_ = 0;
   std::unique_ptr<Staging> staging_;
 };

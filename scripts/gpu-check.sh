@@ -89,6 +89,14 @@ if [[ -z $cuda ]]; then
   [[ -n $site && -d $site/nvidia ]] && cuda=$(find_all "$site/nvidia")
   [[ -n $cuda ]] || cuda=$(find_all /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local /opt /usr/lib 2>/dev/null)
 fi
+# NCCL (the data-parallel backend; linked by every program of a build that has it): beside the
+# others when there, else wherever it is found.
+nccl=$(IFS=:; for d in $cuda; do [[ -e $d/libnccl.so.2 ]] && { echo "$d"; break; }; done)
+if [[ -z $nccl ]]; then
+  nccl=$(find ${site:+$site/nvidia} /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/lib -name libnccl.so.2 -print -quit \
+           2>/dev/null | xargs -r dirname)
+  [[ -n $nccl ]] && cuda=${cuda:+$cuda:}$nccl
+fi
 if [[ -z ${TALLY_RUN_QUIET:-} ]]; then
   if [[ -n $cuda ]]; then
     chosen=""
