@@ -13,7 +13,7 @@ JOBS       ?= $(shell n=$$(nproc); q=$$(awk '$$1 != "max" { print int(($$1 + $$2
 
 DEB_PACKAGES := cmake g++ make pkg-config googletest libgtest-dev libgmock-dev libbenchmark-dev \
                 libopenblas-dev libcli11-dev nlohmann-json3-dev libfmt-dev zlib1g-dev dataset-fashion-mnist \
-                libopenmpi-dev openmpi-bin
+                libopenmpi-dev openmpi-bin libdnnl-dev
 
 .PHONY: train test build bench bootstrap configure clean
 

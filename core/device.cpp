@@ -1,6 +1,8 @@
 // core/device.cpp — device names, dtype sizes, run-time GPU detection.
 #include "core/device.h"
 
+#include "kernels/cpu/cpu_kernels.h"
+
 #include <fmt/format.h>
 
 #include "core/cuda_runtime.h"
@@ -58,6 +60,9 @@ bool cuda_available() { return cuda_device_count() > 0; }
 
 std::string build_info() {
   std::string s = fmt::format("tally {}", TALLY_VERSION);
+  s += kernels::cpu::conv_algorithm() == kernels::cpu::ConvAlgorithm::onednn ? " | CPU conv: oneDNN"
+                                                                              : " | CPU conv: im2col reference";
+  s += TALLY_HAVE_MPI ? (TALLY_HAVE_NCCL ? " | MPI, NCCL" : " | MPI") : "";
   if (TALLY_HAVE_CUDA) {
     s += fmt::format(" | CUDA {} (sm {})", TALLY_CUDA_VERSION, TALLY_CUDA_ARCHITECTURES);
     s += TALLY_HAVE_CUDNN ? fmt::format(", cuDNN {}", TALLY_CUDNN_VERSION)

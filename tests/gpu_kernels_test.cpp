@@ -363,6 +363,13 @@ void check_conv(const tally::kernels::Conv2dShape& s, bool bias, double tol) {
   const i64 nx = s.N * s.C * s.H * s.W, nw = s.K * (s.C / s.groups) * s.R * s.S, ny = s.N * s.K * P_ * Q_;
   const auto x = uniform(nx, rng), w = uniform(nw, rng), b = uniform(s.K, rng), dy = uniform(ny, rng);
   Buf<float> dx_in = dev(x), dw_in = dev(w), db_in = dev(b), ddy = dev(dy);
+  // The CUDA kernels against the CPU reference (im2col + GEMM; its workspace is the same for every
+  // pass), not against the CPU's oneDNN fast path.
+  struct UseReference {
+    kc::ConvAlgorithm before = kc::conv_algorithm();
+    UseReference() { kc::set_conv_algorithm(kc::ConvAlgorithm::reference); }
+    ~UseReference() { kc::set_conv_algorithm(before); }
+  } use_reference;
   std::vector<unsigned char> cpu_ws(kc::conv2d_workspace_bytes<float>(s, kernels::ConvPass::forward));
   using kernels::ConvPass;
   const auto ws_f = scratch(kg::conv2d_workspace_bytes<float>(s, ConvPass::forward));

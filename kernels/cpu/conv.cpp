@@ -1,15 +1,27 @@
 // kernels/cpu/conv.cpp — 2-D convolution (cross-correlation, as PyTorch), NCHW, on the CPU:
-// forward, backward data, backward filter and backward bias, via im2col / col2im + GEMM,
-// one image and one group at a time (stride, padding, dilation and groups supported).
+// forward, backward data, backward filter and backward bias. Two algorithms:
+//   onednn     float32 on oneDNN (conv_onednn.cpp: its blocked layouts, every byte in the
+//              workspace), the default where the build has oneDNN and oneDNN takes the shape;
+//   reference  im2col / col2im + GEMM, one image and one group at a time, every dtype — what
+//              the fast path and the CUDA kernels are tested against (TALLY_CPU_CONV=reference
+//              or set_conv_algorithm choose it for float32 too).
+// Stride, padding, dilation and groups are supported by both.
 //
 // Column matrix of one image and one group: col ((C/g) * R * S, P * Q); row (c * R + r) * S + s,
 // column p * Q + q holds x[c][p * stride_h - pad_h + r * dil_h][q * stride_w - pad_w + s * dil_w]
 // (0 outside the image). A 1x1 kernel with stride 1 and no padding needs no columns: the input
 // block x_n,g ((C/g), H * W) already is the column matrix.
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <cstring>
+#include <string>
+#include <type_traits>
 
 #include "kernels/cpu/cpu_kernels.h"
+#if TALLY_HAVE_ONEDNN
+#include "kernels/cpu/onednn.h"
+#endif
 
 namespace tally::kernels::cpu {
 
@@ -98,6 +110,19 @@ void col2im_add(const Conv2dShape& s, i64 Cg, i64 P, i64 Q,
   }
 }
 
+// y (N, K, P, Q) += bias (K) per channel.
+template <class T>
+void add_bias(const Conv2dShape& s, const T* bias, T* y) {
+  const i64 PQ = s.P() * s.Q();
+#pragma omp parallel for collapse(2) schedule(static) if (s.N * s.K * PQ > 32768)
+  for (i64 n = 0; n < s.N; ++n)
+    for (i64 k = 0; k < s.K; ++k) {
+      const T b = bias[k];
+      T* yk = y + (n * s.K + k) * PQ;  // (P * Q)
+      for (i64 i = 0; i < PQ; ++i) yk[i] += b;
+    }
+}
+
 // y (n elements) = beta * y, never reading y when beta == 0.
 template <class T>
 void scale_out(i64 n, T beta, T* y) {
@@ -110,8 +135,11 @@ void scale_out(i64 n, T beta, T* y) {
 
 }  // namespace
 
+// ---- the reference: im2col / col2im + GEMM ----------------------------------------------------
+namespace reference {
+
 template <class T>
-std::size_t conv2d_workspace_bytes(const Conv2dShape& s, ConvPass) {
+std::size_t workspace_bytes(const Conv2dShape& s) {
   if (is_plain_gemm(s)) return 0;
   const i64 P = s.P(), Q = s.Q();
   if (P <= 0 || Q <= 0) return 0;
@@ -120,7 +148,7 @@ std::size_t conv2d_workspace_bytes(const Conv2dShape& s, ConvPass) {
 }
 
 template <class T>
-void conv2d_forward(const Conv2dShape& s,
+void forward(const Conv2dShape& s,
                     const T* x,     // (N, C, H, W)
                     const T* w,     // (K, C/g, R, S)
                     const T* bias,  // (K) or null
@@ -143,20 +171,12 @@ void conv2d_forward(const Conv2dShape& s,
       }
       gemm<T>(false, false, Kg, PQ, CRS, T(1), wg, CRS, cols, PQ, T(0), yg, PQ);
     }
-    if (bias != nullptr) {
-      T* yn = y + n * s.K * PQ;  // (K, P * Q)
-#pragma omp parallel for schedule(static) if (s.K * PQ > 32768)
-      for (i64 k = 0; k < s.K; ++k) {
-        const T b = bias[k];
-        T* yk = yn + k * PQ;  // (P * Q)
-        for (i64 i = 0; i < PQ; ++i) yk[i] += b;
-      }
-    }
   }
+  if (bias != nullptr) add_bias(s, bias, y);
 }
 
 template <class T>
-void conv2d_backward_data(const Conv2dShape& s,
+void backward_data(const Conv2dShape& s,
                           const T* dy,  // (N, K, P, Q)
                           const T* w,   // (K, C/g, R, S)
                           T* dx,        // (N, C, H, W)
@@ -190,7 +210,7 @@ void conv2d_backward_data(const Conv2dShape& s,
 }
 
 template <class T>
-void conv2d_backward_filter(const Conv2dShape& s,
+void backward_filter(const Conv2dShape& s,
                             const T* x,   // (N, C, H, W)
                             const T* dy,  // (N, K, P, Q)
                             T* dw,        // (K, C/g, R, S)
@@ -218,6 +238,82 @@ void conv2d_backward_filter(const Conv2dShape& s,
       gemm<T>(false, true, Kg, CRS, PQ, T(1), dyg, PQ, cols, PQ, b, dwg, CRS);
     }
   }
+}
+
+}  // namespace reference
+
+// ---- the choice: oneDNN for float32 where it takes the shape, else the reference ---------------
+namespace {
+
+ConvAlgorithm initial_algorithm() {
+  const char* e = std::getenv("TALLY_CPU_CONV");
+  if (e != nullptr && std::string(e) == "reference") return ConvAlgorithm::reference;
+  return have_onednn() ? ConvAlgorithm::onednn : ConvAlgorithm::reference;
+}
+std::atomic<ConvAlgorithm> g_algorithm{initial_algorithm()};
+
+template <class T>
+bool use_onednn([[maybe_unused]] const Conv2dShape& s, [[maybe_unused]] ConvPass pass) {
+#if TALLY_HAVE_ONEDNN
+  if constexpr (std::is_same_v<T, float>)
+    return g_algorithm.load() == ConvAlgorithm::onednn && s.N > 0 && s.P() > 0 && s.Q() > 0 && onednn::supports(s, pass);
+#endif
+  return false;
+}
+
+}  // namespace
+
+bool have_onednn() { return TALLY_HAVE_ONEDNN; }
+void set_conv_algorithm(ConvAlgorithm a) {
+  if (a == ConvAlgorithm::onednn && !have_onednn()) a = ConvAlgorithm::reference;
+  g_algorithm.store(a);
+}
+ConvAlgorithm conv_algorithm() { return g_algorithm.load(); }
+bool conv2d_on_onednn(const Conv2dShape& s, ConvPass pass) { return use_onednn<float>(s, pass); }
+
+template <class T>
+std::size_t conv2d_workspace_bytes(const Conv2dShape& s, ConvPass pass) {
+#if TALLY_HAVE_ONEDNN
+  if (use_onednn<T>(s, pass)) return onednn::conv_workspace_bytes(s, pass);
+#endif
+  (void)pass;
+  return reference::workspace_bytes<T>(s);
+}
+
+template <class T>
+void conv2d_forward(const Conv2dShape& s, const T* x, const T* w, const T* bias, T* y, void* workspace) {
+#if TALLY_HAVE_ONEDNN
+  if constexpr (std::is_same_v<T, float>) {
+    if (use_onednn<T>(s, ConvPass::forward)) {
+      onednn::conv_forward(s, x, w, y, workspace);
+      if (bias != nullptr) add_bias(s, bias, y);
+      return;
+    }
+  }
+#endif
+  reference::forward<T>(s, x, w, bias, y, workspace);
+}
+
+template <class T>
+void conv2d_backward_data(const Conv2dShape& s, const T* dy, const T* w, T* dx, T beta, void* workspace) {
+#if TALLY_HAVE_ONEDNN
+  if constexpr (std::is_same_v<T, float>) {
+    if ((beta == 0.f || beta == 1.f) && use_onednn<T>(s, ConvPass::backward_data))
+      return onednn::conv_backward_data(s, dy, w, dx, beta == 1.f, workspace);
+  }
+#endif
+  reference::backward_data<T>(s, dy, w, dx, beta, workspace);
+}
+
+template <class T>
+void conv2d_backward_filter(const Conv2dShape& s, const T* x, const T* dy, T* dw, T beta, void* workspace) {
+#if TALLY_HAVE_ONEDNN
+  if constexpr (std::is_same_v<T, float>) {
+    if ((beta == 0.f || beta == 1.f) && use_onednn<T>(s, ConvPass::backward_filter))
+      return onednn::conv_backward_filter(s, x, dy, dw, beta == 1.f, workspace);
+  }
+#endif
+  reference::backward_filter<T>(s, x, dy, dw, beta, workspace);
 }
 
 template <class T>

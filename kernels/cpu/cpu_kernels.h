@@ -23,10 +23,21 @@ void gemm(bool trans_a, bool trans_b, i64 M, i64 N, i64 K, T alpha, const T* A, 
           std::size_t workspace_bytes = 0);
 
 // ---------------------------------------------------------------------------------------------
-// conv.cpp — 2-D convolution (cross-correlation, as PyTorch) via im2col + GEMM, NCHW.
-// Scratch bytes the conv2d_* kernel of `pass` needs (one image's im2col columns, or 0 where
-// the convolution is a plain GEMM: 1x1, stride 1, no padding; the same for every pass).
-// Independent of thread count, so that memory planning is deterministic.
+// conv.cpp — 2-D convolution (cross-correlation, as PyTorch), NCHW: float32 on oneDNN where the
+// build has it (the default), else — and for every other dtype — im2col + GEMM (the reference).
+enum class ConvAlgorithm { reference, onednn };
+// The float32 algorithm of every later call (onednn falls back to reference in a build without
+// oneDNN). Change it only between steps: a plan's dry run and its real step must see the same.
+void set_conv_algorithm(ConvAlgorithm a);
+ConvAlgorithm conv_algorithm();
+bool have_onednn();
+// Whether a float32 call of `pass` on shape `s` runs on oneDNN now (the algorithm is onednn and
+// oneDNN takes the shape), rather than on the reference.
+bool conv2d_on_onednn(const Conv2dShape& s, ConvPass pass);
+// Scratch bytes the conv2d_* kernel of `pass` needs. Reference: one image's im2col columns, or 0
+// where the convolution is a plain GEMM (1x1, stride 1, no padding), the same for every pass.
+// oneDNN: its layout buffers and scratchpad for this shape and pass, at the current OpenMP
+// thread count (the planner's dry runs and the real steps run at the same count).
 template <class T>
 std::size_t conv2d_workspace_bytes(const Conv2dShape& s, ConvPass pass);
 // y (N, K, P, Q) = conv(x (N, C, H, W), w (K, C/g, R, S)) + bias (K) ; bias may be null.

@@ -1,0 +1,245 @@
+// kernels/cpu/conv_onednn.cpp — float32 convolutions on oneDNN (the library PyTorch's CPU
+// convolutions run on), every byte of them in the caller's workspace.
+//
+// For each shape and pass a plan is made once and cached: the oneDNN primitive, created with
+// `format_tag::any` so that oneDNN picks its fast (blocked) layouts, in scratchpad mode `user`;
+// for every operand whose layout differs from tally's plain NCHW / (G)OIHW, a buffer in the
+// workspace and a reorder into it (inputs) or out of it (outputs). The workspace of a pass is
+//
+//   [ operand buffers, 64-byte aligned ][ one scratchpad region: the largest of the primitive's
+//                                         and the reorders' scratchpads (they run one by one) ]
+//
+// so conv2d_workspace_bytes() is known before anything runs (a dry run creates the plan to learn
+// it, and never executes it), and the arena holds every byte oneDNN touches. The backward passes
+// always reserve their output's buffer: when the gradient accumulates (beta = 1, the persistent
+// weight gradients), the primitive writes there and a reorder with a sum post-op adds it into the
+// gradient; the size does not depend on beta, which the workspace query does not know.
+//
+// A plan depends on the OpenMP thread count (oneDNN sizes per-thread scratch from it), so the
+// count is part of the cache key. A shape oneDNN refuses falls back to the im2col reference.
+#include "kernels/cpu/onednn.h"
+
+#include <omp.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <stdexcept>
+#include <unordered_map>
+#include <tuple>
+#include <vector>
+
+#include <oneapi/dnnl/dnnl.hpp>
+
+namespace tally::kernels::cpu::onednn {
+
+namespace {
+
+using dnnl::memory;
+using tag = memory::format_tag;
+using dt = memory::data_type;
+
+dnnl::engine& engine() {
+  static dnnl::engine e(dnnl::engine::kind::cpu, 0);
+  return e;
+}
+dnnl::stream& stream() {
+  static dnnl::stream s(engine());
+  return s;
+}
+
+constexpr std::size_t kAlign = 64;
+std::size_t aligned(std::size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+// One operand of a primitive: tally's plain layout (`user`) and the primitive's (`prim`).
+struct Operand {
+  int arg = 0;
+  bool output = false;
+  memory::desc user, prim;
+  bool buffered = false;        // prim != user, or an output that may accumulate
+  std::size_t offset = 0;       // of its buffer in the workspace
+  dnnl::reorder to_prim;        // inputs: user -> buffer
+  dnnl::reorder to_user;        // outputs: buffer -> user, overwriting
+  dnnl::reorder add_to_user;    // outputs: buffer -> user, adding (sum post-op)
+  memory::desc to_prim_scratch, to_user_scratch, add_scratch;
+};
+
+struct Plan {
+  dnnl::primitive prim;
+  memory::desc scratch;  // the primitive's
+  std::vector<Operand> operands;
+  std::size_t scratch_offset = 0, bytes = 0;
+  bool supported = false;
+};
+
+Operand operand(int arg, bool output, const memory::desc& user, const memory::desc& prim) {
+  Operand o;
+  o.arg = arg, o.output = output, o.user = user, o.prim = prim;
+  return o;
+}
+
+dnnl::primitive_attr user_scratchpad() {
+  dnnl::primitive_attr a;
+  a.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  return a;
+}
+
+std::pair<dnnl::reorder, memory::desc> make_reorder(const memory::desc& from, const memory::desc& to, bool add) {
+  dnnl::primitive_attr a = user_scratchpad();
+  if (add) {
+    dnnl::post_ops po;
+    po.append_sum(1.f);
+    a.set_post_ops(po);
+  }
+  dnnl::reorder::primitive_desc pd(engine(), from, engine(), to, a);
+  return {dnnl::reorder(pd), pd.scratchpad_desc()};
+}
+
+using Key = std::tuple<i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, int, int>;
+Key key_of(const Conv2dShape& s, ConvPass pass) {
+  return {s.N, s.C, s.H, s.W, s.K, s.R, s.S, s.stride_h, s.stride_w, s.pad_h, s.pad_w, s.dil_h, s.dil_w, s.groups,
+          static_cast<int>(pass), omp_get_max_threads()};
+}
+
+// Lays out the buffers and the shared scratchpad region; makes the reorders.
+void finish(Plan& p, std::size_t prim_scratch) {
+  std::size_t at = 0, scratch = prim_scratch;
+  for (Operand& o : p.operands) {
+    // A backward pass's output (listed first, its arg not DST) always has a buffer: it may accumulate.
+    o.buffered = o.prim != o.user || (o.output && o.arg != DNNL_ARG_DST);
+    if (!o.buffered) continue;
+    o.offset = at;
+    at += aligned(o.prim.get_size());
+    if (!o.output) {
+      std::tie(o.to_prim, o.to_prim_scratch) = make_reorder(o.user, o.prim, false);
+      scratch = std::max(scratch, o.to_prim_scratch.get_size());
+    } else {
+      std::tie(o.to_user, o.to_user_scratch) = make_reorder(o.prim, o.user, false);
+      std::tie(o.add_to_user, o.add_scratch) = make_reorder(o.prim, o.user, true);
+      scratch = std::max({scratch, o.to_user_scratch.get_size(), o.add_scratch.get_size()});
+    }
+  }
+  p.scratch_offset = at;
+  p.bytes = at + aligned(scratch);
+  p.supported = true;
+}
+
+std::unique_ptr<Plan> make_plan(const Conv2dShape& s, ConvPass pass) {
+  auto p = std::make_unique<Plan>();
+  const memory::dims x_dims{s.N, s.C, s.H, s.W}, y_dims{s.N, s.K, s.P(), s.Q()};
+  const bool grouped = s.groups > 1;
+  const memory::dims w_dims = grouped ? memory::dims{s.groups, s.K / s.groups, s.C / s.groups, s.R, s.S}
+                                      : memory::dims{s.K, s.C, s.R, s.S};
+  const memory::dims strides{s.stride_h, s.stride_w}, dilates{s.dil_h - 1, s.dil_w - 1}, pad_l{s.pad_h, s.pad_w};
+  // PyTorch's output size rounds down: the right/bottom padding is what makes oneDNN agree.
+  const memory::dims pad_r{(s.P() - 1) * s.stride_h + (s.R - 1) * s.dil_h + 1 - s.H - s.pad_h,
+                           (s.Q() - 1) * s.stride_w + (s.S - 1) * s.dil_w + 1 - s.W - s.pad_w};
+  const memory::desc x_user(x_dims, dt::f32, tag::nchw), y_user(y_dims, dt::f32, tag::nchw);
+  const memory::desc w_user(w_dims, dt::f32, grouped ? tag::goihw : tag::oihw);
+  const memory::desc x_any(x_dims, dt::f32, tag::any), y_any(y_dims, dt::f32, tag::any), w_any(w_dims, dt::f32, tag::any);
+  const auto alg = dnnl::algorithm::convolution_direct;
+  try {
+    const dnnl::primitive_attr attr = user_scratchpad();
+    const dnnl::convolution_forward::primitive_desc fwd(
+        dnnl::convolution_forward::desc(dnnl::prop_kind::forward_training, alg, x_any, w_any, y_any, strides, dilates,
+                                        pad_l, pad_r),
+        attr, engine());
+    if (pass == ConvPass::forward) {
+      p->prim = dnnl::convolution_forward(fwd);
+      p->operands = {operand(DNNL_ARG_DST, true, y_user, fwd.dst_desc()),
+                     operand(DNNL_ARG_SRC, false, x_user, fwd.src_desc()),
+                     operand(DNNL_ARG_WEIGHTS, false, w_user, fwd.weights_desc())};
+      finish(*p, fwd.scratchpad_desc().get_size());
+      p->scratch = fwd.scratchpad_desc();
+    } else if (pass == ConvPass::backward_data) {
+      const dnnl::convolution_backward_data::primitive_desc bwd(
+          dnnl::convolution_backward_data::desc(alg, x_any, w_any, y_any, strides, dilates, pad_l, pad_r), attr,
+          engine(), fwd);
+      p->prim = dnnl::convolution_backward_data(bwd);
+      p->operands = {operand(DNNL_ARG_DIFF_SRC, true, x_user, bwd.diff_src_desc()),
+                     operand(DNNL_ARG_DIFF_DST, false, y_user, bwd.diff_dst_desc()),
+                     operand(DNNL_ARG_WEIGHTS, false, w_user, bwd.weights_desc())};
+      finish(*p, bwd.scratchpad_desc().get_size());
+      p->scratch = bwd.scratchpad_desc();
+    } else {
+      const dnnl::convolution_backward_weights::primitive_desc bwd(
+          dnnl::convolution_backward_weights::desc(alg, x_any, w_any, y_any, strides, dilates, pad_l, pad_r), attr,
+          engine(), fwd);
+      p->prim = dnnl::convolution_backward_weights(bwd);
+      p->operands = {operand(DNNL_ARG_DIFF_WEIGHTS, true, w_user, bwd.diff_weights_desc()),
+                     operand(DNNL_ARG_SRC, false, x_user, bwd.src_desc()),
+                     operand(DNNL_ARG_DIFF_DST, false, y_user, bwd.diff_dst_desc())};
+      finish(*p, bwd.scratchpad_desc().get_size());
+      p->scratch = bwd.scratchpad_desc();
+    }
+  } catch (const dnnl::error&) {
+    p = std::make_unique<Plan>();  // unsupported: the reference path runs this shape
+  }
+  return p;
+}
+
+Plan& plan(const Conv2dShape& s, ConvPass pass) {
+  static std::mutex mu;
+  static std::map<Key, std::unique_ptr<Plan>> cache;
+  std::lock_guard<std::mutex> lock(mu);
+  auto& slot = cache[key_of(s, pass)];
+  if (!slot) slot = make_plan(s, pass);
+  return *slot;
+}
+
+// Runs a plan: `ptrs` holds the user pointer of each operand, in the plan's order (output first).
+void run(Plan& p, const std::vector<void*>& ptrs, bool accumulate, void* workspace) {
+  auto* base = static_cast<char*>(workspace);
+  auto scratch = [&](const memory::desc& md) { return memory(md, engine(), base + p.scratch_offset); };
+  dnnl::stream& st = stream();
+  std::unordered_map<int, memory> args;
+  std::vector<memory> user(p.operands.size());
+  for (std::size_t i = 0; i < p.operands.size(); ++i) {
+    Operand& o = p.operands[i];
+    user[i] = memory(o.user, engine(), ptrs[i]);
+    if (!o.buffered) {
+      args[o.arg] = user[i];
+      continue;
+    }
+    memory buf(o.prim, engine(), base + o.offset);
+    if (!o.output)
+      o.to_prim.execute(st, {{DNNL_ARG_FROM, user[i]}, {DNNL_ARG_TO, buf}, {DNNL_ARG_SCRATCHPAD, scratch(o.to_prim_scratch)}});
+    args[o.arg] = buf;
+  }
+  args[DNNL_ARG_SCRATCHPAD] = scratch(p.scratch);
+  p.prim.execute(st, args);
+  Operand& out = p.operands.front();
+  if (out.buffered) {
+    if (accumulate)
+      out.add_to_user.execute(st, {{DNNL_ARG_FROM, args[out.arg]}, {DNNL_ARG_TO, user[0]},
+                                   {DNNL_ARG_SCRATCHPAD, scratch(out.add_scratch)}});
+    else
+      out.to_user.execute(st, {{DNNL_ARG_FROM, args[out.arg]}, {DNNL_ARG_TO, user[0]},
+                               {DNNL_ARG_SCRATCHPAD, scratch(out.to_user_scratch)}});
+  } else if (accumulate) {
+    throw std::logic_error("onednn conv: an accumulating output without a buffer");
+  }
+  st.wait();
+}
+
+}  // namespace
+
+bool supports(const Conv2dShape& s, ConvPass pass) { return plan(s, pass).supported; }
+
+std::size_t conv_workspace_bytes(const Conv2dShape& s, ConvPass pass) { return plan(s, pass).bytes; }
+
+void conv_forward(const Conv2dShape& s, const float* x, const float* w, float* y, void* workspace) {
+  run(plan(s, ConvPass::forward), {y, const_cast<float*>(x), const_cast<float*>(w)}, false, workspace);
+}
+
+void conv_backward_data(const Conv2dShape& s, const float* dy, const float* w, float* dx, bool accumulate,
+                        void* workspace) {
+  run(plan(s, ConvPass::backward_data), {dx, const_cast<float*>(dy), const_cast<float*>(w)}, accumulate, workspace);
+}
+
+void conv_backward_filter(const Conv2dShape& s, const float* x, const float* dy, float* dw, bool accumulate,
+                          void* workspace) {
+  run(plan(s, ConvPass::backward_filter), {dw, const_cast<float*>(x), const_cast<float*>(dy)}, accumulate, workspace);
+}
+
+}  // namespace tally::kernels::cpu::onednn
