@@ -75,7 +75,7 @@ struct TrainFlags {
     cmd->add_option("--threads", to.threads, "CPU threads (0: default)")->check(CLI::NonNegativeNumber);
     cmd->add_flag("--tf32", to.tf32, "CUDA: let float32 GEMMs and convolutions use TF32 tensor cores (off by default)");
     if (!sweep) {
-      cmd->add_flag("--profile", to.profile, "CUDA: GPU time per op, printed at the end and written to profile.txt");
+      cmd->add_flag("--profile", to.profile, "time per op (GPU time on CUDA, host time on the CPU) over the steps after the first, printed and written to profile.txt");
       cmd->add_option("--init", to.init, "initial weights (safetensors, torchvision names)");
       cmd->add_option("--save", to.save, "write the trained weights (safetensors)");
       cmd->add_option("--out", to.out, "write metrics.csv and summary.json into this directory");

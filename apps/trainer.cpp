@@ -26,6 +26,7 @@
 #include "data/data.h"
 #include "dist/communicator.h"
 #include "dist/data_parallel.h"
+#include "kernels/cpu/cpu_kernels.h"
 #include "layers/init.h"
 #include "layers/resnet.h"
 #include "mbp/executor.h"
@@ -154,9 +155,41 @@ Device validate(const TrainOptions& opt) {
     if (limit != "auto") (void)parse_size(limit);
   if (!opt.init.empty() && !std::filesystem::exists(opt.init))
     throw Error(fmt::format("--init {}: no such file", opt.init));
-  if (opt.profile && !dev.is_cuda()) throw Error("--profile measures GPU time per op: it needs --device cuda");
   return dev;
 }
+
+// --profile: time per op over the steps after the first — GPU time between events on CUDA, host
+// time of the kernels on the CPU.
+class Profiler {
+ public:
+  Profiler(bool on, Device dev) : on_(on), cuda_(dev.is_cuda()) { enable(true); }
+  // Off while evaluating: the profile is of training steps.
+  void enable(bool e) const {
+    if (!on_) return;
+#if TALLY_HAVE_CUDA
+    if (cuda_) return kernels::cuda::set_profiling(e);
+#endif
+    kernels::cpu::set_profiling(e);
+  }
+  // After each step (on CUDA the step has waited for the device: its events are complete).
+  void step_done(std::int64_t step) const {
+    if (!on_) return;
+#if TALLY_HAVE_CUDA
+    if (cuda_) return step == 0 ? kernels::cuda::profile_reset() : kernels::cuda::profile_collect();
+#endif
+    if (step == 0) kernels::cpu::profile_reset();
+  }
+  std::string report(const std::string& what) const {
+#if TALLY_HAVE_CUDA
+    if (cuda_) return kernels::cuda::profile_report("GPU time per op " + what);
+#endif
+    return kernels::cpu::profile_report("host time per op " + what);
+  }
+  bool on() const { return on_; }
+
+ private:
+  bool on_, cuda_;
+};
 
 // Every option as "name value" lines: what the ranks of a data-parallel run compare.
 std::string options_text(const TrainOptions& o) {
@@ -300,11 +333,9 @@ TrainResult train(const TrainOptions& options, std::ostream& all_log) {
   if (opt.threads > 0) omp_set_num_threads(opt.threads);  // OpenBLAS stays single-threaded (kernels/cpu/gemm.cpp)
   if (!opt.out.empty()) std::filesystem::create_directories(opt.out);
 #if TALLY_HAVE_CUDA
-  if (dev.is_cuda()) {
-    kernels::cuda::set_allow_tf32(opt.tf32);
-    if (opt.profile) kernels::cuda::set_profiling(true);
-  }
+  if (dev.is_cuda()) kernels::cuda::set_allow_tf32(opt.tf32);
 #endif
+  const Profiler profiler(opt.profile, dev);
 
   // ---- data ---------------------------------------------------------------------------------------
   const data::Split split = load_data(opt);
@@ -444,12 +475,7 @@ TrainResult train(const TrainOptions& options, std::ostream& all_log) {
         first_seconds = dt;
         first_images = b->size;
       }
-#if TALLY_HAVE_CUDA
-      if (opt.profile) {  // the step has waited for the device: its events are complete
-        if (step == 0) kernels::cuda::profile_reset();
-        else kernels::cuda::profile_collect();
-      }
-#endif
+      profiler.step_done(step);
       const double ips = steady_seconds > 0 ? static_cast<double>(steady_images) / steady_seconds
                                             : static_cast<double>(b->size) / dt;
       ++step;
@@ -466,13 +492,9 @@ TrainResult train(const TrainOptions& options, std::ostream& all_log) {
         metrics << fmt::format("{},{},{:.6f},{:.6g},{:.2f},{},{},{},{}\n", step, epoch, last_loss, optimizer.lr(), ips,
                                r.peak, r.predicted_peak, r.micro_batch, r.micro_batches);
     }
-#if TALLY_HAVE_CUDA
-    if (opt.profile) kernels::cuda::set_profiling(false);  // the profile is of training steps
-#endif
+    profiler.enable(false);  // the profile is of training steps
     if (rank == 0) ev = evaluate(model, split.test, opt.normalize, dev, result.micro_batch);
-#if TALLY_HAVE_CUDA
-    if (opt.profile) kernels::cuda::set_profiling(true);
-#endif
+    profiler.enable(true);
     result.train_loss = epoch_steps > 0 ? epoch_loss / static_cast<double>(epoch_steps) : last_loss;
     fmt::print(log, "epoch {}/{}: train loss {:.4f} | test loss {:.4f} | test accuracy {:.2f}%\n", epoch + 1, epochs,
                result.train_loss, ev.loss, 100.0 * ev.accuracy);
@@ -508,16 +530,14 @@ TrainResult train(const TrainOptions& options, std::ostream& all_log) {
              format_bytes(static_cast<std::size_t>(result.predicted_peak_bytes)), result.predicted_peak_bytes,
              mismatches == 0 ? " — exact" : fmt::format(" — {} steps differed", mismatches),
              format_bytes(arena->capacity()), result.oom_retries);
-#if TALLY_HAVE_CUDA
-  if (opt.profile) {
-    const std::string report = kernels::cuda::profile_report(fmt::format(
-        "GPU time per op over steps 2..{} ({:.1f} ms of wall time per step, data included)", step,
+  if (profiler.on()) {
+    const std::string report = profiler.report(fmt::format(
+        "over steps 2..{} ({:.1f} ms of wall time per step, data included)", step,
         steady_images > 0 ? 1000.0 * steady_seconds / static_cast<double>(step - 1) : 0.0));
     fmt::print(log, "{}", report);
     if (!opt.out.empty()) write_text(std::filesystem::path(opt.out) / "profile.txt", report);
-    kernels::cuda::set_profiling(false);
+    profiler.enable(false);
   }
-#endif
   if (!opt.save.empty()) {
     nn::save_state_dict(model, opt.save);
     fmt::print(log, "saved {}\n", opt.save);

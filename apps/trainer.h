@@ -34,7 +34,7 @@ struct TrainOptions {
   std::string device = "auto";
   int threads = 0;  // 0: leave the default
   bool tf32 = false;  // CUDA: float32 GEMMs and convolutions may use TF32 tensor cores
-  bool profile = false;  // CUDA: GPU time per op over the steps after the first (profile.txt)
+  bool profile = false;  // time per op over the steps after the first (GPU time on CUDA, host time on the CPU; profile.txt)
   std::string init, save, out;
   bool progress = true;  // progress bar on stdout
   // Arena capacity: a size ("48MiB", "2GiB") or "auto", or under mpirun a comma list with one

@@ -33,6 +33,7 @@ namespace tally::detail {
 
 #define TALLY_DISPATCH_CPU(op, t, ...)                         \
   do {                                                         \
+    const ::tally::kernels::cpu::OpTimer tally_cpu_timer_(op, ::tally::in_backward()); \
     switch ((t).dtype()) {                                     \
       case ::tally::DType::Float32: {                          \
         using T = float;                                       \

@@ -6,6 +6,10 @@
 // These are the reference every CUDA kernel is tested against: clarity and exactness first,
 // then speed (OpenBLAS for GEMM, OpenMP over channels/batch where it pays on a few cores).
 #pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+
 #include "kernels/common.h"
 
 namespace tally::kernels::cpu {
@@ -21,6 +25,34 @@ template <class T>
 void gemm(bool trans_a, bool trans_b, i64 M, i64 N, i64 K, T alpha, const T* A, i64 lda,
           const T* B, i64 ldb, T beta, T* C, i64 ldc, void* workspace = nullptr,
           std::size_t workspace_bytes = 0);
+
+// ---------------------------------------------------------------------------------------------
+// profile.cpp — per-op host time (`tally train --profile` on the CPU): with profiling on, an
+// OpTimer around each op's kernels (core/dispatch.h) adds its time to a table per op name,
+// forward and backward apart; profile_report() prints it, largest first (format_profile: the
+// table both backends print).
+struct ProfileRow {
+  std::int64_t calls = 0;
+  double ms = 0;
+};
+void set_profiling(bool on);
+bool profiling();
+class OpTimer {
+ public:
+  OpTimer(const char* op, bool backward);
+  ~OpTimer();
+  OpTimer(const OpTimer&) = delete;
+  OpTimer& operator=(const OpTimer&) = delete;
+
+ private:
+  const char* op_ = nullptr;
+  bool backward_ = false;
+  long long start_ = 0;
+};
+std::string profile_report(const std::string& title);
+void profile_reset();
+std::string format_profile(const std::string& title, const std::string& what,
+                           const std::map<std::string, ProfileRow>& table);
 
 // ---------------------------------------------------------------------------------------------
 // conv.cpp — 2-D convolution (cross-correlation, as PyTorch), NCHW: float32 on oneDNN where the

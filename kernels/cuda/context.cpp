@@ -18,6 +18,8 @@
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/cuda_kernels.h"
 
+#include "kernels/cpu/cpu_kernels.h"
+
 namespace tally::kernels::cuda {
 namespace {
 
@@ -300,11 +302,7 @@ struct ProfileState {
   std::mutex mu;
   std::vector<Pending> pending;           // recorded, not yet read
   std::vector<cudaEvent_t> free_events;   // to reuse
-  struct Row {
-    std::int64_t calls = 0;
-    double ms = 0;
-  };
-  std::map<std::string, Row> table;
+  std::map<std::string, cpu::ProfileRow> table;
   cudaEvent_t take() {
     if (!free_events.empty()) {
       cudaEvent_t e = free_events.back();
@@ -371,17 +369,7 @@ std::string profile_report(const std::string& title) {
   profile_collect();
   ProfileState& p = profile_state();
   std::lock_guard<std::mutex> lock(p.mu);
-  std::vector<std::pair<std::string, ProfileState::Row>> rows(p.table.begin(), p.table.end());
-  std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.ms > b.second.ms; });
-  double total = 0;
-  for (const auto& r : rows) total += r.second.ms;
-  std::string out = fmt::format("{}\n{:<34} {:>8} {:>11} {:>10} {:>7}\n", title, "op (GPU time between its events)",
-                                "calls", "total ms", "mean us", "share");
-  for (const auto& [name, r] : rows)
-    out += fmt::format("{:<34} {:>8} {:>11.2f} {:>10.1f} {:>6.1f}%\n", name, r.calls, r.ms,
-                       r.calls ? 1000.0 * r.ms / static_cast<double>(r.calls) : 0.0, total > 0 ? 100.0 * r.ms / total : 0.0);
-  out += fmt::format("{:<34} {:>8} {:>11.2f}\n", "all ops", "", total);
-  return out;
+  return cpu::format_profile(title, "op (GPU time between its events)", p.table);
 }
 
 void profile_reset() {
