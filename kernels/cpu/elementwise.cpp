@@ -86,12 +86,20 @@ void relu_forward(i64 n, const T* x, T* y) {
 // As torch's threshold_backward: the gradient is masked where y <= 0 (a NaN y passes dy).
 template <class T>
 void relu_backward(i64 n, const T* dy, const T* y, T* dx, T beta) {
+  // dy[i] is loaded whether or not it is kept: a load under the condition is not if-converted,
+  // and the loop would branch per element (27x slower on random signs, measured).
   if (beta == T(0)) {
 #pragma omp parallel for schedule(static) if (n > kParallelThreshold)
-    for (i64 i = 0; i < n; ++i) dx[i] = y[i] <= T(0) ? T(0) : dy[i];
+    for (i64 i = 0; i < n; ++i) {
+      const T g = dy[i];
+      dx[i] = y[i] <= T(0) ? T(0) : g;
+    }
   } else {
 #pragma omp parallel for schedule(static) if (n > kParallelThreshold)
-    for (i64 i = 0; i < n; ++i) dx[i] = beta * dx[i] + (y[i] <= T(0) ? T(0) : dy[i]);
+    for (i64 i = 0; i < n; ++i) {
+      const T g = dy[i];
+      dx[i] = beta * dx[i] + (y[i] <= T(0) ? T(0) : g);
+    }
   }
 }
 
