@@ -3,7 +3,8 @@
 //   * collectives: sums and broadcasts of host doubles and CPU tensors against values computed
 //     on every rank;
 //   * equivalence (float64, norm group and none): 3 SGD steps with momentum on 2 ranks equal one
-//     process's full-batch steps to 1e-12, also with a different micro-batch size on each rank;
+//     process's full-batch steps to 1e-12, also with a different memory limit (so a different
+//     micro-batch size) on each rank;
 //     the ranks' parameters stay bit-identical;
 //   * BatchNorm: running statistics are the global batch's — equal to one process running the
 //     same split as micro-batches (every parameter and statistic to 1e-12), and the first
@@ -125,12 +126,22 @@ TEST_P(TwoRanksEqualOneProcess, ThreeSgdStepsWithMomentumFloat64) {
   const std::int64_t B = 20;
   const Shape sample{3, 16, 16};
   auto ref = model("resnet20", norm, 3, DType::Float64);
-  auto dp = model("resnet20", norm, 3, DType::Float64);
-  auto ref_opt = sgd(*ref), dp_opt = sgd(*dp);
-  const std::int64_t m = uneven ? (rank == 0 ? 10 : 3) : 5;
-  mbp::Executor ex(*dp, *dp_opt, options(sample, m, comm));
+  auto ref_opt = sgd(*ref);
+  // Uneven: rank 1 runs in a 10 MiB budget, so its planner picks smaller micro-batches than rank
+  // 0's, which has the default budget; even: both run micro-batches of 5.
+  const auto budget = uneven && rank == 1 ? std::make_shared<Arena>(Device::cpu(), parse_size("10MiB"))
+                                          : default_arena(Device::cpu());
+  std::shared_ptr<nn::Module> dp;
+  std::unique_ptr<optim::SGD> dp_opt;
+  {
+    ArenaScope in_budget(budget);
+    dp = model("resnet20", norm, 3, DType::Float64);
+    dp_opt = sgd(*dp);
+  }
+  mbp::Executor ex(*dp, *dp_opt, budget, options(sample, uneven ? std::nullopt : std::optional<std::int64_t>(5), comm));
   const dist::Shard s = dist::shard(B, comm->size(), rank);
   const std::int64_t numel = shape_numel(sample);
+  double m_of[2] = {0, 0};
   for (int step = 0; step < 3; ++step) {
     const Data d = make_data(B, sample, 200 + static_cast<std::uint32_t>(step));
     const double ref_loss = full_batch_backward<double>(*ref, d, B, sample);
@@ -140,7 +151,19 @@ TEST_P(TwoRanksEqualOneProcess, ThreeSgdStepsWithMomentumFloat64) {
       ref_opt->zero_grad();
     }
     const mbp::StepResult r = ex.step(d.images.data() + s.offset * numel, d.labels.data() + s.offset, s.size);
-    EXPECT_EQ(r.micro_batch, m);
+    if (!uneven) {
+      EXPECT_EQ(r.micro_batch, 5);
+    } else if (rank == 0) {
+      EXPECT_EQ(r.micro_batch, 10) << "the default budget holds the whole share";
+    } else {
+      EXPECT_LT(r.micro_batch, 10) << "10 MiB holds fewer samples";
+    }
+    m_of[0] = m_of[1] = 0;
+    m_of[rank] = static_cast<double>(r.micro_batch);
+    comm->all_reduce_sum(m_of, 2);
+    if (uneven) {
+      EXPECT_NE(m_of[0], m_of[1]) << "the ranks run different micro-batch sizes";
+    }
     EXPECT_NEAR(r.loss, ref_loss, 1e-12 * std::abs(ref_loss)) << "the global batch's loss on every rank";
     EXPECT_EQ(r.peak, r.predicted_peak);
   }
@@ -157,8 +180,8 @@ TEST_P(TwoRanksEqualOneProcess, ThreeSgdStepsWithMomentumFloat64) {
   EXPECT_GT(moved, 1e-3) << "the parameters moved";
   EXPECT_TRUE(dist::parameters_identical(*dp, *comm));
   if (rank == 0)
-    std::cout << fmt::format("norm {}, micro-batches {}: worst per-tensor relative difference from one process {}\n",
-                             norm, uneven ? "10 | 3" : "5 | 5", worst);
+    std::cout << fmt::format("norm {}, micro-batches of {} | {}{}: worst per-tensor relative difference from one "
+                             "process {}\n", norm, m_of[0], m_of[1], uneven ? " (rank 1 in 10 MiB)" : "", worst);
 }
 
 INSTANTIATE_TEST_SUITE_P(NormsAndSplits, TwoRanksEqualOneProcess,
