@@ -73,13 +73,23 @@ bool in_backward() { return tl_in_backward; }
 void run_backward(const Tensor& root) {
   if (root.numel() != 1)
     throw ShapeError(fmt::format("backward: expected a scalar (one-element) tensor, found {}", root.str()));
+  run_backward(root, Tensor());
+}
+
+void run_backward(const Tensor& root, const Tensor& seed) {
+  if (seed.defined() && seed.shape() != root.shape())
+    throw ShapeError(fmt::format("backward: the gradient {} does not match the tensor {}", seed.str(), root.str()));
   if (root.is_leaf()) {
     if (!root.requires_grad()) throw Error("backward: the tensor does not require grad and has no history");
     Tensor r = root;
-    if (!root.grad().defined())
+    if (seed.defined()) {
+      if (!root.grad().defined()) r.impl().grad = seed.clone(root.impl().grad_category).impl_ptr();
+      else { Tensor g = r.grad(); add_into(g, seed); }
+    } else if (!root.grad().defined()) {
       r.impl().grad = Tensor::full(root.shape(), 1.0, root.dtype(), root.device(), Category::gradient, "grad").impl_ptr();
-    else if (!is_dry_run())
+    } else if (!is_dry_run()) {
       r.grad().fill_(r.grad().item() + 1.0);
+    }
     return;
   }
 
@@ -109,7 +119,7 @@ void run_backward(const Tensor& root) {
   std::priority_queue<std::shared_ptr<Node>, std::vector<std::shared_ptr<Node>>, decltype(later_first)> ready(later_first);
   std::unordered_map<Node*, Tensor> grads;  // gradient of each pending node's output
   grads[root.grad_fn().get()] =
-      Tensor::full(root.shape(), 1.0, root.dtype(), root.device(), Category::temporary, "grad_seed");
+      seed.defined() ? seed : Tensor::full(root.shape(), 1.0, root.dtype(), root.device(), Category::temporary, "grad_seed");
   ready.push(root.grad_fn());
   std::vector<std::shared_ptr<Node>> done;
   struct InBackward {
@@ -132,7 +142,7 @@ void run_backward(const Tensor& root) {
         s.category = Category::temporary;
       } else if (e.leaf) {
         if (e.leaf->grad) s.buffer = Tensor(e.leaf->grad);
-        s.category = Category::gradient;
+        s.category = e.leaf->grad_category;
       }
     }
     {
@@ -164,6 +174,64 @@ void run_backward(const Tensor& root) {
   }
   // Release the tape: cut every processed node's edges.
   for (auto& n : done) n->next.clear();
+}
+
+// ---- recomputation -------------------------------------------------------------------------------
+namespace {
+thread_local bool tl_recomputing = false;
+
+struct RecomputeBackward : Node {
+  std::function<Tensor(const Tensor&)> f;
+  Tensor x;  // the segment's input, the one tensor it keeps
+  const char* label = "recompute";
+  const char* name() const override { return label; }
+  void release() override { x = Tensor(); }
+  void backward(const Tensor& gy, std::vector<GradSlot>& g) override {
+    // The segment's input as a leaf of the recomputed graph; its gradient (category temporary:
+    // an intermediate's, not a parameter's) accumulates where x's other consumers put theirs.
+    Tensor xi = x.detach();
+    if (g[0].needed) {
+      xi.set_requires_grad(true);
+      xi.impl().grad_category = Category::temporary;
+      if (g[0].buffer.defined()) xi.impl().grad = g[0].buffer.impl_ptr();
+    }
+    Tensor y;
+    {
+      EnableGradGuard on;
+      struct Recomputing {
+        bool previous = tl_recomputing;
+        Recomputing() { tl_recomputing = true; }
+        ~Recomputing() { tl_recomputing = previous; }
+      } scope;
+      y = f(xi);
+    }
+    x = Tensor();  // the input is not needed any more
+    if (!y.grad_fn()) {
+      if (g[0].needed) g[0].buffer = gy;  // f was the identity on x: nothing recorded
+      return;
+    }
+    run_backward(y, gy.contiguous());
+    if (g[0].needed && !g[0].buffer.defined()) g[0].buffer = xi.grad();
+  }
+};
+}  // namespace
+
+bool recomputing() { return tl_recomputing; }
+
+Tensor recompute(const std::function<Tensor(const Tensor&)>& f, const Tensor& x, const char* name) {
+  if (!grad_enabled()) return f(x);
+  Tensor y;
+  {
+    NoGradGuard off;
+    y = f(x);
+  }
+  auto n = std::make_shared<RecomputeBackward>();
+  n->f = f;
+  n->x = x;
+  n->label = name;
+  // Recorded even when x needs no gradient: the segment's parameters do.
+  set_history(y, n, {&x});
+  return y;
 }
 
 }  // namespace tally

@@ -18,6 +18,7 @@
 //     graph's edges are cut, so the tape is released with the last handle to it.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -91,6 +92,20 @@ Tensor& grad_target(GradSlot& slot, const Tensor& like, double& beta, const char
 Tensor& grad_target(GradSlot& slot, const Shape& shape, DType dtype, Device device, double& beta, const char* op);
 
 void run_backward(const Tensor& root);
+// Backward from `root` of any shape, with `seed` (root's shape) as its gradient.
+void run_backward(const Tensor& root, const Tensor& seed);
+
+// ---- recomputation (gradient checkpointing) ----------------------------------------------------
+// y = f(x), keeping only x for backward: f runs with recording off (no saved tensor of f lives
+// past its op), and backward re-runs f on x with recording on and back-propagates through it —
+// parameters' gradients accumulate into their persistent buffers exactly as in a plain run, and
+// x's gradient goes where x's consumers put it. So the gradients are bit for bit those of the
+// plain run when f is deterministic (tally's CPU kernels are). While f re-runs, recomputing() is
+// true: BatchNorm then normalizes with the batch's statistics as the first run did, and neither
+// updates running statistics nor adds MBP moments a second time. A dry run re-runs f as a dry
+// run: the recomputation's allocations are in the plan.
+Tensor recompute(const std::function<Tensor(const Tensor&)>& f, const Tensor& x, const char* name = "recompute");
+bool recomputing();
 // True on this thread while run_backward executes nodes (profiles tell forward from backward).
 bool in_backward();
 

@@ -54,6 +54,9 @@ struct TensorImpl {
   bool requires_grad = false;
   std::shared_ptr<Node> grad_fn;  // null for leaves
   std::shared_ptr<TensorImpl> grad;  // persistent gradient buffer of a leaf (category gradient)
+  // The category of the gradient buffer backward allocates for this leaf: gradient for
+  // parameters; temporary for the detached input of a recomputed segment (core/autograd.h).
+  Category grad_category = Category::gradient;
 };
 
 class Tensor {

@@ -93,6 +93,11 @@ Tensor BatchNorm2d::forward(const Tensor& x) {
   opt.training = is_training();
   opt.momentum = momentum;
   opt.eps = eps;
+  if (is_training() && recomputing()) {
+    // The forward re-run of a recomputed segment: the batch's statistics again (the same input,
+    // so the same values), but the running statistics and MBP moments were counted the first time.
+    return batch_norm(x, weight, bias, Tensor(), Tensor(), opt);
+  }
   opt.defer_running_stats = is_training() ? defer_ : nullptr;
   Tensor y = batch_norm(x, weight, bias, running_mean, running_var, opt);
   if (is_training() && !defer_) count_batch();

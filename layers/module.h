@@ -27,6 +27,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/autograd.h"
 #include "core/tensor.h"
 
 namespace tally::nn {
@@ -59,14 +60,22 @@ class Module {
   Module& operator=(const Module&) = delete;
 
   virtual Tensor forward(const Tensor& x) = 0;
+  // forward(x), recomputed during backward instead of kept when set_recompute(true) is on and the
+  // module is training with grad mode on (core/autograd.h, recompute()).
   Tensor operator()(const Tensor& x) {
     ForwardObserver* o = forward_observer();
-    if (!o) return forward(x);
-    o->before(*this);
-    Tensor y = forward(x);
-    o->after(*this, y);
+    if (o) o->before(*this);
+    Tensor y = recompute_ && training_ && grad_enabled()
+                   ? tally::recompute([this](const Tensor& t) { return forward(t); }, x, "recompute")
+                   : forward(x);
+    if (o) o->after(*this, y);
     return y;
   }
+
+  // Recomputation (gradient checkpointing) of this module as one segment: its forward keeps only
+  // its input; backward re-runs it. Gradients are bit for bit those of a plain run.
+  void set_recompute(bool on) { recompute_ = on; }
+  bool recompute() const { return recompute_; }
 
   // Dotted names, registration order, this module's own entries before its children's.
   std::vector<std::pair<std::string, Tensor>> named_parameters() const;
@@ -111,6 +120,7 @@ class Module {
   std::deque<std::pair<std::string, Tensor>> parameters_, buffers_;
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
   bool training_ = true;
+  bool recompute_ = false;
 };
 
 }  // namespace tally::nn
