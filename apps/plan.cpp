@@ -72,13 +72,37 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   eo.sample_shape = sample;
   eo.micro_batch = opt.micro_batch;
   mbp::Executor executor(*setup.model, *setup.optimizer, arena, eo);
-  const mbp::Plan p = plan_step(executor, opt.batch_size, opt.micro_batch);
+  const RecomputedPlan chosen =
+      plan_with_recompute(executor, *setup.model, opt.batch_size, opt.micro_batch, opt.recompute);
+  const mbp::Plan p = *chosen.plan;
   if (opt.layers) {
     fmt::print(out, "\nper layer, forward in training mode at the planned micro-batch of {}:\n", p.micro_batch);
     out << mbp::format_layer_table(mbp::layer_table(*setup.model, *arena, sample, p.micro_batch), p.micro_batch);
   }
   fmt::print(out, "\nplan: {}\n", p.summary());
   fmt::print(out, "      live at the peak: {}\n", p.at_peak.str());
+  if (chosen.policy == "all") {
+    // What recomputation buys: the same micro-batch without it (a too-small error measures it on
+    // a clone with room to spare).
+    std::string without = "unknown";
+    try {
+      nn::set_recompute_blocks(*setup.model, false);
+      executor.planner().forget();
+      mbp::Executor plain(*setup.model, *setup.optimizer, arena, eo);
+      const mbp::Plan& q = plain.planner().plan(p.micro_batch, p.micro_batch);
+      without = fmt::format("{} ({} bytes), so it saves {}", format_bytes(q.predicted_peak), q.predicted_peak,
+                            format_bytes(q.predicted_peak - std::min(q.predicted_peak, p.predicted_peak)));
+    } catch (const OutOfMemory& e) {
+      without = fmt::format("more than the limit: at least {}", format_bytes(e.requested()));
+    }
+    nn::set_recompute_blocks(*setup.model, true);
+    fmt::print(out, "      recompute: all {} residual blocks{} — each block's forward runs again in backward (about one "
+                    "more forward of the blocks); without recomputation a micro-batch of {} needs {}\n",
+               chosen.segments, chosen.why.empty() ? "" : fmt::format(" (auto: {})", chosen.why), p.micro_batch,
+               without);
+  } else {
+    fmt::print(out, "      recompute: none{}\n", chosen.why.empty() ? "" : fmt::format(" (auto: {})", chosen.why));
+  }
   fmt::print(out, "      {} dry runs in {:.2f} s; nothing was computed\n", p.probes, p.seconds);
   return p;
 }

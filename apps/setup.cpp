@@ -119,4 +119,59 @@ const mbp::Plan& plan_step(mbp::Executor& executor, std::int64_t batch, std::opt
   }
 }
 
+const std::vector<std::string>& recompute_names() {
+  static const std::vector<std::string> names{"auto", "none", "all"};
+  return names;
+}
+
+RecomputedPlan plan_with_recompute(mbp::Executor& executor, nn::Module& model, std::int64_t batch,
+                                   std::optional<std::int64_t> micro_batch, const std::string& recompute) {
+  check_choice("--recompute", recompute, recompute_names());
+  RecomputedPlan r;
+  auto set = [&](bool on) {
+    r.segments = nn::set_recompute_blocks(model, on);
+    if (!on) r.segments = 0;
+    executor.planner().forget();
+    r.policy = on ? "all" : "none";
+  };
+  if (recompute == "all") {
+    set(true);
+    r.plan = &plan_step(executor, batch, micro_batch);
+    return r;
+  }
+  set(false);
+  try {
+    r.plan = &plan_step(executor, batch, micro_batch);
+    if (recompute == "auto") r.why = "a micro-batch fits without recomputation";
+    return r;
+  } catch (const OutOfMemory& without) {
+    set(true);
+    if (recompute == "auto") {
+      try {
+        r.plan = &plan_step(executor, batch, micro_batch);
+      } catch (const OutOfMemory& e) {
+        throw OutOfMemory(fmt::format("{} (with every one of the {} residual blocks recomputed, the most that "
+                                      "--recompute does; without recomputation at least {})",
+                                      e.what(), r.segments, format_bytes(without.requested())),
+                          e.requested());
+      }
+      r.why = fmt::format("without recomputation {}", micro_batch ? "the given micro-batch does not fit"
+                                                                      : "not even one sample fits");
+      return r;
+    }
+    // none: say what recomputing every block would need, then leave the model as it was.
+    std::string with;
+    try {
+      const mbp::Plan& p = plan_step(executor, batch, micro_batch);
+      with = fmt::format("--recompute all ({} blocks recomputed) fits micro-batches of {} (predicted peak {})",
+                         r.segments, p.micro_batch, format_bytes(p.predicted_peak));
+    } catch (const OutOfMemory& e) {
+      with = fmt::format("with --recompute all ({} blocks recomputed) it needs at least {}", r.segments,
+                         format_bytes(e.requested()));
+    }
+    set(false);
+    throw OutOfMemory(fmt::format("{}; {}", without.what(), with), without.requested());
+  }
+}
+
 }  // namespace tally::app

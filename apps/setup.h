@@ -72,4 +72,20 @@ std::string persistent_summary(const Arena& arena);
 // executor.plan(batch), with an explicit micro-batch's failure named by its flag.
 const mbp::Plan& plan_step(mbp::Executor& executor, std::int64_t batch, std::optional<std::int64_t> micro_batch);
 
+// --recompute: none, all (every residual block a recomputed segment: its forward keeps only its
+// input and is re-run during backward; gradients bit for bit the same) or auto. The rule of auto:
+// no recomputation while a micro-batch of at least one sample fits without it — recomputation
+// costs about one more forward of the blocks, and MBP already fits any batch once one sample
+// fits — and recomputation of every block when not even one sample fits. With none, a budget
+// that cannot hold one sample is an error that also states what --recompute all would need.
+const std::vector<std::string>& recompute_names();
+struct RecomputedPlan {
+  const mbp::Plan* plan = nullptr;
+  std::string policy;            // "none" or "all"
+  std::int64_t segments = 0;     // recomputed blocks
+  std::string why;               // for auto: why this policy
+};
+RecomputedPlan plan_with_recompute(mbp::Executor& executor, nn::Module& model, std::int64_t batch,
+                                   std::optional<std::int64_t> micro_batch, const std::string& recompute);
+
 }  // namespace tally::app

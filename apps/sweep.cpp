@@ -99,6 +99,7 @@ std::vector<SweepRow> sweep(const SweepOptions& opt, std::ostream& log) {
     po.memory_limit = opt.train.memory_limit;
     if (opt.train.micro_batch) po.micro_batch = std::min(*opt.train.micro_batch, b);
     po.optimizer = opt.train.optimizer;
+    po.recompute = opt.train.recompute;
     po.momentum = opt.train.momentum;
     po.device = device;
     po.layers = false;

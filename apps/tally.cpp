@@ -90,6 +90,9 @@ struct TrainFlags {
         ->check(CLI::IsMember({"exact", "per-micro-batch"}))->capture_default_str();
     cmd->add_option("--micro-batch", micro, "samples per micro-batch: M or auto (the largest that fits)")
         ->capture_default_str();
+    cmd->add_option("--recompute", to.recompute,
+                    "auto (recompute the residual blocks only when not even one sample fits) | none | all")
+        ->check(CLI::IsMember(app::recompute_names()))->capture_default_str();
   }
 
   // After parsing: the flags that fill optional fields.
@@ -160,6 +163,9 @@ int main(int argc, char** argv) {
   plan_cmd->add_option("--optimizer", po.optimizer, app::choices(app::optimizer_names()))->check(CLI::IsMember(app::optimizer_names()))->capture_default_str();
   plan_cmd->add_option("--momentum", po.momentum, "SGD momentum (0: no momentum buffer)")->check(CLI::NonNegativeNumber)->capture_default_str();
   plan_cmd->add_option("--device", po.device, "cpu|cuda|cuda:N")->capture_default_str();
+  plan_cmd->add_option("--recompute", po.recompute,
+                       "auto (recompute the residual blocks only when not even one sample fits) | none | all")
+      ->check(CLI::IsMember(app::recompute_names()))->capture_default_str();
   bool no_layers = false;
   plan_cmd->add_flag("--no-layers", no_layers, "skip the per-layer table");
   try {

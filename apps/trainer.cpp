@@ -136,6 +136,7 @@ Device validate(const TrainOptions& opt) {
   check_choice("--optimizer", opt.optimizer, optimizer_names());
   check_choice("--schedule", opt.schedule, {"constant", "step", "cosine", "onecycle"});
   check_choice("--loss-normalization", opt.loss_normalization, {"exact", "per-micro-batch"});
+  check_choice("--recompute", opt.recompute, recompute_names());
   if (opt.batch_size < 1) throw Error(fmt::format("--batch-size must be >= 1, found {}", opt.batch_size));
   if (opt.epochs < 1 && !opt.steps) throw Error(fmt::format("--epochs must be >= 1, found {}", opt.epochs));
   if (opt.steps && *opt.steps < 1) throw Error(fmt::format("--steps must be >= 1, found {}", *opt.steps));
@@ -205,6 +206,7 @@ std::string options_text(const TrainOptions& o) {
   line("threads", o.threads), line("tf32", o.tf32), line("profile", o.profile), line("init", o.init);
   line("save", o.save), line("out", o.out), line("memory-limit", o.memory_limit);
   line("micro-batch", opt_int(o.micro_batch)), line("loss-normalization", o.loss_normalization);
+  line("recompute", o.recompute);
   return t;
 }
 
@@ -276,6 +278,7 @@ void write_summary(const TrainOptions& opt, const TrainResult& result) {
                       {"norm", opt.norm},
                       {"batch_size", opt.batch_size},
                       {"loss_normalization", opt.loss_normalization},
+                      {"recompute", result.recompute},
                       {"data", opt.data},
                       {"world_size", result.world_size},
                       {"communication_seconds_per_step", result.communication_seconds_per_step}};
@@ -410,8 +413,13 @@ TrainResult train(const TrainOptions& options, std::ostream& all_log) {
     fmt::print(log, "data parallel: {} ranks over {} ({}), rank 0 takes {} of the {} samples of a step, each rank "
                     "plans its own micro-batches\n",
                ranks, comm->backend(), options.memory_limit, share.size, opt.batch_size);
-  const mbp::Plan& plan = plan_step(executor, share.size, opt.micro_batch);
+  const RecomputedPlan chosen = plan_with_recompute(executor, model, share.size, opt.micro_batch, opt.recompute);
+  const mbp::Plan& plan = *chosen.plan;
   fmt::print(log, "plan: {}\n", plan.summary());
+  fmt::print(log, "      recompute: {}{}{}\n",
+             chosen.policy == "all" ? fmt::format("all {} residual blocks", chosen.segments) : std::string("none"),
+             chosen.why.empty() ? "" : fmt::format(" (auto: {})", chosen.why),
+             chosen.policy == "all" ? " — each block's forward runs again in backward" : "");
   fmt::print(log, "      live at the peak: {}\n", plan.at_peak.str());
   fmt::print(log, "      {} ({} dry runs, {:.0f} ms)\n",
              opt.micro_batch ? fmt::format("--micro-batch {} checked", *opt.micro_batch)
@@ -431,6 +439,7 @@ TrainResult train(const TrainOptions& options, std::ostream& all_log) {
   using clock = std::chrono::steady_clock;
   TrainResult result;
   result.device = dev.str();
+  result.recompute = chosen.policy;
   result.memory_limit_bytes = static_cast<std::int64_t>(arena->capacity());
   double steady_seconds = 0, first_seconds = 0, steady_communication = 0;
   std::int64_t steady_images = 0, first_images = 0, step = 0;

@@ -42,6 +42,8 @@ struct TrainOptions {
   // free device memory less a margin of max(1 GiB, 1/32 of the device)).
   std::string memory_limit = "auto";
   std::optional<std::int64_t> micro_batch;  // unset: the largest that fits ("auto")
+  // auto | none | all: recomputation of the residual blocks (apps/setup.h, plan_with_recompute).
+  std::string recompute = "auto";
   // "exact" (the full batch's mean for any split) or "per-micro-batch" (each micro-batch's mean
   // divided by their number, as the MBP paper's code: differs for uneven splits; for teaching).
   std::string loss_normalization = "exact";
@@ -66,6 +68,7 @@ struct TrainResult {
   std::string device;
   // Data parallelism: host seconds per step in collectives (steps after the first; rank 0's).
   double communication_seconds_per_step = 0;
+  std::string recompute = "none";   // the policy the run used
   int world_size = 1;               // ranks of a data-parallel run (mpirun -np N), else 1
   std::vector<RankResult> ranks;    // one per rank
 };

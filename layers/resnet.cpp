@@ -221,4 +221,15 @@ std::shared_ptr<Module> make_model(const ModelConfig& c) {
   throw Error(fmt::format("make_model: unknown model '{}': expected one of {}", c.name, fmt::join(model_names(), ", ")));
 }
 
+std::int64_t set_recompute_blocks(Module& model, bool on) {
+  std::int64_t n = 0;
+  for (auto& [name, stage] : model.named_children())
+    if (name.rfind("layer", 0) == 0)
+      for (auto& [index, block] : stage->named_children()) {
+        block->set_recompute(on);
+        ++n;
+      }
+  return n;
+}
+
 }  // namespace tally::nn

@@ -124,4 +124,8 @@ struct ModelConfig {
 std::shared_ptr<Module> make_model(const ModelConfig& config);
 const std::vector<std::string>& model_names();
 
+// Recomputation of every residual block (the children of the layerN stages) as one segment each
+// (Module::set_recompute), or none; returns the number of blocks changed.
+std::int64_t set_recompute_blocks(Module& model, bool on);
+
 }  // namespace tally::nn

@@ -75,6 +75,10 @@ class Planner {
   // `arena`: the real arena the step will run on (holding the persistent state now).
   Planner(std::shared_ptr<Arena> arena, StepFn step);
 
+  // Drops the cached plans: after a change to what a step allocates (e.g. recomputation turned
+  // on or off in the model), plans are made again.
+  void forget() { cache_.clear(); }
+
   // The plan for a batch of `batch` samples: the largest m <= max_micro_batch that fits, or
   // exactly `micro_batch` if given. Throws OutOfMemory with the bytes needed if nothing fits.
   const Plan& plan(std::int64_t batch, std::optional<std::int64_t> micro_batch = std::nullopt,
