@@ -96,9 +96,9 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
       without = fmt::format("more than the limit: at least {}", format_bytes(e.requested()));
     }
     nn::set_recompute_blocks(*setup.model, true);
-    fmt::print(out, "      recompute: all {} residual blocks{} — each block's forward runs again in backward (about one "
-                    "more forward of the blocks); without recomputation a micro-batch of {} needs {}\n",
-               chosen.segments, chosen.why.empty() ? "" : fmt::format(" (auto: {})", chosen.why), p.micro_batch,
+    fmt::print(out, "      recompute: all {} segments (every residual block{}){} — each segment's forward runs again in "
+                    "backward (about one more forward); without recomputation a micro-batch of {} needs {}\n",
+               chosen.segments, chosen.stem ? " and the stem" : "", chosen.why.empty() ? "" : fmt::format(" (auto: {})", chosen.why), p.micro_batch,
                without);
   } else {
     fmt::print(out, "      recompute: none{}\n", chosen.why.empty() ? "" : fmt::format(" (auto: {})", chosen.why));

@@ -130,6 +130,7 @@ RecomputedPlan plan_with_recompute(mbp::Executor& executor, nn::Module& model, s
   RecomputedPlan r;
   auto set = [&](bool on) {
     r.segments = nn::set_recompute_blocks(model, on);
+    r.stem = on && dynamic_cast<nn::ResNet*>(&model) != nullptr;
     if (!on) r.segments = 0;
     executor.planner().forget();
     r.policy = on ? "all" : "none";
@@ -150,7 +151,7 @@ RecomputedPlan plan_with_recompute(mbp::Executor& executor, nn::Module& model, s
       try {
         r.plan = &plan_step(executor, batch, micro_batch);
       } catch (const OutOfMemory& e) {
-        throw OutOfMemory(fmt::format("{} (with every one of the {} residual blocks recomputed, the most that "
+        throw OutOfMemory(fmt::format("{} (with all {} segments recomputed, the most that "
                                       "--recompute does; without recomputation at least {})",
                                       e.what(), r.segments, format_bytes(without.requested())),
                           e.requested());
@@ -163,10 +164,10 @@ RecomputedPlan plan_with_recompute(mbp::Executor& executor, nn::Module& model, s
     std::string with;
     try {
       const mbp::Plan& p = plan_step(executor, batch, micro_batch);
-      with = fmt::format("--recompute all ({} blocks recomputed) fits micro-batches of {} (predicted peak {})",
+      with = fmt::format("--recompute all ({} segments recomputed) fits micro-batches of {} (predicted peak {})",
                          r.segments, p.micro_batch, format_bytes(p.predicted_peak));
     } catch (const OutOfMemory& e) {
-      with = fmt::format("with --recompute all ({} blocks recomputed) it needs at least {}", r.segments,
+      with = fmt::format("with --recompute all ({} segments recomputed) it needs at least {}", r.segments,
                          format_bytes(e.requested()));
     }
     set(false);

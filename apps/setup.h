@@ -72,8 +72,9 @@ std::string persistent_summary(const Arena& arena);
 // executor.plan(batch), with an explicit micro-batch's failure named by its flag.
 const mbp::Plan& plan_step(mbp::Executor& executor, std::int64_t batch, std::optional<std::int64_t> micro_batch);
 
-// --recompute: none, all (every residual block a recomputed segment: its forward keeps only its
-// input and is re-run during backward; gradients bit for bit the same) or auto. The rule of auto:
+// --recompute: none, all (every residual block — and an ImageNet ResNet's stem — a recomputed
+// segment: its forward keeps only its input and is re-run during backward; gradients bit for bit
+// the same) or auto. The rule of auto:
 // no recomputation while a micro-batch of at least one sample fits without it — recomputation
 // costs about one more forward of the blocks, and MBP already fits any batch once one sample
 // fits — and recomputation of every block when not even one sample fits. With none, a budget
@@ -82,7 +83,8 @@ const std::vector<std::string>& recompute_names();
 struct RecomputedPlan {
   const mbp::Plan* plan = nullptr;
   std::string policy;            // "none" or "all"
-  std::int64_t segments = 0;     // recomputed blocks
+  std::int64_t segments = 0;     // recomputed segments
+  bool stem = false;             // the stem is one of them (ImageNet ResNets)
   std::string why;               // for auto: why this policy
 };
 RecomputedPlan plan_with_recompute(mbp::Executor& executor, nn::Module& model, std::int64_t batch,

@@ -417,9 +417,9 @@ TrainResult train(const TrainOptions& options, std::ostream& all_log) {
   const mbp::Plan& plan = *chosen.plan;
   fmt::print(log, "plan: {}\n", plan.summary());
   fmt::print(log, "      recompute: {}{}{}\n",
-             chosen.policy == "all" ? fmt::format("all {} residual blocks", chosen.segments) : std::string("none"),
+             chosen.policy == "all" ? fmt::format("all {} segments (every residual block{})", chosen.segments, chosen.stem ? " and the stem" : "") : std::string("none"),
              chosen.why.empty() ? "" : fmt::format(" (auto: {})", chosen.why),
-             chosen.policy == "all" ? " — each block's forward runs again in backward" : "");
+             chosen.policy == "all" ? " — each segment's forward runs again in backward" : "");
   fmt::print(log, "      live at the peak: {}\n", plan.at_peak.str());
   fmt::print(log, "      {} ({} dry runs, {:.0f} ms)\n",
              opt.micro_batch ? fmt::format("--micro-batch {} checked", *opt.micro_batch)
@@ -429,6 +429,7 @@ TrainResult train(const TrainOptions& options, std::ostream& all_log) {
     fmt::print(log, "      loss normalization per-micro-batch: each micro-batch's mean / {} (not the full batch's "
                     "mean when the micro-batches differ in size)\n", plan.micro_batches);
 
+  log.flush();  // the plan is on screen before the first (possibly long) step
   std::ofstream metrics;
   if (!opt.out.empty()) {
     metrics.open(std::filesystem::path(opt.out) / "metrics.csv");
@@ -499,7 +500,8 @@ TrainResult train(const TrainOptions& options, std::ostream& all_log) {
       bar.update(epoch_steps, last_loss, ips, static_cast<std::int64_t>(r.peak), epoch_steps == in_epoch);
       if (metrics.is_open())
         metrics << fmt::format("{},{},{:.6f},{:.6g},{:.2f},{},{},{},{}\n", step, epoch, last_loss, optimizer.lr(), ips,
-                               r.peak, r.predicted_peak, r.micro_batch, r.micro_batches);
+                               r.peak, r.predicted_peak, r.micro_batch, r.micro_batches)
+                << std::flush;  // an interrupted run keeps every step it measured
     }
     profiler.enable(false);  // the profile is of training steps
     if (rank == 0) ev = evaluate(model, split.test, opt.normalize, dev, result.micro_batch);

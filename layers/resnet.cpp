@@ -131,8 +131,12 @@ ResNet::ResNet(BlockKind block, const std::vector<std::int64_t>& layers, std::in
   init_convs(*this);
 }
 
+Tensor ResNet::stem(const Tensor& x) { return (*maxpool)(tally::relu((*bn1)((*conv1)(x)))); }
+
 Tensor ResNet::forward(const Tensor& x) {
-  Tensor y = (*maxpool)(tally::relu((*bn1)((*conv1)(x))));
+  Tensor y = recompute_stem && is_training() && grad_enabled()
+                 ? tally::recompute([this](const Tensor& t) { return stem(t); }, x, "recompute")
+                 : stem(x);
   y = (*layer4)((*layer3)((*layer2)((*layer1)(y))));
   return (*fc)(flatten((*avgpool)(y), 1));
 }
@@ -223,6 +227,10 @@ std::shared_ptr<Module> make_model(const ModelConfig& c) {
 
 std::int64_t set_recompute_blocks(Module& model, bool on) {
   std::int64_t n = 0;
+  if (auto* r = dynamic_cast<ResNet*>(&model)) {
+    r->recompute_stem = on;
+    ++n;
+  }
   for (auto& [name, stage] : model.named_children())
     if (name.rfind("layer", 0) == 0)
       for (auto& [index, block] : stage->named_children()) {

@@ -88,6 +88,11 @@ class ResNet : public Module {
   std::shared_ptr<Sequential> layer1, layer2, layer3, layer4;
   std::shared_ptr<AdaptiveAvgPool2d> avgpool;
   std::shared_ptr<Linear> fc;
+  // The stem (conv1, bn1, ReLU, max pool) as one recomputed segment (set_recompute_blocks).
+  bool recompute_stem = false;
+
+ private:
+  Tensor stem(const Tensor& x);
 };
 
 // He et al.'s CIFAR ResNet of depth 6n + 2.
@@ -125,7 +130,8 @@ std::shared_ptr<Module> make_model(const ModelConfig& config);
 const std::vector<std::string>& model_names();
 
 // Recomputation of every residual block (the children of the layerN stages) as one segment each
-// (Module::set_recompute), or none; returns the number of blocks changed.
+// (Module::set_recompute) — and of the ImageNet ResNets' stem, whose activations at full
+// resolution are the largest of the network — or of none; returns the number of segments.
 std::int64_t set_recompute_blocks(Module& model, bool on);
 
 }  // namespace tally::nn
