@@ -84,18 +84,18 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   if (chosen.policy == "all") {
     // What recomputation buys: the same micro-batch without it (a too-small error measures it on
     // a clone with room to spare).
-    std::string without = "unknown";
+    std::string without;
+    nn::set_recompute_blocks(*setup.model, false);
+    executor.planner().forget();
     try {
-      nn::set_recompute_blocks(*setup.model, false);
-      executor.planner().forget();
-      mbp::Executor plain(*setup.model, *setup.optimizer, arena, eo);
-      const mbp::Plan& q = plain.planner().plan(p.micro_batch, p.micro_batch);
+      const mbp::Plan& q = executor.planner().plan(p.micro_batch, p.micro_batch);
       without = fmt::format("{} ({} bytes), so it saves {}", format_bytes(q.predicted_peak), q.predicted_peak,
                             format_bytes(q.predicted_peak - std::min(q.predicted_peak, p.predicted_peak)));
     } catch (const OutOfMemory& e) {
       without = fmt::format("more than the limit: at least {}", format_bytes(e.requested()));
     }
     nn::set_recompute_blocks(*setup.model, true);
+    executor.planner().forget();
     fmt::print(out, "      recompute: all {} segments (every residual block{}){} — each segment's forward runs again in "
                     "backward (about one more forward); without recomputation a micro-batch of {} needs {}\n",
                chosen.segments, chosen.stem ? " and the stem" : "", chosen.why.empty() ? "" : fmt::format(" (auto: {})", chosen.why), p.micro_batch,

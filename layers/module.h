@@ -65,9 +65,7 @@ class Module {
   Tensor operator()(const Tensor& x) {
     ForwardObserver* o = forward_observer();
     if (o) o->before(*this);
-    Tensor y = recompute_ && training_ && grad_enabled()
-                   ? tally::recompute([this](const Tensor& t) { return forward(t); }, x, "recompute")
-                   : forward(x);
+    Tensor y = run_segment(recompute_, [this](const Tensor& t) { return forward(t); }, x);
     if (o) o->after(*this, y);
     return y;
   }
@@ -102,6 +100,11 @@ class Module {
   void to(DType dtype);
 
  protected:
+  // f(x), as a recomputed segment when `on` and this module is training with grad mode on (a part
+  // of a forward that is not a module of its own, e.g. a ResNet's stem, uses it directly).
+  Tensor run_segment(bool on, const std::function<Tensor(const Tensor&)>& f, const Tensor& x) const {
+    return on && training_ && grad_enabled() ? tally::recompute(f, x, "recompute") : f(x);
+  }
   template <class M>
   std::shared_ptr<M> register_module(const std::string& name, std::shared_ptr<M> module) {
     add_child(name, module);

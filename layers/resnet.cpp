@@ -134,9 +134,7 @@ ResNet::ResNet(BlockKind block, const std::vector<std::int64_t>& layers, std::in
 Tensor ResNet::stem(const Tensor& x) { return (*maxpool)(tally::relu((*bn1)((*conv1)(x)))); }
 
 Tensor ResNet::forward(const Tensor& x) {
-  Tensor y = recompute_stem && is_training() && grad_enabled()
-                 ? tally::recompute([this](const Tensor& t) { return stem(t); }, x, "recompute")
-                 : stem(x);
+  Tensor y = run_segment(recompute_stem, [this](const Tensor& t) { return stem(t); }, x);
   y = (*layer4)((*layer3)((*layer2)((*layer1)(y))));
   return (*fc)(flatten((*avgpool)(y), 1));
 }

@@ -10,6 +10,7 @@
 // BatchNorm's backward amplifies it where a channel's variance is small.
 #include <fmt/format.h>
 
+#include <functional>
 #include <map>
 
 #include "core/autograd.h"
@@ -436,6 +437,53 @@ TEST(Optimizer, CudaStepRunsTheFusedUpdate) {
   EXPECT_LE(max_rel_err(pg.to_vector<float>(), pc.to_vector<float>()), 1e-5);
 }
 
+namespace {
+
+// Two micro-batched ResNet-20 steps on the GPU from seed `seed` (B = 24, micro-batches of 10, 256 MiB
+// arena), the model changed by `prepare` before its optimizer exists and the executor's options by
+// `configure`; checks every step's peak against its prediction and returns the parameters and the
+// BatchNorm running statistics, for bit-for-bit comparisons of two ways to run the same steps.
+std::vector<float> resnet20_gpu_steps(const Tensor& x, const std::vector<i64>& labels, std::uint64_t seed,
+                                      const std::function<void(nn::Module&)>& prepare,
+                                      const std::function<void(mbp::ExecutorOptions&)>& configure,
+                                      const std::string& what) {
+  auto arena = std::make_shared<Arena>(Device::cuda(0), std::size_t(256) << 20);
+  std::shared_ptr<nn::Module> model;
+  std::unique_ptr<optim::SGD> opt;
+  {
+    ArenaScope scope(arena);
+    nn::manual_seed(seed);
+    model = nn::make_model({"resnet20"});
+    model->to(Device::cuda());
+    prepare(*model);
+    opt = std::make_unique<optim::SGD>(model->parameters(), optim::SGDOptions{.lr = 0.1, .momentum = 0.9});
+  }
+  mbp::ExecutorOptions eo;
+  eo.sample_shape = {3, 32, 32};
+  eo.micro_batch = 10;
+  configure(eo);
+  mbp::Executor ex(*model, *opt, arena, eo);
+  const auto batch = static_cast<std::int64_t>(labels.size());
+  for (int step = 0; step < 2; ++step) {
+    const mbp::StepResult r = ex.step(x.data<float>(), labels.data(), batch);
+    EXPECT_EQ(r.peak, r.predicted_peak) << what << " step " << step;
+    EXPECT_TRUE(std::isfinite(r.loss)) << what << " step " << step;
+  }
+  std::vector<float> all;
+  for (const auto& [name, t] : model->named_parameters()) {
+    const auto v = t.to(Device::cpu()).to_vector<float>();
+    all.insert(all.end(), v.begin(), v.end());
+  }
+  for (auto* bn : nn::batch_norm_layers(*model))
+    for (const Tensor* t : {&bn->running_mean, &bn->running_var}) {
+      const auto v = t->to(Device::cpu()).to_vector<float>();
+      all.insert(all.end(), v.begin(), v.end());
+    }
+  return all;
+}
+
+}  // namespace
+
 // The NCCL path of a data-parallel step on one GPU (a world of one: what a single-GPU machine can
 // run): gradients, loss and BatchNorm moments go through the buckets and ncclAllReduce on the
 // compute stream, and the step equals the plain step bit for bit, its peak predicted exactly.
@@ -445,46 +493,19 @@ TEST(GpuDist, NcclStepOfOneRankEqualsThePlainStepBitForBit) {
   const auto comm = dist::for_device(dist::local(), Device::cuda(0));
   ASSERT_EQ(comm->backend(), "nccl");
   std::mt19937 rng(fresh_seed());
-  const std::int64_t B = 24;
-  const Tensor x = host_tensor({B, 3, 32, 32}, rng);
-  std::vector<i64> labels(B);
+  const Tensor x = host_tensor({24, 3, 32, 32}, rng);
+  std::vector<i64> labels(24);
   for (auto& l : labels) l = static_cast<i64>(rng() % 10);
-  std::vector<std::vector<float>> results;
-  for (bool nccl : {false, true}) {
-    auto arena = std::make_shared<Arena>(Device::cuda(0), std::size_t(256) << 20);
-    std::shared_ptr<nn::Module> model;
-    std::unique_ptr<optim::SGD> opt;
-    {
-      ArenaScope scope(arena);
-      nn::manual_seed(12);
-      model = nn::make_model({"resnet20"});
-      model->to(Device::cuda());
-      opt = std::make_unique<optim::SGD>(model->parameters(), optim::SGDOptions{.lr = 0.1, .momentum = 0.9});
-    }
-    mbp::ExecutorOptions eo;
-    eo.sample_shape = {3, 32, 32};
-    eo.micro_batch = 10;
+  auto buckets = [&](mbp::ExecutorOptions& eo, bool nccl) {
     eo.bucket_bytes = std::size_t(256) << 10;  // several buckets
     if (nccl) eo.communicator = comm;
-    mbp::Executor ex(*model, *opt, arena, eo);
-    for (int step = 0; step < 2; ++step) {
-      const mbp::StepResult r = ex.step(x.data<float>(), labels.data(), B);
-      EXPECT_EQ(r.peak, r.predicted_peak) << (nccl ? "nccl" : "plain") << " step " << step;
-      EXPECT_TRUE(std::isfinite(r.loss));
-    }
-    std::vector<float> all;
-    for (const auto& [name, t] : model->named_parameters()) {
-      const auto v = t.to(Device::cpu()).to_vector<float>();
-      all.insert(all.end(), v.begin(), v.end());
-    }
-    for (auto* bn : nn::batch_norm_layers(*model)) {
-      const auto v = bn->running_var.to(Device::cpu()).to_vector<float>();
-      all.insert(all.end(), v.begin(), v.end());
-    }
-    results.push_back(all);
-  }
-  ASSERT_EQ(results[0].size(), results[1].size());
-  EXPECT_TRUE(results[0] == results[1]) << "the NCCL step changed bits";
+  };
+  const auto plain = resnet20_gpu_steps(x, labels, 12, [](nn::Module&) {},
+                                        [&](mbp::ExecutorOptions& eo) { buckets(eo, false); }, "plain");
+  const auto nccl = resnet20_gpu_steps(x, labels, 12, [](nn::Module&) {},
+                                       [&](mbp::ExecutorOptions& eo) { buckets(eo, true); }, "nccl");
+  ASSERT_EQ(plain.size(), nccl.size());
+  EXPECT_TRUE(plain == nccl) << "the NCCL step changed bits";
 }
 
 // Recomputation on the GPU: ResNet-20 with every block recomputed, two micro-batched steps, equals
@@ -492,41 +513,13 @@ TEST(GpuDist, NcclStepOfOneRankEqualsThePlainStepBitForBit) {
 TEST(GpuOps, RecomputedStepsEqualThePlainStepsBitForBit) {
   REQUIRE_GPU();
   std::mt19937 rng(fresh_seed());
-  const std::int64_t B = 24;
-  const Tensor x = host_tensor({B, 3, 32, 32}, rng);
-  std::vector<i64> labels(B);
+  const Tensor x = host_tensor({24, 3, 32, 32}, rng);
+  std::vector<i64> labels(24);
   for (auto& l : labels) l = static_cast<i64>(rng() % 10);
-  std::vector<std::vector<float>> results;
-  for (bool recompute : {false, true}) {
-    auto arena = std::make_shared<Arena>(Device::cuda(0), std::size_t(256) << 20);
-    std::shared_ptr<nn::Module> model;
-    std::unique_ptr<optim::SGD> opt;
-    {
-      ArenaScope scope(arena);
-      nn::manual_seed(13);
-      model = nn::make_model({"resnet20"});
-      model->to(Device::cuda());
-      if (recompute) EXPECT_EQ(nn::set_recompute_blocks(*model, true), 9);
-      opt = std::make_unique<optim::SGD>(model->parameters(), optim::SGDOptions{.lr = 0.1, .momentum = 0.9});
-    }
-    mbp::ExecutorOptions eo;
-    eo.sample_shape = {3, 32, 32};
-    eo.micro_batch = 10;
-    mbp::Executor ex(*model, *opt, arena, eo);
-    for (int step = 0; step < 2; ++step) {
-      const mbp::StepResult r = ex.step(x.data<float>(), labels.data(), B);
-      EXPECT_EQ(r.peak, r.predicted_peak) << (recompute ? "recomputed" : "plain") << " step " << step;
-    }
-    std::vector<float> all;
-    for (const auto& [name, t] : model->named_parameters()) {
-      const auto v = t.to(Device::cpu()).to_vector<float>();
-      all.insert(all.end(), v.begin(), v.end());
-    }
-    for (auto* bn : nn::batch_norm_layers(*model)) {
-      const auto v = bn->running_mean.to(Device::cpu()).to_vector<float>();
-      all.insert(all.end(), v.begin(), v.end());
-    }
-    results.push_back(all);
-  }
-  EXPECT_TRUE(results[0] == results[1]) << "recomputation changed bits on the GPU";
+  const auto plain = resnet20_gpu_steps(x, labels, 13, [](nn::Module&) {}, [](mbp::ExecutorOptions&) {}, "plain");
+  const auto recomputed = resnet20_gpu_steps(
+      x, labels, 13, [](nn::Module& m) { EXPECT_EQ(nn::set_recompute_blocks(m, true), 9); },
+      [](mbp::ExecutorOptions&) {}, "recomputed");
+  ASSERT_EQ(plain.size(), recomputed.size());
+  EXPECT_TRUE(plain == recomputed) << "recomputation changed bits on the GPU";
 }

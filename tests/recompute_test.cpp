@@ -25,18 +25,6 @@ class Recompute : public ::testing::Test {
   void SetUp() override { configure_arena(Device::cpu(), kDefaultCpuArenaBytes); }
 };
 
-// Marks every residual block (the children of layer1..layer3) as a recomputed segment.
-int recompute_blocks(nn::Module& model) {
-  int marked = 0;
-  for (auto& [name, child] : model.named_children())
-    if (name.rfind("layer", 0) == 0)
-      for (auto& [i, block] : child->named_children()) {
-        block->set_recompute(true);
-        ++marked;
-      }
-  return marked;
-}
-
 struct Trained {
   std::vector<double> losses;
   std::vector<std::vector<double>> params, buffers;
@@ -49,7 +37,7 @@ Trained train(const std::string& norm, DType dtype, bool recompute, bool recompu
   const std::int64_t B = 20;
   auto m = model("resnet20", norm, 7, dtype);
   if (recompute) {
-    EXPECT_EQ(recompute_blocks(*m), 9);
+    EXPECT_EQ(nn::set_recompute_blocks(*m, true), 9);  // CIFAR ResNet: blocks only
   }
   if (recompute_stem)
     for (auto& [name, child] : m->named_children())
@@ -109,7 +97,9 @@ TEST_F(Recompute, RunningStatisticsAreUpdatedOnceAndGradientsMatch) {
     SCOPED_TRACE(rec ? "recomputed" : "plain");
     auto a = model("resnet20", "batch", 9, DType::Float64);
     auto b = model("resnet20", "batch", 9, DType::Float64);
-    if (rec) recompute_blocks(*b);
+    if (rec) {
+      EXPECT_EQ(nn::set_recompute_blocks(*b, true), 9);
+    }
     const Shape sample{3, 16, 16};
     const Data d = make_data(6, sample, 33);
     full_batch_backward<double>(*a, d, 6, sample);
@@ -128,7 +118,9 @@ TEST_F(Recompute, ResNet18StemAndBlocksBitForBit) {
   std::vector<std::vector<std::vector<double>>> params, buffers;
   for (bool rec : {false, true}) {
     auto m = model("resnet18", "batch", 21);
-    if (rec) EXPECT_EQ(nn::set_recompute_blocks(*m, true), 9);  // the stem and 8 blocks
+    if (rec) {
+      EXPECT_EQ(nn::set_recompute_blocks(*m, true), 9);  // the stem and 8 blocks
+    }
     auto opt = sgd(*m);
     mbp::ExecutorOptions eo;
     eo.sample_shape = sample;

@@ -102,8 +102,9 @@ Key key_of(const Conv2dShape& s, ConvPass pass) {
 }
 
 // Lays out the buffers and the shared scratchpad region; makes the reorders.
-void finish(Plan& p, std::size_t prim_scratch) {
-  std::size_t at = 0, scratch = prim_scratch;
+void finish(Plan& p, const memory::desc& prim_scratch) {
+  p.scratch = prim_scratch;
+  std::size_t at = 0, scratch = prim_scratch.get_size();
   for (Operand& o : p.operands) {
     // A backward pass's output (listed first, its arg not DST) always has a buffer: it may accumulate.
     o.buffered = o.prim != o.user || (o.output && o.arg != DNNL_ARG_DST);
@@ -149,8 +150,7 @@ std::unique_ptr<Plan> make_plan(const Conv2dShape& s, ConvPass pass) {
       p->operands = {operand(DNNL_ARG_DST, true, y_user, fwd.dst_desc()),
                      operand(DNNL_ARG_SRC, false, x_user, fwd.src_desc()),
                      operand(DNNL_ARG_WEIGHTS, false, w_user, fwd.weights_desc())};
-      finish(*p, fwd.scratchpad_desc().get_size());
-      p->scratch = fwd.scratchpad_desc();
+      finish(*p, fwd.scratchpad_desc());
     } else if (pass == ConvPass::backward_data) {
       const dnnl::convolution_backward_data::primitive_desc bwd(
           dnnl::convolution_backward_data::desc(alg, x_any, w_any, y_any, strides, dilates, pad_l, pad_r), attr,
@@ -159,8 +159,7 @@ std::unique_ptr<Plan> make_plan(const Conv2dShape& s, ConvPass pass) {
       p->operands = {operand(DNNL_ARG_DIFF_SRC, true, x_user, bwd.diff_src_desc()),
                      operand(DNNL_ARG_DIFF_DST, false, y_user, bwd.diff_dst_desc()),
                      operand(DNNL_ARG_WEIGHTS, false, w_user, bwd.weights_desc())};
-      finish(*p, bwd.scratchpad_desc().get_size());
-      p->scratch = bwd.scratchpad_desc();
+      finish(*p, bwd.scratchpad_desc());
     } else {
       const dnnl::convolution_backward_weights::primitive_desc bwd(
           dnnl::convolution_backward_weights::desc(alg, x_any, w_any, y_any, strides, dilates, pad_l, pad_r), attr,
@@ -169,8 +168,7 @@ std::unique_ptr<Plan> make_plan(const Conv2dShape& s, ConvPass pass) {
       p->operands = {operand(DNNL_ARG_DIFF_WEIGHTS, true, w_user, bwd.diff_weights_desc()),
                      operand(DNNL_ARG_SRC, false, x_user, bwd.src_desc()),
                      operand(DNNL_ARG_DIFF_DST, false, y_user, bwd.diff_dst_desc())};
-      finish(*p, bwd.scratchpad_desc().get_size());
-      p->scratch = bwd.scratchpad_desc();
+      finish(*p, bwd.scratchpad_desc());
     }
   } catch (const dnnl::error&) {
     p = std::make_unique<Plan>();  // unsupported: the reference path runs this shape

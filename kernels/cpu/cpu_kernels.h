@@ -6,6 +6,7 @@
 // These are the reference every CUDA kernel is tested against: clarity and exactness first,
 // then speed (OpenBLAS for GEMM, OpenMP over channels/batch where it pays on a few cores).
 #pragma once
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <string>
@@ -47,7 +48,7 @@ class OpTimer {
  private:
   const char* op_ = nullptr;
   bool backward_ = false;
-  long long start_ = 0;
+  std::chrono::steady_clock::time_point start_{};
 };
 std::string profile_report(const std::string& title);
 void profile_reset();

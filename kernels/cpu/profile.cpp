@@ -37,18 +37,17 @@ OpTimer::OpTimer(const char* op, bool backward) {
   if (!g_profiling) return;
   op_ = op;
   backward_ = backward;
-  start_ = std::chrono::steady_clock::now().time_since_epoch().count();
+  start_ = std::chrono::steady_clock::now();
 }
 
 OpTimer::~OpTimer() {
   if (op_ == nullptr) return;
-  const auto ns = std::chrono::steady_clock::now().time_since_epoch().count() - start_;
+  const std::chrono::duration<double, std::milli> took = std::chrono::steady_clock::now() - start_;
   State& s = state();
   std::lock_guard<std::mutex> lock(s.mu);
   ProfileRow& r = s.table[std::string(op_) + (backward_ ? " (backward)" : "")];
   ++r.calls;
-  r.ms += static_cast<double>(ns) * 1e-6 * std::chrono::steady_clock::period::num * 1e9 /
-          std::chrono::steady_clock::period::den;
+  r.ms += took.count();
 }
 
 std::string profile_report(const std::string& title) {
