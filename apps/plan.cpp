@@ -81,11 +81,11 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   }
   fmt::print(out, "\nplan: {}\n", p.summary());
   fmt::print(out, "      live at the peak: {}\n", p.at_peak.str());
-  if (chosen.policy == "all") {
+  if (chosen.level > 0) {
     // What recomputation buys: the same micro-batch without it (a too-small error measures it on
     // a clone with room to spare).
     std::string without;
-    nn::set_recompute_blocks(*setup.model, false);
+    nn::set_recompute_level(*setup.model, 0);
     executor.planner().forget();
     try {
       const mbp::Plan& q = executor.planner().plan(p.micro_batch, p.micro_batch);
@@ -94,12 +94,11 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
     } catch (const OutOfMemory& e) {
       without = fmt::format("more than the limit: at least {}", format_bytes(e.requested()));
     }
-    nn::set_recompute_blocks(*setup.model, true);
+    nn::set_recompute_level(*setup.model, chosen.level);
     executor.planner().forget();
-    fmt::print(out, "      recompute: all {} segments (every residual block{}){} — each segment's forward runs again in "
-                    "backward (about one more forward); without recomputation a micro-batch of {} needs {}\n",
-               chosen.segments, chosen.stem ? " and the stem" : "", chosen.why.empty() ? "" : fmt::format(" (auto: {})", chosen.why), p.micro_batch,
-               without);
+    fmt::print(out, "      recompute: {} ({}){} — {}; without recomputation a micro-batch of {} needs {}\n", chosen.policy,
+               chosen.description, chosen.why.empty() ? "" : fmt::format(" (auto: {})", chosen.why), recompute_cost(p),
+               p.micro_batch, without);
   } else {
     fmt::print(out, "      recompute: none{}\n", chosen.why.empty() ? "" : fmt::format(" (auto: {})", chosen.why));
   }

@@ -72,22 +72,27 @@ std::string persistent_summary(const Arena& arena);
 // executor.plan(batch), with an explicit micro-batch's failure named by its flag.
 const mbp::Plan& plan_step(mbp::Executor& executor, std::int64_t batch, std::optional<std::int64_t> micro_batch);
 
-// --recompute: none, all (every residual block — and an ImageNet ResNet's stem — a recomputed
-// segment: its forward keeps only its input and is re-run during backward; gradients bit for bit
-// the same) or auto. The rule of auto:
-// no recomputation while a micro-batch of at least one sample fits without it — recomputation
-// costs about one more forward of the blocks, and MBP already fits any batch once one sample
-// fits — and recomputation of every block when not even one sample fits. With none, a budget
-// that cannot hold one sample is an error that also states what --recompute all would need.
+// --recompute: a level of layers/resnet.h's ladder — none; blocks (every residual block and an
+// ImageNet ResNet's stem recomputed: about one more forward); all (the stages too, nested: the
+// least memory, about two more forwards) — or auto, which walks the ladder from none and takes
+// the first level on which a micro-batch of at least one sample fits (the intermediate levels,
+// "blocks + layer1" ..., nest the first stages only). Why this rule: once one sample fits, MBP
+// already runs any batch exactly, and every level of recomputation costs step time; a user who
+// wants larger micro-batches for speed asks for a level. With none, a budget that cannot hold one
+// sample is an error that also states what --recompute all would need.
 const std::vector<std::string>& recompute_names();
+// Throws an Error naming --recompute unless `value` is a name above or a level "blocks+layerK[-layerL]".
+void check_recompute(const std::string& value);
 struct RecomputedPlan {
   const mbp::Plan* plan = nullptr;
-  std::string policy;            // "none" or "all"
-  std::int64_t segments = 0;     // recomputed segments
-  bool stem = false;             // the stem is one of them (ImageNet ResNets)
-  std::string why;               // for auto: why this policy
+  int level = 0;
+  std::string policy;       // recompute_level_name: "none", "blocks", "blocks + layer1", ..., "all"
+  std::string description;  // recompute_level_description: "17 segments: every residual block and the stem"
+  std::string why;          // for auto: why this level
 };
 RecomputedPlan plan_with_recompute(mbp::Executor& executor, nn::Module& model, std::int64_t batch,
                                    std::optional<std::int64_t> micro_batch, const std::string& recompute);
+// "re-runs 3.6 GFLOP of forward per step: +33% of the step's 32.5 GFLOP", from the plan's counts.
+std::string recompute_cost(const mbp::Plan& plan);
 
 }  // namespace tally::app

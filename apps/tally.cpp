@@ -24,6 +24,21 @@ using namespace tally;
 
 namespace {
 
+// --recompute: app::check_recompute's rule, as a command-line check.
+CLI::Validator recompute_validator() {
+  return CLI::Validator(
+      [](std::string& value) {
+        try {
+          app::check_recompute(value);
+        } catch (const Error& e) {
+          const std::string what = e.what(), flag = "--recompute ";
+          return what.rfind(flag, 0) == 0 ? what.substr(flag.size()) : what;  // CLI11 names the flag itself
+        }
+        return std::string();
+      },
+      "", "recompute");
+}
+
 // The options of `tally train`, registered on `cmd` (also for `tally sweep`, which sets the batch
 // size, the output files and the weights per run itself: `sweep` leaves those flags out).
 struct TrainFlags {
@@ -91,8 +106,8 @@ struct TrainFlags {
     cmd->add_option("--micro-batch", micro, "samples per micro-batch: M or auto (the largest that fits)")
         ->capture_default_str();
     cmd->add_option("--recompute", to.recompute,
-                    "auto (recompute the residual blocks only when not even one sample fits) | none | all")
-        ->check(CLI::IsMember(app::recompute_names()))->capture_default_str();
+                    "auto (the least recomputation with which one sample fits) | none | blocks (every residual block: about one more forward) | all (the stages around the blocks too: the least memory, about two more forwards)")
+        ->check(recompute_validator())->capture_default_str();
   }
 
   // After parsing: the flags that fill optional fields.
@@ -164,8 +179,8 @@ int main(int argc, char** argv) {
   plan_cmd->add_option("--momentum", po.momentum, "SGD momentum (0: no momentum buffer)")->check(CLI::NonNegativeNumber)->capture_default_str();
   plan_cmd->add_option("--device", po.device, "cpu|cuda|cuda:N")->capture_default_str();
   plan_cmd->add_option("--recompute", po.recompute,
-                       "auto (recompute the residual blocks only when not even one sample fits) | none | all")
-      ->check(CLI::IsMember(app::recompute_names()))->capture_default_str();
+                       "auto (the least recomputation with which one sample fits) | none | blocks (every residual block: about one more forward) | all (the stages around the blocks too: the least memory, about two more forwards)")
+      ->check(recompute_validator())->capture_default_str();
   bool no_layers = false;
   plan_cmd->add_flag("--no-layers", no_layers, "skip the per-layer table");
   try {

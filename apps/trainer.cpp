@@ -136,7 +136,7 @@ Device validate(const TrainOptions& opt) {
   check_choice("--optimizer", opt.optimizer, optimizer_names());
   check_choice("--schedule", opt.schedule, {"constant", "step", "cosine", "onecycle"});
   check_choice("--loss-normalization", opt.loss_normalization, {"exact", "per-micro-batch"});
-  check_choice("--recompute", opt.recompute, recompute_names());
+  check_recompute(opt.recompute);
   if (opt.batch_size < 1) throw Error(fmt::format("--batch-size must be >= 1, found {}", opt.batch_size));
   if (opt.epochs < 1 && !opt.steps) throw Error(fmt::format("--epochs must be >= 1, found {}", opt.epochs));
   if (opt.steps && *opt.steps < 1) throw Error(fmt::format("--steps must be >= 1, found {}", *opt.steps));
@@ -417,9 +417,9 @@ TrainResult train(const TrainOptions& options, std::ostream& all_log) {
   const mbp::Plan& plan = *chosen.plan;
   fmt::print(log, "plan: {}\n", plan.summary());
   fmt::print(log, "      recompute: {}{}{}\n",
-             chosen.policy == "all" ? fmt::format("all {} segments (every residual block{})", chosen.segments, chosen.stem ? " and the stem" : "") : std::string("none"),
+             chosen.level > 0 ? fmt::format("{} ({})", chosen.policy, chosen.description) : chosen.policy,
              chosen.why.empty() ? "" : fmt::format(" (auto: {})", chosen.why),
-             chosen.policy == "all" ? " — each segment's forward runs again in backward" : "");
+             chosen.level > 0 ? fmt::format(" — {}", recompute_cost(plan)) : std::string());
   fmt::print(log, "      live at the peak: {}\n", plan.at_peak.str());
   fmt::print(log, "      {} ({} dry runs, {:.0f} ms)\n",
              opt.micro_batch ? fmt::format("--micro-batch {} checked", *opt.micro_batch)

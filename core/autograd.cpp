@@ -93,12 +93,18 @@ void run_backward(const Tensor& root, const Tensor& seed) {
     return;
   }
 
+  backward_from(root.grad_fn(), seed.defined() ? seed
+                                               : Tensor::full(root.shape(), 1.0, root.dtype(), root.device(),
+                                                              Category::temporary, "grad_seed"));
+}
+
+void backward_from(std::shared_ptr<Node> root_fn, Tensor seed) {
   // Count, for every node reachable from the root, how many edges lead to it.
   std::unordered_map<Node*, int> dependencies;
   {
-    std::vector<Node*> stack{root.grad_fn().get()};
-    dependencies[root.grad_fn().get()] = 0;
-    std::unordered_map<Node*, bool> seen{{root.grad_fn().get(), true}};
+    std::vector<Node*> stack{root_fn.get()};
+    dependencies[root_fn.get()] = 0;
+    std::unordered_map<Node*, bool> seen{{root_fn.get(), true}};
     while (!stack.empty()) {
       Node* n = stack.back();
       stack.pop_back();
@@ -118,9 +124,8 @@ void run_backward(const Tensor& root, const Tensor& seed) {
   };
   std::priority_queue<std::shared_ptr<Node>, std::vector<std::shared_ptr<Node>>, decltype(later_first)> ready(later_first);
   std::unordered_map<Node*, Tensor> grads;  // gradient of each pending node's output
-  grads[root.grad_fn().get()] =
-      seed.defined() ? seed : Tensor::full(root.shape(), 1.0, root.dtype(), root.device(), Category::temporary, "grad_seed");
-  ready.push(root.grad_fn());
+  grads[root_fn.get()] = std::move(seed);
+  ready.push(std::move(root_fn));
   std::vector<std::shared_ptr<Node>> done;
   struct InBackward {
     bool previous = tl_in_backward;
@@ -151,7 +156,7 @@ void run_backward(const Tensor& root, const Tensor& seed) {
         grad_out = std::move(it->second);
         grads.erase(it);
       }
-      if (grad_out.defined()) node->backward(grad_out, slots);  // else no gradient reached it
+      if (grad_out.defined()) node->backward(std::move(grad_out), slots);  // else no gradient reached it
       node->release();  // saved tensors go now, and grad_out at the end of this scope
     }
     for (std::size_t i = 0; i < node->next.size(); ++i) {
@@ -186,7 +191,8 @@ struct RecomputeBackward : Node {
   const char* label = "recompute";
   const char* name() const override { return label; }
   void release() override { x = Tensor(); }
-  void backward(const Tensor& gy, std::vector<GradSlot>& g) override {
+  void backward(const Tensor& gy, std::vector<GradSlot>& g) override { backward(Tensor(gy), g); }
+  void backward(Tensor&& gy, std::vector<GradSlot>& g) override {
     // The segment's input as a leaf of the recomputed graph; its gradient (category temporary:
     // an intermediate's, not a parameter's) accumulates where x's other consumers put theirs.
     Tensor xi = x.detach();
@@ -210,7 +216,16 @@ struct RecomputeBackward : Node {
       if (g[0].needed) g[0].buffer = gy;  // f was the identity on x: nothing recorded
       return;
     }
-    run_backward(y, gy.contiguous());
+    // Neither the re-run's output nor the incoming gradient is held here while its backward runs:
+    // each is freed as soon as that backward's first node (the segment's last op) is done with it.
+    if (gy.shape() != y.shape())
+      throw ShapeError(fmt::format("{} backward: the gradient {} does not match the segment's output {}", label,
+                                   gy.str(), y.str()));
+    std::shared_ptr<Node> fn = y.grad_fn();
+    y = Tensor();
+    Tensor seed = gy.contiguous();
+    gy = Tensor();
+    backward_from(std::move(fn), std::move(seed));
     if (g[0].needed && !g[0].buffer.defined()) g[0].buffer = xi.grad();
   }
 };

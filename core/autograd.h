@@ -48,6 +48,11 @@ struct Node {
   virtual const char* name() const = 0;
   // grad_out: gradient of this node's output. Fill each needed slot (see GradSlot).
   virtual void backward(const Tensor& grad_out, std::vector<GradSlot>& grad_in) = 0;
+  // The engine's entry: the node owns grad_out and may free it before it returns (a recomputed
+  // segment hands it to the backward of its re-run, which frees it after the first node there).
+  virtual void backward(Tensor&& grad_out, std::vector<GradSlot>& grad_in) {
+    backward(static_cast<const Tensor&>(grad_out), grad_in);
+  }
   // Drops saved tensors.
   virtual void release() {}
 
@@ -94,6 +99,9 @@ Tensor& grad_target(GradSlot& slot, const Shape& shape, DType dtype, Device devi
 void run_backward(const Tensor& root);
 // Backward from `root` of any shape, with `seed` (root's shape) as its gradient.
 void run_backward(const Tensor& root, const Tensor& seed);
+// The engine itself: backward from the node that produced a tensor, with `seed` as that tensor's
+// gradient, holding neither the tensor nor (after the first node) the seed.
+void backward_from(std::shared_ptr<Node> root_fn, Tensor seed);
 
 // ---- recomputation (gradient checkpointing) ----------------------------------------------------
 // y = f(x), keeping only x for backward: f runs with recording off (no saved tensor of f lives

@@ -63,6 +63,20 @@ std::size_t batch_norm_workspace_bytes(const Tensor& like, i64 N, i64 C, i64 HW)
   return kc::batch_norm_workspace_bytes(N, C, HW);
 }
 
+// In-place outputs (relu(Tensor&&), add(Tensor&&, b)): a tensor whose handle the caller gives up
+// may take the output in its own buffer when nothing else can see that buffer — this handle is
+// the only one on its TensorImpl and on its Storage (a saved tensor, a view or a copy of the
+// handle would hold a second reference), it is dense, and it is not a leaf that requires grad.
+// Nobody can observe the old values afterwards, so results are those of the out-of-place op,
+// and one buffer is not allocated. The decision depends on reference counts only, which a dry
+// run reproduces exactly, so plans stay exact.
+bool reusable(const Tensor& t) {
+  return t.defined() && t.impl_ptr().use_count() == 1 && t.storage().use_count() == 1 && t.is_contiguous() &&
+         !(t.is_leaf() && t.requires_grad()) && t.category() == Category::activation;
+}
+// A new handle on `x`'s buffer for an op's output (no history yet).
+Tensor alias_for_output(const Tensor& x) { return x.detach(); }
+
 // Saved tensors of a Node: released after its backward.
 template <std::size_t N>
 struct Saved {
@@ -91,6 +105,23 @@ i64 spatial(const Tensor& x) {
   return hw;
 }
 
+}  // namespace
+
+FlopCount& flop_count() {
+  thread_local FlopCount count;
+  return count;
+}
+
+namespace {
+// Counts a forward op's multiply-adds (see flop_count()).
+void count_forward(double multiply_adds) {
+  FlopCount& c = flop_count();
+  (recomputing() ? c.recompute : c.forward) += 2 * multiply_adds;
+}
+void count_backward(double multiply_adds) { flop_count().backward += 2 * multiply_adds; }
+double conv_multiply_adds(const kernels::Conv2dShape& s) {
+  return static_cast<double>(s.N) * s.K * s.P() * s.Q() * (s.C / s.groups) * s.R * s.S;
+}
 }  // namespace
 
 // =============================================================================================
@@ -127,6 +158,7 @@ struct Conv2dBackward : Node {
       TALLY_DISPATCH("conv2d", x, ws_bytes = kk::conv2d_workspace_bytes<T>(s, kernels::ConvPass::backward_data));
       const Tensor ws = workspace(x, ws_bytes, "conv2d_backward_data");
       TALLY_RUN("conv2d", x, kk::conv2d_backward_data<T>(s, dy.data<T>(), w.data<T>(), dx.data<T>(), T(beta), ws_ptr(ws)));
+      count_backward(conv_multiply_adds(s));
     }
     if (g[1].needed) {
       Tensor& dw = grad_target(g[1], w, beta, "conv2d");
@@ -134,6 +166,7 @@ struct Conv2dBackward : Node {
       TALLY_DISPATCH("conv2d", x, ws_bytes = kk::conv2d_workspace_bytes<T>(s, kernels::ConvPass::backward_filter));
       const Tensor ws = workspace(x, ws_bytes, "conv2d_backward_filter");
       TALLY_RUN("conv2d", x, kk::conv2d_backward_filter<T>(s, x.data<T>(), dy.data<T>(), dw.data<T>(), T(beta), ws_ptr(ws)));
+      count_backward(conv_multiply_adds(s));
     }
     if (has_bias && g[2].needed) {
       Tensor& db = grad_target(g[2], {s.K}, x.dtype(), x.device(), beta, "conv2d");
@@ -173,6 +206,7 @@ Tensor conv2d(const Tensor& x_, const Tensor& w_, const Tensor& b, const Conv2dO
     TALLY_DISPATCH(op, x, ws_bytes = kk::conv2d_workspace_bytes<T>(s, kernels::ConvPass::forward));
     Tensor ws = workspace(x, ws_bytes, op);
     TALLY_RUN(op, x, kk::conv2d_forward<T>(s, x.data<T>(), w.data<T>(), ptr_or_null<T>(b), y.data<T>(), ws_ptr(ws)));
+    count_forward(conv_multiply_adds(s));
   }
   if (any_requires_grad({&x_, &w_, &b})) {
     auto n = std::make_shared<Conv2dBackward>();
@@ -201,10 +235,12 @@ struct LinearBackward : Node {
     if (g[0].needed) {  // dx (N, in) = dy (N, out) @ w (out, in)
       Tensor& dx = grad_target(g[0], x, beta, "linear");
       TALLY_RUN("linear", x, kk::gemm<T>(false, false, N, I, O, T(1), dy.data<T>(), O, w.data<T>(), I, T(beta), dx.data<T>(), I, ws_ptr(ws), ws_size(ws)));
+      count_backward(static_cast<double>(N) * I * O);
     }
     if (g[1].needed) {  // dw (out, in) = dy^T (out, N) @ x (N, in)
       Tensor& dw = grad_target(g[1], w, beta, "linear");
       TALLY_RUN("linear", x, kk::gemm<T>(true, false, O, I, N, T(1), dy.data<T>(), O, x.data<T>(), I, T(beta), dw.data<T>(), I, ws_ptr(ws), ws_size(ws)));
+      count_backward(static_cast<double>(N) * I * O);
     }
     if (has_bias && g[2].needed) {
       Tensor& db = grad_target(g[2], {O}, x.dtype(), x.device(), beta, "linear");
@@ -226,10 +262,12 @@ struct MatmulBackward : Node {
     if (g[0].needed) {  // da (M, K) = dy (M, N) @ b^T
       Tensor& da = grad_target(g[0], a, beta, "matmul");
       TALLY_RUN("matmul", a, kk::gemm<T>(false, true, M, K, N, T(1), dy.data<T>(), N, b.data<T>(), N, T(beta), da.data<T>(), K, ws_ptr(ws), ws_size(ws)));
+      count_backward(static_cast<double>(M) * N * K);
     }
     if (g[1].needed) {  // db (K, N) = a^T @ dy
       Tensor& db = grad_target(g[1], b, beta, "matmul");
       TALLY_RUN("matmul", a, kk::gemm<T>(true, false, K, N, M, T(1), a.data<T>(), K, dy.data<T>(), N, T(beta), db.data<T>(), N, ws_ptr(ws), ws_size(ws)));
+      count_backward(static_cast<double>(M) * N * K);
     }
   }
 };
@@ -255,6 +293,7 @@ Tensor linear(const Tensor& x_, const Tensor& w_, const Tensor& b) {
       kk::gemm<T>(false, true, N, O, I, T(1), x.data<T>(), I, w.data<T>(), I, T(0), y.data<T>(), O, ws_ptr(ws), ws_size(ws));
       if (b.defined()) kk::add_bias_rows<T>(N, O, y.data<T>(), b.data<T>(), y.data<T>());
     });
+    count_forward(static_cast<double>(N) * O * I);
   }
   if (any_requires_grad({&x_, &w_, &b})) {
     auto n = std::make_shared<LinearBackward>();
@@ -280,6 +319,7 @@ Tensor matmul(const Tensor& a_, const Tensor& b_) {
   {
     Tensor ws = workspace(a, gemm_workspace_bytes(a), op);
     TALLY_RUN(op, a, kk::gemm<T>(false, false, M, N, K, T(1), a.data<T>(), K, b.data<T>(), N, T(0), y.data<T>(), N, ws_ptr(ws), ws_size(ws)));
+    count_forward(static_cast<double>(M) * N * K);
   }
   if (any_requires_grad({&a_, &b_})) {
     auto n = std::make_shared<MatmulBackward>();
@@ -539,7 +579,38 @@ Tensor relu(const Tensor& x_) {
   return y;
 }
 
+Tensor relu(Tensor&& x) {
+  if (!reusable(x)) return relu(static_cast<const Tensor&>(x));
+  check_floating("relu", x);
+  Tensor y = alias_for_output(x);
+  TALLY_RUN("relu", y, kk::relu_forward<T>(y.numel(), y.data<T>(), y.data<T>()));
+  if (any_requires_grad({&x})) {
+    auto n = std::make_shared<ReluBackward>();
+    set_history(y, n, {&x});
+    n->saved.t[0] = y.detach();
+  }
+  x = Tensor();  // the caller gave this handle up; its values are the output's now
+  return y;
+}
+
 Tensor add(const Tensor& a, const Tensor& b) { return lincomb(a, b, 1.0, "add"); }
+
+Tensor add(Tensor&& a, const Tensor& b) {
+  if (!reusable(a)) return add(static_cast<const Tensor&>(a), b);
+  check_same_shape("add", a, b);
+  check_floating("add", a);
+  check_same_device("add", a, b);
+  check_same_dtype("add", a, b);
+  const Tensor bc = b.contiguous();
+  Tensor y = alias_for_output(a);
+  TALLY_RUN("add", y, kk::add<T>(y.numel(), y.data<T>(), bc.data<T>(), T(1), y.data<T>()));
+  if (any_requires_grad({&a, &b})) {
+    auto n = std::make_shared<LinearCombinationBackward>();
+    set_history(y, n, {&a, &b});
+  }
+  a = Tensor();
+  return y;
+}
 Tensor sub(const Tensor& a, const Tensor& b) { return lincomb(a, b, -1.0, "sub"); }
 
 Tensor mul(const Tensor& a_, const Tensor& b_) {

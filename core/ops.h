@@ -55,9 +55,29 @@ Tensor batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, con
 Tensor group_norm(const Tensor& x, std::int64_t groups, const Tensor& weight = {}, const Tensor& bias = {},
                   double eps = 1e-5);
 
+// ---- work --------------------------------------------------------------------------------------
+// Floating-point operations of the convolutions and matrix products run on this thread, 2 per
+// multiply-add, counted from the shapes — dry runs count what a real run would compute (the
+// planner reports a step's work, and what recomputation adds, without running it). Forward work
+// done while a recomputed segment re-runs (recomputing(), core/autograd.h) counts as recompute;
+// the gradient GEMMs and convolutions of backward as backward. Other ops (norms, elementwise)
+// are not counted: in a ResNet they are well under 1% of these.
+struct FlopCount {
+  double forward = 0, recompute = 0, backward = 0;
+  double total() const { return forward + recompute + backward; }
+};
+FlopCount& flop_count();  // this thread's; assign {} to start over
+
 // ---- elementwise --------------------------------------------------------------------------------
 Tensor relu(const Tensor& x);
 Tensor add(const Tensor& a, const Tensor& b);  // same shape (residual add)
+// The same ops on a tensor whose handle the caller gives up (a temporary, or std::move(t)): the
+// output takes its buffer when nothing else holds that buffer (no saved tensor, view or copy of
+// it; not a leaf requiring grad) — torch's inplace ReLU and `out += identity` without the
+// version-counter errors: when the buffer is shared, the op runs out of place. The caller must
+// not use the given-up handle afterwards. Values and gradients are those of the out-of-place op.
+Tensor relu(Tensor&& x);
+Tensor add(Tensor&& a, const Tensor& b);
 Tensor sub(const Tensor& a, const Tensor& b);
 Tensor mul(const Tensor& a, const Tensor& b);  // same shape
 Tensor scale(const Tensor& x, double alpha);

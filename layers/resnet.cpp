@@ -85,10 +85,17 @@ BasicBlock::BasicBlock(std::int64_t in_planes, std::int64_t planes, std::int64_t
   if (auto ds = make_downsample(in_planes, planes * expansion, stride, norm)) downsample = register_module("downsample", ds);
 }
 
+// The blocks' forwards hold one intermediate at a time: each step's input handle is dropped as the
+// next is assigned (a tensor no backward saved is freed there, e.g. in a recomputed segment's
+// first, gradient-free run), and ReLU and the residual add write in place into the norm's output,
+// which nothing else holds (core/ops.h), as torchvision's inplace ReLU and `out += identity` do.
 Tensor BasicBlock::forward(const Tensor& x) {
-  Tensor out = tally::relu((*bn1)((*conv1)(x)));
-  out = (*bn2)((*conv2)(out));
-  return tally::relu(add(out, downsample ? (*downsample)(x) : x));
+  Tensor out = (*conv1)(x);
+  out = tally::relu((*bn1)(out));
+  out = (*conv2)(out);
+  out = (*bn2)(out);
+  out = add(std::move(out), downsample ? (*downsample)(x) : x);
+  return tally::relu(std::move(out));
 }
 
 Bottleneck::Bottleneck(std::int64_t in_planes, std::int64_t planes, std::int64_t stride, Norm norm) {
@@ -103,10 +110,14 @@ Bottleneck::Bottleneck(std::int64_t in_planes, std::int64_t planes, std::int64_t
 }
 
 Tensor Bottleneck::forward(const Tensor& x) {
-  Tensor out = tally::relu((*bn1)((*conv1)(x)));
-  out = tally::relu((*bn2)((*conv2)(out)));
-  out = (*bn3)((*conv3)(out));
-  return tally::relu(add(out, downsample ? (*downsample)(x) : x));
+  Tensor out = (*conv1)(x);
+  out = tally::relu((*bn1)(out));
+  out = (*conv2)(out);
+  out = tally::relu((*bn2)(out));
+  out = (*conv3)(out);
+  out = (*bn3)(out);
+  out = add(std::move(out), downsample ? (*downsample)(x) : x);
+  return tally::relu(std::move(out));
 }
 
 // ---- torchvision ResNet -------------------------------------------------------------------------
@@ -131,7 +142,11 @@ ResNet::ResNet(BlockKind block, const std::vector<std::int64_t>& layers, std::in
   init_convs(*this);
 }
 
-Tensor ResNet::stem(const Tensor& x) { return (*maxpool)(tally::relu((*bn1)((*conv1)(x)))); }
+Tensor ResNet::stem(const Tensor& x) {
+  Tensor y = (*conv1)(x);
+  y = tally::relu((*bn1)(y));
+  return (*maxpool)(y);
+}
 
 Tensor ResNet::forward(const Tensor& x) {
   Tensor y = run_segment(recompute_stem, [this](const Tensor& t) { return stem(t); }, x);
@@ -223,19 +238,86 @@ std::shared_ptr<Module> make_model(const ModelConfig& c) {
   throw Error(fmt::format("make_model: unknown model '{}': expected one of {}", c.name, fmt::join(model_names(), ", ")));
 }
 
-std::int64_t set_recompute_blocks(Module& model, bool on) {
-  std::int64_t n = 0;
-  if (auto* r = dynamic_cast<ResNet*>(&model)) {
-    r->recompute_stem = on;
-    ++n;
+namespace {
+// The segments the recomputation levels use: the stem (ImageNet ResNets), the stages and the blocks.
+struct Segments {
+  ResNet* stem = nullptr;
+  std::vector<std::pair<std::string, Module*>> stages;
+  std::vector<Module*> blocks;
+};
+Segments segments_of(Module& model) {
+  Segments s;
+  s.stem = dynamic_cast<ResNet*>(&model);
+  if (dynamic_cast<ResNet9*>(&model)) {
+    for (auto& [name, unit] : model.named_children())
+      if (name != "fc") s.blocks.push_back(unit.get());
+    return s;
   }
   for (auto& [name, stage] : model.named_children())
-    if (name.rfind("layer", 0) == 0)
-      for (auto& [index, block] : stage->named_children()) {
-        block->set_recompute(on);
-        ++n;
-      }
+    if (name.rfind("layer", 0) == 0) {
+      s.stages.emplace_back(name, stage.get());
+      for (auto& [index, block] : stage->named_children()) s.blocks.push_back(block.get());
+    }
+  return s;
+}
+void check_level(Module& model, int level) {
+  const int n = recompute_levels(model);
+  if (level < 0 || level >= n)
+    throw Error(fmt::format("recomputation level {} is out of range: this model has levels 0 to {}", level, n - 1));
+}
+std::string stage_range(const Segments& s, int k) {
+  return k == 1 ? s.stages[0].first : fmt::format("{}-{}", s.stages[0].first, s.stages[static_cast<std::size_t>(k - 1)].first);
+}
+}  // namespace
+
+int recompute_levels(Module& model) {
+  const Segments s = segments_of(model);
+  if (s.blocks.empty() && !s.stem) return 1;
+  return 2 + static_cast<int>(s.stages.size());
+}
+
+std::int64_t set_recompute_level(Module& model, int level) {
+  check_level(model, level);
+  const Segments s = segments_of(model);
+  const bool blocks = level >= 1;
+  std::int64_t n = 0;
+  if (s.stem) {
+    s.stem->recompute_stem = blocks;
+    n += blocks;
+  }
+  for (Module* b : s.blocks) {
+    b->set_recompute(blocks);
+    n += blocks;
+  }
+  for (std::size_t i = 0; i < s.stages.size(); ++i) {
+    const bool on = level >= 2 + static_cast<int>(i);
+    s.stages[i].second->set_recompute(on);
+    n += on;
+  }
   return n;
+}
+
+std::string recompute_level_name(Module& model, int level) {
+  check_level(model, level);
+  if (level == 0) return "none";
+  if (level == recompute_levels(model) - 1) return "all";
+  if (level == 1) return "blocks";
+  return fmt::format("blocks + {}", stage_range(segments_of(model), level - 1));
+}
+
+std::string recompute_level_description(Module& model, int level) {
+  check_level(model, level);
+  if (level == 0) return "nothing recomputed";
+  const Segments s = segments_of(model);
+  const auto n = static_cast<std::int64_t>((s.stem ? 1 : 0) + s.blocks.size()) + (level - 1);
+  std::string what = s.stages.empty() ? "every unit" : "every residual block";
+  if (s.stem) what += " and the stem";
+  if (level >= 2) what += fmt::format(", and {} around their blocks", stage_range(s, level - 1));
+  return fmt::format("{} segments: {}", n, what);
+}
+
+std::int64_t set_recompute_blocks(Module& model, bool on) {
+  return recompute_levels(model) > 1 ? set_recompute_level(model, on ? 1 : 0) : 0;
 }
 
 }  // namespace tally::nn

@@ -99,6 +99,12 @@ Planner::Probe Planner::probe(const std::vector<std::int64_t>& sizes, bool detai
   v->reset_peak();
   v->set_tracing(detailed);
   Probe p;
+  const FlopCount before = flop_count();
+  flop_count() = {};
+  struct Restore {  // the caller's count goes on as if the dry run had not happened
+    FlopCount saved;
+    ~Restore() { flop_count() = saved; }
+  } restore{before};
   try {
     DryRunGuard dry;
     ArenaScope scope(v);
@@ -110,6 +116,7 @@ Planner::Probe Planner::probe(const std::vector<std::int64_t>& sizes, bool detai
     return p;
   }
   p.fits = true;
+  p.flops = flop_count();
   p.peak = static_cast<std::size_t>(v->stats().total.peak);
   p.high_water = v->stats().high_water;
   if (detailed) p.at_peak = live_at_peak(*v);
@@ -193,6 +200,7 @@ const Plan& Planner::plan(std::int64_t batch, std::optional<std::int64_t> micro_
   p.predicted_peak = full.peak;
   p.budget = arena_->capacity();
   p.at_peak = full.at_peak;
+  p.flops = full.flops;
   p.probes = probes_ - probes0;
   p.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return cache_.emplace(key, std::move(p)).first->second;

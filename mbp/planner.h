@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "core/arena.h"
+#include "core/ops.h"
 
 namespace tally::mbp {
 
@@ -60,6 +61,7 @@ struct Plan {
   std::size_t predicted_peak = 0;  // bytes live at the step's peak (arena rounding included)
   std::size_t budget = 0;          // the arena's capacity
   Breakdown at_peak;               // what is live at that moment
+  FlopCount flops;                 // the step's work, from the verifying dry run (core/ops.h)
   int probes = 0;                  // dry runs the plan took
   double seconds = 0;              // time the planning took
   // "B 1024 = 19 micro-batches of 54 (16 of 54, 3 of 53) | predicted peak 47.9 MiB of 48.0 MiB"
@@ -89,6 +91,7 @@ class Planner {
     std::size_t peak = 0;        // bytes live at the peak (valid when fits)
     std::size_t high_water = 0;  // highest end offset: the smallest budget that runs it
     Breakdown at_peak;           // valid when fits and detailed
+    FlopCount flops;             // the work the dry run counted (valid when fits)
     std::string error;           // the split cannot run at all (BatchNorm on 1 value), not OOM
   };
   // Dry-runs the step for `sizes` on a virtual clone of the arena (of `capacity` bytes if

@@ -152,3 +152,72 @@ TEST(Autograd, BackwardNeedsAScalar) {
   w.set_requires_grad(true);
   EXPECT_THROW(scale(w, 2.0).backward(), ShapeError);
 }
+
+// relu(Tensor&&) and add(Tensor&&, b) take the output in the given-up tensor's buffer only when
+// nothing else holds it; values and gradients are those of the out-of-place ops either way.
+TEST(Autograd, InPlaceReluAndAddOnlyWhenNothingElseHoldsTheBuffer) {
+  std::mt19937 rng(71);
+  Tensor a = randn({6, 7}, rng, Category::parameter), b = randn({6, 7}, rng, Category::parameter);
+  const Tensor w = randn({6, 7}, rng, Category::input);  // sum(y * w): a gradient with both signs
+  for (Tensor* p : {&a, &b}) {
+    p->set_requires_grad(true);
+    p->allocate_grad();
+  }
+  const Arena& arena = *current_arena(Device::cpu());
+  struct Run {
+    std::vector<float> y, ga, gb;
+    std::int64_t activations;  // activation buffers the forward allocated
+  };
+  auto run = [&](const std::function<Tensor()>& forward) {
+    a.zero_grad();
+    b.zero_grad();
+    const std::int64_t before = arena.stats()[Category::activation].allocations;
+    Tensor y = forward();
+    Run r{y.to_vector<float>(), {}, {}, arena.stats()[Category::activation].allocations - before};
+    sum(mul(y, w)).backward();
+    r.ga = a.grad().to_vector<float>();
+    r.gb = b.grad().to_vector<float>();
+    return r;
+  };
+  // mul saves its inputs, not its output: the product's buffer is free to take the sum and then
+  // the ReLU (1 buffer instead of 3).
+  const Run plain = run([&] {
+    Tensor t = mul(a, b);
+    Tensor u = add(t, b);
+    return relu(u);
+  });
+  const Run in_place = run([&] { return relu(add(mul(a, b), b)); });
+  EXPECT_EQ(plain.activations, 3);
+  EXPECT_EQ(in_place.activations, 1);
+  EXPECT_EQ(in_place.y, plain.y);
+  EXPECT_EQ(in_place.ga, plain.ga);
+  EXPECT_EQ(in_place.gb, plain.gb);
+  bool some_negative = false;
+  for (float v : plain.ga) some_negative |= v < 0;
+  EXPECT_TRUE(some_negative) << "the test needs ReLU to mask something";
+
+  // A second handle on the buffer: out of place, and the other handle keeps its values.
+  const Run shared = run([&] {
+    Tensor t = mul(a, b);
+    const Tensor keep = t;
+    const auto kept = keep.to_vector<float>();
+    Tensor y = relu(add(std::move(t), b));
+    EXPECT_EQ(keep.to_vector<float>(), kept);
+    return y;
+  });
+  EXPECT_EQ(shared.activations, 2);  // the sum out of place; the ReLU in place into the sum's new buffer
+  EXPECT_EQ(shared.ga, plain.ga);
+  // A buffer a backward saved (ReLU saves its output): the second ReLU may not overwrite it.
+  const Run saved = run([&] { return relu(relu(add(mul(a, b), b))); });
+  EXPECT_EQ(saved.activations, 2);
+  EXPECT_EQ(saved.y, plain.y);
+  EXPECT_EQ(saved.ga, plain.ga);
+  // A leaf that requires grad is never written, even when its handle is the only one.
+  Tensor leaf = randn({6, 7}, rng, Category::activation);
+  leaf.set_requires_grad(true);
+  const auto before = leaf.to_vector<float>();
+  const Tensor r = relu(std::move(leaf));
+  ASSERT_TRUE(leaf.defined());  // NOLINT(bugprone-use-after-move): out of place leaves it as it was
+  EXPECT_EQ(leaf.to_vector<float>(), before);
+  EXPECT_FALSE(r.storage() == leaf.storage());
+}

@@ -3,12 +3,17 @@
 //     micro-batches to exactly the parameters, BatchNorm running statistics and losses of the
 //     plain run (norm batch, group and none; float64 on the reference kernels, float32 on the
 //     fast ones), also with a segment whose input needs no gradient (the first convolution);
+//   * the same for every level of the ladder (layers/resnet.h): blocks, and stages nested around
+//     their blocks (ResNet-20's and ResNet-18's), whose blocks run their forward three times;
 //   * memory: the recomputed step keeps fewer activation bytes at its peak, and its dry run still
-//     predicts the real step's peak to the byte.
+//     predicts the real step's peak to the byte; ResNet-50's planned one-sample activations and
+//     micro-batch at batch 4096 in 8 GiB by level (the recomputation issue's targets);
+//   * the work: the FLOPs a level re-runs, counted by the dry run, against the model's forward.
 #include <gtest/gtest.h>
 
 #include <fmt/format.h>
 
+#include "apps/setup.h"
 #include "core/autograd.h"
 #include "core/memory.h"
 #include "layers/resnet.h"
@@ -32,12 +37,13 @@ struct Trained {
 };
 
 template <class T>
-Trained train(const std::string& norm, DType dtype, bool recompute, bool recompute_stem) {
+Trained train(const std::string& norm, DType dtype, int level, bool recompute_stem) {
   const Shape sample{3, 16, 16};
   const std::int64_t B = 20;
   auto m = model("resnet20", norm, 7, dtype);
-  if (recompute) {
-    EXPECT_EQ(nn::set_recompute_blocks(*m, true), 9);  // CIFAR ResNet: blocks only
+  EXPECT_EQ(nn::recompute_levels(*m), 5);  // none, blocks, + layer1, + layer1-layer2, all
+  if (level > 0) {
+    EXPECT_EQ(nn::set_recompute_level(*m, level), 9 + (level - 1));  // CIFAR ResNet: 9 blocks, then stages
   }
   if (recompute_stem)
     for (auto& [name, child] : m->named_children())
@@ -60,12 +66,13 @@ Trained train(const std::string& norm, DType dtype, bool recompute, bool recompu
 
 }  // namespace
 
-class RecomputeBitForBit : public Recompute, public ::testing::WithParamInterface<std::tuple<std::string, bool>> {};
+class RecomputeBitForBit : public Recompute,
+                           public ::testing::WithParamInterface<std::tuple<std::string, bool, int>> {};
 
 TEST_P(RecomputeBitForBit, TwoMicroBatchedStepsEqualThePlainRun) {
-  const auto [norm, float64] = GetParam();
-  const Trained plain = float64 ? train<double>(norm, DType::Float64, false, false) : train<float>(norm, DType::Float32, false, false);
-  const Trained rec = float64 ? train<double>(norm, DType::Float64, true, true) : train<float>(norm, DType::Float32, true, true);
+  const auto [norm, float64, level] = GetParam();
+  const Trained plain = float64 ? train<double>(norm, DType::Float64, 0, false) : train<float>(norm, DType::Float32, 0, false);
+  const Trained rec = float64 ? train<double>(norm, DType::Float64, level, true) : train<float>(norm, DType::Float32, level, true);
   EXPECT_EQ(rec.losses, plain.losses);
   EXPECT_TRUE(bitwise_equal(rec.params, plain.params)) << "parameters differ";
   EXPECT_TRUE(bitwise_equal(rec.buffers, plain.buffers)) << "running statistics differ";
@@ -84,10 +91,12 @@ TEST_P(RecomputeBitForBit, TwoMicroBatchedStepsEqualThePlainRun) {
   EXPECT_LT(rec.steps[1].peak, plain.steps[1].peak) << "recomputation keeps fewer bytes";
 }
 
-INSTANTIATE_TEST_SUITE_P(NormsAndDtypes, RecomputeBitForBit,
-                         ::testing::Combine(::testing::Values("batch", "group", "none"), ::testing::Bool()),
+INSTANTIATE_TEST_SUITE_P(NormsDtypesAndLevels, RecomputeBitForBit,
+                         ::testing::Combine(::testing::Values("batch", "group", "none"), ::testing::Bool(),
+                                            ::testing::Values(1, 4)),
                          [](const auto& i) {
-                           return std::get<0>(i.param) + (std::get<1>(i.param) ? "_float64" : "_float32");
+                           return std::get<0>(i.param) + (std::get<1>(i.param) ? "_float64" : "_float32") +
+                                  (std::get<2>(i.param) == 1 ? "_blocks" : "_all");
                          });
 
 // A plain backward through a recomputed segment, outside MBP: the BatchNorm running statistics
@@ -116,10 +125,12 @@ TEST_F(Recompute, ResNet18StemAndBlocksBitForBit) {
   const Shape sample{3, 32, 32};
   const std::int64_t B = 6;
   std::vector<std::vector<std::vector<double>>> params, buffers;
-  for (bool rec : {false, true}) {
+  for (int level : {0, 1, 2, 5}) {
+    SCOPED_TRACE(fmt::format("level {}", level));
     auto m = model("resnet18", "batch", 21);
-    if (rec) {
-      EXPECT_EQ(nn::set_recompute_blocks(*m, true), 9);  // the stem and 8 blocks
+    ASSERT_EQ(nn::recompute_levels(*m), 6);
+    if (level > 0) {
+      EXPECT_EQ(nn::set_recompute_level(*m, level), 9 + (level - 1));  // the stem and 8 blocks, then stages
     }
     auto opt = sgd(*m);
     mbp::ExecutorOptions eo;
@@ -134,6 +145,71 @@ TEST_F(Recompute, ResNet18StemAndBlocksBitForBit) {
     params.push_back(values<float>(*m));
     buffers.push_back(values<float>(*m, true));
   }
-  EXPECT_TRUE(bitwise_equal(params[0], params[1]));
-  EXPECT_TRUE(bitwise_equal(buffers[0], buffers[1]));
+  for (std::size_t i = 1; i < params.size(); ++i) {
+    EXPECT_TRUE(bitwise_equal(params[0], params[i])) << "run " << i;
+    EXPECT_TRUE(bitwise_equal(buffers[0], buffers[i])) << "run " << i;
+  }
+}
+
+// The ladder's names, and what each level marks.
+TEST_F(Recompute, TheLevelsOfAResNet) {
+  auto m = model("resnet50", "batch", 1);
+  ASSERT_EQ(nn::recompute_levels(*m), 6);
+  const std::vector<std::string> names{"none", "blocks", "blocks + layer1", "blocks + layer1-layer2",
+                                       "blocks + layer1-layer3", "all"};
+  for (int level = 0; level < 6; ++level) EXPECT_EQ(nn::recompute_level_name(*m, level), names[level]);
+  EXPECT_EQ(nn::recompute_level_description(*m, 2),
+            "18 segments: every residual block and the stem, and layer1 around their blocks");
+  EXPECT_EQ(nn::set_recompute_level(*m, 3), 19);
+  auto* r = dynamic_cast<nn::ResNet*>(m.get());
+  EXPECT_TRUE(r->recompute_stem && r->layer1->recompute() && r->layer2->recompute() && !r->layer3->recompute());
+  EXPECT_EQ(nn::set_recompute_level(*m, 0), 0);
+  EXPECT_FALSE(r->recompute_stem || r->layer1->recompute());
+  EXPECT_THROW(nn::set_recompute_level(*m, 6), Error);
+  EXPECT_EQ(nn::recompute_levels(*model("resnet9", "batch", 1)), 2);  // ResNet-9: its six units, no stages
+}
+
+// ResNet-50 at 3x224x224 in an 8 GiB budget, planned (nothing computed): the activations live at
+// a one-sample step's peak and the micro-batch at batch 4096, by level; the work each level
+// re-runs. The recomputation issue's targets: all >= 4x fewer activation bytes than none at the
+// one-sample peak, and micro-batches >= 3x the 96 planned without recomputation.
+TEST_F(Recompute, ResNet50PlansByLevel) {
+  const auto arena = Arena::make_virtual(Device::cpu(), std::size_t(8) << 30);
+  DryRunGuard dry;
+  nn::ModelConfig mc;
+  mc.name = "resnet50";
+  mc.num_classes = 1000;
+  const app::Setup setup = app::build_setup(arena, mc, "", app::OptimizerConfig{}, "8GiB");
+  mbp::ExecutorOptions eo;
+  eo.sample_shape = {3, 224, 224};
+  mbp::Executor ex(*setup.model, *setup.optimizer, arena, eo);
+  const int levels = nn::recompute_levels(*setup.model);
+  std::vector<std::int64_t> activation, micro_batch;
+  std::vector<FlopCount> flops;
+  for (int level = 0; level < levels; ++level) {
+    nn::set_recompute_level(*setup.model, level);
+    ex.planner().forget();
+    const mbp::Plan& one = ex.plan(1);
+    activation.push_back(one.at_peak.bytes[static_cast<int>(Category::activation)]);
+    flops.push_back(one.flops);
+    micro_batch.push_back(ex.plan(4096).micro_batch);
+    std::cout << fmt::format("{}: one sample {} of activations at the peak, {:.2f} GFLOP re-run; batch 4096: m = {}\n",
+                             nn::recompute_level_name(*setup.model, level), format_bytes(activation.back()),
+                             flops.back().recompute / 1e9, micro_batch.back());
+  }
+  // The work: ResNet-50's forward is 4.09 G multiply-adds per sample (torchvision's figure),
+  // backward twice that. blocks re-runs every convolution (the blocks' and the stem's), not the
+  // classifier; all re-runs the blocks' once more (the stem is not inside a stage).
+  EXPECT_NEAR(flops[0].forward / 2e9, 4.09, 0.05);
+  const double stem = 2.0 * 64 * 112 * 112 * 3 * 7 * 7, fc = 2.0 * 2048 * 1000;
+  EXPECT_DOUBLE_EQ(flops[0].backward, 2 * flops[0].forward - stem);  // the images need no gradient
+  EXPECT_EQ(flops[0].recompute, 0);
+  EXPECT_DOUBLE_EQ(flops[1].recompute, flops[0].forward - fc);
+  EXPECT_DOUBLE_EQ(flops[levels - 1].recompute, 2 * (flops[0].forward - fc) - stem);
+  for (int level = 0; level < levels; ++level) EXPECT_DOUBLE_EQ(flops[level].forward, flops[0].forward);
+  // The memory.
+  EXPECT_LE(4 * activation[levels - 1], activation[0]);
+  EXPECT_GE(micro_batch[levels - 1], 3 * micro_batch[0]);
+  EXPECT_GE(micro_batch[0], 90);
+  for (int level = 1; level < levels; ++level) EXPECT_LT(activation[level], activation[0]);
 }
