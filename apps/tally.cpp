@@ -95,6 +95,7 @@ struct TrainFlags {
       cmd->add_option("--save", to.save, "write the trained weights (safetensors)");
       cmd->add_option("--out", to.out, "write metrics.csv and summary.json into this directory");
       cmd->add_flag("!--no-progress", to.progress, "no progress bar");
+      cmd->add_flag("!--no-eval", to.evaluate, "skip the test set after each epoch (timing runs; summary.json's test fields are null)");
     } else {
       cmd->add_option("--out", to.out, "folder for sweep.csv, sweep.svg and one folder per run")->required();
     }

@@ -262,8 +262,9 @@ std::vector<RankResult> gather_ranks(dist::Communicator& comm, const TrainResult
 }
 
 void write_summary(const TrainOptions& opt, const TrainResult& result) {
-  nlohmann::json j = {{"test_accuracy", result.test_accuracy},
-                      {"test_loss", result.test_loss},
+  const nlohmann::json none;  // null: the test set was not evaluated (--no-eval)
+  nlohmann::json j = {{"test_accuracy", opt.evaluate ? nlohmann::json(result.test_accuracy) : none},
+                      {"test_loss", opt.evaluate ? nlohmann::json(result.test_loss) : none},
                       {"train_loss", result.train_loss},
                       {"images_per_second", result.images_per_second},
                       {"peak_bytes", result.peak_bytes},
@@ -504,11 +505,15 @@ TrainResult train(const TrainOptions& options, std::ostream& all_log) {
                 << std::flush;  // an interrupted run keeps every step it measured
     }
     profiler.enable(false);  // the profile is of training steps
-    if (rank == 0) ev = evaluate(model, split.test, opt.normalize, dev, result.micro_batch);
+    if (rank == 0 && opt.evaluate) ev = evaluate(model, split.test, opt.normalize, dev, result.micro_batch);
     profiler.enable(true);
     result.train_loss = epoch_steps > 0 ? epoch_loss / static_cast<double>(epoch_steps) : last_loss;
-    fmt::print(log, "epoch {}/{}: train loss {:.4f} | test loss {:.4f} | test accuracy {:.2f}%\n", epoch + 1, epochs,
-               result.train_loss, ev.loss, 100.0 * ev.accuracy);
+    if (opt.evaluate)
+      fmt::print(log, "epoch {}/{}: train loss {:.4f} | test loss {:.4f} | test accuracy {:.2f}%\n", epoch + 1, epochs,
+                 result.train_loss, ev.loss, 100.0 * ev.accuracy);
+    else
+      fmt::print(log, "epoch {}/{}: train loss {:.4f} | test set not evaluated (--no-eval)\n", epoch + 1, epochs,
+                 result.train_loss);
   }
   result.test_accuracy = ev.accuracy;
   result.test_loss = ev.loss;

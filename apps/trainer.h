@@ -37,12 +37,13 @@ struct TrainOptions {
   bool profile = false;  // time per op over the steps after the first (GPU time on CUDA, host time on the CPU; profile.txt)
   std::string init, save, out;
   bool progress = true;  // progress bar on stdout
+  bool evaluate = true;  // the test set after every epoch (off: training steps only, e.g. for timing)
   // Arena capacity: a size ("48MiB", "2GiB") or "auto", or under mpirun a comma list with one
   // per rank ("48MiB,24MiB"); (CPU: 8 GiB of address space; CUDA:
   // free device memory less a margin of max(1 GiB, 1/32 of the device)).
   std::string memory_limit = "auto";
   std::optional<std::int64_t> micro_batch;  // unset: the largest that fits ("auto")
-  // auto | none | all: recomputation of the residual blocks (apps/setup.h, plan_with_recompute).
+  // auto | none | blocks | all | a level: recomputation (apps/setup.h, plan_with_recompute).
   std::string recompute = "auto";
   // "exact" (the full batch's mean for any split) or "per-micro-batch" (each micro-batch's mean
   // divided by their number, as the MBP paper's code: differs for uneven splits; for teaching).

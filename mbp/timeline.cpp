@@ -180,12 +180,12 @@ std::string memory_svg(const Arena& arena, const TimelineOptions& o) {
     const double y = y_of(static_cast<double>(peak));
     s += fmt::format("<line x1=\"{}\" y1=\"{:.1f}\" x2=\"{}\" y2=\"{:.1f}\" stroke=\"black\" stroke-width=\"1\"/>\n", left,
                      y, left + pw, y);
+    // Above the line, inside the plot (nothing stands higher than the peak), clear of the legend.
     std::string label = fmt::format("peak {}", format_bytes(static_cast<std::size_t>(peak)));
-    s += fmt::format("<text x=\"{}\" y=\"{:.1f}\">{}</text>\n", left + pw + 6, y + (o.budget ? 18 : 4), label);
     if (o.predicted_peak)
-      s += fmt::format("<text x=\"{}\" y=\"{:.1f}\" font-size=\"10\">predicted {}{}</text>\n", left + pw + 6,
-                       y + (o.budget ? 32 : 18), format_bytes(*o.predicted_peak),
-                       static_cast<std::int64_t>(*o.predicted_peak) == peak ? " (exact)" : "");
+      label += fmt::format(" — predicted {}{}", format_bytes(*o.predicted_peak),
+                           static_cast<std::int64_t>(*o.predicted_peak) == peak ? " (exact)" : "");
+    s += fmt::format("<text x=\"{}\" y=\"{:.1f}\">{}</text>\n", left + 6, y - 5, label);
   }
 
   // Legend.
