@@ -135,6 +135,7 @@ kernels::Conv2dShape conv_shape(const Tensor& x, const Tensor& w, const Conv2dOp
   s.pad_h = o.padding[0]; s.pad_w = o.padding[1];
   s.dil_h = o.dilation[0]; s.dil_w = o.dilation[1];
   s.groups = o.groups;
+  s.workspace_limit = kc::conv_workspace_limit(arena_budget(x));
 #if TALLY_HAVE_CUDA
   if (x.device().is_cuda()) s.workspace_limit = kernels::cuda::conv_workspace_limit(arena_budget(x));
 #endif

@@ -27,8 +27,9 @@ struct Conv2dShape {
   i64 N, C, H, W;      // input  (N, C, H, W)
   i64 K, R, S;         // weight (K, C / groups, R, S); output (N, K, P, Q)
   i64 stride_h = 1, stride_w = 1, pad_h = 0, pad_w = 0, dil_h = 1, dil_w = 1, groups = 1;
-  // The most workspace one pass may take (CUDA: cuDNN's algorithm is chosen under it; core/ sets
-  // it from the arena's budget, docs/gpu.md). The CPU's im2col workspace is fixed by the shape.
+  // The most workspace one pass may take; core/ sets it from the arena's budget. CUDA: cuDNN's
+  // algorithm is chosen under it (docs/gpu.md); CPU: oneDNN runs the batch in chunks of samples
+  // under it. The CPU's im2col workspace is fixed by the shape.
   std::size_t workspace_limit = std::size_t(64) << 20;
   i64 P() const { return (H + 2 * pad_h - dil_h * (R - 1) - 1) / stride_h + 1; }
   i64 Q() const { return (W + 2 * pad_w - dil_w * (S - 1) - 1) / stride_w + 1; }

@@ -495,6 +495,40 @@ TEST_P(CpuConv, FastPathMatchesTheReferenceFloat) {
   EXPECT_TRUE(fast_path_matches_reference(GetParam().s, 11));
 }
 
+// A pass over its workspace limit runs over chunks of samples (conv_onednn.cpp): the workspace
+// stays within the limit (or one sample's, when even that is over it) and the results still
+// match the reference, a filter gradient summed over the chunks with beta 0 and 1.
+TEST(CpuConvChunks, APassOverTheWorkspaceLimitRunsInChunksOfSamples) {
+  if (!k::have_onednn()) GTEST_SKIP() << "this build has no oneDNN: the reference is the only CPU convolution";
+  using tally::kernels::ConvPass;
+  const k::ConvAlgorithm before = k::conv_algorithm();
+  k::set_conv_algorithm(k::ConvAlgorithm::onednn);
+  int chunked = 0;
+  for (auto s : {conv(7, 8, 12, 12, 16, 3, 3, 1, 1, 1, 1, 1, 1, 1), conv(9, 16, 10, 10, 8, 1, 1, 2, 2, 0, 0, 1, 1, 1),
+                 conv(5, 4, 9, 11, 12, 3, 3, 1, 1, 1, 1, 2, 1, 2)}) {
+    for (ConvPass pass : {ConvPass::forward, ConvPass::backward_data, ConvPass::backward_filter}) {
+      const std::size_t whole = k::conv2d_workspace_bytes<float>(s, pass);
+      auto one = s;
+      one.N = 1;
+      const std::size_t sample = k::conv2d_workspace_bytes<float>(one, pass);
+      for (const std::size_t limit : {whole / 2, whole / 3, std::size_t(1)}) {
+        auto c = s;
+        c.workspace_limit = limit;
+        const std::size_t bytes = k::conv2d_workspace_bytes<float>(c, pass);
+        EXPECT_LE(bytes, std::max(limit, sample)) << "pass " << static_cast<int>(pass) << " limit " << limit;
+        if (bytes < whole) ++chunked;
+      }
+    }
+    for (const std::size_t divisor : {2, 3, 1000000}) {
+      auto c = s;
+      c.workspace_limit = k::conv2d_workspace_bytes<float>(s, ConvPass::backward_filter) / divisor;
+      EXPECT_TRUE(fast_path_matches_reference(c, 40 + static_cast<unsigned>(divisor))) << "limit 1/" << divisor;
+    }
+  }
+  k::set_conv_algorithm(before);
+  EXPECT_GT(chunked, 12) << "the limits should have split most passes";
+}
+
 // Random shapes (fresh each run; the seed is printed): groups, dilation, strides, paddings.
 TEST(CpuConvRandom, FastPathMatchesTheReferenceOnRandomShapes) {
   if (!k::have_onednn()) GTEST_SKIP() << "this build has no oneDNN: the reference is the only CPU convolution";

@@ -22,6 +22,7 @@
 #include <nlohmann/json.hpp>
 
 #include "apps/plan.h"
+#include "kernels/cpu/cpu_kernels.h"
 #include "apps/trainer.h"
 #include "core/autograd.h"
 #include "core/memory.h"
@@ -316,6 +317,44 @@ INSTANTIATE_TEST_SUITE_P(
                       ExactCase{"resnet9", "batch", {3, 32, 32}, 24, "120MiB", {}, "resnet9_120MiB"},
                       ExactCase{"resnet18", "batch", {3, 32, 32}, 48, "150MiB", {}, "resnet18_150MiB"}),
     [](const auto& info) { return info.param.name; });
+
+// Convolutions whose oneDNN buffers would exceed the workspace limit (budget / 32, at least
+// 64 MiB) run over chunks of samples: at 1 GiB a ResNet-20 micro-batch of 600 takes at most
+// 64 MiB of workspace (its 3x3 convolutions at 32x32 would take 75 MiB whole, as they do at
+// 16 GiB), the plan is still exact, and the step trains to the same parameters (the filter
+// gradients' sums ordered by chunk: float32 rounding apart).
+TEST_F(Mbp, ChunkedConvolutionsKeepThePlanExactAndTheStep) {
+  if (!kernels::cpu::have_onednn()) GTEST_SKIP() << "this build has no oneDNN: nothing is chunked";
+  const Shape sample{3, 32, 32};
+  const std::int64_t B = 600;
+  std::vector<std::vector<std::vector<double>>> params;
+  std::vector<std::int64_t> workspace;
+  for (const char* budget : {"1GiB", "16GiB"}) {
+    SCOPED_TRACE(budget);
+    configure_arena(Device::cpu(), parse_size(budget));
+    auto m = model("resnet20", "batch", 5);
+    auto opt = sgd(*m, 0.05);
+    mbp::ExecutorOptions eo;
+    eo.sample_shape = sample;
+    eo.micro_batch = B;
+    mbp::Executor ex(*m, *opt, eo);
+    const Data d = make_data(B, sample, 77);
+    ex.arena()->reset_peak();
+    const mbp::StepResult r = ex.step(d.images.data(), d.labels.data(), B);
+    EXPECT_EQ(r.peak, r.predicted_peak);
+    EXPECT_EQ(r.micro_batches, 1);
+    workspace.push_back(ex.arena()->stats()[Category::workspace].peak);
+    params.push_back(values<float>(*m));
+  }
+  EXPECT_LE(workspace[0], std::int64_t(64) << 20);
+  EXPECT_GT(workspace[1], std::int64_t(64) << 20);
+  double worst = 0;
+  for (std::size_t i = 0; i < params[0].size(); ++i) worst = std::max(worst, rel_error(params[0][i], params[1][i]));
+  EXPECT_LT(worst, 1e-5);
+  EXPECT_GT(worst, 0) << "the chunked filter gradients round differently; equal bits would mean nothing was chunked";
+  std::cout << fmt::format("workspace peak {} chunked, {} whole; parameters differ by {:.1e}\n",
+                           format_bytes(workspace[0]), format_bytes(workspace[1]), worst);
+}
 
 // ---------------------------------------------------------------------------------------------
 // An allocation fails in the middle of a step (the k-th allocation of the step, inside its second

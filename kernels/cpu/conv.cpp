@@ -269,6 +269,8 @@ void set_conv_algorithm(ConvAlgorithm a) {
   g_algorithm.store(a);
 }
 ConvAlgorithm conv_algorithm() { return g_algorithm.load(); }
+std::size_t conv_workspace_limit(std::size_t budget) { return std::max(budget / 32, std::size_t(64) << 20); }
+
 bool conv2d_on_onednn(const Conv2dShape& s, ConvPass pass) { return use_onednn<float>(s, pass); }
 
 template <class T>

@@ -15,12 +15,18 @@
 // weight gradients), the primitive writes there and a reorder with a sum post-op adds it into the
 // gradient; the size does not depend on beta, which the workspace query does not know.
 //
+// A pass whose workspace would exceed the shape's workspace_limit (core/ sets it from the arena's
+// budget, kernels/cpu/cpu_kernels.h) runs over chunks of samples, each within the limit: the
+// operands' buffers grow with the batch, and at large micro-batches they would otherwise be a
+// large share of the budget (ResNet-50's layer2.0 backward at 241 samples: 1 GiB).
+//
 // A plan depends on the OpenMP thread count (oneDNN sizes per-thread scratch from it), so the
 // count is part of the cache key. A shape oneDNN refuses falls back to the im2col reference.
 #include "kernels/cpu/onednn.h"
 
 #include <omp.h>
 
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -220,24 +226,89 @@ void run(Plan& p, const std::vector<void*>& ptrs, bool accumulate, void* workspa
   st.wait();
 }
 
+Conv2dShape with_samples(Conv2dShape s, i64 n) {
+  s.N = n;
+  return s;
+}
+
+// Samples per chunk: the whole batch when its pass fits s.workspace_limit, else the most whose
+// plan does (at least one; the workspace grows with N by the operands' buffers, so the first
+// guess is linear between one sample and N, then stepped down until it fits). Chunks are
+// n, n, ..., and the rest: at most two shapes, two plans.
+i64 chunk_samples(const Conv2dShape& s, ConvPass pass) {
+  const Plan& full = plan(s, pass);
+  if (!full.supported || full.bytes <= s.workspace_limit || s.N == 1) return s.N;
+  static std::mutex mu;
+  static std::map<std::pair<Key, std::size_t>, i64> cache;
+  const auto key = std::make_pair(key_of(s, pass), s.workspace_limit);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (auto it = cache.find(key); it != cache.end()) return it->second;
+  }
+  const Plan& one = plan(with_samples(s, 1), pass);
+  i64 n = 1;
+  if (one.supported && one.bytes < s.workspace_limit && full.bytes > one.bytes) {
+    const double per_sample = static_cast<double>(full.bytes - one.bytes) / static_cast<double>(s.N - 1);
+    n = std::clamp<i64>(1 + static_cast<i64>(static_cast<double>(s.workspace_limit - one.bytes) / per_sample), 1, s.N - 1);
+    while (n > 1 && plan(with_samples(s, n), pass).bytes > s.workspace_limit) --n;
+  }
+  // Every chunk shape must be one oneDNN takes; if not, the whole batch at once.
+  if (!plan(with_samples(s, n), pass).supported || (s.N % n != 0 && !plan(with_samples(s, s.N % n), pass).supported))
+    n = s.N;
+  std::lock_guard<std::mutex> lock(mu);
+  cache[key] = n;
+  return n;
+}
+
+// Runs a pass chunk by chunk (samples are outermost in NCHW, so a chunk is a contiguous slice of
+// x/y and dx/dy); a filter gradient accumulates over the chunks after the first.
+void run_chunked(const Conv2dShape& s, ConvPass pass, const float* in0, const float* in1, float* out, bool accumulate,
+                 void* workspace) {
+  const i64 n = chunk_samples(s, pass);
+  const i64 x_sample = s.C * s.H * s.W, y_sample = s.K * s.P() * s.Q();
+  for (i64 start = 0; start < s.N; start += n) {
+    const i64 len = std::min(n, s.N - start);
+    Plan& p = plan(with_samples(s, len), pass);
+    auto* a = const_cast<float*>(in0);
+    auto* b = const_cast<float*>(in1);
+    switch (pass) {
+      case ConvPass::forward:  // in0 = x, in1 = w, out = y
+        run(p, {out + start * y_sample, a + start * x_sample, b}, false, workspace);
+        break;
+      case ConvPass::backward_data:  // in0 = dy, in1 = w, out = dx
+        run(p, {out + start * x_sample, a + start * y_sample, b}, accumulate, workspace);
+        break;
+      case ConvPass::backward_filter:  // in0 = x, in1 = dy, out = dw
+        run(p, {out, a + start * x_sample, b + start * y_sample}, accumulate || start > 0, workspace);
+        break;
+    }
+  }
+}
+
 }  // namespace
 
 bool supports(const Conv2dShape& s, ConvPass pass) { return plan(s, pass).supported; }
 
-std::size_t conv_workspace_bytes(const Conv2dShape& s, ConvPass pass) { return plan(s, pass).bytes; }
+std::size_t conv_workspace_bytes(const Conv2dShape& s, ConvPass pass) {
+  const i64 n = chunk_samples(s, pass);
+  if (n == s.N) return plan(s, pass).bytes;
+  std::size_t bytes = plan(with_samples(s, n), pass).bytes;
+  if (s.N % n != 0) bytes = std::max(bytes, plan(with_samples(s, s.N % n), pass).bytes);
+  return bytes;
+}
 
 void conv_forward(const Conv2dShape& s, const float* x, const float* w, float* y, void* workspace) {
-  run(plan(s, ConvPass::forward), {y, const_cast<float*>(x), const_cast<float*>(w)}, false, workspace);
+  run_chunked(s, ConvPass::forward, x, w, y, false, workspace);
 }
 
 void conv_backward_data(const Conv2dShape& s, const float* dy, const float* w, float* dx, bool accumulate,
                         void* workspace) {
-  run(plan(s, ConvPass::backward_data), {dx, const_cast<float*>(dy), const_cast<float*>(w)}, accumulate, workspace);
+  run_chunked(s, ConvPass::backward_data, dy, w, dx, accumulate, workspace);
 }
 
 void conv_backward_filter(const Conv2dShape& s, const float* x, const float* dy, float* dw, bool accumulate,
                           void* workspace) {
-  run(plan(s, ConvPass::backward_filter), {dw, const_cast<float*>(x), const_cast<float*>(dy)}, accumulate, workspace);
+  run_chunked(s, ConvPass::backward_filter, x, dy, dw, accumulate, workspace);
 }
 
 }  // namespace tally::kernels::cpu::onednn

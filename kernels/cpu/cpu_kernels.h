@@ -67,6 +67,10 @@ bool have_onednn();
 // Whether a float32 call of `pass` on shape `s` runs on oneDNN now (the algorithm is onednn and
 // oneDNN takes the shape), rather than on the reference.
 bool conv2d_on_onednn(const Conv2dShape& s, ConvPass pass);
+// The most workspace one oneDNN pass may take under a memory budget (Conv2dShape's
+// workspace_limit, set by core/ from the arena's budget): budget / 32, at least 64 MiB. A pass
+// over it runs over chunks of samples (conv_onednn.cpp).
+std::size_t conv_workspace_limit(std::size_t budget);
 // Scratch bytes the conv2d_* kernel of `pass` needs. Reference: one image's im2col columns, or 0
 // where the convolution is a plain GEMM (1x1, stride 1, no padding), the same for every pass.
 // oneDNN: its layout buffers and scratchpad for this shape and pass, at the current OpenMP
