@@ -72,7 +72,7 @@ std::string persistent_summary(const Arena& arena);
 // executor.plan(batch), with an explicit micro-batch's failure named by its flag.
 const mbp::Plan& plan_step(mbp::Executor& executor, std::int64_t batch, std::optional<std::int64_t> micro_batch);
 
-// --recompute: a level of layers/resnet.h's ladder — none; blocks (every residual block and an
+// --recompute: a level of layers/resnet.h's ladder — none; blocks (every residual block but the last, and an
 // ImageNet ResNet's stem recomputed: about one more forward); all (the stages too, nested: the
 // least memory, about two more forwards) — or auto, which walks the ladder from none and takes
 // the first level on which a micro-batch of at least one sample fits (the intermediate levels,
@@ -87,7 +87,7 @@ struct RecomputedPlan {
   const mbp::Plan* plan = nullptr;
   int level = 0;
   std::string policy;       // recompute_level_name: "none", "blocks", "blocks + layer1", ..., "all"
-  std::string description;  // recompute_level_description: "17 segments: every residual block and the stem"
+  std::string description;  // recompute_level_description: "16 segments: the stem and every residual block but the last"
   std::string why;          // for auto: why this level
 };
 RecomputedPlan plan_with_recompute(mbp::Executor& executor, nn::Module& model, std::int64_t batch,

@@ -107,7 +107,7 @@ struct TrainFlags {
     cmd->add_option("--micro-batch", micro, "samples per micro-batch: M or auto (the largest that fits)")
         ->capture_default_str();
     cmd->add_option("--recompute", to.recompute,
-                    "auto (the least recomputation with which one sample fits) | none | blocks (every residual block: about one more forward) | all (the stages around the blocks too: the least memory, about two more forwards)")
+                    "auto (the least recomputation with which one sample fits) | none | blocks (the residual blocks and the stem: about one more forward) | all (the stages around the blocks too: the least memory, about two more forwards)")
         ->check(recompute_validator())->capture_default_str();
   }
 
@@ -180,7 +180,7 @@ int main(int argc, char** argv) {
   plan_cmd->add_option("--momentum", po.momentum, "SGD momentum (0: no momentum buffer)")->check(CLI::NonNegativeNumber)->capture_default_str();
   plan_cmd->add_option("--device", po.device, "cpu|cuda|cuda:N")->capture_default_str();
   plan_cmd->add_option("--recompute", po.recompute,
-                       "auto (the least recomputation with which one sample fits) | none | blocks (every residual block: about one more forward) | all (the stages around the blocks too: the least memory, about two more forwards)")
+                       "auto (the least recomputation with which one sample fits) | none | blocks (the residual blocks and the stem: about one more forward) | all (the stages around the blocks too: the least memory, about two more forwards)")
       ->check(recompute_validator())->capture_default_str();
   bool no_layers = false;
   plan_cmd->add_flag("--no-layers", no_layers, "skip the per-layer table");

@@ -8,10 +8,11 @@
 #      ResNet-50 3x224x224 batch 16 on synthetic data, images/s of the steps after the first,
 #      the levels interleaved ROUNDS times so the machine's drift hits all alike.
 # Prints Markdown tables.
-#   bench/recompute.sh [BUILD_DIR] [ROUNDS]
+#   bench/recompute.sh [BUILD_DIR] [ROUNDS] [STEPS] (ResNet-50 runs STEPS/2 + 1 steps)
 set -euo pipefail
 build=${1:-build}
 rounds=${2:-2}
+steps=${3:-6}
 tally=$build/apps/tally
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
@@ -39,8 +40,8 @@ echo "| round | model, batch | $(printf '%s | ' "${levels[@]}")"
 echo "|---|---|$(printf -- '---|%.0s' "${levels[@]}")"
 for r in $(seq 1 "$rounds"); do
   for model in resnet20 resnet50; do
-    if [[ $model == resnet20 ]]; then args=(--data synthetic --batch-size 128 --steps 6); label="ResNet-20, 128";
-    else args=(--data synthetic:3x224x224 --batch-size 16 --steps 4); label="ResNet-50, 16"; fi
+    if [[ $model == resnet20 ]]; then args=(--data synthetic --batch-size 128 --steps "$steps"); label="ResNet-20, 128";
+    else args=(--data synthetic:3x224x224 --batch-size 16 --steps $((steps / 2 + 1))); label="ResNet-50, 16"; fi
     row="| $r | $label |"
     base=""
     for level in "${levels[@]}"; do
@@ -49,7 +50,7 @@ for r in $(seq 1 "$rounds"); do
         --no-progress --out "$dir" >/dev/null
       ips=$(field "$dir" images_per_second)
       [[ -z $base ]] && base=$ips
-      row+=$(awk -v i="$ips" -v b="$base" 'BEGIN { if (i == b) printf " %.1f |", i; else printf " %.1f (+%.0f%%) |", i, 100 * (b / i - 1) }')
+      row+=$(awk -v i="$ips" -v b="$base" 'BEGIN { if (i == b) printf " %.1f |", i; else printf " %.1f (%+.0f%%) |", i, 100 * (b / i - 1) }')
     done
     echo "$row"
   done

@@ -239,25 +239,31 @@ std::shared_ptr<Module> make_model(const ModelConfig& c) {
 }
 
 namespace {
-// The segments the recomputation levels use: the stem (ImageNet ResNets), the stages and the blocks.
+// The segments the recomputation levels use: the stem (ImageNet ResNets), the stages and the
+// blocks — all but the last block and the last stage. Their backward begins where their forward
+// ended (only the pooling, the classifier and the loss come between), so what a re-run would
+// rebuild is live at that moment either way: recomputing them would save no byte at the peak and
+// cost their forward.
 struct Segments {
   ResNet* stem = nullptr;
   std::vector<std::pair<std::string, Module*>> stages;
   std::vector<Module*> blocks;
 };
-Segments segments_of(Module& model) {
+Segments segments_of(Module& model, bool drop_last = true) {
   Segments s;
   s.stem = dynamic_cast<ResNet*>(&model);
   if (dynamic_cast<ResNet9*>(&model)) {
     for (auto& [name, unit] : model.named_children())
       if (name != "fc") s.blocks.push_back(unit.get());
-    return s;
+  } else {
+    for (auto& [name, stage] : model.named_children())
+      if (name.rfind("layer", 0) == 0) {
+        s.stages.emplace_back(name, stage.get());
+        for (auto& [index, block] : stage->named_children()) s.blocks.push_back(block.get());
+      }
   }
-  for (auto& [name, stage] : model.named_children())
-    if (name.rfind("layer", 0) == 0) {
-      s.stages.emplace_back(name, stage.get());
-      for (auto& [index, block] : stage->named_children()) s.blocks.push_back(block.get());
-    }
+  if (drop_last && !s.blocks.empty()) s.blocks.pop_back();
+  if (drop_last && !s.stages.empty()) s.stages.pop_back();
   return s;
 }
 void check_level(Module& model, int level) {
@@ -278,6 +284,10 @@ int recompute_levels(Module& model) {
 
 std::int64_t set_recompute_level(Module& model, int level) {
   check_level(model, level);
+  // Everything off first (the last block and stage too, whoever set them), then the level's.
+  const Segments every = segments_of(model, false);
+  for (Module* b : every.blocks) b->set_recompute(false);
+  for (auto& [name, stage] : every.stages) stage->set_recompute(false);
   const Segments s = segments_of(model);
   const bool blocks = level >= 1;
   std::int64_t n = 0;
@@ -310,8 +320,8 @@ std::string recompute_level_description(Module& model, int level) {
   if (level == 0) return "nothing recomputed";
   const Segments s = segments_of(model);
   const auto n = static_cast<std::int64_t>((s.stem ? 1 : 0) + s.blocks.size()) + (level - 1);
-  std::string what = s.stages.empty() ? "every unit" : "every residual block";
-  if (s.stem) what += " and the stem";
+  std::string what = dynamic_cast<ResNet9*>(&model) ? "every unit but the last" : "every residual block but the last";
+  if (s.stem) what = "the stem and " + what;
   if (level >= 2) what += fmt::format(", and {} around their blocks", stage_range(s, level - 1));
   return fmt::format("{} segments: {}", n, what);
 }

@@ -133,23 +133,25 @@ const std::vector<std::string>& model_names();
 // from the cheapest to the most aggressive, which the planner walks (docs/mbp.md):
 //   level 0        none;
 //   level 1        "blocks": every residual block (the children of the layerN stages; ResNet-9's
-//                  six units) a recomputed segment, and an ImageNet ResNet's stem, whose
-//                  full-resolution activations are the largest: each segment keeps only its
-//                  input and runs its forward once more in backward;
+//                  six units) but the last a recomputed segment, and an ImageNet ResNet's stem,
+//                  whose full-resolution activations are the largest: each segment keeps only its
+//                  input and runs its forward once more in backward (the last block's backward
+//                  begins where its forward ended: re-running it would save nothing at the peak);
 //   level 1 + k    blocks, and the first k stages (layer1 .. layerk) as segments around them
 //                  (nested: a stage keeps only its input; in backward it re-runs, keeping its
 //                  blocks' inputs, and each block re-runs again) — Chen et al.'s recursion, the
 //                  blocks of those stages run forward three times; the first stages come first
 //                  because their activations are the largest;
-//   the last level "all": blocks and every stage.
+//   the last level "all": blocks and every stage but the last (for the same reason).
 // Gradients are bit for bit those of a plain run at every level.
 int recompute_levels(Module& model);  // the number of levels, none included (1: nothing to recompute)
 // Sets `level` (0 <= level < recompute_levels); returns the number of recomputed segments.
 std::int64_t set_recompute_level(Module& model, int level);
 // "none", "blocks", "blocks + layer1", "blocks + layer1-layer2", ..., "all".
 std::string recompute_level_name(Module& model, int level);
-// What the level recomputes, e.g. "17 segments: every residual block and the stem" or
-// "21 segments: every residual block and the stem, and layer1-layer4 around their blocks".
+// What the level recomputes, e.g. "16 segments: the stem and every residual block but the last"
+// or "19 segments: the stem and every residual block but the last, and layer1-layer3 around their
+// blocks".
 std::string recompute_level_description(Module& model, int level);
 // Level 1 (on) or 0 (off); returns the number of segments.
 std::int64_t set_recompute_blocks(Module& model, bool on);
