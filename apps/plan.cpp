@@ -74,7 +74,8 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   mbp::Executor executor(*setup.model, *setup.optimizer, arena, eo);
   const RecomputedPlan chosen =
       plan_with_recompute(executor, *setup.model, opt.batch_size, opt.micro_batch, opt.recompute);
-  const mbp::Plan p = *chosen.plan;
+  const mbp::Plan p = *chosen.plan;  // a copy: the "without" plan below makes the planner forget its cache
+  const std::string recompute = recompute_summary(chosen);
   if (opt.layers) {
     fmt::print(out, "\nper layer, forward in training mode at the planned micro-batch of {}:\n", p.micro_batch);
     out << mbp::format_layer_table(mbp::layer_table(*setup.model, *arena, sample, p.micro_batch), p.micro_batch);
@@ -96,11 +97,10 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
     }
     nn::set_recompute_level(*setup.model, chosen.level);
     executor.planner().forget();
-    fmt::print(out, "      recompute: {} ({}){} — {}; without recomputation a micro-batch of {} needs {}\n", chosen.policy,
-               chosen.description, chosen.why.empty() ? "" : fmt::format(" (auto: {})", chosen.why), recompute_cost(p),
-               p.micro_batch, without);
+    fmt::print(out, "      recompute: {}; without recomputation a micro-batch of {} needs {}\n", recompute, p.micro_batch,
+               without);
   } else {
-    fmt::print(out, "      recompute: none{}\n", chosen.why.empty() ? "" : fmt::format(" (auto: {})", chosen.why));
+    fmt::print(out, "      recompute: {}\n", recompute);
   }
   fmt::print(out, "      {} dry runs in {:.2f} s; nothing was computed\n", p.probes, p.seconds);
   return p;

@@ -133,6 +133,8 @@ void check_recompute(const std::string& value) {
                           value, choices(names)));
 }
 
+namespace {
+// "re-runs 3.6 GFLOP of forward per step: +33% of the step's 10.9 GFLOP without it".
 std::string recompute_cost(const mbp::Plan& plan) {
   const FlopCount& f = plan.flops;
   const double step = f.total();
@@ -146,6 +148,15 @@ std::string recompute_cost(const mbp::Plan& plan) {
                      100.0 * f.recompute / (step - f.recompute), flops(step - f.recompute));
 }
 
+}  // namespace
+
+std::string recompute_summary(const RecomputedPlan& chosen) {
+  const std::string why = chosen.why.empty() ? "" : fmt::format(" (auto: {})", chosen.why);
+  if (chosen.level == 0) return chosen.policy + why;
+  return fmt::format("{} ({}){} — {}", chosen.policy, chosen.description, why, recompute_cost(*chosen.plan));
+}
+
+namespace {
 // The level --recompute names: none, blocks, all, or an intermediate level as printed without
 // spaces ("blocks+layer1", "blocks+layer1-layer2"); -1 for auto.
 int recompute_level(nn::Module& model, const std::string& recompute) {
@@ -163,6 +174,7 @@ int recompute_level(nn::Module& model, const std::string& recompute) {
   }
   throw Error(fmt::format("--recompute '{}': expected auto or one of this model's levels {}", recompute, names));
 }
+}  // namespace
 
 RecomputedPlan plan_with_recompute(mbp::Executor& executor, nn::Module& model, std::int64_t batch,
                                    std::optional<std::int64_t> micro_batch, const std::string& recompute) {

@@ -92,7 +92,9 @@ struct RecomputedPlan {
 };
 RecomputedPlan plan_with_recompute(mbp::Executor& executor, nn::Module& model, std::int64_t batch,
                                    std::optional<std::int64_t> micro_batch, const std::string& recompute);
-// "re-runs 3.6 GFLOP of forward per step: +33% of the step's 32.5 GFLOP", from the plan's counts.
-std::string recompute_cost(const mbp::Plan& plan);
+// The line `tally train` and `tally plan` print: "none (auto: ...)" or "blocks (16 segments: ...)
+// (auto: ...) — re-runs 31.7 TFLOP of forward per step: +32% of the step's 99.5 TFLOP without it"
+// (the work from the plan's FLOP counts).
+std::string recompute_summary(const RecomputedPlan& chosen);
 
 }  // namespace tally::app

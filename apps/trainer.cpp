@@ -417,10 +417,7 @@ TrainResult train(const TrainOptions& options, std::ostream& all_log) {
   const RecomputedPlan chosen = plan_with_recompute(executor, model, share.size, opt.micro_batch, opt.recompute);
   const mbp::Plan& plan = *chosen.plan;
   fmt::print(log, "plan: {}\n", plan.summary());
-  fmt::print(log, "      recompute: {}{}{}\n",
-             chosen.level > 0 ? fmt::format("{} ({})", chosen.policy, chosen.description) : chosen.policy,
-             chosen.why.empty() ? "" : fmt::format(" (auto: {})", chosen.why),
-             chosen.level > 0 ? fmt::format(" — {}", recompute_cost(plan)) : std::string());
+  fmt::print(log, "      recompute: {}\n", recompute_summary(chosen));
   fmt::print(log, "      live at the peak: {}\n", plan.at_peak.str());
   fmt::print(log, "      {} ({} dry runs, {:.0f} ms)\n",
              opt.micro_batch ? fmt::format("--micro-batch {} checked", *opt.micro_batch)

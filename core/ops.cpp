@@ -550,11 +550,14 @@ struct MulBackward : Node {
   }
 };
 
-Tensor lincomb(const Tensor& a_, const Tensor& b_, double alpha_b, const char* op) {
+// y = a + alpha_b * b — in a's own buffer when `in_place` (the caller found it reusable()).
+Tensor lincomb(const Tensor& a_, const Tensor& b_, double alpha_b, const char* op, bool in_place = false) {
   check_same_shape(op, a_, b_);
   check_floating(op, a_);
+  check_same_device(op, a_, b_);
+  check_same_dtype(op, a_, b_);
   const Tensor a = a_.contiguous(), b = b_.contiguous();
-  Tensor y = out_like(a, a.shape(), op);
+  Tensor y = in_place ? alias_for_output(a) : out_like(a, a.shape(), op);
   TALLY_RUN(op, a, kk::add<T>(a.numel(), a.data<T>(), b.data<T>(), T(alpha_b), y.data<T>()));
   if (any_requires_grad({&a_, &b_})) {
     auto n = std::make_shared<LinearCombinationBackward>();
@@ -564,52 +567,37 @@ Tensor lincomb(const Tensor& a_, const Tensor& b_, double alpha_b, const char* o
   }
   return y;
 }
-}  // namespace
 
-Tensor relu(const Tensor& x_) {
+// relu(x) — in x's own buffer when `in_place` (the caller found it reusable()).
+Tensor relu_into(const Tensor& x_, bool in_place) {
   check_floating("relu", x_);
   const Tensor x = x_.contiguous();
-  Tensor y = out_like(x, x.shape(), "relu");
+  Tensor y = in_place ? alias_for_output(x) : out_like(x, x.shape(), "relu");
   TALLY_RUN("relu", x, kk::relu_forward<T>(x.numel(), x.data<T>(), y.data<T>()));
   if (any_requires_grad({&x_})) {
     auto n = std::make_shared<ReluBackward>();
-    n->saved.t = {y};
     set_history(y, n, {&x_});
     n->saved.t[0] = y.detach();  // the node must not own a handle that points back at itself
   }
   return y;
 }
+}  // namespace
+
+Tensor relu(const Tensor& x) { return relu_into(x, false); }
 
 Tensor relu(Tensor&& x) {
-  if (!reusable(x)) return relu(static_cast<const Tensor&>(x));
-  check_floating("relu", x);
-  Tensor y = alias_for_output(x);
-  TALLY_RUN("relu", y, kk::relu_forward<T>(y.numel(), y.data<T>(), y.data<T>()));
-  if (any_requires_grad({&x})) {
-    auto n = std::make_shared<ReluBackward>();
-    set_history(y, n, {&x});
-    n->saved.t[0] = y.detach();
-  }
-  x = Tensor();  // the caller gave this handle up; its values are the output's now
+  const bool in_place = reusable(x);
+  Tensor y = relu_into(x, in_place);
+  if (in_place) x = Tensor();  // the caller gave this handle up; its values are the output's now
   return y;
 }
 
 Tensor add(const Tensor& a, const Tensor& b) { return lincomb(a, b, 1.0, "add"); }
 
 Tensor add(Tensor&& a, const Tensor& b) {
-  if (!reusable(a)) return add(static_cast<const Tensor&>(a), b);
-  check_same_shape("add", a, b);
-  check_floating("add", a);
-  check_same_device("add", a, b);
-  check_same_dtype("add", a, b);
-  const Tensor bc = b.contiguous();
-  Tensor y = alias_for_output(a);
-  TALLY_RUN("add", y, kk::add<T>(y.numel(), y.data<T>(), bc.data<T>(), T(1), y.data<T>()));
-  if (any_requires_grad({&a, &b})) {
-    auto n = std::make_shared<LinearCombinationBackward>();
-    set_history(y, n, {&a, &b});
-  }
-  a = Tensor();
+  const bool in_place = reusable(a);
+  Tensor y = lincomb(a, b, 1.0, "add", in_place);
+  if (in_place) a = Tensor();
   return y;
 }
 Tensor sub(const Tensor& a, const Tensor& b) { return lincomb(a, b, -1.0, "sub"); }

@@ -271,6 +271,11 @@ void check_level(Module& model, int level) {
   if (level < 0 || level >= n)
     throw Error(fmt::format("recomputation level {} is out of range: this model has levels 0 to {}", level, n - 1));
 }
+// Segments a level marks: the stem and the blocks from level 1, then one stage per level.
+std::int64_t segment_count(const Segments& s, int level) {
+  if (level == 0) return 0;
+  return static_cast<std::int64_t>((s.stem ? 1 : 0) + s.blocks.size()) + (level - 1);
+}
 std::string stage_range(const Segments& s, int k) {
   return k == 1 ? s.stages[0].first : fmt::format("{}-{}", s.stages[0].first, s.stages[static_cast<std::size_t>(k - 1)].first);
 }
@@ -289,22 +294,10 @@ std::int64_t set_recompute_level(Module& model, int level) {
   for (Module* b : every.blocks) b->set_recompute(false);
   for (auto& [name, stage] : every.stages) stage->set_recompute(false);
   const Segments s = segments_of(model);
-  const bool blocks = level >= 1;
-  std::int64_t n = 0;
-  if (s.stem) {
-    s.stem->recompute_stem = blocks;
-    n += blocks;
-  }
-  for (Module* b : s.blocks) {
-    b->set_recompute(blocks);
-    n += blocks;
-  }
-  for (std::size_t i = 0; i < s.stages.size(); ++i) {
-    const bool on = level >= 2 + static_cast<int>(i);
-    s.stages[i].second->set_recompute(on);
-    n += on;
-  }
-  return n;
+  if (s.stem) s.stem->recompute_stem = level >= 1;
+  for (Module* b : s.blocks) b->set_recompute(level >= 1);
+  for (std::size_t i = 0; i < s.stages.size(); ++i) s.stages[i].second->set_recompute(level >= 2 + static_cast<int>(i));
+  return segment_count(s, level);
 }
 
 std::string recompute_level_name(Module& model, int level) {
@@ -319,11 +312,10 @@ std::string recompute_level_description(Module& model, int level) {
   check_level(model, level);
   if (level == 0) return "nothing recomputed";
   const Segments s = segments_of(model);
-  const auto n = static_cast<std::int64_t>((s.stem ? 1 : 0) + s.blocks.size()) + (level - 1);
   std::string what = dynamic_cast<ResNet9*>(&model) ? "every unit but the last" : "every residual block but the last";
   if (s.stem) what = "the stem and " + what;
   if (level >= 2) what += fmt::format(", and {} around their blocks", stage_range(s, level - 1));
-  return fmt::format("{} segments: {}", n, what);
+  return fmt::format("{} segments: {}", segment_count(s, level), what);
 }
 
 std::int64_t set_recompute_blocks(Module& model, bool on) {
