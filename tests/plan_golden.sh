@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# plan_golden.sh TALLY FIXTURE_DIR [--update] — `tally plan` output for fixed configurations against
+# the text kept in FIXTURE_DIR (one NAME.txt per case: exit status, stdout, stderr).
+#
+# The planner's decisions (micro-batch size, recomputation level, predicted peak, what is live at
+# the peak, the per-layer table) are the contract MBP rests on, so a change of code that is meant
+# to keep behaviour must keep these bytes. Only the timing line ("N dry runs in X s") is dropped.
+# A change that is meant to alter a plan regenerates the files with --update and says why in its
+# commit.
+set -uo pipefail
+tally=${1:?usage: plan_golden.sh TALLY FIXTURE_DIR [--update]}
+dir=${2:?usage: plan_golden.sh TALLY FIXTURE_DIR [--update]}
+update=${3:-}
+
+r50=(--model resnet50 --input 3x224x224 --batch-size 4096 --memory-limit 8GiB)
+cases=(
+  "resnet50_224_b4096_8GiB_none|${r50[*]} --recompute none"
+  "resnet50_224_b4096_8GiB_blocks|${r50[*]} --recompute blocks"
+  "resnet50_224_b4096_8GiB_all|${r50[*]} --recompute all"
+  "resnet20_28_b512_32MiB|--model resnet20 --input 1x28x28 --batch-size 512 --memory-limit 32MiB"
+  "resnet50_1024_b2_1GiB_auto|--model resnet50 --input 3x1024x1024 --batch-size 2 --memory-limit 1GiB"
+  "resnet18_group_adamw_blocks_layer1|--model resnet18 --norm group --optimizer adamw --input 3x64x64 --batch-size 300 --memory-limit 200MiB --recompute blocks+layer1"
+  "resnet9_fixed_micro_batch_too_large|--model resnet9 --norm none --input 3x32x32 --batch-size 1000 --memory-limit 128MiB --micro-batch 77 --no-layers --momentum 0"
+  "resnet56_group_12MiB_none|--model resnet56 --norm group --input 3x32x32 --batch-size 64 --memory-limit 12MiB --recompute none --no-layers"
+)
+
+failed=0
+for c in "${cases[@]}"; do
+  name=${c%%|*}
+  read -r -a args <<<"${c#*|}"
+  "$tally" plan "${args[@]}" >/tmp/plan_golden.$$.out 2>/tmp/plan_golden.$$.err
+  out=$(echo "exit status $?"; echo "-- stdout"; grep -v ' dry runs in .* s; nothing was computed$' /tmp/plan_golden.$$.out
+        echo "-- stderr"; cat /tmp/plan_golden.$$.err)
+  file=$dir/$name.txt
+  if [[ $update == --update ]]; then
+    printf '%s\n' "$out" >"$file"
+    echo "wrote $file"
+  elif ! diff -u "$file" <(printf '%s\n' "$out") >/tmp/plan_golden.$$.diff; then
+    echo "FAILED $name: tally plan ${args[*]} differs from $file:"
+    cat /tmp/plan_golden.$$.diff
+    failed=1
+  else
+    echo "ok $name"
+  fi
+done
+rm -f /tmp/plan_golden.$$.diff /tmp/plan_golden.$$.out /tmp/plan_golden.$$.err
+exit $failed
