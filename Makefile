@@ -42,7 +42,7 @@ RUN_DIR ?= runs/$(shell date +%Y%m%d-%H%M%S)
 
 # The main job: ResNet-20 on Fashion-MNIST (Debian's dataset-fashion-mnist, 60,000 real images)
 # with a batch of 512 in a 32 MiB memory limit — a batch that does not fit, so the planner splits
-# it into micro-batches — for 2 epochs (about 9 minutes on 2 cores), the learning rate scaled
+# it into micro-batches — for 2 epochs (about 2.5 minutes on 2 cores), the learning rate scaled
 # linearly for the batch (0.1 x 512/128) after a warm-up of half an epoch, then cosine; leaving
 # metrics.csv, summary.json, memory_trace.json and memory.svg in a run folder.
 train: build

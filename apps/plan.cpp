@@ -9,10 +9,11 @@
 #include <fmt/ostream.h>
 
 #include "apps/setup.h"
+#include "core/dry_run.h"
 #include "core/memory.h"
-#include "layers/resnet.h"
+#include "nn/resnet.h"
 #include "mbp/executor.h"
-#include "mbp/layer_table.h"
+#include "mbp/report/layer_table.h"
 #include "optim/optimizer.h"
 
 namespace tally::app {
@@ -78,7 +79,7 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   const std::string recompute = recompute_summary(chosen);
   if (opt.layers) {
     fmt::print(out, "\nper layer, forward in training mode at the planned micro-batch of {}:\n", p.micro_batch);
-    out << mbp::format_layer_table(mbp::layer_table(*setup.model, *arena, sample, p.micro_batch), p.micro_batch);
+    out << report::format_layer_table(report::layer_table(*setup.model, *arena, sample, p.micro_batch), p.micro_batch);
   }
   fmt::print(out, "\nplan: {}\n", p.summary());
   fmt::print(out, "      live at the peak: {}\n", p.at_peak.str());

@@ -1,7 +1,7 @@
 // apps/plan.h — `tally plan`: the memory plan of a training step, without training.
 //
 // Builds the model and optimizer on a virtual arena of the budget's size (no memory is touched
-// and nothing is computed), prints the per-layer table (mbp/layer_table.h) at the planned
+// and nothing is computed), prints the per-layer table (mbp/report/layer_table.h) at the planned
 // micro-batch size and the plan (mbp/planner.h): B, m, k, predicted peak against the budget
 // and what is live at the peak. ResNet-50 at 3x224x224, batch 4096, plans in seconds on a CPU.
 #pragma once
@@ -26,7 +26,7 @@ struct PlanOptions {
   double momentum = 0.9;                     // SGD momentum (0: no momentum buffer)
   std::string device = "cpu";
   bool layers = true;                        // print the per-layer table
-  std::string recompute = "auto";            // auto | none | all (apps/setup.h)
+  std::string recompute = "auto";            // auto | none | blocks | blocks+layerK[-layerL] | all (apps/setup.h)
 };
 
 // Prints the table and the plan to `out`; returns the plan. Bad options and budgets that cannot

@@ -9,7 +9,7 @@
 
 #include "core/error.h"
 #include "core/memory.h"
-#include "layers/checkpoint.h"
+#include "nn/state_dict.h"
 
 namespace tally::app {
 

@@ -19,8 +19,8 @@
 
 #include "core/arena.h"
 #include "core/device.h"
-#include "layers/module.h"
-#include "layers/resnet.h"
+#include "nn/module.h"
+#include "nn/resnet.h"
 #include "mbp/executor.h"
 #include "optim/optimizer.h"
 
@@ -72,7 +72,7 @@ std::string persistent_summary(const Arena& arena);
 // executor.plan(batch), with an explicit micro-batch's failure named by its flag.
 const mbp::Plan& plan_step(mbp::Executor& executor, std::int64_t batch, std::optional<std::int64_t> micro_batch);
 
-// --recompute: a level of layers/resnet.h's ladder — none; blocks (every residual block but the last, and an
+// --recompute: a level of nn/resnet.h's ladder — none; blocks (every residual block but the last, and an
 // ImageNet ResNet's stem recomputed: about one more forward); all (the stages too, nested: the
 // least memory, about two more forwards) — or auto, which walks the ladder from none and takes
 // the first level on which a micro-batch of at least one sample fits (the intermediate levels,

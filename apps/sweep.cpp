@@ -15,10 +15,10 @@
 
 #include "apps/plan.h"
 #include "apps/setup.h"
-#include "dist/communicator.h"
+#include "distributed/communicator.h"
 #include "core/arena.h"
 #include "core/error.h"
-#include "mbp/timeline.h"
+#include "mbp/report/timeline.h"
 
 namespace tally::app {
 
@@ -74,7 +74,7 @@ std::string csv(const std::vector<SweepRow>& rows) {
 std::vector<SweepRow> sweep(const SweepOptions& opt, std::ostream& log) {
   // ---- every check before any training ------------------------------------------------------------
   if (opt.train.out.empty()) throw Error("tally sweep needs --out DIR for sweep.csv, sweep.svg and the runs");
-  if (dist::launched_by_mpi())
+  if (distributed::launched_by_mpi())
     throw Error("tally sweep runs in one process; under mpirun, run `tally train` once per batch size instead");
   check_choice("--lr-scaling", opt.lr_scaling, {"linear", "sqrt"});
   const std::vector<std::int64_t> sizes = parse_batch_sizes(opt.batch_sizes);
@@ -178,7 +178,7 @@ std::string sweep_svg(const std::vector<SweepRow>& rows, std::int64_t memory_lim
       "<text x=\"{2}\" y=\"22\" font-size=\"15\" font-weight=\"bold\">{3}</text>\n"
       "<text x=\"{2}\" y=\"40\">memory limit {4}; filled: the batch ran as micro-batches (k &gt; 1), hollow: in one "
       "piece</text>\n",
-      W, H, left, mbp::svg_escape(title), format_bytes(static_cast<std::size_t>(memory_limit_bytes)));
+      W, H, left, report::svg_escape(title), format_bytes(static_cast<std::size_t>(memory_limit_bytes)));
   if (r.empty()) return s + "</svg>\n";
   const double lx0 = std::log2(static_cast<double>(r.front().batch_size)) - 0.5;
   const double lx1 = std::log2(static_cast<double>(r.back().batch_size)) + 0.5;

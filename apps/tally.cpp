@@ -17,8 +17,8 @@
 #include "apps/sweep.h"
 #include "apps/trainer.h"
 #include "core/device.h"
-#include "dist/communicator.h"
-#include "layers/resnet.h"
+#include "distributed/communicator.h"
+#include "nn/resnet.h"
 
 using namespace tally;
 
@@ -128,10 +128,10 @@ struct TrainFlags {
 // An error ends the run with a non-zero exit. Under mpirun it ends every rank: the others would
 // otherwise wait in their next collective for this one forever.
 int fail(const std::exception& e) {
-  if (tally::dist::launched_by_mpi() && tally::dist::have_mpi()) {
-    std::shared_ptr<tally::dist::Communicator> world;
+  if (tally::distributed::launched_by_mpi() && tally::distributed::have_mpi()) {
+    std::shared_ptr<tally::distributed::Communicator> world;
     try {
-      world = tally::dist::mpi_world();
+      world = tally::distributed::mpi_world();
     } catch (const std::exception&) {
     }
     if (world && world->size() > 1) {

@@ -22,15 +22,15 @@
 #endif
 #include "core/memory.h"
 #include "core/ops.h"
-#include "layers/checkpoint.h"
+#include "nn/state_dict.h"
 #include "data/data.h"
-#include "dist/communicator.h"
-#include "dist/data_parallel.h"
+#include "distributed/communicator.h"
+#include "distributed/data_parallel.h"
 #include "kernels/cpu/cpu_kernels.h"
-#include "layers/init.h"
-#include "layers/resnet.h"
+#include "nn/init.h"
+#include "nn/resnet.h"
 #include "mbp/executor.h"
-#include "mbp/timeline.h"
+#include "mbp/report/timeline.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 
@@ -234,17 +234,17 @@ void write_timeline(const TrainOptions& opt, Arena& arena, Device dev, std::int6
                     std::int64_t batch) {
   const std::filesystem::path dir(opt.out);
   write_text(dir / "memory_trace.json", arena.trace_json());
-  mbp::TimelineOptions to;
+  report::TimelineOptions to;
   to.title = fmt::format("{} (norm {}) on {}: step {}, batch {} as {} micro-batches of <= {}", opt.model, opt.norm,
                          dev.str(), step + 1, batch, r.micro_batches, r.micro_batch);
   to.budget = arena.capacity();
   to.predicted_peak = r.predicted_peak;
-  write_text(dir / "memory.svg", mbp::memory_svg(arena, to));
+  write_text(dir / "memory.svg", report::memory_svg(arena, to));
   arena.clear_trace();
 }
 
 // Every rank's memory plan and peaks, known to all (a sum where each rank fills its own row).
-std::vector<RankResult> gather_ranks(dist::Communicator& comm, const TrainResult& mine) {
+std::vector<RankResult> gather_ranks(distributed::Communicator& comm, const TrainResult& mine) {
   constexpr std::size_t kFields = 5;
   std::vector<double> rows(kFields * static_cast<std::size_t>(comm.size()), 0.0);
   double* row = rows.data() + kFields * static_cast<std::size_t>(comm.rank());
@@ -314,7 +314,7 @@ DataInfo describe_data(const TrainOptions& opt) {
 
 TrainResult train(const TrainOptions& options, std::ostream& all_log) {
   // ---- the ranks: this process alone, or one of mpirun's (docs/distributed.md) ----------------------
-  const std::shared_ptr<dist::Communicator> world = dist::process_world();
+  const std::shared_ptr<distributed::Communicator> world = distributed::process_world();
   const int rank = world->rank(), ranks = world->size();
   TrainOptions opt = options;
   Device dev = validate(opt);
@@ -325,11 +325,11 @@ TrainResult train(const TrainOptions& options, std::ostream& all_log) {
                             options.memory_limit, limits.size(), ranks, ranks == 1 ? "" : "s",
                             ranks == 1 ? fmt::format(" (start it with mpirun -np {})", limits.size()) : ""));
   opt.memory_limit = limits.size() == 1 ? limits[0] : limits[static_cast<std::size_t>(rank)];
-  dist::check_same_text(options_text(options), *world, "options");
+  distributed::check_same_text(options_text(options), *world, "options");
   if (ranks > 1 && opt.loss_normalization != "exact")
     throw Error("--loss-normalization per-micro-batch is for one process; data parallelism uses exact");
   if (ranks > 1 && dev.is_cuda() && (opt.device == "auto" || opt.device == "cuda"))
-    dev = Device::cuda(dist::local_rank());  // each rank of a machine on its own GPU
+    dev = Device::cuda(distributed::local_rank());  // each rank of a machine on its own GPU
   // Rank 0 speaks and writes the run folder; the others train silently.
   std::ofstream silent;
   std::ostream& log = rank == 0 ? all_log : silent;
@@ -376,8 +376,8 @@ TrainResult train(const TrainOptions& options, std::ostream& all_log) {
   oc.lr = opt.lr, oc.momentum = opt.momentum, oc.weight_decay = opt.weight_decay, oc.nesterov = opt.nesterov;
   const Setup setup = build_setup(arena, mc, opt.init, oc, format_bytes(arena->capacity()));
   nn::Module& model = *setup.model;
-  const std::shared_ptr<dist::Communicator> comm = dist::for_device(world, dev);
-  dist::broadcast_parameters(model, *comm);  // every rank starts from rank 0's weights
+  const std::shared_ptr<distributed::Communicator> comm = distributed::for_device(world, dev);
+  distributed::broadcast_parameters(model, *comm);  // every rank starts from rank 0's weights
   optim::Optimizer& optimizer = *setup.optimizer;
   optim::ScheduleOptions sched;
   sched.kind = opt.schedule;
@@ -408,7 +408,7 @@ TrainResult train(const TrainOptions& options, std::ostream& all_log) {
   eo.communicator = comm;
   mbp::Executor executor(model, optimizer, arena, eo);
   // This rank's share of every global batch (drop_last: every step has the full batch).
-  const dist::Shard share = dist::shard(opt.batch_size, ranks, rank);
+  const distributed::Shard share = distributed::shard(opt.batch_size, ranks, rank);
   const std::int64_t sample_numel = train_set.channels * train_set.height * train_set.width;
   if (ranks > 1)
     fmt::print(log, "data parallel: {} ranks over {} ({}), rank 0 takes {} of the {} samples of a step, each rank "
@@ -522,7 +522,7 @@ TrainResult train(const TrainOptions& options, std::ostream& all_log) {
   result.world_size = ranks;
   if (step > 1) result.communication_seconds_per_step = steady_communication / static_cast<double>(step - 1);
   result.ranks = gather_ranks(*world, result);
-  if (!dist::parameters_identical(model, *comm))
+  if (!distributed::parameters_identical(model, *comm))
     throw Error(fmt::format("after {} steps the ranks' parameters differ; a data-parallel run must keep them identical",
                             step));
   if (ranks > 1) {

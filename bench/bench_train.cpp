@@ -20,8 +20,8 @@
 
 #include "core/cuda_runtime.h"
 #include "core/memory.h"
-#include "layers/init.h"
-#include "layers/resnet.h"
+#include "nn/init.h"
+#include "nn/resnet.h"
 #include "mbp/executor.h"
 #include "optim/optimizer.h"
 

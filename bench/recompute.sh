@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # bench/recompute.sh — what recomputation buys and costs on the CPU, by level of the ladder
-# (layers/resnet.h): none, blocks, blocks + layer1, all.
+# (nn/resnet.h): none, blocks, blocks + layer1, all.
 #   1. memory, planned (nothing computed): ResNet-50 3x224x224 in an 8 GiB budget — the bytes of
 #      category activation live at a one-sample step's peak, and the micro-batch at batch 4096;
 #      plus the FLOPs each level re-runs per step;

@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 
+#include "core/dry_run.h"
 #include "core/memory.h"
 #include "core/ops.h"
 

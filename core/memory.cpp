@@ -1,4 +1,4 @@
-// core/memory.cpp — default arenas per device, thread-local arena scopes and dry-run switch.
+// core/memory.cpp — default arenas per device and thread-local arena scopes.
 #include "core/memory.h"
 
 #include <algorithm>
@@ -24,7 +24,6 @@ Defaults& defaults() {
 
 thread_local std::shared_ptr<Arena> tl_cpu_override;
 thread_local std::unordered_map<int, std::shared_ptr<Arena>> tl_cuda_override;
-thread_local bool tl_dry = false;
 
 std::shared_ptr<Arena>& override_slot(Device d) {
   return d.is_cpu() ? tl_cpu_override : tl_cuda_override[d.index];
@@ -92,9 +91,5 @@ ArenaScope::ArenaScope(std::shared_ptr<Arena> arena) : arena_(std::move(arena)) 
   slot = arena_;
 }
 ArenaScope::~ArenaScope() { override_slot(arena_->device()) = previous_; }
-
-bool is_dry_run() { return tl_dry; }
-DryRunGuard::DryRunGuard() : previous_(tl_dry) { tl_dry = true; }
-DryRunGuard::~DryRunGuard() { tl_dry = previous_; }
 
 }  // namespace tally

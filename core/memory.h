@@ -1,14 +1,10 @@
-// core/memory.h — which arena a new tensor's bytes come from, and the dry-run switch.
+// core/memory.h — which arena a new tensor's bytes come from (the dry-run switch is core/dry_run.h).
 //
 // Each device has a default arena, created on first use with a documented capacity (CPU: 8 GiB
 // of address space, reserved with MAP_NORESERVE so untouched bytes cost nothing; CUDA: the free
 // device memory less a margin of max(1 GiB, 1/32 of the device)) or with the capacity given to configure_arena().
 // An ArenaScope makes another arena (typically a virtual clone for a dry run) the current one
 // for its device on this thread until the scope ends.
-//
-// Dry run (DESIGN.md): under a DryRunGuard every op allocates its outputs, saved tensors and
-// workspaces exactly as in a real run but launches no kernel. Run on a virtual arena, a dry run
-// of a training step predicts the real step's peak to the byte.
 #pragma once
 #include <cstddef>
 #include <memory>
@@ -47,18 +43,6 @@ class ArenaScope {
 
  private:
   std::shared_ptr<Arena> arena_, previous_;
-};
-
-bool is_dry_run();
-class DryRunGuard {
- public:
-  DryRunGuard();
-  ~DryRunGuard();
-  DryRunGuard(const DryRunGuard&) = delete;
-  DryRunGuard& operator=(const DryRunGuard&) = delete;
-
- private:
-  bool previous_;
 };
 
 }  // namespace tally

@@ -13,6 +13,7 @@
 
 #include "core/autograd.h"
 #include "core/dispatch.h"
+#include "core/dry_run.h"
 #include "core/memory.h"
 #include "kernels/cpu/cpu_kernels.h"
 

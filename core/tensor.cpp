@@ -7,6 +7,7 @@
 
 #include "core/autograd.h"
 #include "core/cuda_runtime.h"
+#include "core/dry_run.h"
 #include "core/memory.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "tally/config.h"

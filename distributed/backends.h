@@ -1,16 +1,16 @@
-// dist/backends.h — the factories of the MPI and NCCL backends (compiled where the libraries
-// exist); private to dist/.
+// distributed/backends.h — the factories of the MPI and NCCL backends (compiled where the libraries
+// exist); private to distributed/.
 #pragma once
 #include <memory>
 
-#include "dist/communicator.h"
+#include "distributed/communicator.h"
 
-namespace tally::dist::detail {
+namespace tally::distributed::detail {
 
-std::shared_ptr<Communicator> make_mpi_world();  // dist/mpi.cpp
-std::shared_ptr<Communicator> make_nccl(const std::shared_ptr<Communicator>& host, Device device);  // dist/nccl.cpp
+std::shared_ptr<Communicator> make_mpi_world();  // distributed/mpi.cpp
+std::shared_ptr<Communicator> make_nccl(const std::shared_ptr<Communicator>& host, Device device);  // distributed/nccl.cpp
 
 // Checks that a collective may take `t`: contiguous, float32 or float64. `what` names the caller.
 void check_collective_tensor(const Tensor& t, const char* what);
 
-}  // namespace tally::dist::detail
+}  // namespace tally::distributed::detail

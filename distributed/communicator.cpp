@@ -1,5 +1,5 @@
-// dist/communicator.cpp — the local backend and the choice of backend; see dist/communicator.h.
-#include "dist/communicator.h"
+// distributed/communicator.cpp — the local backend and the choice of backend; see distributed/communicator.h.
+#include "distributed/communicator.h"
 
 #include <cstdlib>
 
@@ -7,10 +7,10 @@
 
 #include "core/error.h"
 #include "core/memory.h"
-#include "dist/backends.h"
+#include "distributed/backends.h"
 #include "tally/config.h"
 
-namespace tally::dist {
+namespace tally::distributed {
 
 namespace detail {
 
@@ -79,7 +79,7 @@ std::shared_ptr<Communicator> mpi_world() {
 }
 
 std::shared_ptr<Communicator> for_device(const std::shared_ptr<Communicator>& host, Device device) {
-  if (!host) throw Error("dist::for_device: expected a host communicator, found none");
+  if (!host) throw Error("distributed::for_device: expected a host communicator, found none");
   if (device.is_cpu()) return host;
 #if TALLY_HAVE_NCCL
   return detail::make_nccl(host, device);
@@ -98,4 +98,4 @@ std::shared_ptr<Communicator> process_world() {
   return mpi_world();
 }
 
-}  // namespace tally::dist
+}  // namespace tally::distributed

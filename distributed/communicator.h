@@ -1,4 +1,4 @@
-// dist/communicator.h — the collectives of data-parallel training, on an existing engine.
+// distributed/communicator.h — the collectives of data-parallel training, on an existing engine.
 //
 // A Communicator joins the ranks (processes) of one job. tally needs three collectives, all of
 // them blocking from the caller's point of view and called by every rank in the same order:
@@ -27,7 +27,7 @@
 #include "core/device.h"
 #include "core/tensor.h"
 
-namespace tally::dist {
+namespace tally::distributed {
 
 class Communicator {
  public:
@@ -75,4 +75,4 @@ std::shared_ptr<Communicator> for_device(const std::shared_ptr<Communicator>& ho
 // MPI), else local(). Launched by mpirun without MPI in the build: an Error.
 std::shared_ptr<Communicator> process_world();
 
-}  // namespace tally::dist
+}  // namespace tally::distributed

@@ -1,5 +1,5 @@
-// dist/data_parallel.cpp — shards, parameter broadcast and checks; see dist/data_parallel.h.
-#include "dist/data_parallel.h"
+// distributed/data_parallel.cpp — shards, parameter broadcast and checks; see distributed/data_parallel.h.
+#include "distributed/data_parallel.h"
 
 #include <algorithm>
 #include <cstring>
@@ -10,7 +10,7 @@
 
 #include "core/error.h"
 
-namespace tally::dist {
+namespace tally::distributed {
 
 Shard shard(std::int64_t batch, int ranks, int rank) {
   if (ranks < 1 || rank < 0 || rank >= ranks)
@@ -109,4 +109,4 @@ void check_same_text(const std::string& text, Communicator& comm, const std::str
                           what, a, r, b, std::count(differs.begin(), differs.end(), 1.0), comm.size()));
 }
 
-}  // namespace tally::dist
+}  // namespace tally::distributed

@@ -1,4 +1,4 @@
-// dist/data_parallel.h — what data-parallel training needs besides the step (mbp::Executor runs
+// distributed/data_parallel.h — what data-parallel training needs besides the step (mbp::Executor runs
 // the step itself when given a communicator; docs/distributed.md):
 //
 //   shard                 rank r of N takes samples [r*B/N, (r+1)*B/N) of a global batch of B:
@@ -12,10 +12,10 @@
 #include <cstdint>
 #include <string>
 
-#include "dist/communicator.h"
-#include "layers/module.h"
+#include "distributed/communicator.h"
+#include "nn/module.h"
 
-namespace tally::dist {
+namespace tally::distributed {
 
 struct Shard {
   std::int64_t offset = 0, size = 0;
@@ -29,4 +29,4 @@ bool parameters_identical(const nn::Module& model, Communicator& comm);
 // `what` names the text in the error ("options").
 void check_same_text(const std::string& text, Communicator& comm, const std::string& what);
 
-}  // namespace tally::dist
+}  // namespace tally::distributed

@@ -1,4 +1,4 @@
-// dist/mpi.cpp — the MPI backend: host buffers and CPU tensors over MPI_COMM_WORLD.
+// distributed/mpi.cpp — the MPI backend: host buffers and CPU tensors over MPI_COMM_WORLD.
 //
 // MPI starts on the first mpi_world() and is finalized at exit (std::atexit). Errors keep MPI's
 // default handler (MPI_ERRORS_ARE_FATAL): a failed collective ends every rank with MPI's own
@@ -10,10 +10,11 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "core/dry_run.h"
 #include "core/memory.h"
-#include "dist/backends.h"
+#include "distributed/backends.h"
 
-namespace tally::dist::detail {
+namespace tally::distributed::detail {
 
 namespace {
 
@@ -97,4 +98,4 @@ class Mpi final : public Communicator {
 
 std::shared_ptr<Communicator> make_mpi_world() { return std::make_shared<Mpi>(); }
 
-}  // namespace tally::dist::detail
+}  // namespace tally::distributed::detail

@@ -1,4 +1,4 @@
-// dist/nccl.cpp — the NCCL backend: CUDA tensors over NCCL, each rank on its own GPU.
+// distributed/nccl.cpp — the NCCL backend: CUDA tensors over NCCL, each rank on its own GPU.
 //
 // Bootstrap: rank 0 asks NCCL for a unique id, the host communicator (MPI; or none in a world of
 // one) broadcasts it, and every rank joins with ncclCommInitRank. Collectives are enqueued on
@@ -11,11 +11,12 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "core/dry_run.h"
 #include "core/memory.h"
-#include "dist/backends.h"
+#include "distributed/backends.h"
 #include "kernels/cuda/context.h"
 
-namespace tally::dist::detail {
+namespace tally::distributed::detail {
 
 namespace {
 
@@ -87,4 +88,4 @@ std::shared_ptr<Communicator> make_nccl(const std::shared_ptr<Communicator>& hos
   return std::make_shared<Nccl>(host, device);
 }
 
-}  // namespace tally::dist::detail
+}  // namespace tally::distributed::detail

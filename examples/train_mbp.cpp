@@ -7,7 +7,7 @@
 
 #include "core/memory.h"
 #include "data/data.h"
-#include "layers/resnet.h"
+#include "nn/resnet.h"
 #include "mbp/executor.h"
 #include "optim/optimizer.h"
 

@@ -3,9 +3,9 @@
 #include <cstdio>
 
 #include "core/ops.h"
-#include "layers/checkpoint.h"
+#include "nn/state_dict.h"
 #include "data/data.h"
-#include "layers/resnet.h"
+#include "nn/resnet.h"
 #include "optim/optimizer.h"
 
 int main() {

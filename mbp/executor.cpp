@@ -9,6 +9,7 @@
 
 #include "core/autograd.h"
 #include "core/cuda_runtime.h"
+#include "core/dry_run.h"
 #include "core/memory.h"
 #include "tally/config.h"
 #if TALLY_HAVE_CUDA
@@ -285,7 +286,7 @@ void Executor::run_step(const float* images, const std::int64_t* labels, const s
 }
 
 void Executor::reduce_across_ranks(Tensor& loss) {
-  dist::Communicator& comm = *opt_.communicator;
+  distributed::Communicator& comm = *opt_.communicator;
   const bool dry = is_dry_run();
   const auto& arena = current_arena(device_);
   arena->mark("all-reduce");

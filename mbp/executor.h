@@ -14,7 +14,7 @@
 //      every other byte of the micro-batch is freed by its end. Targets are checked on the host
 //      once per step, and the loss is summed on the device.
 //   4. BatchNorm: each micro-batch normalizes with its own statistics; the running statistics
-//      are updated once per step from the moments of all micro-batches (layers/layers.h).
+//      are updated once per step from the moments of all micro-batches (nn/modules.h).
 //   5. One optimizer step, then the gradients are zeroed; then the step's loss is read — on CUDA
 //      the one time a step waits for the device.
 //   6. Data parallelism (an MPI or NCCL communicator; docs/distributed.md): the batch
@@ -41,9 +41,9 @@
 
 #include "core/ops.h"
 #include "core/tensor.h"
-#include "dist/communicator.h"
-#include "layers/layers.h"
-#include "layers/module.h"
+#include "distributed/communicator.h"
+#include "nn/modules.h"
+#include "nn/module.h"
 #include "mbp/planner.h"
 #include "optim/optimizer.h"
 
@@ -64,9 +64,9 @@ struct ExecutorOptions {
   LossNormalization normalization = LossNormalization::exact;
   std::optional<std::int64_t> micro_batch{};  // fixed m; unset = the largest that fits
   int max_oom_retries = 16;
-  // Data parallelism: the ranks this step is shared with (unset or dist::local(): this process
+  // Data parallelism: the ranks this step is shared with (unset or distributed::local(): this process
   // alone). Must serve the model's device (MPI: CPU, NCCL: CUDA).
-  std::shared_ptr<dist::Communicator> communicator{};
+  std::shared_ptr<distributed::Communicator> communicator{};
   // The most bytes of gradients summed over the ranks in one collective.
   std::size_t bucket_bytes = std::size_t(8) << 20;
   // Called with a line of text when a step is retried after running out of memory.
@@ -99,7 +99,7 @@ class Executor {
   const Plan& plan(std::int64_t batch);
 
   // One training step on host data: images (batch, sample_shape...) as float32, labels (batch).
-  // With a communicator of N > 1 ranks: this rank's share of the global batch (dist::shard), and
+  // With a communicator of N > 1 ranks: this rank's share of the global batch (distributed::shard), and
   // every rank calls step() for every global step.
   StepResult step(const float* images, const std::int64_t* labels, std::int64_t batch);
 

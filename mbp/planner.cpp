@@ -6,6 +6,7 @@
 
 #include <fmt/format.h>
 
+#include "core/dry_run.h"
 #include "core/memory.h"
 
 namespace tally::mbp {

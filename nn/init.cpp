@@ -1,5 +1,5 @@
-// layers/init.cpp — see init.h for the formulas.
-#include "layers/init.h"
+// nn/init.cpp — see init.h for the formulas.
+#include "nn/init.h"
 
 #include <cmath>
 #include <vector>
@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "core/dry_run.h"
 #include "core/memory.h"
 
 namespace tally::nn {

@@ -1,4 +1,4 @@
-// layers/init.h — parameter initialization with PyTorch's formulas (torch.nn.init).
+// nn/init.h — parameter initialization with PyTorch's formulas (torch.nn.init).
 //
 // Values are drawn on the host from one global generator (std::mt19937_64, seed 0 until
 // manual_seed) and copied into the tensor, whatever its device. The formulas match PyTorch;

@@ -1,5 +1,5 @@
-// layers/module.cpp — registration, recursive traversal, train/eval, zero_grad, to(Device).
-#include "layers/module.h"
+// nn/module.cpp — registration, recursive traversal, train/eval, zero_grad, to(Device).
+#include "nn/module.h"
 
 #include <fmt/format.h>
 

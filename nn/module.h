@@ -1,4 +1,4 @@
-// layers/module.h — the Module base class, modelled on libtorch's frontend (torch::nn::Module).
+// nn/module.h — the Module base class, modelled on libtorch's frontend (torch::nn::Module).
 //
 // A Module owns named parameters (leaf tensors that require grad), named buffers (state that is
 // saved but not trained: BatchNorm's running statistics) and named child modules, all kept in

@@ -1,5 +1,5 @@
-// layers/layers.cpp — Conv2d, Linear, BatchNorm2d, GroupNorm, pools, Sequential.
-#include "layers/layers.h"
+// nn/modules.cpp — Conv2d, Linear, BatchNorm2d, GroupNorm, pools, Sequential.
+#include "nn/modules.h"
 
 #include <cmath>
 
@@ -7,8 +7,9 @@
 
 #include "core/dispatch.h"
 #include "core/error.h"
+#include "core/dry_run.h"
 #include "core/memory.h"
-#include "layers/init.h"
+#include "nn/init.h"
 
 namespace tally::nn {
 

@@ -1,4 +1,4 @@
-// layers/layers.h — the standard layers: thin Modules over the ops of core/ops.h.
+// nn/modules.h — the standard layers: thin Modules over the ops of core/ops.h.
 //
 // Names, shapes, defaults and initialization follow torch.nn, so state dicts interchange:
 //   Conv2d       weight (out, in/groups, k, k), bias (out)    kaiming_uniform(a = sqrt(5))
@@ -22,7 +22,7 @@
 #include <vector>
 
 #include "core/ops.h"
-#include "layers/module.h"
+#include "nn/module.h"
 
 namespace tally::nn {
 

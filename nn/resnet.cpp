@@ -1,5 +1,5 @@
-// layers/resnet.cpp — ResNet builders (names and structure in resnet.h).
-#include "layers/resnet.h"
+// nn/resnet.cpp — ResNet builders (names and structure in resnet.h).
+#include "nn/resnet.h"
 
 #include <algorithm>
 
@@ -7,7 +7,7 @@
 #include <fmt/ranges.h>
 
 #include "core/error.h"
-#include "layers/init.h"
+#include "nn/init.h"
 
 namespace tally::nn {
 

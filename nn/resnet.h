@@ -1,4 +1,4 @@
-// layers/resnet.h — the ResNet family, with torchvision's module names so that state dicts
+// nn/resnet.h — the ResNet family, with torchvision's module names so that state dicts
 // interchange with PyTorch (load a torchvision checkpoint converted to safetensors, or save one
 // PyTorch can load).
 //
@@ -39,7 +39,7 @@
 #include <string>
 #include <vector>
 
-#include "layers/layers.h"
+#include "nn/modules.h"
 
 namespace tally::nn {
 

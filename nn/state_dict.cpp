@@ -1,5 +1,5 @@
-// layers/checkpoint.cpp — save_state_dict / load_state_dict over core/safetensors.
-#include "layers/checkpoint.h"
+// nn/state_dict.cpp — save_state_dict / load_state_dict over core/safetensors.
+#include "nn/state_dict.h"
 
 #include <map>
 #include <vector>

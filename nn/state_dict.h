@@ -1,4 +1,4 @@
-// layers/checkpoint.h — a Module's state dict as a safetensors file.
+// nn/state_dict.h — a Module's state dict as a safetensors file.
 //
 // The state dict is every parameter and buffer under its dotted name (torchvision's names for
 // the ResNets), float tensors as F32 (F64 for a float64 model) and BatchNorm's
@@ -8,7 +8,7 @@
 #pragma once
 #include <string>
 
-#include "layers/module.h"
+#include "nn/module.h"
 
 namespace tally::nn {
 

@@ -15,6 +15,7 @@
 
 #include "core/dispatch.h"
 #include "core/error.h"
+#include "core/dry_run.h"
 #include "core/memory.h"
 
 namespace tally::optim {

@@ -5,6 +5,7 @@
 #include <random>
 
 #include "core/autograd.h"
+#include "core/dry_run.h"
 #include "core/memory.h"
 #include "core/ops.h"
 

@@ -1,4 +1,4 @@
-// Data parallelism (dist/ and mbp::Executor with a communicator). Run under `mpirun -np 2`
+// Data parallelism (distributed/ and mbp::Executor with a communicator). Run under `mpirun -np 2`
 // (ctest does; each test skips, saying so, in a world of one):
 //   * collectives: sums and broadcasts of host doubles and CPU tensors against values computed
 //     on every rank;
@@ -25,8 +25,8 @@
 #include "core/autograd.h"
 #include "core/memory.h"
 #include "core/safetensors.h"
-#include "dist/communicator.h"
-#include "dist/data_parallel.h"
+#include "distributed/communicator.h"
+#include "distributed/data_parallel.h"
 #include "mbp/executor.h"
 #include "tests/model_common.h"
 
@@ -35,7 +35,7 @@ using namespace tally::test;
 
 namespace {
 
-std::shared_ptr<dist::Communicator> world() { return dist::process_world(); }
+std::shared_ptr<distributed::Communicator> world() { return distributed::process_world(); }
 
 #define REQUIRE_TWO_RANKS()                                                                        \
   if (world()->size() != 2) GTEST_SKIP() << "needs exactly 2 ranks: run under mpirun -np 2 (this " \
@@ -47,7 +47,7 @@ class Dist : public ::testing::Test {
 };
 
 mbp::ExecutorOptions options(const Shape& sample, std::optional<std::int64_t> micro_batch,
-                             std::shared_ptr<dist::Communicator> comm) {
+                             std::shared_ptr<distributed::Communicator> comm) {
   mbp::ExecutorOptions eo;
   eo.sample_shape = sample;
   eo.micro_batch = micro_batch;
@@ -101,7 +101,7 @@ TEST(Shard, EverySampleOnceSizesDifferByAtMostOne) {
     for (std::int64_t batch : {7, 8, 100, 129}) {
       std::int64_t next = 0, lo = batch, hi = 0;
       for (int r = 0; r < ranks; ++r) {
-        const dist::Shard s = dist::shard(batch, ranks, r);
+        const distributed::Shard s = distributed::shard(batch, ranks, r);
         EXPECT_EQ(s.offset, next);
         next += s.size;
         lo = std::min(lo, s.size), hi = std::max(hi, s.size);
@@ -109,8 +109,8 @@ TEST(Shard, EverySampleOnceSizesDifferByAtMostOne) {
       EXPECT_EQ(next, batch);
       EXPECT_LE(hi - lo, 1);
     }
-  EXPECT_THROW(dist::shard(3, 4, 0), Error);
-  EXPECT_THROW(dist::shard(8, 2, 2), Error);
+  EXPECT_THROW(distributed::shard(3, 4, 0), Error);
+  EXPECT_THROW(distributed::shard(8, 2, 2), Error);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -139,7 +139,7 @@ TEST_P(TwoRanksEqualOneProcess, ThreeSgdStepsWithMomentumFloat64) {
     dp_opt = sgd(*dp);
   }
   mbp::Executor ex(*dp, *dp_opt, budget, options(sample, uneven ? std::nullopt : std::optional<std::int64_t>(5), comm));
-  const dist::Shard s = dist::shard(B, comm->size(), rank);
+  const distributed::Shard s = distributed::shard(B, comm->size(), rank);
   const std::int64_t numel = shape_numel(sample);
   double m_of[2] = {0, 0};
   for (int step = 0; step < 3; ++step) {
@@ -178,7 +178,7 @@ TEST_P(TwoRanksEqualOneProcess, ThreeSgdStepsWithMomentumFloat64) {
   double moved = 0;
   for (std::size_t i = 0; i < a.size(); ++i) moved = std::max(moved, rel_error(a[i], init[i]));
   EXPECT_GT(moved, 1e-3) << "the parameters moved";
-  EXPECT_TRUE(dist::parameters_identical(*dp, *comm));
+  EXPECT_TRUE(distributed::parameters_identical(*dp, *comm));
   if (rank == 0)
     std::cout << fmt::format("norm {}, micro-batches of {} | {}{}: worst per-tensor relative difference from one "
                              "process {}\n", norm, m_of[0], m_of[1], uneven ? " (rank 1 in 10 MiB)" : "", worst);
@@ -200,7 +200,7 @@ TEST_F(Dist, BatchNormRunningStatisticsAreTheGlobalBatchs) {
   auto one_opt = sgd(*one), dp_opt = sgd(*dp), full_opt = sgd(*full);
   mbp::Executor one_ex(*one, *one_opt, options(sample, 10, nullptr));
   mbp::Executor dp_ex(*dp, *dp_opt, options(sample, std::nullopt, comm));
-  const dist::Shard s = dist::shard(B, comm->size(), comm->rank());
+  const distributed::Shard s = distributed::shard(B, comm->size(), comm->rank());
   for (int step = 0; step < 3; ++step) {
     const Data d = make_data(B, sample, 300 + static_cast<std::uint32_t>(step));
     one_ex.step(d.images.data(), d.labels.data(), B);
@@ -218,7 +218,7 @@ TEST_F(Dist, BatchNormRunningStatisticsAreTheGlobalBatchs) {
   const auto pa = values<double>(*dp), pb = values<double>(*one);
   for (std::size_t i = 0; i < pa.size(); ++i) EXPECT_LE(rel_error(pa[i], pb[i]), 1e-12) << "parameter " << i;
   for (auto* bn : nn::batch_norm_layers(*dp)) EXPECT_EQ(bn->num_batches_tracked.to_vector<std::int64_t>()[0], 3);
-  EXPECT_TRUE(dist::parameters_identical(*dp, *comm));
+  EXPECT_TRUE(distributed::parameters_identical(*dp, *comm));
 
   // After one step, the first layer's statistics against a plain full batch of 20.
   auto dp1 = model("resnet20", "batch", 5, DType::Float64);
@@ -241,7 +241,7 @@ TEST_F(Dist, PeaksAreExactWithTheCollectiveBuffersAndBucketSizeChangesNoBit) {
   auto comm = world();
   const Shape sample{3, 16, 16};
   const std::int64_t B = 24;
-  const dist::Shard s = dist::shard(B, comm->size(), comm->rank());
+  const distributed::Shard s = distributed::shard(B, comm->size(), comm->rank());
   std::vector<std::vector<std::vector<double>>> results;
   for (std::size_t bucket : {std::size_t(64) << 10, std::size_t(8) << 20}) {
     const auto budget = std::make_shared<Arena>(Device::cpu(), parse_size(comm->rank() == 0 ? "24MiB" : "16MiB"));
@@ -264,7 +264,7 @@ TEST_F(Dist, PeaksAreExactWithTheCollectiveBuffersAndBucketSizeChangesNoBit) {
     }
     EXPECT_GT(budget->stats()[Category::temporary].peak, static_cast<std::int64_t>(std::min<std::size_t>(bucket, 1 << 20)))
         << "the gradient bucket was allocated in the arena";
-    EXPECT_TRUE(dist::parameters_identical(*m, *comm));
+    EXPECT_TRUE(distributed::parameters_identical(*m, *comm));
     results.push_back(values<float>(*m));
   }
   EXPECT_TRUE(bitwise_equal(results[0], results[1]));
@@ -274,18 +274,18 @@ TEST_F(Dist, BroadcastParametersGivesEveryRankRank0sWeights) {
   REQUIRE_TWO_RANKS();
   auto comm = world();
   auto m = model("resnet20", "batch", 10 + static_cast<std::uint64_t>(comm->rank()));
-  EXPECT_FALSE(dist::parameters_identical(*m, *comm));
-  dist::broadcast_parameters(*m, *comm);
-  EXPECT_TRUE(dist::parameters_identical(*m, *comm));
+  EXPECT_FALSE(distributed::parameters_identical(*m, *comm));
+  distributed::broadcast_parameters(*m, *comm);
+  EXPECT_TRUE(distributed::parameters_identical(*m, *comm));
   EXPECT_TRUE(bitwise_equal(values<float>(*m), values<float>(*model("resnet20", "batch", 10))));
 }
 
 TEST_F(Dist, DifferentOptionsNameTheFirstDifferenceOnEveryRank) {
   REQUIRE_TWO_RANKS();
   auto comm = world();
-  EXPECT_NO_THROW(dist::check_same_text("--lr 0.1\n--steps 3\n", *comm, "options"));
+  EXPECT_NO_THROW(distributed::check_same_text("--lr 0.1\n--steps 3\n", *comm, "options"));
   try {
-    dist::check_same_text(fmt::format("--lr 0.{}\n--steps 3\n", comm->rank() + 1), *comm, "options");
+    distributed::check_same_text(fmt::format("--lr 0.{}\n--steps 3\n", comm->rank() + 1), *comm, "options");
     ADD_FAILURE() << "expected an Error";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("rank 0 has '--lr 0.1', rank 1 has '--lr 0.2'"), std::string::npos) << e.what();
@@ -312,7 +312,7 @@ std::string mpirun() {
 // `mpirun -np 2 tally train` with a different memory limit per rank (so a different micro-batch
 // on each) trains the weights `tally train` does alone, within float32 rounding.
 TEST(CommandLine, TwoRanksWithTheirOwnMemoryLimitsTrainTheWeightsOfOneProcess) {
-  if (dist::launched_by_mpi()) GTEST_SKIP() << "starts mpirun itself";
+  if (distributed::launched_by_mpi()) GTEST_SKIP() << "starts mpirun itself";
   const std::filesystem::path dir = std::filesystem::temp_directory_path() / "tally_dist_cli";
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);

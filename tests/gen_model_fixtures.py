@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Generate the whole-model PyTorch fixtures for tests/layers_test.cpp.
+"""Generate the whole-model PyTorch fixtures for tests/nn_test.cpp.
 
 Usage (from the repository root):
     /usr/bin/python3 tests/gen_model_fixtures.py            # (re)write tests/fixtures/model_*.safetensors

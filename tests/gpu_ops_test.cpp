@@ -14,11 +14,12 @@
 #include <map>
 
 #include "core/autograd.h"
+#include "core/dry_run.h"
 #include "core/ops.h"
-#include "layers/init.h"
-#include "layers/layers.h"
-#include "layers/resnet.h"
-#include "dist/communicator.h"
+#include "nn/init.h"
+#include "nn/modules.h"
+#include "nn/resnet.h"
+#include "distributed/communicator.h"
 #include "mbp/executor.h"
 #include "optim/optimizer.h"
 #include "tests/gpu_common.h"
@@ -376,7 +377,7 @@ TEST(GpuOps, CrossEntropyWithABadTargetIsAnErrorOnTheGpu) {
   }
 }
 
-// ---- modules and optimizers on the GPU (formerly in layers_test / optim_test) ---------------------
+// ---- modules and optimizers on the GPU (formerly in nn_test / optim_test) ---------------------
 
 TEST(Module, ToCudaMovesParametersGradientsAndFloatBuffers) {
   REQUIRE_GPU();
@@ -489,8 +490,8 @@ std::vector<float> resnet20_gpu_steps(const Tensor& x, const std::vector<i64>& l
 // compute stream, and the step equals the plain step bit for bit, its peak predicted exactly.
 TEST(GpuDist, NcclStepOfOneRankEqualsThePlainStepBitForBit) {
   REQUIRE_GPU();
-  if (!dist::have_nccl()) GTEST_SKIP() << "this build has no NCCL backend: " << build_info();
-  const auto comm = dist::for_device(dist::local(), Device::cuda(0));
+  if (!distributed::have_nccl()) GTEST_SKIP() << "this build has no NCCL backend: " << build_info();
+  const auto comm = distributed::for_device(distributed::local(), Device::cuda(0));
   ASSERT_EQ(comm->backend(), "nccl");
   std::mt19937 rng(fresh_seed());
   const Tensor x = host_tensor({24, 3, 32, 32}, rng);

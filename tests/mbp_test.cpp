@@ -27,11 +27,11 @@
 #include "core/autograd.h"
 #include "core/memory.h"
 #include "core/ops.h"
-#include "layers/init.h"
-#include "layers/resnet.h"
+#include "nn/init.h"
+#include "nn/resnet.h"
 #include "mbp/executor.h"
-#include "mbp/layer_table.h"
-#include "mbp/timeline.h"
+#include "mbp/report/layer_table.h"
+#include "mbp/report/timeline.h"
 #include "optim/optimizer.h"
 #include "tests/model_common.h"
 
@@ -583,7 +583,7 @@ TEST(Memory, ReleaseDefaultArenaOnlyWhenNothingElseHoldsIt) {
 // ---------------------------------------------------------------------------------------------
 TEST_F(Mbp, LayerTableAccountsEveryLayer) {
   auto m = model("resnet20", "batch");
-  const auto rows = mbp::layer_table(*m, *current_arena(Device::cpu()), {3, 32, 32}, 4);
+  const auto rows = report::layer_table(*m, *current_arena(Device::cpu()), {3, 32, 32}, 4);
   std::int64_t params = 0, kept = 0;
   bool saw_conv1 = false, saw_fc = false;
   for (const auto& r : rows) {
@@ -604,7 +604,7 @@ TEST_F(Mbp, LayerTableAccountsEveryLayer) {
   EXPECT_TRUE(saw_conv1 && saw_fc);
   EXPECT_EQ(params, 272474);
   EXPECT_GT(kept, 0);
-  const std::string text = mbp::format_layer_table(rows, 4);
+  const std::string text = report::format_layer_table(rows, 4);
   EXPECT_NE(text.find("layer1.0.conv1"), std::string::npos);
 }
 
@@ -652,10 +652,10 @@ TEST_F(Mbp, TimelineDrawsBandsMarksBudgetAndPeak) {
   ex.arena()->set_tracing(false);
   ASSERT_EQ(ex.arena()->marks().size(), 4u);  // 3 micro-batches + the optimizer step
   EXPECT_EQ(ex.arena()->marks()[0].label, "micro-batch 1/3 (4 samples)");
-  mbp::TimelineOptions to;
+  report::TimelineOptions to;
   to.budget = ex.arena()->capacity();
   to.predicted_peak = r.predicted_peak;
-  const std::string svg = mbp::memory_svg(*ex.arena(), to);
+  const std::string svg = report::memory_svg(*ex.arena(), to);
   EXPECT_EQ(svg.rfind("<svg", 0), 0u);
   EXPECT_NE(svg.find("</svg>"), std::string::npos);
   EXPECT_NE(svg.find("budget 64.0 MiB"), std::string::npos);

@@ -9,8 +9,8 @@
 
 #include "core/ops.h"
 #include "core/tensor.h"
-#include "layers/init.h"
-#include "layers/resnet.h"
+#include "nn/init.h"
+#include "nn/resnet.h"
 #include "optim/optimizer.h"
 
 namespace tally::test {

@@ -1,4 +1,4 @@
-// Tests of layers/: the Module API, the layers, the ResNet builders against PyTorch
+// Tests of nn/: the Module API, the layers, the ResNet builders against PyTorch
 // (tests/gen_model_fixtures.py wrote tests/fixtures/model_*.safetensors), checkpoints, and
 // BatchNorm2d's deferred running statistics (the MBP executor's path).
 //
@@ -18,11 +18,11 @@
 #include "core/autograd.h"
 #include "core/ops.h"
 #include "core/safetensors.h"
-#include "layers/checkpoint.h"
-#include "layers/init.h"
-#include "layers/layers.h"
-#include "layers/module.h"
-#include "layers/resnet.h"
+#include "nn/state_dict.h"
+#include "nn/init.h"
+#include "nn/modules.h"
+#include "nn/module.h"
+#include "nn/resnet.h"
 
 using namespace tally;
 using namespace tally::nn;

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "core/dry_run.h"
 #include "core/memory.h"
 #include "core/safetensors.h"
 #include "optim/optimizer.h"

@@ -3,7 +3,7 @@
 //     micro-batches to exactly the parameters, BatchNorm running statistics and losses of the
 //     plain run (norm batch, group and none; float64 on the reference kernels, float32 on the
 //     fast ones), also with a segment whose input needs no gradient (the first convolution);
-//   * the same for every level of the ladder (layers/resnet.h): blocks, and stages nested around
+//   * the same for every level of the ladder (nn/resnet.h): blocks, and stages nested around
 //     their blocks (ResNet-20's and ResNet-18's), whose blocks run their forward three times;
 //   * memory: the recomputed step keeps fewer activation bytes at its peak, and its dry run still
 //     predicts the real step's peak to the byte; ResNet-50's planned one-sample activations and
@@ -15,8 +15,9 @@
 
 #include "apps/setup.h"
 #include "core/autograd.h"
+#include "core/dry_run.h"
 #include "core/memory.h"
-#include "layers/resnet.h"
+#include "nn/resnet.h"
 #include "mbp/executor.h"
 #include "tests/model_common.h"
 

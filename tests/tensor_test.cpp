@@ -3,6 +3,7 @@
 
 #include <cmath>
 
+#include "core/dry_run.h"
 #include "core/memory.h"
 #include "core/ops.h"
 #include "core/tensor.h"

@@ -6,8 +6,8 @@
 
 #include "core/ops.h"
 #include "data/data.h"
-#include "layers/checkpoint.h"
-#include "layers/resnet.h"
+#include "nn/state_dict.h"
+#include "nn/resnet.h"
 #include "optim/optimizer.h"
 
 int main() {

@@ -6,7 +6,8 @@
 // tally::Error whose message names the call as written, file:line and the library's status
 // string, e.g.
 //   "cudnnConvolutionForward(...) failed at kernels/cuda/conv.cu:212: CUDNN_STATUS_BAD_PARAM (...)".
-// The error type is kernels/error.h's, below core/, so that errors from every layer share one type.
+// The error type is core/error.h's (a header of the standard library alone, which kernels/ may
+// include), so that errors from every layer share one type.
 #pragma once
 #include <cublas_v2.h>
 #include <cuda_runtime.h>

@@ -14,7 +14,7 @@
 
 #include <fmt/format.h>
 
-#include "kernels/error.h"
+#include "core/error.h"
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/cuda_kernels.h"
 

@@ -1,5 +1,5 @@
-// mbp/layer_table.cpp — per-layer costs from one observed dry forward; see mbp/layer_table.h.
-#include "mbp/layer_table.h"
+// mbp/report/layer_table.cpp — per-layer costs from one observed dry forward; see mbp/report/layer_table.h.
+#include "mbp/report/layer_table.h"
 
 #include <cxxabi.h>
 
@@ -10,10 +10,11 @@
 
 #include <fmt/format.h>
 
+#include "core/dry_run.h"
 #include "core/memory.h"
 #include "mbp/planner.h"
 
-namespace tally::mbp {
+namespace tally::report {
 
 namespace {
 
@@ -102,7 +103,7 @@ std::vector<LayerRow> layer_table(nn::Module& model, const Arena& arena, const S
   index(model, "", 0, info);
   if (arena.device() != dev)
     throw Error(fmt::format("layer_table: the arena is on {} but the model is on {}", arena.device().str(), dev.str()));
-  auto v = unbounded_clone(arena);
+  auto v = mbp::unbounded_clone(arena);
   Observer obs(info, *v);
   {
     DryRunGuard dry;
@@ -143,4 +144,4 @@ std::string format_layer_table(const std::vector<LayerRow>& rows, std::int64_t b
   return s;
 }
 
-}  // namespace tally::mbp
+}  // namespace tally::report

@@ -1,4 +1,4 @@
-// mbp/layer_table.h — what each layer of a model costs: the table `tally plan` prints.
+// mbp/report/layer_table.h — what each layer of a model costs: the table `tally plan` prints.
 //
 // One dry forward in training mode at a given batch size, on a virtual arena with room to spare
 // (nothing is computed), watched by a ForwardObserver: for each Module call, its output shape,
@@ -12,9 +12,9 @@
 
 #include "core/arena.h"
 #include "core/tensor.h"
-#include "layers/module.h"
+#include "nn/module.h"
 
-namespace tally::mbp {
+namespace tally::report {
 
 struct LayerRow {
   std::string name;   // dotted, as in the state dict ("layer1.0.conv1"); "(model)" for the root
@@ -34,4 +34,4 @@ std::vector<LayerRow> layer_table(nn::Module& model, const Arena& arena, const S
 // A fixed-width text table (kept bytes shown per sample) with totals.
 std::string format_layer_table(const std::vector<LayerRow>& rows, std::int64_t batch);
 
-}  // namespace tally::mbp
+}  // namespace tally::report

@@ -1,9 +1,9 @@
-// mbp/timeline.cpp — stacked-area SVG of an arena trace; see mbp/timeline.h.
+// mbp/report/timeline.cpp — stacked-area SVG of an arena trace; see mbp/report/timeline.h.
 //
 // The trace can hold tens of thousands of events; the chart has a few hundred pixel columns.
 // Each column shows the state at the highest total reached inside it (so the peak is never
 // averaged away), which keeps the file small whatever the length of the step.
-#include "mbp/timeline.h"
+#include "mbp/report/timeline.h"
 
 #include <algorithm>
 #include <array>
@@ -12,7 +12,7 @@
 
 #include <fmt/format.h>
 
-namespace tally::mbp {
+namespace tally::report {
 
 namespace {
 
@@ -199,4 +199,4 @@ std::string memory_svg(const Arena& arena, const TimelineOptions& o) {
   return s;
 }
 
-}  // namespace tally::mbp
+}  // namespace tally::report

@@ -1,4 +1,4 @@
-// mbp/timeline.h — a picture of memory over one training step.
+// mbp/report/timeline.h — a picture of memory over one training step.
 //
 // memory_svg() draws an arena trace (Arena::set_tracing) as a stacked area chart: bytes in use
 // over time, one band per category (persistent state at the bottom: parameters, gradients,
@@ -13,7 +13,7 @@
 
 #include "core/arena.h"
 
-namespace tally::mbp {
+namespace tally::report {
 
 // `s` as SVG/XML text: & < > " replaced by entities (for titles and labels in the pictures).
 std::string svg_escape(const std::string& s);
@@ -28,4 +28,4 @@ struct TimelineOptions {
 // The chart of `arena`'s current trace.
 std::string memory_svg(const Arena& arena, const TimelineOptions& options);
 
-}  // namespace tally::mbp
+}  // namespace tally::report
