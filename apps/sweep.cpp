@@ -81,15 +81,25 @@ std::vector<SweepRow> sweep(const SweepOptions& opt, std::ostream& log) {
   const std::string device = check_train_options(opt.train);
   const DataInfo data = describe_data(opt.train);
   std::vector<std::string> plans;
-  for (std::int64_t b : sizes) {
+  std::vector<double> warmups(sizes.size(), opt.train.warmup_epochs);
+  std::vector<std::string> notes;
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    const std::int64_t b = sizes[i];
     if (b > data.train_size)
       throw Error(fmt::format("--batch-sizes: batch size {} is larger than the {} training samples of {}", b,
                               data.train_size, opt.train.data));
-    const RunSteps run = run_steps(opt.train, data.train_size / b);  // the loader drops the last partial batch
-    if (run.warmup > 0 && run.warmup >= run.total)
-      throw Error(fmt::format("batch size {}: the warm-up of {} epochs ({} steps) is not shorter than the run's {} "
-                              "steps: give a smaller --warmup-epochs (0 for none) or more --epochs",
-                              b, opt.train.warmup_epochs, run.warmup, run.total));
+    const std::int64_t per_epoch = data.train_size / b;  // the loader drops the last partial batch
+    const RunSteps run = run_steps(opt.train, per_epoch);
+    if (run.warmup > 0 && run.warmup >= run.total) {
+      if (opt.warmup_given)
+        throw Error(fmt::format("batch size {}: the warm-up of {} epochs ({} steps) is not shorter than the run's {} "
+                                "steps: give a smaller --warmup-epochs (0 for none) or more --epochs",
+                                b, opt.train.warmup_epochs, run.warmup, run.total));
+      warmups[i] = static_cast<double>(run.total / 2) / static_cast<double>(per_epoch);
+      notes.push_back(fmt::format("batch {}: the default warm-up of {} epochs ({} steps) is not shorter than the run's "
+                                  "{} steps, so it warms up over {} steps", b, opt.train.warmup_epochs, run.warmup,
+                                  run.total, run.total / 2));
+    }
     PlanOptions po;
     po.model = opt.train.model;
     po.norm = opt.train.norm;
@@ -116,6 +126,7 @@ std::vector<SweepRow> sweep(const SweepOptions& opt, std::ostream& log) {
              opt.train.model, opt.train.data, device, sizes.size(), opt.train.lr, sizes.front(), opt.lr_scaling,
              opt.train.memory_limit,
              budget_text(opt.train));
+  for (const std::string& note : notes) fmt::print(log, "sweep: {}\n", note);
 
   const std::string title = fmt::format("{} on {}: {} per batch size, lr {} at batch {} ({} scaling)",
                                         opt.train.model, opt.train.data, budget_text(opt.train), opt.train.lr,
@@ -129,6 +140,7 @@ std::vector<SweepRow> sweep(const SweepOptions& opt, std::ostream& log) {
     TrainOptions t = opt.train;
     t.batch_size = b;
     t.lr = scaled_lr(opt.train.lr, b, sizes.front(), opt.lr_scaling);
+    t.warmup_epochs = warmups[i];
     t.out = (out / fmt::format("b{}", b)).string();
     t.save.clear();
     t.progress = false;

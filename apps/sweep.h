@@ -25,6 +25,10 @@ struct SweepOptions {
   TrainOptions train;                 // batch_size, out, save and init are set per run
   std::string batch_sizes = "128,256,512,1024";
   std::string lr_scaling = "linear";  // linear | sqrt
+  // Whether train.warmup_epochs is the user's. The sweep's default (half an epoch, which linear
+  // scaling wants) adapts to a run shorter than that: it warms up over half the run's steps. A
+  // warm-up the user gave that does not fit a run is an error.
+  bool warmup_given = false;
 };
 
 struct SweepRow {

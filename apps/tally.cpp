@@ -8,6 +8,7 @@
 #include <exception>
 #include <iostream>
 #include <optional>
+#include <string>
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -39,6 +40,24 @@ CLI::Validator recompute_validator() {
       "", "recompute");
 }
 
+// A number >= 0 (CLI11's NonNegativeNumber names its range's upper end, DBL_MAX, in 300 digits).
+CLI::Validator non_negative() {
+  return CLI::Validator(
+      [](std::string& value) {
+        double v = 0;
+        std::size_t used = 0;
+        try {
+          v = std::stod(value, &used);
+        } catch (const std::exception&) {
+          used = 0;
+        }
+        if (used == 0 || used != value.size() || !(v >= 0))
+          return fmt::format("must be a non-negative number, found {}", value);
+        return std::string();
+      },
+      "NUMBER >= 0", "non-negative");
+}
+
 // The options of `tally train`, registered on `cmd` (also for `tally sweep`, which sets the batch
 // size, the output files and the weights per run itself: `sweep` leaves those flags out).
 struct TrainFlags {
@@ -68,13 +87,13 @@ struct TrainFlags {
     cmd->add_option("--optimizer", to.optimizer, app::choices(app::optimizer_names()))
         ->check(CLI::IsMember(app::optimizer_names()))->capture_default_str();
     cmd->add_option("--lr", to.lr, sweep ? "learning rate of the first batch size of the list" : "learning rate")
-        ->check(CLI::NonNegativeNumber)->capture_default_str();
-    cmd->add_option("--momentum", to.momentum, "SGD momentum")->check(CLI::NonNegativeNumber)->capture_default_str();
+        ->check(non_negative())->capture_default_str();
+    cmd->add_option("--momentum", to.momentum, "SGD momentum")->check(non_negative())->capture_default_str();
     cmd->add_flag("--nesterov", to.nesterov, "Nesterov momentum");
-    cmd->add_option("--weight-decay", to.weight_decay, "weight decay")->check(CLI::NonNegativeNumber)->capture_default_str();
+    cmd->add_option("--weight-decay", to.weight_decay, "weight decay")->check(non_negative())->capture_default_str();
     cmd->add_option("--schedule", to.schedule, "constant|step|cosine|onecycle")
         ->check(CLI::IsMember({"constant", "step", "cosine", "onecycle"}))->capture_default_str();
-    cmd->add_option("--warmup-epochs", to.warmup_epochs, "linear warm-up, in epochs")->check(CLI::NonNegativeNumber)
+    cmd->add_option("--warmup-epochs", to.warmup_epochs, "linear warm-up, in epochs")->check(non_negative())
         ->capture_default_str();
     cmd->add_option("--label-smoothing", to.label_smoothing, "label smoothing in [0, 1]")->check(CLI::Range(0.0, 1.0))
         ->capture_default_str();
@@ -87,7 +106,7 @@ struct TrainFlags {
     cmd->add_flag("--no-normalize", no_normalize, "pixels in [0, 1]")->excludes(nrm);
     cmd->add_option("--seed", to.seed, "seed for initialization, shuffling and augmentation")->capture_default_str();
     cmd->add_option("--device", to.device, "cpu|cuda|cuda:N|auto (auto: the GPU when there is one)")->capture_default_str();
-    cmd->add_option("--threads", to.threads, "CPU threads (0: default)")->check(CLI::NonNegativeNumber);
+    cmd->add_option("--threads", to.threads, "CPU threads (0: default)")->check(non_negative());
     cmd->add_flag("--tf32", to.tf32, "CUDA: let float32 GEMMs and convolutions use TF32 tensor cores (off by default)");
     if (!sweep) {
       cmd->add_flag("--profile", to.profile, "time per op (GPU time on CUDA, host time on the CPU) over the steps after the first, printed and written to profile.txt");
@@ -177,7 +196,7 @@ int main(int argc, char** argv) {
   std::string plan_micro = "auto";
   plan_cmd->add_option("--micro-batch", plan_micro, "check this micro-batch size instead of searching")->capture_default_str();
   plan_cmd->add_option("--optimizer", po.optimizer, app::choices(app::optimizer_names()))->check(CLI::IsMember(app::optimizer_names()))->capture_default_str();
-  plan_cmd->add_option("--momentum", po.momentum, "SGD momentum (0: no momentum buffer)")->check(CLI::NonNegativeNumber)->capture_default_str();
+  plan_cmd->add_option("--momentum", po.momentum, "SGD momentum (0: no momentum buffer)")->check(non_negative())->capture_default_str();
   plan_cmd->add_option("--device", po.device, "cpu|cuda|cuda:N")->capture_default_str();
   plan_cmd->add_option("--recompute", po.recompute,
                        "auto (the least recomputation with which one sample fits) | none | blocks (the residual blocks and the stem: about one more forward) | all (the stages around the blocks too: the least memory, about two more forwards)")
@@ -190,6 +209,7 @@ int main(int argc, char** argv) {
     if (sweep_cmd->parsed()) {
       sweep_flags.finish();
       so.train = sweep_flags.to;
+      so.warmup_given = sweep_cmd->get_option("--warmup-epochs")->count() > 0;
     }
     if (plan_cmd->parsed()) {
       if (classes > 0) po.num_classes = classes;

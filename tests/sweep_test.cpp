@@ -74,6 +74,7 @@ TEST(Sweep, BadInputsFailBeforeAnyTraining) {
   o.train.steps.reset();
   o.train.epochs = 1;
   o.train.warmup_epochs = 2;
+  o.warmup_given = true;  // the user's warm-up is kept, and is an error when it does not fit
   EXPECT_NE(error_of([&] { sweep(o, log); }).find("warm-up"), std::string::npos);
   o = small(dir.string());
   o.lr_scaling = "cubic";
