@@ -142,8 +142,8 @@ LIST
 # data set is packed as raw IDX (54 MB), which xz takes to 27 MB against the 30 MB of Debian's
 # gzip files. oneDNN (libdnnl, 39 MB) is not built in (configure_build): no GPU step runs a CPU
 # convolution but the GPU tests' CPU references, which use the im2col + GEMM route either way.
-pack_from() {  # BUILD_DIR ARCH
-  local build=$1 arch=$2
+pack_from() {  # BUILD_DIR ARCH [unpacked]: "unpacked" (build-there) leaves the bundle as it is
+  local build=$1 arch=$2 keep=${3:-}
   rm -rf "$bundle"
   local bins=() p
   for p in "${programs[@]}"; do bins+=("$build/$p"); done
@@ -166,6 +166,10 @@ pack_from() {  # BUILD_DIR ARCH
   parts=$(cd "$bundle" && find . -type f -printf '%s %P\n' | sort -rn | head -8 |
     awk '{ printf "  %6.1f MiB  %s\n", $1 / 1048576, $2 }')
   unpacked=$(du -sb "$bundle" | cut -f1)
+  if [[ $keep == unpacked ]]; then  # already where it runs: nothing travels, nothing to compress
+    echo "gpu-check: $bundle holds $(awk '{ printf "%.1f MiB", $1 / 1048576 }' <<<"$unpacked"), unpacked, ready to run"
+    return
+  fi
   echo "gpu-check: compressing $((unpacked / 1024 / 1024)) MiB with xz -9 (a few minutes)"
   tar -C "$bundle" -cf - . | xz -9 -T0 >/tmp/tally-gpu-bundle.tar.xz
   rm -rf "$bundle" && mkdir -p "$bundle" && mv /tmp/tally-gpu-bundle.tar.xz "$bundle/bundle.tar.xz"
@@ -240,7 +244,7 @@ build_there() {
   # What was found, and from where: every package should come from the prefix.
   grep -E '^(fmt_DIR|nlohmann_json_DIR|CLI11_DIR|GTest_DIR|benchmark_DIR|CUDNN_LIBRARY|CUDNN_INCLUDE_DIR):' "$build/CMakeCache.txt"
   echo "openblas: $(pkg-config --cflags --libs openblas)"
-  pack_from "$build" "$arch"
+  pack_from "$build" "$arch" unpacked
 }
 
 # ---- running on the GPU machine ------------------------------------------------------------------
