@@ -16,17 +16,13 @@
 
 #include "apps/setup.h"
 #include "core/autograd.h"
-#include "tally/config.h"
-#if TALLY_HAVE_CUDA
-#include "kernels/cuda/context.h"
-#endif
 #include "core/memory.h"
 #include "core/ops.h"
+#include "core/profiler.h"
 #include "nn/state_dict.h"
 #include "data/data.h"
 #include "distributed/communicator.h"
 #include "distributed/data_parallel.h"
-#include "kernels/cpu/cpu_kernels.h"
 #include "nn/init.h"
 #include "nn/resnet.h"
 #include "mbp/executor.h"
@@ -158,39 +154,6 @@ Device validate(const TrainOptions& opt) {
     throw Error(fmt::format("--init {}: no such file", opt.init));
   return dev;
 }
-
-// --profile: time per op over the steps after the first — GPU time between events on CUDA, host
-// time of the kernels on the CPU.
-class Profiler {
- public:
-  Profiler(bool on, Device dev) : on_(on), cuda_(dev.is_cuda()) { enable(true); }
-  // Off while evaluating: the profile is of training steps.
-  void enable(bool e) const {
-    if (!on_) return;
-#if TALLY_HAVE_CUDA
-    if (cuda_) return kernels::cuda::set_profiling(e);
-#endif
-    kernels::cpu::set_profiling(e);
-  }
-  // After each step (on CUDA the step has waited for the device: its events are complete).
-  void step_done(std::int64_t step) const {
-    if (!on_) return;
-#if TALLY_HAVE_CUDA
-    if (cuda_) return step == 0 ? kernels::cuda::profile_reset() : kernels::cuda::profile_collect();
-#endif
-    if (step == 0) kernels::cpu::profile_reset();
-  }
-  std::string report(const std::string& what) const {
-#if TALLY_HAVE_CUDA
-    if (cuda_) return kernels::cuda::profile_report("GPU time per op " + what);
-#endif
-    return kernels::cpu::profile_report("host time per op " + what);
-  }
-  bool on() const { return on_; }
-
- private:
-  bool on_, cuda_;
-};
 
 // Every option as "name value" lines: what the ranks of a data-parallel run compare.
 std::string options_text(const TrainOptions& o) {
@@ -336,10 +299,9 @@ TrainResult train(const TrainOptions& options, std::ostream& all_log) {
   if (rank != 0) opt.out.clear(), opt.save.clear(), opt.progress = false;
   if (opt.threads > 0) omp_set_num_threads(opt.threads);  // OpenBLAS stays single-threaded (kernels/cpu/gemm.cpp)
   if (!opt.out.empty()) std::filesystem::create_directories(opt.out);
-#if TALLY_HAVE_CUDA
-  if (dev.is_cuda()) kernels::cuda::set_allow_tf32(opt.tf32);
-#endif
-  const Profiler profiler(opt.profile, dev);
+  if (dev.is_cuda()) set_allow_tf32(opt.tf32);
+  // --profile: time per op over the steps after the first (the first warms caches up).
+  const Profiler profiler(dev, opt.profile);
 
   // ---- data ---------------------------------------------------------------------------------------
   const data::Split split = load_data(opt);
@@ -483,7 +445,7 @@ TrainResult train(const TrainOptions& options, std::ostream& all_log) {
         first_seconds = dt;
         first_images = b->size;
       }
-      profiler.step_done(step);
+      profiler.step_done(step == 0);
       const double ips = steady_seconds > 0 ? static_cast<double>(steady_images) / steady_seconds
                                             : static_cast<double>(b->size) / dt;
       ++step;
@@ -501,9 +463,9 @@ TrainResult train(const TrainOptions& options, std::ostream& all_log) {
                                r.peak, r.predicted_peak, r.micro_batch, r.micro_batches)
                 << std::flush;  // an interrupted run keeps every step it measured
     }
-    profiler.enable(false);  // the profile is of training steps
+    profiler.pause();  // the profile is of training steps
     if (rank == 0 && opt.evaluate) ev = evaluate(model, split.test, opt.normalize, dev, result.micro_batch);
-    profiler.enable(true);
+    profiler.resume();
     result.train_loss = epoch_steps > 0 ? epoch_loss / static_cast<double>(epoch_steps) : last_loss;
     if (opt.evaluate)
       fmt::print(log, "epoch {}/{}: train loss {:.4f} | test loss {:.4f} | test accuracy {:.2f}%\n", epoch + 1, epochs,
@@ -549,7 +511,7 @@ TrainResult train(const TrainOptions& options, std::ostream& all_log) {
         steady_images > 0 ? 1000.0 * steady_seconds / static_cast<double>(step - 1) : 0.0));
     fmt::print(log, "{}", report);
     if (!opt.out.empty()) write_text(std::filesystem::path(opt.out) / "profile.txt", report);
-    profiler.enable(false);
+    profiler.pause();
   }
   if (!opt.save.empty()) {
     nn::save_state_dict(model, opt.save);

@@ -6,7 +6,6 @@
 #include <random>
 
 #include "core/arena.h"
-#include "core/cuda_runtime.h"
 #include "core/device.h"
 
 using namespace tally;
@@ -78,11 +77,11 @@ void BM_CudaMallocFree(benchmark::State& st) {
   std::size_t i = 0;
   for (auto _ : st) {
     auto& slot = ring[i % kWindow];
-    if (slot) cuda_rt::free(slot);
-    slot = cuda_rt::malloc(sz[i % sz.size()]);
+    if (slot) cuda_release(slot);
+    slot = cuda_reserve(0, sz[i % sz.size()]);
     ++i;
   }
-  for (auto p : ring) if (p) cuda_rt::free(p);
+  for (auto p : ring) if (p) cuda_release(p);
   st.SetItemsProcessed(static_cast<std::int64_t>(st.iterations()));
 }
 BENCHMARK(BM_CudaMallocFree);

@@ -19,18 +19,27 @@
 #include <string>
 #include <vector>
 
-#include "core/cuda_runtime.h"
+#include "core/device.h"
 #include "kernels/cpu/cpu_kernels.h"
-#include "tally/config.h"
-#if TALLY_HAVE_CUDA
 #include "kernels/cuda/cuda_kernels.h"
-#endif
+#include "tally/config.h"
 
 namespace {
 
 using tally::kernels::i64;
 namespace kc = tally::kernels::cpu;
 constexpr int kRotate = 4;
+
+// `bytes` of host memory copied to fresh memory on GPU 0 (outside any arena: kernels alone).
+void* device_copy(const void* host, std::size_t bytes) {
+  void* p = tally::cuda_reserve(0, bytes);
+#if TALLY_HAVE_CUDA
+  tally::kernels::cuda::copy_from_host(p, host, bytes);
+#else
+  (void)host;
+#endif
+  return p;
+}
 
 // A float buffer on the host or on the GPU, filled with N(0, 1) numbers (labels: [0, classes)).
 struct Buffer {
@@ -47,13 +56,12 @@ struct Buffer {
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
   ~Buffer() {
-    if (cuda) tally::cuda_rt::free(p);
+    if (cuda) tally::cuda_release(p);
     else std::free(p);
   }
   void alloc_and_copy(const void* h, std::size_t bytes) {
     if (cuda) {
-      p = static_cast<float*>(tally::cuda_rt::malloc(bytes));
-      tally::cuda_rt::memcpy_h2d(p, h, bytes);
+      p = static_cast<float*>(device_copy(h, bytes));
     } else {
       p = static_cast<float*>(std::aligned_alloc(256, (bytes + 255) / 256 * 256));
       std::memcpy(p, h, bytes);
@@ -70,15 +78,14 @@ struct Labels {
     for (auto& x : h) x = static_cast<i64>(rng() % static_cast<std::uint32_t>(classes));
     const std::size_t bytes = h.size() * sizeof(i64);
     if (cuda) {
-      p = static_cast<i64*>(tally::cuda_rt::malloc(bytes));
-      tally::cuda_rt::memcpy_h2d(p, h.data(), bytes);
+      p = static_cast<i64*>(device_copy(h.data(), bytes));
     } else {
       p = static_cast<i64*>(std::malloc(bytes));
       std::memcpy(p, h.data(), bytes);
     }
   }
   ~Labels() {
-    if (cuda) tally::cuda_rt::free(p);
+    if (cuda) tally::cuda_release(p);
     else std::free(p);
   }
 };
@@ -108,7 +115,7 @@ struct Labels {
 
 TALLY_BACKEND(Cpu, tally::kernels::cpu, false, (void)0)
 #if TALLY_HAVE_CUDA
-TALLY_BACKEND(Cuda, tally::kernels::cuda, true, tally::cuda_rt::synchronize())
+TALLY_BACKEND(Cuda, tally::kernels::cuda, true, tally::synchronize(tally::Device::cuda(0)))
 #endif
 
 template <class B>
@@ -282,7 +289,7 @@ void register_all(const std::string& dev) {
 int main(int argc, char** argv) {
   register_all<Cpu>("cpu");
 #if TALLY_HAVE_CUDA
-  if (tally::cuda_rt::device_count() > 0) register_all<Cuda>("cuda");
+  if (tally::cuda_device_count() > 0) register_all<Cuda>("cuda");
   else std::fprintf(stderr, "no GPU present: CUDA kernel benchmarks skipped\n");
 #else
   std::fprintf(stderr, "CUDA backend not built: CUDA kernel benchmarks skipped\n");

@@ -18,7 +18,7 @@
 
 #include <fmt/format.h>
 
-#include "core/cuda_runtime.h"
+#include "core/device.h"
 #include "core/memory.h"
 #include "nn/init.h"
 #include "nn/resnet.h"
@@ -68,7 +68,7 @@ void BM_Step(benchmark::State& st, std::string model, std::int64_t hw, std::int6
   mbp::StepResult r;
   for (auto _ : st) {
     r = s.ex->step(s.images.data(), s.labels.data(), batch);
-    if (!dev.is_cpu()) cuda_rt::synchronize();
+    synchronize(dev);
   }
   st.counters["images/s"] = benchmark::Counter(static_cast<double>(batch), benchmark::Counter::kIsIterationInvariantRate);
   st.counters["peak"] = static_cast<double>(r.peak);
@@ -104,7 +104,7 @@ void register_device(Device dev) {
 
 int main(int argc, char** argv) {
   register_device(Device::cpu());
-  if (cuda_rt::device_count() > 0) register_device(Device::cuda(0));
+  if (cuda_device_count() > 0) register_device(Device::cuda(0));
   else std::fprintf(stderr, "no GPU present: CUDA training benchmarks skipped\n");
   benchmark::Initialize(&argc, argv);
   if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;

@@ -11,7 +11,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "core/cuda_runtime.h"
+#include "core/device.h"
 
 namespace tally {
 
@@ -47,8 +47,7 @@ Arena::Arena(Device device, std::size_t capacity, bool reserve)
                                 format_bytes(capacity_), capacity_, std::strerror(errno)));
       base_ = p;
     } else {
-      cuda_rt::set_device(device.index);
-      base_ = cuda_rt::malloc(capacity_);
+      base_ = cuda_reserve(device.index, capacity_);
     }
   }
   blocks_.emplace(0, Node{capacity_, false, 0, Category::temporary, {}});
@@ -116,7 +115,7 @@ Arena::~Arena() {
   if (device_.is_cpu())
     ::munmap(base_, capacity_);
   else
-    cuda_rt::free(base_);
+    cuda_release(base_);
 }
 
 Block Arena::allocate(std::size_t bytes, Category category, const std::string& op) {

@@ -1,18 +1,20 @@
-// core/device.cpp — device names, dtype sizes, run-time GPU detection.
+// core/device.cpp — device names, dtype sizes, run-time GPU detection, and GPU memory for the
+// arena: with core/dispatch.h, the code of core/ that reaches a backend (kernels/cuda/context.h
+// here, behind `if constexpr (kHaveCudaBackend)`).
 #include "core/device.h"
-
-#include "kernels/cpu/cpu_kernels.h"
 
 #include <fmt/format.h>
 
-#include "core/cuda_runtime.h"
 #include "core/error.h"
-#include "tally/config.h"
-#if TALLY_HAVE_CUDA
+#include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cuda/context.h"
-#endif
 
 namespace tally {
+namespace {
+[[noreturn]] void no_cuda(const char* what) {
+  throw Error(fmt::format("{}: this build of tally has no CUDA backend", what));
+}
+}  // namespace
 
 std::string Device::str() const {
   return is_cpu() ? std::string("cpu") : fmt::format("cuda:{}", index);
@@ -55,24 +57,62 @@ const char* dtype_name(DType t) {
 
 bool is_floating(DType t) { return t != DType::Int32 && t != DType::Int64; }
 
-int cuda_device_count() { return cuda_rt::device_count(); }
+int cuda_device_count() {
+  if constexpr (kHaveCudaBackend) return kernels::cuda::device_count();
+  return 0;
+}
 bool cuda_available() { return cuda_device_count() > 0; }
+
+void* cuda_reserve(int device, std::size_t bytes) {
+  if constexpr (kHaveCudaBackend) {
+    kernels::cuda::use_device(device);
+    return kernels::cuda::device_allocate(bytes);
+  } else {
+    no_cuda("cudaMalloc");
+  }
+}
+
+void cuda_release(void* p) noexcept {
+  if constexpr (kHaveCudaBackend) kernels::cuda::device_free(p);
+}
+
+void cuda_memory_info(int device, std::size_t* free_bytes, std::size_t* total_bytes) {
+  if constexpr (kHaveCudaBackend) {
+    kernels::cuda::use_device(device);
+    kernels::cuda::initialize();  // the context's own memory is taken first
+    kernels::cuda::memory_info(free_bytes, total_bytes);
+  } else {
+    no_cuda("cudaMemGetInfo");
+  }
+}
+
+void set_allow_tf32(bool on) {
+  if constexpr (kHaveCudaBackend) kernels::cuda::set_allow_tf32(on);
+}
+
+void synchronize(Device device) {
+  if (device.is_cpu()) return;
+  if constexpr (kHaveCudaBackend) {
+    kernels::cuda::use_device(device.index);
+    kernels::cuda::synchronize_device();
+  } else {
+    no_cuda("synchronize");
+  }
+}
 
 std::string build_info() {
   std::string s = fmt::format("tally {}", TALLY_VERSION);
   s += kernels::cpu::conv_algorithm() == kernels::cpu::ConvAlgorithm::onednn ? " | CPU conv: oneDNN"
                                                                               : " | CPU conv: im2col reference";
   s += TALLY_HAVE_MPI ? (TALLY_HAVE_NCCL ? " | MPI, NCCL" : " | MPI") : "";
-  if (TALLY_HAVE_CUDA) {
+  if constexpr (kHaveCudaBackend) {
     s += fmt::format(" | CUDA {} (sm {})", TALLY_CUDA_VERSION, TALLY_CUDA_ARCHITECTURES);
     s += TALLY_HAVE_CUDNN ? fmt::format(", cuDNN {}", TALLY_CUDNN_VERSION)
                           : std::string(", cuDNN not built");
     const int n = cuda_device_count();
-    s += n > 0 ? fmt::format(" | GPU: {} ({} device{})", cuda_rt::device_name(0), n, n > 1 ? "s" : "")
+    s += n > 0 ? fmt::format(" | GPU: {} ({} device{})", kernels::cuda::device_name(0), n, n > 1 ? "s" : "")
                : std::string(" | GPU: none detected");
-#if TALLY_HAVE_CUDA
     if (n > 0) s += " | loaded: " + kernels::cuda::runtime_versions();
-#endif
   } else {
     s += " | CPU-only build (no CUDA backend)";
   }

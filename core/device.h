@@ -8,7 +8,13 @@
 #include <cstdint>
 #include <string>
 
+#include "tally/config.h"
+
 namespace tally {
+
+// Whether this build has the CUDA backend: the condition of the `if constexpr` branches that
+// reach it (core/dispatch.h, core/device.cpp).
+inline constexpr bool kHaveCudaBackend = TALLY_HAVE_CUDA != 0;
 
 enum class DeviceType : std::uint8_t { CPU, CUDA };
 
@@ -38,6 +44,24 @@ bool is_floating(DType t);
 // Number of usable CUDA devices at run time (0 without the CUDA backend or without a GPU).
 int cuda_device_count();
 bool cuda_available();
+
+// Device memory of a GPU for its arena (core/arena.cpp, core/memory.cpp): a reservation of `bytes`
+// on `device` (a failure throws tally::Error naming the bytes asked and what the device has
+// free), its release, and the device's free and total memory measured after its context (streams,
+// cuBLAS and cuDNN handles, which take memory outside the arena) exists. In a build without the
+// CUDA backend each throws tally::Error saying so (release does nothing).
+void* cuda_reserve(int device, std::size_t bytes);
+void cuda_release(void* p) noexcept;
+void cuda_memory_info(int device, std::size_t* free_bytes, std::size_t* total_bytes);
+
+// Whether float32 GEMMs and convolutions on GPUs may use TF32 tensor cores (default false; as
+// torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32 together). The CPU's
+// kernels are not affected.
+void set_allow_tf32(bool on);
+
+// Waits until everything enqueued on `device` has finished (torch.cuda.synchronize); nothing to
+// wait for on the CPU, whose kernels return when done.
+void synchronize(Device device);
 
 // One line on how this build was configured and what the machine has, e.g.
 // "tally 0.1.0 | CUDA 13.0.88 (sm 80 90), cuDNN 9.19.0 | GPU: none detected".

@@ -6,7 +6,7 @@
 #include <mutex>
 #include <unordered_map>
 
-#include "core/cuda_runtime.h"
+#include "core/device.h"
 
 namespace tally {
 namespace {
@@ -35,12 +35,10 @@ std::size_t cuda_arena_margin(std::size_t total) { return std::max(kCudaArenaMar
 
 std::size_t default_arena_capacity(Device device) {
   if (device.is_cpu()) return kDefaultCpuArenaBytes;
-  cuda_rt::set_device(device.index);
-  // The context (streams, cuBLAS and cuDNN handles) takes its device memory first, so that the
-  // free memory measured below is what is really left for the arena.
-  cuda_rt::initialize_context();
+  // Measured after the context (streams, cuBLAS and cuDNN handles) took its device memory: what
+  // is really left for the arena.
   std::size_t fr = 0, tot = 0;
-  cuda_rt::mem_get_info(&fr, &tot);
+  cuda_memory_info(device.index, &fr, &tot);
   {
     // A default arena that nothing but the registry holds is given back by configure_arena before
     // the new one is reserved: its bytes count as free.

@@ -1,7 +1,7 @@
 // core/ops.cpp — forward and backward of every op: checks, allocation, dispatch, autograd nodes.
 //
-// Pattern of every op: check operands -> allocate outputs (activation) -> unless dry run,
-// dispatch to the kernel -> if grad is needed, a Node saves what backward needs (activation)
+// Pattern of every op: check operands -> allocate outputs (activation) -> dispatch to the kernel
+// (core/dispatch.h; a dry run stops there) -> if grad is needed, a Node saves what backward needs (activation)
 // and records the edges. Each Node's backward asks grad_target() for the buffer of each needed
 // input gradient: beta = 1 means accumulate into an existing buffer (a parameter's persistent
 // gradient, or a tensor consumed twice), beta = 0 means a fresh buffer.
@@ -15,19 +15,11 @@
 #include "core/dispatch.h"
 #include "core/dry_run.h"
 #include "core/memory.h"
-#include "kernels/cpu/cpu_kernels.h"
 
 namespace tally {
-namespace kc = kernels::cpu;
 using i64 = std::int64_t;
 
 namespace {
-
-// Runs the body on `t`'s backend (T and kk bound, core/dispatch.h) unless this is a dry run.
-#define TALLY_RUN(op, t, ...)                                   \
-  do {                                                          \
-    if (!::tally::is_dry_run()) TALLY_DISPATCH(op, t, __VA_ARGS__); \
-  } while (0)
 
 Tensor out_like(const Tensor& like, const Shape& shape, const char* op) {
   return Tensor::empty(shape, like.dtype(), like.device(), Category::activation, op);
@@ -49,19 +41,16 @@ std::size_t arena_budget(const Tensor& like) { return current_arena(like.device(
 // Scratch of one GEMM on `like`'s device: cuBLAS's workspace on CUDA, none on the CPU (so CPU
 // runs allocate exactly as before). Not a dispatch: the size depends on no element type.
 std::size_t gemm_workspace_bytes(const Tensor& like) {
-#if TALLY_HAVE_CUDA
-  if (like.device().is_cuda()) return kernels::cuda::gemm_workspace_bytes(arena_budget(like));
-#endif
-  return kc::gemm_workspace_bytes(arena_budget(like));
+  std::size_t bytes = 0;
+  TALLY_DISPATCH_QUERY("gemm", like, ANY, bytes = kk::gemm_workspace_bytes(arena_budget(like)));
+  return bytes;
 }
 
 // Scratch of a batch norm on `like`'s device (the CUDA kernels' partial sums; none on the CPU).
 std::size_t batch_norm_workspace_bytes(const Tensor& like, i64 N, i64 C, i64 HW) {
-#if TALLY_HAVE_CUDA
-  if (like.device().is_cuda()) return kernels::cuda::batch_norm_workspace_bytes(N, C, HW);
-#endif
-  (void)like;
-  return kc::batch_norm_workspace_bytes(N, C, HW);
+  std::size_t bytes = 0;
+  TALLY_DISPATCH_QUERY("batch_norm", like, ANY, bytes = kk::batch_norm_workspace_bytes(N, C, HW));
+  return bytes;
 }
 
 // In-place outputs (relu(Tensor&&), add(Tensor&&, b)): a tensor whose handle the caller gives up
@@ -136,10 +125,7 @@ kernels::Conv2dShape conv_shape(const Tensor& x, const Tensor& w, const Conv2dOp
   s.pad_h = o.padding[0]; s.pad_w = o.padding[1];
   s.dil_h = o.dilation[0]; s.dil_w = o.dilation[1];
   s.groups = o.groups;
-  s.workspace_limit = kc::conv_workspace_limit(arena_budget(x));
-#if TALLY_HAVE_CUDA
-  if (x.device().is_cuda()) s.workspace_limit = kernels::cuda::conv_workspace_limit(arena_budget(x));
-#endif
+  TALLY_DISPATCH_QUERY("conv2d", x, ANY, s.workspace_limit = kk::conv_workspace_limit(arena_budget(x)));
   return s;
 }
 
@@ -157,22 +143,22 @@ struct Conv2dBackward : Node {
     if (g[0].needed) {
       Tensor& dx = grad_target(g[0], x, beta, "conv2d");
       std::size_t ws_bytes = 0;
-      TALLY_DISPATCH("conv2d", x, ws_bytes = kk::conv2d_workspace_bytes<T>(s, kernels::ConvPass::backward_data));
+      TALLY_DISPATCH_QUERY("conv2d", x, FLOATING, ws_bytes = kk::conv2d_workspace_bytes<T>(s, kernels::ConvPass::backward_data));
       const Tensor ws = workspace(x, ws_bytes, "conv2d_backward_data");
-      TALLY_RUN("conv2d", x, kk::conv2d_backward_data<T>(s, dy.data<T>(), w.data<T>(), dx.data<T>(), T(beta), ws_ptr(ws)));
+      TALLY_DISPATCH("conv2d", x, FLOATING, kk::conv2d_backward_data<T>(s, dy.data<T>(), w.data<T>(), dx.data<T>(), T(beta), ws_ptr(ws)));
       count_backward(conv_multiply_adds(s));
     }
     if (g[1].needed) {
       Tensor& dw = grad_target(g[1], w, beta, "conv2d");
       std::size_t ws_bytes = 0;
-      TALLY_DISPATCH("conv2d", x, ws_bytes = kk::conv2d_workspace_bytes<T>(s, kernels::ConvPass::backward_filter));
+      TALLY_DISPATCH_QUERY("conv2d", x, FLOATING, ws_bytes = kk::conv2d_workspace_bytes<T>(s, kernels::ConvPass::backward_filter));
       const Tensor ws = workspace(x, ws_bytes, "conv2d_backward_filter");
-      TALLY_RUN("conv2d", x, kk::conv2d_backward_filter<T>(s, x.data<T>(), dy.data<T>(), dw.data<T>(), T(beta), ws_ptr(ws)));
+      TALLY_DISPATCH("conv2d", x, FLOATING, kk::conv2d_backward_filter<T>(s, x.data<T>(), dy.data<T>(), dw.data<T>(), T(beta), ws_ptr(ws)));
       count_backward(conv_multiply_adds(s));
     }
     if (has_bias && g[2].needed) {
       Tensor& db = grad_target(g[2], {s.K}, x.dtype(), x.device(), beta, "conv2d");
-      TALLY_RUN("conv2d", x, kk::conv2d_backward_bias<T>(s, dy.data<T>(), db.data<T>(), T(beta)));
+      TALLY_DISPATCH("conv2d", x, FLOATING, kk::conv2d_backward_bias<T>(s, dy.data<T>(), db.data<T>(), T(beta)));
     }
   }
 };
@@ -205,9 +191,9 @@ Tensor conv2d(const Tensor& x_, const Tensor& w_, const Tensor& b, const Conv2dO
   Tensor y = out_like(x, {s.N, s.K, s.P(), s.Q()}, op);
   {
     std::size_t ws_bytes = 0;
-    TALLY_DISPATCH(op, x, ws_bytes = kk::conv2d_workspace_bytes<T>(s, kernels::ConvPass::forward));
+    TALLY_DISPATCH_QUERY(op, x, FLOATING, ws_bytes = kk::conv2d_workspace_bytes<T>(s, kernels::ConvPass::forward));
     Tensor ws = workspace(x, ws_bytes, op);
-    TALLY_RUN(op, x, kk::conv2d_forward<T>(s, x.data<T>(), w.data<T>(), ptr_or_null<T>(b), y.data<T>(), ws_ptr(ws)));
+    TALLY_DISPATCH(op, x, FLOATING, kk::conv2d_forward<T>(s, x.data<T>(), w.data<T>(), ptr_or_null<T>(b), y.data<T>(), ws_ptr(ws)));
     count_forward(conv_multiply_adds(s));
   }
   if (any_requires_grad({&x_, &w_, &b})) {
@@ -236,17 +222,17 @@ struct LinearBackward : Node {
     double beta = 0;
     if (g[0].needed) {  // dx (N, in) = dy (N, out) @ w (out, in)
       Tensor& dx = grad_target(g[0], x, beta, "linear");
-      TALLY_RUN("linear", x, kk::gemm<T>(false, false, N, I, O, T(1), dy.data<T>(), O, w.data<T>(), I, T(beta), dx.data<T>(), I, ws_ptr(ws), ws_size(ws)));
+      TALLY_DISPATCH("linear", x, FLOATING, kk::gemm<T>(false, false, N, I, O, T(1), dy.data<T>(), O, w.data<T>(), I, T(beta), dx.data<T>(), I, ws_ptr(ws), ws_size(ws)));
       count_backward(static_cast<double>(N) * I * O);
     }
     if (g[1].needed) {  // dw (out, in) = dy^T (out, N) @ x (N, in)
       Tensor& dw = grad_target(g[1], w, beta, "linear");
-      TALLY_RUN("linear", x, kk::gemm<T>(true, false, O, I, N, T(1), dy.data<T>(), O, x.data<T>(), I, T(beta), dw.data<T>(), I, ws_ptr(ws), ws_size(ws)));
+      TALLY_DISPATCH("linear", x, FLOATING, kk::gemm<T>(true, false, O, I, N, T(1), dy.data<T>(), O, x.data<T>(), I, T(beta), dw.data<T>(), I, ws_ptr(ws), ws_size(ws)));
       count_backward(static_cast<double>(N) * I * O);
     }
     if (has_bias && g[2].needed) {
       Tensor& db = grad_target(g[2], {O}, x.dtype(), x.device(), beta, "linear");
-      TALLY_RUN("linear", x, kk::sum_rows<T>(N, O, dy.data<T>(), db.data<T>(), T(beta)));
+      TALLY_DISPATCH("linear", x, FLOATING, kk::sum_rows<T>(N, O, dy.data<T>(), db.data<T>(), T(beta)));
     }
   }
 };
@@ -263,12 +249,12 @@ struct MatmulBackward : Node {
     double beta = 0;
     if (g[0].needed) {  // da (M, K) = dy (M, N) @ b^T
       Tensor& da = grad_target(g[0], a, beta, "matmul");
-      TALLY_RUN("matmul", a, kk::gemm<T>(false, true, M, K, N, T(1), dy.data<T>(), N, b.data<T>(), N, T(beta), da.data<T>(), K, ws_ptr(ws), ws_size(ws)));
+      TALLY_DISPATCH("matmul", a, FLOATING, kk::gemm<T>(false, true, M, K, N, T(1), dy.data<T>(), N, b.data<T>(), N, T(beta), da.data<T>(), K, ws_ptr(ws), ws_size(ws)));
       count_backward(static_cast<double>(M) * N * K);
     }
     if (g[1].needed) {  // db (K, N) = a^T @ dy
       Tensor& db = grad_target(g[1], b, beta, "matmul");
-      TALLY_RUN("matmul", a, kk::gemm<T>(true, false, K, N, M, T(1), a.data<T>(), K, dy.data<T>(), N, T(beta), db.data<T>(), N, ws_ptr(ws), ws_size(ws)));
+      TALLY_DISPATCH("matmul", a, FLOATING, kk::gemm<T>(true, false, K, N, M, T(1), a.data<T>(), K, dy.data<T>(), N, T(beta), db.data<T>(), N, ws_ptr(ws), ws_size(ws)));
       count_backward(static_cast<double>(M) * N * K);
     }
   }
@@ -291,7 +277,7 @@ Tensor linear(const Tensor& x_, const Tensor& w_, const Tensor& b) {
   Tensor y = out_like(x, {N, O}, op);
   {
     Tensor ws = workspace(x, gemm_workspace_bytes(x), op);
-    TALLY_RUN(op, x, {
+    TALLY_DISPATCH(op, x, FLOATING, {
       kk::gemm<T>(false, true, N, O, I, T(1), x.data<T>(), I, w.data<T>(), I, T(0), y.data<T>(), O, ws_ptr(ws), ws_size(ws));
       if (b.defined()) kk::add_bias_rows<T>(N, O, y.data<T>(), b.data<T>(), y.data<T>());
     });
@@ -320,7 +306,7 @@ Tensor matmul(const Tensor& a_, const Tensor& b_) {
   Tensor y = out_like(a, {M, N}, op);
   {
     Tensor ws = workspace(a, gemm_workspace_bytes(a), op);
-    TALLY_RUN(op, a, kk::gemm<T>(false, false, M, N, K, T(1), a.data<T>(), K, b.data<T>(), N, T(0), y.data<T>(), N, ws_ptr(ws), ws_size(ws)));
+    TALLY_DISPATCH(op, a, FLOATING, kk::gemm<T>(false, false, M, N, K, T(1), a.data<T>(), K, b.data<T>(), N, T(0), y.data<T>(), N, ws_ptr(ws), ws_size(ws)));
     count_forward(static_cast<double>(M) * N * K);
   }
   if (any_requires_grad({&a_, &b_})) {
@@ -369,14 +355,14 @@ struct BatchNormBackward : Node {
     auto [dx, dw, db, bdx, bp] = norm_grad_targets(g, x, w, has_weight, has_bias, C, "batch_norm");
     const Tensor ws = workspace(x, batch_norm_workspace_bytes(x, N, C, HW), "batch_norm_backward");
     if (training) {
-      TALLY_RUN("batch_norm", x, kk::batch_norm_backward<T>(N, C, HW, dy.data<T>(), x.data<T>(), ptr_or_null<T>(w),
-                                                            saved.t[2].data<T>(), saved.t[3].data<T>(), ptr_or_null<T>(dx),
-                                                            T(bdx), ptr_or_null<T>(dw), ptr_or_null<T>(db), T(bp), ws_ptr(ws)));
+      TALLY_DISPATCH("batch_norm", x, FLOATING, kk::batch_norm_backward<T>(N, C, HW, dy.data<T>(), x.data<T>(), ptr_or_null<T>(w),
+                                                                           saved.t[2].data<T>(), saved.t[3].data<T>(), ptr_or_null<T>(dx),
+                                                                           T(bdx), ptr_or_null<T>(dw), ptr_or_null<T>(db), T(bp), ws_ptr(ws)));
     } else {
-      TALLY_RUN("batch_norm", x, kk::batch_norm_backward_eval<T>(N, C, HW, dy.data<T>(), x.data<T>(), ptr_or_null<T>(w),
-                                                                 running.t[0].data<T>(), running.t[1].data<T>(), T(eps),
-                                                                 ptr_or_null<T>(dx), T(bdx), ptr_or_null<T>(dw),
-                                                                 ptr_or_null<T>(db), T(bp), ws_ptr(ws)));
+      TALLY_DISPATCH("batch_norm", x, FLOATING, kk::batch_norm_backward_eval<T>(N, C, HW, dy.data<T>(), x.data<T>(), ptr_or_null<T>(w),
+                                                                                running.t[0].data<T>(), running.t[1].data<T>(), T(eps),
+                                                                                ptr_or_null<T>(dx), T(bdx), ptr_or_null<T>(dw),
+                                                                                ptr_or_null<T>(db), T(bp), ws_ptr(ws)));
     }
   }
 };
@@ -392,9 +378,9 @@ struct GroupNormBackward : Node {
     const Tensor& w = saved.t[1];
     const Tensor dy = gy.contiguous();
     auto [dx, dw, db, bdx, bp] = norm_grad_targets(g, x, w, has_weight, has_bias, C, "group_norm");
-    TALLY_RUN("group_norm", x, kk::group_norm_backward<T>(N, C, HW, G, dy.data<T>(), x.data<T>(), ptr_or_null<T>(w),
-                                                          saved.t[2].data<T>(), saved.t[3].data<T>(), ptr_or_null<T>(dx),
-                                                          T(bdx), ptr_or_null<T>(dw), ptr_or_null<T>(db), T(bp)));
+    TALLY_DISPATCH("group_norm", x, FLOATING, kk::group_norm_backward<T>(N, C, HW, G, dy.data<T>(), x.data<T>(), ptr_or_null<T>(w),
+                                                                         saved.t[2].data<T>(), saved.t[3].data<T>(), ptr_or_null<T>(dx),
+                                                                         T(bdx), ptr_or_null<T>(dw), ptr_or_null<T>(db), T(bp)));
   }
 };
 }  // namespace
@@ -423,11 +409,11 @@ Tensor batch_norm(const Tensor& x_, const Tensor& weight, const Tensor& bias, co
     const bool update = running_mean.defined() && !opt.defer_running_stats;
     {
       const Tensor ws = workspace(x, batch_norm_workspace_bytes(x, N, C, HW), op);
-      TALLY_RUN(op, x, kk::batch_norm_forward_train<T>(N, C, HW, x.data<T>(), ptr_or_null<T>(weight), ptr_or_null<T>(bias),
-                                                       T(opt.eps), T(opt.momentum),
-                                                       update ? running_mean.data<T>() : nullptr,
-                                                       update ? running_var.data<T>() : nullptr, y.data<T>(),
-                                                       save_mean.data<T>(), save_invstd.data<T>(), ws_ptr(ws)));
+      TALLY_DISPATCH(op, x, FLOATING, kk::batch_norm_forward_train<T>(N, C, HW, x.data<T>(), ptr_or_null<T>(weight), ptr_or_null<T>(bias),
+                                                                      T(opt.eps), T(opt.momentum),
+                                                                      update ? running_mean.data<T>() : nullptr,
+                                                                      update ? running_var.data<T>() : nullptr, y.data<T>(),
+                                                                      save_mean.data<T>(), save_invstd.data<T>(), ws_ptr(ws)));
     }
     if (opt.defer_running_stats) {
       BatchNormMoments& m = *opt.defer_running_stats;
@@ -439,9 +425,9 @@ Tensor batch_norm(const Tensor& x_, const Tensor& weight, const Tensor& bias, co
       if (m.sum.numel() != C || m.sum.device() != x.device())
         throw ShapeError(fmt::format("batch_norm: moment accumulator {} does not fit input {}", m.sum.str(), x.str()));
       // sum += M * mean, sum_sq += M * (var + mean^2) with var = 1/invstd^2 - eps (biased).
-      TALLY_RUN(op, x, kk::batch_norm_accumulate_moments<T>(C, N * HW, T(opt.eps), save_mean.data<T>(),
-                                                            save_invstd.data<T>(), m.sum.data<double>(),
-                                                            m.sum_sq.data<double>()));
+      TALLY_DISPATCH(op, x, FLOATING, kk::batch_norm_accumulate_moments<T>(C, N * HW, T(opt.eps), save_mean.data<T>(),
+                                                                           save_invstd.data<T>(), m.sum.data<double>(),
+                                                                           m.sum_sq.data<double>()));
       m.count += N * HW;
     }
     if (need_grad) {
@@ -454,8 +440,8 @@ Tensor batch_norm(const Tensor& x_, const Tensor& weight, const Tensor& bias, co
       set_history(y, n, {&x_, &weight, &bias});
     }
   } else {
-    TALLY_RUN(op, x, kk::batch_norm_forward_eval<T>(N, C, HW, x.data<T>(), ptr_or_null<T>(weight), ptr_or_null<T>(bias),
-                                                    running_mean.data<T>(), running_var.data<T>(), T(opt.eps), y.data<T>()));
+    TALLY_DISPATCH(op, x, FLOATING, kk::batch_norm_forward_eval<T>(N, C, HW, x.data<T>(), ptr_or_null<T>(weight), ptr_or_null<T>(bias),
+                                                                   running_mean.data<T>(), running_var.data<T>(), T(opt.eps), y.data<T>()));
     if (need_grad) {
       auto n = std::make_shared<BatchNormBackward>();
       n->saved.t = {x, weight, Tensor(), Tensor()};
@@ -483,8 +469,8 @@ Tensor group_norm(const Tensor& x_, i64 groups, const Tensor& weight, const Tens
   Tensor y = out_like(x, x.shape(), op);
   Tensor save_mean = Tensor::empty({N, groups}, x.dtype(), x.device(), Category::activation, "group_norm_mean");
   Tensor save_invstd = Tensor::empty({N, groups}, x.dtype(), x.device(), Category::activation, "group_norm_invstd");
-  TALLY_RUN(op, x, kk::group_norm_forward<T>(N, C, HW, groups, x.data<T>(), ptr_or_null<T>(weight), ptr_or_null<T>(bias),
-                                             T(eps), y.data<T>(), save_mean.data<T>(), save_invstd.data<T>()));
+  TALLY_DISPATCH(op, x, FLOATING, kk::group_norm_forward<T>(N, C, HW, groups, x.data<T>(), ptr_or_null<T>(weight), ptr_or_null<T>(bias),
+                                                            T(eps), y.data<T>(), save_mean.data<T>(), save_invstd.data<T>()));
   if (any_requires_grad({&x_, &weight, &bias})) {
     auto n = std::make_shared<GroupNormBackward>();
     n->saved.t = {x, weight, save_mean, save_invstd};
@@ -507,7 +493,7 @@ struct ReluBackward : Node {
     const Tensor dy = gy.contiguous();
     double beta = 0;
     Tensor& dx = grad_target(g[0], y, beta, "relu");
-    TALLY_RUN("relu", y, kk::relu_backward<T>(y.numel(), dy.data<T>(), y.data<T>(), dx.data<T>(), T(beta)));
+    TALLY_DISPATCH("relu", y, FLOATING, kk::relu_backward<T>(y.numel(), dy.data<T>(), y.data<T>(), dx.data<T>(), T(beta)));
   }
 };
 
@@ -530,7 +516,7 @@ struct LinearCombinationBackward : Node {
       }
       double beta = 0;
       Tensor& dx = grad_target(g[i], dy, beta, op);
-      TALLY_RUN(op, dy, kk::axpby<T>(dy.numel(), T(alpha[i]), dy.data<T>(), T(beta), dx.data<T>()));
+      TALLY_DISPATCH(op, dy, FLOATING, kk::axpby<T>(dy.numel(), T(alpha[i]), dy.data<T>(), T(beta), dx.data<T>()));
     }
   }
 };
@@ -546,7 +532,7 @@ struct MulBackward : Node {
       if (!g[i].needed) continue;
       const Tensor& other = saved.t[1 - i];
       Tensor& d = grad_target(g[i], saved.t[i], beta, "mul");
-      TALLY_RUN("mul", dy, kk::mul_backward<T>(dy.numel(), dy.data<T>(), other.data<T>(), d.data<T>(), T(beta)));
+      TALLY_DISPATCH("mul", dy, FLOATING, kk::mul_backward<T>(dy.numel(), dy.data<T>(), other.data<T>(), d.data<T>(), T(beta)));
     }
   }
 };
@@ -559,7 +545,7 @@ Tensor lincomb(const Tensor& a_, const Tensor& b_, double alpha_b, const char* o
   check_same_dtype(op, a_, b_);
   const Tensor a = a_.contiguous(), b = b_.contiguous();
   Tensor y = in_place ? alias_for_output(a) : out_like(a, a.shape(), op);
-  TALLY_RUN(op, a, kk::add<T>(a.numel(), a.data<T>(), b.data<T>(), T(alpha_b), y.data<T>()));
+  TALLY_DISPATCH(op, a, FLOATING, kk::add<T>(a.numel(), a.data<T>(), b.data<T>(), T(alpha_b), y.data<T>()));
   if (any_requires_grad({&a_, &b_})) {
     auto n = std::make_shared<LinearCombinationBackward>();
     n->alpha[1] = alpha_b;
@@ -574,7 +560,7 @@ Tensor relu_into(const Tensor& x_, bool in_place) {
   check_floating("relu", x_);
   const Tensor x = x_.contiguous();
   Tensor y = in_place ? alias_for_output(x) : out_like(x, x.shape(), "relu");
-  TALLY_RUN("relu", x, kk::relu_forward<T>(x.numel(), x.data<T>(), y.data<T>()));
+  TALLY_DISPATCH("relu", x, FLOATING, kk::relu_forward<T>(x.numel(), x.data<T>(), y.data<T>()));
   if (any_requires_grad({&x_})) {
     auto n = std::make_shared<ReluBackward>();
     set_history(y, n, {&x_});
@@ -608,7 +594,7 @@ Tensor mul(const Tensor& a_, const Tensor& b_) {
   check_floating("mul", a_);
   const Tensor a = a_.contiguous(), b = b_.contiguous();
   Tensor y = out_like(a, a.shape(), "mul");
-  TALLY_RUN("mul", a, kk::mul<T>(a.numel(), a.data<T>(), b.data<T>(), y.data<T>()));
+  TALLY_DISPATCH("mul", a, FLOATING, kk::mul<T>(a.numel(), a.data<T>(), b.data<T>(), y.data<T>()));
   if (any_requires_grad({&a_, &b_})) {
     auto n = std::make_shared<MulBackward>();
     n->saved.t = {a.detach(), b.detach()};
@@ -621,7 +607,7 @@ Tensor scale(const Tensor& x_, double alpha) {
   check_floating("scale", x_);
   const Tensor x = x_.contiguous();
   Tensor y = out_like(x, x.shape(), "scale");
-  TALLY_RUN("scale", x, kk::axpby<T>(x.numel(), T(alpha), x.data<T>(), T(0), y.data<T>()));
+  TALLY_DISPATCH("scale", x, FLOATING, kk::axpby<T>(x.numel(), T(alpha), x.data<T>(), T(0), y.data<T>()));
   if (any_requires_grad({&x_})) {
     auto n = std::make_shared<LinearCombinationBackward>();
     n->alpha[0] = alpha;
@@ -635,7 +621,7 @@ void add_into(Tensor& dst, const Tensor& src_) {
   check_same_shape("add_into", dst, src_);
   if (!dst.is_contiguous()) throw ShapeError(fmt::format("add_into: destination {} must be contiguous", dst.str()));
   const Tensor src = src_.contiguous();
-  TALLY_RUN("add_into", dst, kk::axpby<T>(dst.numel(), T(1), src.data<T>(), T(1), dst.data<T>()));
+  TALLY_DISPATCH("add_into", dst, FLOATING, kk::axpby<T>(dst.numel(), T(1), src.data<T>(), T(1), dst.data<T>()));
 }
 
 // =============================================================================================
@@ -668,7 +654,7 @@ struct MaxPoolBackward : Node {
     const Tensor dy = gy.contiguous();
     double beta = 0;
     Tensor& dx = grad_target(g[0], in_shape, dtype, device, beta, "max_pool2d");
-    TALLY_RUN("max_pool2d", dy, kk::max_pool2d_backward<T>(s, dy.data<T>(), argmax.data<std::int32_t>(), dx.data<T>(), T(beta)));
+    TALLY_DISPATCH("max_pool2d", dy, FLOATING, kk::max_pool2d_backward<T>(s, dy.data<T>(), argmax.data<std::int32_t>(), dx.data<T>(), T(beta)));
   }
 };
 
@@ -684,9 +670,9 @@ struct AvgPoolBackward : Node {
     double beta = 0;
     Tensor& dx = grad_target(g[0], in_shape, dy.dtype(), dy.device(), beta, name());
     if (adaptive)
-      TALLY_RUN("adaptive_avg_pool2d", dy, kk::adaptive_avg_pool2d_backward<T>(s.N, s.C, s.H, s.W, OH, OW, dy.data<T>(), dx.data<T>(), T(beta)));
+      TALLY_DISPATCH("adaptive_avg_pool2d", dy, FLOATING, kk::adaptive_avg_pool2d_backward<T>(s.N, s.C, s.H, s.W, OH, OW, dy.data<T>(), dx.data<T>(), T(beta)));
     else
-      TALLY_RUN("avg_pool2d", dy, kk::avg_pool2d_backward<T>(s, count_include_pad, dy.data<T>(), dx.data<T>(), T(beta)));
+      TALLY_DISPATCH("avg_pool2d", dy, FLOATING, kk::avg_pool2d_backward<T>(s, count_include_pad, dy.data<T>(), dx.data<T>(), T(beta)));
   }
 };
 }  // namespace
@@ -699,7 +685,7 @@ Tensor max_pool2d(const Tensor& x_, std::array<i64, 2> kernel, std::array<i64, 2
   // The argmax is what backward needs; without grad it is scratch.
   Tensor argmax = Tensor::empty(y.shape(), DType::Int32, x.device(), need ? Category::activation : Category::workspace,
                                 "max_pool2d_argmax");
-  TALLY_RUN("max_pool2d", x, kk::max_pool2d_forward<T>(s, x.data<T>(), y.data<T>(), argmax.data<std::int32_t>()));
+  TALLY_DISPATCH("max_pool2d", x, FLOATING, kk::max_pool2d_forward<T>(s, x.data<T>(), y.data<T>(), argmax.data<std::int32_t>()));
   if (need) {
     auto n = std::make_shared<MaxPoolBackward>();
     n->s = s;
@@ -717,7 +703,7 @@ Tensor avg_pool2d(const Tensor& x_, std::array<i64, 2> kernel, std::array<i64, 2
   const kernels::Pool2dShape s = pool_shape(x_, kernel, stride, padding, "avg_pool2d");
   const Tensor x = x_.contiguous();
   Tensor y = out_like(x, {s.N, s.C, s.P(), s.Q()}, "avg_pool2d");
-  TALLY_RUN("avg_pool2d", x, kk::avg_pool2d_forward<T>(s, count_include_pad, x.data<T>(), y.data<T>()));
+  TALLY_DISPATCH("avg_pool2d", x, FLOATING, kk::avg_pool2d_forward<T>(s, count_include_pad, x.data<T>(), y.data<T>()));
   if (any_requires_grad({&x_})) {
     auto n = std::make_shared<AvgPoolBackward>();
     n->s = s;
@@ -739,7 +725,7 @@ Tensor adaptive_avg_pool2d(const Tensor& x_, std::array<i64, 2> out) {
   const i64 N = x.size(0), C = x.size(1), H = x.size(2), W = x.size(3);
   if (H < 1 || W < 1) throw ShapeError(fmt::format("{}: empty input {}", op, x.str()));
   Tensor y = out_like(x, {N, C, out[0], out[1]}, op);
-  TALLY_RUN(op, x, kk::adaptive_avg_pool2d_forward<T>(N, C, H, W, out[0], out[1], x.data<T>(), y.data<T>()));
+  TALLY_DISPATCH(op, x, FLOATING, kk::adaptive_avg_pool2d_forward<T>(N, C, H, W, out[0], out[1], x.data<T>(), y.data<T>()));
   if (any_requires_grad({&x_})) {
     auto n = std::make_shared<AvgPoolBackward>();
     n->s = kernels::Pool2dShape{N, C, H, W, 1, 1, 1, 1};
@@ -802,7 +788,7 @@ struct SumBackward : Node {
     double beta = 0;
     Tensor& dx = grad_target(g[0], in_shape, gy.dtype(), gy.device(), beta, "sum");
     const Tensor dy = gy.contiguous();
-    TALLY_RUN("sum", dx, kk::broadcast_scalar<T>(dx.numel(), dy.data<T>(), T(factor), dx.data<T>(), T(beta)));
+    TALLY_DISPATCH("sum", dx, FLOATING, kk::broadcast_scalar<T>(dx.numel(), dy.data<T>(), T(factor), dx.data<T>(), T(beta)));
   }
 };
 
@@ -811,7 +797,7 @@ Tensor reduce_all(const Tensor& x_, double factor, const char* op) {
   const Tensor x = x_.contiguous();
   Tensor y = out_like(x, {}, op);
   // Reduced where x lives, into y: nothing waits.
-  TALLY_RUN(op, x, kk::sum_to<T>(x.numel(), x.data<T>(), T(factor), y.data<T>()));
+  TALLY_DISPATCH(op, x, FLOATING, kk::sum_to<T>(x.numel(), x.data<T>(), T(factor), y.data<T>()));
   if (any_requires_grad({&x_})) {
     auto n = std::make_shared<SumBackward>();
     n->in_shape = x.shape();
@@ -863,10 +849,10 @@ struct CrossEntropyBackward : Node {
     double beta = 0;
     Tensor& dx = grad_target(g[0], logits, beta, "cross_entropy");
     const Tensor dy = gy.contiguous();
-    TALLY_RUN("cross_entropy", logits, kk::fill_product<T>(N, dy.data<T>(), scale.data<T>(), dloss.data<T>()));
-    TALLY_RUN("cross_entropy", logits,
-              kk::cross_entropy_backward<T>(N, C, logits.data<T>(), targets.data<i64>(), ptr_or_null<T>(w),
-                                            ignore_index, T(label_smoothing), dloss.data<T>(), dx.data<T>(), T(beta)));
+    TALLY_DISPATCH("cross_entropy", logits, FLOATING, kk::fill_product<T>(N, dy.data<T>(), scale.data<T>(), dloss.data<T>()));
+    TALLY_DISPATCH("cross_entropy", logits, FLOATING,
+                   kk::cross_entropy_backward<T>(N, C, logits.data<T>(), targets.data<i64>(), ptr_or_null<T>(w),
+                                                 ignore_index, T(label_smoothing), dloss.data<T>(), dx.data<T>(), T(beta)));
   }
 };
 }  // namespace
@@ -915,21 +901,19 @@ Tensor cross_entropy(const Tensor& logits_, const Tensor& targets_, const CrossE
   Tensor loss = Tensor::empty({N}, logits.dtype(), logits.device(), Category::temporary, "cross_entropy_loss");
   Tensor sw = Tensor::empty({N}, logits.dtype(), logits.device(), Category::temporary, "cross_entropy_weight");
   Tensor scale = Tensor::empty({}, logits.dtype(), logits.device(), Category::activation, "cross_entropy_scale");
-  if (!is_dry_run()) {
-    i64 bad = -1;
-    TALLY_RUN("cross_entropy", logits,
-              bad = kk::cross_entropy_forward<T>(N, C, logits.data<T>(), targets.data<i64>(), ptr_or_null<T>(w),
-                                                 o.ignore_index, T(o.label_smoothing), loss.data<T>(), sw.data<T>(),
-                                                 !o.targets_checked));
-    if (bad >= 0)
-      throw ShapeError(fmt::format("cross_entropy: target {} of sample {} is out of range [0, {}) and is not ignore_index {}",
-                                   targets.to_vector<i64>()[static_cast<std::size_t>(bad)], bad, C, o.ignore_index));
-    // A positive fixed scale (a divisor, or 1 for the sum); 0 asks for 1 / sum of weights (the
-    // mean: 0/0 = NaN when every target is ignored, as PyTorch).
-    const double fixed = o.divisor ? 1.0 / *o.divisor : o.reduction == Reduction::Mean ? 0.0 : 1.0;
-    TALLY_RUN("cross_entropy", logits,
-              kk::cross_entropy_reduce<T>(N, loss.data<T>(), sw.data<T>(), T(fixed), y.data<T>(), scale.data<T>()));
-  }
+  i64 bad = -1;  // stays -1 in a dry run, which runs no kernel
+  TALLY_DISPATCH("cross_entropy", logits, FLOATING,
+                      bad = kk::cross_entropy_forward<T>(N, C, logits.data<T>(), targets.data<i64>(), ptr_or_null<T>(w),
+                                                         o.ignore_index, T(o.label_smoothing), loss.data<T>(), sw.data<T>(),
+                                                         !o.targets_checked));
+  if (bad >= 0)
+    throw ShapeError(fmt::format("cross_entropy: target {} of sample {} is out of range [0, {}) and is not ignore_index {}",
+                                 targets.to_vector<i64>()[static_cast<std::size_t>(bad)], bad, C, o.ignore_index));
+  // A positive fixed scale (a divisor, or 1 for the sum); 0 asks for 1 / sum of weights (the
+  // mean: 0/0 = NaN when every target is ignored, as PyTorch).
+  const double fixed = o.divisor ? 1.0 / *o.divisor : o.reduction == Reduction::Mean ? 0.0 : 1.0;
+  TALLY_DISPATCH("cross_entropy", logits, FLOATING,
+                      kk::cross_entropy_reduce<T>(N, loss.data<T>(), sw.data<T>(), T(fixed), y.data<T>(), scale.data<T>()));
   if (any_requires_grad({&logits_})) {
     auto n = std::make_shared<CrossEntropyBackward>();
     n->saved.t = {logits, targets, w, scale};

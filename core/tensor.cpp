@@ -6,15 +6,9 @@
 #include <fmt/format.h>
 
 #include "core/autograd.h"
-#include "core/cuda_runtime.h"
+#include "core/dispatch.h"
 #include "core/dry_run.h"
 #include "core/memory.h"
-#include "kernels/cpu/cpu_kernels.h"
-#include "tally/config.h"
-#if TALLY_HAVE_CUDA
-#include "kernels/cuda/context.h"
-#include "kernels/cuda/cuda_kernels.h"
-#endif
 
 namespace tally {
 
@@ -49,11 +43,7 @@ Tensor from_host(const std::vector<T>& v, const Shape& shape, DType dt, Device d
     throw ShapeError(fmt::format("from_vector: shape {} needs {} values, found {}", shape_str(shape),
                                  shape_numel(shape), v.size()));
   Tensor t = Tensor::empty(shape, dt, device, cat, "from_vector");
-  if (is_dry_run() || v.empty()) return t;
-  if (device.is_cpu())
-    std::memcpy(t.raw_data(), v.data(), v.size() * sizeof(T));
-  else
-    cuda_rt::memcpy_h2d(t.raw_data(), v.data(), v.size() * sizeof(T));
+  TALLY_DISPATCH("from_vector", t, ANY, kk::copy_from_host(t.raw_data(), v.data(), v.size() * sizeof(T)));
   return t;
 }
 
@@ -65,9 +55,7 @@ constexpr DType dtype_of() {
   return DType::Int64;
 }
 
-// Dense copy of a tensor into dst (contiguous, same numel, same device as src), on src's device
-// (the CPU or CUDA strided_copy; elements are moved as bits, so 8-byte types travel as double
-// and 4-byte ones as float).
+// Dense copy of a tensor into dst (contiguous, same numel, same device as src), on src's device.
 void gather(const Tensor& src, void* dst) {
   const int nd = static_cast<int>(src.dim());
   if (nd > 8) throw ShapeError(fmt::format("contiguous: at most 8 dimensions, found {}", nd));
@@ -77,28 +65,8 @@ void gather(const Tensor& src, void* dst) {
     strides = {1};
   }
   const int ndim = static_cast<int>(shape.size());
-  const std::size_t es = dtype_size(src.dtype());
-  if (es != 8 && es != 4) throw ShapeError(fmt::format("contiguous: dtype {} not supported", dtype_name(src.dtype())));
-  if (src.device().is_cpu()) {
-    if (es == 8)
-      kernels::cpu::strided_copy<double>(ndim, shape.data(), strides.data(), static_cast<const double*>(src.raw_data()),
-                                         static_cast<double*>(dst));
-    else
-      kernels::cpu::strided_copy<float>(ndim, shape.data(), strides.data(), static_cast<const float*>(src.raw_data()),
-                                        static_cast<float*>(dst));
-    return;
-  }
-#if TALLY_HAVE_CUDA
-  kernels::cuda::use_device(src.device().index);
-  if (es == 8)
-    kernels::cuda::strided_copy<double>(ndim, shape.data(), strides.data(), static_cast<const double*>(src.raw_data()),
-                                        static_cast<double*>(dst));
-  else
-    kernels::cuda::strided_copy<float>(ndim, shape.data(), strides.data(), static_cast<const float*>(src.raw_data()),
-                                       static_cast<float*>(dst));
-#else
-  throw Error(fmt::format("contiguous: {} is on a GPU but this build has no CUDA backend", src.str()));
-#endif
+  TALLY_DISPATCH("contiguous", src, ALL,
+                 kk::strided_copy<T>(ndim, shape.data(), strides.data(), src.data<T>(), static_cast<T*>(dst)));
 }
 }  // namespace
 
@@ -276,24 +244,15 @@ Tensor Tensor::to(Device d) const {
 
 Tensor Tensor::to(DType t) const {
   if (t == dtype()) return *this;
-  Tensor out = empty(shape(), t, device(), category(), "to_dtype");
-  if (is_dry_run()) return out;
   const bool f2d = dtype() == DType::Float32 && t == DType::Float64;
   const bool d2f = dtype() == DType::Float64 && t == DType::Float32;
-  Tensor src = contiguous();
   if (!f2d && !d2f) throw Error(fmt::format("to: no conversion from {} to {}", dtype_name(dtype()), dtype_name(t)));
-  if (device().is_cpu()) {
-    if (f2d) kernels::cpu::convert<float, double>(numel(), src.data<float>(), out.data<double>());
-    else kernels::cpu::convert<double, float>(numel(), src.data<double>(), out.data<float>());
-    return out;
-  }
-#if TALLY_HAVE_CUDA
-  kernels::cuda::use_device(device().index);
-  if (f2d) kernels::cuda::convert<float, double>(numel(), src.data<float>(), out.data<double>());
-  else kernels::cuda::convert<double, float>(numel(), src.data<double>(), out.data<float>());
-#else
-  throw Error(fmt::format("to({}): {} is on a GPU but this build has no CUDA backend", dtype_name(t), str()));
-#endif
+  Tensor out = empty(shape(), t, device(), category(), "to_dtype");
+  const Tensor src = contiguous();
+  TALLY_DISPATCH("to", src, ANY, {
+    if (f2d) kk::convert<float, double>(numel(), src.data<float>(), out.data<double>());
+    else kk::convert<double, float>(numel(), src.data<double>(), out.data<float>());
+  });
   return out;
 }
 
@@ -301,62 +260,29 @@ void Tensor::copy_(const Tensor& src) {
   if (src.shape() != shape() || src.dtype() != dtype())
     throw ShapeError(fmt::format("copy_: destination {} and source {} differ in shape or dtype", str(), src.str()));
   if (!is_contiguous()) throw ShapeError(fmt::format("copy_: destination {} must be contiguous", str()));
-  if (is_dry_run() || numel() == 0) return;
+  if (numel() == 0) return;
   const std::size_t bytes = nbytes();
-  if (src.device().is_cpu()) {
-    if (src.is_contiguous()) {
-      if (device().is_cpu()) std::memcpy(raw_data(), src.raw_data(), bytes);
-      else cuda_rt::memcpy_h2d(raw_data(), src.raw_data(), bytes);
-    } else if (device().is_cpu()) {
-      gather(src, raw_data());
-    } else {
-      Tensor tmp = src.contiguous();  // gather on the host, then one upload
-      cuda_rt::memcpy_h2d(raw_data(), tmp.raw_data(), bytes);
-    }
-    return;
+  if (src.device() == device()) {  // one device: a dense copy, or a gather of a strided view
+    if (!src.is_contiguous()) return gather(src, raw_data());
+    TALLY_DISPATCH("copy_", *this, ANY, kk::copy_bytes(raw_data(), src.raw_data(), bytes));
+  } else if (src.device().is_cpu()) {  // host to GPU: gathered on the host, then one upload
+    const Tensor dense = src.contiguous();
+    TALLY_DISPATCH("copy_", *this, ANY, kk::copy_from_host(raw_data(), dense.raw_data(), bytes));
+  } else if (!src.is_contiguous()) {  // a strided GPU source: gathered on its device first
+    Tensor dense = empty(src.shape(), src.dtype(), src.device(), Category::temporary, "copy_gather");
+    gather(src, dense.raw_data());
+    copy_(dense);
+  } else if (device().is_cpu()) {  // GPU to host
+    TALLY_DISPATCH("copy_", src, ANY, kk::copy_to_host(raw_data(), src.raw_data(), bytes));
+  } else {  // GPU to another GPU
+    TALLY_DISPATCH("copy_", *this, ANY, kk::copy_bytes(raw_data(), src.raw_data(), bytes));
   }
-  // A GPU source: gathered on its device first when strided (straight into a GPU destination on
-  // the same device, else into a dense temporary), then one copy.
-  if (!src.is_contiguous()) {
-    if (device() == src.device()) {
-      gather(src, raw_data());
-      return;
-    }
-    Tensor tmp = empty(src.shape(), src.dtype(), src.device(), Category::temporary, "copy_gather");
-    gather(src, tmp.raw_data());
-    copy_(tmp);
-    return;
-  }
-  if (device().is_cpu()) cuda_rt::memcpy_d2h(raw_data(), src.raw_data(), bytes);
-  else cuda_rt::memcpy_d2d(raw_data(), src.raw_data(), bytes);
 }
 
 void Tensor::fill_(double value) {
   if (!is_contiguous()) throw ShapeError(fmt::format("fill_: {} must be contiguous", str()));
-  if (is_dry_run() || numel() == 0) return;
-  const std::int64_t n = numel();
-  if (device().is_cpu()) {
-    switch (dtype()) {
-      case DType::Float32: kernels::cpu::fill<float>(n, static_cast<float>(value), data<float>()); return;
-      case DType::Float64: kernels::cpu::fill<double>(n, value, data<double>()); return;
-      case DType::Int64: std::fill_n(data<std::int64_t>(), n, static_cast<std::int64_t>(value)); return;
-      case DType::Int32: std::fill_n(data<std::int32_t>(), n, static_cast<std::int32_t>(value)); return;
-      default: throw Error(fmt::format("fill_: unsupported dtype {}", dtype_name(dtype())));
-    }
-  }
-#if TALLY_HAVE_CUDA
-  // CUDA: the fill kernel, enqueued on the compute stream (no host round trip).
-  kernels::cuda::use_device(device().index);
-  switch (dtype()) {
-    case DType::Float32: kernels::cuda::fill<float>(n, static_cast<float>(value), data<float>()); return;
-    case DType::Float64: kernels::cuda::fill<double>(n, value, data<double>()); return;
-    case DType::Int64: kernels::cuda::fill<std::int64_t>(n, static_cast<std::int64_t>(value), data<std::int64_t>()); return;
-    case DType::Int32: kernels::cuda::fill<std::int32_t>(n, static_cast<std::int32_t>(value), data<std::int32_t>()); return;
-    default: throw Error(fmt::format("fill_: unsupported dtype {}", dtype_name(dtype())));
-  }
-#else
-  throw Error(fmt::format("fill_: {} is on a GPU but this build has no CUDA backend", str()));
-#endif
+  if (numel() == 0) return;
+  TALLY_DISPATCH("fill_", *this, ALL, kk::fill<T>(numel(), static_cast<T>(value), data<T>()));
 }
 
 // ---- autograd plumbing ------------------------------------------------------------------------
@@ -392,6 +318,18 @@ Tensor Tensor::detach() const {
 void Tensor::backward() const { run_backward(*this); }
 
 // ---- checks -----------------------------------------------------------------------------------
+namespace detail {
+void no_kernel(const char* op, const Tensor& t, std::initializer_list<DType> takes) {
+  std::vector<const char*> names;
+  for (DType d : takes) names.push_back(dtype_name(d));
+  throw ShapeError(fmt::format("{}: no kernel for {} (on {} it takes {})", op, t.str(),
+                               t.device().is_cpu() ? "the cpu" : "a GPU", fmt::join(names, " or ")));
+}
+void no_backend(const char* op, const Tensor& t) {
+  throw ShapeError(fmt::format("{}: {} is on a GPU but this build of tally has no CUDA backend", op, t.str()));
+}
+}  // namespace detail
+
 void check_same_device(const char* op, const Tensor& a, const Tensor& b) {
   if (a.device() != b.device())
     throw ShapeError(fmt::format("{}: operands on different devices: {} and {}", op, a.str(), b.str()));

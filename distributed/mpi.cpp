@@ -62,7 +62,7 @@ class Mpi final : public Communicator {
   }
   void all_reduce_sum(Tensor& t) override {
     check_tensor(t, "all_reduce_sum");
-    if (is_dry_run() || t.numel() == 0) return;
+    if (skip_host_work() || t.numel() == 0) return;
     check(MPI_Allreduce(MPI_IN_PLACE, t.raw_data(), static_cast<int>(t.numel()), mpi_type(t.dtype()), MPI_SUM,
                         MPI_COMM_WORLD),
           "MPI_Allreduce");
@@ -70,7 +70,7 @@ class Mpi final : public Communicator {
   void broadcast(Tensor& t, int root) override {
     check_tensor(t, "broadcast");
     check_root(root);
-    if (is_dry_run() || t.numel() == 0) return;
+    if (skip_host_work() || t.numel() == 0) return;
     check(MPI_Bcast(t.raw_data(), static_cast<int>(t.numel()), mpi_type(t.dtype()), root, MPI_COMM_WORLD),
           "MPI_Bcast");
   }

@@ -8,40 +8,19 @@
 #include <fmt/format.h>
 
 #include "core/autograd.h"
-#include "core/cuda_runtime.h"
 #include "core/dry_run.h"
 #include "core/memory.h"
-#include "tally/config.h"
-#if TALLY_HAVE_CUDA
-#include "kernels/cuda/context.h"
-#endif
 
 namespace tally::mbp {
 
 namespace {
 
-// The input tensors of one micro-batch (category input), allocated in the arena, and on CUDA the
-// event that marks the end of their upload (the compute stream waits for it before the forward).
+// The input tensors of one micro-batch (category input), allocated in the arena, and the ticket of
+// their upload (core/staging.h: the device waits for it before the forward).
 struct Inputs {
   Tensor x, y;
-#if TALLY_HAVE_CUDA
-  kernels::cuda::Event uploaded;
-#endif
+  std::size_t uploaded = 0;
 };
-
-}  // namespace
-
-// Pinned host memory for one step's inputs on CUDA: each micro-batch's samples are copied there
-// by the host and uploaded from there on the copy stream, overlapping the previous micro-batch's
-// compute. One slot per micro-batch, never reused within a step, so the host never waits for an
-// upload; the next step reuses them after the step's one synchronization (reading the loss).
-struct Executor::Staging {
-#if TALLY_HAVE_CUDA
-  kernels::cuda::PinnedBuffer buffer;
-#endif
-};
-
-namespace {
 
 Inputs allocate_inputs(std::int64_t n, const Shape& sample_shape, DType dtype, Device device) {
   Shape xs{n};
@@ -52,47 +31,27 @@ Inputs allocate_inputs(std::int64_t n, const Shape& sample_shape, DType dtype, D
   return in;
 }
 
-// Fills `in` with samples [offset, offset + n) of the host batch. CPU: plain copies. CUDA: into
-// the staging slot of these samples, then an upload on the copy stream after the compute work
-// enqueued so far (the arena may have handed the blocks over from tensors it still reads).
-void fill_inputs(Inputs& in, const float* images, const std::int64_t* labels, std::int64_t offset, std::int64_t n,
-                 std::int64_t batch, std::int64_t sample_numel, DType dtype, Device device, void* staging) {
-  if (is_dry_run()) return;
-  const float* src = images + offset * sample_numel;
-  const std::size_t count = static_cast<std::size_t>(n * sample_numel);
-  const std::int64_t* lab = labels + offset;
-  if (device.is_cpu()) {
-    if (dtype == DType::Float32) std::copy(src, src + count, in.x.data<float>());
-    else std::copy(src, src + count, in.x.data<double>());
-    std::copy(lab, lab + n, in.y.data<std::int64_t>());
-    return;
-  }
-#if TALLY_HAVE_CUDA
-  if (dtype != DType::Float32)
-    throw Error(fmt::format("MBP executor: inputs on {} must be float32, the model is {}", device.str(), dtype_name(dtype)));
-  namespace kcu = kernels::cuda;
-  kcu::use_device(device.index);
-  // Staging layout: all images of the batch, then all labels.
-  float* img_slot = static_cast<float*>(staging) + offset * sample_numel;
-  auto* lab_slot = reinterpret_cast<std::int64_t*>(static_cast<float*>(staging) + batch * sample_numel) + offset;
-  std::copy(src, src + count, img_slot);
-  std::copy(lab, lab + n, lab_slot);
-  kcu::copy_wait(kcu::Event::record(kcu::compute_stream()));
-  (void)kcu::upload_async(in.x.raw_data(), img_slot, count * sizeof(float));
-  in.uploaded = kcu::upload_async(in.y.raw_data(), lab_slot, static_cast<std::size_t>(n) * sizeof(std::int64_t));
-#else
-  (void)staging, (void)batch;
-  throw Error("MBP executor: a CUDA device in a build without the CUDA backend");
-#endif
+// The bytes of staging one step of `batch` samples takes: all images, then all labels.
+std::size_t staging_bytes(std::int64_t batch, std::int64_t sample_numel, DType dtype) {
+  return static_cast<std::size_t>(batch) * (static_cast<std::size_t>(sample_numel) * dtype_size(dtype) + sizeof(std::int64_t));
 }
 
-// The compute stream waits for the inputs' upload (no host wait).
-void ready(const Inputs& in) {
-#if TALLY_HAVE_CUDA
-  if (in.uploaded.valid()) kernels::cuda::compute_wait(in.uploaded);
-#else
-  (void)in;
-#endif
+// Stages samples [offset, offset + n) of the host batch into `in` (float images converted to the
+// model's dtype first where it is not float32), at their place in the step's staging layout.
+void fill_inputs(Inputs& in, InputStager& stager, const float* images, const std::int64_t* labels, std::int64_t offset,
+                 std::int64_t n, std::int64_t batch, std::int64_t sample_numel, DType dtype) {
+  if (skip_host_work()) return;
+  const float* src = images + offset * sample_numel;
+  const std::size_t count = static_cast<std::size_t>(n * sample_numel);
+  const std::size_t es = dtype_size(dtype), image_offset = static_cast<std::size_t>(offset * sample_numel) * es;
+  if (dtype == DType::Float32) {
+    stager.stage(in.x, src, count * es, image_offset);
+  } else {
+    const std::vector<double> converted(src, src + count);
+    stager.stage(in.x, converted.data(), count * es, image_offset);
+  }
+  const std::size_t label_offset = static_cast<std::size_t>(batch * sample_numel) * es + offset * sizeof(std::int64_t);
+  in.uploaded = stager.stage(in.y, labels + offset, static_cast<std::size_t>(n) * sizeof(std::int64_t), label_offset);
 }
 
 Tensor first_parameter(const nn::Module& m) {
@@ -117,7 +76,7 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_p
       planner_(arena_, [this](const std::vector<std::int64_t>& sizes) { run_step(nullptr, nullptr, sizes, nullptr); }),
       bns_(nn::batch_norm_layers(model)),
       moments_(bns_.size()),
-      staging_(std::make_unique<Staging>()) {
+      stager_(std::make_unique<InputStager>(device_)) {
   if (opt_.sample_shape.empty())
     throw Error("MBP executor: the sample shape is empty (expected e.g. {3, 32, 32})");
   for (std::int64_t d : opt_.sample_shape) {
@@ -162,12 +121,12 @@ const Plan& Executor::plan(std::int64_t batch) {
 
 double Executor::accumulate(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes) {
   const Tensor total = accumulate_loss(images, labels, sizes);
-  return total.defined() && !is_dry_run() ? total.item() : 0.0;
+  return total.defined() && !skip_host_work() ? total.item() : 0.0;
 }
 
 Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes,
                                  std::optional<double> given_divisor) {
-  const bool dry = is_dry_run();
+  const bool dry = skip_host_work();
   if (!dry && (images == nullptr || labels == nullptr)) throw Error("MBP executor: no input data");
   std::int64_t batch = 0;
   for (std::int64_t n : sizes) {
@@ -197,33 +156,21 @@ Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels
     }
   } undefer{bns_};
 
-  // Pinned staging for the batch's samples (CUDA): grown when a larger batch comes.
-  void* staging = nullptr;
-#if TALLY_HAVE_CUDA
-  if (device_.is_cuda() && !dry) {
-    const std::size_t bytes = static_cast<std::size_t>(batch) * (static_cast<std::size_t>(sample_numel_) * sizeof(float) +
-                                                                 sizeof(std::int64_t));
-    if (staging_->buffer.size() < bytes) {
-      staging_->buffer = kernels::cuda::PinnedBuffer();  // the last step's uploads are done: it synchronized
-      staging_->buffer = kernels::cuda::PinnedBuffer(bytes);
-    }
-    staging = staging_->buffer.data();
-  }
-#endif
+  if (!dry) stager_->begin_step(staging_bytes(batch, sample_numel_, dtype_));
 
   EnableGradGuard grad_on;  // the step records its tape even if the caller is in a NoGradGuard
   // The arena in scope: arena_ in a real step, the planner's virtual clone of it in a dry run.
   const auto& arena = current_arena(device_);
   // The loss of the step, summed where it is computed: read once, after the optimizer step.
   Tensor total = Tensor::zeros({}, dtype_, device_, Category::temporary, "step_loss");
-  const bool prefetch = device_.is_cuda();  // next inputs allocated and uploaded before the current micro-batch computes
+  const bool prefetch = stager_->overlaps();  // next inputs allocated and uploaded before the current micro-batch computes
   const auto k = sizes.size();
   std::int64_t offset = 0;
   bool targets_checked = false;
   Inputs next;
   if (prefetch) {
     next = allocate_inputs(sizes[0], opt_.sample_shape, dtype_, device_);
-    fill_inputs(next, images, labels, 0, sizes[0], batch, sample_numel_, dtype_, device_, staging);
+    fill_inputs(next, *stager_, images, labels, 0, sizes[0], batch, sample_numel_, dtype_);
   }
   for (std::size_t i = 0; i < k; ++i) {
     arena->mark(fmt::format("micro-batch {}/{} ({} samples)", i + 1, k, sizes[i]));
@@ -233,13 +180,13 @@ Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels
       next = Inputs{};
       if (i + 1 < k) {
         next = allocate_inputs(sizes[i + 1], opt_.sample_shape, dtype_, device_);
-        fill_inputs(next, images, labels, offset + sizes[i], sizes[i + 1], batch, sample_numel_, dtype_, device_, staging);
+        fill_inputs(next, *stager_, images, labels, offset + sizes[i], sizes[i + 1], batch, sample_numel_, dtype_);
       }
     } else {
       cur = allocate_inputs(sizes[i], opt_.sample_shape, dtype_, device_);
-      fill_inputs(cur, images, labels, offset, sizes[i], batch, sample_numel_, dtype_, device_, staging);
+      fill_inputs(cur, *stager_, images, labels, offset, sizes[i], batch, sample_numel_, dtype_);
     }
-    ready(cur);
+    if (!dry) stager_->wait(cur.uploaded);
     Tensor logits = model_(cur.x);
     if (!dry && !targets_checked) {  // every target of the batch, on the host, once the class count is known
       check_cross_entropy_targets(labels, batch, logits.size(1), opt_.loss.ignore_index);
@@ -271,23 +218,22 @@ void Executor::run_step(const float* images, const std::int64_t* labels, const s
   if (distributed()) {
     const auto t0 = std::chrono::steady_clock::now();
     reduce_across_ranks(total);
-    if (!is_dry_run())
+    if (!skip_host_work())
       communication_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
   current_arena(device_)->mark("optimizer step");
-  if (!is_dry_run())
-    for (std::size_t i = 0; i < bns_.size(); ++i) bns_[i]->apply_moments(moments_[i]);
+  for (std::size_t i = 0; i < bns_.size(); ++i) bns_[i]->apply_moments(moments_[i]);
   for (auto& m : moments_) m = BatchNormMoments{};
   NoGradGuard ng;
   optimizer_.step();
   optimizer_.zero_grad();
   // The step's one wait for the device: the loss value.
-  if (loss) *loss = is_dry_run() ? 0.0 : total.item();
+  if (loss) *loss = skip_host_work() ? 0.0 : total.item();
 }
 
 void Executor::reduce_across_ranks(Tensor& loss) {
   distributed::Communicator& comm = *opt_.communicator;
-  const bool dry = is_dry_run();
+  const bool dry = skip_host_work();
   const auto& arena = current_arena(device_);
   arena->mark("all-reduce");
   // What is summed: every gradient, flattened, then the step's loss (one more element of the last

@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "core/ops.h"
+#include "core/staging.h"
 #include "core/tensor.h"
 #include "distributed/communicator.h"
 #include "nn/modules.h"
@@ -120,7 +121,6 @@ class Executor {
   Executor& operator=(const Executor&) = delete;
 
  private:
-  struct Staging;
   void discard_partial_step();
   // Collectives run with any communicator but the local one (an MPI or NCCL world of one too).
   bool distributed() const { return opt_.communicator && opt_.communicator->backend() != "local"; }
@@ -150,7 +150,7 @@ class Executor {
   std::int64_t local_batch_ = 0, global_batch_ = 0;
   double communication_seconds_ = 0;  // of the step under way
   int total_retries_ = 0;
-  std::unique_ptr<Staging> staging_;
+  std::unique_ptr<InputStager> stager_;  // the step's inputs onto the device (core/staging.h)
 };
 
 }  // namespace tally::mbp

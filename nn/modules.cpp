@@ -83,7 +83,7 @@ BatchNorm2d::BatchNorm2d(std::int64_t c, double eps_, double momentum_) : num_fe
 }
 
 void BatchNorm2d::count_batch() {
-  if (is_dry_run()) return;  // a dry run changes no state
+  if (skip_host_work()) return;  // a dry run changes no state
   num_batches_tracked.data<std::int64_t>()[0] += 1;
 }
 
@@ -117,9 +117,8 @@ void BatchNorm2d::apply_moments(const BatchNormMoments& m) {
                                  m.sum.device().str(), running_mean.device().str()));
   if (m.count < 2)
     throw ShapeError("BatchNorm2d::apply_moments: need more than 1 value per channel for an unbiased variance");
-  if (is_dry_run()) return;
   // Where the statistics live: on a GPU nothing waits.
-  TALLY_DISPATCH("batch_norm", running_mean,
+  TALLY_DISPATCH("batch_norm", running_mean, FLOATING,
                  kk::batch_norm_apply_moments<T>(num_features, m.count, T(momentum), m.sum.data<double>(),
                                                  m.sum_sq.data<double>(), running_mean.data<T>(), running_var.data<T>()));
   count_batch();

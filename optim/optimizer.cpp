@@ -87,11 +87,7 @@ Tensor Optimizer::checked_grad(std::size_t i, const std::vector<Tensor>& state) 
     if (s.device() != p.device())
       throw Error(fmt::format("{}.step: {} is on {} but its optimizer state is on {} (build the optimizer after "
                               "moving the model)", name_, describe(i), p.device().str(), s.device().str()));
-  if (is_dry_run()) return g;
-  if (p.device().is_cuda() && (p.dtype() != DType::Float32 || !TALLY_HAVE_CUDA))
-    throw Error(fmt::format("{}.step: {}: no CUDA kernel ({})", name_, describe(i),
-                            TALLY_HAVE_CUDA ? "the CUDA updates are float32" : "this build has no CUDA backend"));
-  if (p.numel() > 0) {
+  if (p.numel() > 0 && !skip_host_work()) {
     bool null = p.raw_data() == nullptr || g.raw_data() == nullptr;
     for (const Tensor& s : state) null = null || s.raw_data() == nullptr;
     if (null)
@@ -125,20 +121,18 @@ void SGD::step() {
     if (momentum_[i].defined()) state.push_back(momentum_[i]);
     grads[i] = checked_grad(i, state);
   }
-  if (is_dry_run()) return;
   const SGDOptions& o = options_;
   const bool first = steps_ == 0;  // every buffer is written on the first step, read afterwards
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const Tensor& p = params_[i];
     const Tensor& g = grads[i];
-    TALLY_DISPATCH("SGD.step", p, {
+    TALLY_DISPATCH("SGD.step", p, FLOATING, {
       T* buf = momentum_[i].defined() ? momentum_[i].data<T>() : nullptr;
-      kk::sgd_update<T>(p.numel(), p.data<T>(), g.data<T>(), buf, static_cast<T>(lr_),
-                                  static_cast<T>(o.momentum), static_cast<T>(o.dampening),
-                                  static_cast<T>(o.weight_decay), o.nesterov, first);
+      kk::sgd_update<T>(p.numel(), p.data<T>(), g.data<T>(), buf, static_cast<T>(lr_), static_cast<T>(o.momentum),
+                        static_cast<T>(o.dampening), static_cast<T>(o.weight_decay), o.nesterov, first);
     });
   }
-  ++steps_;
+  if (!skip_host_work()) ++steps_;
 }
 
 // ---- AdamW --------------------------------------------------------------------------------------
@@ -160,20 +154,18 @@ AdamW::AdamW(std::vector<Tensor> params, AdamWOptions options)
 void AdamW::step() {
   std::vector<Tensor> grads(params_.size());
   for (std::size_t i = 0; i < params_.size(); ++i) grads[i] = checked_grad(i, {exp_avg_[i], exp_avg_sq_[i]});
-  if (is_dry_run()) return;
   const AdamWOptions& o = options_;
   const std::int64_t t = steps_ + 1;  // 1-based, as torch's state['step'] after its increment
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const Tensor& p = params_[i];
     const Tensor& g = grads[i];
-    TALLY_DISPATCH("AdamW.step", p, {
-      kk::adamw_update<T>(p.numel(), p.data<T>(), g.data<T>(), exp_avg_[i].data<T>(),
-                                    exp_avg_sq_[i].data<T>(), static_cast<T>(lr_), static_cast<T>(o.beta1),
-                                    static_cast<T>(o.beta2), static_cast<T>(o.eps),
-                                    static_cast<T>(o.weight_decay), t);
-    });
+    TALLY_DISPATCH("AdamW.step", p, FLOATING,
+                   kk::adamw_update<T>(p.numel(), p.data<T>(), g.data<T>(), exp_avg_[i].data<T>(),
+                                       exp_avg_sq_[i].data<T>(), static_cast<T>(lr_), static_cast<T>(o.beta1),
+                                       static_cast<T>(o.beta2), static_cast<T>(o.eps), static_cast<T>(o.weight_decay),
+                                       t));
   }
-  ++steps_;
+  if (!skip_host_work()) ++steps_;
 }
 
 }  // namespace tally::optim

@@ -2,6 +2,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
+#include <optional>
+#include <random>
 
 #include "core/dry_run.h"
 #include "core/memory.h"
@@ -93,4 +96,65 @@ TEST(Tensor, CudaDeviceAbsentWithoutGpu) {
   if (cuda_available()) GTEST_SKIP() << "a GPU is present; this checks the CPU-only behaviour";
   EXPECT_EQ(cuda_device_count(), 0);
   EXPECT_FALSE(build_info().empty());
+}
+
+// ---- dispatch (core/dispatch.h) ------------------------------------------------------------------
+
+// The memory ops reach one kernel per storable dtype: fill, dense copy and the strided gather
+// of a transposed view, each checked element by element against the host's own arithmetic.
+TEST(Dispatch, EveryStorableDtypeFillsCopiesAndGathers) {
+  std::mt19937 rng(std::random_device{}());
+  std::uniform_int_distribution<int> d(-1000, 1000);
+  const double value = d(rng);
+  auto check = [&](DType dt, auto zero) {
+    using V = decltype(zero);
+    SCOPED_TRACE(dtype_name(dt));
+    Tensor t = Tensor::full({3, 5}, value, dt);
+    EXPECT_EQ(t.to_vector<V>(), std::vector<V>(15, static_cast<V>(value)));
+    std::vector<V> src(15);
+    for (auto& x : src) x = static_cast<V>(d(rng));
+    Tensor s = Tensor::empty({3, 5}, dt);
+    std::memcpy(s.raw_data(), src.data(), sizeof(V) * src.size());
+    t.copy_(s);
+    EXPECT_EQ(t.to_vector<V>(), src);
+    const std::vector<V> got = s.transpose(0, 1).contiguous().to_vector<V>();
+    for (int i = 0; i < 5; ++i)
+      for (int j = 0; j < 3; ++j) EXPECT_EQ(got[i * 3 + j], src[j * 5 + i]) << i << "," << j;
+  };
+  check(DType::Float32, 0.f);
+  check(DType::Float64, 0.0);
+  check(DType::Int32, std::int32_t{0});
+  check(DType::Int64, std::int64_t{0});
+}
+
+// A dry run runs no kernel but checks what a real run checks: a dtype with no kernel is the same
+// error in both, naming the op, the tensor and the dtypes the backend takes.
+TEST(Dispatch, ADryRunChecksTheDtypeButRunsNoKernel) {
+  std::mt19937 rng(std::random_device{}());
+  std::normal_distribution<float> n(0.f, 1.f);
+  std::vector<float> v(12);
+  for (auto& x : v) x = n(rng);
+  Tensor x = Tensor::from_vector(v, {3, 4});
+  Tensor y = Tensor::full({3, 4}, 5.0);
+  {
+    DryRunGuard dry;
+    x.fill_(7.0);
+    y.copy_(x);
+    y.copy_(x.transpose(0, 1).contiguous().view({3, 4}));
+  }
+  EXPECT_EQ(x.to_vector<float>(), v);
+  EXPECT_EQ(y.to_vector<float>(), std::vector<float>(12, 5.f));
+  Tensor b = Tensor::empty({2}, DType::BFloat16);
+  for (bool dry_run : {false, true}) {
+    SCOPED_TRACE(dry_run ? "dry run" : "real run");
+    std::optional<DryRunGuard> guard;
+    if (dry_run) guard.emplace();
+    try {
+      b.fill_(1.0);
+      ADD_FAILURE() << "fill_ of a bfloat16 tensor did not throw";
+    } catch (const ShapeError& e) {
+      EXPECT_STREQ(e.what(), "fill_: no kernel for bfloat16[2] on cpu (on the cpu it takes float32 or float64 or "
+                             "int32 or int64)");
+    }
+  }
 }

@@ -28,10 +28,10 @@ void gemm(bool trans_a, bool trans_b, i64 M, i64 N, i64 K, T alpha, const T* A, 
           std::size_t workspace_bytes = 0);
 
 // ---------------------------------------------------------------------------------------------
-// profile.cpp — per-op host time (`tally train --profile` on the CPU): with profiling on, an
-// OpTimer around each op's kernels (core/dispatch.h) adds its time to a table per op name,
-// forward and backward apart; profile_report() prints it, largest first (format_profile: the
-// table both backends print).
+// profile.cpp — per-op host time (`tally train --profile` on the CPU; core/profiler.h): with
+// profiling on, an OpTimer around each op's kernels (core/dispatch.h) adds its time to a table per
+// op name, forward and backward apart; profile_report() prints it, largest first (format_profile:
+// the table both backends print). The same functions as the CUDA backend's profiler.
 struct ProfileRow {
   std::int64_t calls = 0;
   double ms = 0;
@@ -50,6 +50,9 @@ class OpTimer {
   bool backward_ = false;
   std::chrono::steady_clock::time_point start_{};
 };
+// Host times are in the table as soon as an op returns: nothing to collect (the CUDA twin reads
+// its events here).
+inline void profile_collect() {}
 std::string profile_report(const std::string& title);
 void profile_reset();
 std::string format_profile(const std::string& title, const std::string& what,
@@ -96,6 +99,11 @@ void conv2d_backward_bias(const Conv2dShape& s, const T* dy, T* db, T beta);
 
 // ---------------------------------------------------------------------------------------------
 // elementwise.cpp — n elements unless said otherwise.
+// Bytes into, out of and within CPU memory: the twins of the CUDA backend's host transfers, so
+// that core/ moves data by one dispatch whatever the device (all three are memcpy here).
+void copy_from_host(void* dst, const void* src, std::size_t bytes);
+void copy_to_host(void* dst, const void* src, std::size_t bytes);
+void copy_bytes(void* dst, const void* src, std::size_t bytes);
 template <class T> void fill(i64 n, T value, T* y);
 template <class T> void copy(i64 n, const T* x, T* y);
 // y = a + alpha * b (alpha = 1 for residual add, -1 for subtraction)

@@ -2,6 +2,7 @@
 // See kernels/cpu/cpu_kernels.h for the contract of each function and kernels/common.h for the
 // `beta` convention (beta == 0 never reads the output).
 #include <algorithm>
+#include <cstring>
 #include <vector>
 
 #include "kernels/cpu/cpu_kernels.h"
@@ -242,6 +243,16 @@ void convert(i64 n, const S* x, D* y) {
   for (i64 i = 0; i < n; ++i) y[i] = static_cast<D>(x[i]);
 }
 
+void copy_from_host(void* dst, const void* src, std::size_t bytes) {
+  if (bytes > 0) std::memcpy(dst, src, bytes);
+}
+void copy_to_host(void* dst, const void* src, std::size_t bytes) {
+  if (bytes > 0) std::memcpy(dst, src, bytes);
+}
+void copy_bytes(void* dst, const void* src, std::size_t bytes) {
+  if (bytes > 0) std::memcpy(dst, src, bytes);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Explicit instantiations.
 #define TALLY_INSTANTIATE_ELEMENTWISE(T)                                                  \
@@ -264,6 +275,15 @@ void convert(i64 n, const S* x, D* y) {
 TALLY_INSTANTIATE_ELEMENTWISE(float)
 TALLY_INSTANTIATE_ELEMENTWISE(double)
 #undef TALLY_INSTANTIATE_ELEMENTWISE
+
+// The memory-only functions take the integer dtypes too (the ALL set of core/dispatch.h).
+#define TALLY_INSTANTIATE_MEMORY(T)  \
+  template void fill<T>(i64, T, T*); \
+  template void copy<T>(i64, const T*, T*); \
+  template void strided_copy<T>(int, const i64*, const i64*, const T*, T*);
+TALLY_INSTANTIATE_MEMORY(std::int32_t)
+TALLY_INSTANTIATE_MEMORY(std::int64_t)
+#undef TALLY_INSTANTIATE_MEMORY
 
 template void convert<float, double>(i64, const float*, double*);
 template void convert<double, float>(i64, const double*, float*);

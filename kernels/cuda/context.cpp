@@ -144,6 +144,50 @@ double* result_slot(double** device_ptr) {
 
 }  // namespace detail
 
+// ---- devices and device memory -----------------------------------------------------------------
+int device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    (void)cudaGetLastError();  // clear the sticky "no driver/no device" error
+    return 0;
+  }
+  return n;
+}
+
+std::string device_name(int device) {
+  cudaDeviceProp p{};
+  TALLY_CUDA_CHECK(cudaGetDeviceProperties(&p, device));
+  return p.name;
+}
+
+void* device_allocate(std::size_t bytes) {
+  void* p = nullptr;
+  const cudaError_t e = cudaMalloc(&p, bytes);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();  // an allocation failure is not sticky: clear it
+    int dev = -1;
+    (void)cudaGetDevice(&dev);
+    std::size_t fr = 0, tot = 0;
+    const bool known = cudaMemGetInfo(&fr, &tot) == cudaSuccess;
+    if (!known) (void)cudaGetLastError();
+    throw Error(fmt::format(
+        "cudaMalloc of {} bytes ({:.1f} MiB) for the arena on cuda:{} failed: {} ({}); {} — reserve less "
+        "(configure_arena(Device::cuda({}), bytes))",
+        bytes, bytes / 1048576.0, dev, cudaGetErrorName(e), cudaGetErrorString(e),
+        known ? fmt::format("the device has {} bytes ({:.1f} MiB) free of {} bytes ({:.1f} MiB)", fr, fr / 1048576.0,
+                            tot, tot / 1048576.0)
+              : std::string("the free device memory could not be read"),
+        dev));
+  }
+  return p;
+}
+
+void device_free(void* p) noexcept { (void)cudaFree(p); }
+
+void memory_info(std::size_t* free_bytes, std::size_t* total_bytes) {
+  TALLY_CUDA_CHECK(cudaMemGetInfo(free_bytes, total_bytes));
+}
+
 // ---- devices and streams ----------------------------------------------------------------------
 void use_device(int device) {
   int cur = -1;
@@ -184,6 +228,25 @@ void synchronize_device() {
   TALLY_CUDA_CHECK(cudaDeviceSynchronize());
 }
 std::uint64_t host_sync_count() { return g_host_syncs; }
+
+// ---- copies (cuda_kernels.h) --------------------------------------------------------------------
+// On the compute stream, in order with every kernel before them; the host-facing ones then wait
+// for it, so that the host buffer may be read (device to host) or reused (host to device) as soon
+// as the call returns. Device to device needs no wait: no host buffer is involved.
+void copy_from_host(void* dst, const void* src, std::size_t bytes) {
+  if (bytes == 0) return;
+  TALLY_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, context().compute));
+  synchronize();
+}
+void copy_to_host(void* dst, const void* src, std::size_t bytes) {
+  if (bytes == 0) return;
+  TALLY_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, context().compute));
+  synchronize();
+}
+void copy_bytes(void* dst, const void* src, std::size_t bytes) {
+  if (bytes == 0) return;
+  TALLY_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, context().compute));
+}
 
 std::string runtime_versions() {
   int driver = 0, runtime = 0, blas[3] = {0, 0, 0};
@@ -272,6 +335,23 @@ Event Event::record(CUstream_st* stream) {
   return e;
 }
 
+Event Event::record_timed(CUstream_st* stream) {
+  cudaEvent_t ev = nullptr;
+  TALLY_CUDA_CHECK(cudaEventCreate(&ev));
+  Event e(ev);
+  TALLY_CUDA_CHECK(cudaEventRecord(ev, stream));
+  return e;
+}
+
+std::optional<float> elapsed_ms(const Event& start, const Event& stop) {
+  if (!start.valid() || !stop.valid()) return std::nullopt;
+  float ms = 0;
+  const cudaError_t st = cudaEventElapsedTime(&ms, start.get(), stop.get());
+  if (st == cudaErrorNotReady) return std::nullopt;
+  TALLY_CUDA_CHECK(st);
+  return ms;
+}
+
 Event upload_async(void* dst_device, const void* src_pinned, std::size_t bytes) {
   cudaStream_t s = copy_stream();
   if (bytes > 0) TALLY_CUDA_CHECK(cudaMemcpyAsync(dst_device, src_pinned, bytes, cudaMemcpyHostToDevice, s));
@@ -294,28 +374,18 @@ bool profile_from_env() {
 }
 std::atomic<bool> g_profiling{profile_from_env()};
 
+// Each timed op: its name and the events around its launches; read once both have completed.
 struct ProfileState {
   struct Pending {
     std::string name;
-    cudaEvent_t start, stop;
+    Event start, stop;
   };
   std::mutex mu;
-  std::vector<Pending> pending;           // recorded, not yet read
-  std::vector<cudaEvent_t> free_events;   // to reuse
+  std::vector<Pending> pending;  // recorded, not yet read
   std::map<std::string, cpu::ProfileRow> table;
-  cudaEvent_t take() {
-    if (!free_events.empty()) {
-      cudaEvent_t e = free_events.back();
-      free_events.pop_back();
-      return e;
-    }
-    cudaEvent_t e = nullptr;
-    TALLY_CUDA_CHECK(cudaEventCreate(&e));
-    return e;
-  }
 };
 ProfileState& profile_state() {
-  static auto* p = new ProfileState;  // never destroyed, as the contexts
+  static auto* p = new ProfileState;  // never destroyed, as the contexts (its events outlive the runtime)
   return *p;
 }
 }  // namespace
@@ -327,18 +397,21 @@ OpTimer::OpTimer(const char* op, bool backward) {
   if (!g_profiling) return;
   ProfileState& p = profile_state();
   std::lock_guard<std::mutex> lock(p.mu);
-  ProfileState::Pending e{std::string(op) + (backward ? " (backward)" : ""), p.take(), p.take()};
-  TALLY_CUDA_CHECK(cudaEventRecord(e.start, context().compute));
-  slot_ = static_cast<int>(p.pending.size());
-  p.pending.push_back(std::move(e));
+  p.pending.push_back({std::string(op) + (backward ? " (backward)" : ""), Event::record_timed(compute_stream()), {}});
+  slot_ = static_cast<int>(p.pending.size()) - 1;
 }
 
 OpTimer::~OpTimer() {
   if (slot_ < 0) return;
   ProfileState& p = profile_state();
   std::lock_guard<std::mutex> lock(p.mu);
-  if (static_cast<std::size_t>(slot_) < p.pending.size())
-    (void)cudaEventRecord(p.pending[static_cast<std::size_t>(slot_)].stop, context().compute);
+  if (static_cast<std::size_t>(slot_) >= p.pending.size()) return;  // the table was reset meanwhile
+  try {
+    p.pending[static_cast<std::size_t>(slot_)].stop = Event::record_timed(compute_stream());
+  } catch (const Error&) {
+    // No stop event: the op goes uncounted (a destructor does not throw); the failure that
+    // caused it surfaces at the next checked call.
+  }
 }
 
 void profile_collect() {
@@ -347,20 +420,17 @@ void profile_collect() {
   std::size_t kept = 0;
   for (std::size_t i = 0; i < p.pending.size(); ++i) {
     auto& e = p.pending[i];
-    float ms = 0;
-    const cudaError_t st = cudaEventElapsedTime(&ms, e.start, e.stop);
-    if (st == cudaErrorNotReady) {  // still running: keep it for the next collection
-      p.pending[kept++] = std::move(e);
+    const std::optional<float> ms = elapsed_ms(e.start, e.stop);
+    if (!ms) {
+      if (e.stop.valid() && !e.stop.done()) {  // still running: next time
+        if (kept != i) p.pending[kept] = std::move(e);
+        ++kept;
+      }
       continue;
     }
-    (void)cudaGetLastError();
-    if (st == cudaSuccess) {
-      auto& row = p.table[e.name];
-      ++row.calls;
-      row.ms += ms;
-    }
-    p.free_events.push_back(e.start);
-    p.free_events.push_back(e.stop);
+    auto& row = p.table[e.name];
+    ++row.calls;
+    row.ms += *ms;
   }
   p.pending.resize(kept);
 }

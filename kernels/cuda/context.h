@@ -1,11 +1,15 @@
-// kernels/cuda/context.h — the CUDA context of tally: streams, library handles, numerical
-// switches, pinned host memory and overlapped uploads. A plain C++ header (no CUDA headers):
-// code compiled by the host compiler includes it where TALLY_HAVE_CUDA is 1.
+// kernels/cuda/context.h — the CUDA context of tally, and the one home of its set-up: devices,
+// device memory, streams, library handles, numerical switches, pinned host memory and overlapped
+// uploads, and the per-op GPU timer. A plain C++ header (no CUDA headers), declared in every
+// build: in a build without the CUDA backend nothing defines these functions, and core/ names
+// them only in `if constexpr (kHaveCudaBackend)` branches (core/dispatch.h, core/device.cpp),
+// which such a build never compiles into code. The backend's own code reaches the handles
+// through kernels/cuda/check.h (CUDA headers, checked calls), defined here in context.cpp.
 //
 // Per device, created on first use and kept for the life of the process (never destroyed: the
 // CUDA runtime may already be torn down when static destructors run):
-//   * a compute stream, on which every kernel, cuBLAS and cuDNN call and every synchronous copy of
-//     core/ (cuda_rt::memcpy_*) is enqueued. One stream means the arena can hand a freed block to
+//   * a compute stream, on which every kernel, cuBLAS and cuDNN call and every copy of
+//     core/ (copy_from_host, copy_to_host, copy_bytes in cuda_kernels.h) is enqueued. One stream means the arena can hand a freed block to
 //     the next op at once: stream order keeps the old reader before the new writer. It is a
 //     blocking stream, so stray work on the legacy default stream is still ordered with it.
 //   * a copy stream (non-blocking) for host-to-device uploads that overlap compute;
@@ -26,12 +30,23 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 struct CUstream_st;  // cudaStream_t is CUstream_st*
 struct CUevent_st;   // cudaEvent_t is CUevent_st*
 
 namespace tally::kernels::cuda {
+
+// ---- devices and device memory -----------------------------------------------------------------
+int device_count();  // 0 when there is no driver or no GPU (never throws)
+std::string device_name(int device);
+// cudaMalloc on the current device, for an arena's reservation: a failure throws tally::Error
+// naming the bytes asked and the device's free and total memory.
+void* device_allocate(std::size_t bytes);
+void device_free(void* p) noexcept;
+// The current device's free and total memory (cudaMemGetInfo).
+void memory_info(std::size_t* free_bytes, std::size_t* total_bytes);
 
 // ---- devices and streams --------------------------------------------------------------------
 // Makes `device` current on this thread (cudaSetDevice only when it is not already).
@@ -97,12 +112,16 @@ class Event {
   bool done() const;  // cudaEventQuery
   void wait() const;  // the host waits (cudaEventSynchronize)
   CUevent_st* get() const { return ev_; }
-  static Event record(CUstream_st* stream);  // a new event recorded on `stream`
+  static Event record(CUstream_st* stream);        // a new event recorded on `stream`
+  static Event record_timed(CUstream_st* stream);  // the same with timing on (the profiler's)
 
  private:
   explicit Event(CUevent_st* ev) : ev_(ev) {}
   CUevent_st* ev_ = nullptr;
 };
+
+// Milliseconds between two completed timed events; nothing while either is still pending.
+std::optional<float> elapsed_ms(const Event& start, const Event& stop);
 
 // Copies `bytes` from pinned host memory to device memory on the copy stream and returns the
 // event that marks its completion; the compute stream does NOT wait for it until compute_wait().
@@ -118,9 +137,10 @@ void compute_wait(const Event& e);
 void copy_wait(const Event& e);
 
 // ---- per-op GPU time ----------------------------------------------------------------------------
+// The CUDA half of core/profiler.h, with the same functions as the CPU's (kernels/cpu/cpu_kernels.h).
 // With profiling on (set_profiling(true), or TALLY_PROFILE=1 in the environment), every op
-// dispatched to CUDA (core/dispatch.h) records a pair of events on the compute stream around its
-// launches; profile_collect() — called where the stream is known to be idle, e.g. after a
+// dispatched to CUDA (core/dispatch.h) records a pair of timed events on the compute stream around
+// its launches; profile_collect() — called where the stream is known to be idle, e.g. after a
 // training step's one wait — adds their elapsed times to a table per op name (forward and
 // backward apart) without waiting itself; profile_report() prints the table, largest first.
 void set_profiling(bool on);

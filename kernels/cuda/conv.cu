@@ -80,11 +80,32 @@ int to_int(i64 v, const char* what, const Conv2dShape& s) {
   return static_cast<int>(v);
 }
 
+// A cuDNN descriptor that owns itself: created with the object, destroyed with it — also when
+// building a plan throws half-way (an algorithm cuDNN cannot offer, a size beyond int).
+template <class D, cudnnStatus_t (*Create)(D*), cudnnStatus_t (*Destroy)(D)>
+class Descriptor {
+ public:
+  Descriptor() { TALLY_CUDNN_CHECK(Create(&d_)); }
+  ~Descriptor() {
+    if (d_) (void)Destroy(d_);
+  }
+  Descriptor(const Descriptor&) = delete;
+  Descriptor& operator=(const Descriptor&) = delete;
+  operator D() const { return d_; }
+
+ private:
+  D d_ = nullptr;
+};
+using TensorDescriptor = Descriptor<cudnnTensorDescriptor_t, cudnnCreateTensorDescriptor, cudnnDestroyTensorDescriptor>;
+using FilterDescriptor = Descriptor<cudnnFilterDescriptor_t, cudnnCreateFilterDescriptor, cudnnDestroyFilterDescriptor>;
+using ConvDescriptor =
+    Descriptor<cudnnConvolutionDescriptor_t, cudnnCreateConvolutionDescriptor, cudnnDestroyConvolutionDescriptor>;
+
 struct Plan {
-  cudnnTensorDescriptor_t x = nullptr, y = nullptr;
-  cudnnFilterDescriptor_t w = nullptr;
+  TensorDescriptor x, y;
+  FilterDescriptor w;
   // One convolution descriptor per pass: each carries the math type of its algorithm.
-  cudnnConvolutionDescriptor_t fwd_conv = nullptr, bwd_data_conv = nullptr, bwd_filter_conv = nullptr;
+  ConvDescriptor fwd_conv, bwd_data_conv, bwd_filter_conv;
   cudnnConvolutionFwdAlgo_t fwd_algo{};
   cudnnConvolutionBwdDataAlgo_t bwd_data_algo{};
   cudnnConvolutionBwdFilterAlgo_t bwd_filter_algo{};
@@ -107,9 +128,7 @@ bool is_tensor_op(cudnnMathType_t m) { return m == CUDNN_TENSOR_OP_MATH || m == 
 // TF32 tensor cores on Ampere and newer).
 cudnnMathType_t run_math(cudnnMathType_t m) { return allow_tf32() ? m : CUDNN_FMA_MATH; }
 
-cudnnConvolutionDescriptor_t make_conv_desc(const Conv2dShape& s) {
-  cudnnConvolutionDescriptor_t d = nullptr;
-  TALLY_CUDNN_CHECK(cudnnCreateConvolutionDescriptor(&d));
+void set_conv_desc(cudnnConvolutionDescriptor_t d, const Conv2dShape& s) {
   TALLY_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(d, to_int(s.pad_h, "pad_h", s), to_int(s.pad_w, "pad_w", s),
                                                     to_int(s.stride_h, "stride_h", s), to_int(s.stride_w, "stride_w", s),
                                                     to_int(s.dil_h, "dil_h", s), to_int(s.dil_w, "dil_w", s),
@@ -117,7 +136,6 @@ cudnnConvolutionDescriptor_t make_conv_desc(const Conv2dShape& s) {
   TALLY_CUDNN_CHECK(cudnnSetConvolutionGroupCount(d, to_int(s.groups, "groups", s)));
   // Heuristics are asked with the math type the run may use.
   TALLY_CUDNN_CHECK(cudnnSetConvolutionMathType(d, allow_tf32() ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH));
-  return d;
 }
 
 std::string shape_text(const Conv2dShape& s) {
@@ -285,15 +303,12 @@ std::unique_ptr<Plan> make_plan(const Conv2dShape& s) {
             S = to_int(s.S, "S", s), P = to_int(s.P(), "P", s), Q = to_int(s.Q(), "Q", s);
   to_int(s.N * s.C * s.H * s.W, "input elements", s);  // cuDNN's legacy API indexes with int
   to_int(s.N * s.K * s.P() * s.Q(), "output elements", s);
-  TALLY_CUDNN_CHECK(cudnnCreateTensorDescriptor(&p->x));
   TALLY_CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->x, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, N, C, H, W));
-  TALLY_CUDNN_CHECK(cudnnCreateTensorDescriptor(&p->y));
   TALLY_CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->y, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, N, K, P, Q));
-  TALLY_CUDNN_CHECK(cudnnCreateFilterDescriptor(&p->w));
   TALLY_CUDNN_CHECK(cudnnSetFilter4dDescriptor(p->w, CUDNN_DATA_FLOAT, CUDNN_TENSOR_NCHW, K, Cg, R, S));
-  p->fwd_conv = make_conv_desc(s);
-  p->bwd_data_conv = make_conv_desc(s);
-  p->bwd_filter_conv = make_conv_desc(s);
+  set_conv_desc(p->fwd_conv, s);
+  set_conv_desc(p->bwd_data_conv, s);
+  set_conv_desc(p->bwd_filter_conv, s);
   std::string log = "conv2d " + shape_text(s) + ", workspace limit " + std::to_string(s.workspace_limit) +
                     (allow_tf32() ? " B, TF32" : " B, no TF32") + (deterministic() ? ", deterministic" : "") + ":\n  ";
   p->fwd_algo = choose<FwdPass>(h, *p, p->fwd_conv, s, &p->fwd_ws, &log);

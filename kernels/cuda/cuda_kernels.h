@@ -2,8 +2,8 @@
 // and signatures as kernels/cpu/cpu_kernels.h, so that an op body written once as
 // `kk::relu_forward<T>(n, x, y)` compiles with `kk` naming either namespace (core/dispatch.h).
 //
-// A plain C++ header: no CUDA types, includable where TALLY_HAVE_CUDA is 1 from code compiled by
-// the host compiler. Every function is a template on T explicitly instantiated for float only
+// A plain C++ header: no CUDA types, declared in every build (core/dispatch.h reaches it only
+// in a build with the CUDA backend). Every function is a template on T explicitly instantiated for float only
 // (the CUDA backend is float32); a few memory-only functions (fill, copy, strided_copy, convert)
 // have more instantiations, listed in their files.
 //
@@ -79,6 +79,14 @@ void conv2d_backward_filter(const Conv2dShape& s, const T* x, const T* dy, T* dw
 // db (K) (=|+=) sum over n, p, q of dy (a deterministic reduction kernel, not cuDNN).
 template <class T>
 void conv2d_backward_bias(const Conv2dShape& s, const T* dy, T* db, T beta);
+
+// ---------------------------------------------------------------------------------------------
+// context.cpp — bytes between host memory and the current device, or within it, enqueued on the
+// compute stream after every kernel before them. copy_from_host and copy_to_host return once the
+// copy is done (the host buffer may be reused or read at once), copy_bytes without waiting.
+void copy_from_host(void* dst, const void* src, std::size_t bytes);
+void copy_to_host(void* dst, const void* src, std::size_t bytes);
+void copy_bytes(void* dst, const void* src, std::size_t bytes);
 
 // ---------------------------------------------------------------------------------------------
 // elementwise.cu — n elements unless said otherwise; same formulas as the CPU.

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# The structure of the code, checked: one way to reach a backend (core/dispatch.h and
+# core/device.cpp; no `#if TALLY_HAVE_CUDA` outside kernels/, tests/ and bench/), one guard for
+# host-side work in dry runs (is_dry_run() read in core/ only), and the MBP step free of backend
+# code (mbp/ and apps/ include no kernels/ header). Usage: structure_check.sh SOURCE_DIR
+set -uo pipefail
+cd "$1" || exit 2
+status=0
+fail() {
+  echo "structure: $1" >&2
+  echo "$2" | sed 's/^/  /' >&2
+  status=1
+}
+layers=(core nn optim data distributed mbp apps examples)
+found=$(grep -rnE '^[[:space:]]*#[[:space:]]*(if|ifdef|ifndef|elif).*TALLY_HAVE_CUDA' "${layers[@]}" 2>/dev/null)
+[[ -z "$found" ]] || fail "an #if on TALLY_HAVE_CUDA outside kernels/, tests/ and bench/ (use if constexpr (kHaveCudaBackend) in core/dispatch.h or core/device.cpp):" "$found"
+found=$(grep -rn 'TALLY_RUN' core kernels "${layers[@]}" 2>/dev/null)
+[[ -z "$found" ]] || fail "TALLY_RUN is gone: TALLY_DISPATCH skips kernels in a dry run itself:" "$found"
+found=$(grep -rn 'is_dry_run' nn optim data distributed mbp apps examples 2>/dev/null)
+[[ -z "$found" ]] || fail "is_dry_run() above core/: host-side work uses the one guard, skip_host_work() (core/dry_run.h):" "$found"
+found=$(grep -rnE '#include "kernels/' mbp apps 2>/dev/null)
+[[ -z "$found" ]] || fail "mbp/ and apps/ include no kernels/ header (core/ has the device-neutral interfaces):" "$found"
+[[ $status -eq 0 ]] && echo "structure: ok"
+exit $status
