@@ -72,11 +72,11 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   mbp::ExecutorOptions eo;
   eo.sample_shape = sample;
   eo.micro_batch = opt.micro_batch;
+  eo.recompute = opt.recompute;
   mbp::Executor executor(*setup.model, *setup.optimizer, arena, eo);
-  const RecomputedPlan chosen =
-      plan_with_recompute(executor, *setup.model, opt.batch_size, opt.micro_batch, opt.recompute);
-  const mbp::Plan p = *chosen.plan;  // a copy: the "without" plan below makes the planner forget its cache
-  const std::string recompute = recompute_summary(chosen);
+  const mbp::Plan& p = plan_step(executor, opt.batch_size, opt.micro_batch);
+  const mbp::RecomputeChoice& chosen = executor.recompute_choice();
+  const std::string recompute = chosen.summary(p);
   if (opt.layers) {
     fmt::print(out, "\nper layer, forward in training mode at the planned micro-batch of {}:\n", p.micro_batch);
     out << report::format_layer_table(report::layer_table(*setup.model, *arena, sample, p.micro_batch), p.micro_batch);
@@ -87,17 +87,13 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
     // What recomputation buys: the same micro-batch without it (a too-small error measures it on
     // a clone with room to spare).
     std::string without;
-    nn::set_recompute_level(*setup.model, 0);
-    executor.planner().forget();
     try {
-      const mbp::Plan& q = executor.planner().plan(p.micro_batch, p.micro_batch);
+      const mbp::Plan q = executor.plan_at_level(p.micro_batch, p.micro_batch, 0);
       without = fmt::format("{} ({} bytes), so it saves {}", format_bytes(q.predicted_peak), q.predicted_peak,
                             format_bytes(q.predicted_peak - std::min(q.predicted_peak, p.predicted_peak)));
     } catch (const OutOfMemory& e) {
       without = fmt::format("more than the limit: at least {}", format_bytes(e.requested()));
     }
-    nn::set_recompute_level(*setup.model, chosen.level);
-    executor.planner().forget();
     fmt::print(out, "      recompute: {}; without recomputation a micro-batch of {} needs {}\n", recompute, p.micro_batch,
                without);
   } else {

@@ -26,7 +26,7 @@ struct PlanOptions {
   double momentum = 0.9;                     // SGD momentum (0: no momentum buffer)
   std::string device = "cpu";
   bool layers = true;                        // print the per-layer table
-  std::string recompute = "auto";            // auto | none | blocks | blocks+layerK[-layerL] | all (apps/setup.h)
+  std::string recompute = "auto";            // auto | none | blocks | blocks+layerK[-layerL] | all (mbp/executor.h)
 };
 
 // Prints the table and the plan to `out`; returns the plan. Bad options and budgets that cannot

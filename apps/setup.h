@@ -72,29 +72,4 @@ std::string persistent_summary(const Arena& arena);
 // executor.plan(batch), with an explicit micro-batch's failure named by its flag.
 const mbp::Plan& plan_step(mbp::Executor& executor, std::int64_t batch, std::optional<std::int64_t> micro_batch);
 
-// --recompute: a level of nn/resnet.h's ladder — none; blocks (every residual block but the last, and an
-// ImageNet ResNet's stem recomputed: about one more forward); all (the stages too, nested: the
-// least memory, about two more forwards) — or auto, which walks the ladder from none and takes
-// the first level on which a micro-batch of at least one sample fits (the intermediate levels,
-// "blocks + layer1" ..., nest the first stages only). Why this rule: once one sample fits, MBP
-// already runs any batch exactly, and every level of recomputation costs step time; a user who
-// wants larger micro-batches for speed asks for a level. With none, a budget that cannot hold one
-// sample is an error that also states what --recompute all would need.
-const std::vector<std::string>& recompute_names();
-// Throws an Error naming --recompute unless `value` is a name above or a level "blocks+layerK[-layerL]".
-void check_recompute(const std::string& value);
-struct RecomputedPlan {
-  const mbp::Plan* plan = nullptr;
-  int level = 0;
-  std::string policy;       // recompute_level_name: "none", "blocks", "blocks + layer1", ..., "all"
-  std::string description;  // recompute_level_description: "16 segments: the stem and every residual block but the last"
-  std::string why;          // for auto: why this level
-};
-RecomputedPlan plan_with_recompute(mbp::Executor& executor, nn::Module& model, std::int64_t batch,
-                                   std::optional<std::int64_t> micro_batch, const std::string& recompute);
-// The line `tally train` and `tally plan` print: "none (auto: ...)" or "blocks (16 segments: ...)
-// (auto: ...) — re-runs 31.7 TFLOP of forward per step: +32% of the step's 99.5 TFLOP without it"
-// (the work from the plan's FLOP counts).
-std::string recompute_summary(const RecomputedPlan& chosen);
-
 }  // namespace tally::app

@@ -25,12 +25,12 @@ using namespace tally;
 
 namespace {
 
-// --recompute: app::check_recompute's rule, as a command-line check.
+// --recompute: mbp::check_recompute_policy's rule, as a command-line check.
 CLI::Validator recompute_validator() {
   return CLI::Validator(
       [](std::string& value) {
         try {
-          app::check_recompute(value);
+          mbp::check_recompute_policy(value);
         } catch (const Error& e) {
           const std::string what = e.what(), flag = "--recompute ";
           return what.rfind(flag, 0) == 0 ? what.substr(flag.size()) : what;  // CLI11 names the flag itself

@@ -132,7 +132,7 @@ Device validate(const TrainOptions& opt) {
   check_choice("--optimizer", opt.optimizer, optimizer_names());
   check_choice("--schedule", opt.schedule, {"constant", "step", "cosine", "onecycle"});
   check_choice("--loss-normalization", opt.loss_normalization, {"exact", "per-micro-batch"});
-  check_recompute(opt.recompute);
+  mbp::check_recompute_policy(opt.recompute);
   if (opt.batch_size < 1) throw Error(fmt::format("--batch-size must be >= 1, found {}", opt.batch_size));
   if (opt.epochs < 1 && !opt.steps) throw Error(fmt::format("--epochs must be >= 1, found {}", opt.epochs));
   if (opt.steps && *opt.steps < 1) throw Error(fmt::format("--steps must be >= 1, found {}", *opt.steps));
@@ -368,6 +368,7 @@ TrainResult train(const TrainOptions& options, std::ostream& all_log) {
                                                        : mbp::LossNormalization::per_micro_batch;
   eo.log = [&log](const std::string& line) { fmt::print(log, "\n{}\n", line); };
   eo.communicator = comm;
+  eo.recompute = opt.recompute;
   mbp::Executor executor(model, optimizer, arena, eo);
   // This rank's share of every global batch (drop_last: every step has the full batch).
   const distributed::Shard share = distributed::shard(opt.batch_size, ranks, rank);
@@ -376,10 +377,9 @@ TrainResult train(const TrainOptions& options, std::ostream& all_log) {
     fmt::print(log, "data parallel: {} ranks over {} ({}), rank 0 takes {} of the {} samples of a step, each rank "
                     "plans its own micro-batches\n",
                ranks, comm->backend(), options.memory_limit, share.size, opt.batch_size);
-  const RecomputedPlan chosen = plan_with_recompute(executor, model, share.size, opt.micro_batch, opt.recompute);
-  const mbp::Plan& plan = *chosen.plan;
+  const mbp::Plan& plan = plan_step(executor, share.size, opt.micro_batch);
   fmt::print(log, "plan: {}\n", plan.summary());
-  fmt::print(log, "      recompute: {}\n", recompute_summary(chosen));
+  fmt::print(log, "      recompute: {}\n", executor.recompute_choice().summary(plan));
   fmt::print(log, "      live at the peak: {}\n", plan.at_peak.str());
   fmt::print(log, "      {} ({} dry runs, {:.0f} ms)\n",
              opt.micro_batch ? fmt::format("--micro-batch {} checked", *opt.micro_batch)
@@ -400,7 +400,7 @@ TrainResult train(const TrainOptions& options, std::ostream& all_log) {
   using clock = std::chrono::steady_clock;
   TrainResult result;
   result.device = dev.str();
-  result.recompute = chosen.policy;
+  result.recompute = executor.recompute_choice().name;
   result.memory_limit_bytes = static_cast<std::int64_t>(arena->capacity());
   double steady_seconds = 0, first_seconds = 0, steady_communication = 0;
   std::int64_t steady_images = 0, first_images = 0, step = 0;

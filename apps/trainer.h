@@ -43,7 +43,7 @@ struct TrainOptions {
   // free device memory less a margin of max(1 GiB, 1/32 of the device)).
   std::string memory_limit = "auto";
   std::optional<std::int64_t> micro_batch;  // unset: the largest that fits ("auto")
-  // auto | none | blocks | all | a level: recomputation (apps/setup.h, plan_with_recompute).
+  // auto | none | blocks | all | a level: recomputation (ExecutorOptions::recompute, mbp/executor.h).
   std::string recompute = "auto";
   // "exact" (the full batch's mean for any split) or "per-micro-batch" (each micro-batch's mean
   // divided by their number, as the MBP paper's code: differs for uneven splits; for teaching).

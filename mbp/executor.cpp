@@ -63,7 +63,7 @@ Tensor first_parameter(const nn::Module& m) {
 }  // namespace
 
 Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, ExecutorOptions options)
-    : Executor(model, optimizer, current_arena(first_parameter(model).device()), std::move(options)) {}
+    : Executor(model, optimizer, first_parameter(model).storage()->arena(), std::move(options)) {}
 
 Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_ptr<Arena> arena,
                    ExecutorOptions options)
@@ -73,7 +73,9 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_p
       device_(first_parameter(model).device()),
       dtype_(first_parameter(model).dtype()),
       arena_(std::move(arena)),
-      planner_(arena_, [this](const std::vector<std::int64_t>& sizes) { run_step(nullptr, nullptr, sizes, nullptr); }),
+      planner_(arena_, [this](Arena& arena, const std::vector<std::int64_t>& sizes) {
+        run_step(arena, nullptr, nullptr, sizes, nullptr);
+      }),
       bns_(nn::batch_norm_layers(model)),
       moments_(bns_.size()),
       stager_(std::make_unique<InputStager>(device_)) {
@@ -112,20 +114,14 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_p
 
 Executor::~Executor() = default;
 
-const Plan& Executor::plan(std::int64_t batch) {
-  ArenaScope scope(arena_);
-  std::optional<std::int64_t> fixed;
-  if (opt_.micro_batch) fixed = std::min({*opt_.micro_batch, limit_, batch});
-  return planner_.plan(batch, fixed, limit_);
-}
 
 double Executor::accumulate(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes) {
-  const Tensor total = accumulate_loss(images, labels, sizes);
+  const Tensor total = accumulate_loss(*arena_, images, labels, sizes);
   return total.defined() && !skip_host_work() ? total.item() : 0.0;
 }
 
-Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes,
-                                 std::optional<double> given_divisor) {
+Tensor Executor::accumulate_loss(Arena& arena, const float* images, const std::int64_t* labels,
+                                 const std::vector<std::int64_t>& sizes, std::optional<double> given_divisor) {
   const bool dry = skip_host_work();
   if (!dry && (images == nullptr || labels == nullptr)) throw Error("MBP executor: no input data");
   std::int64_t batch = 0;
@@ -159,8 +155,6 @@ Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels
   if (!dry) stager_->begin_step(staging_bytes(batch, sample_numel_, dtype_));
 
   EnableGradGuard grad_on;  // the step records its tape even if the caller is in a NoGradGuard
-  // The arena in scope: arena_ in a real step, the planner's virtual clone of it in a dry run.
-  const auto& arena = current_arena(device_);
   // The loss of the step, summed where it is computed: read once, after the optimizer step.
   Tensor total = Tensor::zeros({}, dtype_, device_, Category::temporary, "step_loss");
   const bool prefetch = stager_->overlaps();  // next inputs allocated and uploaded before the current micro-batch computes
@@ -173,7 +167,7 @@ Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels
     fill_inputs(next, *stager_, images, labels, 0, sizes[0], batch, sample_numel_, dtype_);
   }
   for (std::size_t i = 0; i < k; ++i) {
-    arena->mark(fmt::format("micro-batch {}/{} ({} samples)", i + 1, k, sizes[i]));
+    arena.mark(fmt::format("micro-batch {}/{} ({} samples)", i + 1, k, sizes[i]));
     Inputs cur;
     if (prefetch) {
       cur = std::move(next);
@@ -212,16 +206,16 @@ Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels
   return total;
 }
 
-void Executor::run_step(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes,
-                        double* loss) {
-  Tensor total = accumulate_loss(images, labels, sizes, global_divisor_);
+void Executor::run_step(Arena& arena, const float* images, const std::int64_t* labels,
+                        const std::vector<std::int64_t>& sizes, double* loss) {
+  Tensor total = accumulate_loss(arena, images, labels, sizes, global_divisor_);
   if (distributed()) {
     const auto t0 = std::chrono::steady_clock::now();
-    reduce_across_ranks(total);
+    reduce_across_ranks(arena, total);
     if (!skip_host_work())
       communication_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
-  current_arena(device_)->mark("optimizer step");
+  arena.mark("optimizer step");
   for (std::size_t i = 0; i < bns_.size(); ++i) bns_[i]->apply_moments(moments_[i]);
   for (auto& m : moments_) m = BatchNormMoments{};
   NoGradGuard ng;
@@ -231,11 +225,10 @@ void Executor::run_step(const float* images, const std::int64_t* labels, const s
   if (loss) *loss = skip_host_work() ? 0.0 : total.item();
 }
 
-void Executor::reduce_across_ranks(Tensor& loss) {
+void Executor::reduce_across_ranks(Arena& arena, Tensor& loss) {
   distributed::Communicator& comm = *opt_.communicator;
   const bool dry = skip_host_work();
-  const auto& arena = current_arena(device_);
-  arena->mark("all-reduce");
+  arena.mark("all-reduce");
   // What is summed: every gradient, flattened, then the step's loss (one more element of the last
   // bucket); and the BatchNorm moments, float64.
   std::vector<Tensor> flat;
@@ -335,7 +328,7 @@ StepResult Executor::step(const float* images, const std::int64_t* labels, std::
     const Plan& p = plan(batch);
     arena_->reset_peak();
     try {
-      run_step(images, labels, p.sizes, &r.loss);
+      run_step(*arena_, images, labels, p.sizes, &r.loss);
       r.micro_batch = p.micro_batch;
       r.micro_batches = p.micro_batches;
       r.predicted_peak = p.predicted_peak;

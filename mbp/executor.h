@@ -34,6 +34,7 @@
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -72,7 +73,33 @@ struct ExecutorOptions {
   std::size_t bucket_bytes = std::size_t(8) << 20;
   // Called with a line of text when a step is retried after running out of memory.
   std::function<void(const std::string&)> log{};
+  // Recomputation (nn/recompute.h) the executor may use to fit the budget (mbp/recompute.cpp):
+  //   "none" (the default): it changes nothing — the model recomputes what its modules are marked
+  //     to (nothing, unless a caller marked some); a budget too small for one sample is an error
+  //     that also states what recomputing everything would need;
+  //   "auto": the first level of the model's ladder on which the batch's plan fits (none if it
+  //     fits without), chosen once per batch size and left set on the model;
+  //   a level by name: "blocks", "all", or "blocks+layerK[-layerL]" (as recompute_level_name
+  //     prints it, without spaces).
+  // Recomputation costs step time (one more forward per level), which is why it is not the
+  // library's default: MBP already runs any batch exactly in whatever fits one sample.
+  std::string recompute = "none";
 };
+
+// The recomputation a plan runs with (Executor::recompute_choice).
+struct RecomputeChoice {
+  int level = 0;            // on the model's ladder (0: none)
+  std::string name;         // "none", "blocks", "blocks + layer1", ..., "all"; "as marked" for hand-set segments
+  std::string description;  // "16 segments: the stem and every residual block but the last"
+  std::string why;          // auto: why this level
+  // "blocks (16 segments: ...), as ... — re-runs 12.3 GFLOP of forward per step: +34% of ..."
+  std::string summary(const Plan& plan) const;
+};
+
+// The recomputation policies by name (auto, none, blocks, all; and levels blocks+layerK[-layerL]),
+// and a check of a value: throws an Error naming --recompute and the allowed values.
+const std::vector<std::string>& recompute_policy_names();
+void check_recompute_policy(const std::string& value);
 
 struct StepResult {
   double loss = 0;                 // the full batch's mean loss
@@ -93,11 +120,18 @@ class Executor {
   // in it, and they and the optimizer's state must exist already (the planner counts them). The
   // model's device and dtype are those of its first parameter.
   Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_ptr<Arena> arena, ExecutorOptions options);
-  // Convenience: on the current arena of the model's device (core/memory.h).
+  // Convenience: on the arena the model's parameters live in (the budget they were built in).
   Executor(nn::Module& model, optim::Optimizer& optimizer, ExecutorOptions options);
 
-  // The plan for a batch of `batch` samples under the current limit (cached).
+  // The plan for a batch of `batch` samples under the current limit (cached), at the
+  // recomputation the policy (ExecutorOptions::recompute) chooses, set on the model.
   const Plan& plan(std::int64_t batch);
+  // The recomputation of the last plan().
+  const RecomputeChoice& recompute_choice() const { return choice_; }
+  // The plan of `batch` at level `level` of the model's recomputation ladder, with micro-batches
+  // of exactly `micro_batch` if given; the model's recomputation is as before afterwards. For
+  // comparisons: what the chosen level saves over another.
+  Plan plan_at_level(std::int64_t batch, std::optional<std::int64_t> micro_batch, int level);
 
   // One training step on host data: images (batch, sample_shape...) as float32, labels (batch).
   // With a communicator of N > 1 ranks: this rank's share of the global batch (distributed::shard), and
@@ -122,17 +156,23 @@ class Executor {
 
  private:
   void discard_partial_step();
+  // plan() for the model's recomputation as it is now (its state is part of the plan's key).
+  const Plan& plan_as_set(std::int64_t batch, std::optional<std::int64_t> micro_batch);
+  const Plan& plan_auto(std::int64_t batch);
+  [[noreturn]] void throw_none_too_small(const OutOfMemory& without, std::int64_t batch);
   // Collectives run with any communicator but the local one (an MPI or NCCL world of one too).
   bool distributed() const { return opt_.communicator && opt_.communicator->backend() != "local"; }
   // accumulate() with the loss left where it was computed (undefined in a dry run: no values).
   // `divisor`: the loss divisor D when it was counted elsewhere (over every rank's samples).
-  Tensor accumulate_loss(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes,
-                         std::optional<double> divisor = std::nullopt);
+  // `arena`: the one the step runs on — arena_ in a real step, the planner's virtual clone of it in
+  // a dry run (ops allocate through the ArenaScope that makes it current).
+  Tensor accumulate_loss(Arena& arena, const float* images, const std::int64_t* labels,
+                         const std::vector<std::int64_t>& sizes, std::optional<double> divisor = std::nullopt);
   // The allocation sequence of a step; real data when images != nullptr, else a dry run.
-  void run_step(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes,
+  void run_step(Arena& arena, const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes,
                 double* loss);
   // Sums the gradients, the step's loss and the BatchNorm moments over the ranks (step 6 above).
-  void reduce_across_ranks(Tensor& loss);
+  void reduce_across_ranks(Arena& arena, Tensor& loss);
 
   nn::Module& model_;
   optim::Optimizer& optimizer_;
@@ -151,6 +191,8 @@ class Executor {
   double communication_seconds_ = 0;  // of the step under way
   int total_retries_ = 0;
   std::unique_ptr<InputStager> stager_;  // the step's inputs onto the device (core/staging.h)
+  RecomputeChoice choice_;
+  std::map<std::int64_t, RecomputeChoice> auto_choices_;  // recompute "auto": the choice per batch size
 };
 
 }  // namespace tally::mbp

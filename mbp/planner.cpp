@@ -109,7 +109,7 @@ Planner::Probe Planner::probe(const std::vector<std::int64_t>& sizes, bool detai
   try {
     DryRunGuard dry;
     ArenaScope scope(v);
-    step_(sizes);
+    step_(*v, sizes);
   } catch (const OutOfMemory&) {
     return p;
   } catch (const ShapeError& e) {
@@ -138,12 +138,14 @@ void Planner::throw_too_small(std::int64_t batch, std::int64_t m, const std::str
                     need.high_water);
 }
 
-const Plan& Planner::plan(std::int64_t batch, std::optional<std::int64_t> micro_batch, std::int64_t max_micro_batch) {
+const Plan& Planner::plan(std::int64_t batch, std::optional<std::int64_t> micro_batch, std::int64_t max_micro_batch,
+                          const std::string& variant) {
   if (batch < 1) throw Error(fmt::format("plan: batch size must be >= 1, found {}", batch));
   if (micro_batch && (*micro_batch < 1 || *micro_batch > batch))
     throw Error(fmt::format("plan: a fixed micro-batch size must be between 1 and the batch size {}, found {}", batch, *micro_batch));
   if (max_micro_batch < 1) throw Error(fmt::format("plan: upper limit on the micro-batch must be >= 1, found {}", max_micro_batch));
-  const auto key = std::make_tuple(batch, arena_->capacity(), std::min(max_micro_batch, batch), micro_batch.value_or(0));
+  const auto key =
+      std::make_tuple(batch, arena_->capacity(), std::min(max_micro_batch, batch), micro_batch.value_or(0), variant);
   if (auto it = cache_.find(key); it != cache_.end()) return it->second;
 
   const auto t0 = std::chrono::steady_clock::now();

@@ -15,7 +15,8 @@
 //     after a micro-batch everything but the persistent state is freed, so further repetitions
 //     replay the same allocations); the chosen plan is then verified by a full dry run of its
 //     exact split, which gives the predicted peak and what is live at that moment.
-//   * Plans are cached by (B, budget, upper limit on m).
+//   * Plans are cached by (B, budget, upper limit on m, and the caller's `variant`: what else
+//     decides the step's allocations — the executor passes the model's recomputation state).
 //   * A split that cannot run at any budget (BatchNorm needs more than one value per channel, so a
 //     ResNet whose last feature map is 1x1 cannot train on micro-batches of 1) is skipped: the
 //     search gallops on to the first size that runs.
@@ -68,23 +69,21 @@ struct Plan {
   std::string summary() const;
 };
 
-// Runs one training step's allocations for these micro-batch sizes on the current arena; the
-// planner calls it under a DryRunGuard with a virtual clone made current.
-using StepFn = std::function<void(const std::vector<std::int64_t>& sizes)>;
+// Runs one training step's allocations for these micro-batch sizes on `arena`; the planner calls
+// it under a DryRunGuard with a virtual clone of its arena, made current (ArenaScope) as well.
+using StepFn = std::function<void(Arena& arena, const std::vector<std::int64_t>& sizes)>;
 
 class Planner {
  public:
   // `arena`: the real arena the step will run on (holding the persistent state now).
   Planner(std::shared_ptr<Arena> arena, StepFn step);
 
-  // Drops the cached plans: after a change to what a step allocates (e.g. recomputation turned
-  // on or off in the model), plans are made again.
-  void forget() { cache_.clear(); }
-
   // The plan for a batch of `batch` samples: the largest m <= max_micro_batch that fits, or
   // exactly `micro_batch` if given. Throws OutOfMemory with the bytes needed if nothing fits.
+  // `variant` names the state of whatever else decides what a step allocates (the model's
+  // recomputation, mbp/executor.h): plans of different variants are cached apart.
   const Plan& plan(std::int64_t batch, std::optional<std::int64_t> micro_batch = std::nullopt,
-                   std::int64_t max_micro_batch = INT64_MAX);
+                   std::int64_t max_micro_batch = INT64_MAX, const std::string& variant = "");
 
   struct Probe {
     bool fits = false;
@@ -106,7 +105,7 @@ class Planner {
   std::shared_ptr<Arena> arena_;
   StepFn step_;
   int probes_ = 0;
-  std::map<std::tuple<std::int64_t, std::size_t, std::int64_t, std::int64_t>, Plan> cache_;
+  std::map<std::tuple<std::int64_t, std::size_t, std::int64_t, std::int64_t, std::string>, Plan> cache_;
 };
 
 }  // namespace tally::mbp

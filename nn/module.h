@@ -22,6 +22,7 @@
 // param.data, and every holder sees the moved tensor.
 #pragma once
 #include <deque>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -74,6 +75,19 @@ class Module {
   // its input; backward re-runs it. Gradients are bit for bit those of a plain run.
   void set_recompute(bool on) { recompute_ = on; }
   bool recompute() const { return recompute_; }
+
+  // The parts of this model that recomputation may turn into segments, for the ladder of levels
+  // of nn/recompute.h: its repeated blocks in forward order, the stages that group them (named,
+  // in forward order), and a switch for a part of its forward that is not a module of its own (an
+  // ImageNet ResNet's stem). A model overrides it to take part in MBP's automatic recomputation;
+  // the default offers nothing (its only level is none).
+  struct RecomputeParts {
+    std::vector<Module*> blocks;
+    std::vector<std::pair<std::string, Module*>> stages;
+    bool* stem = nullptr;  // the switch of a non-module part recomputed as one segment; null: none
+    std::string block_noun = "residual block";  // "every residual block but the last"
+  };
+  virtual RecomputeParts recompute_parts() { return {}; }
 
   // Dotted names, registration order, this module's own entries before its children's.
   std::vector<std::pair<std::string, Tensor>> named_parameters() const;

@@ -142,6 +142,25 @@ ResNet::ResNet(BlockKind block, const std::vector<std::int64_t>& layers, std::in
   init_convs(*this);
 }
 
+namespace {
+// A ResNet's stages and their blocks, for the recomputation ladder (nn/recompute.h).
+Module::RecomputeParts staged_parts(std::initializer_list<std::pair<const char*, Module*>> stages) {
+  Module::RecomputeParts parts;
+  for (const auto& [name, stage] : stages) {
+    parts.stages.emplace_back(name, stage);
+    for (auto& [index, block] : stage->named_children()) parts.blocks.push_back(block.get());
+  }
+  return parts;
+}
+}  // namespace
+
+Module::RecomputeParts ResNet::recompute_parts() {
+  RecomputeParts parts = staged_parts(
+      {{"layer1", layer1.get()}, {"layer2", layer2.get()}, {"layer3", layer3.get()}, {"layer4", layer4.get()}});
+  parts.stem = &recompute_stem;
+  return parts;
+}
+
 Tensor ResNet::stem(const Tensor& x) {
   Tensor y = (*conv1)(x);
   y = tally::relu((*bn1)(y));
@@ -169,6 +188,10 @@ CifarResNet::CifarResNet(std::int64_t depth, std::int64_t in_channels, std::int6
   avgpool = register_module("avgpool", std::make_shared<AdaptiveAvgPool2d>(1, 1));
   fc = register_module("fc", std::make_shared<Linear>(64, num_classes));
   init_convs(*this);
+}
+
+Module::RecomputeParts CifarResNet::recompute_parts() {
+  return staged_parts({{"layer1", layer1.get()}, {"layer2", layer2.get()}, {"layer3", layer3.get()}});
 }
 
 Tensor CifarResNet::forward(const Tensor& x) {
@@ -201,6 +224,14 @@ ResNet9::ResNet9(std::int64_t in_channels, std::int64_t num_classes, Norm norm) 
   layer3 = register_module("layer3", conv_norm_relu(256, 512, norm, true));
   res3 = register_module("res3", residual(512, norm));
   fc = register_module("fc", std::make_shared<Linear>(512, num_classes, false));
+}
+
+// Its six units are the blocks (no stages: they are not grouped).
+Module::RecomputeParts ResNet9::recompute_parts() {
+  RecomputeParts parts;
+  parts.blocks = {prep.get(), layer1.get(), res1.get(), layer2.get(), layer3.get(), res3.get()};
+  parts.block_noun = "unit";
+  return parts;
 }
 
 Tensor ResNet9::forward(const Tensor& x) {
@@ -236,90 +267,6 @@ std::shared_ptr<Module> make_model(const ModelConfig& c) {
                                     c.norm);
   if (c.name == "resnet9") return std::make_shared<ResNet9>(c.in_channels, c.num_classes, c.norm);
   throw Error(fmt::format("make_model: unknown model '{}': expected one of {}", c.name, fmt::join(model_names(), ", ")));
-}
-
-namespace {
-// The segments the recomputation levels use: the stem (ImageNet ResNets), the stages and the
-// blocks — all but the last block and the last stage. Their backward begins where their forward
-// ended (only the pooling, the classifier and the loss come between), so what a re-run would
-// rebuild is live at that moment either way: recomputing them would save no byte at the peak and
-// cost their forward.
-struct Segments {
-  ResNet* stem = nullptr;
-  std::vector<std::pair<std::string, Module*>> stages;
-  std::vector<Module*> blocks;
-};
-Segments segments_of(Module& model, bool drop_last = true) {
-  Segments s;
-  s.stem = dynamic_cast<ResNet*>(&model);
-  if (dynamic_cast<ResNet9*>(&model)) {
-    for (auto& [name, unit] : model.named_children())
-      if (name != "fc") s.blocks.push_back(unit.get());
-  } else {
-    for (auto& [name, stage] : model.named_children())
-      if (name.rfind("layer", 0) == 0) {
-        s.stages.emplace_back(name, stage.get());
-        for (auto& [index, block] : stage->named_children()) s.blocks.push_back(block.get());
-      }
-  }
-  if (drop_last && !s.blocks.empty()) s.blocks.pop_back();
-  if (drop_last && !s.stages.empty()) s.stages.pop_back();
-  return s;
-}
-void check_level(Module& model, int level) {
-  const int n = recompute_levels(model);
-  if (level < 0 || level >= n)
-    throw Error(fmt::format("recomputation level {} is out of range: this model has levels 0 to {}", level, n - 1));
-}
-// Segments a level marks: the stem and the blocks from level 1, then one stage per level.
-std::int64_t segment_count(const Segments& s, int level) {
-  if (level == 0) return 0;
-  return static_cast<std::int64_t>((s.stem ? 1 : 0) + s.blocks.size()) + (level - 1);
-}
-std::string stage_range(const Segments& s, int k) {
-  return k == 1 ? s.stages[0].first : fmt::format("{}-{}", s.stages[0].first, s.stages[static_cast<std::size_t>(k - 1)].first);
-}
-}  // namespace
-
-int recompute_levels(Module& model) {
-  const Segments s = segments_of(model);
-  if (s.blocks.empty() && !s.stem) return 1;
-  return 2 + static_cast<int>(s.stages.size());
-}
-
-std::int64_t set_recompute_level(Module& model, int level) {
-  check_level(model, level);
-  // Everything off first (the last block and stage too, whoever set them), then the level's.
-  const Segments every = segments_of(model, false);
-  for (Module* b : every.blocks) b->set_recompute(false);
-  for (auto& [name, stage] : every.stages) stage->set_recompute(false);
-  const Segments s = segments_of(model);
-  if (s.stem) s.stem->recompute_stem = level >= 1;
-  for (Module* b : s.blocks) b->set_recompute(level >= 1);
-  for (std::size_t i = 0; i < s.stages.size(); ++i) s.stages[i].second->set_recompute(level >= 2 + static_cast<int>(i));
-  return segment_count(s, level);
-}
-
-std::string recompute_level_name(Module& model, int level) {
-  check_level(model, level);
-  if (level == 0) return "none";
-  if (level == recompute_levels(model) - 1) return "all";
-  if (level == 1) return "blocks";
-  return fmt::format("blocks + {}", stage_range(segments_of(model), level - 1));
-}
-
-std::string recompute_level_description(Module& model, int level) {
-  check_level(model, level);
-  if (level == 0) return "nothing recomputed";
-  const Segments s = segments_of(model);
-  std::string what = dynamic_cast<ResNet9*>(&model) ? "every unit but the last" : "every residual block but the last";
-  if (s.stem) what = "the stem and " + what;
-  if (level >= 2) what += fmt::format(", and {} around their blocks", stage_range(s, level - 1));
-  return fmt::format("{} segments: {}", segment_count(s, level), what);
-}
-
-std::int64_t set_recompute_blocks(Module& model, bool on) {
-  return recompute_levels(model) > 1 ? set_recompute_level(model, on ? 1 : 0) : 0;
 }
 
 }  // namespace tally::nn

@@ -40,6 +40,7 @@
 #include <vector>
 
 #include "nn/modules.h"
+#include "nn/recompute.h"  // the recomputation ladder these models take part in
 
 namespace tally::nn {
 
@@ -80,6 +81,7 @@ class ResNet : public Module {
   ResNet(BlockKind block, const std::vector<std::int64_t>& layers, std::int64_t in_channels, std::int64_t num_classes,
          Norm norm);
   Tensor forward(const Tensor& x) override;
+  RecomputeParts recompute_parts() override;
 
   std::shared_ptr<Conv2d> conv1;
   std::shared_ptr<Module> bn1;
@@ -88,7 +90,7 @@ class ResNet : public Module {
   std::shared_ptr<Sequential> layer1, layer2, layer3, layer4;
   std::shared_ptr<AdaptiveAvgPool2d> avgpool;
   std::shared_ptr<Linear> fc;
-  // The stem (conv1, bn1, ReLU, max pool) as one recomputed segment (set_recompute_level).
+  // The stem (conv1, bn1, ReLU, max pool) as one recomputed segment (nn/recompute.h).
   bool recompute_stem = false;
 
  private:
@@ -100,6 +102,7 @@ class CifarResNet : public Module {
  public:
   CifarResNet(std::int64_t depth, std::int64_t in_channels, std::int64_t num_classes, Norm norm);
   Tensor forward(const Tensor& x) override;
+  RecomputeParts recompute_parts() override;
 
   std::shared_ptr<Conv2d> conv1;
   std::shared_ptr<Module> bn1;
@@ -114,6 +117,7 @@ class ResNet9 : public Module {
  public:
   ResNet9(std::int64_t in_channels, std::int64_t num_classes, Norm norm);
   Tensor forward(const Tensor& x) override;
+  RecomputeParts recompute_parts() override;
 
   std::shared_ptr<Sequential> prep, layer1, res1, layer2, layer3, res3;
   std::shared_ptr<Linear> fc;
@@ -128,32 +132,5 @@ struct ModelConfig {
 // resnet9; tally::Error listing these otherwise.
 std::shared_ptr<Module> make_model(const ModelConfig& config);
 const std::vector<std::string>& model_names();
-
-// Recomputation policies (gradient checkpointing, core/autograd.h) of the models above, a ladder
-// from the cheapest to the most aggressive, which the planner walks (docs/mbp.md):
-//   level 0        none;
-//   level 1        "blocks": every residual block (the children of the layerN stages; ResNet-9's
-//                  six units) but the last a recomputed segment, and an ImageNet ResNet's stem,
-//                  whose full-resolution activations are the largest: each segment keeps only its
-//                  input and runs its forward once more in backward (the last block's backward
-//                  begins where its forward ended: re-running it would save nothing at the peak);
-//   level 1 + k    blocks, and the first k stages (layer1 .. layerk) as segments around them
-//                  (nested: a stage keeps only its input; in backward it re-runs, keeping its
-//                  blocks' inputs, and each block re-runs again) — Chen et al.'s recursion, the
-//                  blocks of those stages run forward three times; the first stages come first
-//                  because their activations are the largest;
-//   the last level "all": blocks and every stage but the last (for the same reason).
-// Gradients are bit for bit those of a plain run at every level.
-int recompute_levels(Module& model);  // the number of levels, none included (1: nothing to recompute)
-// Sets `level` (0 <= level < recompute_levels); returns the number of recomputed segments.
-std::int64_t set_recompute_level(Module& model, int level);
-// "none", "blocks", "blocks + layer1", "blocks + layer1-layer2", ..., "all".
-std::string recompute_level_name(Module& model, int level);
-// What the level recomputes, e.g. "16 segments: the stem and every residual block but the last"
-// or "19 segments: the stem and every residual block but the last, and layer1-layer3 around their
-// blocks".
-std::string recompute_level_description(Module& model, int level);
-// Level 1 (on) or 0 (off); returns the number of segments.
-std::int64_t set_recompute_blocks(Module& model, bool on);
 
 }  // namespace tally::nn

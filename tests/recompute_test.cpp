@@ -8,17 +8,21 @@
 //   * memory: the recomputed step keeps fewer activation bytes at its peak, and its dry run still
 //     predicts the real step's peak to the byte; ResNet-50's planned one-sample activations and
 //     micro-batch at batch 4096 in 8 GiB by level (the recomputation issue's targets);
-//   * the work: the FLOPs a level re-runs, counted by the dry run, against the model's forward.
+//   * the work: the FLOPs a level re-runs, counted by the dry run, against the model's forward;
+//   * the executor's policy (ExecutorOptions::recompute): auto takes the first level of the
+//     ladder on which the plan fits and keeps it, none states what recomputing everything would
+//     need, plans at another level leave the model as it was, and plans are cached per
+//     recomputation state (no caller forgets the cache).
 #include <gtest/gtest.h>
 
 #include <fmt/format.h>
 
-#include "apps/setup.h"
 #include "core/autograd.h"
 #include "core/dry_run.h"
 #include "core/memory.h"
 #include "nn/resnet.h"
 #include "mbp/executor.h"
+#include "optim/optimizer.h"
 #include "tests/model_common.h"
 
 using namespace tally;
@@ -30,6 +34,25 @@ class Recompute : public ::testing::Test {
  protected:
   void SetUp() override { configure_arena(Device::cpu(), kDefaultCpuArenaBytes); }
 };
+
+// A model, its optimizer and an executor in `arena` (a virtual one: call under a DryRunGuard).
+struct Planned {
+  std::shared_ptr<nn::Module> model;
+  std::unique_ptr<optim::SGD> optimizer;
+  std::unique_ptr<mbp::Executor> executor;
+};
+Planned planned(const std::shared_ptr<Arena>& arena, const nn::ModelConfig& mc, const Shape& sample,
+                const std::string& recompute) {
+  ArenaScope scope(arena);
+  Planned p;
+  p.model = nn::make_model(mc);
+  p.optimizer = std::make_unique<optim::SGD>(p.model->parameters(), optim::SGDOptions{.lr = 0.1, .momentum = 0.9});
+  mbp::ExecutorOptions eo;
+  eo.sample_shape = sample;
+  eo.recompute = recompute;
+  p.executor = std::make_unique<mbp::Executor>(*p.model, *p.optimizer, arena, eo);
+  return p;
+}
 
 struct Trained {
   std::vector<double> losses;
@@ -184,16 +207,13 @@ TEST_F(Recompute, ResNet50PlansByLevel) {
   nn::ModelConfig mc;
   mc.name = "resnet50";
   mc.num_classes = 1000;
-  const app::Setup setup = app::build_setup(arena, mc, "", app::OptimizerConfig{}, "8GiB");
-  mbp::ExecutorOptions eo;
-  eo.sample_shape = {3, 224, 224};
-  mbp::Executor ex(*setup.model, *setup.optimizer, arena, eo);
+  const Planned setup = planned(arena, mc, {3, 224, 224}, "none");
+  mbp::Executor& ex = *setup.executor;
   const int levels = nn::recompute_levels(*setup.model);
   std::vector<std::int64_t> activation, micro_batch;
   std::vector<FlopCount> flops;
   for (int level = 0; level < levels; ++level) {
-    nn::set_recompute_level(*setup.model, level);
-    ex.planner().forget();
+    nn::set_recompute_level(*setup.model, level);  // plans are cached per recomputation state
     const mbp::Plan& one = ex.plan(1);
     activation.push_back(one.at_peak.bytes[static_cast<int>(Category::activation)]);
     flops.push_back(one.flops);
@@ -220,4 +240,60 @@ TEST_F(Recompute, ResNet50PlansByLevel) {
   EXPECT_GE(micro_batch[levels - 1], 3 * micro_batch[0]);
   EXPECT_GE(micro_batch[0], 90);
   for (int level = 1; level < levels; ++level) EXPECT_LT(activation[level], activation[0]);
+}
+
+// The executor owns the choice: on a budget between what one sample needs with the most
+// recomputation and without any, "auto" takes the first level of the ladder that fits (the one
+// below it does not), keeps it on the model and reuses it without another dry run; "none" is a
+// too-small error that says what --recompute all would fit; a named level is set as asked; a
+// plan at another level leaves the model's recomputation as it was.
+TEST_F(Recompute, TheExecutorClimbsTheLadderOnAuto) {
+  DryRunGuard dry;
+  nn::ModelConfig mc;
+  mc.name = "resnet20";
+  mc.in_channels = 1;
+  const Shape sample{1, 28, 28};
+  std::size_t none_peak = 0, all_peak = 0;
+  int levels = 0;
+  {
+    const auto big = Arena::make_virtual(Device::cpu(), std::size_t(1) << 30);
+    const Planned p = planned(big, mc, sample, "none");
+    levels = nn::recompute_levels(*p.model);
+    none_peak = p.executor->plan(1).predicted_peak;
+    const std::string before = nn::recompute_state(*p.model);
+    all_peak = p.executor->plan_at_level(1, 1, levels - 1).predicted_peak;
+    EXPECT_EQ(nn::recompute_state(*p.model), before);
+  }
+  ASSERT_EQ(levels, 4);
+  ASSERT_LT(all_peak, none_peak);
+  const std::size_t budget = (all_peak + (none_peak - all_peak) / 2) / 4096 * 4096;
+  const auto arena = [&] { return Arena::make_virtual(Device::cpu(), budget); };  // one per model
+
+  const Planned a = planned(arena(), mc, sample, "auto");
+  const mbp::Plan& plan = a.executor->plan(1);
+  const mbp::RecomputeChoice choice = a.executor->recompute_choice();
+  EXPECT_GE(choice.level, 1);
+  EXPECT_LE(plan.predicted_peak, budget);
+  EXPECT_EQ(choice.name, nn::recompute_level_name(*a.model, choice.level));
+  EXPECT_NE(choice.why.find("not even one sample fits"), std::string::npos) << choice.why;
+  EXPECT_THROW(a.executor->plan_at_level(1, 1, choice.level - 1), OutOfMemory);
+  const int probes = a.executor->planner().probes();
+  EXPECT_EQ(&a.executor->plan(1), &plan);  // the same cached plan, at the same level
+  EXPECT_EQ(a.executor->planner().probes(), probes);
+  EXPECT_EQ(a.executor->recompute_choice().level, choice.level);
+  EXPECT_NE(choice.summary(plan).find("re-runs"), std::string::npos) << choice.summary(plan);
+
+  const Planned n = planned(arena(), mc, sample, "none");
+  try {
+    n.executor->plan(1);
+    ADD_FAILURE() << "a budget below one sample's need planned without recomputation";
+  } catch (const OutOfMemory& e) {
+    EXPECT_NE(std::string(e.what()).find("; --recompute all ("), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(nn::recompute_state(*n.model), std::string(1 + 9 + 3, '0'));  // left as it was
+
+  const Planned all = planned(arena(), mc, sample, "all");
+  EXPECT_LE(all.executor->plan(1).predicted_peak, budget);
+  EXPECT_EQ(all.executor->recompute_choice().level, levels - 1);
+  EXPECT_EQ(all.executor->recompute_choice().name, "all");
 }

@@ -2,7 +2,9 @@
 # The structure of the code, checked: one way to reach a backend (core/dispatch.h and
 # core/device.cpp; no `#if TALLY_HAVE_CUDA` outside kernels/, tests/ and bench/), one guard for
 # host-side work in dry runs (is_dry_run() read in core/ only), and the MBP step free of backend
-# code (mbp/ and apps/ include no kernels/ header). Usage: structure_check.sh SOURCE_DIR
+# code (mbp/ and apps/ include no kernels/ header), recomputation owned by mbp/ (no forget() in
+# apps/) and the arena an argument of the step (mbp/ reads no arena scope).
+# Usage: structure_check.sh SOURCE_DIR
 set -uo pipefail
 cd "$1" || exit 2
 status=0
@@ -20,5 +22,9 @@ found=$(grep -rn 'is_dry_run' nn optim data distributed mbp apps examples 2>/dev
 [[ -z "$found" ]] || fail "is_dry_run() above core/: host-side work uses the one guard, skip_host_work() (core/dry_run.h):" "$found"
 found=$(grep -rnE '#include "kernels/' mbp apps 2>/dev/null)
 [[ -z "$found" ]] || fail "mbp/ and apps/ include no kernels/ header (core/ has the device-neutral interfaces):" "$found"
+found=$(grep -rn 'forget()' apps 2>/dev/null)
+[[ -z "$found" ]] || fail "apps/ never makes the planner forget: its plans are keyed by the model's recomputation state:" "$found"
+found=$(grep -rnE 'current_arena|default_arena' mbp 2>/dev/null)
+[[ -z "$found" ]] || fail "mbp/ reads no arena scope: the step functions receive the arena they run on:" "$found"
 [[ $status -eq 0 ]] && echo "structure: ok"
 exit $status

@@ -1,0 +1,169 @@
+// mbp/recompute.cpp — the executor's recomputation (ExecutorOptions::recompute, mbp/executor.h):
+// the level a policy names, the ladder "auto" climbs, what a too-small budget would need with
+// the most recomputation, and what a choice costs.
+//
+// Why "auto" takes the first level on which the plan fits: once one sample fits, MBP already
+// runs any batch exactly, and every level of recomputation costs step time; whoever wants larger
+// micro-batches for speed asks for a level.
+#include <algorithm>
+#include <regex>
+
+#include <fmt/format.h>
+
+#include "core/arena.h"
+#include "core/memory.h"
+#include "mbp/executor.h"
+#include "nn/recompute.h"
+
+namespace tally::mbp {
+
+const std::vector<std::string>& recompute_policy_names() {
+  static const std::vector<std::string> names{"auto", "none", "blocks", "all"};
+  return names;
+}
+
+void check_recompute_policy(const std::string& value) {
+  static const std::regex level(R"(blocks\+layer[0-9]+(-layer[0-9]+)?)");
+  const auto& names = recompute_policy_names();
+  if (std::find(names.begin(), names.end(), value) != names.end() || std::regex_match(value, level)) return;
+  throw Error(fmt::format("--recompute '{}': expected {} or a level such as blocks+layer1 (tally plan prints them)",
+                          value, fmt::join(names, "|")));
+}
+
+namespace {
+
+// The level a policy names on `model`'s ladder: none, blocks, all, or an intermediate level as
+// printed without spaces ("blocks+layer1", "blocks+layer1-layer2"); -1 for auto.
+int level_of(nn::Module& model, const std::string& policy) {
+  const int levels = nn::recompute_levels(model);
+  if (policy == "auto") return -1;
+  if (policy == "none") return 0;
+  if (policy == "all") return levels - 1;
+  if (policy == "blocks") return std::min(1, levels - 1);
+  std::string names;
+  for (int level = 0; level < levels; ++level) {
+    std::string name = nn::recompute_level_name(model, level);
+    name.erase(std::remove(name.begin(), name.end(), ' '), name.end());
+    if (name == policy) return level;
+    names += (names.empty() ? "" : "|") + name;
+  }
+  throw Error(fmt::format("--recompute '{}': expected auto or one of this model's levels {}", policy, names));
+}
+
+RecomputeChoice choice_at(nn::Module& model, int level) {
+  nn::set_recompute_level(model, level);
+  return {level, nn::recompute_level_name(model, level), nn::recompute_level_description(model, level), ""};
+}
+
+// "re-runs 3.6 GFLOP of forward per step: +33% of the step's 10.9 GFLOP without it".
+std::string recompute_cost(const Plan& plan) {
+  const FlopCount& f = plan.flops;
+  const double step = f.total();
+  if (step <= 0) return "no work counted";
+  const auto flops = [](double v) {
+    return v >= 1e15 ? fmt::format("{:.1f} PFLOP", v / 1e15)
+           : v >= 1e12 ? fmt::format("{:.1f} TFLOP", v / 1e12)
+                       : fmt::format("{:.1f} GFLOP", v / 1e9);
+  };
+  return fmt::format("re-runs {} of forward per step: +{:.0f}% of the step's {} without it", flops(f.recompute),
+                     100.0 * f.recompute / (step - f.recompute), flops(step - f.recompute));
+}
+
+}  // namespace
+
+std::string RecomputeChoice::summary(const Plan& plan) const {
+  const std::string because = why.empty() ? "" : fmt::format(" (auto: {})", why);
+  if (level == 0) return name + because;
+  return fmt::format("{} ({}){} — {}", name, description, because, recompute_cost(plan));
+}
+
+const Plan& Executor::plan(std::int64_t batch) {
+  const std::string& policy = opt_.recompute;
+  if (policy == "none") {
+    const std::string state = nn::recompute_state(model_);
+    choice_ = {0, "none", "nothing recomputed", ""};
+    if (state.find('1') != std::string::npos) choice_ = {0, "as marked", "the segments marked on the model", ""};
+    try {
+      return plan_as_set(batch, std::nullopt);
+    } catch (const OutOfMemory& without) {
+      throw_none_too_small(without, batch);
+    }
+  }
+  if (policy == "auto") return plan_auto(batch);
+  choice_ = choice_at(model_, level_of(model_, policy));
+  return plan_as_set(batch, std::nullopt);
+}
+
+const Plan& Executor::plan_as_set(std::int64_t batch, std::optional<std::int64_t> micro_batch) {
+  if (!micro_batch && opt_.micro_batch) micro_batch = std::min({*opt_.micro_batch, limit_, batch});
+  ArenaScope scope(arena_);
+  return planner_.plan(batch, micro_batch, limit_, nn::recompute_state(model_));
+}
+
+// The ladder from none: the first level on which the plan fits, remembered per batch size.
+const Plan& Executor::plan_auto(std::int64_t batch) {
+  if (const auto it = auto_choices_.find(batch); it != auto_choices_.end()) {
+    choice_ = it->second;
+    nn::set_recompute_level(model_, choice_.level);
+    return plan_as_set(batch, std::nullopt);
+  }
+  const int all = nn::recompute_levels(model_) - 1;
+  choice_ = choice_at(model_, 0);
+  try {
+    const Plan& p = plan_as_set(batch, std::nullopt);
+    choice_.why = "a micro-batch fits without recomputation";
+    auto_choices_[batch] = choice_;
+    return p;
+  } catch (const OutOfMemory& without) {
+    for (int level = 1; level <= all; ++level) {
+      choice_ = choice_at(model_, level);
+      try {
+        const Plan& p = plan_as_set(batch, std::nullopt);
+        choice_.why = fmt::format("without recomputation {}{}",
+                                  opt_.micro_batch ? "the given micro-batch does not fit" : "not even one sample fits",
+                                  level > 1 ? fmt::format(", nor with {}", nn::recompute_level_name(model_, level - 1)) : "");
+        auto_choices_[batch] = choice_;
+        return p;
+      } catch (const OutOfMemory& e) {
+        if (level < all) continue;
+        nn::set_recompute_level(model_, 0);
+        throw OutOfMemory(fmt::format("{} (with --recompute all, the most recomputation there is: {}; without "
+                                      "recomputation at least {})",
+                                      e.what(), choice_.description, format_bytes(without.requested())),
+                          e.requested());
+      }
+    }
+    throw;  // nothing to recompute in this model
+  }
+}
+
+// A budget too small without recomputation: the error also says what recomputing the most would
+// need (measured with the model's segments as they were put back afterwards).
+void Executor::throw_none_too_small(const OutOfMemory& without, std::int64_t batch) {
+  const int all = nn::recompute_levels(model_) - 1;
+  std::string with;
+  if (all > 0) {
+    const std::string description = nn::recompute_level_description(model_, all);
+    try {
+      const Plan p = plan_at_level(batch, std::nullopt, all);
+      with = fmt::format("; --recompute all ({}) fits micro-batches of {} (predicted peak {})", description,
+                         p.micro_batch, format_bytes(p.predicted_peak));
+    } catch (const OutOfMemory& e) {
+      with = fmt::format("; with --recompute all ({}) it needs at least {}", description, format_bytes(e.requested()));
+    }
+  }
+  throw OutOfMemory(fmt::format("{}{}", without.what(), with), without.requested());
+}
+
+Plan Executor::plan_at_level(std::int64_t batch, std::optional<std::int64_t> micro_batch, int level) {
+  const std::string state = nn::recompute_state(model_);
+  struct Restore {
+    nn::Module& model;
+    const std::string& state;
+    ~Restore() { nn::set_recompute_state(model, state); }
+  } restore{model_, state};
+  nn::set_recompute_level(model_, level);
+  return plan_as_set(batch, micro_batch);
+}
+
+}  // namespace tally::mbp

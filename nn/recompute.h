@@ -1,0 +1,44 @@
+// nn/recompute.h — the recomputation ladder of a model: which of its parts run as recomputed
+// segments (gradient checkpointing, core/autograd.h), from the cheapest level to the most
+// aggressive. The parts come from Module::recompute_parts() (the ResNets of nn/resnet.h offer
+// theirs); MBP's executor climbs the ladder when asked to (mbp/executor.h, recompute "auto"):
+//   level 0        none;
+//   level 1        "blocks": every block (a ResNet's residual blocks; ResNet-9's six units) but the
+//                  last a recomputed segment, and the stem where the model has one (an ImageNet
+//                  ResNet's, whose full-resolution activations are the largest): each segment
+//                  keeps only its input and runs its forward once more in backward (the last
+//                  block's backward begins where its forward ended: re-running it would save
+//                  nothing at the peak);
+//   level 1 + k    blocks, and the first k stages (layer1 .. layerk) as segments around them
+//                  (nested: a stage keeps only its input; in backward it re-runs, keeping its
+//                  blocks' inputs, and each block re-runs again) — Chen et al.'s recursion, the
+//                  blocks of those stages run forward three times; the first stages come first
+//                  because their activations are the largest;
+//   the last level "all": blocks and every stage but the last (for the same reason).
+// Gradients are bit for bit those of a plain run at every level.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "nn/module.h"
+
+namespace tally::nn {
+
+int recompute_levels(Module& model);  // the number of levels, none included (1: nothing to recompute)
+// Sets `level` (0 <= level < recompute_levels); returns the number of recomputed segments.
+std::int64_t set_recompute_level(Module& model, int level);
+// "none", "blocks", "blocks + layer1", "blocks + layer1-layer2", ..., "all".
+std::string recompute_level_name(Module& model, int level);
+// What the level recomputes, e.g. "16 segments: the stem and every residual block but the last"
+// or "19 segments: the stem and every residual block but the last, and layer1-layer3 around their
+// blocks".
+std::string recompute_level_description(Module& model, int level);
+// The recomputation switches of every part the model offers (stem, blocks, stages; the last ones
+// too), as a string of '0' and '1': whatever set them, this is what a step will recompute. Kept
+// and restored by the MBP executor around a plan at another level, and part of its plans' key.
+std::string recompute_state(Module& model);
+void set_recompute_state(Module& model, const std::string& state);
+// Level 1 (on) or 0 (off); returns the number of segments.
+std::int64_t set_recompute_blocks(Module& model, bool on);
+
+}  // namespace tally::nn
