@@ -385,8 +385,14 @@ struct GroupNormBackward : Node {
 };
 }  // namespace
 
-Tensor batch_norm(const Tensor& x_, const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
+Tensor batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
                   const Tensor& running_var, const BatchNormOptions& opt) {
+  return batch_norm_with_stats(x, weight, bias, running_mean, running_var, opt).y;
+}
+
+BatchNormResult batch_norm_with_stats(const Tensor& x_, const Tensor& weight, const Tensor& bias,
+                                      const Tensor& running_mean, const Tensor& running_var,
+                                      const BatchNormOptions& opt) {
   const char* op = "batch_norm";
   if (!x_.defined() || x_.dim() < 2) throw ShapeError(fmt::format("batch_norm: expected input (N, C, ...), found {}", x_.str()));
   check_floating(op, x_);
@@ -406,7 +412,7 @@ Tensor batch_norm(const Tensor& x_, const Tensor& weight, const Tensor& bias, co
     // Saved statistics are activations: they live exactly as long as the backward needs them.
     Tensor save_mean = Tensor::empty({C}, x.dtype(), x.device(), Category::activation, "batch_norm_mean");
     Tensor save_invstd = Tensor::empty({C}, x.dtype(), x.device(), Category::activation, "batch_norm_invstd");
-    const bool update = running_mean.defined() && !opt.defer_running_stats;
+    const bool update = running_mean.defined();
     {
       const Tensor ws = workspace(x, batch_norm_workspace_bytes(x, N, C, HW), op);
       TALLY_DISPATCH(op, x, FLOATING, kk::batch_norm_forward_train<T>(N, C, HW, x.data<T>(), ptr_or_null<T>(weight), ptr_or_null<T>(bias),
@@ -414,21 +420,6 @@ Tensor batch_norm(const Tensor& x_, const Tensor& weight, const Tensor& bias, co
                                                                       update ? running_mean.data<T>() : nullptr,
                                                                       update ? running_var.data<T>() : nullptr, y.data<T>(),
                                                                       save_mean.data<T>(), save_invstd.data<T>(), ws_ptr(ws)));
-    }
-    if (opt.defer_running_stats) {
-      BatchNormMoments& m = *opt.defer_running_stats;
-      if (!m.sum.defined()) {  // the first call of a step allocates the sums (a dry run too)
-        m.sum = Tensor::zeros({C}, DType::Float64, x.device(), Category::temporary, "batch_norm_moments");
-        m.sum_sq = Tensor::zeros({C}, DType::Float64, x.device(), Category::temporary, "batch_norm_moments");
-        m.count = 0;
-      }
-      if (m.sum.numel() != C || m.sum.device() != x.device())
-        throw ShapeError(fmt::format("batch_norm: moment accumulator {} does not fit input {}", m.sum.str(), x.str()));
-      // sum += M * mean, sum_sq += M * (var + mean^2) with var = 1/invstd^2 - eps (biased).
-      TALLY_DISPATCH(op, x, FLOATING, kk::batch_norm_accumulate_moments<T>(C, N * HW, T(opt.eps), save_mean.data<T>(),
-                                                                           save_invstd.data<T>(), m.sum.data<double>(),
-                                                                           m.sum_sq.data<double>()));
-      m.count += N * HW;
     }
     if (need_grad) {
       auto n = std::make_shared<BatchNormBackward>();
@@ -439,6 +430,7 @@ Tensor batch_norm(const Tensor& x_, const Tensor& weight, const Tensor& bias, co
       n->has_weight = weight.defined(), n->has_bias = bias.defined();
       set_history(y, n, {&x_, &weight, &bias});
     }
+    return {y, save_mean, save_invstd};
   } else {
     TALLY_DISPATCH(op, x, FLOATING, kk::batch_norm_forward_eval<T>(N, C, HW, x.data<T>(), ptr_or_null<T>(weight), ptr_or_null<T>(bias),
                                                                    running_mean.data<T>(), running_var.data<T>(), T(opt.eps), y.data<T>()));
@@ -453,7 +445,40 @@ Tensor batch_norm(const Tensor& x_, const Tensor& weight, const Tensor& bias, co
       set_history(y, n, {&x_, &weight, &bias});
     }
   }
-  return y;
+  return {y, Tensor(), Tensor()};
+}
+
+void batch_norm_add_moments(const Tensor& mean, const Tensor& invstd, double eps, i64 count, Tensor& sum,
+                            Tensor& sum_sq) {
+  const char* op = "batch_norm";
+  check_dim(op, "mean", mean, 1);
+  const i64 C = mean.size(0);
+  check_same_shape(op, mean, invstd);
+  for (const Tensor* t : {&sum, &sum_sq})
+    if (!t->defined() || t->dtype() != DType::Float64 || t->dim() != 1 || t->size(0) != C || t->device() != mean.device())
+      throw ShapeError(fmt::format("batch_norm: moment sums must be float64 [{}] on {}, found {}", C,
+                                   mean.device().str(), t->str()));
+  TALLY_DISPATCH(op, mean, FLOATING,
+                 kk::batch_norm_accumulate_moments<T>(C, count, T(eps), mean.data<T>(), invstd.data<T>(),
+                                                      sum.data<double>(), sum_sq.data<double>()));
+}
+
+void batch_norm_update_running(const Tensor& sum, const Tensor& sum_sq, i64 count, double momentum,
+                               Tensor& running_mean, Tensor& running_var) {
+  const char* op = "batch_norm";
+  check_dim(op, "running_mean", running_mean, 1);
+  const i64 C = running_mean.size(0);
+  check_same_shape(op, running_mean, running_var);
+  for (const Tensor* t : {&sum, &sum_sq})
+    if (!t->defined() || t->dtype() != DType::Float64 || t->dim() != 1 || t->size(0) != C ||
+        t->device() != running_mean.device())
+      throw ShapeError(fmt::format("batch_norm: moment sums must be float64 [{}] on {}, found {}", C,
+                                   running_mean.device().str(), t->str()));
+  if (count < 2)
+    throw ShapeError(fmt::format("batch_norm: need more than 1 value per channel for an unbiased variance, found {}", count));
+  TALLY_DISPATCH(op, running_mean, FLOATING,
+                 kk::batch_norm_apply_moments<T>(C, count, T(momentum), sum.data<double>(), sum_sq.data<double>(),
+                                                 running_mean.data<T>(), running_var.data<T>()));
 }
 
 Tensor group_norm(const Tensor& x_, i64 groups, const Tensor& weight, const Tensor& bias, double eps) {

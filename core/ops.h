@@ -30,27 +30,35 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = {});
 Tensor matmul(const Tensor& a, const Tensor& b);
 
 // ---- normalization ----------------------------------------------------------------------------
-// Moments of the batch that batch_norm sees, summed over calls (the MBP executor uses this to
-// update running statistics once per batch from all its micro-batches, see docs/mbp.md).
-// The sums live where the input does (float64 tensors of category temporary, allocated by the
-// first batch_norm that adds to them, in dry runs too): accumulating them never waits for a GPU.
-struct BatchNormMoments {
-  Tensor sum, sum_sq;      // (C) float64: sum of x and of x^2 over every element seen
-  std::int64_t count = 0;  // elements per channel seen
-};
 struct BatchNormOptions {
   bool training = true;
   double momentum = 0.1;
   double eps = 1e-5;
-  // If set (training only), the running statistics are NOT updated; instead the per-channel
-  // sum and sum of squares of this call's input are added to *moments.
-  BatchNormMoments* defer_running_stats = nullptr;
 };
 // x (N, C, ...) ; weight, bias (C) or undefined ; running_mean/var (C) or undefined.
-// Training: normalizes with batch statistics and updates the running statistics in place
-// (unbiased variance) and never tracks num_batches_tracked itself (the module does).
+// Training: normalizes with batch statistics and updates the running statistics in place if given
+// (unbiased variance); it never tracks num_batches_tracked itself (the module does).
 Tensor batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
                   const Tensor& running_var, const BatchNormOptions& opt = {});
+// batch_norm, and in training the batch statistics it normalized with (torch.native_batch_norm's
+// save_mean and save_invstd): per channel the mean and 1 / sqrt(biased variance + eps), the
+// activations its backward keeps; undefined in eval mode.
+struct BatchNormResult {
+  Tensor y, mean, invstd;
+};
+BatchNormResult batch_norm_with_stats(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                                      const Tensor& running_mean, const Tensor& running_var,
+                                      const BatchNormOptions& opt = {});
+// Moments over several batches (no gradient): adds one batch's, from its statistics over `count`
+// values per channel, to float64 (C) sums on the statistics' device — sum += count * mean,
+// sum_sq += count * (var + mean^2), var = 1 / invstd^2 - eps — without a host wait.
+void batch_norm_add_moments(const Tensor& mean, const Tensor& invstd, double eps, std::int64_t count, Tensor& sum,
+                            Tensor& sum_sq);
+// The running statistics updated once as PyTorch would for one batch of `count` values per channel
+// whose sums are sum, sum_sq: mean = sum / count, biased var = sum_sq / count - mean^2,
+// running_var takes the unbiased var * count / (count - 1), with `momentum` (no gradient).
+void batch_norm_update_running(const Tensor& sum, const Tensor& sum_sq, std::int64_t count, double momentum,
+                               Tensor& running_mean, Tensor& running_var);
 // x (N, C, ...), groups dividing C, weight/bias (C) or undefined.
 Tensor group_norm(const Tensor& x, std::int64_t groups, const Tensor& weight = {}, const Tensor& bias = {},
                   double eps = 1e-5);

@@ -76,8 +76,7 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_p
       planner_(arena_, [this](Arena& arena, const std::vector<std::int64_t>& sizes) {
         run_step(arena, nullptr, nullptr, sizes, nullptr);
       }),
-      bns_(nn::batch_norm_layers(model)),
-      moments_(bns_.size()),
+      states_(nn::step_states(model)),
       stager_(std::make_unique<InputStager>(device_)) {
   if (opt_.sample_shape.empty())
     throw Error("MBP executor: the sample shape is empty (expected e.g. {3, 32, 32})");
@@ -117,6 +116,7 @@ Executor::~Executor() = default;
 
 double Executor::accumulate(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes) {
   const Tensor total = accumulate_loss(*arena_, images, labels, sizes);
+  for (nn::StepState* s : states_) s->discard();  // no optimizer step follows: nothing to apply
   return total.defined() && !skip_host_work() ? total.item() : 0.0;
 }
 
@@ -140,17 +140,8 @@ Tensor Executor::accumulate_loss(Arena& arena, const float* images, const std::i
       throw Error(fmt::format("MBP executor: the batch of {} has no counted target (all ignore_index {} or zero "
                               "class weight), so its mean loss is undefined", batch, opt_.loss.ignore_index));
   }
-  // BatchNorm layers add their micro-batch moments to moments_ instead of updating running stats.
-  for (std::size_t i = 0; i < bns_.size(); ++i) {
-    moments_[i] = BatchNormMoments{};
-    bns_[i]->defer_running_stats(&moments_[i]);
-  }
-  struct Undefer {
-    std::vector<nn::BatchNorm2d*>& bns;
-    ~Undefer() {
-      for (auto* b : bns) b->defer_running_stats(nullptr);
-    }
-  } undefer{bns_};
+  // State across micro-batches (BatchNorm's moments) gathers from here; run_step applies it.
+  for (nn::StepState* s : states_) s->begin_step();
 
   if (!dry) stager_->begin_step(staging_bytes(batch, sample_numel_, dtype_));
 
@@ -208,6 +199,12 @@ Tensor Executor::accumulate_loss(Arena& arena, const float* images, const std::i
 
 void Executor::run_step(Arena& arena, const float* images, const std::int64_t* labels,
                         const std::vector<std::int64_t>& sizes, double* loss) {
+  struct EndStep {  // a step that fails leaves no state gathering (after apply(), a no-op)
+    const std::vector<nn::StepState*>& states;
+    ~EndStep() {
+      for (nn::StepState* s : states) s->discard();
+    }
+  } end_step{states_};
   Tensor total = accumulate_loss(arena, images, labels, sizes, global_divisor_);
   if (distributed()) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -216,8 +213,7 @@ void Executor::run_step(Arena& arena, const float* images, const std::int64_t* l
       communication_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
   arena.mark("optimizer step");
-  for (std::size_t i = 0; i < bns_.size(); ++i) bns_[i]->apply_moments(moments_[i]);
-  for (auto& m : moments_) m = BatchNormMoments{};
+  for (nn::StepState* s : states_) s->apply();
   NoGradGuard ng;
   optimizer_.step();
   optimizer_.zero_grad();
@@ -230,7 +226,7 @@ void Executor::reduce_across_ranks(Arena& arena, Tensor& loss) {
   const bool dry = skip_host_work();
   arena.mark("all-reduce");
   // What is summed: every gradient, flattened, then the step's loss (one more element of the last
-  // bucket); and the BatchNorm moments, float64.
+  // bucket); and the step states' tensors (BatchNorm's moments), float64.
   std::vector<Tensor> flat;
   std::int64_t n = 0;
   for (const Tensor& p : model_.parameters()) {
@@ -239,9 +235,13 @@ void Executor::reduce_across_ranks(Arena& arena, Tensor& loss) {
   }
   flat.push_back(loss.view({1}));
   n += 1;
+  std::vector<Tensor> states;
   std::int64_t moment_count = 0;
-  for (const auto& m : moments_)
-    if (m.sum.defined()) moment_count += m.sum.numel() + m.sum_sq.numel();
+  for (nn::StepState* s : states_)
+    for (Tensor& t : s->reducible()) {
+      moment_count += t.numel();
+      states.push_back(std::move(t));
+    }
   // Both buffers before the first collective (see step 6 in executor.h).
   const auto per_bucket = static_cast<std::int64_t>(opt_.bucket_bytes / dtype_size(dtype_));
   Tensor bucket = Tensor::empty({std::min(n, per_bucket)}, dtype_, device_, Category::temporary, "gradient_bucket");
@@ -272,36 +272,22 @@ void Executor::reduce_across_ranks(Arena& arena, Tensor& loss) {
   }
   if (used > 0) flush();
 
-  // BatchNorm moments: one buffer, one collective. The element count per channel scales with the
-  // batch (every sample adds H*W), so the global count needs no collective.
+  // The step states' tensors: one buffer, one collective; then each scales what it counted per
+  // local sample to the global batch.
   if (moments.defined()) {
     std::int64_t at = 0;
-    auto each = [&](auto&& fn) {
-      at = 0;
-      for (auto& m : moments_) {
-        if (!m.sum.defined()) continue;
-        fn(m.sum);
-        fn(m.sum_sq);
-      }
-    };
-    each([&](Tensor& t) { moments.narrow(0, at, t.numel()).copy_(t), at += t.numel(); });
+    for (const Tensor& t : states) moments.narrow(0, at, t.numel()).copy_(t), at += t.numel();
     comm.all_reduce_sum(moments);
-    each([&](Tensor& t) { t.copy_(moments.narrow(0, at, t.numel())), at += t.numel(); });
+    at = 0;
+    for (Tensor& t : states) t.copy_(moments.narrow(0, at, t.numel())), at += t.numel();
   }
-  if (!dry) {
-    for (auto& m : moments_) {
-      if (m.count == 0) continue;
-      if (m.count % local_batch_ != 0)
-        throw Error(fmt::format("MBP executor: BatchNorm saw {} values per channel for {} samples", m.count, local_batch_));
-      m.count = m.count / local_batch_ * global_batch_;
-    }
-  }
+  if (!dry)
+    for (nn::StepState* s : states_) s->scale_to_global(local_batch_, global_batch_);
 }
 
 void Executor::discard_partial_step() {
   optimizer_.zero_grad();
-  for (auto& m : moments_) m = BatchNormMoments{};
-  for (auto* b : bns_) b->defer_running_stats(nullptr);
+  for (nn::StepState* s : states_) s->discard();
 }
 
 StepResult Executor::step(const float* images, const std::int64_t* labels, std::int64_t batch) {

@@ -181,8 +181,7 @@ class Executor {
   DType dtype_;
   std::shared_ptr<Arena> arena_;
   Planner planner_;
-  std::vector<nn::BatchNorm2d*> bns_;
-  std::vector<BatchNormMoments> moments_;
+  std::vector<nn::StepState*> states_;  // the model's state across micro-batches (nn/module.h)
   std::int64_t sample_numel_ = 1;
   std::int64_t limit_ = INT64_MAX;
   // The step under way, for data parallelism: D over every rank, this rank's and the global batch.

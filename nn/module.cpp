@@ -128,4 +128,12 @@ void Module::to(DType dtype) {
   for (auto& [name, child] : children_) child->to(dtype);
 }
 
+std::vector<StepState*> step_states(Module& root) {
+  std::vector<StepState*> out;
+  if (StepState* s = root.step_state()) out.push_back(s);
+  for (auto& [name, child] : root.named_children())
+    for (StepState* s : step_states(*child)) out.push_back(s);
+  return out;
+}
+
 }  // namespace tally::nn

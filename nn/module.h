@@ -53,6 +53,27 @@ class ForwardObserverScope {
   ForwardObserver* previous_;
 };
 
+// State a module gathers over the micro-batches of one MBP step and applies once, after the
+// last (BatchNorm's running statistics: each micro-batch adds its moments; the step updates the
+// statistics once, as one batch of all of them would). The MBP executor (mbp/executor.h) drives
+// every such state of a model through this interface without knowing the module:
+//   begin_step     a step begins: training forwards from now on contribute instead of updating;
+//   (contribute)   the module's own forward, in training mode, outside a recomputation's re-run;
+//   reducible      data parallelism: the float64 tensors the ranks sum (in place, after the last
+//                  micro-batch), then scale_to_global(local batch, global batch) on every rank;
+//   apply          the step's one update from what was contributed; ends the step;
+//   discard        drops what was contributed (a step retried after running out of memory, or
+//                  one that failed); ends the step. Does nothing outside a step.
+class StepState {
+ public:
+  virtual ~StepState() = default;
+  virtual void begin_step() = 0;
+  virtual std::vector<Tensor> reducible() = 0;
+  virtual void scale_to_global(std::int64_t local_batch, std::int64_t global_batch) = 0;
+  virtual void apply() = 0;
+  virtual void discard() = 0;
+};
+
 class Module {
  public:
   Module() = default;
@@ -88,6 +109,9 @@ class Module {
     std::string block_noun = "residual block";  // "every residual block but the last"
   };
   virtual RecomputeParts recompute_parts() { return {}; }
+
+  // This module's state across the micro-batches of a step, if it has one (BatchNorm2d).
+  virtual StepState* step_state() { return nullptr; }
 
   // Dotted names, registration order, this module's own entries before its children's.
   std::vector<std::pair<std::string, Tensor>> named_parameters() const;
@@ -139,5 +163,8 @@ class Module {
   bool training_ = true;
   bool recompute_ = false;
 };
+
+// The step states (Module::step_state) of `root` and its descendants, in registration order.
+std::vector<StepState*> step_states(Module& root);
 
 }  // namespace tally::nn

@@ -5,7 +5,6 @@
 
 #include <fmt/format.h>
 
-#include "core/dispatch.h"
 #include "core/error.h"
 #include "core/dry_run.h"
 #include "core/memory.h"
@@ -96,32 +95,59 @@ Tensor BatchNorm2d::forward(const Tensor& x) {
   opt.eps = eps;
   if (is_training() && recomputing()) {
     // The forward re-run of a recomputed segment: the batch's statistics again (the same input,
-    // so the same values), but the running statistics and MBP moments were counted the first time.
+    // so the same values), but the running statistics and the step's moments were counted the
+    // first time.
     return batch_norm(x, weight, bias, Tensor(), Tensor(), opt);
   }
-  opt.defer_running_stats = is_training() ? defer_ : nullptr;
-  Tensor y = batch_norm(x, weight, bias, running_mean, running_var, opt);
-  if (is_training() && !defer_) count_batch();
-  return y;
+  if (!is_training() || !in_step_) {
+    Tensor y = batch_norm(x, weight, bias, running_mean, running_var, opt);
+    if (is_training()) count_batch();
+    return y;
+  }
+  BatchNormResult r = batch_norm_with_stats(x, weight, bias, Tensor(), Tensor(), opt);
+  if (!sum_.defined()) {  // the step's first forward allocates the sums (a dry run too)
+    sum_ = Tensor::zeros({num_features}, DType::Float64, x.device(), Category::temporary, "batch_norm_moments");
+    sum_sq_ = Tensor::zeros({num_features}, DType::Float64, x.device(), Category::temporary, "batch_norm_moments");
+  }
+  const std::int64_t values = x.size(0) * x.size(2) * x.size(3);
+  batch_norm_add_moments(r.mean, r.invstd, eps, values, sum_, sum_sq_);
+  count_ += values;
+  return std::move(r.y);
 }
 
-void BatchNorm2d::apply_moments(const BatchNormMoments& m) {
-  if (m.count == 0) return;
-  if (!m.sum.defined() || !m.sum_sq.defined() || m.sum.numel() != num_features || m.sum_sq.numel() != num_features ||
-      m.sum.dtype() != DType::Float64 || m.sum_sq.dtype() != DType::Float64)
-    throw ShapeError(fmt::format("BatchNorm2d::apply_moments: expected float64 moments of {} channels, found {} and {}",
-                                 num_features, m.sum.defined() ? m.sum.str() : "none",
-                                 m.sum_sq.defined() ? m.sum_sq.str() : "none"));
-  if (m.sum.device() != running_mean.device())
-    throw ShapeError(fmt::format("BatchNorm2d::apply_moments: moments on {}, running statistics on {}",
-                                 m.sum.device().str(), running_mean.device().str()));
-  if (m.count < 2)
-    throw ShapeError("BatchNorm2d::apply_moments: need more than 1 value per channel for an unbiased variance");
+void BatchNorm2d::begin_step() {
+  discard();
+  in_step_ = true;
+}
+
+std::vector<Tensor> BatchNorm2d::reducible() {
+  if (!sum_.defined()) return {};
+  return {sum_, sum_sq_};
+}
+
+void BatchNorm2d::scale_to_global(std::int64_t local_batch, std::int64_t global_batch) {
+  // Every sample adds the same number of values per channel (H * W), so the global count follows
+  // from the batch sizes without a collective.
+  if (count_ == 0) return;
+  if (local_batch < 1 || count_ % local_batch != 0)
+    throw Error(fmt::format("BatchNorm2d: saw {} values per channel for {} samples", count_, local_batch));
+  count_ = count_ / local_batch * global_batch;
+}
+
+void BatchNorm2d::apply() {
   // Where the statistics live: on a GPU nothing waits.
-  TALLY_DISPATCH("batch_norm", running_mean, FLOATING,
-                 kk::batch_norm_apply_moments<T>(num_features, m.count, T(momentum), m.sum.data<double>(),
-                                                 m.sum_sq.data<double>(), running_mean.data<T>(), running_var.data<T>()));
-  count_batch();
+  if (count_ > 0) {
+    batch_norm_update_running(sum_, sum_sq_, count_, momentum, running_mean, running_var);
+    count_batch();
+  }
+  discard();
+}
+
+void BatchNorm2d::discard() {
+  in_step_ = false;
+  sum_ = Tensor();
+  sum_sq_ = Tensor();
+  count_ = 0;
 }
 
 // ---- GroupNorm ----------------------------------------------------------------------------------

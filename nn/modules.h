@@ -10,9 +10,9 @@
 //
 // BatchNorm2d and micro-batching (see docs/mbp.md): PyTorch updates the running statistics
 // once per forward. When the MBP executor splits a batch into k micro-batches, k forwards would
-// update them k times with k small-batch statistics. Instead the executor calls
-// defer_running_stats(&acc) on every BatchNorm2d, runs the micro-batches (each normalizes with
-// its own statistics and adds its moments to acc), then apply_moments(acc) updates the running
+// update them k times with k small-batch statistics. Instead BatchNorm2d is a StepState
+// (nn/module.h): the executor begins a step on it, runs the micro-batches (each normalizes with
+// its own statistics and adds its moments to the step's), then apply() updates the running
 // statistics exactly once, as if the whole batch had gone through in one forward.
 #pragma once
 #include <cstdint>
@@ -48,22 +48,27 @@ class Linear : public Module {
   std::int64_t in_features, out_features;
 };
 
-class BatchNorm2d : public Module {
+class BatchNorm2d : public Module, public StepState {
  public:
   explicit BatchNorm2d(std::int64_t num_features, double eps = 1e-5, double momentum = 0.1);
-  // Training: batch statistics, running statistics updated (unless deferred) and
-  // num_batches_tracked += 1. Eval: running statistics.
+  // Training: batch statistics, running statistics updated and num_batches_tracked += 1 — or,
+  // during an MBP step, the batch's moments added to the step's (below). Eval: running statistics.
   Tensor forward(const Tensor& x) override;
 
-  // nullptr restores the normal behaviour. While set, training forwards leave the running
-  // statistics and num_batches_tracked alone and add their per-channel moments to *acc.
-  void defer_running_stats(BatchNormMoments* acc) { defer_ = acc; }
-  BatchNormMoments* deferred() const { return defer_; }
-  // Updates running_mean / running_var once, as PyTorch would for one batch whose moments are m
-  // (mean = sum / count, biased var = sum_sq / count - mean^2, running_var takes the unbiased
-  // var * count / (count - 1)), with the usual momentum, and num_batches_tracked += 1.
-  // m.count == 0 (no training forward seen) leaves everything unchanged.
-  void apply_moments(const BatchNormMoments& m);
+  // The MBP step (module.h's StepState): training forwards add their per-channel moments (sums of
+  // x and x^2, float64 tensors of category temporary on the module's device, allocated by the first
+  // forward of the step — in dry runs too — and added to without a host wait); apply() updates
+  // running_mean / running_var once, as PyTorch would for one batch of all of them
+  // (batch_norm_update_running in core/ops.h), and num_batches_tracked += 1. A step in which no
+  // training forward ran changes nothing.
+  StepState* step_state() override { return this; }
+  void begin_step() override;
+  std::vector<Tensor> reducible() override;
+  void scale_to_global(std::int64_t local_batch, std::int64_t global_batch) override;
+  void apply() override;
+  void discard() override;
+  bool in_step() const { return in_step_; }
+  std::int64_t step_count() const { return count_; }  // values per channel contributed so far
 
   Tensor weight, bias;              // (C)
   Tensor running_mean, running_var;  // (C), category parameter, no grad
@@ -76,7 +81,9 @@ class BatchNorm2d : public Module {
 
  private:
   void count_batch();
-  BatchNormMoments* defer_ = nullptr;
+  bool in_step_ = false;
+  Tensor sum_, sum_sq_;     // (C) float64: the step's sums of x and x^2 over every value seen
+  std::int64_t count_ = 0;  // values per channel seen in the step
 };
 
 class GroupNorm : public Module {

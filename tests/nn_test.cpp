@@ -383,9 +383,9 @@ TEST(Checkpoint, TruncatedFileThrowsFormatErrorNamingTheFile) {
   EXPECT_THROW(load_state_dict(*model, tmp.path + ".does_not_exist"), Error);
 }
 
-// ---- BatchNorm2d: deferred running statistics ---------------------------------------------------
+// ---- BatchNorm2d: the MBP step's running statistics (StepState) ----------------------------------
 
-TEST(BatchNormDefer, TwoHalfBatchesPlusApplyEqualOneFullBatch) {
+TEST(BatchNormStep, TwoHalfBatchesPlusApplyEqualOneFullBatch) {
   const Tensor x = randn({8, 3, 5, 5}, 9);
   BatchNorm2d full(3), split(3);
   for (BatchNorm2d* bn : {&full, &split}) {  // non-trivial starting statistics
@@ -394,16 +394,17 @@ TEST(BatchNormDefer, TwoHalfBatchesPlusApplyEqualOneFullBatch) {
   }
   full(x);
 
-  BatchNormMoments acc;
-  split.defer_running_stats(&acc);
+  ASSERT_EQ(split.step_state(), static_cast<StepState*>(&split));
+  split.begin_step();
   split(x.narrow(0, 0, 4));
   split(x.narrow(0, 4, 4));
-  // Nothing moved while deferred.
+  // Nothing moved during the step.
   EXPECT_EQ(split.running_mean.to_vector<float>(), (std::vector<float>{0.2f, -0.1f, 0.5f}));
   EXPECT_EQ(split.num_batches_tracked.item(), 0.0);
-  EXPECT_EQ(acc.count, 8 * 25);
-  split.apply_moments(acc);
-  split.defer_running_stats(nullptr);
+  EXPECT_EQ(split.step_count(), 8 * 25);
+  ASSERT_EQ(split.reducible().size(), 2u);
+  split.apply();
+  EXPECT_FALSE(split.in_step());
 
   const auto fm = full.running_mean.to_vector<float>(), sm = split.running_mean.to_vector<float>();
   const auto fv = full.running_var.to_vector<float>(), sv = split.running_var.to_vector<float>();
@@ -418,16 +419,19 @@ TEST(BatchNormDefer, TwoHalfBatchesPlusApplyEqualOneFullBatch) {
   split(x);
   EXPECT_EQ(split.num_batches_tracked.item(), 2.0);
   EXPECT_NE(split.running_mean.to_vector<float>(), sm);
-  // Eval mode ignores the accumulator and changes nothing.
-  BatchNormMoments unused;
-  split.defer_running_stats(&unused);
+  // Eval mode during a step contributes nothing, and applying nothing changes nothing.
+  const auto before = split.running_mean.to_vector<float>();
+  split.begin_step();
   split.eval();
   split(x);
-  EXPECT_EQ(unused.count, 0);
+  EXPECT_EQ(split.step_count(), 0);
+  EXPECT_TRUE(split.reducible().empty());
+  split.apply();
   EXPECT_EQ(split.num_batches_tracked.item(), 2.0);
+  EXPECT_EQ(split.running_mean.to_vector<float>(), before);
 }
 
-TEST(BatchNormDefer, WholeModelMicroBatchesMatchOneBatch) {
+TEST(BatchNormStep, WholeModelMicroBatchesMatchOneBatch) {
   const Tensor x = randn({4, 3, 16, 16}, 21);
   manual_seed(5);
   auto a = make_model({"resnet20"});
@@ -435,33 +439,39 @@ TEST(BatchNormDefer, WholeModelMicroBatchesMatchOneBatch) {
   auto b = make_model({"resnet20"});
   (*a)(x);
 
-  auto bns = batch_norm_layers(*b);
-  std::vector<BatchNormMoments> acc(bns.size());
-  for (std::size_t i = 0; i < bns.size(); ++i) bns[i]->defer_running_stats(&acc[i]);
+  const std::vector<StepState*> states = step_states(*b);
+  ASSERT_EQ(states.size(), batch_norm_layers(*b).size());
+  for (StepState* s : states) s->begin_step();
   (*b)(x.narrow(0, 0, 2));
   (*b)(x.narrow(0, 2, 2));
-  for (std::size_t i = 0; i < bns.size(); ++i) {
-    bns[i]->apply_moments(acc[i]);
-    bns[i]->defer_running_stats(nullptr);
-  }
+  for (StepState* s : states) s->apply();
   // Only the first BatchNorm sees the same input in both runs; deeper layers see activations
   // normalized with micro-batch statistics, so compare the first layer exactly and the rest
   // for having been updated once.
   const auto sa = state_map(*a), sb = state_map(*b);
   EXPECT_LE(rel_err(sb.at("bn1.running_mean"), sa.at("bn1.running_mean")), 1e-5);
   EXPECT_LE(rel_err(sb.at("bn1.running_var"), sa.at("bn1.running_var")), 1e-5);
-  for (auto* bn : bns) EXPECT_EQ(bn->num_batches_tracked.item(), 1.0);
+  for (auto* bn : batch_norm_layers(*b)) EXPECT_EQ(bn->num_batches_tracked.item(), 1.0);
 }
 
-TEST(BatchNormDefer, ApplyMomentsChecksChannels) {
+// A discarded step (an out-of-memory retry) leaves no trace; the core update checks its sums.
+TEST(BatchNormStep, DiscardLeavesNoTraceAndTheUpdateChecksChannels) {
   BatchNorm2d bn(4);
-  BatchNormMoments m;
-  m.sum = Tensor::from_vector(std::vector<double>{1, 2}, {2});
-  m.sum_sq = Tensor::from_vector(std::vector<double>{1, 2}, {2});
-  m.count = 10;
-  EXPECT_THROW(bn.apply_moments(m), ShapeError);
-  bn.apply_moments(BatchNormMoments{});  // nothing seen: nothing changes
+  const auto mean0 = bn.running_mean.to_vector<float>(), var0 = bn.running_var.to_vector<float>();
+  bn.begin_step();
+  bn(randn({2, 4, 3, 3}, 4));
+  EXPECT_EQ(bn.step_count(), 18);
+  bn.discard();
+  EXPECT_FALSE(bn.in_step());
+  EXPECT_EQ(bn.step_count(), 0);
+  bn.apply();  // outside a step: nothing to apply
+  EXPECT_EQ(bn.running_mean.to_vector<float>(), mean0);
+  EXPECT_EQ(bn.running_var.to_vector<float>(), var0);
   EXPECT_EQ(bn.num_batches_tracked.item(), 0.0);
+  const Tensor two = Tensor::zeros({2}, DType::Float64);
+  EXPECT_THROW(batch_norm_update_running(two, two, 10, 0.1, bn.running_mean, bn.running_var), ShapeError);
+  const Tensor four = Tensor::zeros({4}, DType::Float64);
+  EXPECT_THROW(batch_norm_update_running(four, four, 1, 0.1, bn.running_mean, bn.running_var), ShapeError);
 }
 
 // ---- Module API ---------------------------------------------------------------------------------
