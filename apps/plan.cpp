@@ -36,13 +36,8 @@ Shape parse_input(const std::string& s) {
 }  // namespace
 
 mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
-  check_choice("--model", opt.model, nn::model_names());
-  check_choice("--norm", opt.norm, norm_names());
-  check_choice("--optimizer", opt.optimizer, optimizer_names());
-  if (opt.batch_size < 1) throw Error(fmt::format("--batch-size must be >= 1, found {}", opt.batch_size));
-  if (opt.micro_batch && (*opt.micro_batch < 1 || *opt.micro_batch > opt.batch_size))
-    throw Error(fmt::format("--micro-batch must be between 1 and --batch-size {}, found {}", opt.batch_size,
-                            *opt.micro_batch));
+  check_model_options(opt.model, opt.norm, opt.optimizer, opt.batch_size, opt.micro_batch);
+  mbp::check_recompute_policy(opt.recompute);
   const Shape sample = parse_input(opt.input);
   const Device dev = parse_device(opt.device);
   if (dev.is_cuda() && !cuda_available())

@@ -45,6 +45,21 @@ const std::vector<std::string>& optimizer_names() {
   return v;
 }
 
+const std::vector<std::string>& loss_normalization_names() {
+  static const std::vector<std::string> v{"exact", "per-micro-batch"};
+  return v;
+}
+
+void check_model_options(const std::string& model, const std::string& norm, const std::string& optimizer,
+                         std::int64_t batch_size, std::optional<std::int64_t> micro_batch) {
+  check_choice("--model", model, nn::model_names());
+  check_choice("--norm", norm, norm_names());
+  check_choice("--optimizer", optimizer, optimizer_names());
+  if (batch_size < 1) throw Error(fmt::format("--batch-size must be >= 1, found {}", batch_size));
+  if (micro_batch && (*micro_batch < 1 || *micro_batch > batch_size))
+    throw Error(fmt::format("--micro-batch must be between 1 and --batch-size {}, found {}", batch_size, *micro_batch));
+}
+
 std::string choices(const std::vector<std::string>& names) { return fmt::format("{}", fmt::join(names, "|")); }
 
 std::vector<std::string> split_list(const std::string& text) {

@@ -33,9 +33,16 @@ std::optional<std::int64_t> parse_micro_batch(const std::string& s);
 
 // Throws an Error naming `flag`, the value found and the allowed values unless `value` is one of them.
 void check_choice(const std::string& flag, const std::string& value, const std::vector<std::string>& allowed);
-// The values of --model, --norm and --optimizer, for checks and for the command line's help.
+// The values of --norm, --optimizer and --loss-normalization, for checks and for the command
+// line's help (--model: nn::model_names(); --schedule: optim::schedule_names(); --recompute:
+// mbp::check_recompute_policy): each list is written here once and used by both.
 const std::vector<std::string>& norm_names();
 const std::vector<std::string>& optimizer_names();
+const std::vector<std::string>& loss_normalization_names();
+// The checks `tally train` and `tally plan` share: --model, --norm, --optimizer among their
+// names, --batch-size >= 1, --micro-batch (when given) between 1 and --batch-size.
+void check_model_options(const std::string& model, const std::string& norm, const std::string& optimizer,
+                         std::int64_t batch_size, std::optional<std::int64_t> micro_batch);
 std::string choices(const std::vector<std::string>& names);  // "a|b|c"
 
 // "a,b,c" -> {"a", "b", "c"}; "a" -> {"a"} (empty items stay, for the caller to refuse).

@@ -71,20 +71,46 @@ std::string csv(const std::vector<SweepRow>& rows) {
 
 }  // namespace
 
-std::vector<SweepRow> sweep(const SweepOptions& opt, std::ostream& log) {
-  // ---- every check before any training ------------------------------------------------------------
+namespace {
+
+// Everything checked and planned before any training: the batch sizes, the device, and each
+// run's warm-up (the default shortened where a run is too short for it, with a note) and plan.
+struct Prepared {
+  std::vector<std::int64_t> sizes;
+  std::string device;
+  std::vector<double> warmups;
+  std::vector<std::string> plans, notes;
+};
+
+PlanOptions plan_options(const SweepOptions& opt, const DataInfo& data, const std::string& device, std::int64_t b) {
+  PlanOptions po;
+  po.model = opt.train.model;
+  po.norm = opt.train.norm;
+  po.input = fmt::format("{}x{}x{}", data.channels, data.height, data.width);
+  po.num_classes = data.num_classes;
+  po.batch_size = b;
+  po.memory_limit = opt.train.memory_limit;
+  if (opt.train.micro_batch) po.micro_batch = std::min(*opt.train.micro_batch, b);
+  po.optimizer = opt.train.optimizer;
+  po.recompute = opt.train.recompute;
+  po.momentum = opt.train.momentum;
+  po.device = device;
+  po.layers = false;
+  return po;
+}
+
+Prepared prepare(const SweepOptions& opt) {
   if (opt.train.out.empty()) throw Error("tally sweep needs --out DIR for sweep.csv, sweep.svg and the runs");
   if (distributed::launched_by_mpi())
     throw Error("tally sweep runs in one process; under mpirun, run `tally train` once per batch size instead");
   check_choice("--lr-scaling", opt.lr_scaling, {"linear", "sqrt"});
-  const std::vector<std::int64_t> sizes = parse_batch_sizes(opt.batch_sizes);
-  const std::string device = check_train_options(opt.train);
+  Prepared p;
+  p.sizes = parse_batch_sizes(opt.batch_sizes);
+  p.device = check_train_options(opt.train);
   const DataInfo data = describe_data(opt.train);
-  std::vector<std::string> plans;
-  std::vector<double> warmups(sizes.size(), opt.train.warmup_epochs);
-  std::vector<std::string> notes;
-  for (std::size_t i = 0; i < sizes.size(); ++i) {
-    const std::int64_t b = sizes[i];
+  p.warmups.assign(p.sizes.size(), opt.train.warmup_epochs);
+  for (std::size_t i = 0; i < p.sizes.size(); ++i) {
+    const std::int64_t b = p.sizes[i];
     if (b > data.train_size)
       throw Error(fmt::format("--batch-sizes: batch size {} is larger than the {} training samples of {}", b,
                               data.train_size, opt.train.data));
@@ -95,44 +121,57 @@ std::vector<SweepRow> sweep(const SweepOptions& opt, std::ostream& log) {
         throw Error(fmt::format("batch size {}: the warm-up of {} epochs ({} steps) is not shorter than the run's {} "
                                 "steps: give a smaller --warmup-epochs (0 for none) or more --epochs",
                                 b, opt.train.warmup_epochs, run.warmup, run.total));
-      warmups[i] = static_cast<double>(run.total / 2) / static_cast<double>(per_epoch);
-      notes.push_back(fmt::format("batch {}: the default warm-up of {} epochs ({} steps) is not shorter than the run's "
-                                  "{} steps, so it warms up over {} steps", b, opt.train.warmup_epochs, run.warmup,
-                                  run.total, run.total / 2));
+      p.warmups[i] = static_cast<double>(run.total / 2) / static_cast<double>(per_epoch);
+      p.notes.push_back(fmt::format("batch {}: the default warm-up of {} epochs ({} steps) is not shorter than the "
+                                    "run's {} steps, so it warms up over {} steps", b, opt.train.warmup_epochs,
+                                    run.warmup, run.total, run.total / 2));
     }
-    PlanOptions po;
-    po.model = opt.train.model;
-    po.norm = opt.train.norm;
-    po.input = fmt::format("{}x{}x{}", data.channels, data.height, data.width);
-    po.num_classes = data.num_classes;
-    po.batch_size = b;
-    po.memory_limit = opt.train.memory_limit;
-    if (opt.train.micro_batch) po.micro_batch = std::min(*opt.train.micro_batch, b);
-    po.optimizer = opt.train.optimizer;
-    po.recompute = opt.train.recompute;
-    po.momentum = opt.train.momentum;
-    po.device = device;
-    po.layers = false;
     std::ostringstream quiet;
     try {
-      plans.push_back(plan(po, quiet).summary());
+      p.plans.push_back(plan(plan_options(opt, data, p.device, b), quiet).summary());
     } catch (const OutOfMemory& e) {
       throw OutOfMemory(fmt::format("batch size {}: {}", b, e.what()), e.requested());
     }
   }
+  return p;
+}
+
+// One run of the sweep (its log in its folder's train.log), as a row.
+SweepRow run_one(const TrainOptions& t, std::int64_t* limit_bytes) {
+  std::ofstream run_log(std::filesystem::path(t.out) / "train.log");
+  const auto t0 = std::chrono::steady_clock::now();
+  const TrainResult r = train(t, run_log);
+  SweepRow row;
+  row.batch_size = t.batch_size;
+  row.micro_batch = r.micro_batch;
+  row.micro_batches_per_step = r.micro_batches_per_step;
+  row.steps = r.steps;
+  row.lr = t.lr;
+  row.train_loss = r.train_loss;
+  row.test_accuracy = r.test_accuracy;
+  row.images_per_second = r.images_per_second;
+  row.predicted_peak_bytes = r.predicted_peak_bytes;
+  row.peak_bytes = r.peak_bytes;
+  row.wall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  *limit_bytes = r.memory_limit_bytes;
+  return row;
+}
+
+}  // namespace
+
+std::vector<SweepRow> sweep(const SweepOptions& opt, std::ostream& log) {
+  const Prepared p = prepare(opt);  // every check before any training
+  const std::vector<std::int64_t>& sizes = p.sizes;
   const std::filesystem::path out(opt.train.out);
   std::filesystem::create_directories(out);
   fmt::print(log, "sweep: {} on {} ({}), {} batch sizes, lr {} at batch {} scaled {}, memory limit {}, {} per run\n",
-             opt.train.model, opt.train.data, device, sizes.size(), opt.train.lr, sizes.front(), opt.lr_scaling,
+             opt.train.model, opt.train.data, p.device, sizes.size(), opt.train.lr, sizes.front(), opt.lr_scaling,
              opt.train.memory_limit,
              budget_text(opt.train));
-  for (const std::string& note : notes) fmt::print(log, "sweep: {}\n", note);
-
+  for (const std::string& note : p.notes) fmt::print(log, "sweep: {}\n", note);
   const std::string title = fmt::format("{} on {}: {} per batch size, lr {} at batch {} ({} scaling)",
                                         opt.train.model, opt.train.data, budget_text(opt.train), opt.train.lr,
                                         sizes.front(), opt.lr_scaling);
-
-  // ---- the runs ---------------------------------------------------------------------------------------
   std::vector<SweepRow> rows;
   std::int64_t limit_bytes = 0;
   for (std::size_t i = 0; i < sizes.size(); ++i) {
@@ -140,34 +179,17 @@ std::vector<SweepRow> sweep(const SweepOptions& opt, std::ostream& log) {
     TrainOptions t = opt.train;
     t.batch_size = b;
     t.lr = scaled_lr(opt.train.lr, b, sizes.front(), opt.lr_scaling);
-    t.warmup_epochs = warmups[i];
+    t.warmup_epochs = p.warmups[i];
     t.out = (out / fmt::format("b{}", b)).string();
     t.save.clear();
     t.progress = false;
     std::filesystem::create_directories(t.out);
-    fmt::print(log, "[{}/{}] batch {} lr {:.4g} | plan: {}\n", i + 1, sizes.size(), b, t.lr, plans[i]);
+    fmt::print(log, "[{}/{}] batch {} lr {:.4g} | plan: {}\n", i + 1, sizes.size(), b, t.lr, p.plans[i]);
     log.flush();
-    std::ofstream run_log(std::filesystem::path(t.out) / "train.log");
-    const auto t0 = std::chrono::steady_clock::now();
-    const TrainResult r = train(t, run_log);
-    const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    SweepRow row;
-    row.batch_size = b;
-    row.micro_batch = r.micro_batch;
-    row.micro_batches_per_step = r.micro_batches_per_step;
-    row.steps = r.steps;
-    row.lr = t.lr;
-    row.train_loss = r.train_loss;
-    row.test_accuracy = r.test_accuracy;
-    row.images_per_second = r.images_per_second;
-    row.predicted_peak_bytes = r.predicted_peak_bytes;
-    row.peak_bytes = r.peak_bytes;
-    row.wall_seconds = wall;
-    rows.push_back(row);
-    limit_bytes = r.memory_limit_bytes;
+    const SweepRow& row = rows.emplace_back(run_one(t, &limit_bytes));
     fmt::print(log, "      {} steps | test accuracy {:.2f}% | {:.1f} img/s | peak {} bytes, predicted {}{} | {:.0f} s\n",
-               r.steps, 100.0 * r.test_accuracy, r.images_per_second, r.peak_bytes, r.predicted_peak_bytes,
-               r.peak_bytes == r.predicted_peak_bytes ? " (exact)" : "", wall);
+               row.steps, 100.0 * row.test_accuracy, row.images_per_second, row.peak_bytes, row.predicted_peak_bytes,
+               row.peak_bytes == row.predicted_peak_bytes ? " (exact)" : "", row.wall_seconds);
     log.flush();
     // Written after every run, so an interrupted sweep leaves what it measured.
     write_text(out / "sweep.csv", csv(rows));

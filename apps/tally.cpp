@@ -20,6 +20,7 @@
 #include "core/device.h"
 #include "distributed/communicator.h"
 #include "nn/resnet.h"
+#include "optim/schedule.h"
 
 using namespace tally;
 
@@ -91,8 +92,8 @@ struct TrainFlags {
     cmd->add_option("--momentum", to.momentum, "SGD momentum")->check(non_negative())->capture_default_str();
     cmd->add_flag("--nesterov", to.nesterov, "Nesterov momentum");
     cmd->add_option("--weight-decay", to.weight_decay, "weight decay")->check(non_negative())->capture_default_str();
-    cmd->add_option("--schedule", to.schedule, "constant|step|cosine|onecycle")
-        ->check(CLI::IsMember({"constant", "step", "cosine", "onecycle"}))->capture_default_str();
+    cmd->add_option("--schedule", to.schedule, app::choices(optim::schedule_names()))
+        ->check(CLI::IsMember(optim::schedule_names()))->capture_default_str();
     cmd->add_option("--warmup-epochs", to.warmup_epochs, "linear warm-up, in epochs")->check(non_negative())
         ->capture_default_str();
     cmd->add_option("--label-smoothing", to.label_smoothing, "label smoothing in [0, 1]")->check(CLI::Range(0.0, 1.0))
@@ -122,7 +123,7 @@ struct TrainFlags {
     cmd->add_option("--loss-normalization", to.loss_normalization,
                     "exact (the full batch's mean for any split) | per-micro-batch (each micro-batch's mean / k, "
                     "as the MBP paper's code)")
-        ->check(CLI::IsMember({"exact", "per-micro-batch"}))->capture_default_str();
+        ->check(CLI::IsMember(app::loss_normalization_names()))->capture_default_str();
     cmd->add_option("--micro-batch", micro, "samples per micro-batch: M or auto (the largest that fits)")
         ->capture_default_str();
     cmd->add_option("--recompute", to.recompute,
@@ -163,12 +164,42 @@ int fail(const std::exception& e) {
   return 1;
 }
 
+// `tally plan`'s flags.
+struct PlanFlags {
+  app::PlanOptions po;
+  std::int64_t classes = 0;
+  std::string micro = "auto";
+  bool no_layers = false;
+
+  void add(CLI::App* cmd) {
+    const auto& models = nn::model_names();
+    cmd->add_option("--model", po.model, app::choices(models))->check(CLI::IsMember(models))->capture_default_str();
+    cmd->add_option("--norm", po.norm, app::choices(app::norm_names()))->check(CLI::IsMember(app::norm_names()))->capture_default_str();
+    cmd->add_option("--input", po.input, "one sample's shape CxHxW")->capture_default_str();
+    cmd->add_option("--num-classes", classes, "classes (default 1000 for inputs >= 64 pixels, else 10)")->check(CLI::PositiveNumber);
+    cmd->add_option("--batch-size", po.batch_size, "samples per optimizer step")->check(CLI::PositiveNumber)->capture_default_str();
+    cmd->add_option("--memory-limit", po.memory_limit, "memory budget: a size (8GiB) or auto")->capture_default_str();
+    cmd->add_option("--micro-batch", micro, "check this micro-batch size instead of searching")->capture_default_str();
+    cmd->add_option("--optimizer", po.optimizer, app::choices(app::optimizer_names()))->check(CLI::IsMember(app::optimizer_names()))->capture_default_str();
+    cmd->add_option("--momentum", po.momentum, "SGD momentum (0: no momentum buffer)")->check(non_negative())->capture_default_str();
+    cmd->add_option("--device", po.device, "cpu|cuda|cuda:N")->capture_default_str();
+    cmd->add_option("--recompute", po.recompute,
+                    "auto (the least recomputation with which one sample fits) | none | blocks (the residual blocks and the stem: about one more forward) | all (the stages around the blocks too: the least memory, about two more forwards)")
+        ->check(recompute_validator())->capture_default_str();
+    cmd->add_flag("--no-layers", no_layers, "skip the per-layer table");
+  }
+  void finish() {
+    if (classes > 0) po.num_classes = classes;
+    po.micro_batch = app::parse_micro_batch(micro);
+    po.layers = !no_layers;
+  }
+};
+
 int main(int argc, char** argv) {
   CLI::App app{"tally — deep learning with micro-batch processing and exact memory accounting"};
   app.require_subcommand(0, 1);
   bool version = false;
   app.add_flag("--version", version, "print the build configuration and whether a GPU is present");
-  const auto& models = nn::model_names();
   TrainFlags train_flags;
   auto* train_cmd = app.add_subcommand("train", "train a ResNet on a data set");
   train_flags.add(train_cmd, false);
@@ -183,26 +214,9 @@ int main(int argc, char** argv) {
   sweep_cmd->add_option("--lr-scaling", so.lr_scaling, "linear (lr * B / B0) | sqrt (lr * sqrt(B / B0))")
       ->check(CLI::IsMember({"linear", "sqrt"}))->capture_default_str();
 
-  app::PlanOptions po;
+  PlanFlags plan_flags;
   auto* plan_cmd = app.add_subcommand("plan", "print the memory plan of a training step (nothing is computed)");
-  plan_cmd->add_option("--model", po.model, app::choices(models))->check(CLI::IsMember(models))
-      ->capture_default_str();
-  plan_cmd->add_option("--norm", po.norm, app::choices(app::norm_names()))->check(CLI::IsMember(app::norm_names()))->capture_default_str();
-  plan_cmd->add_option("--input", po.input, "one sample's shape CxHxW")->capture_default_str();
-  std::int64_t classes = 0;
-  plan_cmd->add_option("--num-classes", classes, "classes (default 1000 for inputs >= 64 pixels, else 10)")->check(CLI::PositiveNumber);
-  plan_cmd->add_option("--batch-size", po.batch_size, "samples per optimizer step")->check(CLI::PositiveNumber)->capture_default_str();
-  plan_cmd->add_option("--memory-limit", po.memory_limit, "memory budget: a size (8GiB) or auto")->capture_default_str();
-  std::string plan_micro = "auto";
-  plan_cmd->add_option("--micro-batch", plan_micro, "check this micro-batch size instead of searching")->capture_default_str();
-  plan_cmd->add_option("--optimizer", po.optimizer, app::choices(app::optimizer_names()))->check(CLI::IsMember(app::optimizer_names()))->capture_default_str();
-  plan_cmd->add_option("--momentum", po.momentum, "SGD momentum (0: no momentum buffer)")->check(non_negative())->capture_default_str();
-  plan_cmd->add_option("--device", po.device, "cpu|cuda|cuda:N")->capture_default_str();
-  plan_cmd->add_option("--recompute", po.recompute,
-                       "auto (the least recomputation with which one sample fits) | none | blocks (the residual blocks and the stem: about one more forward) | all (the stages around the blocks too: the least memory, about two more forwards)")
-      ->check(recompute_validator())->capture_default_str();
-  bool no_layers = false;
-  plan_cmd->add_flag("--no-layers", no_layers, "skip the per-layer table");
+  plan_flags.add(plan_cmd);
   try {
     app.parse(argc, argv);
     if (train_cmd->parsed()) train_flags.finish();
@@ -211,11 +225,7 @@ int main(int argc, char** argv) {
       so.train = sweep_flags.to;
       so.warmup_given = sweep_cmd->get_option("--warmup-epochs")->count() > 0;
     }
-    if (plan_cmd->parsed()) {
-      if (classes > 0) po.num_classes = classes;
-      po.micro_batch = app::parse_micro_batch(plan_micro);
-      po.layers = !no_layers;
-    }
+    if (plan_cmd->parsed()) plan_flags.finish();
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   } catch (const std::exception& e) {
@@ -236,7 +246,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (plan_cmd->parsed()) {
-      app::plan(po, std::cout);
+      app::plan(plan_flags.po, std::cout);
       return 0;
     }
   } catch (const std::exception& e) {

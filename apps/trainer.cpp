@@ -127,13 +127,10 @@ Eval evaluate(nn::Module& model, const data::Dataset& ds, bool normalize, Device
 // Every option, checked before any work: a bad value is an Error naming the flag, the value found
 // and what is allowed. Returns the device the run uses.
 Device validate(const TrainOptions& opt) {
-  check_choice("--model", opt.model, nn::model_names());
-  check_choice("--norm", opt.norm, norm_names());
-  check_choice("--optimizer", opt.optimizer, optimizer_names());
-  check_choice("--schedule", opt.schedule, {"constant", "step", "cosine", "onecycle"});
-  check_choice("--loss-normalization", opt.loss_normalization, {"exact", "per-micro-batch"});
+  check_model_options(opt.model, opt.norm, opt.optimizer, opt.batch_size, opt.micro_batch);
+  check_choice("--schedule", opt.schedule, optim::schedule_names());
+  check_choice("--loss-normalization", opt.loss_normalization, loss_normalization_names());
   mbp::check_recompute_policy(opt.recompute);
-  if (opt.batch_size < 1) throw Error(fmt::format("--batch-size must be >= 1, found {}", opt.batch_size));
   if (opt.epochs < 1 && !opt.steps) throw Error(fmt::format("--epochs must be >= 1, found {}", opt.epochs));
   if (opt.steps && *opt.steps < 1) throw Error(fmt::format("--steps must be >= 1, found {}", *opt.steps));
   if (!(opt.lr >= 0)) throw Error(fmt::format("--lr must be >= 0, found {}", opt.lr));
@@ -144,10 +141,6 @@ Device validate(const TrainOptions& opt) {
   if (opt.num_classes && *opt.num_classes < 1)
     throw Error(fmt::format("--num-classes must be >= 1, found {}", *opt.num_classes));
   const Device dev = choose_device(opt.device);
-  if (opt.micro_batch && *opt.micro_batch < 1)
-    throw Error(fmt::format("--micro-batch must be >= 1 or auto, found {}", *opt.micro_batch));
-  if (opt.micro_batch && *opt.micro_batch > opt.batch_size)
-    throw Error(fmt::format("--micro-batch {} is larger than --batch-size {}", *opt.micro_batch, opt.batch_size));
   for (const std::string& limit : split_list(opt.memory_limit))  // a bad size fails before any work
     if (limit != "auto") (void)parse_size(limit);
   if (!opt.init.empty() && !std::filesystem::exists(opt.init))
@@ -275,39 +268,46 @@ DataInfo describe_data(const TrainOptions& opt) {
   return {t.channels, t.height, t.width, t.num_classes, t.size()};
 }
 
-TrainResult train(const TrainOptions& options, std::ostream& all_log) {
-  // ---- the ranks: this process alone, or one of mpirun's (docs/distributed.md) ----------------------
-  const std::shared_ptr<distributed::Communicator> world = distributed::process_world();
-  const int rank = world->rank(), ranks = world->size();
-  TrainOptions opt = options;
-  Device dev = validate(opt);
+namespace {
+
+// This process's part of the run: its rank, its options (its own --memory-limit of a list, the
+// run folder and progress on rank 0 only), its device and where it speaks.
+struct RankSetup {
+  std::shared_ptr<distributed::Communicator> world;
+  int rank = 0, ranks = 1;
+  TrainOptions opt;
+  Device dev;
+  std::ofstream silent;  // the log of ranks other than 0
+  std::ostream* log = nullptr;
+};
+
+void set_up_rank(RankSetup& r, const TrainOptions& options, std::ostream& all_log) {
+  // The ranks: this process alone, or one of mpirun's (docs/distributed.md).
+  r.world = distributed::process_world();
+  r.rank = r.world->rank(), r.ranks = r.world->size();
+  r.opt = options;
+  r.dev = validate(r.opt);
   // One --memory-limit for every rank, or a list with one per rank.
   const std::vector<std::string> limits = split_list(options.memory_limit);
-  if (limits.size() != 1 && static_cast<int>(limits.size()) != ranks)
+  if (limits.size() != 1 && static_cast<int>(limits.size()) != r.ranks)
     throw Error(fmt::format("--memory-limit {} lists {} sizes, one per rank, but this run has {} rank{}{}",
-                            options.memory_limit, limits.size(), ranks, ranks == 1 ? "" : "s",
-                            ranks == 1 ? fmt::format(" (start it with mpirun -np {})", limits.size()) : ""));
-  opt.memory_limit = limits.size() == 1 ? limits[0] : limits[static_cast<std::size_t>(rank)];
-  distributed::check_same_text(options_text(options), *world, "options");
-  if (ranks > 1 && opt.loss_normalization != "exact")
+                            options.memory_limit, limits.size(), r.ranks, r.ranks == 1 ? "" : "s",
+                            r.ranks == 1 ? fmt::format(" (start it with mpirun -np {})", limits.size()) : ""));
+  r.opt.memory_limit = limits.size() == 1 ? limits[0] : limits[static_cast<std::size_t>(r.rank)];
+  distributed::check_same_text(options_text(options), *r.world, "options");
+  if (r.ranks > 1 && r.opt.loss_normalization != "exact")
     throw Error("--loss-normalization per-micro-batch is for one process; data parallelism uses exact");
-  if (ranks > 1 && dev.is_cuda() && (opt.device == "auto" || opt.device == "cuda"))
-    dev = Device::cuda(distributed::local_rank());  // each rank of a machine on its own GPU
+  if (r.ranks > 1 && r.dev.is_cuda() && (r.opt.device == "auto" || r.opt.device == "cuda"))
+    r.dev = Device::cuda(distributed::local_rank());  // each rank of a machine on its own GPU
   // Rank 0 speaks and writes the run folder; the others train silently.
-  std::ofstream silent;
-  std::ostream& log = rank == 0 ? all_log : silent;
-  if (rank != 0) opt.out.clear(), opt.save.clear(), opt.progress = false;
-  if (opt.threads > 0) omp_set_num_threads(opt.threads);  // OpenBLAS stays single-threaded (kernels/cpu/gemm.cpp)
-  if (!opt.out.empty()) std::filesystem::create_directories(opt.out);
-  if (dev.is_cuda()) set_allow_tf32(opt.tf32);
-  // --profile: time per op over the steps after the first (the first warms caches up).
-  const Profiler profiler(dev, opt.profile);
+  r.log = r.rank == 0 ? &all_log : &r.silent;
+  if (r.rank != 0) r.opt.out.clear(), r.opt.save.clear(), r.opt.progress = false;
+  if (r.opt.threads > 0) omp_set_num_threads(r.opt.threads);  // OpenBLAS stays single-threaded (kernels/cpu/gemm.cpp)
+  if (!r.opt.out.empty()) std::filesystem::create_directories(r.opt.out);
+  if (r.dev.is_cuda()) set_allow_tf32(r.opt.tf32);
+}
 
-  // ---- data ---------------------------------------------------------------------------------------
-  const data::Split split = load_data(opt);
-  const data::Dataset& train_set = split.train;
-  const bool grey_28 = opt.data.rfind("mnist", 0) == 0 || opt.data.rfind("fashion-mnist", 0) == 0;
-  const bool augment = opt.augment.value_or(!grey_28);  // crop + flip for CIFAR and synthetic images
+data::LoaderOptions loader_options(const TrainOptions& opt, bool augment) {
   data::LoaderOptions lo;
   lo.batch_size = opt.batch_size;
   lo.shuffle = opt.shuffle;
@@ -315,18 +315,17 @@ TrainResult train(const TrainOptions& options, std::ostream& all_log) {
   lo.normalize = opt.normalize;
   lo.drop_last = true;
   lo.seed = opt.seed;
-  data::Loader loader(train_set, lo);
-  const std::int64_t per_epoch = loader.batches_per_epoch();
-  if (per_epoch < 1)
-    throw Error(fmt::format("--batch-size {} is larger than the {} training samples of {}", opt.batch_size,
-                            train_set.size(), opt.data));
-  const RunSteps run = run_steps(opt, per_epoch);
-  const std::int64_t total_steps = run.total;
-  const std::int64_t epochs = (total_steps + per_epoch - 1) / per_epoch;
+  return lo;
+}
 
-  // ---- the budget, and the model and optimizer inside it -------------------------------------------
-  const std::shared_ptr<Arena> arena = make_arena(opt, dev);
-  ArenaScope in_budget(arena);  // every tensor of the run (evaluation too) comes from the budget
+// Crop + flip for CIFAR and synthetic images, not for the 28x28 grey ones, unless --augment says.
+bool augments(const TrainOptions& opt) {
+  const bool grey_28 = opt.data.rfind("mnist", 0) == 0 || opt.data.rfind("fashion-mnist", 0) == 0;
+  return opt.augment.value_or(!grey_28);
+}
+
+// The model and optimizer of the options, every persistent byte in `arena`.
+Setup model_setup(const TrainOptions& opt, const data::Dataset& train_set, const std::shared_ptr<Arena>& arena) {
   nn::manual_seed(opt.seed);
   nn::ModelConfig mc;
   mc.name = opt.model;
@@ -336,30 +335,11 @@ TrainResult train(const TrainOptions& options, std::ostream& all_log) {
   OptimizerConfig oc;
   oc.name = opt.optimizer;
   oc.lr = opt.lr, oc.momentum = opt.momentum, oc.weight_decay = opt.weight_decay, oc.nesterov = opt.nesterov;
-  const Setup setup = build_setup(arena, mc, opt.init, oc, format_bytes(arena->capacity()));
-  nn::Module& model = *setup.model;
-  const std::shared_ptr<distributed::Communicator> comm = distributed::for_device(world, dev);
-  distributed::broadcast_parameters(model, *comm);  // every rank starts from rank 0's weights
-  optim::Optimizer& optimizer = *setup.optimizer;
-  optim::ScheduleOptions sched;
-  sched.kind = opt.schedule;
-  sched.base_lr = opt.lr;
-  sched.total_steps = total_steps;
-  sched.warmup_steps = run.warmup;
-  const optim::LRSchedule schedule(sched);
+  return build_setup(arena, mc, opt.init, oc, format_bytes(arena->capacity()));
+}
 
-  fmt::print(log, "{}\n", build_info());
-  fmt::print(log, "model {} (norm {}), {} parameters | data {}: {} train / {} test, {}x{}x{}, {} classes\n", opt.model,
-             opt.norm, setup.parameters, train_set.name, train_set.size(), split.test.size(), train_set.channels,
-             train_set.height, train_set.width, train_set.num_classes);
-  fmt::print(log, "device {}{} | batch {} | {} steps ({} per epoch) | {} lr {} schedule {} | augment {} shuffle {} normalize {}\n",
-             dev.str(), dev.is_cuda() ? (opt.tf32 ? " (TF32 on)" : " (TF32 off)") : (opt.tf32 ? " (--tf32: no effect on the CPU)" : ""),
-             opt.batch_size, total_steps, per_epoch, opt.optimizer, opt.lr, opt.schedule, augment ? "on" : "off",
-             opt.shuffle ? "on" : "off", opt.normalize ? "on" : "off");
-  fmt::print(log, "memory limit {}{}: {} allocated before planning\n", format_bytes(arena->capacity()),
-             opt.memory_limit == "auto" ? " (auto)" : "", persistent_summary(*arena));
-
-  // ---- the plan -----------------------------------------------------------------------------------
+mbp::ExecutorOptions executor_options(const TrainOptions& opt, const data::Dataset& train_set,
+                                      std::shared_ptr<distributed::Communicator> comm, std::ostream& log) {
   mbp::ExecutorOptions eo;
   eo.sample_shape = {train_set.channels, train_set.height, train_set.width};
   eo.loss.label_smoothing = opt.label_smoothing;
@@ -367,161 +347,278 @@ TrainResult train(const TrainOptions& options, std::ostream& all_log) {
   eo.normalization = opt.loss_normalization == "exact" ? mbp::LossNormalization::exact
                                                        : mbp::LossNormalization::per_micro_batch;
   eo.log = [&log](const std::string& line) { fmt::print(log, "\n{}\n", line); };
-  eo.communicator = comm;
+  eo.communicator = std::move(comm);
   eo.recompute = opt.recompute;
-  mbp::Executor executor(model, optimizer, arena, eo);
-  // This rank's share of every global batch (drop_last: every step has the full batch).
-  const distributed::Shard share = distributed::shard(opt.batch_size, ranks, rank);
-  const std::int64_t sample_numel = train_set.channels * train_set.height * train_set.width;
-  if (ranks > 1)
-    fmt::print(log, "data parallel: {} ranks over {} ({}), rank 0 takes {} of the {} samples of a step, each rank "
-                    "plans its own micro-batches\n",
-               ranks, comm->backend(), options.memory_limit, share.size, opt.batch_size);
-  const mbp::Plan& plan = plan_step(executor, share.size, opt.micro_batch);
-  fmt::print(log, "plan: {}\n", plan.summary());
-  fmt::print(log, "      recompute: {}\n", executor.recompute_choice().summary(plan));
-  fmt::print(log, "      live at the peak: {}\n", plan.at_peak.str());
-  fmt::print(log, "      {} ({} dry runs, {:.0f} ms)\n",
-             opt.micro_batch ? fmt::format("--micro-batch {} checked", *opt.micro_batch)
-                             : std::string("largest micro-batch that fits, found"),
-             plan.probes, plan.seconds * 1000.0);
-  if (eo.normalization == mbp::LossNormalization::per_micro_batch)
-    fmt::print(log, "      loss normalization per-micro-batch: each micro-batch's mean / {} (not the full batch's "
-                    "mean when the micro-batches differ in size)\n", plan.micro_batches);
+  return eo;
+}
 
-  log.flush();  // the plan is on screen before the first (possibly long) step
+// The steps' measurements: the steady-state rate (steps after the first: the first warms caches
+// up), the collectives' share, the peaks against the predictions, into the run's result.
+struct StepMeter {
+  double steady_seconds = 0, first_seconds = 0, steady_communication = 0;
+  std::int64_t steady_images = 0, first_images = 0, steps = 0, mismatches = 0;
+
+  // A step of `images` that took `seconds`; returns the images per second to show.
+  double add(const mbp::StepResult& r, std::int64_t images, double seconds, TrainResult& result) {
+    if (steps > 0) {
+      steady_seconds += seconds;
+      steady_images += images;
+      steady_communication += r.communication_seconds;
+    } else {
+      first_seconds = seconds;
+      first_images = images;
+    }
+    ++steps;
+    result.peak_bytes = std::max(result.peak_bytes, static_cast<std::int64_t>(r.peak));
+    result.predicted_peak_bytes = std::max(result.predicted_peak_bytes, static_cast<std::int64_t>(r.predicted_peak));
+    result.micro_batch = r.micro_batch;
+    result.micro_batches_per_step = r.micro_batches;
+    result.oom_retries += r.oom_retries;
+    if (r.peak != r.predicted_peak && r.oom_retries == 0) ++mismatches;
+    return steady_seconds > 0 ? static_cast<double>(steady_images) / steady_seconds
+                              : static_cast<double>(images) / seconds;
+  }
+  // Steps after the first; a run of one step has only the first to report.
+  double images_per_second() const {
+    return steady_seconds > 0  ? static_cast<double>(steady_images) / steady_seconds
+           : first_seconds > 0 ? static_cast<double>(first_images) / first_seconds
+                               : 0;
+  }
+};
+
+// One `tally train` run on this rank: everything before the first step is built by the
+// constructor (ranks, device, data, the budget with the model and optimizer inside it, the
+// executor and its plan, printed); run() trains the epochs and reports.
+class TrainingRun {
+ public:
+  TrainingRun(const TrainOptions& options, std::ostream& all_log);
+  TrainResult run();
+
+ private:
+  void print_header(const Setup& setup) const;
+  void print_plan(const mbp::Plan& plan) const;
+  void train_epoch(std::int64_t epoch, std::int64_t epochs, StepMeter& meter, std::ofstream& metrics);
+  void finish(const StepMeter& meter);
+
+  const TrainOptions& options_;
+  RankSetup rank_;
+  const TrainOptions& opt_;  // rank_.opt
+  std::ostream& log_;
+  Profiler profiler_;  // --profile: time per op over the steps after the first
+  data::Split split_;
+  data::Loader loader_;
+  std::int64_t per_epoch_;
+  RunSteps steps_;
+  std::shared_ptr<Arena> arena_;
+  ArenaScope in_budget_;  // every tensor of the run (evaluation too) comes from the budget
+  Setup setup_;
+  std::shared_ptr<distributed::Communicator> comm_;
+  optim::LRSchedule schedule_;
+  mbp::Executor executor_;
+  distributed::Shard share_;  // this rank's share of every global batch (drop_last: always full)
+  TrainResult result_;
+  Eval eval_;
+  double last_loss_ = 0;  // of the last step run
+};
+
+optim::ScheduleOptions schedule_options(const TrainOptions& opt, const RunSteps& steps) {
+  optim::ScheduleOptions sched;
+  sched.kind = opt.schedule;
+  sched.base_lr = opt.lr;
+  sched.total_steps = steps.total;
+  sched.warmup_steps = steps.warmup;
+  return sched;
+}
+
+std::int64_t checked_per_epoch(const data::Loader& loader, const TrainOptions& opt, const data::Dataset& train_set) {
+  const std::int64_t per_epoch = loader.batches_per_epoch();
+  if (per_epoch < 1)
+    throw Error(fmt::format("--batch-size {} is larger than the {} training samples of {}", opt.batch_size,
+                            train_set.size(), opt.data));
+  return per_epoch;
+}
+
+const RankSetup& rank_setup(RankSetup& r, const TrainOptions& options, std::ostream& all_log) {
+  set_up_rank(r, options, all_log);
+  return r;
+}
+
+TrainingRun::TrainingRun(const TrainOptions& options, std::ostream& all_log)
+    : options_(options),
+      opt_(rank_setup(rank_, options, all_log).opt),
+      log_(*rank_.log),
+      profiler_(rank_.dev, opt_.profile),
+      split_(load_data(opt_)),
+      loader_(split_.train, loader_options(opt_, augments(opt_))),
+      per_epoch_(checked_per_epoch(loader_, opt_, split_.train)),
+      steps_(run_steps(opt_, per_epoch_)),
+      arena_(make_arena(opt_, rank_.dev)),
+      in_budget_(arena_),
+      setup_(model_setup(opt_, split_.train, arena_)),
+      comm_(distributed::for_device(rank_.world, rank_.dev)),
+      schedule_(schedule_options(opt_, steps_)),
+      executor_(*setup_.model, *setup_.optimizer, arena_, executor_options(opt_, split_.train, comm_, log_)),
+      share_(distributed::shard(opt_.batch_size, rank_.ranks, rank_.rank)) {
+  distributed::broadcast_parameters(*setup_.model, *comm_);  // every rank starts from rank 0's weights
+  print_header(setup_);
+  if (rank_.ranks > 1)
+    fmt::print(log_, "data parallel: {} ranks over {} ({}), rank 0 takes {} of the {} samples of a step, each rank "
+                     "plans its own micro-batches\n",
+               rank_.ranks, comm_->backend(), options_.memory_limit, share_.size, opt_.batch_size);
+  print_plan(plan_step(executor_, share_.size, opt_.micro_batch));
+  log_.flush();  // the plan is on screen before the first (possibly long) step
+}
+
+void TrainingRun::print_header(const Setup& setup) const {
+  const data::Dataset& t = split_.train;
+  const Device dev = rank_.dev;
+  fmt::print(log_, "{}\n", build_info());
+  fmt::print(log_, "model {} (norm {}), {} parameters | data {}: {} train / {} test, {}x{}x{}, {} classes\n", opt_.model,
+             opt_.norm, setup.parameters, t.name, t.size(), split_.test.size(), t.channels, t.height, t.width,
+             t.num_classes);
+  fmt::print(log_, "device {}{} | batch {} | {} steps ({} per epoch) | {} lr {} schedule {} | augment {} shuffle {} normalize {}\n",
+             dev.str(), dev.is_cuda() ? (opt_.tf32 ? " (TF32 on)" : " (TF32 off)") : (opt_.tf32 ? " (--tf32: no effect on the CPU)" : ""),
+             opt_.batch_size, steps_.total, per_epoch_, opt_.optimizer, opt_.lr, opt_.schedule,
+             augments(opt_) ? "on" : "off", opt_.shuffle ? "on" : "off", opt_.normalize ? "on" : "off");
+  fmt::print(log_, "memory limit {}{}: {} allocated before planning\n", format_bytes(arena_->capacity()),
+             opt_.memory_limit == "auto" ? " (auto)" : "", persistent_summary(*arena_));
+}
+
+void TrainingRun::print_plan(const mbp::Plan& plan) const {
+  fmt::print(log_, "plan: {}\n", plan.summary());
+  fmt::print(log_, "      recompute: {}\n", executor_.recompute_choice().summary(plan));
+  fmt::print(log_, "      live at the peak: {}\n", plan.at_peak.str());
+  fmt::print(log_, "      {} ({} dry runs, {:.0f} ms)\n",
+             opt_.micro_batch ? fmt::format("--micro-batch {} checked", *opt_.micro_batch)
+                              : std::string("largest micro-batch that fits, found"),
+             plan.probes, plan.seconds * 1000.0);
+  if (opt_.loss_normalization != "exact")
+    fmt::print(log_, "      loss normalization per-micro-batch: each micro-batch's mean / {} (not the full batch's "
+                     "mean when the micro-batches differ in size)\n", plan.micro_batches);
+}
+
+TrainResult TrainingRun::run() {
   std::ofstream metrics;
-  if (!opt.out.empty()) {
-    metrics.open(std::filesystem::path(opt.out) / "metrics.csv");
+  if (!opt_.out.empty()) {
+    metrics.open(std::filesystem::path(opt_.out) / "metrics.csv");
     metrics << "step,epoch,loss,lr,images_per_second,peak_bytes,predicted_peak_bytes,micro_batch,micro_batches\n";
   }
+  result_.device = rank_.dev.str();
+  result_.recompute = executor_.recompute_choice().name;
+  result_.memory_limit_bytes = static_cast<std::int64_t>(arena_->capacity());
+  StepMeter meter;
+  const std::int64_t epochs = (steps_.total + per_epoch_ - 1) / per_epoch_;
+  for (std::int64_t epoch = 0; epoch < epochs && meter.steps < steps_.total; ++epoch)
+    train_epoch(epoch, epochs, meter, metrics);
+  finish(meter);
+  return result_;
+}
 
-  // ---- train ---------------------------------------------------------------------------------------
+void TrainingRun::train_epoch(std::int64_t epoch, std::int64_t epochs, StepMeter& meter, std::ofstream& metrics) {
   using clock = std::chrono::steady_clock;
-  TrainResult result;
-  result.device = dev.str();
-  result.recompute = executor.recompute_choice().name;
-  result.memory_limit_bytes = static_cast<std::int64_t>(arena->capacity());
-  double steady_seconds = 0, first_seconds = 0, steady_communication = 0;
-  std::int64_t steady_images = 0, first_images = 0, step = 0;
-  double last_loss = 0;
-  Eval ev;
   // The step whose memory timeline is written: the second (steady state) if there is one.
-  const std::int64_t traced_step = total_steps > 1 ? 1 : 0;
-  std::int64_t mismatches = 0;
-  for (std::int64_t epoch = 0; epoch < epochs && step < total_steps; ++epoch) {
-    loader.start_epoch(epoch);
-    const std::int64_t in_epoch = std::min(per_epoch, total_steps - step);
-    Progress bar(log, opt.progress, in_epoch, epoch, epochs);
-    double epoch_loss = 0;
-    std::int64_t epoch_steps = 0;
-    while (step < total_steps) {
-      // A step's time runs from asking for its batch (a loader that cannot keep up counts) to
-      // the end of its optimizer step; writing the traced step's files does not count.
-      const auto t0 = clock::now();
-      std::optional<data::Batch> b = loader.next();
-      if (!b) break;
-      optimizer.set_lr(schedule.lr_at(step));
-      const bool trace = step == traced_step && !opt.out.empty();
-      if (trace) arena->set_tracing(true);
-      if (opt.inject_oom && opt.inject_oom->first == step) arena->fail_allocation_after(opt.inject_oom->second);
-      const mbp::StepResult r = executor.step(b->images.data() + share.offset * sample_numel,
-                                              b->labels.data() + share.offset, share.size);
-      arena->fail_allocation_after(0);
-      last_loss = r.loss;
-      if (!std::isfinite(last_loss))
-        throw Error(fmt::format("training diverged at step {}: loss is {} (try a smaller --lr)", step, last_loss));
-      const auto t1 = clock::now();
-      if (trace) {
-        arena->set_tracing(false);
-        write_timeline(opt, *arena, dev, step, r, b->size);
-      }
-      const double dt = std::chrono::duration<double>(t1 - t0).count();
-      if (step > 0) {  // the first step warms caches and is excluded from the steady-state rate
-        steady_seconds += dt;
-        steady_images += b->size;
-        steady_communication += r.communication_seconds;
-      } else {
-        first_seconds = dt;
-        first_images = b->size;
-      }
-      profiler.step_done(step == 0);
-      const double ips = steady_seconds > 0 ? static_cast<double>(steady_images) / steady_seconds
-                                            : static_cast<double>(b->size) / dt;
-      ++step;
-      ++epoch_steps;
-      epoch_loss += last_loss;
-      result.peak_bytes = std::max(result.peak_bytes, static_cast<std::int64_t>(r.peak));
-      result.predicted_peak_bytes = std::max(result.predicted_peak_bytes, static_cast<std::int64_t>(r.predicted_peak));
-      result.micro_batch = r.micro_batch;
-      result.micro_batches_per_step = r.micro_batches;
-      result.oom_retries += r.oom_retries;
-      if (r.peak != r.predicted_peak && r.oom_retries == 0) ++mismatches;
-      bar.update(epoch_steps, last_loss, ips, static_cast<std::int64_t>(r.peak), epoch_steps == in_epoch);
-      if (metrics.is_open())
-        metrics << fmt::format("{},{},{:.6f},{:.6g},{:.2f},{},{},{},{}\n", step, epoch, last_loss, optimizer.lr(), ips,
-                               r.peak, r.predicted_peak, r.micro_batch, r.micro_batches)
-                << std::flush;  // an interrupted run keeps every step it measured
+  const std::int64_t traced_step = steps_.total > 1 ? 1 : 0;
+  const std::int64_t sample_numel = split_.train.channels * split_.train.height * split_.train.width;
+  loader_.start_epoch(epoch);
+  const std::int64_t in_epoch = std::min(per_epoch_, steps_.total - meter.steps);
+  Progress bar(log_, opt_.progress, in_epoch, epoch, epochs);
+  double epoch_loss = 0;
+  std::int64_t epoch_steps = 0;
+  while (meter.steps < steps_.total) {
+    const std::int64_t step = meter.steps;
+    // A step's time runs from asking for its batch (a loader that cannot keep up counts) to the
+    // end of its optimizer step; writing the traced step's files does not count.
+    const auto t0 = clock::now();
+    std::optional<data::Batch> b = loader_.next();
+    if (!b) break;
+    setup_.optimizer->set_lr(schedule_.lr_at(step));
+    const bool trace = step == traced_step && !opt_.out.empty();
+    if (trace) arena_->set_tracing(true);
+    if (opt_.inject_oom && opt_.inject_oom->first == step) arena_->fail_allocation_after(opt_.inject_oom->second);
+    const mbp::StepResult r = executor_.step(b->images.data() + share_.offset * sample_numel,
+                                             b->labels.data() + share_.offset, share_.size);
+    arena_->fail_allocation_after(0);
+    last_loss_ = r.loss;
+    if (!std::isfinite(last_loss_))
+      throw Error(fmt::format("training diverged at step {}: loss is {} (try a smaller --lr)", step, last_loss_));
+    const auto t1 = clock::now();
+    if (trace) {
+      arena_->set_tracing(false);
+      write_timeline(opt_, *arena_, rank_.dev, step, r, b->size);
     }
-    profiler.pause();  // the profile is of training steps
-    if (rank == 0 && opt.evaluate) ev = evaluate(model, split.test, opt.normalize, dev, result.micro_batch);
-    profiler.resume();
-    result.train_loss = epoch_steps > 0 ? epoch_loss / static_cast<double>(epoch_steps) : last_loss;
-    if (opt.evaluate)
-      fmt::print(log, "epoch {}/{}: train loss {:.4f} | test loss {:.4f} | test accuracy {:.2f}%\n", epoch + 1, epochs,
-                 result.train_loss, ev.loss, 100.0 * ev.accuracy);
-    else
-      fmt::print(log, "epoch {}/{}: train loss {:.4f} | test set not evaluated (--no-eval)\n", epoch + 1, epochs,
-                 result.train_loss);
+    const double ips = meter.add(r, b->size, std::chrono::duration<double>(t1 - t0).count(), result_);
+    profiler_.step_done(step == 0);
+    ++epoch_steps;
+    epoch_loss += last_loss_;
+    bar.update(epoch_steps, last_loss_, ips, static_cast<std::int64_t>(r.peak), epoch_steps == in_epoch);
+    if (metrics.is_open())
+      metrics << fmt::format("{},{},{:.6f},{:.6g},{:.2f},{},{},{},{}\n", step + 1, epoch, last_loss_,
+                             setup_.optimizer->lr(), ips, r.peak, r.predicted_peak, r.micro_batch, r.micro_batches)
+              << std::flush;  // an interrupted run keeps every step it measured
   }
-  result.test_accuracy = ev.accuracy;
-  result.test_loss = ev.loss;
-  // Steps after the first; a run of one step has only the first to report.
-  result.images_per_second = steady_seconds > 0  ? static_cast<double>(steady_images) / steady_seconds
-                             : first_seconds > 0 ? static_cast<double>(first_images) / first_seconds
-                                                 : 0;
-  result.steps = step;
-  result.world_size = ranks;
-  if (step > 1) result.communication_seconds_per_step = steady_communication / static_cast<double>(step - 1);
-  result.ranks = gather_ranks(*world, result);
-  if (!distributed::parameters_identical(model, *comm))
+  profiler_.pause();  // the profile is of training steps
+  if (rank_.rank == 0 && opt_.evaluate)
+    eval_ = evaluate(*setup_.model, split_.test, opt_.normalize, rank_.dev, result_.micro_batch);
+  profiler_.resume();
+  result_.train_loss = epoch_steps > 0 ? epoch_loss / static_cast<double>(epoch_steps) : last_loss_;
+  if (opt_.evaluate)
+    fmt::print(log_, "epoch {}/{}: train loss {:.4f} | test loss {:.4f} | test accuracy {:.2f}%\n", epoch + 1, epochs,
+               result_.train_loss, eval_.loss, 100.0 * eval_.accuracy);
+  else
+    fmt::print(log_, "epoch {}/{}: train loss {:.4f} | test set not evaluated (--no-eval)\n", epoch + 1, epochs,
+               result_.train_loss);
+}
+
+// The result, the ranks' agreement, the memory and profile reports, and the files.
+void TrainingRun::finish(const StepMeter& meter) {
+  const std::int64_t step = meter.steps;
+  const int ranks = rank_.ranks;
+  result_.test_accuracy = eval_.accuracy;
+  result_.test_loss = eval_.loss;
+  result_.images_per_second = meter.images_per_second();
+  result_.steps = step;
+  result_.world_size = ranks;
+  if (step > 1) result_.communication_seconds_per_step = meter.steady_communication / static_cast<double>(step - 1);
+  result_.ranks = gather_ranks(*rank_.world, result_);
+  if (!distributed::parameters_identical(*setup_.model, *comm_))
     throw Error(fmt::format("after {} steps the ranks' parameters differ; a data-parallel run must keep them identical",
                             step));
   if (ranks > 1) {
-    fmt::print(log, "parameters bit-identical on all {} ranks | collectives {:.1f} ms per step ({:.1f}% of the step, "
-                    "rank 0, steps after the first)\n",
-               ranks, 1000.0 * result.communication_seconds_per_step,
-               steady_seconds > 0 ? 100.0 * steady_communication / steady_seconds : 0.0);
-    for (const RankResult& rr : result.ranks)
-      fmt::print(log, "rank {}: memory limit {}, micro-batches of {} x {} per step, peak {} bytes, predicted {}\n",
+    fmt::print(log_, "parameters bit-identical on all {} ranks | collectives {:.1f} ms per step ({:.1f}% of the step, "
+                     "rank 0, steps after the first)\n",
+               ranks, 1000.0 * result_.communication_seconds_per_step,
+               meter.steady_seconds > 0 ? 100.0 * meter.steady_communication / meter.steady_seconds : 0.0);
+    for (const RankResult& rr : result_.ranks)
+      fmt::print(log_, "rank {}: memory limit {}, micro-batches of {} x {} per step, peak {} bytes, predicted {}\n",
                  rr.rank, format_bytes(static_cast<std::size_t>(rr.memory_limit_bytes)), rr.micro_batch,
                  rr.micro_batches_per_step, rr.peak_bytes, rr.predicted_peak_bytes);
   }
-
-  // ---- report --------------------------------------------------------------------------------------
-  fmt::print(log, "memory: measured step peak {} ({} bytes), predicted {} ({} bytes){}, limit {}; {} out-of-memory "
+  fmt::print(log_, "memory: measured step peak {} ({} bytes), predicted {} ({} bytes){}, limit {}; {} out-of-memory "
              "retries\n",
-             format_bytes(static_cast<std::size_t>(result.peak_bytes)), result.peak_bytes,
-             format_bytes(static_cast<std::size_t>(result.predicted_peak_bytes)), result.predicted_peak_bytes,
-             mismatches == 0 ? " — exact" : fmt::format(" — {} steps differed", mismatches),
-             format_bytes(arena->capacity()), result.oom_retries);
-  if (profiler.on()) {
-    const std::string report = profiler.report(fmt::format(
+             format_bytes(static_cast<std::size_t>(result_.peak_bytes)), result_.peak_bytes,
+             format_bytes(static_cast<std::size_t>(result_.predicted_peak_bytes)), result_.predicted_peak_bytes,
+             meter.mismatches == 0 ? " — exact" : fmt::format(" — {} steps differed", meter.mismatches),
+             format_bytes(arena_->capacity()), result_.oom_retries);
+  if (profiler_.on()) {
+    const std::string report = profiler_.report(fmt::format(
         "over steps 2..{} ({:.1f} ms of wall time per step, data included)", step,
-        steady_images > 0 ? 1000.0 * steady_seconds / static_cast<double>(step - 1) : 0.0));
-    fmt::print(log, "{}", report);
-    if (!opt.out.empty()) write_text(std::filesystem::path(opt.out) / "profile.txt", report);
-    profiler.pause();
+        meter.steady_images > 0 ? 1000.0 * meter.steady_seconds / static_cast<double>(step - 1) : 0.0));
+    fmt::print(log_, "{}", report);
+    if (!opt_.out.empty()) write_text(std::filesystem::path(opt_.out) / "profile.txt", report);
+    profiler_.pause();
   }
-  if (!opt.save.empty()) {
-    nn::save_state_dict(model, opt.save);
-    fmt::print(log, "saved {}\n", opt.save);
+  if (!opt_.save.empty()) {
+    nn::save_state_dict(*setup_.model, opt_.save);
+    fmt::print(log_, "saved {}\n", opt_.save);
   }
-  if (!opt.out.empty()) {
-    write_summary(opt, result);
-    fmt::print(log, "wrote {0}/metrics.csv, {0}/summary.json, {0}/memory_trace.json and {0}/memory.svg\n", opt.out);
+  if (!opt_.out.empty()) {
+    write_summary(opt_, result_);
+    fmt::print(log_, "wrote {0}/metrics.csv, {0}/summary.json, {0}/memory_trace.json and {0}/memory.svg\n", opt_.out);
   }
-  return result;
 }
+
+}  // namespace
+
+TrainResult train(const TrainOptions& options, std::ostream& all_log) { return TrainingRun(options, all_log).run(); }
 
 }  // namespace tally::app

@@ -99,27 +99,52 @@ void run_backward(const Tensor& root, const Tensor& seed) {
                                                               Category::temporary, "grad_seed"));
 }
 
-void backward_from(std::shared_ptr<Node> root_fn, Tensor seed) {
-  // Count, for every node reachable from the root, how many edges lead to it.
+namespace {
+// For every node reachable from `root`, how many edges lead to it.
+std::unordered_map<Node*, int> count_dependencies(Node* root) {
   std::unordered_map<Node*, int> dependencies;
-  {
-    std::vector<Node*> stack{root_fn.get()};
-    dependencies[root_fn.get()] = 0;
-    std::unordered_map<Node*, bool> seen{{root_fn.get(), true}};
-    while (!stack.empty()) {
-      Node* n = stack.back();
-      stack.pop_back();
-      for (const Edge& e : n->next) {
-        if (!e.node) continue;
-        dependencies[e.node.get()]++;
-        if (!seen[e.node.get()]) {
-          seen[e.node.get()] = true;
-          stack.push_back(e.node.get());
-        }
+  std::vector<Node*> stack{root};
+  dependencies[root] = 0;
+  std::unordered_map<Node*, bool> seen{{root, true}};
+  while (!stack.empty()) {
+    Node* n = stack.back();
+    stack.pop_back();
+    for (const Edge& e : n->next) {
+      if (!e.node) continue;
+      dependencies[e.node.get()]++;
+      if (!seen[e.node.get()]) {
+        seen[e.node.get()] = true;
+        stack.push_back(e.node.get());
       }
     }
   }
+  return dependencies;
+}
 
+// The slots a node's backward writes its input gradients into: the buffer an input already has
+// (a node's pending gradient, a leaf's persistent one) is accumulated into; else a fresh one of
+// the input's category.
+std::vector<GradSlot> slots_of(const Node& node, const std::unordered_map<Node*, Tensor>& grads) {
+  std::vector<GradSlot> slots(node.next.size());
+  for (std::size_t i = 0; i < node.next.size(); ++i) {
+    const Edge& e = node.next[i];
+    GradSlot& s = slots[i];
+    s.needed = e.defined();
+    if (e.node) {
+      auto it = grads.find(e.node.get());
+      if (it != grads.end()) s.buffer = it->second;
+      s.category = Category::temporary;
+    } else if (e.leaf) {
+      if (e.leaf->grad) s.buffer = Tensor(e.leaf->grad);
+      s.category = e.leaf->grad_category;
+    }
+  }
+  return slots;
+}
+}  // namespace
+
+void backward_from(std::shared_ptr<Node> root_fn, Tensor seed) {
+  std::unordered_map<Node*, int> dependencies = count_dependencies(root_fn.get());
   auto later_first = [](const std::shared_ptr<Node>& a, const std::shared_ptr<Node>& b) {
     return a->sequence < b->sequence;
   };
@@ -137,20 +162,7 @@ void backward_from(std::shared_ptr<Node> root_fn, Tensor seed) {
   while (!ready.empty()) {
     std::shared_ptr<Node> node = ready.top();
     ready.pop();
-    std::vector<GradSlot> slots(node->next.size());
-    for (std::size_t i = 0; i < node->next.size(); ++i) {
-      const Edge& e = node->next[i];
-      GradSlot& s = slots[i];
-      s.needed = e.defined();
-      if (e.node) {
-        auto it = grads.find(e.node.get());
-        if (it != grads.end()) s.buffer = it->second;
-        s.category = Category::temporary;
-      } else if (e.leaf) {
-        if (e.leaf->grad) s.buffer = Tensor(e.leaf->grad);
-        s.category = e.leaf->grad_category;
-      }
-    }
+    std::vector<GradSlot> slots = slots_of(*node, grads);
     {
       Tensor grad_out;
       if (auto it = grads.find(node.get()); it != grads.end()) {

@@ -11,6 +11,11 @@
 
 namespace tally::optim {
 
+const std::vector<std::string>& schedule_names() {
+  static const std::vector<std::string> names{"constant", "step", "cosine", "onecycle"};
+  return names;
+}
+
 namespace {
 
 [[noreturn]] void bad(const std::string& option, const std::string& expected, const std::string& found) {
@@ -35,7 +40,7 @@ LRSchedule::LRSchedule(ScheduleOptions options) : options_(std::move(options)) {
   else if (o.kind == "step") kind_ = Kind::step;
   else if (o.kind == "cosine") kind_ = Kind::cosine;
   else if (o.kind == "onecycle") kind_ = Kind::onecycle;
-  else bad("kind", "one of constant|step|cosine|onecycle", "'" + o.kind + "'");
+  else bad("kind", "one of " + fmt::format("{}", fmt::join(schedule_names(), "|")), "'" + o.kind + "'");
 
   require(std::isfinite(o.base_lr) && o.base_lr >= 0, "base_lr", ">= 0 and finite", o.base_lr);
   if (o.total_steps < 0) bad("total_steps", ">= 0", std::to_string(o.total_steps));

@@ -36,8 +36,12 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace tally::optim {
+
+// The schedule kinds, in the order the command line lists them: constant, step, cosine, onecycle.
+const std::vector<std::string>& schedule_names();
 
 struct ScheduleOptions {
   std::string kind = "constant";  // constant | step | cosine | onecycle

@@ -3,7 +3,8 @@
 # core/device.cpp; no `#if TALLY_HAVE_CUDA` outside kernels/, tests/ and bench/), one guard for
 # host-side work in dry runs (is_dry_run() read in core/ only), and the MBP step free of backend
 # code (mbp/ and apps/ include no kernels/ header), recomputation owned by mbp/ (no forget() in
-# apps/) and the arena an argument of the step (mbp/ reads no arena scope).
+# apps/), the arena an argument of the step (mbp/ reads no arena scope), and functions short
+# enough to read (at most 80 lines in apps/, mbp/ and core/autograd.cpp).
 # Usage: structure_check.sh SOURCE_DIR
 set -uo pipefail
 cd "$1" || exit 2
@@ -26,5 +27,16 @@ found=$(grep -rn 'forget()' apps 2>/dev/null)
 [[ -z "$found" ]] || fail "apps/ never makes the planner forget: its plans are keyed by the model's recomputation state:" "$found"
 found=$(grep -rnE 'current_arena|default_arena' mbp 2>/dev/null)
 [[ -z "$found" ]] || fail "mbp/ reads no arena scope: the step functions receive the arena they run on:" "$found"
+# No function of apps/, mbp/ or core/autograd.cpp longer than 80 lines (signature to closing brace,
+# lambdas and comments included): functions at column 0, as the code is formatted.
+found=$(for f in apps/*.cpp mbp/*.cpp mbp/report/*.cpp core/autograd.cpp; do
+  awk -v file="$f" '
+    state == 0 && /^[A-Za-z_].*\(/ && !/^(namespace|struct|class|enum|using|template|typedef|return)/ { start = NR; state = 1 }
+    state == 1 && /;[[:space:]]*$/ && !/\{/ { state = 0 }
+    state == 1 && /\{[[:space:]]*$/ { state = 2; next }
+    state == 2 && /^}/ { if (NR - start + 1 > 80) printf "%s:%d: %d lines\n", file, start, NR - start + 1; state = 0 }
+  ' "$f"
+done)
+[[ -z "$found" ]] || fail "functions longer than 80 lines in apps/, mbp/ or core/autograd.cpp (split them):" "$found"
 [[ $status -eq 0 ]] && echo "structure: ok"
 exit $status

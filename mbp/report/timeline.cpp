@@ -66,135 +66,167 @@ std::string svg_escape(const std::string& s) {
   return o;
 }
 
-std::string memory_svg(const Arena& arena, const TimelineOptions& o) {
+namespace {
+
+// The plot's geometry: the time span, the byte scale, and the pixel box they map to.
+struct Chart {
+  int W, H, left, right, top, bottom, pw, ph;
+  double t0, t1, ymax;
+  double y_of(double bytes) const { return top + ph - bytes / ymax * ph; }
+  double x_of(double t) const { return left + (t - t0) / (t1 - t0) * pw; }
+};
+
+// Per pixel column: the state at the column's highest total; and the highest total of all.
+std::vector<State> columns(const Arena& arena, const Chart& ch, std::int64_t* peak) {
   const auto& ev = arena.trace();
-  const auto& marks = arena.marks();
-  const int W = std::max(o.width, 400), H = std::max(o.height, 240);
-  const int left = 78, right = 190, top = 40, bottom = 48;
-  const int pw = W - left - right, ph = H - top - bottom;
-
-  // Time span: from the first mark or event to the last event.
-  double t0 = ev.empty() ? 0.0 : ev.front().time_us, t1 = ev.empty() ? 1.0 : ev.back().time_us;
-  if (!marks.empty()) t0 = std::min(t0, marks.front().time_us);
-  if (t1 <= t0) t1 = t0 + 1.0;
-
-  // Per pixel column: the state at the column's highest total.
-  std::vector<State> col(static_cast<std::size_t>(pw));
+  std::vector<State> col(static_cast<std::size_t>(ch.pw));
   State cur = arena.trace_base();
-  std::int64_t peak = total(cur);
+  *peak = total(cur);
   std::size_t e = 0;
-  for (int c = 0; c < pw; ++c) {
-    const double end = t0 + (t1 - t0) * (c + 1) / pw;
+  for (int c = 0; c < ch.pw; ++c) {
+    const double end = ch.t0 + (ch.t1 - ch.t0) * (c + 1) / ch.pw;
     State best = cur;
     std::int64_t best_total = total(cur);
-    while (e < ev.size() && (ev[e].time_us <= end || c == pw - 1)) {
+    while (e < ev.size() && (ev[e].time_us <= end || c == ch.pw - 1)) {
       cur[static_cast<int>(ev[e].category)] += static_cast<std::int64_t>(ev[e].rounded) * (ev[e].is_alloc ? 1 : -1);
       const std::int64_t t = total(cur);
       if (t > best_total) best_total = t, best = cur;
       ++e;
     }
     col[static_cast<std::size_t>(c)] = best;
-    peak = std::max(peak, best_total);
+    *peak = std::max(*peak, best_total);
   }
+  return col;
+}
 
-  double ymax = static_cast<double>(peak);
-  if (o.budget) ymax = std::max(ymax, static_cast<double>(*o.budget));
-  if (o.predicted_peak) ymax = std::max(ymax, static_cast<double>(*o.predicted_peak));
-  ymax = std::max(ymax * 1.08, 1024.0);
-  const auto y_of = [&](double bytes) { return top + ph - bytes / ymax * ph; };
-  const auto x_of = [&](double t) { return left + (t - t0) / (t1 - t0) * pw; };
-
-  std::string s = fmt::format(
-      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{0}\" height=\"{1}\" viewBox=\"0 0 {0} {1}\" "
-      "font-family=\"Helvetica, Arial, sans-serif\" font-size=\"12\">\n"
-      "<rect width=\"{0}\" height=\"{1}\" fill=\"white\"/>\n"
-      "<text x=\"{2}\" y=\"24\" font-size=\"15\" font-weight=\"bold\">{3}</text>\n",
-      W, H, left, svg_escape(o.title.empty() ? "memory over one training step" : o.title));
-
-  // Bands, bottom to top.
+// The category bands, bottom to top.
+std::string bands(const Chart& ch, const std::vector<State>& col) {
+  std::string s;
   for (std::size_t j = 0; j < kStack.size(); ++j) {
     const int cat = static_cast<int>(kStack[j]);
     bool any = false;
     for (const State& st : col) any = any || st[cat] > 0;
     if (!any) continue;
     std::string upper, lower;
-    for (int c = 0; c < pw; ++c) {
+    for (int c = 0; c < ch.pw; ++c) {
       const State& st = col[static_cast<std::size_t>(c)];
       std::int64_t below = 0;
       for (std::size_t i = 0; i < j; ++i) below += st[static_cast<int>(kStack[i])];
-      upper += fmt::format("{},{:.1f} {},{:.1f} ", left + c, y_of(static_cast<double>(below + st[cat])), left + c + 1,
-                           y_of(static_cast<double>(below + st[cat])));
-      lower = fmt::format("{},{:.1f} {},{:.1f} ", left + c + 1, y_of(static_cast<double>(below)), left + c,
-                          y_of(static_cast<double>(below))) + lower;
+      const double top_y = ch.y_of(static_cast<double>(below + st[cat])), bottom_y = ch.y_of(static_cast<double>(below));
+      upper += fmt::format("{},{:.1f} {},{:.1f} ", ch.left + c, top_y, ch.left + c + 1, top_y);
+      lower = fmt::format("{},{:.1f} {},{:.1f} ", ch.left + c + 1, bottom_y, ch.left + c, bottom_y) + lower;
     }
     s += fmt::format("<polygon fill=\"{}\" stroke=\"none\" points=\"{}{}\"><title>{}</title></polygon>\n",
                      color(kStack[j]), upper, lower, category_name(kStack[j]));
   }
+  return s;
+}
 
-  // Axes and ticks.
-  s += fmt::format("<line x1=\"{0}\" y1=\"{1}\" x2=\"{0}\" y2=\"{2}\" stroke=\"black\"/>\n", left, top, top + ph);
+// Axes, grid and ticks: bytes (KiB or MiB) up, milliseconds across.
+std::string axes(const Chart& ch) {
+  const int left = ch.left, top = ch.top, pw = ch.pw, ph = ch.ph;
+  std::string s = fmt::format("<line x1=\"{0}\" y1=\"{1}\" x2=\"{0}\" y2=\"{2}\" stroke=\"black\"/>\n", left, top, top + ph);
   s += fmt::format("<line x1=\"{0}\" y1=\"{1}\" x2=\"{2}\" y2=\"{1}\" stroke=\"black\"/>\n", left, top + ph, left + pw);
   const double mib = 1024.0 * 1024.0;
-  const bool in_mib = ymax >= 4 * mib;
+  const bool in_mib = ch.ymax >= 4 * mib;
   const double unit = in_mib ? mib : 1024.0;
-  const double ystep = nice_step(ymax / unit, 5);
-  for (double v = 0; v * unit <= ymax; v += ystep) {
-    const double y = y_of(v * unit);
+  const double ystep = nice_step(ch.ymax / unit, 5);
+  for (double v = 0; v * unit <= ch.ymax; v += ystep) {
+    const double y = ch.y_of(v * unit);
     s += fmt::format("<line x1=\"{}\" y1=\"{:.1f}\" x2=\"{}\" y2=\"{:.1f}\" stroke=\"#dddddd\"/>\n", left, y, left + pw, y);
     s += fmt::format("<text x=\"{}\" y=\"{:.1f}\" text-anchor=\"end\">{:g}</text>\n", left - 6, y + 4, v);
   }
   s += fmt::format("<text x=\"16\" y=\"{}\" transform=\"rotate(-90 16 {})\" text-anchor=\"middle\">{} in use</text>\n",
                    top + ph / 2, top + ph / 2, in_mib ? "MiB" : "KiB");
-  const double span_ms = (t1 - t0) / 1000.0;
+  const double span_ms = (ch.t1 - ch.t0) / 1000.0;
   const double xstep = nice_step(span_ms, 8);
   for (double v = 0; v <= span_ms + 1e-9; v += xstep) {
-    const double x = x_of(t0 + v * 1000.0);
+    const double x = ch.x_of(ch.t0 + v * 1000.0);
     s += fmt::format("<text x=\"{:.1f}\" y=\"{}\" text-anchor=\"middle\">{:g}</text>\n", x, top + ph + 16, v);
   }
   s += fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">time (ms)</text>\n", left + pw / 2, top + ph + 36);
+  return s;
+}
 
-  // Marks: micro-batch boundaries and the optimizer step. Label every n-th so labels don't pile up.
+// Marks: micro-batch boundaries and the optimizer step. Every n-th is labelled so that labels
+// do not pile up.
+std::string mark_lines(const Chart& ch, const std::vector<Arena::TraceMark>& marks) {
+  std::string s;
   const std::size_t every = std::max<std::size_t>(1, marks.size() / 12);
   for (std::size_t i = 0; i < marks.size(); ++i) {
-    const double x = x_of(marks[i].time_us);
+    const double x = ch.x_of(marks[i].time_us);
     s += fmt::format("<line x1=\"{0:.1f}\" y1=\"{1}\" x2=\"{0:.1f}\" y2=\"{2}\" stroke=\"#555555\" stroke-width=\"0.6\" "
                      "stroke-dasharray=\"2,2\"><title>{3}</title></line>\n",
-                     x, top, top + ph, svg_escape(marks[i].label));
+                     x, ch.top, ch.top + ch.ph, svg_escape(marks[i].label));
     const bool is_step = marks[i].label.rfind("optimizer", 0) == 0;
     if (i % every == 0 || is_step) {
       const std::string label = is_step ? "step" : fmt::format("{}", i + 1);
-      s += fmt::format("<text x=\"{:.1f}\" y=\"{}\" font-size=\"9\" fill=\"#555555\">{}</text>\n", x + 2, top + 10,
+      s += fmt::format("<text x=\"{:.1f}\" y=\"{}\" font-size=\"9\" fill=\"#555555\">{}</text>\n", x + 2, ch.top + 10,
                        label);
     }
   }
+  return s;
+}
 
-  // Budget and peak.
+// The budget's line, the peak's line with the prediction beside it, and the legend.
+std::string budget_peak_legend(const Chart& ch, const TimelineOptions& o, std::int64_t peak) {
+  const int left = ch.left, pw = ch.pw;
+  std::string s;
   if (o.budget) {
-    const double y = y_of(static_cast<double>(*o.budget));
+    const double y = ch.y_of(static_cast<double>(*o.budget));
     s += fmt::format("<line x1=\"{}\" y1=\"{:.1f}\" x2=\"{}\" y2=\"{:.1f}\" stroke=\"#d62728\" stroke-width=\"1.5\" "
                      "stroke-dasharray=\"6,4\"/>\n", left, y, left + pw, y);
     s += fmt::format("<text x=\"{}\" y=\"{:.1f}\" fill=\"#d62728\">budget {}</text>\n", left + pw + 6, y + 4,
                      format_bytes(*o.budget));
   }
-  {
-    const double y = y_of(static_cast<double>(peak));
-    s += fmt::format("<line x1=\"{}\" y1=\"{:.1f}\" x2=\"{}\" y2=\"{:.1f}\" stroke=\"black\" stroke-width=\"1\"/>\n", left,
-                     y, left + pw, y);
-    // Above the line, inside the plot (nothing stands higher than the peak), clear of the legend.
-    std::string label = fmt::format("peak {}", format_bytes(static_cast<std::size_t>(peak)));
-    if (o.predicted_peak)
-      label += fmt::format(" — predicted {}{}", format_bytes(*o.predicted_peak),
-                           static_cast<std::int64_t>(*o.predicted_peak) == peak ? " (exact)" : "");
-    s += fmt::format("<text x=\"{}\" y=\"{:.1f}\">{}</text>\n", left + 6, y - 5, label);
-  }
-
-  // Legend.
-  int ly = top + ph - 7 * 18;
+  const double y = ch.y_of(static_cast<double>(peak));
+  s += fmt::format("<line x1=\"{}\" y1=\"{:.1f}\" x2=\"{}\" y2=\"{:.1f}\" stroke=\"black\" stroke-width=\"1\"/>\n", left,
+                   y, left + pw, y);
+  // Above the line, inside the plot (nothing stands higher than the peak), clear of the legend.
+  std::string label = fmt::format("peak {}", format_bytes(static_cast<std::size_t>(peak)));
+  if (o.predicted_peak)
+    label += fmt::format(" — predicted {}{}", format_bytes(*o.predicted_peak),
+                         static_cast<std::int64_t>(*o.predicted_peak) == peak ? " (exact)" : "");
+  s += fmt::format("<text x=\"{}\" y=\"{:.1f}\">{}</text>\n", left + 6, y - 5, label);
+  int ly = ch.top + ch.ph - 7 * 18;
   for (auto it = kStack.rbegin(); it != kStack.rend(); ++it) {
     s += fmt::format("<rect x=\"{}\" y=\"{}\" width=\"12\" height=\"12\" fill=\"{}\"/>\n", left + pw + 6, ly, color(*it));
     s += fmt::format("<text x=\"{}\" y=\"{}\">{}</text>\n", left + pw + 24, ly + 10, category_name(*it));
     ly += 18;
   }
+  return s;
+}
+
+}  // namespace
+
+std::string memory_svg(const Arena& arena, const TimelineOptions& o) {
+  const auto& ev = arena.trace();
+  const auto& marks = arena.marks();
+  Chart ch{};
+  ch.W = std::max(o.width, 400), ch.H = std::max(o.height, 240);
+  ch.left = 78, ch.right = 190, ch.top = 40, ch.bottom = 48;
+  ch.pw = ch.W - ch.left - ch.right, ch.ph = ch.H - ch.top - ch.bottom;
+  // Time span: from the first mark or event to the last event.
+  ch.t0 = ev.empty() ? 0.0 : ev.front().time_us, ch.t1 = ev.empty() ? 1.0 : ev.back().time_us;
+  if (!marks.empty()) ch.t0 = std::min(ch.t0, marks.front().time_us);
+  if (ch.t1 <= ch.t0) ch.t1 = ch.t0 + 1.0;
+  std::int64_t peak = 0;
+  const std::vector<State> col = columns(arena, ch, &peak);
+  double ymax = static_cast<double>(peak);
+  if (o.budget) ymax = std::max(ymax, static_cast<double>(*o.budget));
+  if (o.predicted_peak) ymax = std::max(ymax, static_cast<double>(*o.predicted_peak));
+  ch.ymax = std::max(ymax * 1.08, 1024.0);
+
+  std::string s = fmt::format(
+      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{0}\" height=\"{1}\" viewBox=\"0 0 {0} {1}\" "
+      "font-family=\"Helvetica, Arial, sans-serif\" font-size=\"12\">\n"
+      "<rect width=\"{0}\" height=\"{1}\" fill=\"white\"/>\n"
+      "<text x=\"{2}\" y=\"24\" font-size=\"15\" font-weight=\"bold\">{3}</text>\n",
+      ch.W, ch.H, ch.left, svg_escape(o.title.empty() ? "memory over one training step" : o.title));
+  s += bands(ch, col);
+  s += axes(ch);
+  s += mark_lines(ch, marks);
+  s += budget_peak_legend(ch, o, peak);
   s += "</svg>\n";
   return s;
 }
