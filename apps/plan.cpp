@@ -49,7 +49,8 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   mc.norm = nn::parse_norm(opt.norm);
   mc.in_channels = sample[0];
   mc.num_classes = opt.num_classes.value_or(sample[1] >= 64 ? 1000 : 10);
-  if (mc.num_classes < 1) throw Error(fmt::format("--num-classes must be >= 1, found {}", mc.num_classes));
+  check_number("--num-classes", kPositiveWhole, static_cast<double>(mc.num_classes));
+  check_number("--momentum", kNonNegative, opt.momentum);
 
   // Everything lives on a virtual arena of the budget's size: offsets only, no memory, no compute.
   const auto arena = Arena::make_virtual(dev, limit);

@@ -2,6 +2,7 @@
 #include "apps/setup.h"
 
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 
 #include <fmt/format.h>
@@ -45,6 +46,30 @@ const std::vector<std::string>& optimizer_names() {
   return v;
 }
 
+std::string number_error(const NumberRule& rule, const std::string& value) {
+  double v = 0;
+  std::size_t used = 0;
+  try {
+    v = std::stod(value, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  const bool ok = used > 0 && used == value.size() && v >= rule.min && (!rule.max || v <= *rule.max) &&
+                  (!rule.whole || v == std::floor(v));
+  if (ok) return "";
+  const char* kind = rule.whole ? (rule.min >= 1 ? "a positive whole number" : "a non-negative whole number")
+                     : rule.max  ? nullptr
+                     : rule.min > 0 ? "a positive number"
+                                    : "a non-negative number";
+  if (!kind) return fmt::format("must be a number in [{}, {}], found {}", rule.min, *rule.max, value);
+  return fmt::format("must be {}, found {}", kind, value);
+}
+
+void check_number(const std::string& flag, const NumberRule& rule, double value) {
+  const std::string error = number_error(rule, fmt::format("{}", value));
+  if (!error.empty()) throw Error(fmt::format("{}: {}", flag, error));
+}
+
 const std::vector<std::string>& loss_normalization_names() {
   static const std::vector<std::string> v{"exact", "per-micro-batch"};
   return v;
@@ -55,7 +80,7 @@ void check_model_options(const std::string& model, const std::string& norm, cons
   check_choice("--model", model, nn::model_names());
   check_choice("--norm", norm, norm_names());
   check_choice("--optimizer", optimizer, optimizer_names());
-  if (batch_size < 1) throw Error(fmt::format("--batch-size must be >= 1, found {}", batch_size));
+  check_number("--batch-size", kPositiveWhole, static_cast<double>(batch_size));
   if (micro_batch && (*micro_batch < 1 || *micro_batch > batch_size))
     throw Error(fmt::format("--micro-batch must be between 1 and --batch-size {}, found {}", batch_size, *micro_batch));
 }

@@ -45,6 +45,25 @@ void check_model_options(const std::string& model, const std::string& norm, cons
                          std::int64_t batch_size, std::optional<std::int64_t> micro_batch);
 std::string choices(const std::vector<std::string>& names);  // "a|b|c"
 
+// The rule of a number option: the smallest value it takes, the largest if any, and whether it
+// must be whole. One rule per flag, used by the command line's validators (apps/tally.cpp) and by
+// the checks of the C++ entry points (check_train_options, plan), so both say the same thing:
+// "--lr: must be a non-negative number, found -1".
+struct NumberRule {
+  double min = 0;
+  std::optional<double> max;
+  bool whole = false;
+};
+inline const NumberRule kNonNegative{0, std::nullopt, false};
+inline const NumberRule kPositiveWhole{1, std::nullopt, true};
+inline const NumberRule kNonNegativeWhole{0, std::nullopt, true};
+inline const NumberRule kFraction{0, 1, false};
+// "" when the text `value` is a number that keeps `rule`, else what it must be ("must be a
+// non-negative number, found -1").
+std::string number_error(const NumberRule& rule, const std::string& value);
+// Throws an Error "<flag>: must be ..., found <value>" unless `value` keeps `rule`.
+void check_number(const std::string& flag, const NumberRule& rule, double value);
+
 // "a,b,c" -> {"a", "b", "c"}; "a" -> {"a"} (empty items stay, for the caller to refuse).
 std::vector<std::string> split_list(const std::string& text);
 

@@ -41,23 +41,13 @@ CLI::Validator recompute_validator() {
       "", "recompute");
 }
 
-// A number >= 0 (CLI11's NonNegativeNumber names its range's upper end, DBL_MAX, in 300 digits).
-CLI::Validator non_negative() {
-  return CLI::Validator(
-      [](std::string& value) {
-        double v = 0;
-        std::size_t used = 0;
-        try {
-          v = std::stod(value, &used);
-        } catch (const std::exception&) {
-          used = 0;
-        }
-        if (used == 0 || used != value.size() || !(v >= 0))
-          return fmt::format("must be a non-negative number, found {}", value);
-        return std::string();
-      },
-      "NUMBER >= 0", "non-negative");
+// A number option, checked by its rule (apps/setup.h: the same rule and words as the C++ entry
+// points; CLI11's own NonNegativeNumber names its range's upper end, DBL_MAX, in 300 digits).
+CLI::Validator number(const app::NumberRule& rule, const std::string& what) {
+  return CLI::Validator([rule](std::string& value) { return app::number_error(rule, value); }, what, what);
 }
+CLI::Validator non_negative() { return number(app::kNonNegative, "NUMBER >= 0"); }
+CLI::Validator positive_whole() { return number(app::kPositiveWhole, "INTEGER >= 1"); }
 
 // The options of `tally train`, registered on `cmd` (also for `tally sweep`, which sets the batch
 // size, the output files and the weights per run itself: `sweep` leaves those flags out).
@@ -77,13 +67,13 @@ struct TrainFlags {
                     "synthetic|synthetic:CxHxW|mnist:DIR|fashion-mnist|fashion-mnist:DIR|cifar10:DIR|cifar100:DIR")
         ->capture_default_str();
     cmd->add_option("--num-classes", classes, "classes of synthetic data (default 1000 for images >= 64 pixels, else 10)")
-        ->check(CLI::PositiveNumber);
+        ->check(positive_whole());
     auto* epochs = cmd->add_option("--epochs", to.epochs, sweep ? "epochs per batch size" : "epochs to train")
-                       ->check(CLI::PositiveNumber)->capture_default_str();
-    cmd->add_option("--steps", steps, "optimizer steps to train (instead of --epochs)")->check(CLI::PositiveNumber)
+                       ->check(positive_whole())->capture_default_str();
+    cmd->add_option("--steps", steps, "optimizer steps to train (instead of --epochs)")->check(positive_whole())
         ->excludes(epochs);
     if (!sweep)
-      cmd->add_option("--batch-size", to.batch_size, "samples per optimizer step")->check(CLI::PositiveNumber)
+      cmd->add_option("--batch-size", to.batch_size, "samples per optimizer step")->check(positive_whole())
           ->capture_default_str();
     cmd->add_option("--optimizer", to.optimizer, app::choices(app::optimizer_names()))
         ->check(CLI::IsMember(app::optimizer_names()))->capture_default_str();
@@ -96,7 +86,7 @@ struct TrainFlags {
         ->check(CLI::IsMember(optim::schedule_names()))->capture_default_str();
     cmd->add_option("--warmup-epochs", to.warmup_epochs, "linear warm-up, in epochs")->check(non_negative())
         ->capture_default_str();
-    cmd->add_option("--label-smoothing", to.label_smoothing, "label smoothing in [0, 1]")->check(CLI::Range(0.0, 1.0))
+    cmd->add_option("--label-smoothing", to.label_smoothing, "label smoothing in [0, 1]")->check(number(app::kFraction, "NUMBER in [0, 1]"))
         ->capture_default_str();
     auto* aug = cmd->add_flag("--augment", augment,
                               "random crop (pad 4) + horizontal flip (default: on, off for MNIST and Fashion-MNIST)");
@@ -107,7 +97,7 @@ struct TrainFlags {
     cmd->add_flag("--no-normalize", no_normalize, "pixels in [0, 1]")->excludes(nrm);
     cmd->add_option("--seed", to.seed, "seed for initialization, shuffling and augmentation")->capture_default_str();
     cmd->add_option("--device", to.device, "cpu|cuda|cuda:N|auto (auto: the GPU when there is one)")->capture_default_str();
-    cmd->add_option("--threads", to.threads, "CPU threads (0: default)")->check(non_negative());
+    cmd->add_option("--threads", to.threads, "CPU threads (0: default)")->check(number(app::kNonNegativeWhole, "INTEGER >= 0"));
     cmd->add_flag("--tf32", to.tf32, "CUDA: let float32 GEMMs and convolutions use TF32 tensor cores (off by default)");
     if (!sweep) {
       cmd->add_flag("--profile", to.profile, "time per op (GPU time on CUDA, host time on the CPU) over the steps after the first, printed and written to profile.txt");
@@ -176,8 +166,8 @@ struct PlanFlags {
     cmd->add_option("--model", po.model, app::choices(models))->check(CLI::IsMember(models))->capture_default_str();
     cmd->add_option("--norm", po.norm, app::choices(app::norm_names()))->check(CLI::IsMember(app::norm_names()))->capture_default_str();
     cmd->add_option("--input", po.input, "one sample's shape CxHxW")->capture_default_str();
-    cmd->add_option("--num-classes", classes, "classes (default 1000 for inputs >= 64 pixels, else 10)")->check(CLI::PositiveNumber);
-    cmd->add_option("--batch-size", po.batch_size, "samples per optimizer step")->check(CLI::PositiveNumber)->capture_default_str();
+    cmd->add_option("--num-classes", classes, "classes (default 1000 for inputs >= 64 pixels, else 10)")->check(positive_whole());
+    cmd->add_option("--batch-size", po.batch_size, "samples per optimizer step")->check(positive_whole())->capture_default_str();
     cmd->add_option("--memory-limit", po.memory_limit, "memory budget: a size (8GiB) or auto")->capture_default_str();
     cmd->add_option("--micro-batch", micro, "check this micro-batch size instead of searching")->capture_default_str();
     cmd->add_option("--optimizer", po.optimizer, app::choices(app::optimizer_names()))->check(CLI::IsMember(app::optimizer_names()))->capture_default_str();

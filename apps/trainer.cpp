@@ -131,15 +131,15 @@ Device validate(const TrainOptions& opt) {
   check_choice("--schedule", opt.schedule, optim::schedule_names());
   check_choice("--loss-normalization", opt.loss_normalization, loss_normalization_names());
   mbp::check_recompute_policy(opt.recompute);
-  if (opt.epochs < 1 && !opt.steps) throw Error(fmt::format("--epochs must be >= 1, found {}", opt.epochs));
-  if (opt.steps && *opt.steps < 1) throw Error(fmt::format("--steps must be >= 1, found {}", *opt.steps));
-  if (!(opt.lr >= 0)) throw Error(fmt::format("--lr must be >= 0, found {}", opt.lr));
-  if (!(opt.label_smoothing >= 0 && opt.label_smoothing <= 1))
-    throw Error(fmt::format("--label-smoothing must be in [0, 1], found {}", opt.label_smoothing));
-  if (!(opt.warmup_epochs >= 0)) throw Error(fmt::format("--warmup-epochs must be >= 0, found {}", opt.warmup_epochs));
-  if (opt.threads < 0) throw Error(fmt::format("--threads must be >= 0, found {}", opt.threads));
-  if (opt.num_classes && *opt.num_classes < 1)
-    throw Error(fmt::format("--num-classes must be >= 1, found {}", *opt.num_classes));
+  if (!opt.steps) check_number("--epochs", kPositiveWhole, static_cast<double>(opt.epochs));
+  if (opt.steps) check_number("--steps", kPositiveWhole, static_cast<double>(*opt.steps));
+  if (opt.num_classes) check_number("--num-classes", kPositiveWhole, static_cast<double>(*opt.num_classes));
+  check_number("--lr", kNonNegative, opt.lr);
+  check_number("--momentum", kNonNegative, opt.momentum);
+  check_number("--weight-decay", kNonNegative, opt.weight_decay);
+  check_number("--warmup-epochs", kNonNegative, opt.warmup_epochs);
+  check_number("--label-smoothing", kFraction, opt.label_smoothing);
+  check_number("--threads", kNonNegativeWhole, opt.threads);
   const Device dev = choose_device(opt.device);
   for (const std::string& limit : split_list(opt.memory_limit))  // a bad size fails before any work
     if (limit != "auto") (void)parse_size(limit);

@@ -33,6 +33,7 @@ found=$(for f in apps/*.cpp mbp/*.cpp mbp/report/*.cpp core/autograd.cpp; do
   awk -v file="$f" '
     state == 0 && /^[A-Za-z_].*\(/ && !/^(namespace|struct|class|enum|using|template|typedef|return)/ { start = NR; state = 1 }
     state == 1 && /;[[:space:]]*$/ && !/\{/ { state = 0 }
+    state == 1 && /\{.*\}[[:space:]]*$/ { state = 0; next }  # a one-line function
     state == 1 && /\{[[:space:]]*$/ { state = 2; next }
     state == 2 && /^}/ { if (NR - start + 1 > 80) printf "%s:%d: %d lines\n", file, start, NR - start + 1; state = 0 }
   ' "$f"

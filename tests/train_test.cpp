@@ -131,5 +131,16 @@ TEST(Train, BadOptionValuesListTheAllowedValues) {
   expect_error(o, "/nonexistent/init.safetensors");
   o = {};
   o.batch_size = 0;
-  expect_error(o, "--batch-size");
+  expect_error(o, "--batch-size: must be a positive whole number, found 0");
+  // The C++ entry point and the command line (cli.negative_lr) check numbers by the same rule,
+  // in the same words; NaN is no number.
+  o = {};
+  o.lr = -1;
+  expect_error(o, "--lr: must be a non-negative number, found -1");
+  o = {};
+  o.label_smoothing = std::nan("");
+  expect_error(o, "--label-smoothing: must be a number in [0, 1], found nan");
+  o = {};
+  o.micro_batch = 600;
+  expect_error(o, "--micro-batch must be between 1 and --batch-size 128, found 600");
 }
