@@ -1,10 +1,11 @@
 // core/dispatch.h — the one way core/ reaches a backend's kernels: every op (core/ops.cpp), every
 // tensor method that moves data (core/tensor.cpp), the optimizers and the modules that update
-// state go through it. The device-level calls (GPU memory for the arena, device queries) are the
-// other half of core's backend code, in core/device.cpp. Neither has an `#if`: the CUDA
+// state go through it. The rest of core's backend code is device-level: GPU memory for the arena,
+// device queries and the TF32 switch (core/device.cpp), the step's input uploads
+// (core/staging.cpp) and the profiler (core/profiler.cpp). None of them has an `#if`: the CUDA
 // declarations (kernels/cuda/cuda_kernels.h, kernels/cuda/context.h) are plain C++ in every build,
-// and the CUDA branch below is an `if constexpr (kHaveCudaBackend)` whose calls a build without
-// the backend never compiles into code (a discarded statement needs no definition).
+// and the CUDA branches are `if constexpr (kHaveCudaBackend)`, whose calls a build without the
+// backend never compiles into code (a discarded statement needs no definition).
 //
 //   TALLY_DISPATCH(op, t, SET, body)        runs kernels
 //   TALLY_DISPATCH_QUERY(op, t, SET, body)  asks a size (a workspace, a plan) and runs nothing

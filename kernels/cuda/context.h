@@ -2,7 +2,8 @@
 // device memory, streams, library handles, numerical switches, pinned host memory and overlapped
 // uploads, and the per-op GPU timer. A plain C++ header (no CUDA headers), declared in every
 // build: in a build without the CUDA backend nothing defines these functions, and core/ names
-// them only in `if constexpr (kHaveCudaBackend)` branches (core/dispatch.h, core/device.cpp),
+// them only in `if constexpr (kHaveCudaBackend)` branches (core/dispatch.h, core/device.cpp,
+// core/staging.cpp, core/profiler.cpp),
 // which such a build never compiles into code. The backend's own code reaches the handles
 // through kernels/cuda/check.h (CUDA headers, checked calls), defined here in context.cpp.
 //
