@@ -19,10 +19,13 @@
 //   SET       cpu                                 cuda
 //   FLOATING  float32, float64                    float32                       (the compute ops)
 //   INTEGER   int32, int64                        int32, int64
-//   ALL       float32, float64, int32, int64      float32, float64, int32, int64  (fill, copies)
+//   ALL       float32, float64, bfloat16,         the same                      (fill, copies)
+//             int32, int64
+//   FLOAT_STORAGE  float32, float64, bfloat16      the same                      (conversions)
 //   ANY       -- the body binds no T (byte copies, dtype-free sizes) --
 //
-// bfloat16 enters FLOATING and ALL by a line in each list below once its kernels exist. A dtype
+// bfloat16 (kernels::bf16, kernels/common.h) is a storage type today: it enters FLOATING by a
+// line in each list below once its compute kernels exist. A dtype
 // outside the set, a CUDA tensor in a build without the CUDA backend, throws a ShapeError naming
 // the op, the tensor and what the set takes.
 //
@@ -56,9 +59,11 @@ namespace tally::detail {
 #define TALLY_TYPES_cuda_FLOATING(X, ...) X(Float32, float, __VA_ARGS__)
 #define TALLY_TYPES_cpu_INTEGER(X, ...) X(Int32, std::int32_t, __VA_ARGS__) X(Int64, std::int64_t, __VA_ARGS__)
 #define TALLY_TYPES_cuda_INTEGER(X, ...) TALLY_TYPES_cpu_INTEGER(X, __VA_ARGS__)
-#define TALLY_TYPES_cpu_ALL(X, ...) TALLY_TYPES_cpu_FLOATING(X, __VA_ARGS__) TALLY_TYPES_cpu_INTEGER(X, __VA_ARGS__)
-#define TALLY_TYPES_cuda_ALL(X, ...) \
-  X(Float32, float, __VA_ARGS__) X(Float64, double, __VA_ARGS__) TALLY_TYPES_cuda_INTEGER(X, __VA_ARGS__)
+#define TALLY_TYPES_cpu_FLOAT_STORAGE(X, ...) \
+  X(Float32, float, __VA_ARGS__) X(Float64, double, __VA_ARGS__) X(BFloat16, ::tally::kernels::bf16, __VA_ARGS__)
+#define TALLY_TYPES_cuda_FLOAT_STORAGE(X, ...) TALLY_TYPES_cpu_FLOAT_STORAGE(X, __VA_ARGS__)
+#define TALLY_TYPES_cpu_ALL(X, ...) TALLY_TYPES_cpu_FLOAT_STORAGE(X, __VA_ARGS__) TALLY_TYPES_cpu_INTEGER(X, __VA_ARGS__)
+#define TALLY_TYPES_cuda_ALL(X, ...) TALLY_TYPES_cpu_ALL(X, __VA_ARGS__)
 
 // ---- implementation ----------------------------------------------------------------------------
 // One case of the dtype switch: the body with T bound, when tally_run_ (not a kernel in a dry run).
@@ -75,6 +80,8 @@ namespace tally::detail {
 #define TALLY_DISPATCH_SWITCH_FLOATING(backend, timed, op, t, ...) TALLY_DISPATCH_SWITCH_(backend, FLOATING, timed, op, t, __VA_ARGS__)
 #define TALLY_DISPATCH_SWITCH_INTEGER(backend, timed, op, t, ...) TALLY_DISPATCH_SWITCH_(backend, INTEGER, timed, op, t, __VA_ARGS__)
 #define TALLY_DISPATCH_SWITCH_ALL(backend, timed, op, t, ...) TALLY_DISPATCH_SWITCH_(backend, ALL, timed, op, t, __VA_ARGS__)
+#define TALLY_DISPATCH_SWITCH_FLOAT_STORAGE(backend, timed, op, t, ...) \
+  TALLY_DISPATCH_SWITCH_(backend, FLOAT_STORAGE, timed, op, t, __VA_ARGS__)
 #define TALLY_DISPATCH_SWITCH_ANY(backend, timed, op, t, ...)          \
   if (tally_run_) {                                                   \
     const ::tally::detail::Timer<kk::OpTimer, timed> tally_timer_(op); \

@@ -553,6 +553,8 @@ std::vector<std::int64_t> as_i64(const Entry& entry) {
   return typed_view<std::int64_t>(entry, "I64");
 }
 
+std::vector<std::uint16_t> as_bf16_bits(const Entry& entry) { return typed_view<std::uint16_t>(entry, "BF16"); }
+
 Entry make_f32(std::vector<std::int64_t> shape, const std::vector<float>& v) {
   return typed_entry(std::move(shape), v, "F32");
 }
@@ -561,6 +563,9 @@ Entry make_f64(std::vector<std::int64_t> shape, const std::vector<double>& v) {
 }
 Entry make_i64(std::vector<std::int64_t> shape, const std::vector<std::int64_t>& v) {
   return typed_entry(std::move(shape), v, "I64");
+}
+Entry make_bf16(std::vector<std::int64_t> shape, const std::vector<std::uint16_t>& bits) {
+  return typed_entry(std::move(shape), bits, "BF16");
 }
 
 }  // namespace tally::safetensors

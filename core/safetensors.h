@@ -56,10 +56,12 @@ void write(const std::string& path, const File& file);
 std::vector<float> as_f32(const Entry& entry);
 std::vector<double> as_f64(const Entry& entry);
 std::vector<std::int64_t> as_i64(const Entry& entry);
+std::vector<std::uint16_t> as_bf16_bits(const Entry& entry);  // BF16: each element's 16 bits
 
 // Builders. Throw tally::ShapeError if a dim is negative or product(shape) != v.size().
 Entry make_f32(std::vector<std::int64_t> shape, const std::vector<float>& v);
 Entry make_f64(std::vector<std::int64_t> shape, const std::vector<double>& v);
 Entry make_i64(std::vector<std::int64_t> shape, const std::vector<std::int64_t>& v);
+Entry make_bf16(std::vector<std::int64_t> shape, const std::vector<std::uint16_t>& bits);
 
 }  // namespace tally::safetensors

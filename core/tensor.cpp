@@ -52,6 +52,7 @@ constexpr DType dtype_of() {
   if constexpr (std::is_same_v<T, float>) return DType::Float32;
   if constexpr (std::is_same_v<T, double>) return DType::Float64;
   if constexpr (std::is_same_v<T, std::int32_t>) return DType::Int32;
+  if constexpr (std::is_same_v<T, kernels::bf16>) return DType::BFloat16;
   return DType::Int64;
 }
 
@@ -112,6 +113,9 @@ Tensor Tensor::from_vector(const std::vector<double>& v, const Shape& s, Device 
 Tensor Tensor::from_vector(const std::vector<std::int64_t>& v, const Shape& s, Device d, Category c) {
   return from_host(v, s, DType::Int64, d, c);
 }
+Tensor Tensor::from_vector(const std::vector<kernels::bf16>& v, const Shape& s, Device d, Category c) {
+  return from_host(v, s, DType::BFloat16, d, c);
+}
 
 template <class T>
 std::vector<T> Tensor::to_vector() const {
@@ -128,6 +132,7 @@ template std::vector<float> Tensor::to_vector<float>() const;
 template std::vector<double> Tensor::to_vector<double>() const;
 template std::vector<std::int64_t> Tensor::to_vector<std::int64_t>() const;
 template std::vector<std::int32_t> Tensor::to_vector<std::int32_t>() const;
+template std::vector<kernels::bf16> Tensor::to_vector<kernels::bf16>() const;
 
 double Tensor::item() const {
   if (numel() != 1) throw ShapeError(fmt::format("item: expected one element, found {}", str()));
@@ -136,6 +141,7 @@ double Tensor::item() const {
     case DType::Float64: return to_vector<double>()[0];
     case DType::Int64: return static_cast<double>(to_vector<std::int64_t>()[0]);
     case DType::Int32: return to_vector<std::int32_t>()[0];
+    case DType::BFloat16: return to(DType::Float32).item();
     default: throw ShapeError(fmt::format("item: unsupported dtype {}", dtype_name(dtype())));
   }
 }
@@ -244,14 +250,16 @@ Tensor Tensor::to(Device d) const {
 
 Tensor Tensor::to(DType t) const {
   if (t == dtype()) return *this;
-  const bool f2d = dtype() == DType::Float32 && t == DType::Float64;
-  const bool d2f = dtype() == DType::Float64 && t == DType::Float32;
-  if (!f2d && !d2f) throw Error(fmt::format("to: no conversion from {} to {}", dtype_name(dtype()), dtype_name(t)));
+  const auto storage = [](DType d) { return d == DType::Float32 || d == DType::Float64 || d == DType::BFloat16; };
+  if (!storage(dtype()) || !storage(t))
+    throw Error(fmt::format("to: no conversion from {} to {} (float32, float64 and bfloat16 convert to one another)",
+                            dtype_name(dtype()), dtype_name(t)));
   Tensor out = empty(shape(), t, device(), category(), "to_dtype");
   const Tensor src = contiguous();
-  TALLY_DISPATCH("to", src, ANY, {
-    if (f2d) kk::convert<float, double>(numel(), src.data<float>(), out.data<double>());
-    else kk::convert<double, float>(numel(), src.data<double>(), out.data<float>());
+  // The source type bound as S (a query: no kernel of its own), then the conversion kernel.
+  TALLY_DISPATCH_QUERY("to", src, FLOAT_STORAGE, {
+    using S = T;
+    TALLY_DISPATCH("to", out, FLOAT_STORAGE, kk::convert<S, T>(numel(), src.data<S>(), out.data<T>()));
   });
   return out;
 }

@@ -14,6 +14,7 @@
 
 #include "core/arena.h"
 #include "core/device.h"
+#include "kernels/common.h"  // kernels::bf16
 
 namespace tally {
 
@@ -79,7 +80,10 @@ class Tensor {
                             Category category = Category::input);
   static Tensor from_vector(const std::vector<std::int64_t>& v, const Shape& shape,
                             Device device = Device::cpu(), Category category = Category::input);
-  // Copies to host (any layout); T must match the dtype.
+  static Tensor from_vector(const std::vector<kernels::bf16>& v, const Shape& shape, Device device = Device::cpu(),
+                            Category category = Category::input);
+  // Copies to host (any layout); T must match the dtype (float, double, std::int32_t,
+  // std::int64_t, kernels::bf16).
   template <class T>
   std::vector<T> to_vector() const;
   double item() const;  // a one-element tensor's value as double

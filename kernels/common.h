@@ -4,7 +4,8 @@
 // Conventions, so that the CPU and CUDA files of one op family read side by side:
 //   * Layout is NCHW, densely packed (contiguous, row-major). Shapes are written next to
 //     every pointer: `x  // (N, C, H, W)`.
-//   * Element type T is float or double on CPU (double exists for gradient checks), float on CUDA.
+//   * Element type T is float or double on CPU (double exists for gradient checks), float on CUDA;
+//     bf16 (below) is a storage type that the memory kernels (fill, copy, gather, convert) move.
 //   * An output that a backward kernel may *accumulate* into takes `T beta` (0 or 1):
 //       beta == 0  -> out = value           (out is never read: it may hold garbage or NaN)
 //       beta == 1  -> out = out + value     (gradient accumulation, "beta = 1 in GEMM")
@@ -16,8 +17,53 @@
 #include <cstddef>
 #include <cstdint>
 
+#if defined(__CUDACC__)
+#define TALLY_HOST_DEVICE __host__ __device__
+#else
+#define TALLY_HOST_DEVICE
+#endif
+
 namespace tally::kernels {
 using i64 = std::int64_t;
+
+// bfloat16: the upper 16 bits of a float32 (sign, 8 exponent bits, 7 mantissa bits), the same
+// bits on both backends and in safetensors' BF16. From float: round to nearest, ties to even; a
+// NaN stays a NaN (quiet, its sign kept) and +-Inf stay +-Inf, values past the largest finite
+// bf16 round to Inf as IEEE's rounding says. From double: through float (as PyTorch converts).
+// To float: exact.
+struct bf16 {
+  std::uint16_t bits = 0;
+
+  bf16() = default;
+  TALLY_HOST_DEVICE explicit bf16(float f) : bits(round(f)) {}
+  TALLY_HOST_DEVICE explicit bf16(double d) : bits(round(static_cast<float>(d))) {}
+  TALLY_HOST_DEVICE operator float() const {
+    const std::uint32_t u = static_cast<std::uint32_t>(bits) << 16;
+    float f;
+    copy_bits(&f, &u);
+    return f;
+  }
+  TALLY_HOST_DEVICE static bf16 from_bits(std::uint16_t b) {
+    bf16 v;
+    v.bits = b;
+    return v;
+  }
+
+ private:
+  TALLY_HOST_DEVICE static void copy_bits(void* dst, const void* src) {
+    const unsigned char* s = static_cast<const unsigned char*>(src);
+    unsigned char* d = static_cast<unsigned char*>(dst);
+    for (int i = 0; i < 4; ++i) d[i] = s[i];
+  }
+  TALLY_HOST_DEVICE static std::uint16_t round(float f) {
+    std::uint32_t u;
+    copy_bits(&u, &f);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x0040u);  // NaN: quiet
+    u += 0x7fffu + ((u >> 16) & 1u);  // to nearest, ties to even (Inf stays Inf)
+    return static_cast<std::uint16_t>(u >> 16);
+  }
+};
+static_assert(sizeof(bf16) == 2, "bf16 is two bytes");
 
 // The three passes of a convolution; each has its own workspace (conv2d_workspace_bytes).
 enum class ConvPass { forward, backward_data, backward_filter };

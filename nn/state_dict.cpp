@@ -37,6 +37,11 @@ safetensors::Entry to_entry(const std::string& name, const Tensor& t) {
     case DType::Float32: return safetensors::make_f32(t.shape(), t.to_vector<float>());
     case DType::Float64: return safetensors::make_f64(t.shape(), t.to_vector<double>());
     case DType::Int64: return safetensors::make_i64(t.shape(), t.to_vector<std::int64_t>());
+    case DType::BFloat16: {
+      std::vector<std::uint16_t> bits;
+      for (const kernels::bf16 v : t.to_vector<kernels::bf16>()) bits.push_back(v.bits);
+      return safetensors::make_bf16(t.shape(), bits);
+    }
     default: throw Error(fmt::format("save_state_dict: {} has unsupported dtype {}", name, dtype_name(t.dtype())));
   }
 }
@@ -44,6 +49,11 @@ safetensors::Entry to_entry(const std::string& name, const Tensor& t) {
 Tensor from_entry(const safetensors::Entry& e) {
   if (e.dtype == "F32") return Tensor::from_vector(safetensors::as_f32(e), e.shape, Device::cpu(), Category::temporary);
   if (e.dtype == "F64") return Tensor::from_vector(safetensors::as_f64(e), e.shape, Device::cpu(), Category::temporary);
+  if (e.dtype == "BF16") {
+    std::vector<kernels::bf16> v;
+    for (const std::uint16_t b : safetensors::as_bf16_bits(e)) v.push_back(kernels::bf16::from_bits(b));
+    return Tensor::from_vector(v, e.shape, Device::cpu(), Category::temporary);
+  }
   return Tensor::from_vector(safetensors::as_i64(e), e.shape, Device::cpu(), Category::temporary);  // I64 (checked)
 }
 

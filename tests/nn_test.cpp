@@ -296,6 +296,35 @@ TEST(Checkpoint, RoundTripGivesIdenticalOutputs) {
   EXPECT_EQ(sb.at("layer3.1.bn2.running_var").to_vector<float>(), sa.at("layer3.1.bn2.running_var").to_vector<float>());
 }
 
+// A model converted to bfloat16 saves its floating tensors as BF16 (safetensors' name) and loads
+// them back bit for bit; the integer counters stay I64.
+TEST(Checkpoint, BFloat16StateRoundTripsBitForBit) {
+  manual_seed(13);
+  auto a = make_model({"resnet20"});
+  a->to(DType::BFloat16);
+  TempFile tmp("bf16");
+  save_state_dict(*a, tmp.path);
+  const auto file = safetensors::read(tmp.path);
+  EXPECT_EQ(file.tensors.at("conv1.weight").dtype, "BF16");
+  EXPECT_EQ(file.tensors.at("bn1.running_var").dtype, "BF16");
+  EXPECT_EQ(file.tensors.at("bn1.num_batches_tracked").dtype, "I64");
+  manual_seed(14);
+  auto b = make_model({"resnet20"});
+  b->to(DType::BFloat16);
+  load_state_dict(*b, tmp.path);
+  const auto sa = state_map(*a), sb = state_map(*b);
+  for (const auto& [name, t] : sa) {
+    if (t.dtype() != DType::BFloat16) continue;
+    const auto x = t.to_vector<kernels::bf16>(), y = sb.at(name).to_vector<kernels::bf16>();
+    ASSERT_EQ(x.size(), y.size()) << name;
+    for (std::size_t i = 0; i < x.size(); ++i) ASSERT_EQ(x[i].bits, y[i].bits) << name << " " << i;
+  }
+  // Loading float32 weights into a bfloat16 model is a dtype mismatch, named.
+  TempFile f32("f32");
+  save_state_dict(*make_model({"resnet20"}), f32.path);
+  EXPECT_THROW(load_state_dict(*b, f32.path), Error);
+}
+
 TEST(Checkpoint, LoadingIntoADeeperModelListsEveryMissingKey) {
   TempFile tmp("r20");
   save_state_dict(*make_model({"resnet20"}), tmp.path);

@@ -3,12 +3,14 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <random>
 
 #include "core/dry_run.h"
 #include "core/memory.h"
 #include "core/ops.h"
+#include "core/safetensors.h"
 #include "core/tensor.h"
 
 using namespace tally;
@@ -144,17 +146,127 @@ TEST(Dispatch, ADryRunChecksTheDtypeButRunsNoKernel) {
   }
   EXPECT_EQ(x.to_vector<float>(), v);
   EXPECT_EQ(y.to_vector<float>(), std::vector<float>(12, 5.f));
-  Tensor b = Tensor::empty({2}, DType::BFloat16);
+  Tensor b = Tensor::empty({2}, DType::Float16);  // a dtype with a name and no kernels
   for (bool dry_run : {false, true}) {
     SCOPED_TRACE(dry_run ? "dry run" : "real run");
     std::optional<DryRunGuard> guard;
     if (dry_run) guard.emplace();
     try {
       b.fill_(1.0);
-      ADD_FAILURE() << "fill_ of a bfloat16 tensor did not throw";
+      ADD_FAILURE() << "fill_ of a float16 tensor did not throw";
     } catch (const ShapeError& e) {
-      EXPECT_STREQ(e.what(), "fill_: no kernel for bfloat16[2] on cpu (on the cpu it takes float32 or float64 or "
-                             "int32 or int64)");
+      EXPECT_STREQ(e.what(), "fill_: no kernel for float16[2] on cpu (on the cpu it takes float32 or float64 or "
+                             "bfloat16 or int32 or int64)");
     }
   }
+}
+
+// ---- bfloat16 storage ------------------------------------------------------------------------------
+
+namespace {
+// The nearest bfloat16 by arithmetic, not by bits: the two candidates around |f| (its float bits
+// truncated to 16, and the next one up), the closer wins, a tie goes to the even one.
+std::uint16_t nearest_bf16(float f) {
+  std::uint32_t u;
+  std::memcpy(&u, &f, 4);
+  const std::uint16_t lo = static_cast<std::uint16_t>(u >> 16), hi = static_cast<std::uint16_t>(lo + 1);
+  const auto value = [](std::uint16_t b) {
+    const std::uint32_t w = static_cast<std::uint32_t>(b) << 16;
+    float v;
+    std::memcpy(&v, &w, 4);
+    return static_cast<double>(v);
+  };
+  const double d_lo = std::fabs(static_cast<double>(f) - value(lo)), d_hi = std::fabs(value(hi) - static_cast<double>(f));
+  if (d_lo < d_hi) return lo;
+  if (d_hi < d_lo) return hi;
+  return (lo & 1) ? hi : lo;
+}
+}  // namespace
+
+// float -> bfloat16 rounds to nearest, ties to even (checked against arithmetic on fresh random
+// floats of every magnitude and on the edge cases); NaN stays NaN with its sign, Inf stays Inf,
+// values past the largest bf16 become Inf; bfloat16 -> float is exact.
+TEST(BFloat16, RoundsToNearestEvenAndKeepsNanAndInf) {
+  using kernels::bf16;
+  EXPECT_EQ(bf16(1.0f).bits, 0x3f80);
+  EXPECT_EQ(bf16(1.00390625f).bits, 0x3f80);  // halfway between 1 and 1 + 2^-7: to the even 1
+  EXPECT_EQ(bf16(1.01171875f).bits, 0x3f82);  // halfway between 1 + 2^-7 and 1 + 2^-6: to the even one
+  EXPECT_EQ(bf16(-2.5f).bits, 0xc020);
+  EXPECT_EQ(bf16(std::numeric_limits<float>::infinity()).bits, 0x7f80);
+  EXPECT_EQ(bf16(-std::numeric_limits<float>::infinity()).bits, 0xff80);
+  EXPECT_EQ(bf16(std::numeric_limits<float>::max()).bits, 0x7f80);  // rounds past the largest bf16
+  const bf16 nan(std::numeric_limits<float>::quiet_NaN()), neg_nan(-std::numeric_limits<float>::quiet_NaN());
+  EXPECT_TRUE(std::isnan(static_cast<float>(nan)));
+  EXPECT_TRUE(std::isnan(static_cast<float>(neg_nan)));
+  EXPECT_TRUE(std::signbit(static_cast<float>(neg_nan)));
+  std::uint32_t snan_bits = 0x7f800001;  // a signalling NaN whose payload is below bf16's bits
+  float snan;
+  std::memcpy(&snan, &snan_bits, 4);
+  EXPECT_TRUE(std::isnan(static_cast<float>(bf16(snan))));
+  EXPECT_EQ(static_cast<float>(bf16::from_bits(0x4049)), 3.140625f);
+  std::mt19937 rng(std::random_device{}());
+  std::uniform_int_distribution<std::uint32_t> bits;
+  int checked = 0;
+  for (int i = 0; i < 200000; ++i) {
+    const std::uint32_t u = bits(rng);
+    float f;
+    std::memcpy(&f, &u, 4);
+    if (!std::isfinite(f) || std::fabs(f) > 3.3e38f) continue;
+    ASSERT_EQ(bf16(f).bits, nearest_bf16(f)) << std::hexfloat << f;
+    ++checked;
+  }
+  EXPECT_GT(checked, 190000);
+}
+
+// A bfloat16 tensor: conversions among float32, float64 and bfloat16 (through float for double,
+// as PyTorch), fill, dense copy and strided gather, two bytes an element in the arena — also in a
+// dry run — and BF16 in safetensors.
+TEST(BFloat16, TensorsConvertFillGatherAndCountTwoBytes) {
+  std::mt19937 rng(std::random_device{}());
+  std::normal_distribution<float> n(0.f, 3.f);
+  std::vector<float> v(24);
+  for (auto& x : v) x = n(rng);
+  const Tensor f = Tensor::from_vector(v, {4, 6});
+  const Tensor b = f.to(DType::BFloat16);
+  ASSERT_EQ(b.dtype(), DType::BFloat16);
+  EXPECT_EQ(b.nbytes(), 48u);
+  const std::vector<kernels::bf16> got = b.to_vector<kernels::bf16>();
+  for (std::size_t i = 0; i < v.size(); ++i) EXPECT_EQ(got[i].bits, kernels::bf16(v[i]).bits) << i;
+  const std::vector<float> back = b.to(DType::Float32).to_vector<float>();
+  const std::vector<double> back64 = b.to(DType::Float64).to_vector<double>();
+  for (std::size_t i = 0; i < v.size(); ++i) {
+    EXPECT_EQ(back[i], static_cast<float>(got[i]));
+    EXPECT_EQ(back64[i], static_cast<double>(static_cast<float>(got[i])));
+    EXPECT_LE(std::fabs(back[i] - v[i]), std::ldexp(std::fabs(v[i]), -8)) << i;  // half a bf16 ulp
+  }
+  std::vector<double> d(v.begin(), v.end());
+  const std::vector<kernels::bf16> from64 =
+      Tensor::from_vector(d, {4, 6}).to(DType::BFloat16).to_vector<kernels::bf16>();
+  for (std::size_t i = 0; i < v.size(); ++i) EXPECT_EQ(from64[i].bits, got[i].bits);
+  const std::vector<kernels::bf16> t = b.transpose(0, 1).contiguous().to_vector<kernels::bf16>();
+  for (int i = 0; i < 6; ++i)
+    for (int j = 0; j < 4; ++j) EXPECT_EQ(t[i * 4 + j].bits, got[j * 6 + i].bits);
+  Tensor filled = Tensor::full({3}, 2.5, DType::BFloat16);
+  EXPECT_THROW(filled.item(), ShapeError);  // item() needs one element
+  EXPECT_EQ(filled.narrow(0, 1, 1).item(), 2.5);
+  EXPECT_THROW(b.to(DType::Int64), Error);
+  {
+    auto virt = Arena::make_virtual(Device::cpu(), 1 << 20);
+    ArenaScope scope(virt);
+    DryRunGuard dry;
+    const Tensor x = Tensor::empty({10, 10});
+    const auto before = virt->stats().total.current;
+    const Tensor y = x.to(DType::BFloat16);
+    EXPECT_EQ(virt->stats().total.current - before, 256);  // 200 bytes, in the arena's 256-byte units
+  }
+  const safetensors::Entry e = safetensors::make_bf16({4, 6}, [&] {
+    std::vector<std::uint16_t> bits;
+    for (const auto& x : got) bits.push_back(x.bits);
+    return bits;
+  }());
+  EXPECT_EQ(e.dtype, "BF16");
+  EXPECT_EQ(e.data.size(), 48u);
+  const std::vector<std::uint16_t> read = safetensors::as_bf16_bits(e);
+  for (std::size_t i = 0; i < got.size(); ++i) EXPECT_EQ(read[i], got[i].bits);
+  EXPECT_THROW(safetensors::as_f32(e), FormatError);
 }

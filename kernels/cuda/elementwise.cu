@@ -314,11 +314,17 @@ TALLY_INSTANTIATE_MEMORY(float)
 TALLY_INSTANTIATE_MEMORY(double)
 TALLY_INSTANTIATE_MEMORY(std::int32_t)
 TALLY_INSTANTIATE_MEMORY(std::int64_t)
+TALLY_INSTANTIATE_MEMORY(bf16)
 #undef TALLY_INSTANTIATE_MEMORY
 
-template void convert<float, double>(i64, const float*, double*);
-template void convert<double, float>(i64, const double*, float*);
-template void convert<float, float>(i64, const float*, float*);
-template void convert<double, double>(i64, const double*, double*);
+// Every pair of the floating storage types (core/dispatch.h's FLOAT_STORAGE set).
+#define TALLY_INSTANTIATE_CONVERT(S)                      \
+  template void convert<S, float>(i64, const S*, float*);   \
+  template void convert<S, double>(i64, const S*, double*); \
+  template void convert<S, bf16>(i64, const S*, bf16*);
+TALLY_INSTANTIATE_CONVERT(float)
+TALLY_INSTANTIATE_CONVERT(double)
+TALLY_INSTANTIATE_CONVERT(bf16)
+#undef TALLY_INSTANTIATE_CONVERT
 
 }  // namespace tally::kernels::cuda
