@@ -628,6 +628,37 @@ Tensor mul(const Tensor& a_, const Tensor& b_) {
   return y;
 }
 
+namespace {
+struct CastBackward : Node {
+  Shape shape;
+  DType dtype;  // the input's
+  Device device;
+  const char* name() const override { return "cast"; }
+  void backward(const Tensor& gy, std::vector<GradSlot>& g) override {
+    if (!g[0].needed) return;
+    double beta = 0;
+    Tensor& dx = grad_target(g[0], shape, dtype, device, beta, "cast");
+    if (beta == 0) return detail::convert_into(gy, dx);
+    Tensor converted = Tensor::empty(shape, dtype, device, Category::temporary, "cast_grad");
+    detail::convert_into(gy, converted);
+    add_into(dx, converted);
+  }
+};
+}  // namespace
+
+Tensor cast(const Tensor& x, DType dtype) {
+  if (!x.defined()) throw ShapeError("cast: the input is undefined");
+  if (x.dtype() == dtype) return x;
+  Tensor y = Tensor::empty(x.shape(), dtype, x.device(), x.category(), "to_dtype");
+  detail::convert_into(x, y);
+  if (any_requires_grad({&x})) {
+    auto n = std::make_shared<CastBackward>();
+    n->shape = x.shape(), n->dtype = x.dtype(), n->device = x.device();
+    set_history(y, n, {&x});
+  }
+  return y;
+}
+
 Tensor scale(const Tensor& x_, double alpha) {
   check_floating("scale", x_);
   const Tensor x = x_.contiguous();

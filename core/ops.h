@@ -77,6 +77,9 @@ struct FlopCount {
 FlopCount& flop_count();  // this thread's; assign {} to start over
 
 // ---- elementwise --------------------------------------------------------------------------------
+// x converted to `dtype` (float32, float64 and bfloat16 to one another; same category), with a
+// gradient: the output's gradient converted back to x's dtype. Tensor::to(DType) is this op.
+Tensor cast(const Tensor& x, DType dtype);
 Tensor relu(const Tensor& x);
 Tensor add(const Tensor& a, const Tensor& b);  // same shape (residual add)
 // The same ops on a tensor whose handle the caller gives up (a temporary, or std::move(t)): the

@@ -9,6 +9,7 @@
 #include "core/dispatch.h"
 #include "core/dry_run.h"
 #include "core/memory.h"
+#include "core/ops.h"
 
 namespace tally {
 
@@ -250,18 +251,22 @@ Tensor Tensor::to(Device d) const {
 
 Tensor Tensor::to(DType t) const {
   if (t == dtype()) return *this;
+  return cast(*this, t);
+}
+
+void detail::convert_into(const Tensor& src_, Tensor& dst) {
   const auto storage = [](DType d) { return d == DType::Float32 || d == DType::Float64 || d == DType::BFloat16; };
-  if (!storage(dtype()) || !storage(t))
+  if (!storage(src_.dtype()) || !storage(dst.dtype()))
     throw Error(fmt::format("to: no conversion from {} to {} (float32, float64 and bfloat16 convert to one another)",
-                            dtype_name(dtype()), dtype_name(t)));
-  Tensor out = empty(shape(), t, device(), category(), "to_dtype");
-  const Tensor src = contiguous();
+                            dtype_name(src_.dtype()), dtype_name(dst.dtype())));
+  if (src_.shape() != dst.shape() || src_.device() != dst.device() || !dst.is_contiguous())
+    throw ShapeError(fmt::format("to: cannot convert {} into {}", src_.str(), dst.str()));
+  const Tensor src = src_.contiguous();
   // The source type bound as S (a query: no kernel of its own), then the conversion kernel.
   TALLY_DISPATCH_QUERY("to", src, FLOAT_STORAGE, {
     using S = T;
-    TALLY_DISPATCH("to", out, FLOAT_STORAGE, kk::convert<S, T>(numel(), src.data<S>(), out.data<T>()));
+    TALLY_DISPATCH("to", dst, FLOAT_STORAGE, kk::convert<S, T>(src.numel(), src.data<S>(), dst.data<T>()));
   });
-  return out;
 }
 
 void Tensor::copy_(const Tensor& src) {

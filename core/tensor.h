@@ -17,6 +17,12 @@
 #include "kernels/common.h"  // kernels::bf16
 
 namespace tally {
+class Tensor;
+namespace detail {
+// Writes `src` converted to `dst`'s dtype into `dst` (same shape and device, dense): the
+// conversion kernel of Tensor::to and of cast's backward, with no history.
+void convert_into(const Tensor& src, Tensor& dst);
+}  // namespace detail
 
 using Shape = std::vector<std::int64_t>;
 std::string shape_str(const Shape& s);  // "[2, 3, 4]"
@@ -116,7 +122,9 @@ class Tensor {
   Tensor contiguous() const;           // itself if contiguous, else a dense copy (no autograd)
   Tensor clone(Category category) const;  // dense copy (no autograd)
   Tensor to(Device device) const;      // copy to another device (same category), or itself
-  Tensor to(DType dtype) const;        // converting copy (float32 <-> float64), or itself
+  // A converting copy among float32, float64 and bfloat16 (same category), or itself. An op with a
+  // gradient (core/ops.h cast): the output's gradient flows back converted to this dtype.
+  Tensor to(DType dtype) const;
   void copy_(const Tensor& src);       // element-wise copy of same shape, any devices
   void fill_(double value);
   void zero_() { fill_(0.0); }

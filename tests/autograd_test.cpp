@@ -2,6 +2,7 @@
 // dry runs allocating exactly like real runs, accumulation, grad mode.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <random>
 
 #include "core/autograd.h"
@@ -131,6 +132,32 @@ TEST(Autograd, GradientsAccumulateIntoPersistentBuffers) {
   for (std::size_t i = 0; i < g1.size(); ++i) EXPECT_FLOAT_EQ(g2[i], 2 * g1[i]);
   w.zero_grad();
   for (float v : w.grad().to_vector<float>()) EXPECT_EQ(v, 0.f);
+}
+
+// to(DType) is an op with a gradient: the gradient flows back converted to the input's dtype
+// (float64 -> float32 -> back, float32 -> bfloat16 -> back), and two casts of one input add up
+// in its gradient buffer.
+TEST(Autograd, CastsPassTheGradientBackInTheInputsDtype) {
+  std::mt19937 rng(std::random_device{}());
+  std::normal_distribution<double> n(0.0, 1.0);
+  std::vector<double> v(12);
+  for (auto& e : v) e = n(rng);
+  Tensor x = Tensor::from_vector(v, {3, 4}, Device::cpu(), Category::parameter);
+  x.set_requires_grad(true);
+  const double alpha = 1.0 + std::abs(n(rng));
+  sum(scale(x.to(DType::Float32), alpha)).backward();
+  ASSERT_EQ(x.grad().dtype(), DType::Float64);
+  for (double g : x.grad().to_vector<double>()) EXPECT_EQ(g, static_cast<double>(static_cast<float>(alpha)));
+  x.zero_grad();
+  sum(add(x.to(DType::Float32), x.to(DType::Float32))).backward();
+  for (double g : x.grad().to_vector<double>()) EXPECT_EQ(g, 2.0);
+
+  Tensor f = Tensor::from_vector(std::vector<float>(v.begin(), v.end()), {3, 4}, Device::cpu(), Category::parameter);
+  f.set_requires_grad(true);
+  const Tensor b = f.to(DType::BFloat16);
+  EXPECT_NE(b.grad_fn(), nullptr);  // on the tape
+  sum(scale(b.to(DType::Float32), 3.0)).backward();
+  for (float g : f.grad().to_vector<float>()) EXPECT_EQ(g, 3.f);
 }
 
 TEST(Autograd, NoGradGuardRecordsNothing) {
