@@ -363,6 +363,21 @@ TEST(GpuOps, TensorsGatherConvertAndFillOnTheDevice) {
   EXPECT_EQ(ints.to_vector<i64>(), std::vector<i64>(1000, -3));
   Tensor f = Tensor::full({7, 3}, 2.5, DType::Float32, Device::cuda());
   EXPECT_EQ(f.to_vector<float>(), std::vector<float>(21, 2.5f));
+  // bfloat16 on the device: the CPU's rounding bit for bit, back to float32 and float64 exactly,
+  // gathered and filled there
+  const auto bits = [](const Tensor& t) {
+    std::vector<std::uint16_t> b;
+    for (const kernels::bf16 v : t.to_vector<kernels::bf16>()) b.push_back(v.bits);
+    return b;
+  };
+  const Tensor hb = h.to(DType::BFloat16), db = d.to(DType::BFloat16);
+  EXPECT_EQ(bits(db), bits(hb));
+  EXPECT_EQ(db.to(DType::Float32).to_vector<float>(), hb.to(DType::Float32).to_vector<float>());
+  EXPECT_EQ(db.to(DType::Float64).to_vector<double>(), hb.to(DType::Float64).to_vector<double>());
+  EXPECT_EQ(bits(db.transpose(0, 2).contiguous()), bits(hb.transpose(0, 2).contiguous()));
+  EXPECT_EQ(bits(d.to(DType::Float64).to(DType::BFloat16)), bits(hb));
+  Tensor fb = Tensor::full({5}, -1.5, DType::BFloat16, Device::cuda());
+  EXPECT_EQ(bits(fb), std::vector<std::uint16_t>(5, kernels::bf16(-1.5f).bits));
 }
 
 TEST(GpuOps, CrossEntropyWithABadTargetIsAnErrorOnTheGpu) {
