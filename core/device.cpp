@@ -56,6 +56,7 @@ const char* dtype_name(DType t) {
 }
 
 bool is_floating(DType t) { return t != DType::Int32 && t != DType::Int64; }
+DType param_dtype(DType t) { return t == DType::BFloat16 ? DType::Float32 : t; }
 
 int cuda_device_count() {
   if constexpr (kHaveCudaBackend) return kernels::cuda::device_count();

@@ -40,6 +40,9 @@ enum class DType : std::uint8_t { Float32, Float64, Int32, Int64, BFloat16, Floa
 std::size_t dtype_size(DType t);
 const char* dtype_name(DType t);  // "float32", ...
 bool is_floating(DType t);
+// The dtype of the parameters, normalization statistics and scalars an op on activations of dtype
+// t takes: float32 for bfloat16 (mixed precision keeps master weights in float32), t otherwise.
+DType param_dtype(DType t);
 
 // Number of usable CUDA devices at run time (0 without the CUDA backend or without a GPU).
 int cuda_device_count();

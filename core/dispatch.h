@@ -12,22 +12,24 @@
 //
 // The body is written once for both backends. It runs with `kk` a block-scope alias of the kernel
 // namespace of `t`'s device (tally::kernels::cpu, or tally::kernels::cuda after making the device
-// current) and `T` the C++ type of `t`'s dtype, so that `kk::relu_forward<T>(n, x, y)` reaches the
-// CPU reference or its CUDA twin, which have the same names and signatures. SET says which dtypes
-// the body is compiled for, per backend:
+// current), `T` the C++ type of `t`'s dtype and `TP` the type of the parameters, statistics and
+// scalars beside T's activations (kernels::compute_t<T>: T itself, float for bfloat16), so that
+// `kk::relu_forward<T>(n, x, y)` reaches the CPU reference or its CUDA twin, which have the same
+// names and signatures. SET says which dtypes the body is compiled for, per backend:
 //
-//   SET       cpu                                 cuda
-//   FLOATING  float32, float64                    float32                       (the compute ops)
-//   INTEGER   int32, int64                        int32, int64
-//   ALL       float32, float64, bfloat16,         the same                      (fill, copies)
-//             int32, int64
-//   FLOAT_STORAGE  float32, float64, bfloat16      the same                      (conversions)
-//   ANY       -- the body binds no T (byte copies, dtype-free sizes) --
+//   SET             cpu                            cuda
+//   FLOATING        float32, float64, bfloat16     float32            (the compute ops)
+//   FULL_PRECISION  float32, float64               float32            (optimizers, norm moments,
+//                                                                      the loss: never bfloat16)
+//   INTEGER         int32, int64                   int32, int64
+//   ALL             float32, float64, bfloat16,    the same           (fill, copies)
+//                   int32, int64
+//   FLOAT_STORAGE   float32, float64, bfloat16     the same           (conversions)
+//   ANY             -- the body binds no T (byte copies, dtype-free sizes) --
 //
-// bfloat16 (kernels::bf16, kernels/common.h) is a storage type today: it enters FLOATING by a
-// line in each list below once its compute kernels exist. A dtype
-// outside the set, a CUDA tensor in a build without the CUDA backend, throws a ShapeError naming
-// the op, the tensor and what the set takes.
+// bfloat16's compute kernels exist on the CPU; on CUDA it is a storage type until its kernels
+// join FLOATING there by one line below. A dtype outside the set, a CUDA tensor in a build
+// without the CUDA backend, throws a ShapeError naming the op, the tensor and what the set takes.
 //
 // Dry runs (core/dry_run.h): TALLY_DISPATCH checks device and dtype exactly as a real run does and
 // then skips the body, so op bodies carry no dry-run checks of their own; TALLY_DISPATCH_QUERY
@@ -55,8 +57,11 @@ namespace tally::detail {
 }  // namespace tally::detail
 
 // ---- dtype sets: X(DType enumerator, C++ type, ...) per dtype a backend has kernels for ----------
-#define TALLY_TYPES_cpu_FLOATING(X, ...) X(Float32, float, __VA_ARGS__) X(Float64, double, __VA_ARGS__)
-#define TALLY_TYPES_cuda_FLOATING(X, ...) X(Float32, float, __VA_ARGS__)
+#define TALLY_TYPES_cpu_FULL_PRECISION(X, ...) X(Float32, float, __VA_ARGS__) X(Float64, double, __VA_ARGS__)
+#define TALLY_TYPES_cuda_FULL_PRECISION(X, ...) X(Float32, float, __VA_ARGS__)
+#define TALLY_TYPES_cpu_FLOATING(X, ...) \
+  TALLY_TYPES_cpu_FULL_PRECISION(X, __VA_ARGS__) X(BFloat16, ::tally::kernels::bf16, __VA_ARGS__)
+#define TALLY_TYPES_cuda_FLOATING(X, ...) TALLY_TYPES_cuda_FULL_PRECISION(X, __VA_ARGS__)
 #define TALLY_TYPES_cpu_INTEGER(X, ...) X(Int32, std::int32_t, __VA_ARGS__) X(Int64, std::int64_t, __VA_ARGS__)
 #define TALLY_TYPES_cuda_INTEGER(X, ...) TALLY_TYPES_cpu_INTEGER(X, __VA_ARGS__)
 #define TALLY_TYPES_cpu_FLOAT_STORAGE(X, ...) \
@@ -72,12 +77,15 @@ namespace tally::detail {
     if (tally_run_) {                                                     \
       const ::tally::detail::Timer<kk::OpTimer, timed> tally_timer_(op); \
       using T = type;                                                     \
+      using TP [[maybe_unused]] = ::tally::kernels::compute_t<T>;         \
       __VA_ARGS__;                                                        \
     }                                                                     \
     break;
 #define TALLY_DISPATCH_DTYPE_(dtype, type, ...) ::tally::DType::dtype,
 
 #define TALLY_DISPATCH_SWITCH_FLOATING(backend, timed, op, t, ...) TALLY_DISPATCH_SWITCH_(backend, FLOATING, timed, op, t, __VA_ARGS__)
+#define TALLY_DISPATCH_SWITCH_FULL_PRECISION(backend, timed, op, t, ...) \
+  TALLY_DISPATCH_SWITCH_(backend, FULL_PRECISION, timed, op, t, __VA_ARGS__)
 #define TALLY_DISPATCH_SWITCH_INTEGER(backend, timed, op, t, ...) TALLY_DISPATCH_SWITCH_(backend, INTEGER, timed, op, t, __VA_ARGS__)
 #define TALLY_DISPATCH_SWITCH_ALL(backend, timed, op, t, ...) TALLY_DISPATCH_SWITCH_(backend, ALL, timed, op, t, __VA_ARGS__)
 #define TALLY_DISPATCH_SWITCH_FLOAT_STORAGE(backend, timed, op, t, ...) \

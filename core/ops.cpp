@@ -38,11 +38,12 @@ std::size_t ws_size(const Tensor& ws) { return ws.defined() ? static_cast<std::s
 // steps do).
 std::size_t arena_budget(const Tensor& like) { return current_arena(like.device())->budget(); }
 
-// Scratch of one GEMM on `like`'s device: cuBLAS's workspace on CUDA, none on the CPU (so CPU
-// runs allocate exactly as before). Not a dispatch: the size depends on no element type.
-std::size_t gemm_workspace_bytes(const Tensor& like) {
+// Scratch of one GEMM of (M, K) by (K, N) on `like`'s device and dtype: cuBLAS's workspace on
+// CUDA; on the CPU none for float32 and float64, the float32 copies of the operands for bfloat16.
+// (linear's and matmul's three GEMMs are the same three sizes permuted: one size for all.)
+std::size_t gemm_workspace_bytes(const Tensor& like, i64 M, i64 N, i64 K) {
   std::size_t bytes = 0;
-  TALLY_DISPATCH_QUERY("gemm", like, ANY, bytes = kk::gemm_workspace_bytes(arena_budget(like)));
+  TALLY_DISPATCH_QUERY("gemm", like, FLOATING, bytes = kk::gemm_workspace_bytes<T>(arena_budget(like), M, N, K));
   return bytes;
 }
 
@@ -78,8 +79,7 @@ struct Saved {
 
 void check_matching(const char* op, const Tensor& x, const Tensor& p, const char* what, i64 expected) {
   if (!p.defined()) return;
-  check_same_device(op, x, p);
-  check_same_dtype(op, x, p);
+  check_param(op, what, x, p);
   if (p.dim() != 1 || p.size(0) != expected)
     throw ShapeError(fmt::format("{}: expected {} of shape [{}], found {}", op, what, expected, p.str()));
 }
@@ -145,7 +145,7 @@ struct Conv2dBackward : Node {
       std::size_t ws_bytes = 0;
       TALLY_DISPATCH_QUERY("conv2d", x, FLOATING, ws_bytes = kk::conv2d_workspace_bytes<T>(s, kernels::ConvPass::backward_data));
       const Tensor ws = workspace(x, ws_bytes, "conv2d_backward_data");
-      TALLY_DISPATCH("conv2d", x, FLOATING, kk::conv2d_backward_data<T>(s, dy.data<T>(), w.data<T>(), dx.data<T>(), T(beta), ws_ptr(ws)));
+      TALLY_DISPATCH("conv2d", x, FLOATING, kk::conv2d_backward_data<T>(s, dy.data<T>(), w.data<TP>(), dx.data<T>(), TP(beta), ws_ptr(ws)));
       count_backward(conv_multiply_adds(s));
     }
     if (g[1].needed) {
@@ -153,12 +153,12 @@ struct Conv2dBackward : Node {
       std::size_t ws_bytes = 0;
       TALLY_DISPATCH_QUERY("conv2d", x, FLOATING, ws_bytes = kk::conv2d_workspace_bytes<T>(s, kernels::ConvPass::backward_filter));
       const Tensor ws = workspace(x, ws_bytes, "conv2d_backward_filter");
-      TALLY_DISPATCH("conv2d", x, FLOATING, kk::conv2d_backward_filter<T>(s, x.data<T>(), dy.data<T>(), dw.data<T>(), T(beta), ws_ptr(ws)));
+      TALLY_DISPATCH("conv2d", x, FLOATING, kk::conv2d_backward_filter<T>(s, x.data<T>(), dy.data<T>(), dw.data<TP>(), TP(beta), ws_ptr(ws)));
       count_backward(conv_multiply_adds(s));
     }
     if (has_bias && g[2].needed) {
-      Tensor& db = grad_target(g[2], {s.K}, x.dtype(), x.device(), beta, "conv2d");
-      TALLY_DISPATCH("conv2d", x, FLOATING, kk::conv2d_backward_bias<T>(s, dy.data<T>(), db.data<T>(), T(beta)));
+      Tensor& db = grad_target(g[2], {s.K}, param_dtype(x.dtype()), x.device(), beta, "conv2d");
+      TALLY_DISPATCH("conv2d", x, FLOATING, kk::conv2d_backward_bias<T>(s, dy.data<T>(), db.data<TP>(), TP(beta)));
     }
   }
 };
@@ -169,8 +169,7 @@ Tensor conv2d(const Tensor& x_, const Tensor& w_, const Tensor& b, const Conv2dO
   check_dim(op, "input", x_, 4);
   check_dim(op, "weight", w_, 4);
   check_floating(op, x_);
-  check_same_device(op, x_, w_);
-  check_same_dtype(op, x_, w_);
+  check_param(op, "weight", x_, w_);
   for (int i = 0; i < 2; ++i)
     if (o.stride[i] < 1 || o.dilation[i] < 1 || o.padding[i] < 0)
       throw ShapeError(fmt::format("conv2d: stride and dilation must be >= 1 and padding >= 0, found stride ({}, {}) "
@@ -193,7 +192,7 @@ Tensor conv2d(const Tensor& x_, const Tensor& w_, const Tensor& b, const Conv2dO
     std::size_t ws_bytes = 0;
     TALLY_DISPATCH_QUERY(op, x, FLOATING, ws_bytes = kk::conv2d_workspace_bytes<T>(s, kernels::ConvPass::forward));
     Tensor ws = workspace(x, ws_bytes, op);
-    TALLY_DISPATCH(op, x, FLOATING, kk::conv2d_forward<T>(s, x.data<T>(), w.data<T>(), ptr_or_null<T>(b), y.data<T>(), ws_ptr(ws)));
+    TALLY_DISPATCH(op, x, FLOATING, kk::conv2d_forward<T>(s, x.data<T>(), w.data<TP>(), ptr_or_null<TP>(b), y.data<T>(), ws_ptr(ws)));
     count_forward(conv_multiply_adds(s));
   }
   if (any_requires_grad({&x_, &w_, &b})) {
@@ -210,7 +209,7 @@ Tensor conv2d(const Tensor& x_, const Tensor& w_, const Tensor& b, const Conv2dO
 // linear / matmul: row-major GEMMs.
 namespace {
 struct LinearBackward : Node {
-  Saved<2> saved;  // x (N, in), weight (out, in)
+  Saved<2> saved;  // x (N, in), the weight (out, in) as the forward multiplied it (x's dtype)
   bool has_bias;
   const char* name() const override { return "linear"; }
   void release() override { saved.release(); }
@@ -218,21 +217,22 @@ struct LinearBackward : Node {
     const Tensor &x = saved.t[0], &w = saved.t[1];
     const Tensor dy = gy.contiguous();
     const i64 N = x.size(0), I = x.size(1), O = w.size(0);
-    Tensor ws = (g[0].needed || g[1].needed) ? workspace(x, gemm_workspace_bytes(x), "linear_backward") : Tensor();
+    const DType pt = param_dtype(x.dtype());
+    Tensor ws = (g[0].needed || g[1].needed) ? workspace(x, gemm_workspace_bytes(x, N, I, O), "linear_backward") : Tensor();
     double beta = 0;
     if (g[0].needed) {  // dx (N, in) = dy (N, out) @ w (out, in)
       Tensor& dx = grad_target(g[0], x, beta, "linear");
-      TALLY_DISPATCH("linear", x, FLOATING, kk::gemm<T>(false, false, N, I, O, T(1), dy.data<T>(), O, w.data<T>(), I, T(beta), dx.data<T>(), I, ws_ptr(ws), ws_size(ws)));
+      TALLY_DISPATCH("linear", x, FLOATING, kk::gemm<T>(false, false, N, I, O, TP(1), dy.data<T>(), O, w.data<T>(), I, TP(beta), dx.data<T>(), I, ws_ptr(ws), ws_size(ws)));
       count_backward(static_cast<double>(N) * I * O);
     }
-    if (g[1].needed) {  // dw (out, in) = dy^T (out, N) @ x (N, in)
-      Tensor& dw = grad_target(g[1], w, beta, "linear");
-      TALLY_DISPATCH("linear", x, FLOATING, kk::gemm<T>(true, false, O, I, N, T(1), dy.data<T>(), O, x.data<T>(), I, T(beta), dw.data<T>(), I, ws_ptr(ws), ws_size(ws)));
+    if (g[1].needed) {  // dw (out, in) = dy^T (out, N) @ x (N, in), into the weight's own dtype
+      Tensor& dw = grad_target(g[1], w.shape(), pt, x.device(), beta, "linear");
+      TALLY_DISPATCH("linear", x, FLOATING, kk::gemm<T, TP>(true, false, O, I, N, TP(1), dy.data<T>(), O, x.data<T>(), I, TP(beta), dw.data<TP>(), I, ws_ptr(ws), ws_size(ws)));
       count_backward(static_cast<double>(N) * I * O);
     }
     if (has_bias && g[2].needed) {
-      Tensor& db = grad_target(g[2], {O}, x.dtype(), x.device(), beta, "linear");
-      TALLY_DISPATCH("linear", x, FLOATING, kk::sum_rows<T>(N, O, dy.data<T>(), db.data<T>(), T(beta)));
+      Tensor& db = grad_target(g[2], {O}, pt, x.device(), beta, "linear");
+      TALLY_DISPATCH("linear", x, FLOATING, kk::sum_rows<T>(N, O, dy.data<T>(), db.data<TP>(), TP(beta)));
     }
   }
 };
@@ -245,16 +245,16 @@ struct MatmulBackward : Node {
     const Tensor &a = saved.t[0], &b = saved.t[1];
     const Tensor dy = gy.contiguous();
     const i64 M = a.size(0), K = a.size(1), N = b.size(1);
-    Tensor ws = (g[0].needed || g[1].needed) ? workspace(a, gemm_workspace_bytes(a), "matmul_backward") : Tensor();
+    Tensor ws = (g[0].needed || g[1].needed) ? workspace(a, gemm_workspace_bytes(a, M, N, K), "matmul_backward") : Tensor();
     double beta = 0;
     if (g[0].needed) {  // da (M, K) = dy (M, N) @ b^T
       Tensor& da = grad_target(g[0], a, beta, "matmul");
-      TALLY_DISPATCH("matmul", a, FLOATING, kk::gemm<T>(false, true, M, K, N, T(1), dy.data<T>(), N, b.data<T>(), N, T(beta), da.data<T>(), K, ws_ptr(ws), ws_size(ws)));
+      TALLY_DISPATCH("matmul", a, FLOATING, kk::gemm<T>(false, true, M, K, N, TP(1), dy.data<T>(), N, b.data<T>(), N, TP(beta), da.data<T>(), K, ws_ptr(ws), ws_size(ws)));
       count_backward(static_cast<double>(M) * N * K);
     }
     if (g[1].needed) {  // db (K, N) = a^T @ dy
       Tensor& db = grad_target(g[1], b, beta, "matmul");
-      TALLY_DISPATCH("matmul", a, FLOATING, kk::gemm<T>(true, false, K, N, M, T(1), a.data<T>(), K, dy.data<T>(), N, T(beta), db.data<T>(), N, ws_ptr(ws), ws_size(ws)));
+      TALLY_DISPATCH("matmul", a, FLOATING, kk::gemm<T>(true, false, K, N, M, TP(1), a.data<T>(), K, dy.data<T>(), N, TP(beta), db.data<T>(), N, ws_ptr(ws), ws_size(ws)));
       count_backward(static_cast<double>(M) * N * K);
     }
   }
@@ -266,20 +266,27 @@ Tensor linear(const Tensor& x_, const Tensor& w_, const Tensor& b) {
   check_dim(op, "input", x_, 2);
   check_dim(op, "weight", w_, 2);
   check_floating(op, x_);
-  check_same_device(op, x_, w_);
-  check_same_dtype(op, x_, w_);
+  check_param(op, "weight", x_, w_);
   if (x_.size(1) != w_.size(1))
     throw ShapeError(fmt::format("linear: input {} has {} features, weight {} expects {}", x_.str(), x_.size(1),
                                  w_.str(), w_.size(1)));
   check_matching(op, x_, b, "bias", w_.size(0));
-  const Tensor x = x_.contiguous(), w = w_.contiguous();
+  const Tensor x = x_.contiguous();
+  // The weight as the GEMMs multiply it: itself, or (bfloat16 activations) rounded to bfloat16 — an
+  // activation of this step, saved for backward, so that dx uses the very weights y was made of.
+  Tensor w = w_.contiguous();
+  if (w.dtype() != x.dtype()) {
+    Tensor wk = Tensor::empty(w.shape(), x.dtype(), x.device(), Category::activation, "linear_weight");
+    detail::convert_into(w, wk);
+    w = wk;
+  }
   const i64 N = x.size(0), I = x.size(1), O = w.size(0);
   Tensor y = out_like(x, {N, O}, op);
   {
-    Tensor ws = workspace(x, gemm_workspace_bytes(x), op);
+    Tensor ws = workspace(x, gemm_workspace_bytes(x, N, O, I), op);
     TALLY_DISPATCH(op, x, FLOATING, {
-      kk::gemm<T>(false, true, N, O, I, T(1), x.data<T>(), I, w.data<T>(), I, T(0), y.data<T>(), O, ws_ptr(ws), ws_size(ws));
-      if (b.defined()) kk::add_bias_rows<T>(N, O, y.data<T>(), b.data<T>(), y.data<T>());
+      kk::gemm<T>(false, true, N, O, I, TP(1), x.data<T>(), I, w.data<T>(), I, TP(0), y.data<T>(), O, ws_ptr(ws), ws_size(ws));
+      if (b.defined()) kk::add_bias_rows<T>(N, O, y.data<T>(), b.data<TP>(), y.data<T>());
     });
     count_forward(static_cast<double>(N) * O * I);
   }
@@ -305,8 +312,8 @@ Tensor matmul(const Tensor& a_, const Tensor& b_) {
   const i64 M = a.size(0), K = a.size(1), N = b.size(1);
   Tensor y = out_like(a, {M, N}, op);
   {
-    Tensor ws = workspace(a, gemm_workspace_bytes(a), op);
-    TALLY_DISPATCH(op, a, FLOATING, kk::gemm<T>(false, false, M, N, K, T(1), a.data<T>(), K, b.data<T>(), N, T(0), y.data<T>(), N, ws_ptr(ws), ws_size(ws)));
+    Tensor ws = workspace(a, gemm_workspace_bytes(a, M, N, K), op);
+    TALLY_DISPATCH(op, a, FLOATING, kk::gemm<T>(false, false, M, N, K, TP(1), a.data<T>(), K, b.data<T>(), N, TP(0), y.data<T>(), N, ws_ptr(ws), ws_size(ws)));
     count_forward(static_cast<double>(M) * N * K);
   }
   if (any_requires_grad({&a_, &b_})) {
@@ -332,7 +339,7 @@ NormGrads norm_grad_targets(std::vector<GradSlot>& g, const Tensor& x, const Ten
   double bw = 0, bb = 0;
   if (g[0].needed) r.dx = grad_target(g[0], x, r.beta_dx, op);
   if (has_weight && g[1].needed) r.dw = grad_target(g[1], w, bw, op);
-  if (has_bias && g[2].needed) r.db = grad_target(g[2], {C}, x.dtype(), x.device(), bb, op);
+  if (has_bias && g[2].needed) r.db = grad_target(g[2], {C}, param_dtype(x.dtype()), x.device(), bb, op);
   if (r.dw.defined() && r.db.defined() && bw != bb)
     throw Error(fmt::format("{} backward: weight and bias gradients must both accumulate or both be fresh", op));
   r.beta_param = r.dw.defined() ? bw : bb;
@@ -355,14 +362,14 @@ struct BatchNormBackward : Node {
     auto [dx, dw, db, bdx, bp] = norm_grad_targets(g, x, w, has_weight, has_bias, C, "batch_norm");
     const Tensor ws = workspace(x, batch_norm_workspace_bytes(x, N, C, HW), "batch_norm_backward");
     if (training) {
-      TALLY_DISPATCH("batch_norm", x, FLOATING, kk::batch_norm_backward<T>(N, C, HW, dy.data<T>(), x.data<T>(), ptr_or_null<T>(w),
-                                                                           saved.t[2].data<T>(), saved.t[3].data<T>(), ptr_or_null<T>(dx),
-                                                                           T(bdx), ptr_or_null<T>(dw), ptr_or_null<T>(db), T(bp), ws_ptr(ws)));
+      TALLY_DISPATCH("batch_norm", x, FLOATING, kk::batch_norm_backward<T>(N, C, HW, dy.data<T>(), x.data<T>(), ptr_or_null<TP>(w),
+                                                                           saved.t[2].data<TP>(), saved.t[3].data<TP>(), ptr_or_null<T>(dx),
+                                                                           TP(bdx), ptr_or_null<TP>(dw), ptr_or_null<TP>(db), TP(bp), ws_ptr(ws)));
     } else {
-      TALLY_DISPATCH("batch_norm", x, FLOATING, kk::batch_norm_backward_eval<T>(N, C, HW, dy.data<T>(), x.data<T>(), ptr_or_null<T>(w),
-                                                                                running.t[0].data<T>(), running.t[1].data<T>(), T(eps),
-                                                                                ptr_or_null<T>(dx), T(bdx), ptr_or_null<T>(dw),
-                                                                                ptr_or_null<T>(db), T(bp), ws_ptr(ws)));
+      TALLY_DISPATCH("batch_norm", x, FLOATING, kk::batch_norm_backward_eval<T>(N, C, HW, dy.data<T>(), x.data<T>(), ptr_or_null<TP>(w),
+                                                                                running.t[0].data<TP>(), running.t[1].data<TP>(), TP(eps),
+                                                                                ptr_or_null<T>(dx), TP(bdx), ptr_or_null<TP>(dw),
+                                                                                ptr_or_null<TP>(db), TP(bp), ws_ptr(ws)));
     }
   }
 };
@@ -378,9 +385,9 @@ struct GroupNormBackward : Node {
     const Tensor& w = saved.t[1];
     const Tensor dy = gy.contiguous();
     auto [dx, dw, db, bdx, bp] = norm_grad_targets(g, x, w, has_weight, has_bias, C, "group_norm");
-    TALLY_DISPATCH("group_norm", x, FLOATING, kk::group_norm_backward<T>(N, C, HW, G, dy.data<T>(), x.data<T>(), ptr_or_null<T>(w),
-                                                                         saved.t[2].data<T>(), saved.t[3].data<T>(), ptr_or_null<T>(dx),
-                                                                         T(bdx), ptr_or_null<T>(dw), ptr_or_null<T>(db), T(bp)));
+    TALLY_DISPATCH("group_norm", x, FLOATING, kk::group_norm_backward<T>(N, C, HW, G, dy.data<T>(), x.data<T>(), ptr_or_null<TP>(w),
+                                                                         saved.t[2].data<TP>(), saved.t[3].data<TP>(), ptr_or_null<T>(dx),
+                                                                         TP(bdx), ptr_or_null<TP>(dw), ptr_or_null<TP>(db), TP(bp)));
   }
 };
 }  // namespace
@@ -410,16 +417,16 @@ BatchNormResult batch_norm_with_stats(const Tensor& x_, const Tensor& weight, co
   const bool need_grad = any_requires_grad({&x_, &weight, &bias});
   if (opt.training) {
     // Saved statistics are activations: they live exactly as long as the backward needs them.
-    Tensor save_mean = Tensor::empty({C}, x.dtype(), x.device(), Category::activation, "batch_norm_mean");
-    Tensor save_invstd = Tensor::empty({C}, x.dtype(), x.device(), Category::activation, "batch_norm_invstd");
+    Tensor save_mean = Tensor::empty({C}, param_dtype(x.dtype()), x.device(), Category::activation, "batch_norm_mean");
+    Tensor save_invstd = Tensor::empty({C}, param_dtype(x.dtype()), x.device(), Category::activation, "batch_norm_invstd");
     const bool update = running_mean.defined();
     {
       const Tensor ws = workspace(x, batch_norm_workspace_bytes(x, N, C, HW), op);
-      TALLY_DISPATCH(op, x, FLOATING, kk::batch_norm_forward_train<T>(N, C, HW, x.data<T>(), ptr_or_null<T>(weight), ptr_or_null<T>(bias),
-                                                                      T(opt.eps), T(opt.momentum),
-                                                                      update ? running_mean.data<T>() : nullptr,
-                                                                      update ? running_var.data<T>() : nullptr, y.data<T>(),
-                                                                      save_mean.data<T>(), save_invstd.data<T>(), ws_ptr(ws)));
+      TALLY_DISPATCH(op, x, FLOATING, kk::batch_norm_forward_train<T>(N, C, HW, x.data<T>(), ptr_or_null<TP>(weight), ptr_or_null<TP>(bias),
+                                                                      TP(opt.eps), TP(opt.momentum),
+                                                                      update ? running_mean.data<TP>() : nullptr,
+                                                                      update ? running_var.data<TP>() : nullptr, y.data<T>(),
+                                                                      save_mean.data<TP>(), save_invstd.data<TP>(), ws_ptr(ws)));
     }
     if (need_grad) {
       auto n = std::make_shared<BatchNormBackward>();
@@ -432,8 +439,8 @@ BatchNormResult batch_norm_with_stats(const Tensor& x_, const Tensor& weight, co
     }
     return {y, save_mean, save_invstd};
   } else {
-    TALLY_DISPATCH(op, x, FLOATING, kk::batch_norm_forward_eval<T>(N, C, HW, x.data<T>(), ptr_or_null<T>(weight), ptr_or_null<T>(bias),
-                                                                   running_mean.data<T>(), running_var.data<T>(), T(opt.eps), y.data<T>()));
+    TALLY_DISPATCH(op, x, FLOATING, kk::batch_norm_forward_eval<T>(N, C, HW, x.data<T>(), ptr_or_null<TP>(weight), ptr_or_null<TP>(bias),
+                                                                   running_mean.data<TP>(), running_var.data<TP>(), TP(opt.eps), y.data<T>()));
     if (need_grad) {
       auto n = std::make_shared<BatchNormBackward>();
       n->saved.t = {x, weight, Tensor(), Tensor()};
@@ -458,7 +465,7 @@ void batch_norm_add_moments(const Tensor& mean, const Tensor& invstd, double eps
     if (!t->defined() || t->dtype() != DType::Float64 || t->dim() != 1 || t->size(0) != C || t->device() != mean.device())
       throw ShapeError(fmt::format("batch_norm: moment sums must be float64 [{}] on {}, found {}", C,
                                    mean.device().str(), t->str()));
-  TALLY_DISPATCH(op, mean, FLOATING,
+  TALLY_DISPATCH(op, mean, FULL_PRECISION,
                  kk::batch_norm_accumulate_moments<T>(C, count, T(eps), mean.data<T>(), invstd.data<T>(),
                                                       sum.data<double>(), sum_sq.data<double>()));
 }
@@ -476,7 +483,7 @@ void batch_norm_update_running(const Tensor& sum, const Tensor& sum_sq, i64 coun
                                    running_mean.device().str(), t->str()));
   if (count < 2)
     throw ShapeError(fmt::format("batch_norm: need more than 1 value per channel for an unbiased variance, found {}", count));
-  TALLY_DISPATCH(op, running_mean, FLOATING,
+  TALLY_DISPATCH(op, running_mean, FULL_PRECISION,
                  kk::batch_norm_apply_moments<T>(C, count, T(momentum), sum.data<double>(), sum_sq.data<double>(),
                                                  running_mean.data<T>(), running_var.data<T>()));
 }
@@ -492,10 +499,10 @@ Tensor group_norm(const Tensor& x_, i64 groups, const Tensor& weight, const Tens
   check_matching(op, x_, bias, "bias", C);
   const Tensor x = x_.contiguous();
   Tensor y = out_like(x, x.shape(), op);
-  Tensor save_mean = Tensor::empty({N, groups}, x.dtype(), x.device(), Category::activation, "group_norm_mean");
-  Tensor save_invstd = Tensor::empty({N, groups}, x.dtype(), x.device(), Category::activation, "group_norm_invstd");
-  TALLY_DISPATCH(op, x, FLOATING, kk::group_norm_forward<T>(N, C, HW, groups, x.data<T>(), ptr_or_null<T>(weight), ptr_or_null<T>(bias),
-                                                            T(eps), y.data<T>(), save_mean.data<T>(), save_invstd.data<T>()));
+  Tensor save_mean = Tensor::empty({N, groups}, param_dtype(x.dtype()), x.device(), Category::activation, "group_norm_mean");
+  Tensor save_invstd = Tensor::empty({N, groups}, param_dtype(x.dtype()), x.device(), Category::activation, "group_norm_invstd");
+  TALLY_DISPATCH(op, x, FLOATING, kk::group_norm_forward<T>(N, C, HW, groups, x.data<T>(), ptr_or_null<TP>(weight), ptr_or_null<TP>(bias),
+                                                            TP(eps), y.data<T>(), save_mean.data<TP>(), save_invstd.data<TP>()));
   if (any_requires_grad({&x_, &weight, &bias})) {
     auto n = std::make_shared<GroupNormBackward>();
     n->saved.t = {x, weight, save_mean, save_invstd};
@@ -518,7 +525,7 @@ struct ReluBackward : Node {
     const Tensor dy = gy.contiguous();
     double beta = 0;
     Tensor& dx = grad_target(g[0], y, beta, "relu");
-    TALLY_DISPATCH("relu", y, FLOATING, kk::relu_backward<T>(y.numel(), dy.data<T>(), y.data<T>(), dx.data<T>(), T(beta)));
+    TALLY_DISPATCH("relu", y, FLOATING, kk::relu_backward<T>(y.numel(), dy.data<T>(), y.data<T>(), dx.data<T>(), TP(beta)));
   }
 };
 
@@ -541,7 +548,7 @@ struct LinearCombinationBackward : Node {
       }
       double beta = 0;
       Tensor& dx = grad_target(g[i], dy, beta, op);
-      TALLY_DISPATCH(op, dy, FLOATING, kk::axpby<T>(dy.numel(), T(alpha[i]), dy.data<T>(), T(beta), dx.data<T>()));
+      TALLY_DISPATCH(op, dy, FLOATING, kk::axpby<T>(dy.numel(), TP(alpha[i]), dy.data<T>(), TP(beta), dx.data<T>()));
     }
   }
 };
@@ -557,7 +564,7 @@ struct MulBackward : Node {
       if (!g[i].needed) continue;
       const Tensor& other = saved.t[1 - i];
       Tensor& d = grad_target(g[i], saved.t[i], beta, "mul");
-      TALLY_DISPATCH("mul", dy, FLOATING, kk::mul_backward<T>(dy.numel(), dy.data<T>(), other.data<T>(), d.data<T>(), T(beta)));
+      TALLY_DISPATCH("mul", dy, FLOATING, kk::mul_backward<T>(dy.numel(), dy.data<T>(), other.data<T>(), d.data<T>(), TP(beta)));
     }
   }
 };
@@ -570,7 +577,7 @@ Tensor lincomb(const Tensor& a_, const Tensor& b_, double alpha_b, const char* o
   check_same_dtype(op, a_, b_);
   const Tensor a = a_.contiguous(), b = b_.contiguous();
   Tensor y = in_place ? alias_for_output(a) : out_like(a, a.shape(), op);
-  TALLY_DISPATCH(op, a, FLOATING, kk::add<T>(a.numel(), a.data<T>(), b.data<T>(), T(alpha_b), y.data<T>()));
+  TALLY_DISPATCH(op, a, FLOATING, kk::add<T>(a.numel(), a.data<T>(), b.data<T>(), TP(alpha_b), y.data<T>()));
   if (any_requires_grad({&a_, &b_})) {
     auto n = std::make_shared<LinearCombinationBackward>();
     n->alpha[1] = alpha_b;
@@ -663,7 +670,7 @@ Tensor scale(const Tensor& x_, double alpha) {
   check_floating("scale", x_);
   const Tensor x = x_.contiguous();
   Tensor y = out_like(x, x.shape(), "scale");
-  TALLY_DISPATCH("scale", x, FLOATING, kk::axpby<T>(x.numel(), T(alpha), x.data<T>(), T(0), y.data<T>()));
+  TALLY_DISPATCH("scale", x, FLOATING, kk::axpby<T>(x.numel(), TP(alpha), x.data<T>(), TP(0), y.data<T>()));
   if (any_requires_grad({&x_})) {
     auto n = std::make_shared<LinearCombinationBackward>();
     n->alpha[0] = alpha;
@@ -677,7 +684,7 @@ void add_into(Tensor& dst, const Tensor& src_) {
   check_same_shape("add_into", dst, src_);
   if (!dst.is_contiguous()) throw ShapeError(fmt::format("add_into: destination {} must be contiguous", dst.str()));
   const Tensor src = src_.contiguous();
-  TALLY_DISPATCH("add_into", dst, FLOATING, kk::axpby<T>(dst.numel(), T(1), src.data<T>(), T(1), dst.data<T>()));
+  TALLY_DISPATCH("add_into", dst, FLOATING, kk::axpby<T>(dst.numel(), TP(1), src.data<T>(), TP(1), dst.data<T>()));
 }
 
 // =============================================================================================
@@ -710,7 +717,7 @@ struct MaxPoolBackward : Node {
     const Tensor dy = gy.contiguous();
     double beta = 0;
     Tensor& dx = grad_target(g[0], in_shape, dtype, device, beta, "max_pool2d");
-    TALLY_DISPATCH("max_pool2d", dy, FLOATING, kk::max_pool2d_backward<T>(s, dy.data<T>(), argmax.data<std::int32_t>(), dx.data<T>(), T(beta)));
+    TALLY_DISPATCH("max_pool2d", dy, FLOATING, kk::max_pool2d_backward<T>(s, dy.data<T>(), argmax.data<std::int32_t>(), dx.data<T>(), TP(beta)));
   }
 };
 
@@ -726,9 +733,9 @@ struct AvgPoolBackward : Node {
     double beta = 0;
     Tensor& dx = grad_target(g[0], in_shape, dy.dtype(), dy.device(), beta, name());
     if (adaptive)
-      TALLY_DISPATCH("adaptive_avg_pool2d", dy, FLOATING, kk::adaptive_avg_pool2d_backward<T>(s.N, s.C, s.H, s.W, OH, OW, dy.data<T>(), dx.data<T>(), T(beta)));
+      TALLY_DISPATCH("adaptive_avg_pool2d", dy, FLOATING, kk::adaptive_avg_pool2d_backward<T>(s.N, s.C, s.H, s.W, OH, OW, dy.data<T>(), dx.data<T>(), TP(beta)));
     else
-      TALLY_DISPATCH("avg_pool2d", dy, FLOATING, kk::avg_pool2d_backward<T>(s, count_include_pad, dy.data<T>(), dx.data<T>(), T(beta)));
+      TALLY_DISPATCH("avg_pool2d", dy, FLOATING, kk::avg_pool2d_backward<T>(s, count_include_pad, dy.data<T>(), dx.data<T>(), TP(beta)));
   }
 };
 }  // namespace
@@ -844,7 +851,7 @@ struct SumBackward : Node {
     double beta = 0;
     Tensor& dx = grad_target(g[0], in_shape, gy.dtype(), gy.device(), beta, "sum");
     const Tensor dy = gy.contiguous();
-    TALLY_DISPATCH("sum", dx, FLOATING, kk::broadcast_scalar<T>(dx.numel(), dy.data<T>(), T(factor), dx.data<T>(), T(beta)));
+    TALLY_DISPATCH("sum", dx, FLOATING, kk::broadcast_scalar<T>(dx.numel(), dy.data<T>(), TP(factor), dx.data<T>(), TP(beta)));
   }
 };
 
@@ -853,7 +860,7 @@ Tensor reduce_all(const Tensor& x_, double factor, const char* op) {
   const Tensor x = x_.contiguous();
   Tensor y = out_like(x, {}, op);
   // Reduced where x lives, into y: nothing waits.
-  TALLY_DISPATCH(op, x, FLOATING, kk::sum_to<T>(x.numel(), x.data<T>(), T(factor), y.data<T>()));
+  TALLY_DISPATCH(op, x, FLOATING, kk::sum_to<T>(x.numel(), x.data<T>(), TP(factor), y.data<T>()));
   if (any_requires_grad({&x_})) {
     auto n = std::make_shared<SumBackward>();
     n->in_shape = x.shape();
@@ -905,8 +912,8 @@ struct CrossEntropyBackward : Node {
     double beta = 0;
     Tensor& dx = grad_target(g[0], logits, beta, "cross_entropy");
     const Tensor dy = gy.contiguous();
-    TALLY_DISPATCH("cross_entropy", logits, FLOATING, kk::fill_product<T>(N, dy.data<T>(), scale.data<T>(), dloss.data<T>()));
-    TALLY_DISPATCH("cross_entropy", logits, FLOATING,
+    TALLY_DISPATCH("cross_entropy", logits, FULL_PRECISION, kk::fill_product<T>(N, dy.data<T>(), scale.data<T>(), dloss.data<T>()));
+    TALLY_DISPATCH("cross_entropy", logits, FULL_PRECISION,
                    kk::cross_entropy_backward<T>(N, C, logits.data<T>(), targets.data<i64>(), ptr_or_null<T>(w),
                                                  ignore_index, T(label_smoothing), dloss.data<T>(), dx.data<T>(), T(beta)));
   }
@@ -946,6 +953,9 @@ double cross_entropy_divisor(const i64* t, i64 n, const CrossEntropyOptions& o) 
 }
 
 Tensor cross_entropy(const Tensor& logits_, const Tensor& targets_, const CrossEntropyOptions& o) {
+  // The loss is float32 whatever the logits: bfloat16 logits are converted first (an op with a
+  // gradient, so dlogits comes back in bfloat16), as autocast runs cross_entropy in float32.
+  if (logits_.defined() && logits_.dtype() == DType::BFloat16) return cross_entropy(cast(logits_, DType::Float32), targets_, o);
   check_ce(logits_, targets_, o);
   const Tensor logits = logits_.contiguous(), targets = targets_.contiguous();
   const Tensor w = o.weight.defined() ? o.weight.contiguous() : Tensor();
@@ -958,7 +968,7 @@ Tensor cross_entropy(const Tensor& logits_, const Tensor& targets_, const CrossE
   Tensor sw = Tensor::empty({N}, logits.dtype(), logits.device(), Category::temporary, "cross_entropy_weight");
   Tensor scale = Tensor::empty({}, logits.dtype(), logits.device(), Category::activation, "cross_entropy_scale");
   i64 bad = -1;  // stays -1 in a dry run, which runs no kernel
-  TALLY_DISPATCH("cross_entropy", logits, FLOATING,
+  TALLY_DISPATCH("cross_entropy", logits, FULL_PRECISION,
                       bad = kk::cross_entropy_forward<T>(N, C, logits.data<T>(), targets.data<i64>(), ptr_or_null<T>(w),
                                                          o.ignore_index, T(o.label_smoothing), loss.data<T>(), sw.data<T>(),
                                                          !o.targets_checked));
@@ -968,7 +978,7 @@ Tensor cross_entropy(const Tensor& logits_, const Tensor& targets_, const CrossE
   // A positive fixed scale (a divisor, or 1 for the sum); 0 asks for 1 / sum of weights (the
   // mean: 0/0 = NaN when every target is ignored, as PyTorch).
   const double fixed = o.divisor ? 1.0 / *o.divisor : o.reduction == Reduction::Mean ? 0.0 : 1.0;
-  TALLY_DISPATCH("cross_entropy", logits, FLOATING,
+  TALLY_DISPATCH("cross_entropy", logits, FULL_PRECISION,
                       kk::cross_entropy_reduce<T>(N, loss.data<T>(), sw.data<T>(), T(fixed), y.data<T>(), scale.data<T>()));
   if (any_requires_grad({&logits_})) {
     auto n = std::make_shared<CrossEntropyBackward>();

@@ -363,10 +363,21 @@ void check_dim(const char* op, const char* what, const Tensor& t, std::int64_t d
     throw ShapeError(fmt::format("{}: expected {} with {} dimensions, found {}", op, what, dim, t.str()));
 }
 void check_floating(const char* op, const Tensor& t) {
-  if (t.dtype() != DType::Float32 && t.dtype() != DType::Float64)
-    throw ShapeError(fmt::format("{}: expected a float32 or float64 tensor, found {}", op, t.str()));
+  if (t.dtype() != DType::Float32 && t.dtype() != DType::Float64 && t.dtype() != DType::BFloat16)
+    throw ShapeError(fmt::format("{}: expected a float32, float64 or bfloat16 tensor, found {}", op, t.str()));
   if (t.dtype() == DType::Float64 && !t.device().is_cpu())
     throw ShapeError(fmt::format("{}: float64 is supported on the cpu only, found {}", op, t.str()));
+}
+
+void check_param(const char* op, const char* what, const Tensor& x, const Tensor& p) {
+  check_same_device(op, x, p);
+  const DType want = param_dtype(x.dtype());
+  if (p.dtype() != want)
+    throw ShapeError(fmt::format("{}: expected a {} {} for input {}, found {}{}", op, dtype_name(want), what, x.str(),
+                                 p.str(),
+                                 x.dtype() == DType::BFloat16
+                                     ? " (bfloat16 activations take float32 parameters: the master weights)"
+                                     : ""));
 }
 
 }  // namespace tally

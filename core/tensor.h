@@ -158,6 +158,9 @@ void check_same_device(const char* op, const Tensor& a, const Tensor& b);
 void check_same_dtype(const char* op, const Tensor& a, const Tensor& b);
 void check_same_shape(const char* op, const Tensor& a, const Tensor& b);
 void check_dim(const char* op, const char* what, const Tensor& t, std::int64_t dim);
+// A float32, float64 (cpu) or bfloat16 tensor.
 void check_floating(const char* op, const Tensor& t);
+// A parameter `what` of an op on activations x: x's device, dtype param_dtype(x.dtype()).
+void check_param(const char* op, const char* what, const Tensor& x, const Tensor& p);
 
 }  // namespace tally

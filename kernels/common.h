@@ -4,8 +4,11 @@
 // Conventions, so that the CPU and CUDA files of one op family read side by side:
 //   * Layout is NCHW, densely packed (contiguous, row-major). Shapes are written next to
 //     every pointer: `x  // (N, C, H, W)`.
-//   * Element type T is float or double on CPU (double exists for gradient checks), float on CUDA;
-//     bf16 (below) is a storage type that the memory kernels (fill, copy, gather, convert) move.
+//   * Element type T of the activations is float or double on CPU (double exists for gradient
+//     checks), float on CUDA, and bf16 (below). A kernel computes in compute_t<T> — T itself, or
+//     float for bf16 — and takes its scalars (alpha, beta, eps) and the parameters and statistics
+//     beside the activations (weights, biases, norm statistics, their gradients) in compute_t<T>:
+//     mixed precision keeps parameters in float32 while activations are bf16.
 //   * An output that a backward kernel may *accumulate* into takes `T beta` (0 or 1):
 //       beta == 0  -> out = value           (out is never read: it may hold garbage or NaN)
 //       beta == 1  -> out = out + value     (gradient accumulation, "beta = 1 in GEMM")
@@ -37,6 +40,7 @@ struct bf16 {
   bf16() = default;
   TALLY_HOST_DEVICE explicit bf16(float f) : bits(round(f)) {}
   TALLY_HOST_DEVICE explicit bf16(double d) : bits(round(static_cast<float>(d))) {}
+  TALLY_HOST_DEVICE explicit bf16(int i) : bits(round(static_cast<float>(i))) {}
   TALLY_HOST_DEVICE operator float() const {
     const std::uint32_t u = static_cast<std::uint32_t>(bits) << 16;
     float f;
@@ -64,6 +68,18 @@ struct bf16 {
   }
 };
 static_assert(sizeof(bf16) == 2, "bf16 is two bytes");
+
+// The type a kernel on T computes in, and the type of its parameters and scalars: float for bf16.
+template <class T>
+struct Compute {
+  using type = T;
+};
+template <>
+struct Compute<bf16> {
+  using type = float;
+};
+template <class T>
+using compute_t = typename Compute<T>::type;
 
 // The three passes of a convolution; each has its own workspace (conv2d_workspace_bytes).
 enum class ConvPass { forward, backward_data, backward_filter };

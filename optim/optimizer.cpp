@@ -126,7 +126,7 @@ void SGD::step() {
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const Tensor& p = params_[i];
     const Tensor& g = grads[i];
-    TALLY_DISPATCH("SGD.step", p, FLOATING, {
+    TALLY_DISPATCH("SGD.step", p, FULL_PRECISION, {
       T* buf = momentum_[i].defined() ? momentum_[i].data<T>() : nullptr;
       kk::sgd_update<T>(p.numel(), p.data<T>(), g.data<T>(), buf, static_cast<T>(lr_), static_cast<T>(o.momentum),
                         static_cast<T>(o.dampening), static_cast<T>(o.weight_decay), o.nesterov, first);
@@ -159,7 +159,7 @@ void AdamW::step() {
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const Tensor& p = params_[i];
     const Tensor& g = grads[i];
-    TALLY_DISPATCH("AdamW.step", p, FLOATING,
+    TALLY_DISPATCH("AdamW.step", p, FULL_PRECISION,
                    kk::adamw_update<T>(p.numel(), p.data<T>(), g.data<T>(), exp_avg_[i].data<T>(),
                                        exp_avg_sq_[i].data<T>(), static_cast<T>(lr_), static_cast<T>(o.beta1),
                                        static_cast<T>(o.beta2), static_cast<T>(o.eps), static_cast<T>(o.weight_decay),

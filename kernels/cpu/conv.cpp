@@ -1,10 +1,13 @@
 // kernels/cpu/conv.cpp — 2-D convolution (cross-correlation, as PyTorch), NCHW, on the CPU:
 // forward, backward data, backward filter and backward bias. Two algorithms:
-//   onednn     float32 on oneDNN (conv_onednn.cpp: its blocked layouts, every byte in the
-//              workspace), the default where the build has oneDNN and oneDNN takes the shape;
-//   reference  im2col / col2im + GEMM, one image and one group at a time, every dtype — what
-//              the fast path and the CUDA kernels are tested against (TALLY_CPU_CONV=reference
-//              or set_conv_algorithm choose it for float32 too).
+//   onednn     float32 and bf16 on oneDNN (conv_onednn.cpp: its blocked layouts, every byte in
+//              the workspace), the default where the build has oneDNN and oneDNN takes the shape;
+//   reference  im2col / col2im + GEMM, one image and one group at a time, float32 and float64 —
+//              what the fast path and the CUDA kernels are tested against (TALLY_CPU_CONV=
+//              reference or set_conv_algorithm choose it for float32 too).
+// A bf16 convolution that oneDNN does not run (no AVX-512, the reference chosen, a shape it
+// refuses) is widened: chunks of samples converted to float32 in the workspace, the weights
+// rounded to bf16 there, and the float32 convolution run on them (namespace widened below).
 // Stride, padding, dilation and groups are supported by both.
 //
 // Column matrix of one image and one group: col ((C/g) * R * S, P * Q); row (c * R + r) * S + s,
@@ -112,14 +115,15 @@ void col2im_add(const Conv2dShape& s, i64 Cg, i64 P, i64 Q,
 
 // y (N, K, P, Q) += bias (K) per channel.
 template <class T>
-void add_bias(const Conv2dShape& s, const T* bias, T* y) {
+void add_bias(const Conv2dShape& s, const P<T>* bias, T* y) {
+  using M = P<T>;
   const i64 PQ = s.P() * s.Q();
 #pragma omp parallel for collapse(2) schedule(static) if (s.N * s.K * PQ > 32768)
   for (i64 n = 0; n < s.N; ++n)
     for (i64 k = 0; k < s.K; ++k) {
-      const T b = bias[k];
+      const M b = bias[k];
       T* yk = y + (n * s.K + k) * PQ;  // (P * Q)
-      for (i64 i = 0; i < PQ; ++i) yk[i] += b;
+      for (i64 i = 0; i < PQ; ++i) yk[i] = T(M(yk[i]) + b);
     }
 }
 
@@ -255,13 +259,123 @@ std::atomic<ConvAlgorithm> g_algorithm{initial_algorithm()};
 template <class T>
 bool use_onednn([[maybe_unused]] const Conv2dShape& s, [[maybe_unused]] ConvPass pass) {
 #if TALLY_HAVE_ONEDNN
-  if constexpr (std::is_same_v<T, float>)
-    return g_algorithm.load() == ConvAlgorithm::onednn && s.N > 0 && s.P() > 0 && s.Q() > 0 && onednn::supports(s, pass);
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, bf16>) {
+    const auto elem = std::is_same_v<T, bf16> ? onednn::Elem::bf16 : onednn::Elem::f32;
+    return g_algorithm.load() == ConvAlgorithm::onednn && s.N > 0 && s.P() > 0 && s.Q() > 0 &&
+           onednn::supports(s, pass, elem);
+  }
 #endif
   return false;
 }
 
+#if TALLY_HAVE_ONEDNN
+template <class T>
+constexpr onednn::Elem elem_of() {
+  return std::is_same_v<T, bf16> ? onednn::Elem::bf16 : onednn::Elem::f32;
+}
+#endif
+
 }  // namespace
+
+// ---- bf16 where oneDNN does not run it: float32 convolutions on widened chunks ----------------
+namespace widened {
+
+Conv2dShape with_samples(Conv2dShape s, i64 n) {
+  s.N = n;
+  return s;
+}
+std::size_t aligned(std::size_t n) { return (n + 63) / 64 * 64; }
+
+// Samples per chunk: as many as keep the widened activations of a pass (x or dx, and y or dy,
+// float32) within the shape's workspace limit; at least one.
+i64 chunk(const Conv2dShape& s) {
+  const auto per_sample = static_cast<std::size_t>(4 * (s.C * s.H * s.W + s.K * s.P() * s.Q()));
+  return std::clamp<i64>(static_cast<i64>(s.workspace_limit / std::max<std::size_t>(per_sample, 1)), 1,
+                         std::max<i64>(s.N, 1));
+}
+
+// [ weights, float32 (K, C/g, R, S) ][ x or dx (n, C, H, W) ][ y or dy (n, K, P, Q) ][ the float32
+// convolution's own workspace for n samples ]
+struct Layout {
+  i64 n;
+  std::size_t x_at, y_at, ws_at, bytes;
+};
+Layout layout(const Conv2dShape& s, ConvPass pass) {
+  Layout l{};
+  l.n = chunk(s);
+  const std::size_t w = aligned(4 * static_cast<std::size_t>(s.K * (s.C / s.groups) * s.R * s.S));
+  l.x_at = w;
+  l.y_at = l.x_at + aligned(4 * static_cast<std::size_t>(l.n * s.C * s.H * s.W));
+  l.ws_at = l.y_at + aligned(4 * static_cast<std::size_t>(l.n * s.K * s.P() * s.Q()));
+  std::size_t inner = conv2d_workspace_bytes<float>(with_samples(s, l.n), pass);
+  if (s.N % l.n != 0) inner = std::max(inner, conv2d_workspace_bytes<float>(with_samples(s, s.N % l.n), pass));
+  l.bytes = l.ws_at + inner;
+  return l;
+}
+
+void widen(i64 n, const bf16* x, float* y) {
+#pragma omp parallel for schedule(static) if (n > 32768)
+  for (i64 i = 0; i < n; ++i) y[i] = float(x[i]);
+}
+// The master weights as the bf16 convolution reads them: rounded to bf16, held in float32.
+void round_weights(i64 n, const float* w, float* y) {
+  for (i64 i = 0; i < n; ++i) y[i] = float(bf16(w[i]));
+}
+
+// The two passes that read the weights: forward (in = x, out = y = conv(x) + bias) and
+// backward_data (in = dy, out = dx (=|+=) conv_transpose(dy)). The weights rounded once per call,
+// then chunk by chunk: widen in, run the float32 pass, round out once.
+void data_pass(const Conv2dShape& s, ConvPass pass, const bf16* in, const float* w, const float* bias, bf16* out,
+               float beta, void* workspace) {
+  const bool fwd = pass == ConvPass::forward;
+  const Layout l = layout(s, pass);
+  char* base = static_cast<char*>(workspace);
+  auto* wf = reinterpret_cast<float*>(base);
+  auto* xf = reinterpret_cast<float*>(base + l.x_at);
+  auto* yf = reinterpret_cast<float*>(base + l.y_at);
+  float *in_f = fwd ? xf : yf, *out_f = fwd ? yf : xf;
+  round_weights(s.K * (s.C / s.groups) * s.R * s.S, w, wf);
+  const i64 xs = s.C * s.H * s.W, ys = s.K * s.P() * s.Q();
+  const i64 in_sample = fwd ? xs : ys, out_sample = fwd ? ys : xs;
+  for (i64 start = 0; start < s.N; start += l.n) {
+    const i64 len = std::min(l.n, s.N - start);
+    widen(len * in_sample, in + start * in_sample, in_f);
+    if (fwd)
+      conv2d_forward<float>(with_samples(s, len), xf, wf, bias, yf, base + l.ws_at);
+    else
+      conv2d_backward_data<float>(with_samples(s, len), yf, wf, xf, 0.f, base + l.ws_at);
+    bf16* o = out + start * out_sample;
+    if (beta == 0.f) {
+      for (i64 i = 0; i < len * out_sample; ++i) o[i] = bf16(out_f[i]);
+    } else {
+      for (i64 i = 0; i < len * out_sample; ++i) o[i] = bf16(beta * float(o[i]) + out_f[i]);
+    }
+  }
+}
+
+void forward(const Conv2dShape& s, const bf16* x, const float* w, const float* bias, bf16* y, void* workspace) {
+  data_pass(s, ConvPass::forward, x, w, bias, y, 0.f, workspace);
+}
+void backward_data(const Conv2dShape& s, const bf16* dy, const float* w, bf16* dx, float beta, void* workspace) {
+  data_pass(s, ConvPass::backward_data, dy, w, nullptr, dx, beta, workspace);
+}
+
+void backward_filter(const Conv2dShape& s, const bf16* x, const bf16* dy, float* dw, float beta, void* workspace) {
+  const Layout l = layout(s, ConvPass::backward_filter);
+  char* base = static_cast<char*>(workspace);
+  auto* xf = reinterpret_cast<float*>(base + l.x_at);
+  auto* dyf = reinterpret_cast<float*>(base + l.y_at);
+  const i64 xs = s.C * s.H * s.W, ys = s.K * s.P() * s.Q();
+  if (s.N <= 0) return conv2d_backward_filter<float>(s, nullptr, nullptr, dw, beta, base + l.ws_at);
+  for (i64 start = 0; start < s.N; start += l.n) {
+    const i64 len = std::min(l.n, s.N - start);
+    widen(len * xs, x + start * xs, xf);
+    widen(len * ys, dy + start * ys, dyf);
+    conv2d_backward_filter<float>(with_samples(s, len), xf, dyf, dw, start == 0 ? beta : 1.f, base + l.ws_at);
+  }
+}
+
+}  // namespace widened
 
 bool have_onednn() { return TALLY_HAVE_ONEDNN; }
 void set_conv_algorithm(ConvAlgorithm a) {
@@ -271,58 +385,70 @@ void set_conv_algorithm(ConvAlgorithm a) {
 ConvAlgorithm conv_algorithm() { return g_algorithm.load(); }
 std::size_t conv_workspace_limit(std::size_t budget) { return std::max(budget / 32, std::size_t(64) << 20); }
 
-bool conv2d_on_onednn(const Conv2dShape& s, ConvPass pass) { return use_onednn<float>(s, pass); }
+bool conv2d_on_onednn(const Conv2dShape& s, ConvPass pass, bool bf16_activations) {
+  return bf16_activations ? use_onednn<bf16>(s, pass) : use_onednn<float>(s, pass);
+}
 
 template <class T>
 std::size_t conv2d_workspace_bytes(const Conv2dShape& s, ConvPass pass) {
 #if TALLY_HAVE_ONEDNN
-  if (use_onednn<T>(s, pass)) return onednn::conv_workspace_bytes(s, pass);
+  if (use_onednn<T>(s, pass)) return onednn::conv_workspace_bytes(s, pass, elem_of<T>());
 #endif
+  if constexpr (std::is_same_v<T, bf16>) return widened::layout(s, pass).bytes;
   (void)pass;
   return reference::workspace_bytes<T>(s);
 }
 
 template <class T>
-void conv2d_forward(const Conv2dShape& s, const T* x, const T* w, const T* bias, T* y, void* workspace) {
+void conv2d_forward(const Conv2dShape& s, const T* x, const P<T>* w, const P<T>* bias, T* y, void* workspace) {
 #if TALLY_HAVE_ONEDNN
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, bf16>) {
     if (use_onednn<T>(s, ConvPass::forward)) {
-      onednn::conv_forward(s, x, w, y, workspace);
+      onednn::conv_forward(s, elem_of<T>(), x, w, y, workspace);
       if (bias != nullptr) add_bias(s, bias, y);
       return;
     }
   }
 #endif
-  reference::forward<T>(s, x, w, bias, y, workspace);
+  if constexpr (std::is_same_v<T, bf16>)
+    widened::forward(s, x, w, bias, y, workspace);
+  else
+    reference::forward<T>(s, x, w, bias, y, workspace);
 }
 
 template <class T>
-void conv2d_backward_data(const Conv2dShape& s, const T* dy, const T* w, T* dx, T beta, void* workspace) {
+void conv2d_backward_data(const Conv2dShape& s, const T* dy, const P<T>* w, T* dx, P<T> beta, void* workspace) {
 #if TALLY_HAVE_ONEDNN
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, bf16>) {
     if ((beta == 0.f || beta == 1.f) && use_onednn<T>(s, ConvPass::backward_data))
-      return onednn::conv_backward_data(s, dy, w, dx, beta == 1.f, workspace);
+      return onednn::conv_backward_data(s, elem_of<T>(), dy, w, dx, beta == 1.f, workspace);
   }
 #endif
-  reference::backward_data<T>(s, dy, w, dx, beta, workspace);
+  if constexpr (std::is_same_v<T, bf16>)
+    widened::backward_data(s, dy, w, dx, beta, workspace);
+  else
+    reference::backward_data<T>(s, dy, w, dx, beta, workspace);
 }
 
 template <class T>
-void conv2d_backward_filter(const Conv2dShape& s, const T* x, const T* dy, T* dw, T beta, void* workspace) {
+void conv2d_backward_filter(const Conv2dShape& s, const T* x, const T* dy, P<T>* dw, P<T> beta, void* workspace) {
 #if TALLY_HAVE_ONEDNN
-  if constexpr (std::is_same_v<T, float>) {
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, bf16>) {
     if ((beta == 0.f || beta == 1.f) && use_onednn<T>(s, ConvPass::backward_filter))
-      return onednn::conv_backward_filter(s, x, dy, dw, beta == 1.f, workspace);
+      return onednn::conv_backward_filter(s, elem_of<T>(), x, dy, dw, beta == 1.f, workspace);
   }
 #endif
-  reference::backward_filter<T>(s, x, dy, dw, beta, workspace);
+  if constexpr (std::is_same_v<T, bf16>)
+    widened::backward_filter(s, x, dy, dw, beta, workspace);
+  else
+    reference::backward_filter<T>(s, x, dy, dw, beta, workspace);
 }
 
 template <class T>
 void conv2d_backward_bias(const Conv2dShape& s,
                           const T* dy,  // (N, K, P, Q)
-                          T* db,        // (K)
-                          T beta) {
+                          P<T>* db,     // (K)
+                          P<T> beta) {
   const i64 PQ = s.P() * s.Q();
   // One thread per channel, fixed summation order (n, then p*Q+q), accumulated in double.
 #pragma omp parallel for schedule(static) if (s.N * s.K * PQ > 32768)
@@ -332,19 +458,20 @@ void conv2d_backward_bias(const Conv2dShape& s,
       const T* dyk = dy + (n * s.K + k) * PQ;  // (P * Q)
       for (i64 i = 0; i < PQ; ++i) acc += static_cast<double>(dyk[i]);
     }
-    db[k] = beta == T(0) ? static_cast<T>(acc) : beta * db[k] + static_cast<T>(acc);
+    db[k] = beta == P<T>(0) ? static_cast<P<T>>(acc) : beta * db[k] + static_cast<P<T>>(acc);
   }
 }
 
-#define TALLY_INSTANTIATE_CONV(T)                                                                \
-  template std::size_t conv2d_workspace_bytes<T>(const Conv2dShape&, ConvPass);                            \
-  template void conv2d_forward<T>(const Conv2dShape&, const T*, const T*, const T*, T*, void*);  \
-  template void conv2d_backward_data<T>(const Conv2dShape&, const T*, const T*, T*, T, void*);   \
-  template void conv2d_backward_filter<T>(const Conv2dShape&, const T*, const T*, T*, T, void*); \
-  template void conv2d_backward_bias<T>(const Conv2dShape&, const T*, T*, T);
+#define TALLY_INSTANTIATE_CONV(T)                                                                      \
+  template std::size_t conv2d_workspace_bytes<T>(const Conv2dShape&, ConvPass);                        \
+  template void conv2d_forward<T>(const Conv2dShape&, const T*, const P<T>*, const P<T>*, T*, void*);  \
+  template void conv2d_backward_data<T>(const Conv2dShape&, const T*, const P<T>*, T*, P<T>, void*);   \
+  template void conv2d_backward_filter<T>(const Conv2dShape&, const T*, const T*, P<T>*, P<T>, void*); \
+  template void conv2d_backward_bias<T>(const Conv2dShape&, const T*, P<T>*, P<T>);
 
 TALLY_INSTANTIATE_CONV(float)
 TALLY_INSTANTIATE_CONV(double)
+TALLY_INSTANTIATE_CONV(bf16)
 #undef TALLY_INSTANTIATE_CONV
 
 }  // namespace tally::kernels::cpu

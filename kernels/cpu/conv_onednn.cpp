@@ -1,5 +1,11 @@
-// kernels/cpu/conv_onednn.cpp — float32 convolutions on oneDNN (the library PyTorch's CPU
-// convolutions run on), every byte of them in the caller's workspace.
+// kernels/cpu/conv_onednn.cpp — float32 and bf16 convolutions on oneDNN (the library PyTorch's
+// CPU convolutions run on), every byte of them in the caller's workspace.
+//
+// bf16: activations and their gradients bf16; the weights are tally's float32 master weights,
+// which the weight operand's reorder rounds to bf16 in the blocked layout (as it reorders them
+// for float32); the weight gradient is float32 (oneDNN accumulates bf16 products in float32).
+// oneDNN 2.x has bf16 convolutions only on AVX-512 CPUs (native with avx512_bf16, emulated
+// without): elsewhere the plan is unsupported and conv.cpp runs its float32 fallback.
 //
 // For each shape and pass a plan is made once and cached: the oneDNN primitive, created with
 // `format_tag::any` so that oneDNN picks its fast (blocked) layouts, in scratchpad mode `user`;
@@ -101,11 +107,12 @@ std::pair<dnnl::reorder, memory::desc> make_reorder(const memory::desc& from, co
   return {dnnl::reorder(pd), pd.scratchpad_desc()};
 }
 
-using Key = std::tuple<i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, int, int>;
-Key key_of(const Conv2dShape& s, ConvPass pass) {
+using Key = std::tuple<i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, int, int, int>;
+Key key_of(const Conv2dShape& s, ConvPass pass, Elem elem) {
   return {s.N, s.C, s.H, s.W, s.K, s.R, s.S, s.stride_h, s.stride_w, s.pad_h, s.pad_w, s.dil_h, s.dil_w, s.groups,
-          static_cast<int>(pass), omp_get_max_threads()};
+          static_cast<int>(pass), omp_get_max_threads(), static_cast<int>(elem)};
 }
+std::size_t elem_bytes(Elem e) { return e == Elem::bf16 ? 2 : 4; }
 
 // Lays out the buffers and the shared scratchpad region; makes the reorders.
 void finish(Plan& p, const memory::desc& prim_scratch) {
@@ -131,7 +138,7 @@ void finish(Plan& p, const memory::desc& prim_scratch) {
   p.supported = true;
 }
 
-std::unique_ptr<Plan> make_plan(const Conv2dShape& s, ConvPass pass) {
+std::unique_ptr<Plan> make_plan(const Conv2dShape& s, ConvPass pass, Elem elem) {
   auto p = std::make_unique<Plan>();
   const memory::dims x_dims{s.N, s.C, s.H, s.W}, y_dims{s.N, s.K, s.P(), s.Q()};
   const bool grouped = s.groups > 1;
@@ -141,9 +148,11 @@ std::unique_ptr<Plan> make_plan(const Conv2dShape& s, ConvPass pass) {
   // PyTorch's output size rounds down: the right/bottom padding is what makes oneDNN agree.
   const memory::dims pad_r{(s.P() - 1) * s.stride_h + (s.R - 1) * s.dil_h + 1 - s.H - s.pad_h,
                            (s.Q() - 1) * s.stride_w + (s.S - 1) * s.dil_w + 1 - s.W - s.pad_w};
-  const memory::desc x_user(x_dims, dt::f32, tag::nchw), y_user(y_dims, dt::f32, tag::nchw);
-  const memory::desc w_user(w_dims, dt::f32, grouped ? tag::goihw : tag::oihw);
-  const memory::desc x_any(x_dims, dt::f32, tag::any), y_any(y_dims, dt::f32, tag::any), w_any(w_dims, dt::f32, tag::any);
+  const dt a = elem == Elem::bf16 ? dt::bf16 : dt::f32;  // activations, and the weights as read
+  const memory::desc x_user(x_dims, a, tag::nchw), y_user(y_dims, a, tag::nchw);
+  const memory::desc w_user(w_dims, dt::f32, grouped ? tag::goihw : tag::oihw);  // the master weights
+  const memory::desc x_any(x_dims, a, tag::any), y_any(y_dims, a, tag::any), w_any(w_dims, a, tag::any);
+  const memory::desc dw_any(w_dims, dt::f32, tag::any);  // weight gradients: float32
   const auto alg = dnnl::algorithm::convolution_direct;
   try {
     const dnnl::primitive_attr attr = user_scratchpad();
@@ -168,7 +177,7 @@ std::unique_ptr<Plan> make_plan(const Conv2dShape& s, ConvPass pass) {
       finish(*p, bwd.scratchpad_desc());
     } else {
       const dnnl::convolution_backward_weights::primitive_desc bwd(
-          dnnl::convolution_backward_weights::desc(alg, x_any, w_any, y_any, strides, dilates, pad_l, pad_r), attr,
+          dnnl::convolution_backward_weights::desc(alg, x_any, dw_any, y_any, strides, dilates, pad_l, pad_r), attr,
           engine(), fwd);
       p->prim = dnnl::convolution_backward_weights(bwd);
       p->operands = {operand(DNNL_ARG_DIFF_WEIGHTS, true, w_user, bwd.diff_weights_desc()),
@@ -182,12 +191,12 @@ std::unique_ptr<Plan> make_plan(const Conv2dShape& s, ConvPass pass) {
   return p;
 }
 
-Plan& plan(const Conv2dShape& s, ConvPass pass) {
+Plan& plan(const Conv2dShape& s, ConvPass pass, Elem elem) {
   static std::mutex mu;
   static std::map<Key, std::unique_ptr<Plan>> cache;
   std::lock_guard<std::mutex> lock(mu);
-  auto& slot = cache[key_of(s, pass)];
-  if (!slot) slot = make_plan(s, pass);
+  auto& slot = cache[key_of(s, pass, elem)];
+  if (!slot) slot = make_plan(s, pass, elem);
   return *slot;
 }
 
@@ -235,25 +244,26 @@ Conv2dShape with_samples(Conv2dShape s, i64 n) {
 // plan does (at least one; the workspace grows with N by the operands' buffers, so the first
 // guess is linear between one sample and N, then stepped down until it fits). Chunks are
 // n, n, ..., and the rest: at most two shapes, two plans.
-i64 chunk_samples(const Conv2dShape& s, ConvPass pass) {
-  const Plan& full = plan(s, pass);
+i64 chunk_samples(const Conv2dShape& s, ConvPass pass, Elem elem) {
+  const Plan& full = plan(s, pass, elem);
   if (!full.supported || full.bytes <= s.workspace_limit || s.N == 1) return s.N;
   static std::mutex mu;
   static std::map<std::pair<Key, std::size_t>, i64> cache;
-  const auto key = std::make_pair(key_of(s, pass), s.workspace_limit);
+  const auto key = std::make_pair(key_of(s, pass, elem), s.workspace_limit);
   {
     std::lock_guard<std::mutex> lock(mu);
     if (auto it = cache.find(key); it != cache.end()) return it->second;
   }
-  const Plan& one = plan(with_samples(s, 1), pass);
+  const Plan& one = plan(with_samples(s, 1), pass, elem);
   i64 n = 1;
   if (one.supported && one.bytes < s.workspace_limit && full.bytes > one.bytes) {
     const double per_sample = static_cast<double>(full.bytes - one.bytes) / static_cast<double>(s.N - 1);
     n = std::clamp<i64>(1 + static_cast<i64>(static_cast<double>(s.workspace_limit - one.bytes) / per_sample), 1, s.N - 1);
-    while (n > 1 && plan(with_samples(s, n), pass).bytes > s.workspace_limit) --n;
+    while (n > 1 && plan(with_samples(s, n), pass, elem).bytes > s.workspace_limit) --n;
   }
   // Every chunk shape must be one oneDNN takes; if not, the whole batch at once.
-  if (!plan(with_samples(s, n), pass).supported || (s.N % n != 0 && !plan(with_samples(s, s.N % n), pass).supported))
+  if (!plan(with_samples(s, n), pass, elem).supported ||
+      (s.N % n != 0 && !plan(with_samples(s, s.N % n), pass, elem).supported))
     n = s.N;
   std::lock_guard<std::mutex> lock(mu);
   cache[key] = n;
@@ -262,24 +272,27 @@ i64 chunk_samples(const Conv2dShape& s, ConvPass pass) {
 
 // Runs a pass chunk by chunk (samples are outermost in NCHW, so a chunk is a contiguous slice of
 // x/y and dx/dy); a filter gradient accumulates over the chunks after the first.
-void run_chunked(const Conv2dShape& s, ConvPass pass, const float* in0, const float* in1, float* out, bool accumulate,
-                 void* workspace) {
-  const i64 n = chunk_samples(s, pass);
-  const i64 x_sample = s.C * s.H * s.W, y_sample = s.K * s.P() * s.Q();
+// Pointers are to activations of `elem` (bytes per element: elem_bytes) or to float32 weights.
+void run_chunked(const Conv2dShape& s, ConvPass pass, Elem elem, const void* in0, const void* in1, void* out,
+                 bool accumulate, void* workspace) {
+  const i64 n = chunk_samples(s, pass, elem);
+  const i64 e = static_cast<i64>(elem_bytes(elem));
+  const i64 x_sample = s.C * s.H * s.W * e, y_sample = s.K * s.P() * s.Q() * e;  // bytes
   for (i64 start = 0; start < s.N; start += n) {
     const i64 len = std::min(n, s.N - start);
-    Plan& p = plan(with_samples(s, len), pass);
-    auto* a = const_cast<float*>(in0);
-    auto* b = const_cast<float*>(in1);
+    Plan& p = plan(with_samples(s, len), pass, elem);
+    auto* a = static_cast<char*>(const_cast<void*>(in0));
+    auto* b = static_cast<char*>(const_cast<void*>(in1));
+    auto* o = static_cast<char*>(out);
     switch (pass) {
       case ConvPass::forward:  // in0 = x, in1 = w, out = y
-        run(p, {out + start * y_sample, a + start * x_sample, b}, false, workspace);
+        run(p, {o + start * y_sample, a + start * x_sample, b}, false, workspace);
         break;
       case ConvPass::backward_data:  // in0 = dy, in1 = w, out = dx
-        run(p, {out + start * x_sample, a + start * y_sample, b}, accumulate, workspace);
+        run(p, {o + start * x_sample, a + start * y_sample, b}, accumulate, workspace);
         break;
       case ConvPass::backward_filter:  // in0 = x, in1 = dy, out = dw
-        run(p, {out, a + start * x_sample, b + start * y_sample}, accumulate || start > 0, workspace);
+        run(p, {o, a + start * x_sample, b + start * y_sample}, accumulate || start > 0, workspace);
         break;
     }
   }
@@ -287,28 +300,28 @@ void run_chunked(const Conv2dShape& s, ConvPass pass, const float* in0, const fl
 
 }  // namespace
 
-bool supports(const Conv2dShape& s, ConvPass pass) { return plan(s, pass).supported; }
+bool supports(const Conv2dShape& s, ConvPass pass, Elem elem) { return plan(s, pass, elem).supported; }
 
-std::size_t conv_workspace_bytes(const Conv2dShape& s, ConvPass pass) {
-  const i64 n = chunk_samples(s, pass);
-  if (n == s.N) return plan(s, pass).bytes;
-  std::size_t bytes = plan(with_samples(s, n), pass).bytes;
-  if (s.N % n != 0) bytes = std::max(bytes, plan(with_samples(s, s.N % n), pass).bytes);
+std::size_t conv_workspace_bytes(const Conv2dShape& s, ConvPass pass, Elem elem) {
+  const i64 n = chunk_samples(s, pass, elem);
+  if (n == s.N) return plan(s, pass, elem).bytes;
+  std::size_t bytes = plan(with_samples(s, n), pass, elem).bytes;
+  if (s.N % n != 0) bytes = std::max(bytes, plan(with_samples(s, s.N % n), pass, elem).bytes);
   return bytes;
 }
 
-void conv_forward(const Conv2dShape& s, const float* x, const float* w, float* y, void* workspace) {
-  run_chunked(s, ConvPass::forward, x, w, y, false, workspace);
+void conv_forward(const Conv2dShape& s, Elem elem, const void* x, const float* w, void* y, void* workspace) {
+  run_chunked(s, ConvPass::forward, elem, x, w, y, false, workspace);
 }
 
-void conv_backward_data(const Conv2dShape& s, const float* dy, const float* w, float* dx, bool accumulate,
+void conv_backward_data(const Conv2dShape& s, Elem elem, const void* dy, const float* w, void* dx, bool accumulate,
                         void* workspace) {
-  run_chunked(s, ConvPass::backward_data, dy, w, dx, accumulate, workspace);
+  run_chunked(s, ConvPass::backward_data, elem, dy, w, dx, accumulate, workspace);
 }
 
-void conv_backward_filter(const Conv2dShape& s, const float* x, const float* dy, float* dw, bool accumulate,
+void conv_backward_filter(const Conv2dShape& s, Elem elem, const void* x, const void* dy, float* dw, bool accumulate,
                           void* workspace) {
-  run_chunked(s, ConvPass::backward_filter, x, dy, dw, accumulate, workspace);
+  run_chunked(s, ConvPass::backward_filter, elem, x, dy, dw, accumulate, workspace);
 }
 
 }  // namespace tally::kernels::cpu::onednn

@@ -1,7 +1,10 @@
 // kernels/cpu/cpu_kernels.h — the CPU reference kernels, one section per op family.
 //
-// Every function is a template on T (float, double), explicitly instantiated in the matching
-// .cpp file (gemm.cpp, conv.cpp, norm.cpp, pool.cpp, loss.cpp, elementwise.cpp, optim.cpp).
+// Every function is a template on T (float, double, and bf16 for the ops of a mixed-precision
+// step), explicitly instantiated in the matching .cpp file (gemm.cpp, conv.cpp, norm.cpp,
+// pool.cpp, loss.cpp, elementwise.cpp, optim.cpp). `template <class T> using P = compute_t<T>`
+// below is the type of the scalars, parameters and statistics beside T's activations (float for
+// bf16, kernels/common.h). The bf16 kernels compute in float32 and round once per element stored.
 // See kernels/common.h for the layout, `beta` and workspace conventions.
 // These are the reference every CUDA kernel is tested against: clarity and exactness first,
 // then speed (OpenBLAS for GEMM, OpenMP over channels/batch where it pays on a few cores).
@@ -15,16 +18,22 @@
 
 namespace tally::kernels::cpu {
 
+template <class T>
+using P = compute_t<T>;
+
 // ---------------------------------------------------------------------------------------------
 // gemm.cpp — row-major GEMM on OpenBLAS (cblas_sgemm / cblas_dgemm).
 // C (M, N) = alpha * op(A) * op(B) + beta * C, op(A) is (M, K), op(B) is (K, N).
 // A is (M, K) with leading dimension lda if !trans_a, else (K, M); likewise B.
-// beta == 0 never reads C. `workspace` exists for the CUDA twin's sake (cuBLAS scratch from the
-// arena); the CPU GEMM needs none: gemm_workspace_bytes(budget) is 0 and the arguments are ignored.
-std::size_t gemm_workspace_bytes(std::size_t budget);
+// beta == 0 never reads C. C is T, or float for bf16 inputs (a weight gradient accumulated into
+// its float32 buffer). Workspace: none for float and double (the CUDA twin's cuBLAS scratch is
+// why the arguments exist); for bf16 the float32 copies of A, B (and C when C is bf16) that
+// sgemm multiplies — float32 math, one rounding of C.
 template <class T>
-void gemm(bool trans_a, bool trans_b, i64 M, i64 N, i64 K, T alpha, const T* A, i64 lda,
-          const T* B, i64 ldb, T beta, T* C, i64 ldc, void* workspace = nullptr,
+std::size_t gemm_workspace_bytes(std::size_t budget, i64 M, i64 N, i64 K);
+template <class T, class TC = T>
+void gemm(bool trans_a, bool trans_b, i64 M, i64 N, i64 K, P<T> alpha, const T* A, i64 lda,
+          const T* B, i64 ldb, P<T> beta, TC* C, i64 ldc, void* workspace = nullptr,
           std::size_t workspace_bytes = 0);
 
 // ---------------------------------------------------------------------------------------------
@@ -59,17 +68,23 @@ std::string format_profile(const std::string& title, const std::string& what,
                            const std::map<std::string, ProfileRow>& table);
 
 // ---------------------------------------------------------------------------------------------
-// conv.cpp — 2-D convolution (cross-correlation, as PyTorch), NCHW: float32 on oneDNN where the
-// build has it (the default), else — and for every other dtype — im2col + GEMM (the reference).
+// conv.cpp — 2-D convolution (cross-correlation, as PyTorch), NCHW: float32 and bf16 on oneDNN
+// where the build has it and oneDNN takes the shape (the default; bf16 needs AVX-512), else
+// im2col + GEMM (the reference). The weights, bias and their gradients are P<T> (float32 for a
+// bf16 convolution: the master weights, rounded to bf16 as the convolution reads them; weight
+// and bias gradients computed and accumulated in float32). A bf16 convolution that oneDNN cannot
+// run converts chunks of samples to float32 in its workspace and runs the float32 convolution on
+// them, with the weights rounded to bf16 — the same products, float32 sums.
 enum class ConvAlgorithm { reference, onednn };
 // The float32 algorithm of every later call (onednn falls back to reference in a build without
 // oneDNN). Change it only between steps: a plan's dry run and its real step must see the same.
 void set_conv_algorithm(ConvAlgorithm a);
 ConvAlgorithm conv_algorithm();
 bool have_onednn();
-// Whether a float32 call of `pass` on shape `s` runs on oneDNN now (the algorithm is onednn and
-// oneDNN takes the shape), rather than on the reference.
-bool conv2d_on_onednn(const Conv2dShape& s, ConvPass pass);
+// Whether a float32 (or, with bf16_activations, a bf16) call of `pass` on shape `s` runs on
+// oneDNN now (the algorithm is onednn and oneDNN takes the shape and type), rather than on the
+// reference (float32) or the widened float32 fallback (bf16).
+bool conv2d_on_onednn(const Conv2dShape& s, ConvPass pass, bool bf16_activations = false);
 // The most workspace one oneDNN pass may take under a memory budget (Conv2dShape's
 // workspace_limit, set by core/ from the arena's budget): budget / 32, at least 64 MiB. A pass
 // over it runs over chunks of samples (conv_onednn.cpp).
@@ -82,20 +97,20 @@ template <class T>
 std::size_t conv2d_workspace_bytes(const Conv2dShape& s, ConvPass pass);
 // y (N, K, P, Q) = conv(x (N, C, H, W), w (K, C/g, R, S)) + bias (K) ; bias may be null.
 template <class T>
-void conv2d_forward(const Conv2dShape& s, const T* x, const T* w, const T* bias, T* y,
+void conv2d_forward(const Conv2dShape& s, const T* x, const P<T>* w, const P<T>* bias, T* y,
                     void* workspace);
 // dx (N, C, H, W) (=|+=) conv_transpose(dy (N, K, P, Q), w).
 template <class T>
-void conv2d_backward_data(const Conv2dShape& s, const T* dy, const T* w, T* dx, T beta,
+void conv2d_backward_data(const Conv2dShape& s, const T* dy, const P<T>* w, T* dx, P<T> beta,
                           void* workspace);
 // dw (K, C/g, R, S) (=|+=) sum_n dy_n * im2col(x_n)^T — GEMM with beta = 1 after the first
 // image, so the persistent gradient buffer is the accumulator.
 template <class T>
-void conv2d_backward_filter(const Conv2dShape& s, const T* x, const T* dy, T* dw, T beta,
+void conv2d_backward_filter(const Conv2dShape& s, const T* x, const T* dy, P<T>* dw, P<T> beta,
                             void* workspace);
 // db (K) (=|+=) sum over n, p, q of dy.
 template <class T>
-void conv2d_backward_bias(const Conv2dShape& s, const T* dy, T* db, T beta);
+void conv2d_backward_bias(const Conv2dShape& s, const T* dy, P<T>* db, P<T> beta);
 
 // ---------------------------------------------------------------------------------------------
 // elementwise.cpp — n elements unless said otherwise.
@@ -107,31 +122,31 @@ void copy_bytes(void* dst, const void* src, std::size_t bytes);
 template <class T> void fill(i64 n, T value, T* y);
 template <class T> void copy(i64 n, const T* x, T* y);
 // y = a + alpha * b (alpha = 1 for residual add, -1 for subtraction)
-template <class T> void add(i64 n, const T* a, const T* b, T alpha, T* y);
+template <class T> void add(i64 n, const T* a, const T* b, P<T> alpha, T* y);
 // y (=|+=) alpha * x   (scale forward, and the backward of add/scale)
-template <class T> void axpby(i64 n, T alpha, const T* x, T beta, T* y);
+template <class T> void axpby(i64 n, P<T> alpha, const T* x, P<T> beta, T* y);
 // y = a * b elementwise
 template <class T> void mul(i64 n, const T* a, const T* b, T* y);
 // da (=|+=) dy * b
-template <class T> void mul_backward(i64 n, const T* dy, const T* b, T* da, T beta);
+template <class T> void mul_backward(i64 n, const T* dy, const T* b, T* da, P<T> beta);
 template <class T> void relu_forward(i64 n, const T* x, T* y);
 // dx (=|+=) dy * (y > 0), y the forward output
-template <class T> void relu_backward(i64 n, const T* dy, const T* y, T* dx, T beta);
+template <class T> void relu_backward(i64 n, const T* dy, const T* y, T* dx, P<T> beta);
 // Gather a strided view into a dense buffer: y[i0..] = x[sum_k i_k * strides[k]], row-major
 // over `shape` (ndim <= 8); strides in elements, may be 0 (broadcast).
 template <class T>
 void strided_copy(int ndim, const i64* shape, const i64* strides, const T* x, T* y);
 // Rows: x (rows, cols). y (rows, cols) = x + bias (cols) broadcast over rows.
-template <class T> void add_bias_rows(i64 rows, i64 cols, const T* x, const T* bias, T* y);
+template <class T> void add_bias_rows(i64 rows, i64 cols, const T* x, const P<T>* bias, T* y);
 // db (cols) (=|+=) sum over rows of dy (rows, cols)
-template <class T> void sum_rows(i64 rows, i64 cols, const T* dy, T* db, T beta);
+template <class T> void sum_rows(i64 rows, i64 cols, const T* dy, P<T>* db, P<T> beta);
 // Full reductions (accumulated in double).
 template <class T> T sum_all(i64 n, const T* x);
 // y[0] = factor * sum of x (accumulated in double), written where y lives: no value reaches the
 // host (the CUDA twin never waits).
-template <class T> void sum_to(i64 n, const T* x, T factor, T* y);
+template <class T> void sum_to(i64 n, const T* x, P<T> factor, T* y);
 // y (n) (=|+=) factor * s[0]: a scalar's gradient spread over a tensor, read where it lives.
-template <class T> void broadcast_scalar(i64 n, const T* s, T factor, T* y, T beta);
+template <class T> void broadcast_scalar(i64 n, const T* s, P<T> factor, T* y, P<T> beta);
 // y (n) = a[0] * b[0].
 template <class T> void fill_product(i64 n, const T* a, const T* b, T* y);
 // Convert between element types (float <-> double), n elements.
@@ -150,24 +165,24 @@ template <class S, class D> void convert(i64 n, const S* x, D* y);
 //   partial sums; the CPU ignores it.
 std::size_t batch_norm_workspace_bytes(i64 N, i64 C, i64 HW);
 template <class T>
-void batch_norm_forward_train(i64 N, i64 C, i64 HW, const T* x, const T* gamma, const T* beta_,
-                              T eps, T momentum, T* running_mean, T* running_var, T* y,
-                              T* save_mean, T* save_invstd, void* workspace = nullptr);
+void batch_norm_forward_train(i64 N, i64 C, i64 HW, const T* x, const P<T>* gamma, const P<T>* beta_,
+                              P<T> eps, P<T> momentum, P<T>* running_mean, P<T>* running_var, T* y,
+                              P<T>* save_mean, P<T>* save_invstd, void* workspace = nullptr);
 // Eval mode: y = (x - running_mean) / sqrt(running_var + eps) * gamma + beta_.
 template <class T>
-void batch_norm_forward_eval(i64 N, i64 C, i64 HW, const T* x, const T* gamma, const T* beta_,
-                             const T* running_mean, const T* running_var, T eps, T* y);
+void batch_norm_forward_eval(i64 N, i64 C, i64 HW, const T* x, const P<T>* gamma, const P<T>* beta_,
+                             const P<T>* running_mean, const P<T>* running_var, P<T> eps, T* y);
 // Training-mode backward. dx (=|+=) with beta_dx; dgamma, dbeta (C) (=|+=) with beta_param;
 // any of dx, dgamma, dbeta may be null (not needed).
 template <class T>
-void batch_norm_backward(i64 N, i64 C, i64 HW, const T* dy, const T* x, const T* gamma,
-                         const T* save_mean, const T* save_invstd, T* dx, T beta_dx, T* dgamma,
-                         T* dbeta, T beta_param, void* workspace = nullptr);
+void batch_norm_backward(i64 N, i64 C, i64 HW, const T* dy, const T* x, const P<T>* gamma,
+                         const P<T>* save_mean, const P<T>* save_invstd, T* dx, P<T> beta_dx, P<T>* dgamma,
+                         P<T>* dbeta, P<T> beta_param, void* workspace = nullptr);
 // Eval-mode backward (statistics are constants): dx = dy * gamma * invstd_running.
 template <class T>
-void batch_norm_backward_eval(i64 N, i64 C, i64 HW, const T* dy, const T* x, const T* gamma,
-                              const T* running_mean, const T* running_var, T eps, T* dx,
-                              T beta_dx, T* dgamma, T* dbeta, T beta_param, void* workspace = nullptr);
+void batch_norm_backward_eval(i64 N, i64 C, i64 HW, const T* dy, const T* x, const P<T>* gamma,
+                              const P<T>* running_mean, const P<T>* running_var, P<T> eps, T* dx,
+                              P<T> beta_dx, P<T>* dgamma, P<T>* dbeta, P<T> beta_param, void* workspace = nullptr);
 // Group norm: G groups of C/G channels; statistics per (n, g) over (C/G, HW), biased var.
 // gamma / beta_ are per channel (C), may be null. save_mean, save_invstd are (N, G).
 // Micro-batch moments (MBP): sum (C) += M * mean, sum_sq (C) += M * (var + mean^2) with
@@ -182,12 +197,12 @@ template <class T>
 void batch_norm_apply_moments(i64 C, i64 count, T momentum, const double* sum, const double* sum_sq, T* running_mean,
                               T* running_var);
 template <class T>
-void group_norm_forward(i64 N, i64 C, i64 HW, i64 G, const T* x, const T* gamma, const T* beta_,
-                        T eps, T* y, T* save_mean, T* save_invstd);
+void group_norm_forward(i64 N, i64 C, i64 HW, i64 G, const T* x, const P<T>* gamma, const P<T>* beta_,
+                        P<T> eps, T* y, P<T>* save_mean, P<T>* save_invstd);
 template <class T>
-void group_norm_backward(i64 N, i64 C, i64 HW, i64 G, const T* dy, const T* x, const T* gamma,
-                         const T* save_mean, const T* save_invstd, T* dx, T beta_dx, T* dgamma,
-                         T* dbeta, T beta_param);
+void group_norm_backward(i64 N, i64 C, i64 HW, i64 G, const T* dy, const T* x, const P<T>* gamma,
+                         const P<T>* save_mean, const P<T>* save_invstd, T* dx, P<T> beta_dx, P<T>* dgamma,
+                         P<T>* dbeta, P<T> beta_param);
 
 // ---------------------------------------------------------------------------------------------
 // pool.cpp — NCHW pooling, PyTorch semantics (floor mode).
@@ -198,21 +213,21 @@ void max_pool2d_forward(const Pool2dShape& s, const T* x, T* y, std::int32_t* ar
 // dx (N, C, H, W) (=|+=) scatter of dy through argmax.
 template <class T>
 void max_pool2d_backward(const Pool2dShape& s, const T* dy, const std::int32_t* argmax, T* dx,
-                         T beta);
+                         P<T> beta);
 // Average pooling; count_include_pad = true divides by kh*kw (PyTorch default), else by the
 // number of in-bounds elements.
 template <class T>
 void avg_pool2d_forward(const Pool2dShape& s, bool count_include_pad, const T* x, T* y);
 template <class T>
 void avg_pool2d_backward(const Pool2dShape& s, bool count_include_pad, const T* dy, T* dx,
-                         T beta);
+                         P<T> beta);
 // Adaptive average pooling to (OH, OW): window for output i is
 // [floor(i*H/OH), ceil((i+1)*H/OH)) as in PyTorch. OH = OW = 1 is global average pooling.
 template <class T>
 void adaptive_avg_pool2d_forward(i64 N, i64 C, i64 H, i64 W, i64 OH, i64 OW, const T* x, T* y);
 template <class T>
 void adaptive_avg_pool2d_backward(i64 N, i64 C, i64 H, i64 W, i64 OH, i64 OW, const T* dy, T* dx,
-                                  T beta);
+                                  P<T> beta);
 
 // ---------------------------------------------------------------------------------------------
 // loss.cpp — softmax cross-entropy over logits (N, C) with int64 targets (N), PyTorch's

@@ -43,63 +43,70 @@ void copy(i64 n, const T* x, T* y) {
   for (i64 i = 0; i < n; ++i) y[i] = x[i];
 }
 
+// Each map computes in P<T> (float for bf16: every operand widened, the result rounded once).
 template <class T>
-void add(i64 n, const T* a, const T* b, T alpha, T* y) {
+void add(i64 n, const T* a, const T* b, P<T> alpha, T* y) {
+  using M = P<T>;
 #pragma omp parallel for schedule(static) if (n > kParallelThreshold)
-  for (i64 i = 0; i < n; ++i) y[i] = a[i] + alpha * b[i];
+  for (i64 i = 0; i < n; ++i) y[i] = T(M(a[i]) + alpha * M(b[i]));
 }
 
 template <class T>
-void axpby(i64 n, T alpha, const T* x, T beta, T* y) {
-  if (beta == T(0)) {
+void axpby(i64 n, P<T> alpha, const T* x, P<T> beta, T* y) {
+  using M = P<T>;
+  if (beta == M(0)) {
 #pragma omp parallel for schedule(static) if (n > kParallelThreshold)
-    for (i64 i = 0; i < n; ++i) y[i] = alpha * x[i];
+    for (i64 i = 0; i < n; ++i) y[i] = T(alpha * M(x[i]));
   } else {
 #pragma omp parallel for schedule(static) if (n > kParallelThreshold)
-    for (i64 i = 0; i < n; ++i) y[i] = beta * y[i] + alpha * x[i];
+    for (i64 i = 0; i < n; ++i) y[i] = T(beta * M(y[i]) + alpha * M(x[i]));
   }
 }
 
 template <class T>
 void mul(i64 n, const T* a, const T* b, T* y) {
+  using M = P<T>;
 #pragma omp parallel for schedule(static) if (n > kParallelThreshold)
-  for (i64 i = 0; i < n; ++i) y[i] = a[i] * b[i];
+  for (i64 i = 0; i < n; ++i) y[i] = T(M(a[i]) * M(b[i]));
 }
 
 template <class T>
-void mul_backward(i64 n, const T* dy, const T* b, T* da, T beta) {
-  if (beta == T(0)) {
+void mul_backward(i64 n, const T* dy, const T* b, T* da, P<T> beta) {
+  using M = P<T>;
+  if (beta == M(0)) {
 #pragma omp parallel for schedule(static) if (n > kParallelThreshold)
-    for (i64 i = 0; i < n; ++i) da[i] = dy[i] * b[i];
+    for (i64 i = 0; i < n; ++i) da[i] = T(M(dy[i]) * M(b[i]));
   } else {
 #pragma omp parallel for schedule(static) if (n > kParallelThreshold)
-    for (i64 i = 0; i < n; ++i) da[i] = beta * da[i] + dy[i] * b[i];
+    for (i64 i = 0; i < n; ++i) da[i] = T(beta * M(da[i]) + M(dy[i]) * M(b[i]));
   }
 }
 
 template <class T>
 void relu_forward(i64 n, const T* x, T* y) {
+  using M = P<T>;
   // NaN propagates (as torch.relu): NaN > 0 is false, so test "x < 0" instead.
 #pragma omp parallel for schedule(static) if (n > kParallelThreshold)
-  for (i64 i = 0; i < n; ++i) y[i] = x[i] < T(0) ? T(0) : x[i];
+  for (i64 i = 0; i < n; ++i) y[i] = M(x[i]) < M(0) ? T(0) : x[i];
 }
 
 // As torch's threshold_backward: the gradient is masked where y <= 0 (a NaN y passes dy).
 template <class T>
-void relu_backward(i64 n, const T* dy, const T* y, T* dx, T beta) {
+void relu_backward(i64 n, const T* dy, const T* y, T* dx, P<T> beta) {
+  using M = P<T>;
   // dy[i] is loaded whether or not it is kept: a load under the condition is not if-converted,
   // and the loop would branch per element (27x slower on random signs, measured).
-  if (beta == T(0)) {
+  if (beta == M(0)) {
 #pragma omp parallel for schedule(static) if (n > kParallelThreshold)
     for (i64 i = 0; i < n; ++i) {
       const T g = dy[i];
-      dx[i] = y[i] <= T(0) ? T(0) : g;
+      dx[i] = M(y[i]) <= M(0) ? T(0) : g;
     }
   } else {
 #pragma omp parallel for schedule(static) if (n > kParallelThreshold)
     for (i64 i = 0; i < n; ++i) {
-      const T g = dy[i];
-      dx[i] = beta * dx[i] + (y[i] <= T(0) ? T(0) : g);
+      const M g = M(dy[i]);
+      dx[i] = T(beta * M(dx[i]) + (M(y[i]) <= M(0) ? M(0) : g));
     }
   }
 }
@@ -160,17 +167,19 @@ void strided_copy(int ndim, const i64* shape, const i64* strides, const T* x, T*
 }
 
 template <class T>
-void add_bias_rows(i64 rows, i64 cols, const T* x, const T* bias, T* y) {
+void add_bias_rows(i64 rows, i64 cols, const T* x, const P<T>* bias, T* y) {
+  using M = P<T>;
 #pragma omp parallel for schedule(static) if (rows * cols > kParallelThreshold && rows > 1)
   for (i64 r = 0; r < rows; ++r) {
     const T* xr = x + r * cols;
     T* yr = y + r * cols;
-    for (i64 c = 0; c < cols; ++c) yr[c] = xr[c] + bias[c];
+    for (i64 c = 0; c < cols; ++c) yr[c] = T(M(xr[c]) + bias[c]);
   }
 }
 
 template <class T>
-void sum_rows(i64 rows, i64 cols, const T* dy, T* db, T beta) {
+void sum_rows(i64 rows, i64 cols, const T* dy, P<T>* db, P<T> beta) {
+  using M = P<T>;
   if (cols <= 0) return;
   // Columns are split into contiguous blocks, one per thread; each block is accumulated in
   // double over all rows in row order (cache-friendly and deterministic).
@@ -190,10 +199,10 @@ void sum_rows(i64 rows, i64 cols, const T* dy, T* db, T beta) {
       const T* row = dy + r * cols;
       for (i64 c = c_begin; c < c_end; ++c) a[c] += static_cast<double>(row[c]);
     }
-    if (beta == T(0)) {
-      for (i64 c = c_begin; c < c_end; ++c) db[c] = static_cast<T>(a[c]);
+    if (beta == M(0)) {
+      for (i64 c = c_begin; c < c_end; ++c) db[c] = static_cast<M>(a[c]);
     } else {
-      for (i64 c = c_begin; c < c_end; ++c) db[c] = beta * db[c] + static_cast<T>(a[c]);
+      for (i64 c = c_begin; c < c_end; ++c) db[c] = beta * db[c] + static_cast<M>(a[c]);
     }
   }
 }
@@ -221,19 +230,20 @@ T sum_all(i64 n, const T* x) {
 }
 
 template <class T>
-void sum_to(i64 n, const T* x, T factor, T* y) {
+void sum_to(i64 n, const T* x, P<T> factor, T* y) {
   y[0] = static_cast<T>(static_cast<double>(sum_all<T>(n, x)) * static_cast<double>(factor));
 }
 
 template <class T>
-void broadcast_scalar(i64 n, const T* s, T factor, T* y, T beta) {
-  const T v = static_cast<T>(static_cast<double>(s[0]) * static_cast<double>(factor));
-  for (i64 i = 0; i < n; ++i) y[i] = beta == T(0) ? v : beta * y[i] + v;
+void broadcast_scalar(i64 n, const T* s, P<T> factor, T* y, P<T> beta) {
+  using M = P<T>;
+  const M v = static_cast<M>(static_cast<double>(s[0]) * static_cast<double>(factor));
+  for (i64 i = 0; i < n; ++i) y[i] = beta == M(0) ? T(v) : T(beta * M(y[i]) + v);
 }
 
 template <class T>
 void fill_product(i64 n, const T* a, const T* b, T* y) {
-  const T v = a[0] * b[0];
+  const T v = T(P<T>(a[0]) * P<T>(b[0]));
   for (i64 i = 0; i < n; ++i) y[i] = v;
 }
 
@@ -256,31 +266,31 @@ void copy_bytes(void* dst, const void* src, std::size_t bytes) {
 // ---------------------------------------------------------------------------------------------
 // Explicit instantiations.
 #define TALLY_INSTANTIATE_ELEMENTWISE(T)                                                  \
-  template void fill<T>(i64, T, T*);                                                      \
-  template void copy<T>(i64, const T*, T*);                                               \
-  template void add<T>(i64, const T*, const T*, T, T*);                                   \
-  template void axpby<T>(i64, T, const T*, T, T*);                                        \
+  template void add<T>(i64, const T*, const T*, P<T>, T*);                                \
+  template void axpby<T>(i64, P<T>, const T*, P<T>, T*);                                  \
   template void mul<T>(i64, const T*, const T*, T*);                                      \
-  template void mul_backward<T>(i64, const T*, const T*, T*, T);                          \
+  template void mul_backward<T>(i64, const T*, const T*, T*, P<T>);                       \
   template void relu_forward<T>(i64, const T*, T*);                                       \
-  template void relu_backward<T>(i64, const T*, const T*, T*, T);                         \
-  template void strided_copy<T>(int, const i64*, const i64*, const T*, T*);               \
-  template void add_bias_rows<T>(i64, i64, const T*, const T*, T*);                       \
-  template void sum_rows<T>(i64, i64, const T*, T*, T);                                   \
+  template void relu_backward<T>(i64, const T*, const T*, T*, P<T>);                      \
+  template void add_bias_rows<T>(i64, i64, const T*, const P<T>*, T*);                    \
+  template void sum_rows<T>(i64, i64, const T*, P<T>*, P<T>);                             \
   template T sum_all<T>(i64, const T*);                                                    \
-  template void sum_to<T>(i64, const T*, T, T*);                                          \
-  template void broadcast_scalar<T>(i64, const T*, T, T*, T);                             \
+  template void sum_to<T>(i64, const T*, P<T>, T*);                                       \
+  template void broadcast_scalar<T>(i64, const T*, P<T>, T*, P<T>);                       \
   template void fill_product<T>(i64, const T*, const T*, T*);
 
 TALLY_INSTANTIATE_ELEMENTWISE(float)
 TALLY_INSTANTIATE_ELEMENTWISE(double)
+TALLY_INSTANTIATE_ELEMENTWISE(bf16)
 #undef TALLY_INSTANTIATE_ELEMENTWISE
 
-// The memory-only functions take the integer dtypes too (the ALL set of core/dispatch.h).
+// The memory-only functions take every dtype (the ALL set of core/dispatch.h).
 #define TALLY_INSTANTIATE_MEMORY(T)  \
   template void fill<T>(i64, T, T*); \
   template void copy<T>(i64, const T*, T*); \
   template void strided_copy<T>(int, const i64*, const i64*, const T*, T*);
+TALLY_INSTANTIATE_MEMORY(float)
+TALLY_INSTANTIATE_MEMORY(double)
 TALLY_INSTANTIATE_MEMORY(std::int32_t)
 TALLY_INSTANTIATE_MEMORY(std::int64_t)
 TALLY_INSTANTIATE_MEMORY(bf16)

@@ -1,6 +1,10 @@
 // kernels/cpu/gemm.cpp — row-major GEMM on OpenBLAS (cblas_sgemm / cblas_dgemm).
 // C (M, N) = alpha * op(A) * op(B) + beta * C; beta == 0 never reads C.
+// bf16 inputs (OpenBLAS has no bf16 GEMM in Debian's build): A and B widened to float32 in the
+// workspace (exact), multiplied by sgemm (float32 products and sums), C rounded once if bf16.
 #include <cblas.h>
+
+#include <type_traits>
 
 #include "kernels/cpu/cpu_kernels.h"
 
@@ -38,39 +42,76 @@ void blas_gemm(CBLAS_TRANSPOSE ta, CBLAS_TRANSPOSE tb, i64 M, i64 N, i64 K, doub
               static_cast<blasint>(ldb), beta, C, static_cast<blasint>(ldc));
 }
 
+// rows x cols of a row-major matrix with leading dimension ld, widened into a dense float block.
+void widen(i64 rows, i64 cols, const bf16* x, i64 ld, float* y) {
+#pragma omp parallel for schedule(static) if (rows * cols > (i64{1} << 15))
+  for (i64 r = 0; r < rows; ++r)
+    for (i64 c = 0; c < cols; ++c) y[r * cols + c] = float(x[r * ld + c]);
+}
+
 }  // namespace
 
-std::size_t gemm_workspace_bytes(std::size_t /*budget*/) { return 0; }
-
 template <class T>
-void gemm(bool trans_a, bool trans_b, i64 M, i64 N, i64 K, T alpha,
+std::size_t gemm_workspace_bytes(std::size_t /*budget*/, i64 M, i64 N, i64 K) {
+  if constexpr (std::is_same_v<T, bf16>) return sizeof(float) * static_cast<std::size_t>(M * K + K * N + M * N);
+  return 0;
+}
+
+template <class T, class TC>
+void gemm(bool trans_a, bool trans_b, i64 M, i64 N, i64 K, P<T> alpha,
           const T* A,  // (M, K) with leading dim lda, or (K, M) if trans_a
           i64 lda,
           const T* B,  // (K, N) with leading dim ldb, or (N, K) if trans_b
-          i64 ldb, T beta,
-          T* C,  // (M, N) with leading dim ldc
-          i64 ldc, void* /*workspace: none needed*/, std::size_t /*workspace_bytes*/) {
+          i64 ldb, P<T> beta,
+          TC* C,  // (M, N) with leading dim ldc
+          i64 ldc, void* workspace, std::size_t /*workspace_bytes*/) {
+  using S = P<T>;
   if (M <= 0 || N <= 0) return;
-  if (K <= 0 || alpha == T(0)) {
+  if (K <= 0 || alpha == S(0)) {
     // op(A) * op(B) contributes nothing: C = beta * C, without reading C when beta == 0.
     // (Done here because cblas rejects lda = 0 for K = 0 and may read A, B for alpha = 0.)
     for (i64 i = 0; i < M; ++i) {
-      T* c = C + i * ldc;
-      if (beta == T(0)) {
-        for (i64 j = 0; j < N; ++j) c[j] = T(0);
-      } else if (beta != T(1)) {
-        for (i64 j = 0; j < N; ++j) c[j] *= beta;
+      TC* c = C + i * ldc;
+      if (beta == S(0)) {
+        for (i64 j = 0; j < N; ++j) c[j] = TC(0);
+      } else if (beta != S(1)) {
+        for (i64 j = 0; j < N; ++j) c[j] = TC(S(c[j]) * beta);
       }
     }
     return;
   }
-  blas_gemm(trans_a ? CblasTrans : CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, M, N, K,
-            alpha, A, lda, B, ldb, beta, C, ldc);
+  const CBLAS_TRANSPOSE ta = trans_a ? CblasTrans : CblasNoTrans, tb = trans_b ? CblasTrans : CblasNoTrans;
+  if constexpr (std::is_same_v<T, bf16>) {
+    float* a = static_cast<float*>(workspace);  // op(A) as stored, dense
+    float* b = a + M * K;
+    float* c = b + K * N;
+    const i64 a_rows = trans_a ? K : M, a_cols = trans_a ? M : K;
+    const i64 b_rows = trans_b ? N : K, b_cols = trans_b ? K : N;
+    widen(a_rows, a_cols, A, lda, a);
+    widen(b_rows, b_cols, B, ldb, b);
+    if constexpr (std::is_same_v<TC, float>) {
+      blas_gemm(ta, tb, M, N, K, alpha, a, a_cols, b, b_cols, beta, C, ldc);
+    } else {
+      if (beta != 0.f) widen(M, N, C, ldc, c);
+      blas_gemm(ta, tb, M, N, K, alpha, a, a_cols, b, b_cols, beta, c, N);
+      for (i64 i = 0; i < M; ++i)
+        for (i64 j = 0; j < N; ++j) C[i * ldc + j] = bf16(c[i * N + j]);
+    }
+  } else {
+    blas_gemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  }
 }
 
-template void gemm<float>(bool, bool, i64, i64, i64, float, const float*, i64, const float*, i64,
-                          float, float*, i64, void*, std::size_t);
-template void gemm<double>(bool, bool, i64, i64, i64, double, const double*, i64, const double*,
-                           i64, double, double*, i64, void*, std::size_t);
+template std::size_t gemm_workspace_bytes<float>(std::size_t, i64, i64, i64);
+template std::size_t gemm_workspace_bytes<double>(std::size_t, i64, i64, i64);
+template std::size_t gemm_workspace_bytes<bf16>(std::size_t, i64, i64, i64);
+template void gemm<float, float>(bool, bool, i64, i64, i64, float, const float*, i64, const float*, i64,
+                                 float, float*, i64, void*, std::size_t);
+template void gemm<double, double>(bool, bool, i64, i64, i64, double, const double*, i64, const double*,
+                                   i64, double, double*, i64, void*, std::size_t);
+template void gemm<bf16, bf16>(bool, bool, i64, i64, i64, float, const bf16*, i64, const bf16*, i64, float,
+                               bf16*, i64, void*, std::size_t);
+template void gemm<bf16, float>(bool, bool, i64, i64, i64, float, const bf16*, i64, const bf16*, i64, float,
+                                float*, i64, void*, std::size_t);
 
 }  // namespace tally::kernels::cpu

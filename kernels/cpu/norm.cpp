@@ -14,13 +14,14 @@ namespace {
 
 constexpr i64 kParallelThreshold = i64{1} << 14;
 
-// beta == 0 overwrites (never reads out); otherwise out = beta * out + v.
+// beta == 0 overwrites (never reads out); otherwise out = beta * out + v, in P<T>.
 template <class T>
-inline void store(T* out, T beta, double v) {
-  if (beta == T(0)) {
+inline void store(T* out, P<T> beta, double v) {
+  using M = P<T>;
+  if (beta == M(0)) {
     *out = static_cast<T>(v);
   } else {
-    *out = beta * *out + static_cast<T>(v);
+    *out = T(beta * M(*out) + static_cast<M>(v));
   }
 }
 
@@ -100,9 +101,10 @@ void channel_dy_sums(i64 N, i64 CHW, i64 HW, const T* dyc, const T* xc, double m
 std::size_t batch_norm_workspace_bytes(i64, i64, i64) { return 0; }
 
 template <class T>
-void batch_norm_forward_train(i64 N, i64 C, i64 HW, const T* x, const T* gamma, const T* beta_,
-                              T eps, T momentum, T* running_mean, T* running_var, T* y,
-                              T* save_mean, T* save_invstd, void* /*workspace: none needed*/) {
+void batch_norm_forward_train(i64 N, i64 C, i64 HW, const T* x, const P<T>* gamma, const P<T>* beta_,
+                              P<T> eps, P<T> momentum, P<T>* running_mean, P<T>* running_var, T* y,
+                              P<T>* save_mean, P<T>* save_invstd, void* /*workspace: none needed*/) {
+  using M_ = P<T>;
   const i64 M = N * HW;
   const i64 CHW = C * HW;
 #pragma omp parallel for schedule(static) if (N * C * HW > kParallelThreshold && C > 1)
@@ -122,26 +124,26 @@ void batch_norm_forward_train(i64 N, i64 C, i64 HW, const T* x, const T* gamma, 
         yp[i] = static_cast<T>((static_cast<double>(xp[i]) - mean) * scale + b);
       }
     }
-    if (save_mean) save_mean[c] = static_cast<T>(mean);
-    if (save_invstd) save_invstd[c] = static_cast<T>(invstd);
+    if (save_mean) save_mean[c] = static_cast<M_>(mean);
+    if (save_invstd) save_invstd[c] = static_cast<M_>(invstd);
     const double mom = static_cast<double>(momentum);
     if (running_mean) {
       running_mean[c] =
-          static_cast<T>((1.0 - mom) * static_cast<double>(running_mean[c]) + mom * mean);
+          static_cast<M_>((1.0 - mom) * static_cast<double>(running_mean[c]) + mom * mean);
     }
     if (running_var) {
       // Unbiased variance, as PyTorch. M == 1 divides by zero (PyTorch refuses to train with one
       // value per channel; core/ is expected to reject it before calling).
       const double unbiased = ssd / static_cast<double>(M - 1);
       running_var[c] =
-          static_cast<T>((1.0 - mom) * static_cast<double>(running_var[c]) + mom * unbiased);
+          static_cast<M_>((1.0 - mom) * static_cast<double>(running_var[c]) + mom * unbiased);
     }
   }
 }
 
 template <class T>
-void batch_norm_forward_eval(i64 N, i64 C, i64 HW, const T* x, const T* gamma, const T* beta_,
-                             const T* running_mean, const T* running_var, T eps, T* y) {
+void batch_norm_forward_eval(i64 N, i64 C, i64 HW, const T* x, const P<T>* gamma, const P<T>* beta_,
+                             const P<T>* running_mean, const P<T>* running_var, P<T> eps, T* y) {
   const i64 CHW = C * HW;
 #pragma omp parallel for schedule(static) if (N * C * HW > kParallelThreshold && C > 1)
   for (i64 c = 0; c < C; ++c) {
@@ -162,9 +164,10 @@ void batch_norm_forward_eval(i64 N, i64 C, i64 HW, const T* x, const T* gamma, c
 }
 
 template <class T>
-void batch_norm_backward(i64 N, i64 C, i64 HW, const T* dy, const T* x, const T* gamma,
-                         const T* save_mean, const T* save_invstd, T* dx, T beta_dx, T* dgamma,
-                         T* dbeta, T beta_param, void* /*workspace*/) {
+void batch_norm_backward(i64 N, i64 C, i64 HW, const T* dy, const T* x, const P<T>* gamma,
+                         const P<T>* save_mean, const P<T>* save_invstd, T* dx, P<T> beta_dx, P<T>* dgamma,
+                         P<T>* dbeta, P<T> beta_param, void* /*workspace*/) {
+  using M_ = P<T>;
   const i64 M = N * HW;
   const i64 CHW = C * HW;
 #pragma omp parallel for schedule(static) if (N * C * HW > kParallelThreshold && C > 1)
@@ -174,8 +177,8 @@ void batch_norm_backward(i64 N, i64 C, i64 HW, const T* dy, const T* x, const T*
     double sum_dy = 0.0, sum_dy_xmu = 0.0;
     channel_dy_sums(N, CHW, HW, dy + c * HW, x + c * HW, mean, &sum_dy, &sum_dy_xmu);
     const double sum_dy_xhat = sum_dy_xmu * invstd;
-    if (dgamma) store(dgamma + c, beta_param, sum_dy_xhat);
-    if (dbeta) store(dbeta + c, beta_param, sum_dy);
+    if (dgamma) store<M_>(dgamma + c, beta_param, sum_dy_xhat);
+    if (dbeta) store<M_>(dbeta + c, beta_param, sum_dy);
     if (dx && M > 0) {
       const double g = gamma ? static_cast<double>(gamma[c]) : 1.0;
       const double mean_dy = sum_dy / static_cast<double>(M);
@@ -186,7 +189,7 @@ void batch_norm_backward(i64 N, i64 C, i64 HW, const T* dy, const T* x, const T*
         const T* dyp = dy + n * CHW + c * HW;
         T* dxp = dx + n * CHW + c * HW;
         // Two loops rather than a test of beta per element: each vectorizes.
-        if (beta_dx == T(0)) {
+        if (beta_dx == M_(0)) {
           for (i64 i = 0; i < HW; ++i) {
             const double xhat = (static_cast<double>(xp[i]) - mean) * invstd;
             dxp[i] = static_cast<T>(k * (static_cast<double>(dyp[i]) - mean_dy - xhat * mean_dy_xhat));
@@ -194,7 +197,7 @@ void batch_norm_backward(i64 N, i64 C, i64 HW, const T* dy, const T* x, const T*
         } else {
           for (i64 i = 0; i < HW; ++i) {
             const double xhat = (static_cast<double>(xp[i]) - mean) * invstd;
-            dxp[i] = beta_dx * dxp[i] + static_cast<T>(k * (static_cast<double>(dyp[i]) - mean_dy - xhat * mean_dy_xhat));
+            dxp[i] = T(beta_dx * M_(dxp[i]) + static_cast<M_>(k * (static_cast<double>(dyp[i]) - mean_dy - xhat * mean_dy_xhat)));
           }
         }
       }
@@ -203,9 +206,9 @@ void batch_norm_backward(i64 N, i64 C, i64 HW, const T* dy, const T* x, const T*
 }
 
 template <class T>
-void batch_norm_backward_eval(i64 N, i64 C, i64 HW, const T* dy, const T* x, const T* gamma,
-                              const T* running_mean, const T* running_var, T eps, T* dx,
-                              T beta_dx, T* dgamma, T* dbeta, T beta_param, void* /*workspace*/) {
+void batch_norm_backward_eval(i64 N, i64 C, i64 HW, const T* dy, const T* x, const P<T>* gamma,
+                              const P<T>* running_mean, const P<T>* running_var, P<T> eps, T* dx,
+                              P<T> beta_dx, P<T>* dgamma, P<T>* dbeta, P<T> beta_param, void* /*workspace*/) {
   const i64 CHW = C * HW;
 #pragma omp parallel for schedule(static) if (N * C * HW > kParallelThreshold && C > 1)
   for (i64 c = 0; c < C; ++c) {
@@ -223,11 +226,11 @@ void batch_norm_backward_eval(i64 N, i64 C, i64 HW, const T* dy, const T* x, con
         const double d = static_cast<double>(dyp[i]);
         sum_dy += d;
         sum_dy_xhat += d * (static_cast<double>(xp[i]) - mean) * invstd;
-        if (dxp) store(dxp + i, beta_dx, d * k);
+        if (dxp) store<T>(dxp + i, beta_dx, d * k);
       }
     }
-    if (dgamma) store(dgamma + c, beta_param, sum_dy_xhat);
-    if (dbeta) store(dbeta + c, beta_param, sum_dy);
+    if (dgamma) store<P<T>>(dgamma + c, beta_param, sum_dy_xhat);
+    if (dbeta) store<P<T>>(dbeta + c, beta_param, sum_dy);
   }
 }
 
@@ -259,8 +262,9 @@ void batch_norm_apply_moments(i64 C, i64 count, T momentum, const double* sum, c
 }
 
 template <class T>
-void group_norm_forward(i64 N, i64 C, i64 HW, i64 G, const T* x, const T* gamma, const T* beta_,
-                        T eps, T* y, T* save_mean, T* save_invstd) {
+void group_norm_forward(i64 N, i64 C, i64 HW, i64 G, const T* x, const P<T>* gamma, const P<T>* beta_,
+                        P<T> eps, T* y, P<T>* save_mean, P<T>* save_invstd) {
+  using M_ = P<T>;
   const i64 Cg = C / G;
   const i64 M = Cg * HW;  // elements per group
   const i64 NG = N * G;
@@ -290,15 +294,15 @@ void group_norm_forward(i64 N, i64 C, i64 HW, i64 G, const T* x, const T* gamma,
         yc[i] = static_cast<T>((static_cast<double>(xc[i]) - mean) * scale + b);
       }
     }
-    if (save_mean) save_mean[ng] = static_cast<T>(mean);
-    if (save_invstd) save_invstd[ng] = static_cast<T>(invstd);
+    if (save_mean) save_mean[ng] = static_cast<M_>(mean);
+    if (save_invstd) save_invstd[ng] = static_cast<M_>(invstd);
   }
 }
 
 template <class T>
-void group_norm_backward(i64 N, i64 C, i64 HW, i64 G, const T* dy, const T* x, const T* gamma,
-                         const T* save_mean, const T* save_invstd, T* dx, T beta_dx, T* dgamma,
-                         T* dbeta, T beta_param) {
+void group_norm_backward(i64 N, i64 C, i64 HW, i64 G, const T* dy, const T* x, const P<T>* gamma,
+                         const P<T>* save_mean, const P<T>* save_invstd, T* dx, P<T> beta_dx, P<T>* dgamma,
+                         P<T>* dbeta, P<T> beta_param) {
   const i64 Cg = C / G;
   const i64 M = Cg * HW;
   const i64 NG = N * G;
@@ -332,7 +336,7 @@ void group_norm_backward(i64 N, i64 C, i64 HW, i64 G, const T* dy, const T* x, c
         for (i64 i = cc * HW; i < (cc + 1) * HW; ++i) {
           const double xhat = (static_cast<double>(xp[i]) - mean) * invstd;
           const double dxh = static_cast<double>(dyp[i]) * gm;
-          store(dxp + i, beta_dx, invstd * (dxh - m1 - xhat * m2));
+          store<T>(dxp + i, beta_dx, invstd * (dxh - m1 - xhat * m2));
         }
       }
     }
@@ -355,32 +359,39 @@ void group_norm_backward(i64 N, i64 C, i64 HW, i64 G, const T* dy, const T* x, c
           sdy_xhat += d * (static_cast<double>(xp[i]) - mean) * invstd;
         }
       }
-      if (dgamma) store(dgamma + c, beta_param, sdy_xhat);
-      if (dbeta) store(dbeta + c, beta_param, sdy);
+      if (dgamma) store<P<T>>(dgamma + c, beta_param, sdy_xhat);
+      if (dbeta) store<P<T>>(dbeta + c, beta_param, sdy);
     }
   }
 }
 
 // ---------------------------------------------------------------------------------------------
 // Explicit instantiations.
-#define TALLY_INSTANTIATE_NORM(T)                                                             \
-  template void batch_norm_forward_train<T>(i64, i64, i64, const T*, const T*, const T*, T, T, \
-                                            T*, T*, T*, T*, T*, void*);                       \
-  template void batch_norm_forward_eval<T>(i64, i64, i64, const T*, const T*, const T*,        \
-                                           const T*, const T*, T, T*);                        \
-  template void batch_norm_backward<T>(i64, i64, i64, const T*, const T*, const T*, const T*,  \
-                                       const T*, T*, T, T*, T*, T, void*);                    \
-  template void batch_norm_backward_eval<T>(i64, i64, i64, const T*, const T*, const T*,       \
-                                            const T*, const T*, T, T*, T, T*, T*, T, void*);  \
+#define TALLY_INSTANTIATE_NORM(T)                                                                   \
+  template void batch_norm_forward_train<T>(i64, i64, i64, const T*, const P<T>*, const P<T>*, P<T>, P<T>, \
+                                            P<T>*, P<T>*, T*, P<T>*, P<T>*, void*);                 \
+  template void batch_norm_forward_eval<T>(i64, i64, i64, const T*, const P<T>*, const P<T>*,        \
+                                           const P<T>*, const P<T>*, P<T>, T*);                     \
+  template void batch_norm_backward<T>(i64, i64, i64, const T*, const T*, const P<T>*, const P<T>*,  \
+                                       const P<T>*, T*, P<T>, P<T>*, P<T>*, P<T>, void*);           \
+  template void batch_norm_backward_eval<T>(i64, i64, i64, const T*, const T*, const P<T>*,          \
+                                            const P<T>*, const P<T>*, P<T>, T*, P<T>, P<T>*, P<T>*, \
+                                            P<T>, void*);                                           \
+  template void group_norm_forward<T>(i64, i64, i64, i64, const T*, const P<T>*, const P<T>*, P<T>, \
+                                      T*, P<T>*, P<T>*);                                            \
+  template void group_norm_backward<T>(i64, i64, i64, i64, const T*, const T*, const P<T>*,          \
+                                       const P<T>*, const P<T>*, T*, P<T>, P<T>*, P<T>*, P<T>);
+// The moments touch statistics only: float32 (a bf16 norm's statistics are float32) and float64.
+#define TALLY_INSTANTIATE_MOMENTS(T)                                                                  \
   template void batch_norm_accumulate_moments<T>(i64, i64, T, const T*, const T*, double*, double*); \
-  template void batch_norm_apply_moments<T>(i64, i64, T, const double*, const double*, T*, T*); \
-  template void group_norm_forward<T>(i64, i64, i64, i64, const T*, const T*, const T*, T, T*, \
-                                      T*, T*);                                                \
-  template void group_norm_backward<T>(i64, i64, i64, i64, const T*, const T*, const T*,       \
-                                       const T*, const T*, T*, T, T*, T*, T);
+  template void batch_norm_apply_moments<T>(i64, i64, T, const double*, const double*, T*, T*);
 
 TALLY_INSTANTIATE_NORM(float)
 TALLY_INSTANTIATE_NORM(double)
+TALLY_INSTANTIATE_NORM(bf16)
+TALLY_INSTANTIATE_MOMENTS(float)
+TALLY_INSTANTIATE_MOMENTS(double)
 #undef TALLY_INSTANTIATE_NORM
+#undef TALLY_INSTANTIATE_MOMENTS
 
 }  // namespace tally::kernels::cpu

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
+#include <vector>
 
 #include "kernels/cpu/cpu_kernels.h"
 
@@ -21,6 +23,36 @@ void scale_plane(i64 n, T beta, T* y) {
     for (i64 i = 0; i < n; ++i) y[i] *= beta;
   }
 }
+
+// The plane a backward pass accumulates into, in P<T>: dx itself for float and double; for bf16 a
+// float32 copy of beta * dx that finish() stores back, rounded once, so that the overlapping
+// windows' contributions add in float32.
+template <class T>
+class GradPlane {
+ public:
+  using M = P<T>;
+  GradPlane(i64 n, M beta, T* dx) : n_(n), dx_(dx) {
+    if constexpr (std::is_same_v<T, M>) {
+      acc_ = dx;
+      scale_plane(n, beta, dx);
+    } else {
+      buf_.resize(static_cast<std::size_t>(n));
+      acc_ = buf_.data();
+      for (i64 i = 0; i < n; ++i) acc_[i] = beta == M(0) ? M(0) : beta * M(dx[i]);
+    }
+  }
+  M* data() { return acc_; }
+  void finish() {
+    if constexpr (!std::is_same_v<T, M>)
+      for (i64 i = 0; i < n_; ++i) dx_[i] = T(acc_[i]);
+  }
+
+ private:
+  i64 n_;
+  T* dx_;
+  M* acc_ = nullptr;
+  std::vector<M> buf_;
+};
 
 // Average-pooling window of output (p, q), as PyTorch's avg_pool2d (ceil_mode = false):
 // the window is first clipped to the padded bounds (its size there is the divisor when
@@ -67,18 +99,19 @@ void max_pool2d_forward(const Pool2dShape& s,
         const i64 w1 = std::min(q * s.stride_w - s.pad_w + s.kw, s.W);
         // PyTorch: start from -inf at the first in-bounds element; a NaN always replaces
         // the current max (so the last NaN of the window wins and the output is NaN).
-        T best = -std::numeric_limits<T>::infinity();
+        using M = cpu::P<T>;
+        M best = -std::numeric_limits<M>::infinity();
         i64 best_i = (h0 < h1 && w0 < w1) ? h0 * s.W + w0 : -1;
         for (i64 h = h0; h < h1; ++h) {
           for (i64 w = w0; w < w1; ++w) {
-            const T v = xp[h * s.W + w];
+            const M v = M(xp[h * s.W + w]);
             if (v > best || std::isnan(v)) {
               best = v;
               best_i = h * s.W + w;
             }
           }
         }
-        yp[p * Q + q] = best;
+        yp[p * Q + q] = T(best);
         ap[p * Q + q] = static_cast<std::int32_t>(best_i);
       }
     }
@@ -90,17 +123,18 @@ void max_pool2d_backward(const Pool2dShape& s,
                          const T* dy,                 // (N, C, P, Q)
                          const std::int32_t* argmax,  // (N, C, P, Q)
                          T* dx,                       // (N, C, H, W)
-                         T beta) {
+                         P<T> beta) {
   const i64 PQ = s.P() * s.Q(), HW = s.H * s.W, planes = s.N * s.C;
 #pragma omp parallel for schedule(static) if (planes * HW > 16384)
   for (i64 pl = 0; pl < planes; ++pl) {
     const T* dyp = dy + pl * PQ;                // (P, Q)
     const std::int32_t* ap = argmax + pl * PQ;  // (P, Q)
-    T* dxp = dx + pl * HW;                      // (H, W)
-    scale_plane(HW, beta, dxp);
+    GradPlane<T> plane(HW, beta, dx + pl * HW);  // (H, W)
+    auto* dxp = plane.data();
     for (i64 i = 0; i < PQ; ++i) {
-      if (ap[i] >= 0) dxp[ap[i]] += dyp[i];  // -1 only for an all-padding window
+      if (ap[i] >= 0) dxp[ap[i]] += P<T>(dyp[i]);  // -1 only for an all-padding window
     }
+    plane.finish();
   }
 }
 
@@ -130,22 +164,24 @@ template <class T>
 void avg_pool2d_backward(const Pool2dShape& s, bool count_include_pad,
                          const T* dy,  // (N, C, P, Q)
                          T* dx,        // (N, C, H, W)
-                         T beta) {
+                         P<T> beta) {
+  using M = cpu::P<T>;
   const i64 P = s.P(), Q = s.Q(), HW = s.H * s.W, planes = s.N * s.C;
 #pragma omp parallel for schedule(static) if (planes * HW > 16384)
   for (i64 pl = 0; pl < planes; ++pl) {
     const T* dyp = dy + pl * P * Q;  // (P, Q)
-    T* dxp = dx + pl * HW;           // (H, W)
-    scale_plane(HW, beta, dxp);
+    GradPlane<T> plane(HW, beta, dx + pl * HW);  // (H, W)
+    M* dxp = plane.data();
     for (i64 p = 0; p < P; ++p) {
       for (i64 q = 0; q < Q; ++q) {
         const AvgWindow win = avg_window(s, count_include_pad, p, q);
         if (win.divisor <= 0) continue;
-        const T g = dyp[p * Q + q] / static_cast<T>(win.divisor);
+        const M g = M(dyp[p * Q + q]) / static_cast<M>(win.divisor);
         for (i64 h = win.h0; h < win.h1; ++h)
           for (i64 w = win.w0; w < win.w1; ++w) dxp[h * s.W + w] += g;
       }
     }
+    plane.finish();
   }
 }
 
@@ -176,37 +212,40 @@ template <class T>
 void adaptive_avg_pool2d_backward(i64 N, i64 C, i64 H, i64 W, i64 OH, i64 OW,
                                   const T* dy,  // (N, C, OH, OW)
                                   T* dx,        // (N, C, H, W)
-                                  T beta) {
+                                  P<T> beta) {
+  using M = P<T>;
   const i64 HW = H * W, planes = N * C;
 #pragma omp parallel for schedule(static) if (planes * HW > 16384)
   for (i64 pl = 0; pl < planes; ++pl) {
     const T* dyp = dy + pl * OH * OW;  // (OH, OW)
-    T* dxp = dx + pl * HW;             // (H, W)
-    scale_plane(HW, beta, dxp);
+    GradPlane<T> plane(HW, beta, dx + pl * HW);  // (H, W)
+    M* dxp = plane.data();
     for (i64 i = 0; i < OH; ++i) {
       const i64 h0 = adaptive_start(i, H, OH), h1 = adaptive_end(i, H, OH);
       for (i64 j = 0; j < OW; ++j) {
         const i64 w0 = adaptive_start(j, W, OW), w1 = adaptive_end(j, W, OW);
         const i64 count = (h1 - h0) * (w1 - w0);
         if (count <= 0) continue;
-        const T g = dyp[i * OW + j] / static_cast<T>(count);
+        const M g = M(dyp[i * OW + j]) / static_cast<M>(count);
         for (i64 h = h0; h < h1; ++h)
           for (i64 w = w0; w < w1; ++w) dxp[h * W + w] += g;
       }
     }
+    plane.finish();
   }
 }
 
 #define TALLY_INSTANTIATE_POOL(T)                                                                 \
   template void max_pool2d_forward<T>(const Pool2dShape&, const T*, T*, std::int32_t*);           \
-  template void max_pool2d_backward<T>(const Pool2dShape&, const T*, const std::int32_t*, T*, T); \
+  template void max_pool2d_backward<T>(const Pool2dShape&, const T*, const std::int32_t*, T*, P<T>); \
   template void avg_pool2d_forward<T>(const Pool2dShape&, bool, const T*, T*);                    \
-  template void avg_pool2d_backward<T>(const Pool2dShape&, bool, const T*, T*, T);                \
+  template void avg_pool2d_backward<T>(const Pool2dShape&, bool, const T*, T*, P<T>);             \
   template void adaptive_avg_pool2d_forward<T>(i64, i64, i64, i64, i64, i64, const T*, T*);       \
-  template void adaptive_avg_pool2d_backward<T>(i64, i64, i64, i64, i64, i64, const T*, T*, T);
+  template void adaptive_avg_pool2d_backward<T>(i64, i64, i64, i64, i64, i64, const T*, T*, P<T>);
 
 TALLY_INSTANTIATE_POOL(float)
 TALLY_INSTANTIATE_POOL(double)
+TALLY_INSTANTIATE_POOL(bf16)
 #undef TALLY_INSTANTIATE_POOL
 
 }  // namespace tally::kernels::cpu

@@ -42,9 +42,16 @@ inline constexpr std::size_t kGemmMinWorkspace = std::size_t(1) << 20;
 // kGemmMinWorkspace, at most cuBLAS's recommendation for the current device (32 MiB on Hopper and
 // newer, 4 MiB before), in 256-byte units.
 std::size_t gemm_workspace_bytes(std::size_t budget);
+// The same for a product of (M, K) by (K, N) of T: the form core/ asks (the CPU twin's workspace
+// depends on the shape and type); cuBLAS's does not.
 template <class T>
+std::size_t gemm_workspace_bytes(std::size_t budget, i64 /*M*/, i64 /*N*/, i64 /*K*/) {
+  return gemm_workspace_bytes(budget);
+}
+// C is T, or (the CPU twin's bf16 weight gradients) another type: instantiated for float only.
+template <class T, class TC = T>
 void gemm(bool trans_a, bool trans_b, i64 M, i64 N, i64 K, T alpha, const T* A, i64 lda,
-          const T* B, i64 ldb, T beta, T* C, i64 ldc, void* workspace = nullptr,
+          const T* B, i64 ldb, T beta, TC* C, i64 ldc, void* workspace = nullptr,
           std::size_t workspace_bytes = 0);
 // The most workspace one convolution pass may take under a memory budget (Conv2dShape's
 // workspace_limit, set by core/ from the arena's budget()): budget / 8, at most 1 GiB.

@@ -43,13 +43,13 @@ int to_int(i64 v, const char* what) {
 
 }  // namespace
 
-template <class T>
+template <class T, class TC>
 void gemm(bool trans_a, bool trans_b, i64 M, i64 N, i64 K, T alpha,
           const T* A,  // (M, K) with leading dim lda, or (K, M) if trans_a
           i64 lda,
           const T* B,  // (K, N) with leading dim ldb, or (N, K) if trans_b
           i64 ldb, T beta,
-          T* C,  // (M, N) with leading dim ldc
+          TC* C,  // (M, N) with leading dim ldc
           i64 ldc, void* workspace, std::size_t workspace_bytes) {
   if (M <= 0 || N <= 0) return;
   if (K <= 0 || alpha == T(0)) {
@@ -72,8 +72,8 @@ void gemm(bool trans_a, bool trans_b, i64 M, i64 N, i64 K, T alpha,
                                   CUBLAS_GEMM_DEFAULT));
 }
 
-template void gemm<float>(bool, bool, i64, i64, i64, float, const float*, i64, const float*, i64, float, float*, i64,
-                          void*, std::size_t);
+template void gemm<float, float>(bool, bool, i64, i64, i64, float, const float*, i64, const float*, i64, float,
+                                 float*, i64, void*, std::size_t);
 
 std::size_t gemm_workspace_bytes(std::size_t budget) {
   int dev = 0, major = 0;

@@ -1,0 +1,324 @@
+// bfloat16 compute on the CPU: every op with bf16 activations (and float32 parameters, as mixed
+// precision runs them) against the float32 reference on the same values, forward and backward.
+//
+// Inputs, parameters and upstream gradients are random values that bf16 holds exactly, so both
+// runs multiply the same numbers: what may differ is the rounding of each bf16 result (half a
+// bf16 ulp, 2^-9 relative, once per element stored) and float32 summation order. Parameter
+// gradients are float32 in both runs and must agree to float32 accuracy — a weight gradient
+// rounded to bf16 anywhere on its way fails. The float32 reference itself is checked against
+// float64 finite differences and PyTorch in gradcheck_test and golden_test.
+//
+// The convolutions run on both routes a bf16 convolution has: oneDNN (AVX-512 CPUs) and the
+// widened float32 fallback. ctest runs this binary again under ONEDNN_MAX_CPU_ISA=AVX512_CORE
+// (oneDNN's emulated bf16) and =AVX2 (no bf16 in oneDNN: the fallback takes over).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <functional>
+#include <random>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "core/autograd.h"
+#include "core/ops.h"
+#include "kernels/cpu/cpu_kernels.h"
+
+using namespace tally;
+using kernels::bf16;
+
+namespace {
+
+std::uint32_t fresh_seed() { return std::random_device{}(); }
+
+// n normal values times `scale`, each one a bf16 value (so float32 and bf16 tensors hold the same).
+std::vector<float> bf16_values(std::int64_t n, std::mt19937& rng, float scale = 1.f) {
+  std::normal_distribution<float> d(0.f, scale);
+  std::vector<float> v(static_cast<std::size_t>(n));
+  for (auto& x : v) x = static_cast<float>(bf16(d(rng)));
+  return v;
+}
+
+Tensor make(const std::vector<float>& v, const Shape& s, DType dt, Category cat = Category::input) {
+  if (dt == DType::BFloat16) {
+    std::vector<bf16> b(v.size());
+    for (std::size_t i = 0; i < v.size(); ++i) b[i] = bf16(v[i]);
+    return Tensor::from_vector(b, s, Device::cpu(), cat);
+  }
+  return Tensor::from_vector(v, s, Device::cpu(), cat);
+}
+
+std::vector<float> values(const Tensor& t) {
+  if (t.dtype() == DType::Float32) return t.to_vector<float>();
+  std::vector<float> out;
+  if (t.dtype() == DType::BFloat16)
+    for (bf16 b : t.to_vector<bf16>()) out.push_back(static_cast<float>(b));
+  else
+    for (double d : t.to_vector<double>()) out.push_back(static_cast<float>(d));
+  return out;
+}
+
+// |got - ref| <= rtol |ref| + atol max|ref| everywhere; a NaN never passes, and the reference must
+// hold something (not all zeros).
+void expect_close(const std::vector<float>& got, const std::vector<float>& ref, double rtol, double atol,
+                  const std::string& what) {
+  ASSERT_EQ(got.size(), ref.size()) << what;
+  double max_ref = 0;
+  for (float r : ref) {
+    ASSERT_TRUE(std::isfinite(r)) << what << ": the reference is not finite";
+    max_ref = std::max(max_ref, std::fabs(static_cast<double>(r)));
+  }
+  ASSERT_GT(max_ref, 0) << what << ": the reference is all zeros";
+  int bad = 0;
+  double worst = 0;
+  std::size_t worst_at = 0;
+  for (std::size_t i = 0; i < got.size(); ++i) {
+    const double diff = std::fabs(static_cast<double>(got[i]) - ref[i]);
+    const double tol = rtol * std::fabs(static_cast<double>(ref[i])) + atol * max_ref;
+    if (!(diff <= tol)) {
+      ++bad;
+      const double ratio = std::isnan(diff) ? INFINITY : diff / tol;
+      if (ratio > worst) worst = ratio, worst_at = i;
+    }
+  }
+  EXPECT_EQ(bad, 0) << what << ": " << bad << " of " << got.size() << " elements off; worst at " << worst_at
+                    << ": got " << got[worst_at] << ", reference " << ref[worst_at] << " (" << worst
+                    << "x the tolerance)";
+}
+
+// One op: activations (bf16 in the mixed run), parameters (float32 in both runs) and the function.
+struct OpCase {
+  std::string name;
+  std::vector<Shape> activations;
+  std::vector<Shape> parameters;
+  std::function<Tensor(const std::vector<Tensor>& a, const std::vector<Tensor>& p)> f;
+  // Tolerance of bf16 results, relative to the element and to the largest reference element.
+  double rtol = std::ldexp(1.0, -8), atol = std::ldexp(1.0, -9);
+  float scale = 1.f;  // of the random activations
+};
+
+struct Run {
+  std::vector<float> y;
+  std::vector<std::vector<float>> da, dp;
+  DType y_dtype;
+};
+
+Run run(const OpCase& c, DType act, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<Tensor> a, p;
+  for (const Shape& s : c.activations) {
+    a.push_back(make(bf16_values(shape_numel(s), rng, c.scale), s, act));
+    a.back().set_requires_grad(true);
+  }
+  for (const Shape& s : c.parameters) {
+    p.push_back(make(bf16_values(shape_numel(s), rng, 0.5f), s, DType::Float32, Category::parameter));
+    p.back().set_requires_grad(true);
+  }
+  Tensor y = c.f(a, p);
+  // An upstream gradient of bf16 values, in y's dtype (the same values in both runs).
+  const Tensor seed_grad = make(bf16_values(y.numel(), rng), y.shape(), y.dtype(), Category::temporary);
+  Run r;
+  r.y = values(y);
+  r.y_dtype = y.dtype();
+  run_backward(y, seed_grad);
+  for (const Tensor& t : a) {
+    EXPECT_EQ(t.grad().dtype(), act) << c.name << ": an activation's gradient has the activation's dtype";
+    r.da.push_back(values(t.grad()));
+  }
+  for (const Tensor& t : p) {
+    EXPECT_EQ(t.grad().dtype(), DType::Float32) << c.name << ": a parameter's gradient stays float32";
+    r.dp.push_back(values(t.grad()));
+  }
+  return r;
+}
+
+void check_case(const OpCase& c) {
+  const std::uint32_t seed = fresh_seed();
+  SCOPED_TRACE(fmt::format("{} (seed {})", c.name, seed));
+  const Run ref = run(c, DType::Float32, seed);
+  const Run got = run(c, DType::BFloat16, seed);
+  expect_close(got.y, ref.y, c.rtol, c.atol, c.name + " forward");
+  for (std::size_t i = 0; i < ref.da.size(); ++i)
+    expect_close(got.da[i], ref.da[i], c.rtol, c.atol, fmt::format("{} gradient of activation {}", c.name, i));
+  // Float32 parameter gradients from the same bf16 values: float32 accuracy.
+  for (std::size_t i = 0; i < ref.dp.size(); ++i)
+    expect_close(got.dp[i], ref.dp[i], 1e-4, 1e-5, fmt::format("{} gradient of parameter {}", c.name, i));
+}
+
+Conv2dOptions conv_opts(std::int64_t stride, std::int64_t pad, std::int64_t dil = 1, std::int64_t groups = 1) {
+  Conv2dOptions o;
+  o.stride = {stride, stride};
+  o.padding = {pad, pad};
+  o.dilation = {dil, dil};
+  o.groups = groups;
+  return o;
+}
+
+std::vector<OpCase> conv_cases() {
+  return {
+      {"conv2d 3x3 pad 1 with bias", {{3, 5, 9, 9}}, {{6, 5, 3, 3}, {6}},
+       [](auto& a, auto& p) { return conv2d(a[0], p[0], p[1], conv_opts(1, 1)); }},
+      {"conv2d 1x1 (a plain GEMM)", {{2, 16, 6, 6}}, {{8, 16, 1, 1}},
+       [](auto& a, auto& p) { return conv2d(a[0], p[0], {}, conv_opts(1, 0)); }},
+      {"conv2d 3x3 stride 2 dilation 2 groups 2", {{2, 6, 11, 10}}, {{4, 3, 3, 3}},
+       [](auto& a, auto& p) { return conv2d(a[0], p[0], {}, conv_opts(2, 2, 2, 2)); }},
+      {"conv2d 7x7 stride 2 (a stem)", {{2, 3, 20, 20}}, {{8, 3, 7, 7}},
+       [](auto& a, auto& p) { return conv2d(a[0], p[0], {}, conv_opts(2, 3)); }},
+  };
+}
+
+bool expect_onednn_bf16() {
+  const char* isa = std::getenv("ONEDNN_MAX_CPU_ISA");
+  if (isa != nullptr && std::string(isa).rfind("AVX2", 0) == 0) return false;
+  if (isa != nullptr && std::string(isa).rfind("SSE", 0) == 0) return false;
+  return kernels::cpu::have_onednn() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+}
+
+kernels::Conv2dShape shape_of(const Shape& x, const Shape& w, const Conv2dOptions& o) {
+  kernels::Conv2dShape s;
+  s.N = x[0], s.C = x[1], s.H = x[2], s.W = x[3], s.K = w[0], s.R = w[2], s.S = w[3];
+  s.stride_h = s.stride_w = o.stride[0], s.pad_h = s.pad_w = o.padding[0], s.dil_h = s.dil_w = o.dilation[0];
+  s.groups = o.groups;
+  s.workspace_limit = kernels::cpu::conv_workspace_limit(std::size_t(1) << 30);
+  return s;
+}
+
+struct AlgorithmGuard {
+  kernels::cpu::ConvAlgorithm saved = kernels::cpu::conv_algorithm();
+  ~AlgorithmGuard() { kernels::cpu::set_conv_algorithm(saved); }
+};
+
+}  // namespace
+
+// Convolutions: on oneDNN where this CPU (and ONEDNN_MAX_CPU_ISA) gives it bf16, else on the
+// widened fallback — which route runs is checked, not assumed — and on the fallback forced.
+TEST(BFloat16Ops, ConvolutionsOnOneDnnAndOnTheFallbackMatchFloat32) {
+  AlgorithmGuard guard;
+  kernels::cpu::set_conv_algorithm(kernels::cpu::ConvAlgorithm::onednn);
+  const bool onednn = expect_onednn_bf16();
+  const kernels::Conv2dShape s = shape_of({3, 5, 9, 9}, {6, 5, 3, 3}, conv_opts(1, 1));
+  for (auto pass : {kernels::ConvPass::forward, kernels::ConvPass::backward_data, kernels::ConvPass::backward_filter})
+    EXPECT_EQ(kernels::cpu::conv2d_on_onednn(s, pass, true), onednn)
+        << "oneDNN bf16 convolutions are expected " << (onednn ? "on" : "off") << " on this CPU and ISA limit";
+  for (const OpCase& c : conv_cases()) check_case(c);
+  kernels::cpu::set_conv_algorithm(kernels::cpu::ConvAlgorithm::reference);
+  EXPECT_FALSE(kernels::cpu::conv2d_on_onednn(s, kernels::ConvPass::forward, true));
+  for (OpCase c : conv_cases()) {
+    c.name += " (widened fallback)";
+    check_case(c);
+  }
+}
+
+// A fallback convolution whose workspace limit holds one sample converts and convolves sample
+// by sample, and accumulates dx (beta = 1) and dw over the chunks exactly like the whole batch.
+TEST(BFloat16Ops, TheWidenedFallbackRunsInChunksOfSamples) {
+  AlgorithmGuard guard;
+  kernels::cpu::set_conv_algorithm(kernels::cpu::ConvAlgorithm::reference);
+  namespace kc = kernels::cpu;
+  std::mt19937 rng(fresh_seed());
+  kernels::Conv2dShape s = shape_of({5, 4, 8, 8}, {6, 4, 3, 3}, conv_opts(1, 1));
+  const std::int64_t nx = 5 * 4 * 64, ny = 5 * 6 * 64, nw = 6 * 4 * 9;
+  const auto xv = bf16_values(nx, rng), dyv = bf16_values(ny, rng), wv = bf16_values(nw, rng, 0.3f);
+  std::vector<bf16> x(xv.begin(), xv.end()), dy(dyv.begin(), dyv.end());
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = bf16(xv[i]);
+  for (std::size_t i = 0; i < dy.size(); ++i) dy[i] = bf16(dyv[i]);
+  auto run_with_limit = [&](std::size_t limit) {
+    s.workspace_limit = limit;
+    std::vector<char> ws(std::max<std::size_t>(
+        {kc::conv2d_workspace_bytes<bf16>(s, kernels::ConvPass::forward),
+         kc::conv2d_workspace_bytes<bf16>(s, kernels::ConvPass::backward_data),
+         kc::conv2d_workspace_bytes<bf16>(s, kernels::ConvPass::backward_filter), std::size_t(1)}));
+    std::vector<bf16> y(ny), dx(nx, bf16(0.25f));
+    std::vector<float> dw(nw, 0.5f);
+    kc::conv2d_forward<bf16>(s, x.data(), wv.data(), nullptr, y.data(), ws.data());
+    kc::conv2d_backward_data<bf16>(s, dy.data(), wv.data(), dx.data(), 1.f, ws.data());
+    kc::conv2d_backward_filter<bf16>(s, x.data(), dy.data(), dw.data(), 1.f, ws.data());
+    std::vector<float> out;
+    for (bf16 v : y) out.push_back(float(v));
+    for (bf16 v : dx) out.push_back(float(v));
+    out.insert(out.end(), dw.begin(), dw.end());
+    return out;
+  };
+  const std::vector<float> whole = run_with_limit(std::size_t(1) << 30);
+  const std::vector<float> chunked = run_with_limit(1);  // one sample at a time
+  ASSERT_EQ(whole.size(), chunked.size());
+  for (std::size_t i = 0; i < whole.size(); ++i) ASSERT_EQ(whole[i], chunked[i]) << i;
+}
+
+TEST(BFloat16Ops, GemmsNormsPoolsElementwiseAndTheLossMatchFloat32) {
+  BatchNormOptions eval;
+  eval.training = false;
+  const std::vector<OpCase> cases = {
+      {"linear with bias", {{6, 20}}, {{7, 20}, {7}}, [](auto& a, auto& p) { return linear(a[0], p[0], p[1]); }},
+      {"matmul", {{9, 13}, {13, 5}}, {}, [](auto& a, auto&) { return matmul(a[0], a[1]); }},
+      {"batch_norm (training)", {{4, 6, 5, 5}}, {{6}, {6}}, [](auto& a, auto& p) {
+         Tensor rm = Tensor::zeros({6}), rv = Tensor::full({6}, 1.0);
+         return batch_norm(a[0], p[0], p[1], rm, rv, {});
+       }, std::ldexp(1.0, -8), std::ldexp(1.0, -9), 2.f},
+      {"batch_norm (eval)", {{3, 6, 4, 4}}, {{6}, {6}}, [eval](auto& a, auto& p) {
+         Tensor rm = Tensor::full({6}, 0.3), rv = Tensor::full({6}, 1.7);
+         return batch_norm(a[0], p[0], p[1], rm, rv, eval);
+       }},
+      {"group_norm", {{3, 8, 4, 5}}, {{8}, {8}}, [](auto& a, auto& p) { return group_norm(a[0], 4, p[0], p[1]); }},
+      {"relu", {{5, 7, 3}}, {}, [](auto& a, auto&) { return relu(a[0]); }},
+      {"add", {{4, 9}, {4, 9}}, {}, [](auto& a, auto&) { return add(a[0], a[1]); }},
+      {"sub", {{4, 9}, {4, 9}}, {}, [](auto& a, auto&) { return sub(a[0], a[1]); }},
+      {"mul", {{4, 9}, {4, 9}}, {}, [](auto& a, auto&) { return mul(a[0], a[1]); }},
+      {"scale", {{4, 9}}, {}, [](auto& a, auto&) { return scale(a[0], -0.37); }},
+      {"max_pool2d 3x3 stride 2 pad 1", {{2, 3, 9, 8}}, {}, [](auto& a, auto&) {
+         return max_pool2d(a[0], {3, 3}, {2, 2}, {1, 1});
+       }},
+      {"avg_pool2d counting padding", {{2, 3, 9, 8}}, {}, [](auto& a, auto&) {
+         return avg_pool2d(a[0], {3, 3}, {2, 2}, {1, 1}, true);
+       }},
+      {"avg_pool2d not counting padding", {{2, 3, 9, 8}}, {}, [](auto& a, auto&) {
+         return avg_pool2d(a[0], {3, 3}, {2, 2}, {1, 1}, false);
+       }},
+      {"adaptive_avg_pool2d 7x5 to 3x2", {{2, 4, 7, 5}}, {}, [](auto& a, auto&) {
+         return adaptive_avg_pool2d(a[0], {3, 2});
+       }},
+      {"flatten + reshape", {{2, 3, 4, 2}}, {}, [](auto& a, auto&) { return reshape(flatten(a[0]), {4, 12}); }},
+      {"sum", {{5, 11}}, {}, [](auto& a, auto&) { return sum(a[0]); }},
+      {"mean", {{5, 11}}, {}, [](auto& a, auto&) { return mean(a[0]); }},
+  };
+  for (const OpCase& c : cases) check_case(c);
+}
+
+// bf16 logits give a float32 loss (the logits converted first, as autocast runs the loss in
+// float32) and a bf16 gradient.
+TEST(BFloat16Ops, CrossEntropyOfBf16LogitsIsFloat32) {
+  const std::vector<std::int64_t> t{3, 0, 6, 6, 1, 2, 5, 4};
+  for (double smoothing : {0.0, 0.1}) {
+    CrossEntropyOptions o;
+    o.label_smoothing = smoothing;
+    OpCase c{fmt::format("cross_entropy (label smoothing {})", smoothing), {{8, 7}}, {},
+             [t, o](auto& a, auto&) {
+               Tensor y = cross_entropy(a[0], Tensor::from_vector(t, {8}), o);
+               EXPECT_EQ(y.dtype(), DType::Float32);
+               return y;
+             }};
+    c.scale = 3.f;
+    check_case(c);
+  }
+}
+
+// Mixed precision keeps parameters float32: a bf16 parameter, or a float64 one, is an error that
+// names what was expected; a bf16 step of ops without kernels on a device says so.
+TEST(BFloat16Ops, Bf16ActivationsTakeFloat32ParametersAndSaySo) {
+  const Tensor x = Tensor::full({2, 3, 4, 4}, 0.5, DType::BFloat16);
+  const Tensor w16 = Tensor::full({4, 3, 3, 3}, 0.1, DType::BFloat16);
+  try {
+    conv2d(x, w16);
+    FAIL() << "a bf16 weight was taken";
+  } catch (const ShapeError& e) {
+    EXPECT_NE(std::string(e.what()).find("expected a float32 weight"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("master weights"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(linear(Tensor::full({2, 3}, 1.0, DType::BFloat16), Tensor::full({4, 3}, 1.0, DType::Float64)),
+               ShapeError);
+  EXPECT_THROW(batch_norm(x, Tensor::full({3}, 1.0, DType::BFloat16), {}, {}, {}, {}), ShapeError);
+  // float32 activations still take float32 parameters only.
+  EXPECT_THROW(conv2d(Tensor::full({2, 3, 4, 4}, 0.5), w16), ShapeError);
+}
