@@ -38,6 +38,7 @@ Shape parse_input(const std::string& s) {
 mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   check_model_options(opt.model, opt.norm, opt.optimizer, opt.batch_size, opt.micro_batch);
   mbp::check_recompute_policy(opt.recompute);
+  const mbp::Precision precision = mbp::parse_precision(opt.precision);
   const Shape sample = parse_input(opt.input);
   const Device dev = parse_device(opt.device);
   if (dev.is_cuda() && !cuda_available())
@@ -59,9 +60,10 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   oc.name = opt.optimizer;
   oc.momentum = opt.momentum;
   const Setup setup = build_setup(arena, mc, "", oc, format_bytes(limit));
-  fmt::print(out, "model {} (norm {}), {} parameters, {} classes | input {} | batch {} | optimizer {} | device {}\n",
+  fmt::print(out, "model {} (norm {}), {} parameters, {} classes | input {} | batch {} | optimizer {} | device {} | "
+                  "precision {}\n",
              opt.model, opt.norm, setup.parameters, mc.num_classes, shape_str(sample), opt.batch_size, opt.optimizer,
-             dev.str());
+             dev.str(), opt.precision);
   fmt::print(out, "memory limit {} ({} bytes): {} allocated first\n", format_bytes(limit), limit,
              persistent_summary(*arena));
 
@@ -69,13 +71,14 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   eo.sample_shape = sample;
   eo.micro_batch = opt.micro_batch;
   eo.recompute = opt.recompute;
+  eo.precision = precision;
   mbp::Executor executor(*setup.model, *setup.optimizer, arena, eo);
   const mbp::Plan& p = plan_step(executor, opt.batch_size, opt.micro_batch);
   const mbp::RecomputeChoice& chosen = executor.recompute_choice();
   const std::string recompute = chosen.summary(p);
   if (opt.layers) {
     fmt::print(out, "\nper layer, forward in training mode at the planned micro-batch of {}:\n", p.micro_batch);
-    out << report::format_layer_table(report::layer_table(*setup.model, *arena, sample, p.micro_batch), p.micro_batch);
+    out << report::format_layer_table(report::layer_table(*setup.model, *arena, sample, p.micro_batch, executor.activation_dtype()), p.micro_batch);
   }
   fmt::print(out, "\nplan: {}\n", p.summary());
   fmt::print(out, "      live at the peak: {}\n", p.at_peak.str());

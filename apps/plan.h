@@ -27,6 +27,7 @@ struct PlanOptions {
   std::string device = "cpu";
   bool layers = true;                        // print the per-layer table
   std::string recompute = "auto";            // auto | none | blocks | blocks+layerK[-layerL] | all (mbp/executor.h)
+  std::string precision = "fp32";            // fp32 | bf16 (mbp::Precision)
 };
 
 // Prints the table and the plan to `out`; returns the plan. Bad options and budgets that cannot

@@ -93,6 +93,7 @@ PlanOptions plan_options(const SweepOptions& opt, const DataInfo& data, const st
   if (opt.train.micro_batch) po.micro_batch = std::min(*opt.train.micro_batch, b);
   po.optimizer = opt.train.optimizer;
   po.recompute = opt.train.recompute;
+  po.precision = opt.train.precision;
   po.momentum = opt.train.momentum;
   po.device = device;
   po.layers = false;

@@ -119,6 +119,9 @@ struct TrainFlags {
     cmd->add_option("--recompute", to.recompute,
                     "auto (the least recomputation with which one sample fits) | none | blocks (the residual blocks and the stem: about one more forward) | all (the stages around the blocks too: the least memory, about two more forwards)")
         ->check(recompute_validator())->capture_default_str();
+    cmd->add_option("--precision", to.precision,
+                    "fp32 | bf16 (mixed precision: bf16 activations, float32 weights, gradients, optimizer state and loss)")
+        ->check(CLI::IsMember(mbp::precision_names()))->capture_default_str();
   }
 
   // After parsing: the flags that fill optional fields.
@@ -176,6 +179,9 @@ struct PlanFlags {
     cmd->add_option("--recompute", po.recompute,
                     "auto (the least recomputation with which one sample fits) | none | blocks (the residual blocks and the stem: about one more forward) | all (the stages around the blocks too: the least memory, about two more forwards)")
         ->check(recompute_validator())->capture_default_str();
+    cmd->add_option("--precision", po.precision,
+                    "fp32 | bf16 (mixed precision: bf16 activations, float32 weights, gradients, optimizer state and loss)")
+        ->check(CLI::IsMember(mbp::precision_names()))->capture_default_str();
     cmd->add_flag("--no-layers", no_layers, "skip the per-layer table");
   }
   void finish() {

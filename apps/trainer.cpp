@@ -73,7 +73,7 @@ struct Eval {
   double loss = 0, accuracy = 0;
 };
 
-Eval evaluate_with(nn::Module& model, const data::Dataset& ds, bool normalize, Device dev, std::int64_t B) {
+Eval evaluate_with(nn::Module& model, const data::Dataset& ds, bool normalize, Device dev, DType act, std::int64_t B) {
   NoGradGuard ng;
   model.eval();
   struct Train {  // back to training mode however this ends
@@ -92,13 +92,14 @@ Eval evaluate_with(nn::Module& model, const data::Dataset& ds, bool normalize, D
   data::Loader loader(ds, lo);
   loader.start_epoch(0);
   while (auto b = loader.next()) {
-    Tensor x = Tensor::from_vector(b->images, {b->size, ds.channels, ds.height, ds.width}, dev, Category::input);
+    // In the training steps' precision: bf16 activations under --precision bf16.
+    Tensor x = Tensor::from_vector(b->images, {b->size, ds.channels, ds.height, ds.width}, dev, Category::input).to(act);
     Tensor y = Tensor::from_vector(b->labels, {b->size}, dev, Category::input);
     Tensor logits = model(x);
     CrossEntropyOptions co;
     co.reduction = Reduction::Sum;
     loss_sum += cross_entropy(logits, y, co).item();
-    const auto l = logits.to_vector<float>();
+    const auto l = logits.to(DType::Float32).to_vector<float>();
     const std::int64_t C = logits.size(1);
     for (std::int64_t i = 0; i < b->size; ++i) {
       const float* row = l.data() + i * C;
@@ -112,11 +113,11 @@ Eval evaluate_with(nn::Module& model, const data::Dataset& ds, bool normalize, D
 // Evaluation runs in the same arena as training, in batches of at most the planned micro-batch
 // (a no-grad forward keeps less than a training step of the same size); should it still run
 // out of memory, the batch halves.
-Eval evaluate(nn::Module& model, const data::Dataset& ds, bool normalize, Device dev, std::int64_t max_batch) {
+Eval evaluate(nn::Module& model, const data::Dataset& ds, bool normalize, Device dev, DType act, std::int64_t max_batch) {
   std::int64_t B = std::max<std::int64_t>(1, std::min<std::int64_t>(256, max_batch));
   for (;;) {
     try {
-      return evaluate_with(model, ds, normalize, dev, B);
+      return evaluate_with(model, ds, normalize, dev, act, B);
     } catch (const OutOfMemory&) {
       if (B == 1) throw;
       B /= 2;
@@ -131,6 +132,7 @@ Device validate(const TrainOptions& opt) {
   check_choice("--schedule", opt.schedule, optim::schedule_names());
   check_choice("--loss-normalization", opt.loss_normalization, loss_normalization_names());
   mbp::check_recompute_policy(opt.recompute);
+  check_choice("--precision", opt.precision, mbp::precision_names());
   if (!opt.steps) check_number("--epochs", kPositiveWhole, static_cast<double>(opt.epochs));
   if (opt.steps) check_number("--steps", kPositiveWhole, static_cast<double>(*opt.steps));
   if (opt.num_classes) check_number("--num-classes", kPositiveWhole, static_cast<double>(*opt.num_classes));
@@ -141,6 +143,9 @@ Device validate(const TrainOptions& opt) {
   check_number("--label-smoothing", kFraction, opt.label_smoothing);
   check_number("--threads", kNonNegativeWhole, opt.threads);
   const Device dev = choose_device(opt.device);
+  if (opt.precision == "bf16" && dev.is_cuda())
+    throw Error(fmt::format("--precision bf16 runs on the CPU in this version of tally (its CUDA kernels are float32 "
+                            "only); --device {} chose {}", opt.device, dev.str()));
   for (const std::string& limit : split_list(opt.memory_limit))  // a bad size fails before any work
     if (limit != "auto") (void)parse_size(limit);
   if (!opt.init.empty() && !std::filesystem::exists(opt.init))
@@ -162,7 +167,7 @@ std::string options_text(const TrainOptions& o) {
   line("threads", o.threads), line("tf32", o.tf32), line("profile", o.profile), line("init", o.init);
   line("save", o.save), line("out", o.out), line("memory-limit", o.memory_limit);
   line("micro-batch", opt_int(o.micro_batch)), line("loss-normalization", o.loss_normalization);
-  line("recompute", o.recompute);
+  line("recompute", o.recompute), line("precision", o.precision);
   return t;
 }
 
@@ -236,6 +241,7 @@ void write_summary(const TrainOptions& opt, const TrainResult& result) {
                       {"batch_size", opt.batch_size},
                       {"loss_normalization", opt.loss_normalization},
                       {"recompute", result.recompute},
+                      {"precision", opt.precision},
                       {"data", opt.data},
                       {"world_size", result.world_size},
                       {"communication_seconds_per_step", result.communication_seconds_per_step}};
@@ -349,6 +355,7 @@ mbp::ExecutorOptions executor_options(const TrainOptions& opt, const data::Datas
   eo.log = [&log](const std::string& line) { fmt::print(log, "\n{}\n", line); };
   eo.communicator = std::move(comm);
   eo.recompute = opt.recompute;
+  eo.precision = mbp::parse_precision(opt.precision);
   return eo;
 }
 
@@ -476,8 +483,9 @@ void TrainingRun::print_header(const Setup& setup) const {
   fmt::print(log_, "model {} (norm {}), {} parameters | data {}: {} train / {} test, {}x{}x{}, {} classes\n", opt_.model,
              opt_.norm, setup.parameters, t.name, t.size(), split_.test.size(), t.channels, t.height, t.width,
              t.num_classes);
-  fmt::print(log_, "device {}{} | batch {} | {} steps ({} per epoch) | {} lr {} schedule {} | augment {} shuffle {} normalize {}\n",
+  fmt::print(log_, "device {}{} | precision {} | batch {} | {} steps ({} per epoch) | {} lr {} schedule {} | augment {} shuffle {} normalize {}\n",
              dev.str(), dev.is_cuda() ? (opt_.tf32 ? " (TF32 on)" : " (TF32 off)") : (opt_.tf32 ? " (--tf32: no effect on the CPU)" : ""),
+             opt_.precision == "bf16" ? "bf16 (bf16 activations, float32 weights, gradients and loss)" : "fp32",
              opt_.batch_size, steps_.total, per_epoch_, opt_.optimizer, opt_.lr, opt_.schedule,
              augments(opt_) ? "on" : "off", opt_.shuffle ? "on" : "off", opt_.normalize ? "on" : "off");
   fmt::print(log_, "memory limit {}{}: {} allocated before planning\n", format_bytes(arena_->capacity()),
@@ -505,6 +513,7 @@ TrainResult TrainingRun::run() {
   }
   result_.device = rank_.dev.str();
   result_.recompute = executor_.recompute_choice().name;
+  result_.precision = opt_.precision;
   result_.memory_limit_bytes = static_cast<std::int64_t>(arena_->capacity());
   StepMeter meter;
   const std::int64_t epochs = (steps_.total + per_epoch_ - 1) / per_epoch_;
@@ -558,7 +567,8 @@ void TrainingRun::train_epoch(std::int64_t epoch, std::int64_t epochs, StepMeter
   }
   profiler_.pause();  // the profile is of training steps
   if (rank_.rank == 0 && opt_.evaluate)
-    eval_ = evaluate(*setup_.model, split_.test, opt_.normalize, rank_.dev, result_.micro_batch);
+    eval_ = evaluate(*setup_.model, split_.test, opt_.normalize, rank_.dev, executor_.activation_dtype(),
+                     result_.micro_batch);
   profiler_.resume();
   result_.train_loss = epoch_steps > 0 ? epoch_loss / static_cast<double>(epoch_steps) : last_loss_;
   if (opt_.evaluate)

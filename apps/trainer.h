@@ -45,6 +45,9 @@ struct TrainOptions {
   std::optional<std::int64_t> micro_batch;  // unset: the largest that fits ("auto")
   // auto | none | blocks | all | a level: recomputation (ExecutorOptions::recompute, mbp/executor.h).
   std::string recompute = "auto";
+  // fp32 | bf16: bf16 mixed precision (mbp::Precision, mbp/executor.h; docs/precision.md): bf16
+  // activations, float32 master weights, gradients, optimizer state and loss. Evaluation too.
+  std::string precision = "fp32";
   // "exact" (the full batch's mean for any split) or "per-micro-batch" (each micro-batch's mean
   // divided by their number, as the MBP paper's code: differs for uneven splits; for teaching).
   std::string loss_normalization = "exact";
@@ -70,6 +73,7 @@ struct TrainResult {
   // Data parallelism: host seconds per step in collectives (steps after the first; rank 0's).
   double communication_seconds_per_step = 0;
   std::string recompute = "none";   // the policy the run used
+  std::string precision = "fp32";
   int world_size = 1;               // ranks of a data-parallel run (mpirun -np N), else 1
   std::vector<RankResult> ranks;    // one per rank
 };

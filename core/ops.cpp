@@ -183,7 +183,8 @@ Tensor conv2d(const Tensor& x_, const Tensor& w_, const Tensor& b, const Conv2dO
                                  w_.size(1) * o.groups, o.groups, x_.str()));
   check_matching(op, x_, b, "bias", w_.size(0));
   const Tensor x = x_.contiguous(), w = w_.contiguous();
-  const kernels::Conv2dShape s = conv_shape(x, w, o);
+  kernels::Conv2dShape s = conv_shape(x, w, o);
+  s.bias = b.defined();
   if (s.P() < 1 || s.Q() < 1)
     throw ShapeError(fmt::format("conv2d: input {} is too small for kernel {}x{} with padding ({}, {}) and dilation ({}, {})",
                                  x.str(), s.R, s.S, s.pad_h, s.pad_w, s.dil_h, s.dil_w));
@@ -284,10 +285,18 @@ Tensor linear(const Tensor& x_, const Tensor& w_, const Tensor& b) {
   Tensor y = out_like(x, {N, O}, op);
   {
     Tensor ws = workspace(x, gemm_workspace_bytes(x, N, O, I), op);
-    TALLY_DISPATCH(op, x, FLOATING, {
-      kk::gemm<T>(false, true, N, O, I, TP(1), x.data<T>(), I, w.data<T>(), I, TP(0), y.data<T>(), O, ws_ptr(ws), ws_size(ws));
-      if (b.defined()) kk::add_bias_rows<T>(N, O, y.data<T>(), b.data<TP>(), y.data<T>());
-    });
+    if (b.defined() && x.dtype() != b.dtype()) {
+      // bf16 with a bias: the product and the bias summed in float32, rounded to bf16 once.
+      Tensor yf = Tensor::empty({N, O}, b.dtype(), x.device(), Category::temporary, "linear_float32");
+      TALLY_DISPATCH(op, x, FLOATING, kk::gemm<T, TP>(false, true, N, O, I, TP(1), x.data<T>(), I, w.data<T>(), I, TP(0), yf.data<TP>(), O, ws_ptr(ws), ws_size(ws)));
+      TALLY_DISPATCH(op, yf, FULL_PRECISION, kk::add_bias_rows<T>(N, O, yf.data<T>(), b.data<T>(), yf.data<T>()));
+      detail::convert_into(yf, y);
+    } else {
+      TALLY_DISPATCH(op, x, FLOATING, {
+        kk::gemm<T>(false, true, N, O, I, TP(1), x.data<T>(), I, w.data<T>(), I, TP(0), y.data<T>(), O, ws_ptr(ws), ws_size(ws));
+        if (b.defined()) kk::add_bias_rows<T>(N, O, y.data<T>(), b.data<TP>(), y.data<T>());
+      });
+    }
     count_forward(static_cast<double>(N) * O * I);
   }
   if (any_requires_grad({&x_, &w_, &b})) {

@@ -19,6 +19,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #if defined(__CUDACC__)
 #define TALLY_HOST_DEVICE __host__ __device__
@@ -54,17 +55,16 @@ struct bf16 {
   }
 
  private:
-  TALLY_HOST_DEVICE static void copy_bits(void* dst, const void* src) {
-    const unsigned char* s = static_cast<const unsigned char*>(src);
-    unsigned char* d = static_cast<unsigned char*>(dst);
-    for (int i = 0; i < 4; ++i) d[i] = s[i];
-  }
+  // memcpy (host and device) rather than a loop of bytes: the compilers see a register move, and
+  // the CPU's loops over bf16 arrays vectorize (a byte loop made them 10x slower, measured).
+  TALLY_HOST_DEVICE static void copy_bits(void* dst, const void* src) { std::memcpy(dst, src, 4); }
+  // Branch-free (a select), so that conversions in loops vectorize.
   TALLY_HOST_DEVICE static std::uint16_t round(float f) {
     std::uint32_t u;
     copy_bits(&u, &f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<std::uint16_t>((u >> 16) | 0x0040u);  // NaN: quiet
-    u += 0x7fffu + ((u >> 16) & 1u);  // to nearest, ties to even (Inf stays Inf)
-    return static_cast<std::uint16_t>(u >> 16);
+    const std::uint32_t nearest = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;  // ties to even; Inf stays Inf
+    const std::uint32_t quiet_nan = (u >> 16) | 0x0040u;
+    return static_cast<std::uint16_t>((u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : nearest);
   }
 };
 static_assert(sizeof(bf16) == 2, "bf16 is two bytes");
@@ -93,6 +93,9 @@ struct Conv2dShape {
   // algorithm is chosen under it (docs/gpu.md); CPU: oneDNN runs the batch in chunks of samples
   // under it. The CPU's im2col workspace is fixed by the shape.
   std::size_t workspace_limit = std::size_t(64) << 20;
+  // The forward adds a bias. (The CPU's bf16 forward with a bias runs where the bias is added
+  // before the one rounding to bf16: the widened route, not oneDNN, which would round twice.)
+  bool bias = false;
   i64 P() const { return (H + 2 * pad_h - dil_h * (R - 1) - 1) / stride_h + 1; }
   i64 Q() const { return (W + 2 * pad_w - dil_w * (S - 1) - 1) / stride_w + 1; }
 };

@@ -37,7 +37,7 @@ std::size_t staging_bytes(std::int64_t batch, std::int64_t sample_numel, DType d
 }
 
 // Stages samples [offset, offset + n) of the host batch into `in` (float images converted to the
-// model's dtype first where it is not float32), at their place in the step's staging layout.
+// activations' dtype first where it is not float32), at their place in the step's staging layout.
 void fill_inputs(Inputs& in, InputStager& stager, const float* images, const std::int64_t* labels, std::int64_t offset,
                  std::int64_t n, std::int64_t batch, std::int64_t sample_numel, DType dtype) {
   if (skip_host_work()) return;
@@ -46,6 +46,10 @@ void fill_inputs(Inputs& in, InputStager& stager, const float* images, const std
   const std::size_t es = dtype_size(dtype), image_offset = static_cast<std::size_t>(offset * sample_numel) * es;
   if (dtype == DType::Float32) {
     stager.stage(in.x, src, count * es, image_offset);
+  } else if (dtype == DType::BFloat16) {
+    std::vector<kernels::bf16> converted(count);
+    for (std::size_t i = 0; i < count; ++i) converted[i] = kernels::bf16(src[i]);
+    stager.stage(in.x, converted.data(), count * es, image_offset);
   } else {
     const std::vector<double> converted(src, src + count);
     stager.stage(in.x, converted.data(), count * es, image_offset);
@@ -62,6 +66,17 @@ Tensor first_parameter(const nn::Module& m) {
 
 }  // namespace
 
+const std::vector<std::string>& precision_names() {
+  static const std::vector<std::string> names{"fp32", "bf16"};
+  return names;
+}
+const char* precision_name(Precision p) { return p == Precision::bf16 ? "bf16" : "fp32"; }
+Precision parse_precision(const std::string& name) {
+  if (name == "fp32") return Precision::fp32;
+  if (name == "bf16") return Precision::bf16;
+  throw Error(fmt::format("--precision '{}': expected {}", name, fmt::join(precision_names(), "|")));
+}
+
 Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, ExecutorOptions options)
     : Executor(model, optimizer, first_parameter(model).storage()->arena(), std::move(options)) {}
 
@@ -72,6 +87,7 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_p
       opt_(std::move(options)),
       device_(first_parameter(model).device()),
       dtype_(first_parameter(model).dtype()),
+      activation_dtype_(opt_.precision == Precision::bf16 ? DType::BFloat16 : dtype_),
       arena_(std::move(arena)),
       planner_(arena_, [this](Arena& arena, const std::vector<std::int64_t>& sizes) {
         run_step(arena, nullptr, nullptr, sizes, nullptr);
@@ -88,6 +104,14 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_p
     throw Error(fmt::format("MBP executor: the micro-batch size must be >= 1, found {}", *opt_.micro_batch));
   if (opt_.max_oom_retries < 0) throw Error("MBP executor: max_oom_retries must be >= 0");
   if (!arena_) throw Error("MBP executor: expected an arena to run on, found none");
+  if (opt_.precision == Precision::bf16) {
+    if (dtype_ != DType::Float32)
+      throw Error(fmt::format("MBP executor: bf16 mixed precision keeps float32 master weights; the model is {}",
+                              dtype_name(dtype_)));
+    if (!device_.is_cpu())
+      throw Error(fmt::format("MBP executor: bf16 mixed precision runs on the CPU in this version of tally (its "
+                              "CUDA kernels are float32 only); the model is on {}", device_.str()));
+  }
   if (distributed()) {
     if (!opt_.communicator->serves(device_))
       throw Error(fmt::format("MBP executor: the {} communicator cannot carry tensors on {}",
@@ -143,7 +167,7 @@ Tensor Executor::accumulate_loss(Arena& arena, const float* images, const std::i
   // State across micro-batches (BatchNorm's moments) gathers from here; run_step applies it.
   for (nn::StepState* s : states_) s->begin_step();
 
-  if (!dry) stager_->begin_step(staging_bytes(batch, sample_numel_, dtype_));
+  if (!dry) stager_->begin_step(staging_bytes(batch, sample_numel_, activation_dtype_));
 
   EnableGradGuard grad_on;  // the step records its tape even if the caller is in a NoGradGuard
   // The loss of the step, summed where it is computed: read once, after the optimizer step.
@@ -154,8 +178,8 @@ Tensor Executor::accumulate_loss(Arena& arena, const float* images, const std::i
   bool targets_checked = false;
   Inputs next;
   if (prefetch) {
-    next = allocate_inputs(sizes[0], opt_.sample_shape, dtype_, device_);
-    fill_inputs(next, *stager_, images, labels, 0, sizes[0], batch, sample_numel_, dtype_);
+    next = allocate_inputs(sizes[0], opt_.sample_shape, activation_dtype_, device_);
+    fill_inputs(next, *stager_, images, labels, 0, sizes[0], batch, sample_numel_, activation_dtype_);
   }
   for (std::size_t i = 0; i < k; ++i) {
     arena.mark(fmt::format("micro-batch {}/{} ({} samples)", i + 1, k, sizes[i]));
@@ -164,12 +188,12 @@ Tensor Executor::accumulate_loss(Arena& arena, const float* images, const std::i
       cur = std::move(next);
       next = Inputs{};
       if (i + 1 < k) {
-        next = allocate_inputs(sizes[i + 1], opt_.sample_shape, dtype_, device_);
-        fill_inputs(next, *stager_, images, labels, offset + sizes[i], sizes[i + 1], batch, sample_numel_, dtype_);
+        next = allocate_inputs(sizes[i + 1], opt_.sample_shape, activation_dtype_, device_);
+        fill_inputs(next, *stager_, images, labels, offset + sizes[i], sizes[i + 1], batch, sample_numel_, activation_dtype_);
       }
     } else {
-      cur = allocate_inputs(sizes[i], opt_.sample_shape, dtype_, device_);
-      fill_inputs(cur, *stager_, images, labels, offset, sizes[i], batch, sample_numel_, dtype_);
+      cur = allocate_inputs(sizes[i], opt_.sample_shape, activation_dtype_, device_);
+      fill_inputs(cur, *stager_, images, labels, offset, sizes[i], batch, sample_numel_, activation_dtype_);
     }
     if (!dry) stager_->wait(cur.uploaded);
     Tensor logits = model_(cur.x);

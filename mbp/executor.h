@@ -60,6 +60,20 @@ namespace tally::mbp {
 //                   micro-batches differ in size (or in weighted/ignored targets). For teaching.
 enum class LossNormalization { exact, per_micro_batch };
 
+// The precision of a step (docs/precision.md):
+//   fp32  every tensor in the model's dtype (float32, or float64 for a float64 model).
+//   bf16  mixed precision: each micro-batch's input is converted to bfloat16, so the activations,
+//         the tensors saved for backward and the activation gradients are bfloat16, while the
+//         parameters (float32 master weights), their gradients (accumulated in float32 over the
+//         micro-batches), the optimizer state, the normalization statistics and the loss stay
+//         float32. Convolutions and GEMMs multiply bf16 values and sum in float32. Needs a
+//         float32 model; the CPU has bf16 kernels (the CUDA backend not yet).
+enum class Precision { fp32, bf16 };
+// "fp32" / "bf16", and back (an Error naming --precision and the allowed values).
+const char* precision_name(Precision p);
+Precision parse_precision(const std::string& name);
+const std::vector<std::string>& precision_names();
+
 struct ExecutorOptions {
   Shape sample_shape{};                       // one input sample, e.g. {3, 32, 32}
   CrossEntropyOptions loss{};                 // reduction is always the whole batch's mean
@@ -84,6 +98,7 @@ struct ExecutorOptions {
   // Recomputation costs step time (one more forward per level), which is why it is not the
   // library's default: MBP already runs any batch exactly in whatever fits one sample.
   std::string recompute = "none";
+  Precision precision = Precision::fp32;
 };
 
 // The recomputation a plan runs with (Executor::recompute_choice).
@@ -149,6 +164,8 @@ class Executor {
   Planner& planner() { return planner_; }
   const std::shared_ptr<Arena>& arena() const { return arena_; }
   Device device() const { return device_; }
+  // The dtype of the step's activations: the model's, or bfloat16 under Precision::bf16.
+  DType activation_dtype() const { return activation_dtype_; }
 
   ~Executor();
   Executor(const Executor&) = delete;
@@ -178,7 +195,8 @@ class Executor {
   optim::Optimizer& optimizer_;
   ExecutorOptions opt_;
   Device device_;
-  DType dtype_;
+  DType dtype_;             // the model's parameters (and the loss)
+  DType activation_dtype_;  // the inputs, and so every activation of the step
   std::shared_ptr<Arena> arena_;
   Planner planner_;
   std::vector<nn::StepState*> states_;  // the model's state across micro-batches (nn/module.h)

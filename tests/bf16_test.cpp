@@ -22,8 +22,11 @@
 #include <fmt/format.h>
 
 #include "core/autograd.h"
+#include "core/memory.h"
 #include "core/ops.h"
 #include "kernels/cpu/cpu_kernels.h"
+#include "mbp/executor.h"
+#include "tests/model_common.h"
 
 using namespace tally;
 using kernels::bf16;
@@ -321,4 +324,171 @@ TEST(BFloat16Ops, Bf16ActivationsTakeFloat32ParametersAndSaySo) {
   EXPECT_THROW(batch_norm(x, Tensor::full({3}, 1.0, DType::BFloat16), {}, {}, {}, {}), ShapeError);
   // float32 activations still take float32 parameters only.
   EXPECT_THROW(conv2d(Tensor::full({2, 3, 4, 4}, 0.5), w16), ShapeError);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Mixed-precision training steps (mbp::Precision::bf16): the executor converts each micro-batch's
+// input to bf16; the model keeps float32 parameters, gradients and optimizer state.
+namespace {
+
+class MixedPrecision : public ::testing::Test {
+ protected:
+  void SetUp() override { configure_arena(Device::cpu(), kDefaultCpuArenaBytes); }
+};
+
+// Gradients of the float32 model's parameters after a bf16 step of `sizes`, as doubles.
+std::vector<std::vector<double>> bf16_step_grads(nn::Module& m, optim::Optimizer& opt, const test::Data& d,
+                                                 const Shape& sample, const std::vector<std::int64_t>& sizes,
+                                                 double* loss) {
+  mbp::ExecutorOptions eo;
+  eo.sample_shape = sample;
+  eo.precision = mbp::Precision::bf16;
+  mbp::Executor ex(m, opt, eo);
+  EXPECT_EQ(ex.activation_dtype(), DType::BFloat16);
+  m.zero_grad();
+  *loss = ex.accumulate(d.images.data(), d.labels.data(), sizes);
+  auto g = test::grads<float>(m);
+  m.zero_grad();
+  return g;
+}
+
+}  // namespace
+
+// How accurate a bf16 step can be: the gradients of a residual network of convolutions, batch
+// norms and ReLUs, computed three ways — float64 (the truth), tally's bf16 kernels, and the
+// float32 kernels with every activation and activation gradient rounded to bf16 by casts (R
+// below: what bf16 storage alone costs; the weights are bf16 values, so rounding them costs
+// nothing in either). The bf16 kernels must be about as close to float64 as the rounding itself
+// allows, layer by layer; their errors and the emulation's are printed.
+TEST(MixedPrecisionAccuracy, Bf16KernelsAreAsAccurateAsBf16RoundingAllows) {
+  const std::uint32_t seed = fresh_seed();
+  SCOPED_TRACE(fmt::format("seed {}", seed));
+  std::mt19937 rng(seed);
+  const std::int64_t L = 6, C = 16, N = 12, H = 10, layers = 2 * L + 1;
+  std::vector<std::vector<float>> ws;
+  for (std::int64_t l = 0; l < layers; ++l) {
+    const std::int64_t cin = l == 0 ? 3 : C;
+    std::normal_distribution<float> d(0.f, std::sqrt(2.f / static_cast<float>(cin * 9)));
+    std::vector<float> w(static_cast<std::size_t>(C * cin * 9));
+    for (auto& v : w) v = static_cast<float>(bf16(d(rng)));  // bf16 values: the weights' rounding is no error here
+    ws.push_back(w);
+  }
+  const std::vector<float> xv = bf16_values(N * 3 * H * H, rng);
+  std::vector<std::int64_t> labels(N);
+  for (auto& v : labels) v = static_cast<std::int64_t>(rng() % C);
+  enum Mode { f64, bf16_kernels, rounded_f32 };
+  auto gradients = [&](Mode mode) {
+    const DType pd = mode == f64 ? DType::Float64 : DType::Float32;
+    std::vector<Tensor> w;
+    for (std::int64_t l = 0; l < layers; ++l) {
+      const std::int64_t cin = l == 0 ? 3 : C;
+      w.push_back(make(ws[static_cast<std::size_t>(l)], {C, cin, 3, 3}, DType::Float32, Category::parameter)
+                      .to(pd).detach());
+      w.back().set_requires_grad(true);
+    }
+    auto R = [&](const Tensor& t) { return mode == rounded_f32 ? cast(cast(t, DType::BFloat16), DType::Float32) : t; };
+    Tensor x = make(xv, {N, 3, H, H}, DType::Float32).to(mode == bf16_kernels ? DType::BFloat16 : pd);
+    Conv2dOptions o;
+    o.padding = {1, 1};
+    auto bn = [&](const Tensor& t) { return batch_norm(t, {}, {}, {}, {}, {}); };
+    Tensor h = R(relu(R(bn(R(conv2d(x, w[0], {}, o))))));
+    for (std::int64_t l = 0; l < L; ++l) {
+      Tensor b = R(relu(R(bn(R(conv2d(h, w[static_cast<std::size_t>(1 + 2 * l)], {}, o))))));
+      b = R(bn(R(conv2d(b, w[static_cast<std::size_t>(2 + 2 * l)], {}, o))));
+      h = R(relu(R(add(h, b))));
+    }
+    cross_entropy(R(flatten(adaptive_avg_pool2d(h, {1, 1}))), Tensor::from_vector(labels, {N})).backward();
+    std::vector<std::vector<double>> g;
+    for (const Tensor& p : w) g.push_back(p.grad().to(DType::Float64).to_vector<double>());
+    return g;
+  };
+  const auto truth = gradients(f64), got = gradients(bf16_kernels), rounded = gradients(rounded_f32);
+  std::string table;
+  for (std::size_t l = 0; l < truth.size(); ++l) {
+    const double e = test::rel_error(got[l], truth[l]), er = test::rel_error(rounded[l], truth[l]);
+    table += fmt::format(" {:.4f}/{:.4f}", e, er);
+    // Measured: e / er between 0.9 and 1.1 (batch norm's scale invariance makes both large for
+    // the layers before one: 0.04 to 0.2, as large in the emulation as in the kernels).
+    EXPECT_LE(e, 1.25 * er + 0.005) << "layer " << l << ": bf16 kernels " << e << ", bf16 rounding alone " << er;
+  }
+  std::cout << "per-layer relative gradient error against float64, bf16 kernels / rounding alone:" << table << "\n";
+}
+
+// A bf16 ResNet-20 step: its loss close to float64's, and micro-batches adding up to the whole
+// batch's gradients (group norm: a sample's activations do not depend on the split).
+TEST_F(MixedPrecision, ResNet20LossIsCloseToFloat64AndMicroBatchesAddUp) {
+  const std::int64_t B = 24;
+  const Shape sample{3, 16, 16};
+  const test::Data d = test::make_data(B, sample, fresh_seed());
+  auto m = test::model("resnet20", "group", 5);
+  auto opt = test::sgd(*m);
+  double loss_full = 0, loss_micro = 0;
+  const auto g_full = bf16_step_grads(*m, *opt, d, sample, {B}, &loss_full);
+  const auto g_micro = bf16_step_grads(*m, *opt, d, sample, mbp::balanced_sizes(B, 4), &loss_micro);
+  auto ref = test::model("resnet20", "group", 5, DType::Float64);
+  const double ref_loss = test::full_batch_backward<double>(*ref, d, B, sample);
+  EXPECT_NEAR(loss_full, ref_loss, 3e-3 * std::abs(ref_loss));
+  EXPECT_NEAR(loss_micro, loss_full, 1e-5 * std::abs(loss_full));
+  double worst = 0;
+  for (std::size_t i = 0; i < g_full.size(); ++i) {
+    const double e = test::rel_error(g_micro[i], g_full[i]);
+    worst = std::max(worst, e);
+    EXPECT_LE(e, 1e-4) << "parameter " << i << ": micro-batches of 6 against the whole batch, both bf16";
+  }
+  std::cout << "bf16 loss " << loss_full << ", float64 " << ref_loss
+            << "; micro-batches of 6 against the whole batch: worst per-tensor relative gradient error " << worst
+            << "\n";
+}
+
+// The planner dry-runs the bf16 step exactly as it runs (two-byte activations), so predicted ==
+// measured; the same budget fits micro-batches nearly twice the float32 ones.
+TEST_F(MixedPrecision, PlansAreExactAndFitNearlyTwiceTheMicroBatch) {
+  const std::size_t budget = parse_size("12MiB");
+  const std::int64_t B = 96;
+  const Shape sample{3, 32, 32};
+  std::int64_t m_fp32 = 0, m_bf16 = 0;
+  for (mbp::Precision p : {mbp::Precision::fp32, mbp::Precision::bf16}) {
+    configure_arena(Device::cpu(), budget);
+    auto m = test::model("resnet20", "batch", 2);
+    auto opt = test::sgd(*m, 0.01);
+    mbp::ExecutorOptions eo;
+    eo.sample_shape = sample;
+    eo.precision = p;
+    mbp::Executor ex(*m, *opt, eo);
+    const mbp::Plan& plan = ex.plan(B);
+    (p == mbp::Precision::bf16 ? m_bf16 : m_fp32) = plan.micro_batch;
+    for (int step = 0; step < 2; ++step) {
+      const test::Data d = test::make_data(B, sample, 40 + static_cast<std::uint32_t>(step));
+      const mbp::StepResult r = ex.step(d.images.data(), d.labels.data(), B);
+      EXPECT_EQ(r.peak, r.predicted_peak) << mbp::precision_name(p) << " step " << step;
+      EXPECT_LE(r.peak, budget);
+      EXPECT_TRUE(std::isfinite(r.loss));
+    }
+    std::cout << mbp::precision_name(p) << ": " << plan.summary() << "\n";
+  }
+  EXPECT_GE(static_cast<double>(m_bf16), 1.8 * static_cast<double>(m_fp32))
+      << "fp32 micro-batch " << m_fp32 << ", bf16 " << m_bf16;
+}
+
+TEST_F(MixedPrecision, NeedsAFloat32ModelAndANamedPrecision) {
+  auto m = test::model("resnet20", "none", 1, DType::Float64);
+  auto opt = test::sgd(*m);
+  mbp::ExecutorOptions eo;
+  eo.sample_shape = {3, 8, 8};
+  eo.precision = mbp::Precision::bf16;
+  try {
+    mbp::Executor ex(*m, *opt, eo);
+    FAIL() << "a float64 model was taken for bf16 mixed precision";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("float32 master weights; the model is float64"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(mbp::parse_precision("bf16"), mbp::Precision::bf16);
+  EXPECT_EQ(mbp::parse_precision("fp32"), mbp::Precision::fp32);
+  try {
+    mbp::parse_precision("fp16");
+    FAIL();
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "--precision 'fp16': expected fp32|bf16");
+  }
 }

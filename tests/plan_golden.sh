@@ -21,6 +21,7 @@ cases=(
   "resnet50_1024_b2_1GiB_auto|--model resnet50 --input 3x1024x1024 --batch-size 2 --memory-limit 1GiB"
   "resnet18_group_adamw_blocks_layer1|--model resnet18 --norm group --optimizer adamw --input 3x64x64 --batch-size 300 --memory-limit 200MiB --recompute blocks+layer1"
   "resnet9_fixed_micro_batch_too_large|--model resnet9 --norm none --input 3x32x32 --batch-size 1000 --memory-limit 128MiB --micro-batch 77 --no-layers --momentum 0"
+  "resnet50_224_b4096_8GiB_none_bf16|${r50[*]} --recompute none --precision bf16"
   "resnet56_group_12MiB_none|--model resnet56 --norm group --input 3x32x32 --batch-size 64 --memory-limit 12MiB --recompute none --no-layers"
 )
 

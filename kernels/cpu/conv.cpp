@@ -261,6 +261,7 @@ bool use_onednn([[maybe_unused]] const Conv2dShape& s, [[maybe_unused]] ConvPass
 #if TALLY_HAVE_ONEDNN
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, bf16>) {
     const auto elem = std::is_same_v<T, bf16> ? onednn::Elem::bf16 : onednn::Elem::f32;
+    if (elem == onednn::Elem::bf16 && pass == ConvPass::forward && s.bias) return false;  // see Conv2dShape::bias
     return g_algorithm.load() == ConvAlgorithm::onednn && s.N > 0 && s.P() > 0 && s.Q() > 0 &&
            onednn::supports(s, pass, elem);
   }

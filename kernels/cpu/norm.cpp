@@ -6,6 +6,7 @@
 // order, so results do not depend on the thread count.
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include "kernels/cpu/cpu_kernels.h"
 
@@ -22,6 +23,22 @@ inline void store(T* out, P<T> beta, double v) {
     *out = static_cast<T>(v);
   } else {
     *out = T(beta * M(*out) + static_cast<M>(v));
+  }
+}
+
+// y = (x - mean) * scale + b over one channel of (N, C, HW) (at x + c * HW, y + c * HW): in double,
+// or for a bf16 y in float32 (its one rounding to bf16 dominates), so that the loop vectorizes.
+template <class T>
+void normalize_channel(i64 N, i64 CHW, i64 HW, const T* xc, T* yc, double mean, double scale, double b) {
+  for (i64 n = 0; n < N; ++n) {
+    const T* xp = xc + n * CHW;
+    T* yp = yc + n * CHW;
+    if constexpr (std::is_same_v<T, bf16>) {
+      const float sf = static_cast<float>(scale), bf = static_cast<float>(b - mean * scale);
+      for (i64 i = 0; i < HW; ++i) yp[i] = bf16(float(xp[i]) * sf + bf);
+    } else {
+      for (i64 i = 0; i < HW; ++i) yp[i] = static_cast<T>((static_cast<double>(xp[i]) - mean) * scale + b);
+    }
   }
 }
 
@@ -117,13 +134,7 @@ void batch_norm_forward_train(i64 N, i64 C, i64 HW, const T* x, const P<T>* gamm
     const double g = gamma ? static_cast<double>(gamma[c]) : 1.0;
     const double b = beta_ ? static_cast<double>(beta_[c]) : 0.0;
     const double scale = invstd * g;
-    for (i64 n = 0; n < N; ++n) {
-      const T* xp = x + n * CHW + c * HW;
-      T* yp = y + n * CHW + c * HW;
-      for (i64 i = 0; i < HW; ++i) {
-        yp[i] = static_cast<T>((static_cast<double>(xp[i]) - mean) * scale + b);
-      }
-    }
+    normalize_channel(N, CHW, HW, x + c * HW, y + c * HW, mean, scale, b);
     if (save_mean) save_mean[c] = static_cast<M_>(mean);
     if (save_invstd) save_invstd[c] = static_cast<M_>(invstd);
     const double mom = static_cast<double>(momentum);
@@ -153,13 +164,7 @@ void batch_norm_forward_eval(i64 N, i64 C, i64 HW, const T* x, const P<T>* gamma
     const double g = gamma ? static_cast<double>(gamma[c]) : 1.0;
     const double b = beta_ ? static_cast<double>(beta_[c]) : 0.0;
     const double scale = invstd * g;
-    for (i64 n = 0; n < N; ++n) {
-      const T* xp = x + n * CHW + c * HW;
-      T* yp = y + n * CHW + c * HW;
-      for (i64 i = 0; i < HW; ++i) {
-        yp[i] = static_cast<T>((static_cast<double>(xp[i]) - mean) * scale + b);
-      }
-    }
+    normalize_channel(N, CHW, HW, x + c * HW, y + c * HW, mean, scale, b);
   }
 }
 
@@ -189,7 +194,18 @@ void batch_norm_backward(i64 N, i64 C, i64 HW, const T* dy, const T* x, const P<
         const T* dyp = dy + n * CHW + c * HW;
         T* dxp = dx + n * CHW + c * HW;
         // Two loops rather than a test of beta per element: each vectorizes.
-        if (beta_dx == M_(0)) {
+        if constexpr (std::is_same_v<T, bf16>) {
+          // For a bf16 dx, float32 math: dx = a1 dy - a2 x + a0 with the channel's constants
+          // (k (dy - mean_dy - (x - mean) invstd mean_dy_xhat) expanded).
+          const float a1 = static_cast<float>(k), a2 = static_cast<float>(k * invstd * mean_dy_xhat);
+          const float a0 = static_cast<float>(k * (invstd * mean_dy_xhat * mean - mean_dy));
+          if (beta_dx == 0.f) {
+            for (i64 i = 0; i < HW; ++i) dxp[i] = bf16(a1 * float(dyp[i]) - a2 * float(xp[i]) + a0);
+          } else {
+            for (i64 i = 0; i < HW; ++i)
+              dxp[i] = bf16(beta_dx * float(dxp[i]) + (a1 * float(dyp[i]) - a2 * float(xp[i]) + a0));
+          }
+        } else if (beta_dx == M_(0)) {
           for (i64 i = 0; i < HW; ++i) {
             const double xhat = (static_cast<double>(xp[i]) - mean) * invstd;
             dxp[i] = static_cast<T>(k * (static_cast<double>(dyp[i]) - mean_dy - xhat * mean_dy_xhat));

@@ -7,6 +7,7 @@
 // its own code kept beyond its children (a residual block's add and ReLU).
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -29,7 +30,10 @@ struct LayerRow {
 
 // Rows in call order for a batch of `batch` samples of `sample_shape`; `arena` holds the model
 // (the dry forward runs on an unbounded virtual clone of it).
-std::vector<LayerRow> layer_table(nn::Module& model, const Arena& arena, const Shape& sample_shape, std::int64_t batch);
+// `input` is the dtype of the input (and so of the activations): bfloat16 for a bf16 mixed-precision
+// step, the model's dtype if left out.
+std::vector<LayerRow> layer_table(nn::Module& model, const Arena& arena, const Shape& sample_shape, std::int64_t batch,
+                                  std::optional<DType> input = std::nullopt);
 
 // A fixed-width text table (kept bytes shown per sample) with totals.
 std::string format_layer_table(const std::vector<LayerRow>& rows, std::int64_t batch);
