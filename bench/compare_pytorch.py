@@ -4,6 +4,7 @@ and device, training steps in one run, images/s and peak memory of both and thei
 
     python3 bench/compare_pytorch.py --model resnet20 --batch 128 --steps 20 --device cpu
     python3 bench/compare_pytorch.py --model resnet50 --batch 256 --device cuda [--tf32]
+    python3 bench/compare_pytorch.py --model resnet50 --batch 16 --precision bf16 --threads 2
 
 PyTorch side: SGD (momentum 0.9, weight decay 5e-4) training steps on random data of the input
 shape, each step's batch copied from pinned host memory, eager mode, float32, TF32 off unless
@@ -16,6 +17,10 @@ on), whose images/s leaves out the first step; its peak is the arena's measured 
 PyTorch's peak is torch.cuda.max_memory_allocated() for the timed steps. On the CPU PyTorch has
 no allocator statistics, so its column is the growth of the process's maximum resident set
 during training (an upper bound that includes allocator caching), and the ratio is omitted.
+--precision bf16: tally trains with `--precision bf16` (bf16 activations, float32 master weights);
+PyTorch runs the forward under torch.autocast(device, torch.bfloat16) with the loss in float32 — the
+mode a PyTorch user picks — and on CUDA also in channels_last (the memory format its bf16
+convolutions want; tally's CUDA activations stay NCHW).
 ResNet-20 comes from tests/gen_model_fixtures.py (the same definition the fixtures use);
 ResNet-18/50 from torchvision.
 """
@@ -51,6 +56,10 @@ def torch_side(args, hw, classes):
         torch.backends.cudnn.benchmark = args.cudnn_benchmark
     torch.manual_seed(0)
     model = make_model(args.model, classes).to(dev).train()
+    bf16 = args.precision == "bf16"
+    channels_last = bf16 and dev.type == "cuda"
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
     # Each step takes its batch from host memory, as a training loop does (tally's steps upload
     # theirs too): pinned, copied without blocking, as DataLoader(pin_memory=True) would give it.
@@ -60,9 +69,13 @@ def torch_side(args, hw, classes):
 
     def step():
         x = x_host.to(dev, non_blocking=True)
+        if channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
         y = y_host.to(dev, non_blocking=True)
         opt.zero_grad(set_to_none=False)
-        loss = torch.nn.functional.cross_entropy(model(x), y)
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=bf16):
+            logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits.float(), y)
         loss.backward()
         opt.step()
 
@@ -90,7 +103,8 @@ def tally_side(args, hw, classes):
     with tempfile.TemporaryDirectory() as out:
         cmd = [args.tally, "train", "--model", args.model, "--data", data, "--num-classes", str(classes),
                "--batch-size", str(args.batch), "--steps", str(args.steps + 1), "--lr", "0.01", "--schedule",
-               "constant", "--no-augment", "--device", args.device, "--out", out, "--no-progress"]
+               "constant", "--no-augment", "--device", args.device, "--out", out, "--no-progress",
+               "--precision", args.precision]
         if args.threads:
             cmd += ["--threads", str(args.threads)]
         if args.tf32:
@@ -110,6 +124,8 @@ def main():
     p.add_argument("--device", default="cpu")
     p.add_argument("--tf32", action="store_true", help="allow TF32 on both sides (CUDA)")
     p.add_argument("--cudnn-benchmark", action="store_true", help="PyTorch: torch.backends.cudnn.benchmark = True")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: tally --precision bf16 against PyTorch bf16 autocast (+ channels_last on CUDA)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for both (0: all cores)")
     p.add_argument("--tally", default=os.path.join(ROOT, "build", "apps", "tally"))
     args = p.parse_args()
@@ -120,7 +136,8 @@ def main():
     t_ips, t_peak, k = tally_side(args, hw, classes)
     p_ips, p_peak, p_kind = torch_side(args, hw, classes)
     mib = 1 << 20
-    print(f"{args.model} batch {args.batch}, float32{' (TF32 on)' if args.tf32 else ''}, {args.device}, {args.steps} timed steps, "
+    prec = "bf16 (PyTorch: autocast" + (" + channels_last)" if args.device != "cpu" else ")") if args.precision == "bf16" else "float32"
+    print(f"{args.model} batch {args.batch}, {prec}{' (TF32 on)' if args.tf32 else ''}, {args.device}, {args.steps} timed steps, "
           f"{'cudnn.benchmark on, ' if args.cudnn_benchmark else ''}"
           f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
     print(f"{'':10} {'images/s':>10} {'peak MiB':>10}")

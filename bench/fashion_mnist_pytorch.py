@@ -10,7 +10,9 @@ epoch, lr(step) = lr * (step + 1) / W for step < W, then cosine to 0 over the re
 pixels / 255 normalized with mean 0.2860, std 0.3530; no augmentation; the training set reshuffled
 every epoch and the last partial batch dropped (tally's rule; the permutations themselves differ).
 
-Run: /usr/bin/python3 bench/fashion_mnist_pytorch.py [--epochs 2] [--threads 2] [--seed 0]
+Run: /usr/bin/python3 bench/fashion_mnist_pytorch.py [--epochs 2] [--threads 2] [--seed 0] [--precision bf16]
+(bf16: the forward, evaluation included, under CPU autocast, the loss in float32 — the mode a
+PyTorch user picks for bf16 mixed precision).
 """
 import argparse
 import gzip
@@ -64,7 +66,10 @@ def main():
     p.add_argument("--warmup-epochs", type=float, default=0.5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32",
+                   help="bf16: the forward under torch.autocast('cpu', torch.bfloat16), the loss in float32")
     a = p.parse_args()
+    bf16 = a.precision == "bf16"
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
     xtr, ytr = load(a.dir, "train")
@@ -85,7 +90,9 @@ def main():
             idx = order[k * a.batch_size:(k + 1) * a.batch_size]
             for g in opt.param_groups:
                 g["lr"] = lr_at(step, a.lr, warm, total)
-            loss = F.cross_entropy(model(xtr[idx]), ytr[idx])
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                logits = model(xtr[idx])
+            loss = F.cross_entropy(logits.float(), ytr[idx])
             opt.zero_grad()
             loss.backward()
             opt.step()
@@ -97,12 +104,14 @@ def main():
         correct = 0
         with torch.no_grad():
             for i in range(0, len(xte), 1000):
-                correct += (model(xte[i:i + 1000]).argmax(1) == yte[i:i + 1000]).sum().item()
+                with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                    logits = model(xte[i:i + 1000])
+                correct += (logits.float().argmax(1) == yte[i:i + 1000]).sum().item()
         acc = correct / len(xte)
         print(f"epoch {epoch + 1}/{a.epochs}: test accuracy {100 * acc:.2f}%", flush=True)
     print(json.dumps({"torch": torch.__version__, "epochs": a.epochs, "batch_size": a.batch_size, "lr": a.lr,
                       "test_accuracy": acc, "seconds": round(time.time() - t0, 1), "threads": a.threads,
-                      "seed": a.seed}))
+                      "seed": a.seed, "precision": a.precision}))
 
 
 if __name__ == "__main__":

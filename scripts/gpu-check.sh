@@ -22,8 +22,8 @@
 #                  then a few steps of batch 4096 in 8 GiB with --recompute all and of
 #                  3x1024x1024 batch 2 in 1 GiB (auto recomputation), exact peaks reported (~4 min)
 #        compare   bench/compare_pytorch.py with the PyTorch there: ResNet-20 batch 128 and
-#                  ResNet-50 batch 256, TF32 off and on; ResNet-50 also against PyTorch
-#                  with cudnn.benchmark                                                 (~4 min)
+#                  ResNet-50 batch 256, TF32 off and on and bf16 (PyTorch: autocast +
+#                  channels_last); ResNet-50 also against PyTorch with cudnn.benchmark   (~5 min)
 #        profile   `tally train --profile`: GPU time per op of ResNet-50 (batch 256) and
 #                  ResNet-20 (batch 128) training steps                                 (~1 min)
 #        bench     bench_train on the GPU                                              (~2 min)
@@ -389,24 +389,31 @@ step_resnet50() {
 }
 
 step_compare() {
-  local log=$logs/compare.log m b tf
-  for m in "resnet20 128" "resnet50 256" "resnet50 256 --cudnn-benchmark"; do
+  local log=$logs/compare.log m b extra
+  # The three precisions of the GPU table: float32 (TF32 off on both sides), TF32, and bf16 — tally
+  # --precision bf16 against PyTorch's bf16 autocast + channels_last (+ cudnn.benchmark).
+  local configs=("resnet20 128" "resnet20 128 --tf32" "resnet20 128 --precision bf16"
+                 "resnet50 256" "resnet50 256 --tf32" "resnet50 256 --cudnn-benchmark"
+                 "resnet50 256 --tf32 --cudnn-benchmark" "resnet50 256 --precision bf16 --cudnn-benchmark")
+  for m in "${configs[@]}"; do
     read -r m b extra <<<"$m"
-    for tf in "" "--tf32"; do
-      run_logged "compare_pytorch $m $tf $extra" "$log" "$bundle/run" python3 bench/compare_pytorch.py --model "$m" \
-        --batch "$b" --device cuda --tally "$bundle/bin/tally" $tf $extra
-      note "$(printf '%-44s rc=%-3s %s' "compare_pytorch $m $b ${tf:-fp32} $extra" "$last_rc" "$(grep -A3 -E '^ +images/s' "$log" | tail -3 | tr -s ' ' | tr '\n' ';')")"
-    done
+    # shellcheck disable=SC2086  # $extra is a list of flags
+    run_logged "compare_pytorch $m $extra" "$log" "$bundle/run" python3 bench/compare_pytorch.py --model "$m" \
+      --batch "$b" --device cuda --tally "$bundle/bin/tally" $extra
+    note "$(printf '%-44s rc=%-3s %s' "compare_pytorch $m $b ${extra:-fp32}" "$last_rc" "$(grep -A3 -E '^ +images/s' "$log" | tail -3 | tr -s ' ' | tr '\n' ';')")"
   done
 }
 
 step_profile() {
-  local log=$logs/profile.log m
-  for m in "resnet50 synthetic:3x224x224 256 1000" "resnet20 synthetic 128 10"; do
-    read -r m d b k <<<"$m"
-    run_logged "tally train --profile $m" "$log" "$bundle/run" "$bundle/bin/tally" train --model "$m" --data "$d" \
+  local log=$logs/profile.log m d b k extra
+  # Each precision of the comparison table: float32, TF32 and bf16.
+  for m in "resnet50 synthetic:3x224x224 256 1000" "resnet50 synthetic:3x224x224 256 1000 --tf32" \
+           "resnet50 synthetic:3x224x224 256 1000 --precision bf16" "resnet20 synthetic 128 10"; do
+    read -r m d b k extra <<<"$m"
+    # shellcheck disable=SC2086  # $extra is a list of flags
+    run_logged "tally train --profile $m $extra" "$log" "$bundle/run" "$bundle/bin/tally" train --model "$m" --data "$d" \
       --num-classes "$k" --batch-size "$b" --steps 12 --lr 0.01 --schedule constant --no-augment --device cuda \
-      --no-progress --profile
+      --no-progress --profile $extra
   done
   note "$(printf '%-44s rc=%-3s' "profiles" "$last_rc")"
 }
