@@ -143,9 +143,6 @@ Device validate(const TrainOptions& opt) {
   check_number("--label-smoothing", kFraction, opt.label_smoothing);
   check_number("--threads", kNonNegativeWhole, opt.threads);
   const Device dev = choose_device(opt.device);
-  if (opt.precision == "bf16" && dev.is_cuda())
-    throw Error(fmt::format("--precision bf16 runs on the CPU in this version of tally (its CUDA kernels are float32 "
-                            "only); --device {} chose {}", opt.device, dev.str()));
   for (const std::string& limit : split_list(opt.memory_limit))  // a bad size fails before any work
     if (limit != "auto") (void)parse_size(limit);
   if (!opt.init.empty() && !std::filesystem::exists(opt.init))

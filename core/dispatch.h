@@ -18,7 +18,7 @@
 // names and signatures. SET says which dtypes the body is compiled for, per backend:
 //
 //   SET             cpu                            cuda
-//   FLOATING        float32, float64, bfloat16     float32            (the compute ops)
+//   FLOATING        float32, float64, bfloat16     float32, bfloat16  (the compute ops)
 //   FULL_PRECISION  float32, float64               float32            (optimizers, norm moments,
 //                                                                      the loss: never bfloat16)
 //   INTEGER         int32, int64                   int32, int64
@@ -27,9 +27,9 @@
 //   FLOAT_STORAGE   float32, float64, bfloat16     the same           (conversions)
 //   ANY             -- the body binds no T (byte copies, dtype-free sizes) --
 //
-// bfloat16's compute kernels exist on the CPU; on CUDA it is a storage type until its kernels
-// join FLOATING there by one line below. A dtype outside the set, a CUDA tensor in a build
-// without the CUDA backend, throws a ShapeError naming the op, the tensor and what the set takes.
+// bfloat16 computes on both backends (mixed precision, docs/precision.md): float32 math, its
+// parameters float32 (TP). A dtype outside the set, a CUDA tensor in a build without the CUDA
+// backend, throws a ShapeError naming the op, the tensor and what the set takes.
 //
 // Dry runs (core/dry_run.h): TALLY_DISPATCH checks device and dtype exactly as a real run does and
 // then skips the body, so op bodies carry no dry-run checks of their own; TALLY_DISPATCH_QUERY
@@ -61,7 +61,8 @@ namespace tally::detail {
 #define TALLY_TYPES_cuda_FULL_PRECISION(X, ...) X(Float32, float, __VA_ARGS__)
 #define TALLY_TYPES_cpu_FLOATING(X, ...) \
   TALLY_TYPES_cpu_FULL_PRECISION(X, __VA_ARGS__) X(BFloat16, ::tally::kernels::bf16, __VA_ARGS__)
-#define TALLY_TYPES_cuda_FLOATING(X, ...) TALLY_TYPES_cuda_FULL_PRECISION(X, __VA_ARGS__)
+#define TALLY_TYPES_cuda_FLOATING(X, ...) \
+  TALLY_TYPES_cuda_FULL_PRECISION(X, __VA_ARGS__) X(BFloat16, ::tally::kernels::bf16, __VA_ARGS__)
 #define TALLY_TYPES_cpu_INTEGER(X, ...) X(Int32, std::int32_t, __VA_ARGS__) X(Int64, std::int64_t, __VA_ARGS__)
 #define TALLY_TYPES_cuda_INTEGER(X, ...) TALLY_TYPES_cpu_INTEGER(X, __VA_ARGS__)
 #define TALLY_TYPES_cpu_FLOAT_STORAGE(X, ...) \

@@ -104,14 +104,9 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_p
     throw Error(fmt::format("MBP executor: the micro-batch size must be >= 1, found {}", *opt_.micro_batch));
   if (opt_.max_oom_retries < 0) throw Error("MBP executor: max_oom_retries must be >= 0");
   if (!arena_) throw Error("MBP executor: expected an arena to run on, found none");
-  if (opt_.precision == Precision::bf16) {
-    if (dtype_ != DType::Float32)
-      throw Error(fmt::format("MBP executor: bf16 mixed precision keeps float32 master weights; the model is {}",
-                              dtype_name(dtype_)));
-    if (!device_.is_cpu())
-      throw Error(fmt::format("MBP executor: bf16 mixed precision runs on the CPU in this version of tally (its "
-                              "CUDA kernels are float32 only); the model is on {}", device_.str()));
-  }
+  if (opt_.precision == Precision::bf16 && dtype_ != DType::Float32)
+    throw Error(fmt::format("MBP executor: bf16 mixed precision keeps float32 master weights; the model is {}",
+                            dtype_name(dtype_)));
   if (distributed()) {
     if (!opt_.communicator->serves(device_))
       throw Error(fmt::format("MBP executor: the {} communicator cannot carry tensors on {}",

@@ -67,7 +67,7 @@ enum class LossNormalization { exact, per_micro_batch };
 //         parameters (float32 master weights), their gradients (accumulated in float32 over the
 //         micro-batches), the optimizer state, the normalization statistics and the loss stay
 //         float32. Convolutions and GEMMs multiply bf16 values and sum in float32. Needs a
-//         float32 model; the CPU has bf16 kernels (the CUDA backend not yet).
+//         float32 model; both backends have bf16 kernels.
 enum class Precision { fp32, bf16 };
 // "fp32" / "bf16", and back (an Error naming --precision and the allowed values).
 const char* precision_name(Precision p);

@@ -47,7 +47,7 @@ here=$(cd "$(dirname "$0")/.." && pwd)
 cd "$here"
 bundle=.gpu-bundle
 debs=.gpu-debs
-tests=(gpu_test gpu_kernels_test gpu_ops_test)
+tests=(gpu_test gpu_kernels_test gpu_ops_test gpu_bf16_test)
 programs=("${tests[@]/#/tests/}" apps/tally bench/bench_kernels bench/bench_train)
 # The GPU machine takes 64 MiB of working tree in all: the tracked files travel with the bundle.
 # The bundle and the tracked tree together stay under 60 MiB, a margin for untracked notes.
@@ -134,6 +134,9 @@ memcheck gpu_test *:-Gpu.ReservingMoreThanTheDeviceHasIsAClearError
 memcheck gpu_ops_test GpuOps.EveryOp*:GpuOps.BasicBlock*:GpuOps.Tensors*:GpuOps.CrossEntropy*:Optimizer.*
 racecheck gpu_kernels_test GpuKernels.*:-GpuKernels.ConvolutionEveryCudnnAlgorithm* --kernel-name kns=tally
 synccheck gpu_kernels_test GpuKernels.*:-GpuKernels.ConvolutionEveryCudnnAlgorithm* --kernel-name kns=tally
+memcheck gpu_bf16_test GpuBf16Kernels.*:GpuBf16Ops.EveryOp*
+racecheck gpu_bf16_test GpuBf16Kernels.* --kernel-name kns=tally
+synccheck gpu_bf16_test GpuBf16Kernels.* --kernel-name kns=tally
 LIST
 }
 

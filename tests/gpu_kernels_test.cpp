@@ -2,8 +2,8 @@
 // at several shapes, odd sizes included (ctest label `gpu`; each test skips with a message when
 // no GPU is present, and the whole file is one skipping test in a build without CUDA).
 //
-// Device buffers are exact-size cudaMalloc allocations (class Buf), so that compute-sanitizer
-// sees each one's bounds. Outputs written with beta = 0 start as NaN on both sides, so an element
+// Device buffers are exact-size cudaMalloc allocations (class Buf, tests/gpu_buffer.h), so that
+// compute-sanitizer sees each one's bounds. Outputs written with beta = 0 start as NaN on both sides, so an element
 // the kernel forgets stays NaN and fails; beta = 1 starts both sides from the same random values and checks the
 // accumulation. Tolerances (max-norm relative error, tests/gpu_common.h): 1e-5 for elementwise
 // kernels, pooling and the optimizer updates, 1e-4 for GEMM, convolution, norms and the loss
@@ -25,6 +25,7 @@ TEST(GpuKernels, NeedTheCudaBackend) { GTEST_SKIP() << "CPU-only build: " << tal
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/context.h"
 #include "kernels/cuda/cuda_kernels.h"
+#include "tests/gpu_buffer.h"
 
 using namespace tally;
 using namespace tally::test;
@@ -36,58 +37,8 @@ namespace {
 
 constexpr double kElementwiseTol = 1e-5, kMathTol = 1e-4;
 
-// An exact-size device buffer from cudaMalloc — not an arena block — so that compute-sanitizer's
-// memcheck (scripts/gpu-check.sh) knows each buffer's true bounds and reports any access a kernel
-// makes past them; inside the arena such an access would land in a neighbour unseen. Transfers
-// go through the compute stream, in order with the kernels.
-template <class T>
-class Buf {
- public:
-  explicit Buf(std::size_t n = 0) : n_(n) {
-    if (n) TALLY_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&p_), n * sizeof(T)));
-  }
-  explicit Buf(const std::vector<T>& v) : Buf(v.size()) {
-    if (n_) {
-      TALLY_CUDA_CHECK(cudaMemcpyAsync(p_, v.data(), n_ * sizeof(T), cudaMemcpyHostToDevice, kg::compute_stream()));
-      kg::synchronize();
-    }
-  }
-  ~Buf() {
-    if (p_) (void)cudaFree(p_);  // synchronizes: no kernel still uses it
-  }
-  Buf(Buf&& o) noexcept : p_(o.p_), n_(o.n_) { o.p_ = nullptr, o.n_ = 0; }
-  Buf& operator=(Buf&& o) noexcept {
-    std::swap(p_, o.p_);
-    std::swap(n_, o.n_);
-    return *this;
-  }
-  Buf(const Buf&) = delete;
-  Buf& operator=(const Buf&) = delete;
-  T* get() const { return p_; }
-  std::vector<T> host() const {
-    std::vector<T> v(n_);
-    if (n_) {
-      TALLY_CUDA_CHECK(cudaMemcpyAsync(v.data(), p_, n_ * sizeof(T), cudaMemcpyDeviceToHost, kg::compute_stream()));
-      kg::synchronize();
-    }
-    return v;
-  }
-
- private:
-  T* p_ = nullptr;
-  std::size_t n_ = 0;
-};
-
-Buf<float> dev(const std::vector<float>& v) { return Buf<float>(v); }
 Buf<i64> dev_i64(const std::vector<i64>& v) { return Buf<i64>(v); }
-template <class T>
-std::vector<T> host(const Buf<T>& b) { return b.host(); }
-template <class T>
-T* P(const Buf<T>& b) { return b.get(); }
 std::vector<float> nans(std::size_t n) { return std::vector<float>(n, NAN); }
-// Device scratch of `bytes` (null for 0), standing in for the arena block core/ would carve.
-Buf<unsigned char> scratch(std::size_t bytes) { return Buf<unsigned char>(bytes); }
-void* ws_ptr(const Buf<unsigned char>& b) { return b.get(); }
 
 // Runs an accumulating kernel on both sides for beta = 0 (outputs NaN-poisoned) and beta = 1
 // (outputs from the same random start) and compares. cpu(out, beta) / gpu(out, beta).

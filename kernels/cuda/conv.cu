@@ -1,5 +1,5 @@
-// kernels/cuda/conv.cu — 2-D convolution on cuDNN, NCHW float32: forward, backward data and
-// backward filter through cuDNN's legacy convolution API; bias (forward) and backward bias
+// kernels/cuda/conv.cu — 2-D convolution on cuDNN, NCHW, float32 and bf16: forward, backward data
+// and backward filter through cuDNN's legacy convolution API; bias (forward) and backward bias
 // through small deterministic kernels of tally's own. The CUDA twin of kernels/cpu/conv.cpp.
 //
 // Plans (docs/gpu.md, "Convolutions"): the first call for a shape builds a Plan — the tensor,
@@ -21,6 +21,18 @@
 // PyTorch, whose default is not deterministic, would run); none at all: a clear error.
 // Each pass has its own workspace (conv2d_workspace_bytes(s, pass)). TALLY_LOG_CONV=1 in the
 // environment (or set_log_conv_algorithms(true)) prints every plan's choice and candidates.
+//
+// bf16 (mixed precision: bf16 activations, float32 master weights): x, y, dx and dy are
+// CUDNN_DATA_BFLOAT16 and the convolution's compute type is CUDNN_DATA_FLOAT (cuDNN's
+// PSEUDO_BFLOAT16 configuration: bf16 products summed in float32). The TF32 rule does not apply
+// (bf16 operands lose nothing on tensor cores), so a bf16 plan takes tensor-op algorithms. cuDNN
+// takes the weights in the data's type: each forward and backward data first rounds the float32
+// weights into a bf16 copy at the start of its workspace (the CPU's oneDNN rounds them as it
+// reorders them). The backward filter has cuDNN write a bf16 weight gradient there, which a kernel
+// then adds into the float32 dw (dw = g + beta * dw): the weight gradient passes through bf16
+// once before its float32 accumulation, as under PyTorch's autocast (the CPU forms it in float32).
+// A bf16 pass's workspace is that bf16 buffer, 256-byte aligned, then cuDNN's; plans are cached
+// per dtype.
 #include <atomic>
 #include <climits>
 #include <cstdio>
@@ -30,6 +42,7 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <type_traits>
 
 #include "kernels/cuda/context.h"
 #include "kernels/cuda/cuda_kernels.h"
@@ -40,16 +53,21 @@ namespace {
 
 // ---- CUDA kernels ------------------------------------------------------------------------------
 
-// y (N, K, PQ) += bias (K), as the CPU adds the bias after the convolution.
+// y (N, K, PQ) += bias (K), as the CPU adds the bias after the convolution. bf16: y as cuDNN rounded
+// it plus the float32 bias, rounded again — two roundings where the CPU's widened route has one.
 template <class T>
-__global__ void add_channel_bias_kernel(i64 total, i64 K, i64 PQ, const T* __restrict__ bias, T* __restrict__ y) {
-  TALLY_GRID_LOOP(i, total) y[i] += bias[(i / PQ) % K];
+__global__ void add_channel_bias_kernel(i64 total, i64 K, i64 PQ, const compute_t<T>* __restrict__ bias,
+                                        T* __restrict__ y) {
+  using M = compute_t<T>;
+  TALLY_GRID_LOOP(i, total) y[i] = static_cast<T>(M(y[i]) + bias[(i / PQ) % K]);
 }
 
 // db (K) (=|+=) sum over n and pq of dy (N, K, PQ): one block per channel; each thread sums its
-// strided share in double (as the CPU), then the block tree.
+// strided share in double (as the CPU), then the block tree. db is float32 beside bf16 dy.
 template <class T>
-__global__ void channel_sum_kernel(i64 N, i64 K, i64 PQ, const T* __restrict__ dy, T* __restrict__ db, T beta) {
+__global__ void channel_sum_kernel(i64 N, i64 K, i64 PQ, const T* __restrict__ dy, compute_t<T>* __restrict__ db,
+                                   compute_t<T> beta) {
+  using S = compute_t<T>;
   const i64 M = N * PQ;
   TALLY_BLOCK_LOOP(k, K) {
     double acc = 0.0;
@@ -58,15 +76,33 @@ __global__ void channel_sum_kernel(i64 N, i64 K, i64 PQ, const T* __restrict__ d
       acc += static_cast<double>(dy[(n * K + k) * PQ + j]);
     }
     acc = detail::block_sum(acc);
-    if (threadIdx.x == 0) db[k] = beta == T(0) ? static_cast<T>(acc) : beta * db[k] + static_cast<T>(acc);
+    if (threadIdx.x == 0) db[k] = beta == S(0) ? static_cast<S>(acc) : beta * db[k] + static_cast<S>(acc);
   }
 }
 
-// dw (n elements) = beta * dw, never reading dw when beta == 0 (the empty-batch backward filter).
+// y (n elements) = beta * y, never reading y when beta == 0 (an empty pass's dx or dw).
 template <class T>
-__global__ void scale_kernel(i64 n, T beta, T* y) {
-  TALLY_GRID_LOOP(i, n) y[i] = beta == T(0) ? T(0) : beta * y[i];
+__global__ void scale_kernel(i64 n, compute_t<T> beta, T* y) {
+  using M = compute_t<T>;
+  TALLY_GRID_LOOP(i, n) y[i] = beta == M(0) ? T(0) : static_cast<T>(beta * M(y[i]));
 }
+
+// dw (n) = g + beta * dw in float32: the bf16 weight gradient cuDNN wrote into the workspace, added
+// into the float32 gradient buffer (beta == 0 never reads dw).
+__global__ void add_weight_gradient_kernel(i64 n, const bf16* __restrict__ g, float beta, float* __restrict__ dw) {
+  TALLY_GRID_LOOP(i, n) dw[i] = beta == 0.f ? float(g[i]) : beta * dw[i] + float(g[i]);
+}
+
+// Elements of the weight (K, C/g, R, S), and the bytes of its bf16 copy in a bf16 pass's workspace
+// (256-byte aligned, so that cuDNN's part after it is aligned as the arena's blocks are).
+i64 weight_count(const Conv2dShape& s) { return s.K * (s.C / s.groups) * s.R * s.S; }
+std::size_t bf16_weight_bytes(const Conv2dShape& s) {
+  const std::size_t bytes = static_cast<std::size_t>(weight_count(s)) * sizeof(bf16);
+  return (bytes + 255) / 256 * 256;
+}
+
+template <class T>
+constexpr bool is_bf16 = std::is_same_v<T, bf16>;
 
 #if TALLY_HAVE_CUDNN
 
@@ -102,6 +138,7 @@ using ConvDescriptor =
     Descriptor<cudnnConvolutionDescriptor_t, cudnnCreateConvolutionDescriptor, cudnnDestroyConvolutionDescriptor>;
 
 struct Plan {
+  bool bf16 = false;  // the data type: bf16 (x, y, w in CUDNN_DATA_BFLOAT16) or float32
   TensorDescriptor x, y;
   FilterDescriptor w;
   // One convolution descriptor per pass: each carries the math type of its algorithm.
@@ -114,28 +151,30 @@ struct Plan {
 };
 
 // Everything a plan depends on.
-using PlanKey = std::tuple<int /*device*/, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64,
-                           bool /*tf32*/, bool /*deterministic*/, std::size_t /*workspace limit*/>;
+using PlanKey = std::tuple<int /*device*/, bool /*bf16*/, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64,
+                           i64, i64, bool /*tf32*/, bool /*deterministic*/, std::size_t /*workspace limit*/>;
 
-PlanKey key_of(const Conv2dShape& s) {
-  return {current_device(), s.N,  s.C,      s.H,      s.W,     s.K,   s.R,     s.S,
-          s.stride_h,       s.stride_w, s.pad_h, s.pad_w, s.dil_h, s.dil_w, s.groups,
+PlanKey key_of(const Conv2dShape& s, bool bf16) {
+  return {current_device(), bf16,       s.N,     s.C,     s.H,     s.W,     s.K,      s.R,
+          s.S,              s.stride_h, s.stride_w, s.pad_h, s.pad_w, s.dil_h, s.dil_w, s.groups,
           allow_tf32(),     deterministic(), s.workspace_limit};
 }
 
 bool is_tensor_op(cudnnMathType_t m) { return m == CUDNN_TENSOR_OP_MATH || m == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION; }
-// The math type a descriptor runs with: without TF32, FMA math ("default" math lets cuDNN use
-// TF32 tensor cores on Ampere and newer).
-cudnnMathType_t run_math(cudnnMathType_t m) { return allow_tf32() ? m : CUDNN_FMA_MATH; }
+// Whether a plan may run on tensor cores: float32 with TF32 allowed, or bf16 (exact products).
+bool tensor_ops_allowed(bool bf16) { return bf16 || allow_tf32(); }
+// The math type a descriptor runs with: where tensor ops are not allowed, FMA math ("default"
+// math lets cuDNN use TF32 tensor cores on Ampere and newer).
+cudnnMathType_t run_math(cudnnMathType_t m, bool bf16) { return tensor_ops_allowed(bf16) ? m : CUDNN_FMA_MATH; }
 
-void set_conv_desc(cudnnConvolutionDescriptor_t d, const Conv2dShape& s) {
+void set_conv_desc(cudnnConvolutionDescriptor_t d, const Conv2dShape& s, bool bf16) {
   TALLY_CUDNN_CHECK(cudnnSetConvolution2dDescriptor(d, to_int(s.pad_h, "pad_h", s), to_int(s.pad_w, "pad_w", s),
                                                     to_int(s.stride_h, "stride_h", s), to_int(s.stride_w, "stride_w", s),
                                                     to_int(s.dil_h, "dil_h", s), to_int(s.dil_w, "dil_w", s),
                                                     CUDNN_CROSS_CORRELATION, CUDNN_DATA_FLOAT));
   TALLY_CUDNN_CHECK(cudnnSetConvolutionGroupCount(d, to_int(s.groups, "groups", s)));
   // Heuristics are asked with the math type the run may use.
-  TALLY_CUDNN_CHECK(cudnnSetConvolutionMathType(d, allow_tf32() ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH));
+  TALLY_CUDNN_CHECK(cudnnSetConvolutionMathType(d, tensor_ops_allowed(bf16) ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH));
 }
 
 std::string shape_text(const Conv2dShape& s) {
@@ -146,10 +185,10 @@ std::string shape_text(const Conv2dShape& s) {
          ", dilation " + std::to_string(s.dil_h) + "x" + std::to_string(s.dil_w) + ", groups " + std::to_string(s.groups);
 }
 
-[[noreturn]] void no_algorithm(const char* pass, const Conv2dShape& s, const std::string& tried) {
-  detail::fail(std::string("conv2d ") + pass + ": cuDNN offers no algorithm for " + shape_text(s) +
-               " within a workspace limit of " + std::to_string(s.workspace_limit) + " bytes" +
-               (deterministic() ? " that is deterministic" : "") + (allow_tf32() ? "" : " without TF32") +
+[[noreturn]] void no_algorithm(const char* pass, const Conv2dShape& s, bool bf16, const std::string& tried) {
+  detail::fail(std::string("conv2d ") + pass + ": cuDNN offers no " + (bf16 ? "bf16 " : "") + "algorithm for " +
+               shape_text(s) + " within a workspace limit of " + std::to_string(s.workspace_limit) + " bytes" +
+               (deterministic() ? " that is deterministic" : "") + (tensor_ops_allowed(bf16) ? "" : " without TF32") +
                " (candidates: " + tried + "): raise the memory budget, or allow more");
 }
 
@@ -222,7 +261,7 @@ typename Pass::Algo choose(cudnnHandle_t h, const Plan& p, cudnnConvolutionDescr
       return algo;
     }
   }
-  no_algorithm(Pass::name, s, seen);
+  no_algorithm(Pass::name, s, p.bf16, seen);
 }
 
 template <class Pass>
@@ -237,7 +276,7 @@ bool choose_among(cudnnHandle_t h, const Plan& p, cudnnConvolutionDescriptor_t c
   std::string seen;
   // Sets the run's math type, asks the real size; true if the algorithm fits the limit.
   auto fits = [&](Algo a, cudnnMathType_t math, std::string* note) {
-    TALLY_CUDNN_CHECK(cudnnSetConvolutionMathType(conv, run_math(math)));
+    TALLY_CUDNN_CHECK(cudnnSetConvolutionMathType(conv, run_math(math, p.bf16)));
     std::size_t bytes = 0;
     const cudnnStatus_t st = Pass::size(h, p, conv, a, &bytes);
     if (st != CUDNN_STATUS_SUCCESS) {
@@ -259,7 +298,7 @@ bool choose_among(cudnnHandle_t h, const Plan& p, cudnnConvolutionDescriptor_t c
     bool ok = false;
     if (c.status != CUDNN_STATUS_SUCCESS) note = cudnnGetErrorString(c.status);
     else if (require_deterministic && c.determinism != CUDNN_DETERMINISTIC) note = "not deterministic";
-    else if (!allow_tf32() && is_tensor_op(c.mathType)) note = "tensor-op math";
+    else if (!tensor_ops_allowed(p.bf16) && is_tensor_op(c.mathType)) note = "tensor-op math";
     else ok = fits(c.algo, c.mathType, &note);
     seen += (seen.empty() ? "" : ", ") + std::to_string(static_cast<int>(c.algo)) + " " + note;
     if (ok) {
@@ -276,7 +315,7 @@ bool choose_among(cudnnHandle_t h, const Plan& p, cudnnConvolutionDescriptor_t c
     std::string note;
     bool ok = false;
     if (require_deterministic && Pass::nondeterministic(algo)) note = "not deterministic";
-    else ok = fits(algo, allow_tf32() ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH, &note);
+    else ok = fits(algo, tensor_ops_allowed(p.bf16) ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH, &note);
     seen += (seen.empty() ? "" : ", ") + std::to_string(a) + " (unranked) " + note;
     if (ok) {
       *log += std::string(Pass::name) + " algo " + std::to_string(a) + " (" + std::to_string(*ws) +
@@ -295,22 +334,26 @@ bool log_conv_from_env() {
 }
 std::atomic<bool> g_log_conv{log_conv_from_env()};
 
-std::unique_ptr<Plan> make_plan(const Conv2dShape& s) {
+std::unique_ptr<Plan> make_plan(const Conv2dShape& s, bool bf16) {
   cudnnHandle_t h = detail::cudnn();
   auto p = std::make_unique<Plan>();
+  p->bf16 = bf16;
+  const cudnnDataType_t data = bf16 ? CUDNN_DATA_BFLOAT16 : CUDNN_DATA_FLOAT;
   const int N = to_int(s.N, "N", s), C = to_int(s.C, "C", s), H = to_int(s.H, "H", s), W = to_int(s.W, "W", s);
   const int K = to_int(s.K, "K", s), Cg = to_int(s.C / s.groups, "C/groups", s), R = to_int(s.R, "R", s),
             S = to_int(s.S, "S", s), P = to_int(s.P(), "P", s), Q = to_int(s.Q(), "Q", s);
   to_int(s.N * s.C * s.H * s.W, "input elements", s);  // cuDNN's legacy API indexes with int
   to_int(s.N * s.K * s.P() * s.Q(), "output elements", s);
-  TALLY_CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->x, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, N, C, H, W));
-  TALLY_CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->y, CUDNN_TENSOR_NCHW, CUDNN_DATA_FLOAT, N, K, P, Q));
-  TALLY_CUDNN_CHECK(cudnnSetFilter4dDescriptor(p->w, CUDNN_DATA_FLOAT, CUDNN_TENSOR_NCHW, K, Cg, R, S));
-  set_conv_desc(p->fwd_conv, s);
-  set_conv_desc(p->bwd_data_conv, s);
-  set_conv_desc(p->bwd_filter_conv, s);
-  std::string log = "conv2d " + shape_text(s) + ", workspace limit " + std::to_string(s.workspace_limit) +
-                    (allow_tf32() ? " B, TF32" : " B, no TF32") + (deterministic() ? ", deterministic" : "") + ":\n  ";
+  TALLY_CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->x, CUDNN_TENSOR_NCHW, data, N, C, H, W));
+  TALLY_CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->y, CUDNN_TENSOR_NCHW, data, N, K, P, Q));
+  TALLY_CUDNN_CHECK(cudnnSetFilter4dDescriptor(p->w, data, CUDNN_TENSOR_NCHW, K, Cg, R, S));
+  set_conv_desc(p->fwd_conv, s, bf16);
+  set_conv_desc(p->bwd_data_conv, s, bf16);
+  set_conv_desc(p->bwd_filter_conv, s, bf16);
+  std::string log = std::string(bf16 ? "bf16 " : "") + "conv2d " + shape_text(s) + ", workspace limit " +
+                    std::to_string(s.workspace_limit) +
+                    (bf16 ? " B, bf16 products summed in float32" : allow_tf32() ? " B, TF32" : " B, no TF32") +
+                    (deterministic() ? ", deterministic" : "") + ":\n  ";
   p->fwd_algo = choose<FwdPass>(h, *p, p->fwd_conv, s, &p->fwd_ws, &log);
   log += "\n  ";
   p->bwd_data_algo = choose<BwdDataPass>(h, *p, p->bwd_data_conv, s, &p->bwd_data_ws, &log);
@@ -321,15 +364,34 @@ std::unique_ptr<Plan> make_plan(const Conv2dShape& s) {
   return p;
 }
 
-// The cached plan of a shape (built on first use; plans live as long as the process).
-const Plan& plan_for(const Conv2dShape& s) {
+// The cached plan of a shape and data type (built on first use; plans live as long as the process).
+const Plan& plan_for(const Conv2dShape& s, bool bf16) {
   static std::mutex mu;
   static auto* cache = new std::map<PlanKey, std::unique_ptr<Plan>>;  // never destroyed, as the handles
-  const PlanKey key = key_of(s);
+  const PlanKey key = key_of(s, bf16);
   std::lock_guard<std::mutex> lock(mu);
   auto it = cache->find(key);
-  if (it == cache->end()) it = cache->emplace(key, make_plan(s)).first;
+  if (it == cache->end()) it = cache->emplace(key, make_plan(s, bf16)).first;
   return *it->second;
+}
+
+// A bf16 pass's workspace: the bf16 weight (or weight-gradient) buffer, then cuDNN's part.
+struct Bf16Workspace {
+  bf16* weight;  // (K, C/g, R, S)
+  void* cudnn;   // the plan's workspace of the pass, or null when it is 0 bytes
+};
+Bf16Workspace split_workspace(const Conv2dShape& s, void* workspace, std::size_t cudnn_bytes, const char* pass) {
+  if (workspace == nullptr)
+    detail::fail(std::string("conv2d ") + pass + " in bf16: expected a workspace of conv2d_workspace_bytes<bf16> (" +
+                 std::to_string(bf16_weight_bytes(s) + cudnn_bytes) + " bytes), found none");
+  auto* base = static_cast<unsigned char*>(workspace);
+  return {reinterpret_cast<bf16*>(base), cudnn_bytes > 0 ? base + bf16_weight_bytes(s) : nullptr};
+}
+
+// The float32 weights rounded into the bf16 buffer of the workspace, for cuDNN.
+const bf16* bf16_weights(const Conv2dShape& s, const float* w, const Bf16Workspace& ws) {
+  convert<float, bf16>(weight_count(s), w, ws.weight);
+  return ws.weight;
 }
 
 #else  // no cuDNN in this build
@@ -350,23 +412,25 @@ template <class T>
 std::size_t conv2d_workspace_bytes(const Conv2dShape& s, ConvPass pass) {
   if (empty_output(s) || s.C <= 0) return 0;
 #if TALLY_HAVE_CUDNN
-  const Plan& p = plan_for(s);
+  const Plan& p = plan_for(s, is_bf16<T>);
+  std::size_t cudnn_bytes = 0;
   switch (pass) {
-    case ConvPass::forward: return p.fwd_ws;
-    case ConvPass::backward_data: return p.bwd_data_ws;
-    case ConvPass::backward_filter: return p.bwd_filter_ws;
+    case ConvPass::forward: cudnn_bytes = p.fwd_ws; break;
+    case ConvPass::backward_data: cudnn_bytes = p.bwd_data_ws; break;
+    case ConvPass::backward_filter: cudnn_bytes = p.bwd_filter_ws; break;
   }
-  return 0;
+  return is_bf16<T> ? bf16_weight_bytes(s) + cudnn_bytes : cudnn_bytes;
 #else
   (void)pass;
   no_cudnn();
 #endif
 }
 
+template <class T>
 std::string conv2d_plan_description(const Conv2dShape& s) {
   if (empty_output(s) || s.C <= 0) return "conv2d: empty, no cuDNN call";
 #if TALLY_HAVE_CUDNN
-  return plan_for(s).description;
+  return plan_for(s, is_bf16<T>).description;
 #else
   no_cudnn();
 #endif
@@ -382,16 +446,23 @@ void set_log_conv_algorithms(bool on) {
 
 template <class T>
 void conv2d_forward(const Conv2dShape& s,
-                    const T* x,     // (N, C, H, W)
-                    const T* w,     // (K, C/g, R, S)
-                    const T* bias,  // (K) or null
-                    T* y,           // (N, K, P, Q)
+                    const T* x,        // (N, C, H, W)
+                    const P<T>* w,     // (K, C/g, R, S)
+                    const P<T>* bias,  // (K) or null
+                    T* y,              // (N, K, P, Q)
                     void* workspace) {
   if (empty_output(s)) return;
 #if TALLY_HAVE_CUDNN
-  const Plan& p = plan_for(s);
+  const Plan& p = plan_for(s, is_bf16<T>);
   const float one = 1.f, zero = 0.f;
-  TALLY_CUDNN_CHECK(cudnnConvolutionForward(detail::cudnn(), &one, p.x, x, p.w, w, p.fwd_conv, p.fwd_algo, workspace,
+  const void* wk = w;
+  void* ws = workspace;
+  if constexpr (is_bf16<T>) {
+    const Bf16Workspace parts = split_workspace(s, workspace, p.fwd_ws, "forward");
+    wk = bf16_weights(s, w, parts);
+    ws = parts.cudnn;
+  }
+  TALLY_CUDNN_CHECK(cudnnConvolutionForward(detail::cudnn(), &one, p.x, x, p.w, wk, p.fwd_conv, p.fwd_algo, ws,
                                             p.fwd_ws, &zero, p.y, y));
   if (bias != nullptr) {
     const i64 PQ = s.P() * s.Q(), total = s.N * s.K * PQ;
@@ -407,24 +478,31 @@ void conv2d_forward(const Conv2dShape& s,
 
 template <class T>
 void conv2d_backward_data(const Conv2dShape& s,
-                          const T* dy,  // (N, K, P, Q)
-                          const T* w,   // (K, C/g, R, S)
-                          T* dx,        // (N, C, H, W)
-                          T beta, void* workspace) {
+                          const T* dy,     // (N, K, P, Q)
+                          const P<T>* w,   // (K, C/g, R, S)
+                          T* dx,           // (N, C, H, W)
+                          P<T> beta, void* workspace) {
   if (s.N <= 0 || s.C <= 0 || s.H * s.W <= 0) return;
   if (empty_output(s)) {  // no output position: dx = beta * dx
     const i64 n = s.N * s.C * s.H * s.W;
-    if (beta != T(1)) {
+    if (beta != P<T>(1)) {
       scale_kernel<<<detail::grid_for(n), detail::kThreads, 0, detail::stream()>>>(n, beta, dx);
       TALLY_LAUNCH_CHECK("conv2d_backward_data.scale");
     }
     return;
   }
 #if TALLY_HAVE_CUDNN
-  const Plan& p = plan_for(s);
+  const Plan& p = plan_for(s, is_bf16<T>);
   const float one = 1.f, b = static_cast<float>(beta);
-  TALLY_CUDNN_CHECK(cudnnConvolutionBackwardData(detail::cudnn(), &one, p.w, w, p.y, dy, p.bwd_data_conv,
-                                                 p.bwd_data_algo, workspace, p.bwd_data_ws, &b, p.x, dx));
+  const void* wk = w;
+  void* ws = workspace;
+  if constexpr (is_bf16<T>) {
+    const Bf16Workspace parts = split_workspace(s, workspace, p.bwd_data_ws, "backward data");
+    wk = bf16_weights(s, w, parts);
+    ws = parts.cudnn;
+  }
+  TALLY_CUDNN_CHECK(cudnnConvolutionBackwardData(detail::cudnn(), &one, p.w, wk, p.y, dy, p.bwd_data_conv,
+                                                 p.bwd_data_algo, ws, p.bwd_data_ws, &b, p.x, dx));
 #else
   (void)dy, (void)w, (void)workspace;
   no_cudnn();
@@ -433,24 +511,36 @@ void conv2d_backward_data(const Conv2dShape& s,
 
 template <class T>
 void conv2d_backward_filter(const Conv2dShape& s,
-                            const T* x,   // (N, C, H, W)
-                            const T* dy,  // (N, K, P, Q)
-                            T* dw,        // (K, C/g, R, S)
-                            T beta, void* workspace) {
+                            const T* x,    // (N, C, H, W)
+                            const T* dy,   // (N, K, P, Q)
+                            P<T>* dw,      // (K, C/g, R, S)
+                            P<T> beta, void* workspace) {
   if (empty_output(s) || s.C <= 0) {  // empty sum: dw = beta * dw
-    const i64 n = s.K * (s.C / s.groups) * s.R * s.S;
-    if (n > 0 && beta != T(1)) {
+    const i64 n = weight_count(s);
+    if (n > 0 && beta != P<T>(1)) {
       scale_kernel<<<detail::grid_for(n), detail::kThreads, 0, detail::stream()>>>(n, beta, dw);
       TALLY_LAUNCH_CHECK("conv2d_backward_filter.scale");
     }
     return;
   }
 #if TALLY_HAVE_CUDNN
-  const Plan& p = plan_for(s);
-  // beta = 1 accumulates straight into the persistent gradient buffer (cuDNN's own scaling).
+  const Plan& p = plan_for(s, is_bf16<T>);
   const float one = 1.f, b = static_cast<float>(beta);
-  TALLY_CUDNN_CHECK(cudnnConvolutionBackwardFilter(detail::cudnn(), &one, p.x, x, p.y, dy, p.bwd_filter_conv,
-                                                   p.bwd_filter_algo, workspace, p.bwd_filter_ws, &b, p.w, dw));
+  if constexpr (is_bf16<T>) {
+    // cuDNN writes the bf16 gradient into the workspace (beta = 0); it is added into dw in float32.
+    const Bf16Workspace parts = split_workspace(s, workspace, p.bwd_filter_ws, "backward filter");
+    const float zero = 0.f;
+    TALLY_CUDNN_CHECK(cudnnConvolutionBackwardFilter(detail::cudnn(), &one, p.x, x, p.y, dy, p.bwd_filter_conv,
+                                                     p.bwd_filter_algo, parts.cudnn, p.bwd_filter_ws, &zero, p.w,
+                                                     parts.weight));
+    const i64 n = weight_count(s);
+    add_weight_gradient_kernel<<<detail::grid_for(n), detail::kThreads, 0, detail::stream()>>>(n, parts.weight, b, dw);
+    TALLY_LAUNCH_CHECK("conv2d_backward_filter.add_weight_gradient");
+  } else {
+    // beta = 1 accumulates straight into the persistent gradient buffer (cuDNN's own scaling).
+    TALLY_CUDNN_CHECK(cudnnConvolutionBackwardFilter(detail::cudnn(), &one, p.x, x, p.y, dy, p.bwd_filter_conv,
+                                                     p.bwd_filter_algo, workspace, p.bwd_filter_ws, &b, p.w, dw));
+  }
 #else
   (void)x, (void)dy, (void)workspace;
   no_cudnn();
@@ -460,8 +550,8 @@ void conv2d_backward_filter(const Conv2dShape& s,
 template <class T>
 void conv2d_backward_bias(const Conv2dShape& s,
                           const T* dy,  // (N, K, P, Q)
-                          T* db,        // (K)
-                          T beta) {
+                          P<T>* db,     // (K)
+                          P<T> beta) {
   if (s.K <= 0) return;
   const i64 PQ = s.P() * s.Q();
   channel_sum_kernel<<<detail::blocks_for(s.K), detail::kReduceThreads, 0, detail::stream()>>>(
@@ -469,14 +559,16 @@ void conv2d_backward_bias(const Conv2dShape& s,
   TALLY_LAUNCH_CHECK("conv2d_backward_bias");
 }
 
-#define TALLY_INSTANTIATE_CONV(T)                                                                \
-  template std::size_t conv2d_workspace_bytes<T>(const Conv2dShape&, ConvPass);                  \
-  template void conv2d_forward<T>(const Conv2dShape&, const T*, const T*, const T*, T*, void*);  \
-  template void conv2d_backward_data<T>(const Conv2dShape&, const T*, const T*, T*, T, void*);   \
-  template void conv2d_backward_filter<T>(const Conv2dShape&, const T*, const T*, T*, T, void*); \
-  template void conv2d_backward_bias<T>(const Conv2dShape&, const T*, T*, T);
+#define TALLY_INSTANTIATE_CONV(T)                                                                         \
+  template std::size_t conv2d_workspace_bytes<T>(const Conv2dShape&, ConvPass);                           \
+  template std::string conv2d_plan_description<T>(const Conv2dShape&);                                    \
+  template void conv2d_forward<T>(const Conv2dShape&, const T*, const P<T>*, const P<T>*, T*, void*);     \
+  template void conv2d_backward_data<T>(const Conv2dShape&, const T*, const P<T>*, T*, P<T>, void*);      \
+  template void conv2d_backward_filter<T>(const Conv2dShape&, const T*, const T*, P<T>*, P<T>, void*);    \
+  template void conv2d_backward_bias<T>(const Conv2dShape&, const T*, P<T>*, P<T>);
 
 TALLY_INSTANTIATE_CONV(float)
+TALLY_INSTANTIATE_CONV(bf16)
 #undef TALLY_INSTANTIATE_CONV
 
 }  // namespace tally::kernels::cuda

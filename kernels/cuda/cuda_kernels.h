@@ -3,9 +3,13 @@
 // `kk::relu_forward<T>(n, x, y)` compiles with `kk` naming either namespace (core/dispatch.h).
 //
 // A plain C++ header: no CUDA types, declared in every build (core/dispatch.h reaches it only
-// in a build with the CUDA backend). Every function is a template on T explicitly instantiated for float only
-// (the CUDA backend is float32); a few memory-only functions (fill, copy, strided_copy, convert)
-// have more instantiations, listed in their files.
+// in a build with the CUDA backend). Every function is a template on T explicitly instantiated
+// for float and, for the ops of a mixed-precision step, bf16 (the loss, the optimizers and the
+// norm moments are float only); the memory-only functions (fill, copy, strided_copy, convert) take
+// more types, listed in their files. As on the CPU, `template <class T> using P = compute_t<T>`
+// is the type of the scalars, parameters and statistics beside T's activations (float for bf16,
+// kernels/common.h): each signature is its CPU twin's. The bf16 kernels load bf16, compute in
+// float32 (or in double where the float32 kernel does) and round once per element stored.
 //
 // Conventions (see kernels/common.h for layout, `beta` and workspaces):
 //   * Pointers are device pointers of the *current* device (kernels/cuda/context.h: use_device),
@@ -29,6 +33,9 @@
 
 namespace tally::kernels::cuda {
 
+template <class T>
+using P = compute_t<T>;
+
 // ---------------------------------------------------------------------------------------------
 // gemm.cu — row-major GEMM on cuBLAS (cublasGemmEx on the column-major transpose).
 // C (M, N) = alpha * op(A) * op(B) + beta * C, as the CPU gemm; beta == 0 never reads C.
@@ -36,7 +43,8 @@ namespace tally::kernels::cuda {
 // the arena (category workspace) and set with cublasSetWorkspace just before the call; cuBLAS
 // never allocates on its own. cuBLAS may fail without one (CUBLAS_STATUS_ALLOC_FAILED), so a
 // null workspace or one under kGemmMinWorkspace bytes is an error. float32 math, no TF32 unless
-// set_allow_tf32(true).
+// set_allow_tf32(true) (float32 operands only: bf16 operands are multiplied exactly and summed in
+// float32, CUBLAS_COMPUTE_32F, whatever the switch).
 inline constexpr std::size_t kGemmMinWorkspace = std::size_t(1) << 20;
 // The workspace of every GEMM under a memory budget (an arena's budget()): budget / 16, at least
 // kGemmMinWorkspace, at most cuBLAS's recommendation for the current device (32 MiB on Hopper and
@@ -48,10 +56,11 @@ template <class T>
 std::size_t gemm_workspace_bytes(std::size_t budget, i64 /*M*/, i64 /*N*/, i64 /*K*/) {
   return gemm_workspace_bytes(budget);
 }
-// C is T, or (the CPU twin's bf16 weight gradients) another type: instantiated for float only.
+// C is T, or float for bf16 inputs (a weight gradient accumulated into its float32 buffer; a
+// product summed with a bias in float32): gemm<float>, gemm<bf16> and gemm<bf16, float>.
 template <class T, class TC = T>
-void gemm(bool trans_a, bool trans_b, i64 M, i64 N, i64 K, T alpha, const T* A, i64 lda,
-          const T* B, i64 ldb, T beta, TC* C, i64 ldc, void* workspace = nullptr,
+void gemm(bool trans_a, bool trans_b, i64 M, i64 N, i64 K, P<T> alpha, const T* A, i64 lda,
+          const T* B, i64 ldb, P<T> beta, TC* C, i64 ldc, void* workspace = nullptr,
           std::size_t workspace_bytes = 0);
 // The most workspace one convolution pass may take under a memory budget (Conv2dShape's
 // workspace_limit, set by core/ from the arena's budget()): budget / 8, at most 1 GiB.
@@ -64,28 +73,37 @@ std::size_t conv_workspace_limit(std::size_t budget);
 // and reused: conv2d_workspace_bytes(s, pass) is the workspace of that pass's cached choice (at
 // most s.workspace_limit), the same number in a dry run and a real run. Each conv2d_* call below
 // takes at least its pass's workspace.
+// bf16: x, y, dx, dy are bf16 (cuDNN's bf16 convolutions, products summed in float32); the float32
+// master weights are rounded to a bf16 copy in the pass's workspace before the call, and the
+// weight gradient is written by cuDNN in bf16 into the workspace, then added into the float32 dw.
+// So a bf16 pass's workspace is cuDNN's plus that bf16 weight (or weight-gradient) buffer, in
+// 256-byte aligned parts; plans are cached per dtype.
 template <class T>
 std::size_t conv2d_workspace_bytes(const Conv2dShape& s, ConvPass pass);
-// The cached plan of a shape in words: each pass's algorithm, workspace and the candidates seen.
+// The cached plan of a shape in words: each pass's algorithm, workspace and the candidates seen
+// (float or bf16: a plan per data type).
+template <class T = float>
 std::string conv2d_plan_description(const Conv2dShape& s);
 // Prints every new plan's description to stderr (also switched on by TALLY_LOG_CONV=1).
 void set_log_conv_algorithms(bool on);
 // y (N, K, P, Q) = conv(x (N, C, H, W), w (K, C/g, R, S)) + bias (K) ; bias may be null.
+// bf16 with a bias: the bias is added to the output cuDNN has rounded to bf16, and the sum is
+// rounded again (the CPU sums in float32 first and rounds once).
 template <class T>
-void conv2d_forward(const Conv2dShape& s, const T* x, const T* w, const T* bias, T* y,
+void conv2d_forward(const Conv2dShape& s, const T* x, const P<T>* w, const P<T>* bias, T* y,
                     void* workspace);
 // dx (N, C, H, W) (=|+=) conv_transpose(dy (N, K, P, Q), w).
 template <class T>
-void conv2d_backward_data(const Conv2dShape& s, const T* dy, const T* w, T* dx, T beta,
+void conv2d_backward_data(const Conv2dShape& s, const T* dy, const P<T>* w, T* dx, P<T> beta,
                           void* workspace);
-// dw (K, C/g, R, S) (=|+=) correlation of x and dy: cuDNN writes with beta = 1 straight into the
-// persistent gradient buffer.
+// dw (K, C/g, R, S) (=|+=) correlation of x and dy: float32 cuDNN writes with beta = 1 straight
+// into the persistent gradient buffer; bf16 forms it in bf16 in the workspace and adds it.
 template <class T>
-void conv2d_backward_filter(const Conv2dShape& s, const T* x, const T* dy, T* dw, T beta,
+void conv2d_backward_filter(const Conv2dShape& s, const T* x, const T* dy, P<T>* dw, P<T> beta,
                             void* workspace);
 // db (K) (=|+=) sum over n, p, q of dy (a deterministic reduction kernel, not cuDNN).
 template <class T>
-void conv2d_backward_bias(const Conv2dShape& s, const T* dy, T* db, T beta);
+void conv2d_backward_bias(const Conv2dShape& s, const T* dy, P<T>* db, P<T> beta);
 
 // ---------------------------------------------------------------------------------------------
 // context.cpp — bytes between host memory and the current device, or within it, enqueued on the
@@ -99,22 +117,22 @@ void copy_bytes(void* dst, const void* src, std::size_t bytes);
 // elementwise.cu — n elements unless said otherwise; same formulas as the CPU.
 template <class T> void fill(i64 n, T value, T* y);
 template <class T> void copy(i64 n, const T* x, T* y);
-template <class T> void add(i64 n, const T* a, const T* b, T alpha, T* y);
-template <class T> void axpby(i64 n, T alpha, const T* x, T beta, T* y);
+template <class T> void add(i64 n, const T* a, const T* b, P<T> alpha, T* y);
+template <class T> void axpby(i64 n, P<T> alpha, const T* x, P<T> beta, T* y);
 template <class T> void mul(i64 n, const T* a, const T* b, T* y);
-template <class T> void mul_backward(i64 n, const T* dy, const T* b, T* da, T beta);
+template <class T> void mul_backward(i64 n, const T* dy, const T* b, T* da, P<T> beta);
 template <class T> void relu_forward(i64 n, const T* x, T* y);
-template <class T> void relu_backward(i64 n, const T* dy, const T* y, T* dx, T beta);
+template <class T> void relu_backward(i64 n, const T* dy, const T* y, T* dx, P<T> beta);
 // shape and strides are HOST arrays of ndim <= 8 entries (passed to the kernel by value).
 template <class T>
 void strided_copy(int ndim, const i64* shape, const i64* strides, const T* x, T* y);
-template <class T> void add_bias_rows(i64 rows, i64 cols, const T* x, const T* bias, T* y);
-template <class T> void sum_rows(i64 rows, i64 cols, const T* dy, T* db, T beta);
+template <class T> void add_bias_rows(i64 rows, i64 cols, const T* x, const P<T>* bias, T* y);
+template <class T> void sum_rows(i64 rows, i64 cols, const T* dy, P<T>* db, P<T> beta);
 // Accumulated in double, as the CPU. Waits for the compute stream and returns the value.
 template <class T> T sum_all(i64 n, const T* x);
 // Device-side twins of the CPU's: nothing waits.
-template <class T> void sum_to(i64 n, const T* x, T factor, T* y);
-template <class T> void broadcast_scalar(i64 n, const T* s, T factor, T* y, T beta);
+template <class T> void sum_to(i64 n, const T* x, P<T> factor, T* y);
+template <class T> void broadcast_scalar(i64 n, const T* s, P<T> factor, T* y, P<T> beta);
 template <class T> void fill_product(i64 n, const T* a, const T* b, T* y);
 template <class S, class D> void convert(i64 n, const S* x, D* y);
 
@@ -122,23 +140,24 @@ template <class S, class D> void convert(i64 n, const S* x, D* y);
 // norm.cu — batch norm and group norm over x (N, C, HW), PyTorch semantics as the CPU, sums and
 // per-element formulas in double. Batch norm: partial sums over several blocks per channel (its
 // workspace: batch_norm_workspace_bytes), a per-channel finalize, an elementwise pass; group
-// norm: one block per (n, group).
+// norm: one block per (n, group). bf16: the same double sums and formulas on widened values, the
+// statistics and parameter gradients float32, each bf16 output rounded once.
 std::size_t batch_norm_workspace_bytes(i64 N, i64 C, i64 HW);
 template <class T>
-void batch_norm_forward_train(i64 N, i64 C, i64 HW, const T* x, const T* gamma, const T* beta_,
-                              T eps, T momentum, T* running_mean, T* running_var, T* y,
-                              T* save_mean, T* save_invstd, void* workspace = nullptr);
+void batch_norm_forward_train(i64 N, i64 C, i64 HW, const T* x, const P<T>* gamma, const P<T>* beta_,
+                              P<T> eps, P<T> momentum, P<T>* running_mean, P<T>* running_var, T* y,
+                              P<T>* save_mean, P<T>* save_invstd, void* workspace = nullptr);
 template <class T>
-void batch_norm_forward_eval(i64 N, i64 C, i64 HW, const T* x, const T* gamma, const T* beta_,
-                             const T* running_mean, const T* running_var, T eps, T* y);
+void batch_norm_forward_eval(i64 N, i64 C, i64 HW, const T* x, const P<T>* gamma, const P<T>* beta_,
+                             const P<T>* running_mean, const P<T>* running_var, P<T> eps, T* y);
 template <class T>
-void batch_norm_backward(i64 N, i64 C, i64 HW, const T* dy, const T* x, const T* gamma,
-                         const T* save_mean, const T* save_invstd, T* dx, T beta_dx, T* dgamma,
-                         T* dbeta, T beta_param, void* workspace = nullptr);
+void batch_norm_backward(i64 N, i64 C, i64 HW, const T* dy, const T* x, const P<T>* gamma,
+                         const P<T>* save_mean, const P<T>* save_invstd, T* dx, P<T> beta_dx, P<T>* dgamma,
+                         P<T>* dbeta, P<T> beta_param, void* workspace = nullptr);
 template <class T>
-void batch_norm_backward_eval(i64 N, i64 C, i64 HW, const T* dy, const T* x, const T* gamma,
-                              const T* running_mean, const T* running_var, T eps, T* dx,
-                              T beta_dx, T* dgamma, T* dbeta, T beta_param, void* workspace = nullptr);
+void batch_norm_backward_eval(i64 N, i64 C, i64 HW, const T* dy, const T* x, const P<T>* gamma,
+                              const P<T>* running_mean, const P<T>* running_var, P<T> eps, T* dx,
+                              P<T> beta_dx, P<T>* dgamma, P<T>* dbeta, P<T> beta_param, void* workspace = nullptr);
 template <class T>
 void batch_norm_accumulate_moments(i64 C, i64 M, T eps, const T* save_mean, const T* save_invstd, double* sum,
                                    double* sum_sq);
@@ -146,32 +165,33 @@ template <class T>
 void batch_norm_apply_moments(i64 C, i64 count, T momentum, const double* sum, const double* sum_sq, T* running_mean,
                               T* running_var);
 template <class T>
-void group_norm_forward(i64 N, i64 C, i64 HW, i64 G, const T* x, const T* gamma, const T* beta_,
-                        T eps, T* y, T* save_mean, T* save_invstd);
+void group_norm_forward(i64 N, i64 C, i64 HW, i64 G, const T* x, const P<T>* gamma, const P<T>* beta_,
+                        P<T> eps, T* y, P<T>* save_mean, P<T>* save_invstd);
 template <class T>
-void group_norm_backward(i64 N, i64 C, i64 HW, i64 G, const T* dy, const T* x, const T* gamma,
-                         const T* save_mean, const T* save_invstd, T* dx, T beta_dx, T* dgamma,
-                         T* dbeta, T beta_param);
+void group_norm_backward(i64 N, i64 C, i64 HW, i64 G, const T* dy, const T* x, const P<T>* gamma,
+                         const P<T>* save_mean, const P<T>* save_invstd, T* dx, P<T> beta_dx, P<T>* dgamma,
+                         P<T>* dbeta, P<T> beta_param);
 
 // ---------------------------------------------------------------------------------------------
 // pool.cu — NCHW pooling, PyTorch semantics (floor mode), as the CPU. The backward kernels
 // gather (one thread per input element, summing its windows in the CPU's order) instead of
-// scattering, so overlapping windows need no atomics.
+// scattering, so overlapping windows need no atomics. bf16: each gradient summed in float32 in the
+// CPU's order and rounded once, as the CPU's float32 plane does.
 template <class T>
 void max_pool2d_forward(const Pool2dShape& s, const T* x, T* y, std::int32_t* argmax);
 template <class T>
 void max_pool2d_backward(const Pool2dShape& s, const T* dy, const std::int32_t* argmax, T* dx,
-                         T beta);
+                         P<T> beta);
 template <class T>
 void avg_pool2d_forward(const Pool2dShape& s, bool count_include_pad, const T* x, T* y);
 template <class T>
 void avg_pool2d_backward(const Pool2dShape& s, bool count_include_pad, const T* dy, T* dx,
-                         T beta);
+                         P<T> beta);
 template <class T>
 void adaptive_avg_pool2d_forward(i64 N, i64 C, i64 H, i64 W, i64 OH, i64 OW, const T* x, T* y);
 template <class T>
 void adaptive_avg_pool2d_backward(i64 N, i64 C, i64 H, i64 W, i64 OH, i64 OW, const T* dy, T* dx,
-                                  T beta);
+                                  P<T> beta);
 
 // ---------------------------------------------------------------------------------------------
 // loss.cu — softmax cross-entropy, same semantics as the CPU (class weights, ignore_index,

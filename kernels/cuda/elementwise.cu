@@ -22,48 +22,57 @@ __global__ void copy_kernel(i64 n, const T* __restrict__ x, T* __restrict__ y) {
   TALLY_GRID_LOOP(i, n) y[i] = x[i];
 }
 
+// Each map computes in M = compute_t<T> (float for bf16: every operand widened, the result
+// rounded once), as the CPU's.
 template <class T>
-__global__ void add_kernel(i64 n, const T* a, const T* b, T alpha, T* y) {
-  TALLY_GRID_LOOP(i, n) y[i] = a[i] + alpha * b[i];
+__global__ void add_kernel(i64 n, const T* a, const T* b, compute_t<T> alpha, T* y) {
+  using M = compute_t<T>;
+  TALLY_GRID_LOOP(i, n) y[i] = static_cast<T>(M(a[i]) + alpha * M(b[i]));
 }
 
 // y may alias x (scale in place); beta == 0 never reads y.
 template <class T>
-__global__ void axpby_kernel(i64 n, T alpha, const T* x, T beta, T* y) {
-  if (beta == T(0)) {
-    TALLY_GRID_LOOP(i, n) y[i] = alpha * x[i];
+__global__ void axpby_kernel(i64 n, compute_t<T> alpha, const T* x, compute_t<T> beta, T* y) {
+  using M = compute_t<T>;
+  if (beta == M(0)) {
+    TALLY_GRID_LOOP(i, n) y[i] = static_cast<T>(alpha * M(x[i]));
   } else {
-    TALLY_GRID_LOOP(i, n) y[i] = beta * y[i] + alpha * x[i];
+    TALLY_GRID_LOOP(i, n) y[i] = static_cast<T>(beta * M(y[i]) + alpha * M(x[i]));
   }
 }
 
 template <class T>
 __global__ void mul_kernel(i64 n, const T* a, const T* b, T* y) {
-  TALLY_GRID_LOOP(i, n) y[i] = a[i] * b[i];
+  using M = compute_t<T>;
+  TALLY_GRID_LOOP(i, n) y[i] = static_cast<T>(M(a[i]) * M(b[i]));
 }
 
 template <class T>
-__global__ void mul_backward_kernel(i64 n, const T* dy, const T* b, T* da, T beta) {
-  if (beta == T(0)) {
-    TALLY_GRID_LOOP(i, n) da[i] = dy[i] * b[i];
+__global__ void mul_backward_kernel(i64 n, const T* dy, const T* b, T* da, compute_t<T> beta) {
+  using M = compute_t<T>;
+  if (beta == M(0)) {
+    TALLY_GRID_LOOP(i, n) da[i] = static_cast<T>(M(dy[i]) * M(b[i]));
   } else {
-    TALLY_GRID_LOOP(i, n) da[i] = beta * da[i] + dy[i] * b[i];
+    TALLY_GRID_LOOP(i, n) da[i] = static_cast<T>(beta * M(da[i]) + M(dy[i]) * M(b[i]));
   }
 }
 
-// NaN propagates (as torch.relu): test "x < 0", not "x > 0".
+// NaN propagates (as torch.relu): test "x < 0", not "x > 0". The kept element is copied, not
+// converted, so bf16 keeps its bits (as the CPU's bit masks do).
 template <class T>
 __global__ void relu_forward_kernel(i64 n, const T* x, T* y) {
-  TALLY_GRID_LOOP(i, n) y[i] = x[i] < T(0) ? T(0) : x[i];
+  using M = compute_t<T>;
+  TALLY_GRID_LOOP(i, n) y[i] = M(x[i]) < M(0) ? T(0) : x[i];
 }
 
 // As torch's threshold_backward: masked where y <= 0 (a NaN y passes dy).
 template <class T>
-__global__ void relu_backward_kernel(i64 n, const T* dy, const T* y, T* dx, T beta) {
-  if (beta == T(0)) {
-    TALLY_GRID_LOOP(i, n) dx[i] = y[i] <= T(0) ? T(0) : dy[i];
+__global__ void relu_backward_kernel(i64 n, const T* dy, const T* y, T* dx, compute_t<T> beta) {
+  using M = compute_t<T>;
+  if (beta == M(0)) {
+    TALLY_GRID_LOOP(i, n) dx[i] = M(y[i]) <= M(0) ? T(0) : dy[i];
   } else {
-    TALLY_GRID_LOOP(i, n) dx[i] = beta * dx[i] + (y[i] <= T(0) ? T(0) : dy[i]);
+    TALLY_GRID_LOOP(i, n) dx[i] = static_cast<T>(beta * M(dx[i]) + (M(y[i]) <= M(0) ? M(0) : M(dy[i])));
   }
 }
 
@@ -90,8 +99,9 @@ __global__ void strided_copy_kernel(StridedView v, i64 total, const T* __restric
 }
 
 template <class T>
-__global__ void add_bias_rows_kernel(i64 rows, i64 cols, const T* x, const T* bias, T* y) {
-  TALLY_GRID_LOOP(i, rows * cols) y[i] = x[i] + bias[i % cols];
+__global__ void add_bias_rows_kernel(i64 rows, i64 cols, const T* x, const compute_t<T>* bias, T* y) {
+  using M = compute_t<T>;
+  TALLY_GRID_LOOP(i, rows * cols) y[i] = static_cast<T>(M(x[i]) + bias[i % cols]);
 }
 
 // db (cols) (=|+=) sum over rows of dy (rows, cols). Block (32, 8): threadIdx.x picks one of 32
@@ -99,7 +109,9 @@ __global__ void add_bias_rows_kernel(i64 rows, i64 cols, const T* x, const T* bi
 // rows in order (in double, as the CPU), then the 8 phases are added in a fixed order.
 constexpr int kColTile = 32, kRowPhases = 8;
 template <class T>
-__global__ void sum_rows_kernel(i64 rows, i64 cols, const T* __restrict__ dy, T* __restrict__ db, T beta) {
+__global__ void sum_rows_kernel(i64 rows, i64 cols, const T* __restrict__ dy, compute_t<T>* __restrict__ db,
+                                compute_t<T> beta) {
+  using M = compute_t<T>;
   __shared__ double part[kRowPhases][kColTile];
   const i64 ntiles = (cols + kColTile - 1) / kColTile;
   for (i64 tile = blockIdx.x; tile < ntiles; tile += gridDim.x) {
@@ -112,7 +124,7 @@ __global__ void sum_rows_kernel(i64 rows, i64 cols, const T* __restrict__ dy, T*
     if (threadIdx.y == 0 && c < cols) {
       double s = 0.0;
       for (int k = 0; k < kRowPhases; ++k) s += part[k][threadIdx.x];
-      db[c] = beta == T(0) ? static_cast<T>(s) : beta * db[c] + static_cast<T>(s);
+      db[c] = beta == M(0) ? static_cast<M>(s) : beta * db[c] + static_cast<M>(s);
     }
     __syncthreads();  // `part` is reused by the next tile
   }
@@ -128,7 +140,8 @@ __global__ void sum_all_kernel(i64 n, const T* __restrict__ x, double* __restric
   if (threadIdx.x == 0) *out = acc;
 }
 
-// y[0] = factor * sum x (one block, double, fixed tree): a device scalar, nobody waits.
+// y[0] = factor * sum x (one block, double, fixed tree), rounded once: a device scalar, nobody
+// waits.
 template <class T>
 __global__ void sum_to_kernel(i64 n, const T* __restrict__ x, double factor, T* __restrict__ y) {
   double acc = 0.0;
@@ -138,14 +151,16 @@ __global__ void sum_to_kernel(i64 n, const T* __restrict__ x, double factor, T* 
 }
 
 template <class T>
-__global__ void broadcast_scalar_kernel(i64 n, const T* __restrict__ s, double factor, T* y, T beta) {
-  const T v = static_cast<T>(static_cast<double>(s[0]) * factor);
-  TALLY_GRID_LOOP(i, n) y[i] = beta == T(0) ? v : beta * y[i] + v;
+__global__ void broadcast_scalar_kernel(i64 n, const T* __restrict__ s, double factor, T* y, compute_t<T> beta) {
+  using M = compute_t<T>;
+  const M v = static_cast<M>(static_cast<double>(s[0]) * factor);
+  TALLY_GRID_LOOP(i, n) y[i] = beta == M(0) ? static_cast<T>(v) : static_cast<T>(beta * M(y[i]) + v);
 }
 
 template <class T>
 __global__ void fill_product_kernel(i64 n, const T* __restrict__ a, const T* __restrict__ b, T* y) {
-  const T v = a[0] * b[0];
+  using M = compute_t<T>;
+  const T v = static_cast<T>(M(a[0]) * M(b[0]));
   TALLY_GRID_LOOP(i, n) y[i] = v;
 }
 
@@ -173,14 +188,14 @@ void copy(i64 n, const T* x, T* y) {
 }
 
 template <class T>
-void add(i64 n, const T* a, const T* b, T alpha, T* y) {
+void add(i64 n, const T* a, const T* b, P<T> alpha, T* y) {
   if (n <= 0) return;
   add_kernel<<<grid_for(n), kThreads, 0, detail::stream()>>>(n, a, b, alpha, y);
   TALLY_LAUNCH_CHECK("add");
 }
 
 template <class T>
-void axpby(i64 n, T alpha, const T* x, T beta, T* y) {
+void axpby(i64 n, P<T> alpha, const T* x, P<T> beta, T* y) {
   if (n <= 0) return;
   axpby_kernel<<<grid_for(n), kThreads, 0, detail::stream()>>>(n, alpha, x, beta, y);
   TALLY_LAUNCH_CHECK("axpby");
@@ -194,7 +209,7 @@ void mul(i64 n, const T* a, const T* b, T* y) {
 }
 
 template <class T>
-void mul_backward(i64 n, const T* dy, const T* b, T* da, T beta) {
+void mul_backward(i64 n, const T* dy, const T* b, T* da, P<T> beta) {
   if (n <= 0) return;
   mul_backward_kernel<<<grid_for(n), kThreads, 0, detail::stream()>>>(n, dy, b, da, beta);
   TALLY_LAUNCH_CHECK("mul_backward");
@@ -208,7 +223,7 @@ void relu_forward(i64 n, const T* x, T* y) {
 }
 
 template <class T>
-void relu_backward(i64 n, const T* dy, const T* y, T* dx, T beta) {
+void relu_backward(i64 n, const T* dy, const T* y, T* dx, P<T> beta) {
   if (n <= 0) return;
   relu_backward_kernel<<<grid_for(n), kThreads, 0, detail::stream()>>>(n, dy, y, dx, beta);
   TALLY_LAUNCH_CHECK("relu_backward");
@@ -232,14 +247,14 @@ void strided_copy(int ndim, const i64* shape, const i64* strides, const T* x, T*
 }
 
 template <class T>
-void add_bias_rows(i64 rows, i64 cols, const T* x, const T* bias, T* y) {
+void add_bias_rows(i64 rows, i64 cols, const T* x, const P<T>* bias, T* y) {
   if (rows <= 0 || cols <= 0) return;
   add_bias_rows_kernel<<<grid_for(rows * cols), kThreads, 0, detail::stream()>>>(rows, cols, x, bias, y);
   TALLY_LAUNCH_CHECK("add_bias_rows");
 }
 
 template <class T>
-void sum_rows(i64 rows, i64 cols, const T* dy, T* db, T beta) {
+void sum_rows(i64 rows, i64 cols, const T* dy, P<T>* db, P<T> beta) {
   if (cols <= 0) return;
   const i64 ntiles = (cols + kColTile - 1) / kColTile;
   sum_rows_kernel<<<detail::blocks_for(ntiles), dim3(kColTile, kRowPhases), 0, detail::stream()>>>(rows, cols, dy,
@@ -259,13 +274,13 @@ T sum_all(i64 n, const T* x) {
 }
 
 template <class T>
-void sum_to(i64 n, const T* x, T factor, T* y) {
+void sum_to(i64 n, const T* x, P<T> factor, T* y) {
   sum_to_kernel<<<1, detail::kReduceThreads, 0, detail::stream()>>>(n, x, static_cast<double>(factor), y);
   TALLY_LAUNCH_CHECK("sum_to");
 }
 
 template <class T>
-void broadcast_scalar(i64 n, const T* s, T factor, T* y, T beta) {
+void broadcast_scalar(i64 n, const T* s, P<T> factor, T* y, P<T> beta) {
   if (n <= 0) return;
   broadcast_scalar_kernel<<<grid_for(n), kThreads, 0, detail::stream()>>>(n, s, static_cast<double>(factor), y, beta);
   TALLY_LAUNCH_CHECK("broadcast_scalar");
@@ -286,23 +301,24 @@ void convert(i64 n, const S* x, D* y) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Explicit instantiations: float for every function; the memory-only ones also for the other
-// element types core/ moves around (tensor fills and copies of any dtype).
+// Explicit instantiations: float and bf16 for every function; the memory-only ones also for the
+// other element types core/ moves around (tensor fills and copies of any dtype).
 #define TALLY_INSTANTIATE_ELEMENTWISE(T)                                    \
-  template void add<T>(i64, const T*, const T*, T, T*);                     \
-  template void axpby<T>(i64, T, const T*, T, T*);                          \
+  template void add<T>(i64, const T*, const T*, P<T>, T*);                  \
+  template void axpby<T>(i64, P<T>, const T*, P<T>, T*);                    \
   template void mul<T>(i64, const T*, const T*, T*);                        \
-  template void mul_backward<T>(i64, const T*, const T*, T*, T);            \
+  template void mul_backward<T>(i64, const T*, const T*, T*, P<T>);         \
   template void relu_forward<T>(i64, const T*, T*);                         \
-  template void relu_backward<T>(i64, const T*, const T*, T*, T);           \
-  template void add_bias_rows<T>(i64, i64, const T*, const T*, T*);         \
-  template void sum_rows<T>(i64, i64, const T*, T*, T);                     \
+  template void relu_backward<T>(i64, const T*, const T*, T*, P<T>);        \
+  template void add_bias_rows<T>(i64, i64, const T*, const P<T>*, T*);      \
+  template void sum_rows<T>(i64, i64, const T*, P<T>*, P<T>);               \
   template T sum_all<T>(i64, const T*);                                     \
-  template void sum_to<T>(i64, const T*, T, T*);                            \
-  template void broadcast_scalar<T>(i64, const T*, T, T*, T);               \
+  template void sum_to<T>(i64, const T*, P<T>, T*);                         \
+  template void broadcast_scalar<T>(i64, const T*, P<T>, T*, P<T>);         \
   template void fill_product<T>(i64, const T*, const T*, T*);
 
 TALLY_INSTANTIATE_ELEMENTWISE(float)
+TALLY_INSTANTIATE_ELEMENTWISE(bf16)
 #undef TALLY_INSTANTIATE_ELEMENTWISE
 
 #define TALLY_INSTANTIATE_MEMORY(T)                    \

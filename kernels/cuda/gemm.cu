@@ -10,12 +10,16 @@
 // Precision: cublasGemmEx with CUBLAS_COMPUTE_32F (plain float32) unless set_allow_tf32(true),
 // which asks for CUBLAS_COMPUTE_32F_FAST_TF32. The compute type is given per call, so neither the
 // handle's math mode nor another library's setting can turn TF32 on behind tally's back.
+// bf16 (gemm<bf16> and gemm<bf16, float>): A and B are CUDA_R_16BF, C CUDA_R_16BF or CUDA_R_32F,
+// always CUBLAS_COMPUTE_32F (bf16 products are exact in float32 and summed there; TF32 concerns
+// float32 operands only), alpha and beta float; a bf16 C is rounded once, after beta * C is added.
 // Workspace: cublasSetWorkspace before each call with the arena block the op carved for it (or
 // none), so cuBLAS never uses memory outside the arena and a block freed after the call is never
 // referenced again.
 #include <algorithm>
 #include <climits>
 #include <string>
+#include <type_traits>
 
 #include "kernels/cuda/context.h"
 #include "kernels/cuda/cuda_kernels.h"
@@ -26,12 +30,19 @@ namespace {
 
 // C (M, N) = beta * C, never reading C when beta == 0: the K == 0 / alpha == 0 case, which
 // cuBLAS would reject (lda = 0) or might still read A and B for.
-template <class T>
-__global__ void scale_matrix_kernel(i64 M, i64 N, T beta, T* C, i64 ldc) {
+template <class TC>
+__global__ void scale_matrix_kernel(i64 M, i64 N, float beta, TC* C, i64 ldc) {
   TALLY_GRID_LOOP(i, M * N) {
-    T* c = C + (i / N) * ldc + i % N;
-    *c = beta == T(0) ? T(0) : beta * *c;
+    TC* c = C + (i / N) * ldc + i % N;
+    *c = beta == 0.f ? TC(0) : static_cast<TC>(beta * static_cast<float>(*c));
   }
+}
+
+// cuBLAS's name of an element type.
+template <class T>
+constexpr cudaDataType_t cuda_type() {
+  if constexpr (std::is_same_v<T, bf16>) return CUDA_R_16BF;
+  else return CUDA_R_32F;
 }
 
 int to_int(i64 v, const char* what) {
@@ -44,16 +55,17 @@ int to_int(i64 v, const char* what) {
 }  // namespace
 
 template <class T, class TC>
-void gemm(bool trans_a, bool trans_b, i64 M, i64 N, i64 K, T alpha,
+void gemm(bool trans_a, bool trans_b, i64 M, i64 N, i64 K, P<T> alpha,
           const T* A,  // (M, K) with leading dim lda, or (K, M) if trans_a
           i64 lda,
           const T* B,  // (K, N) with leading dim ldb, or (N, K) if trans_b
-          i64 ldb, T beta,
+          i64 ldb, P<T> beta,
           TC* C,  // (M, N) with leading dim ldc
           i64 ldc, void* workspace, std::size_t workspace_bytes) {
+  static_assert(std::is_same_v<P<T>, float>, "cuBLAS GEMMs take float32 scalars (compute type 32F)");
   if (M <= 0 || N <= 0) return;
-  if (K <= 0 || alpha == T(0)) {
-    if (beta != T(1)) {
+  if (K <= 0 || alpha == 0.f) {
+    if (beta != 1.f) {
       scale_matrix_kernel<<<detail::grid_for(M * N), detail::kThreads, 0, detail::stream()>>>(M, N, beta, C, ldc);
       TALLY_LAUNCH_CHECK("gemm.scale_matrix");
     }
@@ -66,14 +78,19 @@ void gemm(bool trans_a, bool trans_b, i64 M, i64 N, i64 K, T alpha,
   const int lda_ = to_int(lda, "lda"), ldb_ = to_int(ldb, "ldb"), ldc_ = to_int(ldc, "ldc");
   cublasHandle_t h = detail::cublas();
   TALLY_CUBLAS_CHECK(cublasSetWorkspace(h, workspace, workspace_bytes));
-  const cublasComputeType_t compute = allow_tf32() ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
+  const bool tf32 = std::is_same_v<T, float> && allow_tf32();
+  const cublasComputeType_t compute = tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
   TALLY_CUBLAS_CHECK(cublasGemmEx(h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, m, n, k,
-                                  &alpha, B, CUDA_R_32F, ldb_, A, CUDA_R_32F, lda_, &beta, C, CUDA_R_32F, ldc_, compute,
-                                  CUBLAS_GEMM_DEFAULT));
+                                  &alpha, B, cuda_type<T>(), ldb_, A, cuda_type<T>(), lda_, &beta, C, cuda_type<TC>(),
+                                  ldc_, compute, CUBLAS_GEMM_DEFAULT));
 }
 
 template void gemm<float, float>(bool, bool, i64, i64, i64, float, const float*, i64, const float*, i64, float,
                                  float*, i64, void*, std::size_t);
+template void gemm<bf16, bf16>(bool, bool, i64, i64, i64, float, const bf16*, i64, const bf16*, i64, float, bf16*,
+                               i64, void*, std::size_t);
+template void gemm<bf16, float>(bool, bool, i64, i64, i64, float, const bf16*, i64, const bf16*, i64, float, float*,
+                                i64, void*, std::size_t);
 
 std::size_t gemm_workspace_bytes(std::size_t budget) {
   int dev = 0, major = 0;

@@ -16,6 +16,9 @@
 // the real run does. Forward sums are taken about a pivot (the channel's first element): the
 // shifted sum of squares keeps the variance exact when the mean is large.
 // Group norm: one block per (n, group) and per channel for the weight gradients, in double.
+// bf16 (x, y, dy, dx): the same launches and double formulas on widened values; gamma, beta, the
+// running and saved statistics and dgamma/dbeta are float32 (S below: compute_t<T>, the CPU's
+// P<T>); each bf16 element stored is rounded once, from double.
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/launch.cuh"
 
@@ -31,10 +34,14 @@ constexpr int kNormThreads = 256;
 constexpr i64 kTargetBlocks = 1024;  // partial-sum blocks to aim for (several waves on 132 SMs)
 constexpr i64 kMinChunk = 4096;      // elements a partial-sum block should have at least
 
-// beta == 0 overwrites (never reads out); otherwise out = beta * out + v, v rounded once.
+// The type of the parameters and statistics beside T's activations (kernels/common.h).
 template <class T>
-__device__ __forceinline__ void store(T* out, T beta, double v) {
-  *out = beta == T(0) ? static_cast<T>(v) : static_cast<T>(static_cast<double>(beta) * static_cast<double>(*out) + v);
+using S = compute_t<T>;
+
+// beta == 0 overwrites (never reads out); otherwise out = beta * out + v, rounded once.
+template <class T, class B>
+__device__ __forceinline__ void store(T* out, B beta, double v) {
+  *out = beta == B(0) ? static_cast<T>(v) : static_cast<T>(static_cast<double>(beta) * static_cast<double>(*out) + v);
 }
 
 // Chunks per channel: rows of x (images) are split into P contiguous groups.
@@ -116,9 +123,9 @@ __global__ void bn_backward_partial_kernel(i64 N, i64 C, i64 HW, i64 P, const T*
 // Statistics of the forward: coef = (mean, scale, shift) for the elementwise pass.
 template <class T>
 __global__ void bn_forward_finalize_kernel(i64 N, i64 C, i64 HW, i64 P, const T* __restrict__ x,
-                                           const T* __restrict__ gamma, const T* __restrict__ beta_, double eps,
-                                           double momentum, T* running_mean, T* running_var, T* save_mean,
-                                           T* save_invstd, const double* __restrict__ part, double* coef) {
+                                           const S<T>* __restrict__ gamma, const S<T>* __restrict__ beta_, double eps,
+                                           double momentum, S<T>* running_mean, S<T>* running_var, S<T>* save_mean,
+                                           S<T>* save_invstd, const double* __restrict__ part, double* coef) {
   const i64 c = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= C) return;
   double s1 = 0, s2 = 0;
@@ -136,15 +143,17 @@ __global__ void bn_forward_finalize_kernel(i64 N, i64 C, i64 HW, i64 P, const T*
   coef[c] = mean;
   coef[C + c] = scale;
   coef[2 * C + c] = beta_ ? static_cast<double>(beta_[c]) : 0.0;
-  if (save_mean) save_mean[c] = static_cast<T>(mean);
-  if (save_invstd) save_invstd[c] = static_cast<T>(invstd);
-  if (running_mean) running_mean[c] = static_cast<T>((1.0 - momentum) * static_cast<double>(running_mean[c]) + momentum * mean);
+  using St = S<T>;
+  if (save_mean) save_mean[c] = static_cast<St>(mean);
+  if (save_invstd) save_invstd[c] = static_cast<St>(invstd);
+  if (running_mean) running_mean[c] = static_cast<St>((1.0 - momentum) * static_cast<double>(running_mean[c]) + momentum * mean);
   // Unbiased variance, as PyTorch (M == 1 divides by zero, as on the CPU; core/ rejects it).
   if (running_var)
-    running_var[c] = static_cast<T>((1.0 - momentum) * static_cast<double>(running_var[c]) + momentum * (ssd / (M - 1.0)));
+    running_var[c] = static_cast<St>((1.0 - momentum) * static_cast<double>(running_var[c]) + momentum * (ssd / (M - 1.0)));
 }
 
-// The statistics a backward uses, in double: saved (training) or running (eval) ones.
+// The statistics a backward uses, in double: saved (training) or running (eval) ones (float32 beside
+// bf16 activations: T here is the statistics' type).
 template <class T>
 __global__ void bn_backward_stats_kernel(i64 C, const T* __restrict__ mean, const T* __restrict__ invstd_or_var,
                                          bool is_var, double eps, double* out_mean, double* out_invstd) {
@@ -156,7 +165,7 @@ __global__ void bn_backward_stats_kernel(i64 C, const T* __restrict__ mean, cons
 }
 
 // dgamma/dbeta from the sums, and coef = (k, mean_dy, mean_dy_xhat) for dx (training) or k alone
-// (eval: dx = k dy).
+// (eval: dx = k dy). T here is the parameters' type (float32 beside bf16 activations).
 template <class T>
 __global__ void bn_backward_finalize_kernel(i64 N, i64 C, i64 HW, i64 P, const T* __restrict__ gamma,
                                             const double* __restrict__ invstd, const double* __restrict__ part,
@@ -203,7 +212,7 @@ __global__ void bn_normalize_kernel(i64 planes, i64 C, i64 HW, const T* __restri
 template <class T>
 __global__ void bn_backward_dx_kernel(i64 planes, i64 C, i64 HW, const T* __restrict__ dy, const T* __restrict__ x,
                                       const double* __restrict__ mean, const double* __restrict__ invstd,
-                                      const double* __restrict__ coef, T* dx, T beta_dx) {
+                                      const double* __restrict__ coef, T* dx, S<T> beta_dx) {
   TALLY_PLANE_LOOP(plane, j, planes, HW) {
     const i64 c = plane % C, o = plane * HW + j;
     const double xhat = (static_cast<double>(x[o]) - mean[c]) * invstd[c];
@@ -214,7 +223,7 @@ __global__ void bn_backward_dx_kernel(i64 planes, i64 C, i64 HW, const T* __rest
 // Eval: dx = k dy.
 template <class T>
 __global__ void bn_backward_eval_dx_kernel(i64 planes, i64 C, i64 HW, const T* __restrict__ dy,
-                                           const double* __restrict__ coef, T* dx, T beta_dx) {
+                                           const double* __restrict__ coef, T* dx, S<T> beta_dx) {
   TALLY_PLANE_LOOP(plane, j, planes, HW) {
     const i64 c = plane % C, o = plane * HW + j;
     store(dx + o, beta_dx, coef[c] * static_cast<double>(dy[o]));
@@ -224,8 +233,8 @@ __global__ void bn_backward_eval_dx_kernel(i64 planes, i64 C, i64 HW, const T* _
 // Eval forward: y = (x - running_mean) / sqrt(running_var + eps) * gamma + beta.
 template <class T>
 __global__ void bn_forward_eval_kernel(i64 planes, i64 C, i64 HW, const T* __restrict__ x,
-                                       const T* __restrict__ gamma, const T* __restrict__ beta_,
-                                       const T* __restrict__ running_mean, const T* __restrict__ running_var,
+                                       const S<T>* __restrict__ gamma, const S<T>* __restrict__ beta_,
+                                       const S<T>* __restrict__ running_mean, const S<T>* __restrict__ running_var,
                                        double eps, T* __restrict__ y) {
   TALLY_PLANE_LOOP(plane, j, planes, HW) {
     const i64 c = plane % C, o = plane * HW + j;
@@ -265,8 +274,8 @@ __global__ void bn_apply_moments_kernel(i64 C, double n, double momentum, const 
 
 template <class T>
 __global__ void group_norm_forward_kernel(i64 N, i64 C, i64 HW, i64 G, const T* __restrict__ x,
-                                          const T* __restrict__ gamma, const T* __restrict__ beta_, double eps,
-                                          T* __restrict__ y, T* save_mean, T* save_invstd) {
+                                          const S<T>* __restrict__ gamma, const S<T>* __restrict__ beta_, double eps,
+                                          T* __restrict__ y, S<T>* save_mean, S<T>* save_invstd) {
   const i64 Cg = C / G, M = Cg * HW;
   TALLY_BLOCK_LOOP(ng, N * G) {
     const i64 g = ng % G;
@@ -289,8 +298,8 @@ __global__ void group_norm_forward_kernel(i64 N, i64 C, i64 HW, i64 G, const T* 
       yp[i] = static_cast<T>((static_cast<double>(xp[i]) - mean) * scale + (beta_ ? static_cast<double>(beta_[c]) : 0.0));
     }
     if (threadIdx.x == 0) {
-      if (save_mean) save_mean[ng] = static_cast<T>(mean);
-      if (save_invstd) save_invstd[ng] = static_cast<T>(invstd);
+      if (save_mean) save_mean[ng] = static_cast<S<T>>(mean);
+      if (save_invstd) save_invstd[ng] = static_cast<S<T>>(invstd);
     }
   }
 }
@@ -299,9 +308,9 @@ __global__ void group_norm_forward_kernel(i64 N, i64 C, i64 HW, i64 G, const T* 
 //   dx = invstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)) over the group.
 template <class T>
 __global__ void group_norm_backward_dx_kernel(i64 N, i64 C, i64 HW, i64 G, const T* __restrict__ dy,
-                                              const T* __restrict__ x, const T* __restrict__ gamma,
-                                              const T* __restrict__ save_mean, const T* __restrict__ save_invstd,
-                                              T* dx, T beta_dx) {
+                                              const T* __restrict__ x, const S<T>* __restrict__ gamma,
+                                              const S<T>* __restrict__ save_mean, const S<T>* __restrict__ save_invstd,
+                                              T* dx, S<T> beta_dx) {
   const i64 Cg = C / G, M = Cg * HW;
   TALLY_BLOCK_LOOP(ng, N * G) {
     const i64 g = ng % G;
@@ -334,9 +343,9 @@ __device__ __forceinline__ i64 channel_offset(i64 m, i64 c, i64 C, i64 HW) {
 // dgamma, dbeta per channel, summed over n and HW (each n with its own group statistics).
 template <class T>
 __global__ void group_norm_backward_param_kernel(i64 N, i64 C, i64 HW, i64 G, const T* __restrict__ dy,
-                                                 const T* __restrict__ x, const T* __restrict__ save_mean,
-                                                 const T* __restrict__ save_invstd, T* dgamma, T* dbeta,
-                                                 T beta_param) {
+                                                 const T* __restrict__ x, const S<T>* __restrict__ save_mean,
+                                                 const S<T>* __restrict__ save_invstd, S<T>* dgamma, S<T>* dbeta,
+                                                 S<T> beta_param) {
   const i64 Cg = C / G, M = N * HW;
   TALLY_BLOCK_LOOP(c, C) {
     const i64 g = c / Cg;
@@ -378,8 +387,8 @@ unsigned per_channel_blocks(i64 C) { return static_cast<unsigned>((C + kNormThre
 
 // The partial sums and finalize of a backward, leaving (k, mean_dy, mean_dy_xhat) in ws.coef.
 template <class T>
-void bn_backward_sums(i64 N, i64 C, i64 HW, const T* dy, const T* x, const T* gamma, const T* mean,
-                      const T* invstd_or_var, bool is_var, double eps, T* dgamma, T* dbeta, T beta_param,
+void bn_backward_sums(i64 N, i64 C, i64 HW, const T* dy, const T* x, const S<T>* gamma, const S<T>* mean,
+                      const S<T>* invstd_or_var, bool is_var, double eps, S<T>* dgamma, S<T>* dbeta, S<T> beta_param,
                       const BnWorkspace& ws, double* stats) {
   const i64 P = batch_norm_chunks(N, C, HW);
   double* smean = stats;
@@ -397,8 +406,9 @@ void bn_backward_sums(i64 N, i64 C, i64 HW, const T* dy, const T* x, const T* ga
 }  // namespace
 
 template <class T>
-void batch_norm_forward_train(i64 N, i64 C, i64 HW, const T* x, const T* gamma, const T* beta_, T eps, T momentum,
-                              T* running_mean, T* running_var, T* y, T* save_mean, T* save_invstd, void* workspace) {
+void batch_norm_forward_train(i64 N, i64 C, i64 HW, const T* x, const P<T>* gamma, const P<T>* beta_, P<T> eps,
+                              P<T> momentum, P<T>* running_mean, P<T>* running_var, T* y, P<T>* save_mean,
+                              P<T>* save_invstd, void* workspace) {
   if (C <= 0 || N * HW <= 0) return;
   const BnWorkspace ws = bn_workspace(workspace, N, C, HW, "batch_norm_forward_train");
   const i64 P = batch_norm_chunks(N, C, HW);
@@ -413,8 +423,8 @@ void batch_norm_forward_train(i64 N, i64 C, i64 HW, const T* x, const T* gamma, 
 }
 
 template <class T>
-void batch_norm_forward_eval(i64 N, i64 C, i64 HW, const T* x, const T* gamma, const T* beta_,
-                             const T* running_mean, const T* running_var, T eps, T* y) {
+void batch_norm_forward_eval(i64 N, i64 C, i64 HW, const T* x, const P<T>* gamma, const P<T>* beta_,
+                             const P<T>* running_mean, const P<T>* running_var, P<T> eps, T* y) {
   if (N * C * HW <= 0) return;
   bn_forward_eval_kernel<<<plane_grid(N * C, HW), kNormThreads, 0, detail::stream()>>>(
       N * C, C, HW, x, gamma, beta_, running_mean, running_var, static_cast<double>(eps), y);
@@ -422,8 +432,9 @@ void batch_norm_forward_eval(i64 N, i64 C, i64 HW, const T* x, const T* gamma, c
 }
 
 template <class T>
-void batch_norm_backward(i64 N, i64 C, i64 HW, const T* dy, const T* x, const T* gamma, const T* save_mean,
-                         const T* save_invstd, T* dx, T beta_dx, T* dgamma, T* dbeta, T beta_param, void* workspace) {
+void batch_norm_backward(i64 N, i64 C, i64 HW, const T* dy, const T* x, const P<T>* gamma, const P<T>* save_mean,
+                         const P<T>* save_invstd, T* dx, P<T> beta_dx, P<T>* dgamma, P<T>* dbeta, P<T> beta_param,
+                         void* workspace) {
   if (C <= 0 || N * HW <= 0) return;
   const BnWorkspace ws = bn_workspace(workspace, N, C, HW, "batch_norm_backward");
   bn_backward_sums(N, C, HW, dy, x, gamma, save_mean, save_invstd, false, 0.0, dgamma, dbeta, beta_param, ws,
@@ -436,9 +447,9 @@ void batch_norm_backward(i64 N, i64 C, i64 HW, const T* dy, const T* x, const T*
 }
 
 template <class T>
-void batch_norm_backward_eval(i64 N, i64 C, i64 HW, const T* dy, const T* x, const T* gamma,
-                              const T* running_mean, const T* running_var, T eps, T* dx, T beta_dx, T* dgamma,
-                              T* dbeta, T beta_param, void* workspace) {
+void batch_norm_backward_eval(i64 N, i64 C, i64 HW, const T* dy, const T* x, const P<T>* gamma,
+                              const P<T>* running_mean, const P<T>* running_var, P<T> eps, T* dx, P<T> beta_dx,
+                              P<T>* dgamma, P<T>* dbeta, P<T> beta_param, void* workspace) {
   if (C <= 0 || N * HW <= 0) return;
   const BnWorkspace ws = bn_workspace(workspace, N, C, HW, "batch_norm_backward_eval");
   bn_backward_sums(N, C, HW, dy, x, gamma, running_mean, running_var, true, static_cast<double>(eps), dgamma, dbeta,
@@ -469,8 +480,8 @@ void batch_norm_apply_moments(i64 C, i64 count, T momentum, const double* sum, c
 }
 
 template <class T>
-void group_norm_forward(i64 N, i64 C, i64 HW, i64 G, const T* x, const T* gamma, const T* beta_, T eps, T* y,
-                        T* save_mean, T* save_invstd) {
+void group_norm_forward(i64 N, i64 C, i64 HW, i64 G, const T* x, const P<T>* gamma, const P<T>* beta_, P<T> eps,
+                        T* y, P<T>* save_mean, P<T>* save_invstd) {
   if (N * G <= 0) return;
   group_norm_forward_kernel<<<blocks_for(N * G), kReduceThreads, 0, detail::stream()>>>(
       N, C, HW, G, x, gamma, beta_, eps, y, save_mean, save_invstd);
@@ -478,8 +489,9 @@ void group_norm_forward(i64 N, i64 C, i64 HW, i64 G, const T* x, const T* gamma,
 }
 
 template <class T>
-void group_norm_backward(i64 N, i64 C, i64 HW, i64 G, const T* dy, const T* x, const T* gamma, const T* save_mean,
-                         const T* save_invstd, T* dx, T beta_dx, T* dgamma, T* dbeta, T beta_param) {
+void group_norm_backward(i64 N, i64 C, i64 HW, i64 G, const T* dy, const T* x, const P<T>* gamma,
+                         const P<T>* save_mean, const P<T>* save_invstd, T* dx, P<T> beta_dx, P<T>* dgamma,
+                         P<T>* dbeta, P<T> beta_param) {
   if (G <= 0) return;
   const i64 M = (C / G) * HW;
   if (dx && M > 0 && N * G > 0) {
@@ -494,22 +506,29 @@ void group_norm_backward(i64 N, i64 C, i64 HW, i64 G, const T* dy, const T* x, c
   }
 }
 
-#define TALLY_INSTANTIATE_NORM(T)                                                                             \
-  template void batch_norm_forward_train<T>(i64, i64, i64, const T*, const T*, const T*, T, T, T*, T*, T*, T*, \
-                                            T*, void*);                                                       \
-  template void batch_norm_forward_eval<T>(i64, i64, i64, const T*, const T*, const T*, const T*, const T*, T, \
-                                           T*);                                                               \
-  template void batch_norm_backward<T>(i64, i64, i64, const T*, const T*, const T*, const T*, const T*, T*, T, \
-                                       T*, T*, T, void*);                                                     \
-  template void batch_norm_backward_eval<T>(i64, i64, i64, const T*, const T*, const T*, const T*, const T*, T, \
-                                            T*, T, T*, T*, T, void*);                                         \
-  template void batch_norm_accumulate_moments<T>(i64, i64, T, const T*, const T*, double*, double*);         \
-  template void batch_norm_apply_moments<T>(i64, i64, T, const double*, const double*, T*, T*);              \
-  template void group_norm_forward<T>(i64, i64, i64, i64, const T*, const T*, const T*, T, T*, T*, T*);       \
-  template void group_norm_backward<T>(i64, i64, i64, i64, const T*, const T*, const T*, const T*, const T*,  \
-                                       T*, T, T*, T*, T);
+#define TALLY_INSTANTIATE_NORM(T)                                                                      \
+  template void batch_norm_forward_train<T>(i64, i64, i64, const T*, const P<T>*, const P<T>*, P<T>, P<T>, \
+                                            P<T>*, P<T>*, T*, P<T>*, P<T>*, void*);                    \
+  template void batch_norm_forward_eval<T>(i64, i64, i64, const T*, const P<T>*, const P<T>*,           \
+                                           const P<T>*, const P<T>*, P<T>, T*);                        \
+  template void batch_norm_backward<T>(i64, i64, i64, const T*, const T*, const P<T>*, const P<T>*,     \
+                                       const P<T>*, T*, P<T>, P<T>*, P<T>*, P<T>, void*);              \
+  template void batch_norm_backward_eval<T>(i64, i64, i64, const T*, const T*, const P<T>*,             \
+                                            const P<T>*, const P<T>*, P<T>, T*, P<T>, P<T>*, P<T>*,    \
+                                            P<T>, void*);                                              \
+  template void group_norm_forward<T>(i64, i64, i64, i64, const T*, const P<T>*, const P<T>*, P<T>,    \
+                                      T*, P<T>*, P<T>*);                                               \
+  template void group_norm_backward<T>(i64, i64, i64, i64, const T*, const T*, const P<T>*,             \
+                                       const P<T>*, const P<T>*, T*, P<T>, P<T>*, P<T>*, P<T>);
+// The moments touch statistics only: float32 (a bf16 norm's statistics are float32).
+#define TALLY_INSTANTIATE_MOMENTS(T)                                                                  \
+  template void batch_norm_accumulate_moments<T>(i64, i64, T, const T*, const T*, double*, double*); \
+  template void batch_norm_apply_moments<T>(i64, i64, T, const double*, const double*, T*, T*);
 
 TALLY_INSTANTIATE_NORM(float)
+TALLY_INSTANTIATE_NORM(bf16)
+TALLY_INSTANTIATE_MOMENTS(float)
 #undef TALLY_INSTANTIATE_NORM
+#undef TALLY_INSTANTIATE_MOMENTS
 
 }  // namespace tally::kernels::cuda

@@ -6,6 +6,8 @@
 // columns) in double. Backward: one thread per *input* element, which gathers the gradient of
 // every output whose window holds it, in increasing output order — the order in which the CPU's
 // scatter adds them — so overlapping windows need no atomics and the sums match the CPU's.
+// bf16: the same, each window's comparisons and each gradient's sum in float32 (compute_t<T>, the
+// CPU's P<T>), rounded once to bf16 as the CPU's float32 gradient plane is.
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/cuda/launch.cuh"
 
@@ -56,25 +58,28 @@ __global__ void max_pool2d_forward_kernel(Pool2dShape s, i64 P, i64 Q, const T* 
     const i64 h0 = imax(p * s.stride_h - s.pad_h, 0), h1 = imin(p * s.stride_h - s.pad_h + s.kh, s.H);
     const i64 w0 = imax(q * s.stride_w - s.pad_w, 0), w1 = imin(q * s.stride_w - s.pad_w + s.kw, s.W);
     // As the CPU (and PyTorch): start at -inf; a NaN always replaces the current max.
-    T best = -INFINITY;
+    using M = compute_t<T>;
+    M best = -INFINITY;
     i64 best_i = (h0 < h1 && w0 < w1) ? h0 * s.W + w0 : -1;
     for (i64 h = h0; h < h1; ++h) {
       for (i64 w = w0; w < w1; ++w) {
-        const T v = xp[h * s.W + w];
+        const M v = M(xp[h * s.W + w]);
         if (v > best || v != v) {
           best = v;
           best_i = h * s.W + w;
         }
       }
     }
-    y[i] = best;
+    y[i] = static_cast<T>(best);
     argmax[i] = static_cast<std::int32_t>(best_i);
   }
 }
 
 template <class T>
 __global__ void max_pool2d_backward_kernel(Pool2dShape s, i64 P, i64 Q, const T* __restrict__ dy,
-                                           const std::int32_t* __restrict__ argmax, T* __restrict__ dx, T beta) {
+                                           const std::int32_t* __restrict__ argmax, T* __restrict__ dx,
+                                           compute_t<T> beta) {
+  using M = compute_t<T>;
   const i64 total = s.N * s.C * s.H * s.W;
   TALLY_GRID_LOOP(i, total) {
     const i64 w = i % s.W, h = (i / s.W) % s.H, plane = i / (s.H * s.W);
@@ -84,11 +89,11 @@ __global__ void max_pool2d_backward_kernel(Pool2dShape s, i64 P, i64 Q, const T*
     i64 p_lo, p_hi, q_lo, q_hi;
     windows_holding(h, s.kh, s.stride_h, s.pad_h, P, &p_lo, &p_hi);
     windows_holding(w, s.kw, s.stride_w, s.pad_w, Q, &q_lo, &q_hi);
-    T acc = beta == T(0) ? T(0) : beta * dx[i];
+    M acc = beta == M(0) ? M(0) : beta * M(dx[i]);
     for (i64 p = p_lo; p <= p_hi; ++p)
       for (i64 q = q_lo; q <= q_hi; ++q)
-        if (ap[p * Q + q] == me) acc += dyp[p * Q + q];
-    dx[i] = acc;
+        if (ap[p * Q + q] == me) acc += M(dyp[p * Q + q]);
+    dx[i] = static_cast<T>(acc);
   }
 }
 
@@ -109,7 +114,8 @@ __global__ void avg_pool2d_forward_kernel(Pool2dShape s, i64 P, i64 Q, bool coun
 
 template <class T>
 __global__ void avg_pool2d_backward_kernel(Pool2dShape s, i64 P, i64 Q, bool count_include_pad,
-                                           const T* __restrict__ dy, T* __restrict__ dx, T beta) {
+                                           const T* __restrict__ dy, T* __restrict__ dx, compute_t<T> beta) {
+  using M = compute_t<T>;
   const i64 total = s.N * s.C * s.H * s.W;
   TALLY_GRID_LOOP(i, total) {
     const i64 w = i % s.W, h = (i / s.W) % s.H, plane = i / (s.H * s.W);
@@ -117,16 +123,16 @@ __global__ void avg_pool2d_backward_kernel(Pool2dShape s, i64 P, i64 Q, bool cou
     i64 p_lo, p_hi, q_lo, q_hi;
     windows_holding(h, s.kh, s.stride_h, s.pad_h, P, &p_lo, &p_hi);
     windows_holding(w, s.kw, s.stride_w, s.pad_w, Q, &q_lo, &q_hi);
-    T acc = beta == T(0) ? T(0) : beta * dx[i];
+    M acc = beta == M(0) ? M(0) : beta * M(dx[i]);
     for (i64 p = p_lo; p <= p_hi; ++p) {
       for (i64 q = q_lo; q <= q_hi; ++q) {
         // The window clipped to the image holds (h, w) exactly when the unclipped one does.
         const AvgWindow win = avg_window(s, count_include_pad, p, q);
         if (win.divisor <= 0) continue;
-        acc += dyp[p * Q + q] / static_cast<T>(win.divisor);
+        acc += M(dyp[p * Q + q]) / static_cast<M>(win.divisor);
       }
     }
-    dx[i] = acc;
+    dx[i] = static_cast<T>(acc);
   }
 }
 
@@ -156,7 +162,9 @@ __device__ __forceinline__ void adaptive_holding(i64 h, i64 n, i64 out, i64* lo,
 
 template <class T>
 __global__ void adaptive_avg_pool2d_backward_kernel(i64 N, i64 C, i64 H, i64 W, i64 OH, i64 OW,
-                                                    const T* __restrict__ dy, T* __restrict__ dx, T beta) {
+                                                    const T* __restrict__ dy, T* __restrict__ dx,
+                                                    compute_t<T> beta) {
+  using M = compute_t<T>;
   const i64 total = N * C * H * W;
   TALLY_GRID_LOOP(idx, total) {
     const i64 w = idx % W, h = (idx / W) % H, plane = idx / (H * W);
@@ -164,7 +172,7 @@ __global__ void adaptive_avg_pool2d_backward_kernel(i64 N, i64 C, i64 H, i64 W, 
     i64 i_lo, i_hi, j_lo, j_hi;
     adaptive_holding(h, H, OH, &i_lo, &i_hi);
     adaptive_holding(w, W, OW, &j_lo, &j_hi);
-    T acc = beta == T(0) ? T(0) : beta * dx[idx];
+    M acc = beta == M(0) ? M(0) : beta * M(dx[idx]);
     for (i64 i = i_lo; i <= i_hi; ++i) {
       const i64 h0 = adaptive_start(i, H, OH), h1 = adaptive_end(i, H, OH);
       if (h < h0 || h >= h1) continue;
@@ -172,10 +180,10 @@ __global__ void adaptive_avg_pool2d_backward_kernel(i64 N, i64 C, i64 H, i64 W, 
         const i64 w0 = adaptive_start(j, W, OW), w1 = adaptive_end(j, W, OW);
         if (w < w0 || w >= w1) continue;
         const i64 count = (h1 - h0) * (w1 - w0);
-        acc += dyp[i * OW + j] / static_cast<T>(count);
+        acc += M(dyp[i * OW + j]) / static_cast<M>(count);
       }
     }
-    dx[idx] = acc;
+    dx[idx] = static_cast<T>(acc);
   }
 }
 
@@ -199,7 +207,7 @@ void max_pool2d_backward(const Pool2dShape& s,
                          const T* dy,                 // (N, C, P, Q)
                          const std::int32_t* argmax,  // (N, C, P, Q)
                          T* dx,                       // (N, C, H, W)
-                         T beta) {
+                         P<T> beta) {
   const i64 total = s.N * s.C * s.H * s.W;
   if (total <= 0) return;
   max_pool2d_backward_kernel<<<grid_for(total), kThreads, 0, detail::stream()>>>(s, s.P(), s.Q(), dy, argmax, dx,
@@ -221,7 +229,7 @@ template <class T>
 void avg_pool2d_backward(const Pool2dShape& s, bool count_include_pad,
                          const T* dy,  // (N, C, P, Q)
                          T* dx,        // (N, C, H, W)
-                         T beta) {
+                         P<T> beta) {
   const i64 total = s.N * s.C * s.H * s.W;
   if (total <= 0) return;
   avg_pool2d_backward_kernel<<<grid_for(total), kThreads, 0, detail::stream()>>>(s, s.P(), s.Q(), count_include_pad,
@@ -243,7 +251,7 @@ template <class T>
 void adaptive_avg_pool2d_backward(i64 N, i64 C, i64 H, i64 W, i64 OH, i64 OW,
                                   const T* dy,  // (N, C, OH, OW)
                                   T* dx,        // (N, C, H, W)
-                                  T beta) {
+                                  P<T> beta) {
   const i64 total = N * C * H * W;
   if (total <= 0 || OH <= 0 || OW <= 0) return;
   adaptive_avg_pool2d_backward_kernel<<<grid_for(total), kThreads, 0, detail::stream()>>>(N, C, H, W, OH, OW, dy, dx,
@@ -251,15 +259,16 @@ void adaptive_avg_pool2d_backward(i64 N, i64 C, i64 H, i64 W, i64 OH, i64 OW,
   TALLY_LAUNCH_CHECK("adaptive_avg_pool2d_backward");
 }
 
-#define TALLY_INSTANTIATE_POOL(T)                                                                 \
-  template void max_pool2d_forward<T>(const Pool2dShape&, const T*, T*, std::int32_t*);           \
-  template void max_pool2d_backward<T>(const Pool2dShape&, const T*, const std::int32_t*, T*, T); \
-  template void avg_pool2d_forward<T>(const Pool2dShape&, bool, const T*, T*);                    \
-  template void avg_pool2d_backward<T>(const Pool2dShape&, bool, const T*, T*, T);                \
-  template void adaptive_avg_pool2d_forward<T>(i64, i64, i64, i64, i64, i64, const T*, T*);       \
-  template void adaptive_avg_pool2d_backward<T>(i64, i64, i64, i64, i64, i64, const T*, T*, T);
+#define TALLY_INSTANTIATE_POOL(T)                                                                    \
+  template void max_pool2d_forward<T>(const Pool2dShape&, const T*, T*, std::int32_t*);              \
+  template void max_pool2d_backward<T>(const Pool2dShape&, const T*, const std::int32_t*, T*, P<T>); \
+  template void avg_pool2d_forward<T>(const Pool2dShape&, bool, const T*, T*);                       \
+  template void avg_pool2d_backward<T>(const Pool2dShape&, bool, const T*, T*, P<T>);                \
+  template void adaptive_avg_pool2d_forward<T>(i64, i64, i64, i64, i64, i64, const T*, T*);          \
+  template void adaptive_avg_pool2d_backward<T>(i64, i64, i64, i64, i64, i64, const T*, T*, P<T>);
 
 TALLY_INSTANTIATE_POOL(float)
+TALLY_INSTANTIATE_POOL(bf16)
 #undef TALLY_INSTANTIATE_POOL
 
 }  // namespace tally::kernels::cuda
