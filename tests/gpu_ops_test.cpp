@@ -246,59 +246,67 @@ TEST(GpuOps, ResNet20TrainingStepsMatchTheCpu) {
 // ---- arena accounting ---------------------------------------------------------------------------
 
 // A dry run of a GPU training step on a virtual clone of the arena allocates exactly as the real
-// step: the same events (size, offset, category, op) in the same order, and the same peak. This
-// holds only if every size a kernel asks for (cuDNN's algorithm workspaces, cuBLAS's) is decided
-// identically without running anything.
+// step: the same events (size, offset, category, op) in the same order, and the same peak — in
+// float32 and in mixed precision (bf16 activations beside float32 master weights). This holds
+// only if every size a kernel asks for (cuDNN's algorithm workspaces and a bf16 convolution's
+// weight copy, cuBLAS's workspace) is decided identically without running anything.
 TEST(GpuOps, DryRunPeakOfAResNet20StepEqualsTheRealStepToTheByte) {
   REQUIRE_GPU();
-  auto arena = std::make_shared<Arena>(Device::cuda(0), std::size_t(768) << 20);
-  ArenaScope scope(arena);
-  nn::manual_seed(11);
-  auto model = nn::make_model({"resnet20"});
-  model->to(Device::cuda());
-  optim::SGD opt(model->parameters(), {.lr = 0.1, .momentum = 0.9, .weight_decay = 5e-4});
-  std::mt19937 rng(fresh_seed());
-  const Tensor x = host_tensor({16, 3, 32, 32}, rng).to(Device::cuda());
-  std::vector<i64> labels(16);
-  for (auto& l : labels) l = static_cast<i64>(rng() % 10);
-  const Tensor y = Tensor::from_vector(labels, {16}, Device::cuda(), Category::input);
-  auto step = [&] {
-    Tensor loss = cross_entropy((*model)(x), y);
-    loss.backward();
-    opt.step();
-    opt.zero_grad();
-  };
-  struct Ev {
-    bool alloc;
-    std::size_t requested, offset;
-    Category cat;
-    std::string op;
-    bool operator==(const Ev&) const = default;
-  };
-  auto events = [](const Arena& a) {
-    std::vector<Ev> e;
-    for (const auto& t : a.trace()) e.push_back({t.is_alloc, t.requested, t.offset, t.category, t.op});
-    return e;
-  };
-  arena->reset_peak();
-  auto virt = arena->virtual_clone();
-  virt->set_tracing(true);
-  {
-    ArenaScope vs(virt);
-    DryRunGuard dry;
+  for (const DType activations : {DType::Float32, DType::BFloat16}) {
+    SCOPED_TRACE(fmt::format("activations {}", dtype_name(activations)));
+    auto arena = std::make_shared<Arena>(Device::cuda(0), std::size_t(768) << 20);
+    ArenaScope scope(arena);
+    nn::manual_seed(11);
+    auto model = nn::make_model({"resnet20"});
+    model->to(Device::cuda());
+    optim::SGD opt(model->parameters(), {.lr = 0.1, .momentum = 0.9, .weight_decay = 5e-4});
+    std::mt19937 rng(fresh_seed());
+    const Tensor x = host_tensor({16, 3, 32, 32}, rng).to(activations).to(Device::cuda());
+    std::vector<i64> labels(16);
+    for (auto& l : labels) l = static_cast<i64>(rng() % 10);
+    const Tensor y = Tensor::from_vector(labels, {16}, Device::cuda(), Category::input);
+    auto step = [&] {
+      Tensor loss = cross_entropy((*model)(x), y);
+      loss.backward();
+      opt.step();
+      opt.zero_grad();
+    };
+    struct Ev {
+      bool alloc;
+      std::size_t requested, offset;
+      Category cat;
+      std::string op;
+      bool operator==(const Ev&) const = default;
+    };
+    auto events = [](const Arena& a) {
+      std::vector<Ev> e;
+      for (const auto& t : a.trace()) e.push_back({t.is_alloc, t.requested, t.offset, t.category, t.op});
+      return e;
+    };
+    arena->reset_peak();
+    auto virt = arena->virtual_clone();
+    virt->set_tracing(true);
+    {
+      ArenaScope vs(virt);
+      DryRunGuard dry;
+      step();
+    }
+    arena->set_tracing(true);
     step();
+    const auto dry = events(*virt), real = events(*arena);
+    ASSERT_GT(real.size(), 200u);
+    ASSERT_EQ(dry.size(), real.size());
+    for (std::size_t i = 0; i < real.size(); ++i) ASSERT_EQ(dry[i], real[i]) << "event " << i << " op " << real[i].op;
+    EXPECT_EQ(virt->stats().total.peak, arena->stats().total.peak);
+    EXPECT_EQ(virt->stats()[Category::workspace].peak, arena->stats()[Category::workspace].peak);
+    EXPECT_GT(arena->stats()[Category::workspace].peak, 0) << "cuBLAS gets its workspace from the arena";
+    EXPECT_EQ(arena->stats()[Category::activation].current, 0);
+    EXPECT_EQ(arena->stats()[Category::workspace].current, 0);
+    for (const Tensor& p : model->parameters()) {
+      EXPECT_EQ(p.dtype(), DType::Float32) << "the master weights stay float32";
+      EXPECT_TRUE(std::isfinite(p.to(Device::cpu()).to_vector<float>()[0]));
+    }
   }
-  arena->set_tracing(true);
-  step();
-  const auto dry = events(*virt), real = events(*arena);
-  ASSERT_GT(real.size(), 200u);
-  ASSERT_EQ(dry.size(), real.size());
-  for (std::size_t i = 0; i < real.size(); ++i) ASSERT_EQ(dry[i], real[i]) << "event " << i << " op " << real[i].op;
-  EXPECT_EQ(virt->stats().total.peak, arena->stats().total.peak);
-  EXPECT_EQ(virt->stats()[Category::workspace].peak, arena->stats()[Category::workspace].peak);
-  EXPECT_GT(arena->stats()[Category::workspace].peak, 0) << "cuBLAS gets its workspace from the arena";
-  EXPECT_EQ(arena->stats()[Category::activation].current, 0);
-  EXPECT_EQ(arena->stats()[Category::workspace].current, 0);
 }
 
 // An MBP step on the GPU waits for the device once (reading the loss after the optimizer step):
