@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""bench/step_gradients.py — one training step's gradients of tally and PyTorch against float64,
+from the same weights on the same batch: how far each precision's gradients are from exact, per
+parameter, side by side.
+
+    /usr/bin/python3 bench/step_gradients.py [--seed 0] [--batch 512] [--tally build/apps/tally]
+
+The model is make train's (CIFAR ResNet-20, batch norm, 1 input channel, 10 classes), initialized
+by PyTorch (kaiming_normal_ fan_out convolutions, --seed) and written as safetensors for
+`tally train --init`; the batch is Fashion-MNIST's first --batch training images (tally:
+--no-shuffle --no-augment, the whole batch at once). tally's gradient is read back from one SGD
+step with lr 1, no momentum and no weight decay (g = w0 - w1). PyTorch runs float64 (the
+reference), float32 and bf16 autocast (loss in float32); tally runs fp32 and bf16. Printed: the
+norm-wise relative error ||g - g64|| / ||g64|| of every parameter's gradient, and their mean.
+"""
+import argparse
+import json
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, HERE)
+from gen_fixtures import serialize  # noqa: E402
+from gen_model_fixtures import CifarResNet  # noqa: E402
+from fashion_mnist_pytorch import load  # noqa: E402
+
+
+def torch_grads(state, x, y, mode):
+    m = CifarResNet(20, 10, "batch", in_channels=1)
+    m.load_state_dict(state)
+    m.train()
+    if mode == "f64":
+        m, x = m.double(), x.double()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "bf16"):
+        out = m(x)
+    F.cross_entropy(out if mode == "f64" else out.float(), y).backward()
+    return {k: p.grad.double() for k, p in m.named_parameters()}
+
+
+def read_f32(path):
+    b = open(path, "rb").read()
+    n = struct.unpack("<Q", b[:8])[0]
+    header, base = json.loads(b[8:8 + n]), 8 + n
+    out = {}
+    for k, e in header.items():
+        if k != "__metadata__" and e["dtype"] == "F32":
+            s, t = e["data_offsets"]
+            out[k] = torch.from_numpy(np.frombuffer(b[base + s:base + t], dtype=np.float32).reshape(e["shape"]).copy())
+    return out
+
+
+def tally_grads(args, init, state, precision, tmp):
+    saved = os.path.join(tmp, f"w1_{precision}.safetensors")
+    subprocess.run([args.tally, "train", "--model", "resnet20", "--data", "fashion-mnist", "--init", init,
+                    "--steps", "1", "--batch-size", str(args.batch), "--lr", "1", "--schedule", "constant",
+                    "--momentum", "0", "--weight-decay", "0", "--no-shuffle", "--no-augment", "--memory-limit", "4GiB",
+                    "--no-eval", "--no-progress", "--threads", str(args.threads), "--precision", precision,
+                    "--save", saved, "--out", os.path.join(tmp, f"run_{precision}")], check=True, stdout=subprocess.DEVNULL)
+    w1 = read_f32(saved)
+    return {k: state[k].double() - w1[k].double() for k in w1}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch", type=int, default=512)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--tally", default=os.path.join(ROOT, "build", "apps", "tally"))
+    p.add_argument("--dir", default="/usr/share/datasets/fashion-mnist")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    model = CifarResNet(20, 10, "batch", in_channels=1)
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    xtr, ytr = load(args.dir, "train")
+    x, y = xtr[:args.batch], ytr[:args.batch]
+    ref = torch_grads(state, x, y, "f64")
+    cols = {"torch f32": torch_grads(state, x, y, "f32"), "torch bf16": torch_grads(state, x, y, "bf16")}
+    with tempfile.TemporaryDirectory() as tmp:
+        init = os.path.join(tmp, "w0.safetensors")
+        with open(init, "wb") as f:
+            f.write(serialize({k: v.numpy() for k, v in state.items()}, {}))
+        cols["tally fp32"] = tally_grads(args, init, state, "fp32", tmp)
+        cols["tally bf16"] = tally_grads(args, init, state, "bf16", tmp)
+    names = list(cols)
+    print(f"gradient error against float64, one step, seed {args.seed}, batch {args.batch}")
+    print(f"{'parameter':36}" + "".join(f"{c:>12}" for c in names))
+    total = dict.fromkeys(names, 0.0)
+    for k, g in ref.items():
+        row = {c: ((cols[c][k] - g).norm() / g.norm()).item() for c in names}
+        for c in names:
+            total[c] += row[c]
+        print(f"{k:36}" + "".join(f"{row[c]:12.4f}" for c in names))
+    print(f"{'mean':36}" + "".join(f"{total[c] / len(ref):12.4f}" for c in names))
+
+
+if __name__ == "__main__":
+    main()
