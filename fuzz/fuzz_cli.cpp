@@ -6,6 +6,7 @@
 // Input: the first byte picks the parser (its value modulo 6, in the order of the switch), the
 // rest is the text. Besides "no exception but tally's", each accepted value is checked against
 // what the parser promises (positive sizes and counts).
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <stdexcept>
@@ -31,7 +32,12 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   const std::string s = fuzz::text(data + 1, size - 1);
   fuzz::expect_tally_errors_only([&] {
     switch (data[0] % 6) {
-      case 0: require(parse_size(s) >= 1, "parse_size returned 0"); break;
+      case 0: {
+        require(parse_size(s) >= 1, "parse_size returned 0");
+        const std::string number = s.substr(0, s.find_first_not_of("0123456789."));
+        require(std::count(number.begin(), number.end(), '.') <= 1, "parse_size accepted a number with two points");
+        break;
+      }
       case 1: (void)parse_device(s); break;
       case 2: {
         const auto v = app::parse_positive_integer(s);
