@@ -94,7 +94,7 @@ fuzz: fuzz-build
 	  $(FUZZ_DIR)/fuzz/fuzz_$$h -max_total_time=$(FUZZ_SECONDS) -max_len=$(FUZZ_MAX_LEN) -timeout=10 \
 	    -print_final_stats=1 -artifact_prefix=$(FUZZ_DIR)/findings/$$h/ \
 	    $(FUZZ_DIR)/corpus/$$h fuzz/corpus/$$h > $(FUZZ_DIR)/fuzz_$$h.log 2>&1 || status=1; \
-	  grep -E '^#[0-9]+ +DONE|^stat::(number_of_executed_units|average_exec_per_sec|new_units_added)' \
+	  grep -E '^#[0-9]+[[:space:]]+DONE|^stat::(number_of_executed_units|average_exec_per_sec|new_units_added)' \
 	    $(FUZZ_DIR)/fuzz_$$h.log; \
 	  grep -E '^==[0-9]+==ERROR|^SUMMARY|^artifact_prefix|Test unit written' $(FUZZ_DIR)/fuzz_$$h.log; \
 	done; \
