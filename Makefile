@@ -1,7 +1,7 @@
 # tally — the two commands:
 #   make train   set up (Debian packages), build Release, run the main job
 #   make test    set up, build, run the test suite (ctest) and print its summary
-# Also: make build, make bench, make clean. BUILD_DIR, BUILD_TYPE, CMAKE_ARGS may be overridden.
+# Also: make build, make bench, make fuzz, make fuzz-merge, make clean. BUILD_DIR, BUILD_TYPE, CMAKE_ARGS may be overridden.
 
 BUILD_DIR  ?= build
 BUILD_TYPE ?= Release
@@ -15,10 +15,11 @@ DEB_PACKAGES := cmake g++ make pkg-config googletest libgtest-dev libgmock-dev l
                 libopenblas-dev libcli11-dev nlohmann-json3-dev libfmt-dev zlib1g-dev dataset-fashion-mnist \
                 libopenmpi-dev openmpi-bin libdnnl-dev
 
-.PHONY: train test build bench bootstrap configure clean
+.PHONY: train test build bench bootstrap configure clean fuzz fuzz-bootstrap fuzz-merge fuzz-build
 
-bootstrap:
-	@missing=""; for p in $(DEB_PACKAGES); do \
+# Installs the Debian packages of $(1) that are missing (as root), or names the command to run.
+define install_missing
+	@missing=""; for p in $(1); do \
 	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
 	done; \
 	if [ -n "$$missing" ]; then \
@@ -31,6 +32,10 @@ bootstrap:
 	    exit 1; \
 	  fi; \
 	fi
+endef
+
+bootstrap:
+	$(call install_missing,$(DEB_PACKAGES))
 
 configure: bootstrap
 	@cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) $(CMAKE_ARGS)
@@ -59,6 +64,48 @@ test: build
 
 bench: build
 	@for b in $(BUILD_DIR)/bench/bench_*; do echo "== $$b"; $$b --benchmark_min_time=0.2 || exit 1; done
+
+# ---- fuzzing (docs/testing.md, "Fuzzing") -----------------------------------------------------
+# make fuzz: every harness of fuzz/ under libFuzzer with AddressSanitizer and UBSan for
+# FUZZ_SECONDS each, in its own clang build (FUZZ_DIR). New inputs go to FUZZ_DIR/corpus/<name>
+# (the seeds of fuzz/corpus/<name> are read, never written); a crashing input is saved in
+# FUZZ_DIR/findings/<name>/ and fails the target. Per harness it prints libFuzzer's final line
+# (executions, cov: edges, ft: features, corpus) and its stat:: lines.
+# make fuzz-merge: adds to fuzz/corpus/<name> the inputs of FUZZ_DIR/corpus/<name> that reach
+# new coverage (libFuzzer -merge=1), for a commit.
+FUZZ_DIR       ?= build-fuzz
+FUZZ_SECONDS   ?= 180
+FUZZ_MAX_LEN   ?= 65536
+FUZZ_HARNESSES := safetensors idx cifar cli
+FUZZ_PACKAGES  := clang-16 libclang-rt-16-dev libomp-16-dev
+
+fuzz-bootstrap: bootstrap
+	$(call install_missing,$(FUZZ_PACKAGES))
+
+fuzz-build: fuzz-bootstrap
+	@CC=clang-16 CXX=clang++-16 cmake -S . -B $(FUZZ_DIR) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DTALLY_FUZZ=ON \
+	  -DTALLY_CUDA=OFF -DTALLY_MPI=OFF -DTALLY_ONEDNN=OFF -DTALLY_BUILD_TESTS=OFF -DTALLY_BUILD_BENCH=OFF
+	@cmake --build $(FUZZ_DIR) -j $(JOBS) --target $(addprefix fuzz_,$(FUZZ_HARNESSES))
+
+fuzz: fuzz-build
+	@status=0; for h in $(FUZZ_HARNESSES); do \
+	  mkdir -p $(FUZZ_DIR)/corpus/$$h $(FUZZ_DIR)/findings/$$h; \
+	  echo "== fuzz_$$h: $(FUZZ_SECONDS) s (log: $(FUZZ_DIR)/fuzz_$$h.log)"; \
+	  $(FUZZ_DIR)/fuzz/fuzz_$$h -max_total_time=$(FUZZ_SECONDS) -max_len=$(FUZZ_MAX_LEN) -timeout=10 \
+	    -print_final_stats=1 -artifact_prefix=$(FUZZ_DIR)/findings/$$h/ \
+	    $(FUZZ_DIR)/corpus/$$h fuzz/corpus/$$h > $(FUZZ_DIR)/fuzz_$$h.log 2>&1 || status=1; \
+	  grep -E '^#[0-9]+[[:space:]]+DONE|^stat::(number_of_executed_units|average_exec_per_sec|new_units_added)' \
+	    $(FUZZ_DIR)/fuzz_$$h.log; \
+	  grep -E '^==[0-9]+==ERROR|^SUMMARY|^artifact_prefix|Test unit written' $(FUZZ_DIR)/fuzz_$$h.log; \
+	done; \
+	if [ $$status != 0 ]; then echo "tally: fuzzing found inputs that fail: $(FUZZ_DIR)/findings/"; fi; \
+	exit $$status
+
+fuzz-merge: fuzz-build
+	@for h in $(FUZZ_HARNESSES); do \
+	  $(FUZZ_DIR)/fuzz/fuzz_$$h -merge=1 -max_len=$(FUZZ_MAX_LEN) fuzz/corpus/$$h $(FUZZ_DIR)/corpus/$$h \
+	    2>&1 | grep -E 'MERGE-OUTER: [0-9]+ new files' || exit 1; \
+	done
 
 clean:
 	@rm -rf $(BUILD_DIR)

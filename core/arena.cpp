@@ -270,7 +270,9 @@ std::size_t parse_size(const std::string& s) {
   if (i == 0) throw bad();
   double v = 0;
   try {
-    v = std::stod(s.substr(0, i));
+    std::size_t used = 0;
+    v = std::stod(s.substr(0, i), &used);
+    if (used != i) throw bad();  // "1.2.3MiB": stod stops at the second point, the rest is no unit
   } catch (...) {
     throw bad();
   }

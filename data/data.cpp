@@ -6,6 +6,7 @@
 // computed in integer pixel levels (0..255) before the single conversion to float, so no
 // floating-point contraction or rounding difference can change them between machines.
 #include "data/data.h"
+#include "data/formats.h"
 
 #include <algorithm>
 #include <array>
@@ -81,49 +82,64 @@ void shuffle(std::vector<std::int64_t>& v, Rng& rng) {
   }
 }
 
-// ---- files ------------------------------------------------------------------------------------
+// ---- bytes ------------------------------------------------------------------------------------
 
 std::string show(const fs::path& p) { return p.string(); }
 
-// A file's bytes, decompressed when it is gzip, and the name errors should show: the path read,
-// with " (decompressed)" when the bytes are what its gzip stream held.
-struct FileBytes {
-  std::vector<std::uint8_t> bytes;
-  std::string name;
-};
-
-bool starts_gzip(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  unsigned char m[2] = {0, 0};
-  in.read(reinterpret_cast<char*>(m), 2);
-  return in.gcount() == 2 && m[0] == 0x1f && m[1] == 0x8b;
+std::uint32_t be32(const std::uint8_t* p) {
+  return (std::uint32_t{p[0]} << 24) | (std::uint32_t{p[1]} << 16) | (std::uint32_t{p[2]} << 8) |
+         std::uint32_t{p[3]};
 }
 
-// Inflates a gzip file (one member or several concatenated), read and decompressed in chunks
-// with zlib. Corrupt data (a bad header, a bad deflate block, a CRC or length mismatch in the
-// trailer) and a stream that stops before its trailer are FormatErrors naming the file, the
-// compressed offset and what was expected.
-std::vector<std::uint8_t> read_gzip(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in)
-    throw FormatError(fmt::format("{}: expected a readable file, found one that cannot be opened", show(path)));
+// The byte -> [0,1] table used by every loader.
+const std::array<float, 256>& level_to_float() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int i = 0; i < 256; ++i) t[i] = static_cast<float>(i) / 255.0f;
+    return t;
+  }();
+  return table;
+}
+
+constexpr std::uint32_t kIdxImages = 0x00000803;  // 2051: unsigned bytes, 3 dimensions
+constexpr std::uint32_t kIdxLabels = 0x00000801;  // 2049: unsigned bytes, 1 dimension
+constexpr std::int64_t kCifarPixels = 3 * 32 * 32;
+
+std::string magic_hint(std::uint32_t found) {
+  if (found == kIdxImages) return " (an IDX images file: are the file names swapped?)";
+  if (found == kIdxLabels) return " (an IDX labels file: are the file names swapped?)";
+  if ((found >> 16) == 0x1f8b) return " (gzip data inside the gzip file)";
+  return "";
+}
+
+std::string found_magic(Bytes b) {
+  std::uint32_t m = 0;
+  for (std::size_t i = 0; i < 4; ++i) m = (m << 8) | (i < b.size() ? b[i] : 0u);
+  return fmt::format("0x{:08x}{}", m, magic_hint(m));
+}
+
+}  // namespace
+
+// ---- public: formats from memory (data/formats.h) ----------------------------------------------
+
+bool is_gzip(Bytes bytes) { return bytes.size() >= 2 && bytes[0] == 0x1f && bytes[1] == 0x8b; }
+
+// zlib is fed in chunks of kChunk bytes (its avail_in is 32-bit) and writes kGrow bytes at a time.
+std::vector<std::uint8_t> gunzip(Bytes bytes, const std::string& name) {
   z_stream z{};
   if (inflateInit2(&z, 16 + MAX_WBITS) != Z_OK)  // 16: the gzip wrapper, not zlib's
-    throw Error(fmt::format("{}: zlib could not start a gzip stream (inflateInit2 failed)", show(path)));
+    throw Error(fmt::format("{}: zlib could not start a gzip stream (inflateInit2 failed)", name));
   struct End {
     z_stream& z;
     ~End() { inflateEnd(&z); }
   } end{z};
   constexpr std::size_t kChunk = std::size_t(1) << 18, kGrow = std::size_t(1) << 20;
-  std::vector<unsigned char> chunk(kChunk);
   std::vector<std::uint8_t> out;
-  std::uint64_t fed = 0;      // compressed bytes read before this chunk
+  std::uint64_t fed = 0;      // compressed bytes before this chunk
   bool member_done = false;   // the last member ended with its trailer
-  for (;;) {
-    in.read(reinterpret_cast<char*>(chunk.data()), static_cast<std::streamsize>(kChunk));
-    const auto n = static_cast<std::size_t>(in.gcount());
-    if (n == 0) break;
-    z.next_in = chunk.data();
+  while (fed < bytes.size()) {
+    const std::size_t n = std::min<std::size_t>(kChunk, bytes.size() - fed);
+    z.next_in = const_cast<Bytef*>(bytes.data() + fed);  // zlib's API is not const; it only reads
     z.avail_in = static_cast<uInt>(n);
     while (z.avail_in > 0) {
       if (member_done) {  // more bytes after a member: the next member of a concatenated file
@@ -142,24 +158,133 @@ std::vector<std::uint8_t> read_gzip(const fs::path& path) {
         throw FormatError(fmt::format(
             "{}: corrupt gzip data near compressed byte {}: expected a valid gzip stream, found an error "
             "({}) after {} decompressed bytes",
-            show(path), fed + (n - z.avail_in), z.msg ? z.msg : "data error", out.size()));
+            name, fed + (n - z.avail_in), z.msg ? z.msg : "data error", out.size()));
       } else if (ret == Z_MEM_ERROR) {
-        throw Error(fmt::format("{}: zlib ran out of memory while decompressing", show(path)));
+        throw Error(fmt::format("{}: zlib ran out of memory while decompressing", name));
       } else if (ret == Z_BUF_ERROR) {
         break;  // no progress without more input
       }
     }
     fed += n;
   }
-  if (in.bad())
-    throw FormatError(fmt::format("{}: expected a readable file, found a read error after {} bytes", show(path), fed));
   if (!member_done)
     throw FormatError(fmt::format(
         "{}: truncated gzip file: expected the compressed stream to end with its trailer, found the end of the "
         "file after {} compressed bytes ({} bytes decompressed)",
-        show(path), fed, out.size()));
+        name, fed, out.size()));
   return out;
 }
+
+IdxImagesHeader parse_idx_images(Bytes b, const std::string& name) {
+  if (b.size() >= 4 && be32(b.data()) != kIdxImages)
+    throw FormatError(fmt::format("{}: expected magic 0x{:08x} (IDX images), found {}", name, kIdxImages,
+                                  found_magic(b)));
+  if (b.size() < 16)
+    throw FormatError(fmt::format(
+        "{}: truncated header: expected at least 16 bytes (magic, count, rows, cols), found {}", name, b.size()));
+  const auto count = static_cast<std::int32_t>(be32(b.data() + 4));
+  const auto rows = static_cast<std::int32_t>(be32(b.data() + 8));
+  const auto cols = static_cast<std::int32_t>(be32(b.data() + 12));
+  if (count <= 0) throw FormatError(fmt::format("{}: expected a positive image count, found {}", name, count));
+  if (rows <= 0 || cols <= 0 || rows > 4096 || cols > 4096)
+    throw FormatError(fmt::format("{}: expected rows and cols in 1..4096, found {}x{}", name, rows, cols));
+  const std::uint64_t want = 16 + std::uint64_t(count) * std::uint64_t(rows) * std::uint64_t(cols);
+  if (b.size() != want)
+    throw FormatError(fmt::format("{}: expected 16 + {} x {} x {} = {} bytes, found {} ({})", name, count, rows, cols,
+                                  want, b.size(), b.size() < want ? "truncated pixel data" : "trailing bytes"));
+  return {count, rows, cols};
+}
+
+std::int64_t parse_idx_labels(Bytes b, const std::string& name) {
+  if (b.size() >= 4 && be32(b.data()) != kIdxLabels)
+    throw FormatError(fmt::format("{}: expected magic 0x{:08x} (IDX labels), found {}", name, kIdxLabels,
+                                  found_magic(b)));
+  if (b.size() < 8)
+    throw FormatError(
+        fmt::format("{}: truncated header: expected at least 8 bytes (magic, count), found {}", name, b.size()));
+  const auto count = static_cast<std::int32_t>(be32(b.data() + 4));
+  if (count <= 0) throw FormatError(fmt::format("{}: expected a positive label count, found {}", name, count));
+  const std::uint64_t want = 8 + std::uint64_t(count);
+  if (b.size() != want)
+    throw FormatError(fmt::format("{}: expected 8 + {} = {} bytes, found {} ({})", name, count, want, b.size(),
+                                  b.size() < want ? "truncated label data" : "trailing bytes"));
+  return count;
+}
+
+Dataset parse_idx_pair(const NamedBytes& images, const NamedBytes& labels, const char* set_name, float mean,
+                       float stddev) {
+  const IdxImagesHeader img = parse_idx_images(images.bytes, images.name);
+  const std::int64_t n_labels = parse_idx_labels(labels.bytes, labels.name);
+  if (n_labels != img.count)
+    throw FormatError(fmt::format("{} has {} labels but {} has {} images: expected the same count in both files",
+                                  labels.name, n_labels, images.name, img.count));
+  Dataset ds;
+  ds.name = set_name;
+  ds.channels = 1;
+  ds.height = img.rows;
+  ds.width = img.cols;
+  ds.num_classes = 10;
+  ds.mean = {mean, 0.0f, 0.0f};
+  ds.stddev = {stddev, 0.0f, 0.0f};
+  ds.labels.resize(static_cast<std::size_t>(img.count));
+  for (std::int64_t i = 0; i < img.count; ++i) {
+    const std::uint8_t l = labels.bytes[8 + static_cast<std::size_t>(i)];
+    if (l >= ds.num_classes)
+      throw FormatError(fmt::format("{}: label {} at index {} is out of range: expected 0..{}", labels.name, l, i,
+                                    ds.num_classes - 1));
+    ds.labels[static_cast<std::size_t>(i)] = l;
+  }
+  const auto& lut = level_to_float();
+  ds.images.resize(images.bytes.size() - 16);
+  std::transform(images.bytes.begin() + 16, images.bytes.end(), ds.images.begin(),
+                 [&](std::uint8_t v) { return lut[v]; });
+  return ds;
+}
+
+void parse_cifar(Bytes b, const std::string& name, int label_bytes, Dataset& ds) {
+  if (label_bytes != 1 && label_bytes != 2)
+    throw Error(fmt::format("{}: CIFAR records have 1 or 2 label bytes, asked for {}", name, label_bytes));
+  const std::int64_t record = label_bytes + kCifarPixels;
+  const auto size = static_cast<std::int64_t>(b.size());
+  const char* what = label_bytes == 1 ? "label byte" : "coarse and fine label bytes";
+  if (size == 0)
+    throw FormatError(fmt::format("{}: expected at least one {}-byte record ({} + {} pixel bytes), "
+                                  "found an empty file",
+                                  name, record, what, kCifarPixels));
+  if (size % record != 0)
+    throw FormatError(fmt::format(
+        "{}: size {} is not a multiple of the {}-byte record ({} + {} pixel bytes): found {} "
+        "whole records and {} bytes more (truncated or not a CIFAR binary file?)",
+        name, size, record, what, kCifarPixels, size / record, size % record));
+  const std::int64_t n = size / record;
+  const auto& lut = level_to_float();
+  const std::size_t old_n = ds.labels.size();
+  ds.labels.resize(old_n + static_cast<std::size_t>(n));
+  ds.images.resize((old_n + static_cast<std::size_t>(n)) * kCifarPixels);
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::uint8_t* r = b.data() + i * record;
+    if (label_bytes == 2 && r[0] >= 20)
+      throw FormatError(fmt::format("{}: record {} has coarse label {}: expected 0..19", name, i, r[0]));
+    const std::uint8_t label = r[label_bytes - 1];
+    if (label >= ds.num_classes)
+      throw FormatError(fmt::format("{}: record {} has {}label {}: expected 0..{}", name, i,
+                                    label_bytes == 2 ? "fine " : "", label, ds.num_classes - 1));
+    ds.labels[old_n + static_cast<std::size_t>(i)] = label;
+    float* dst = ds.images.data() + (old_n + static_cast<std::size_t>(i)) * kCifarPixels;
+    for (std::int64_t p = 0; p < kCifarPixels; ++p) dst[p] = lut[r[label_bytes + p]];
+  }
+}
+
+// ---- files: read whole, then parsed by the functions above -------------------------------------
+
+namespace {
+
+// A file's bytes, decompressed when it is gzip, and the name errors should show: the path read,
+// with " (decompressed)" when the bytes are what its gzip stream held.
+struct FileBytes {
+  std::vector<std::uint8_t> bytes;
+  std::string name;
+};
 
 std::vector<std::uint8_t> read_plain(const fs::path& path) {
   std::ifstream in(path, std::ios::binary | std::ios::ate);
@@ -189,167 +314,24 @@ FileBytes read_file(const fs::path& path) {
   }
   if (fs::is_directory(p, ec))
     throw FormatError(fmt::format("{}: expected a file, found a directory", show(p)));
-  if (starts_gzip(p)) return {read_gzip(p), show(p) + " (decompressed)"};
-  return {read_plain(p), show(p)};
-}
-
-std::uint32_t be32(const std::uint8_t* p) {
-  return (std::uint32_t{p[0]} << 24) | (std::uint32_t{p[1]} << 16) | (std::uint32_t{p[2]} << 8) |
-         std::uint32_t{p[3]};
-}
-
-// The byte -> [0,1] table used by every loader.
-const std::array<float, 256>& level_to_float() {
-  static const std::array<float, 256> table = [] {
-    std::array<float, 256> t{};
-    for (int i = 0; i < 256; ++i) t[i] = static_cast<float>(i) / 255.0f;
-    return t;
-  }();
-  return table;
-}
-
-// ---- MNIST (IDX) ------------------------------------------------------------------------------
-
-constexpr std::uint32_t kIdxImages = 0x00000803;  // 2051: unsigned bytes, 3 dimensions
-constexpr std::uint32_t kIdxLabels = 0x00000801;  // 2049: unsigned bytes, 1 dimension
-
-std::string magic_hint(std::uint32_t found) {
-  if (found == kIdxImages) return " (an IDX images file: are the file names swapped?)";
-  if (found == kIdxLabels) return " (an IDX labels file: are the file names swapped?)";
-  if ((found >> 16) == 0x1f8b) return " (gzip data inside the gzip file)";
-  return "";
-}
-
-std::string found_magic(const std::vector<std::uint8_t>& b) {
-  std::uint32_t m = 0;
-  for (std::size_t i = 0; i < 4; ++i) m = (m << 8) | (i < b.size() ? b[i] : 0u);
-  return fmt::format("0x{:08x}{}", m, magic_hint(m));
-}
-
-struct IdxImages {
-  std::int64_t count, rows, cols;
-  std::vector<std::uint8_t> bytes;  // header + pixels
-  std::string name;                 // for errors
-};
-
-IdxImages read_idx_images(const fs::path& path) {
-  FileBytes f = read_file(path);
-  IdxImages r{0, 0, 0, std::move(f.bytes), f.name};
-  const auto& b = r.bytes;
-  const std::string& name = r.name;
-  if (b.size() >= 4 && be32(b.data()) != kIdxImages)
-    throw FormatError(fmt::format("{}: expected magic 0x{:08x} (IDX images), found {}", name, kIdxImages,
-                                  found_magic(b)));
-  if (b.size() < 16)
-    throw FormatError(fmt::format(
-        "{}: truncated header: expected at least 16 bytes (magic, count, rows, cols), found {}", name, b.size()));
-  const auto count = static_cast<std::int32_t>(be32(b.data() + 4));
-  const auto rows = static_cast<std::int32_t>(be32(b.data() + 8));
-  const auto cols = static_cast<std::int32_t>(be32(b.data() + 12));
-  if (count <= 0) throw FormatError(fmt::format("{}: expected a positive image count, found {}", name, count));
-  if (rows <= 0 || cols <= 0 || rows > 4096 || cols > 4096)
-    throw FormatError(fmt::format("{}: expected rows and cols in 1..4096, found {}x{}", name, rows, cols));
-  r.count = count;
-  r.rows = rows;
-  r.cols = cols;
-  const std::uint64_t want = 16 + std::uint64_t(count) * std::uint64_t(rows) * std::uint64_t(cols);
-  if (b.size() != want)
-    throw FormatError(fmt::format("{}: expected 16 + {} x {} x {} = {} bytes, found {} ({})", name, count, rows, cols,
-                                  want, b.size(), b.size() < want ? "truncated pixel data" : "trailing bytes"));
-  return r;
-}
-
-FileBytes read_idx_labels(const fs::path& path) {
-  FileBytes f = read_file(path);
-  const auto& b = f.bytes;
-  const std::string& name = f.name;
-  if (b.size() >= 4 && be32(b.data()) != kIdxLabels)
-    throw FormatError(fmt::format("{}: expected magic 0x{:08x} (IDX labels), found {}", name, kIdxLabels,
-                                  found_magic(b)));
-  if (b.size() < 8)
-    throw FormatError(
-        fmt::format("{}: truncated header: expected at least 8 bytes (magic, count), found {}", name, b.size()));
-  const auto count = static_cast<std::int32_t>(be32(b.data() + 4));
-  if (count <= 0) throw FormatError(fmt::format("{}: expected a positive label count, found {}", name, count));
-  const std::uint64_t want = 8 + std::uint64_t(count);
-  if (b.size() != want)
-    throw FormatError(fmt::format("{}: expected 8 + {} = {} bytes, found {} ({})", name, count, want, b.size(),
-                                  b.size() < want ? "truncated label data" : "trailing bytes"));
-  return f;
+  std::vector<std::uint8_t> bytes = read_plain(p);
+  if (is_gzip(bytes)) return {gunzip(bytes, show(p)), show(p) + " (decompressed)"};
+  return {std::move(bytes), show(p)};
 }
 
 // An IDX images file and its labels (MNIST's layout); `name`, mean and stddev describe the set.
 Dataset read_idx_pair(const fs::path& images_path, const fs::path& labels_path, const char* set_name, float mean,
                       float stddev) {
-  IdxImages img = read_idx_images(images_path);
-  const FileBytes labels = read_idx_labels(labels_path);
-  const std::vector<std::uint8_t>& lab = labels.bytes;
-  const std::int64_t n_labels = static_cast<std::int64_t>(lab.size()) - 8;
-  if (n_labels != img.count)
-    throw FormatError(fmt::format("{} has {} labels but {} has {} images: expected the same count in both files",
-                                  labels.name, n_labels, img.name, img.count));
-
-  Dataset ds;
-  ds.name = set_name;
-  ds.channels = 1;
-  ds.height = img.rows;
-  ds.width = img.cols;
-  ds.num_classes = 10;
-  ds.mean = {mean, 0.0f, 0.0f};
-  ds.stddev = {stddev, 0.0f, 0.0f};
-  ds.labels.resize(static_cast<std::size_t>(img.count));
-  for (std::int64_t i = 0; i < img.count; ++i) {
-    const std::uint8_t l = lab[8 + static_cast<std::size_t>(i)];
-    if (l >= ds.num_classes)
-      throw FormatError(fmt::format("{}: label {} at index {} is out of range: expected 0..{}", labels.name, l, i,
-                                    ds.num_classes - 1));
-    ds.labels[static_cast<std::size_t>(i)] = l;
-  }
-  const auto& lut = level_to_float();
-  ds.images.resize(img.bytes.size() - 16);
-  std::transform(img.bytes.begin() + 16, img.bytes.end(), ds.images.begin(), [&](std::uint8_t v) { return lut[v]; });
-  return ds;
+  const FileBytes images = read_file(images_path);
+  parse_idx_images(images.bytes, images.name);  // the images file's errors before the labels file is read
+  const FileBytes labels = read_file(labels_path);
+  return parse_idx_pair({images.bytes, images.name}, {labels.bytes, labels.name}, set_name, mean, stddev);
 }
 
-// ---- CIFAR ------------------------------------------------------------------------------------
-
-constexpr std::int64_t kCifarPixels = 3 * 32 * 32;
-
-// Appends the records of one CIFAR file. label_bytes is 1 (CIFAR-10: label) or 2 (CIFAR-100:
-// coarse, fine); the last label byte is the one kept.
+// Appends the records of one CIFAR file (see parse_cifar).
 void append_cifar(const fs::path& path, int label_bytes, Dataset& ds) {
   const FileBytes f = read_file(path);
-  const std::vector<std::uint8_t>& b = f.bytes;
-  const std::int64_t record = label_bytes + kCifarPixels;
-  const auto size = static_cast<std::int64_t>(b.size());
-  const char* what = label_bytes == 1 ? "label byte" : "coarse and fine label bytes";
-  if (size == 0)
-    throw FormatError(fmt::format("{}: expected at least one {}-byte record ({} + {} pixel bytes), "
-                                  "found an empty file",
-                                  f.name, record, what, kCifarPixels));
-  if (size % record != 0)
-    throw FormatError(fmt::format(
-        "{}: size {} is not a multiple of the {}-byte record ({} + {} pixel bytes): found {} "
-        "whole records and {} bytes more (truncated or not a CIFAR binary file?)",
-        f.name, size, record, what, kCifarPixels, size / record, size % record));
-  const std::int64_t n = size / record;
-  const auto& lut = level_to_float();
-  const std::size_t old_n = ds.labels.size();
-  ds.labels.resize(old_n + static_cast<std::size_t>(n));
-  ds.images.resize((old_n + static_cast<std::size_t>(n)) * kCifarPixels);
-  for (std::int64_t i = 0; i < n; ++i) {
-    const std::uint8_t* r = b.data() + i * record;
-    if (label_bytes == 2 && r[0] >= 20)
-      throw FormatError(fmt::format("{}: record {} has coarse label {}: expected 0..19",
-                                    f.name, i, r[0]));
-    const std::uint8_t label = r[label_bytes - 1];
-    if (label >= ds.num_classes)
-      throw FormatError(fmt::format("{}: record {} has {}label {}: expected 0..{}", f.name, i,
-                                    label_bytes == 2 ? "fine " : "", label, ds.num_classes - 1));
-    ds.labels[old_n + static_cast<std::size_t>(i)] = label;
-    float* dst = ds.images.data() + (old_n + static_cast<std::size_t>(i)) * kCifarPixels;
-    for (std::int64_t p = 0; p < kCifarPixels; ++p) dst[p] = lut[r[label_bytes + p]];
-  }
+  parse_cifar(f.bytes, f.name, label_bytes, ds);
 }
 
 Dataset cifar_shell(const char* name, std::int64_t classes, std::array<float, 3> mean,

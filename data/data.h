@@ -19,10 +19,12 @@
 //     when a batch needs it (the 32x32 drawing scaled to HxW by nearest neighbour, channel c from
 //     colour channel c mod 3); classes beyond 10 repeat the 10 shapes with the class colour's
 //     channels permuted (distinct up to 60 classes).
-// Any file whose content is gzip (by its magic bytes) is decompressed while it is read (zlib,
-// streamed in chunks). Any file that is missing, truncated or malformed — a corrupt or truncated
-// gzip stream too — throws tally::FormatError naming the file, what was expected and what was
-// found. Train and test sets carry the data set's usual normalisation constants.
+// Any file whose content is gzip (by its magic bytes) is decompressed after it is read (zlib).
+// Any file that is missing, truncated or malformed — a corrupt or truncated gzip stream too —
+// throws tally::FormatError naming the file, what was expected and what was found. The formats
+// themselves are parsed from bytes in memory by data/formats.h, the one implementation the
+// loaders and the fuzz harnesses share. Train and test sets carry the data set's usual
+// normalisation constants.
 //
 // Loader: the samples of an epoch are visited in an order fixed by start_epoch(epoch) — a
 // permutation drawn from (seed, epoch) when shuffle is on, file order otherwise — and cut into

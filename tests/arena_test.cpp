@@ -331,7 +331,7 @@ TEST(Arena, ParseSize) {
   EXPECT_EQ(parse_size("4096"), 4096u);
   EXPECT_EQ(parse_size("1.5KiB"), 1536u);
   EXPECT_EQ(parse_size("1GB"), 1000000000u);
-  for (const char* bad : {"", "MiB", "12 parsecs", "-5MiB", "1e400", "0"}) EXPECT_THROW(parse_size(bad), Error) << bad;
+  for (const char* bad : {"", "MiB", "12 parsecs", "-5MiB", "1e400", "0", "1.2.3MiB", "."}) EXPECT_THROW(parse_size(bad), Error) << bad;
 }
 
 TEST(Arena, TensorsComeFromTheCurrentArenaAndFreeOnDestruction) {
