@@ -3,11 +3,11 @@
 from the same weights on the same batch: how far each precision's gradients are from exact, per
 parameter, side by side.
 
-    /usr/bin/python3 bench/step_gradients.py [--seed 0] [--batch 512] [--tally build/apps/tally]
+    /usr/bin/python3 bench/step_gradients.py [--seed 0] [--batch 512] [--weights W.safetensors]
 
 The model is make train's (CIFAR ResNet-20, batch norm, 1 input channel, 10 classes), initialized
-by PyTorch (kaiming_normal_ fan_out convolutions, --seed) and written as safetensors for
-`tally train --init`; the batch is Fashion-MNIST's first --batch training images (tally:
+by PyTorch (kaiming_normal_ fan_out convolutions, --seed), or read from --weights (a `tally train
+--save` file: weights from later in training), and written as safetensors for `tally train --init`; the batch is Fashion-MNIST's first --batch training images (tally:
 --no-shuffle --no-augment, the whole batch at once). tally's gradient is read back from one SGD
 step with lr 1, no momentum and no weight decay (g = w0 - w1). PyTorch runs float64 (the
 reference), float32 and bf16 autocast (loss in float32); tally runs fp32 and bf16. Printed: the
@@ -77,6 +77,7 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tally", default=os.path.join(ROOT, "build", "apps", "tally"))
     p.add_argument("--dir", default="/usr/share/datasets/fashion-mnist")
+    p.add_argument("--weights", help="start from these weights (safetensors, torchvision names) instead of an init")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -85,6 +86,12 @@ def main():
         if isinstance(m, nn.Conv2d):
             nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if args.weights:
+        saved = read_f32(args.weights)
+        missing = [k for k, v in state.items() if v.is_floating_point() and k not in saved]
+        if missing:
+            raise SystemExit(f"{args.weights}: expected float32 tensors for {', '.join(missing[:3])}, found none")
+        state.update({k: saved[k] for k in state if k in saved})
     xtr, ytr = load(args.dir, "train")
     x, y = xtr[:args.batch], ytr[:args.batch]
     ref = torch_grads(state, x, y, "f64")
@@ -96,7 +103,8 @@ def main():
         cols["tally fp32"] = tally_grads(args, init, state, "fp32", tmp)
         cols["tally bf16"] = tally_grads(args, init, state, "bf16", tmp)
     names = list(cols)
-    print(f"gradient error against float64, one step, seed {args.seed}, batch {args.batch}")
+    start = args.weights or f"PyTorch's init, seed {args.seed}"
+    print(f"gradient error against float64, one step from {start}, batch {args.batch}")
     print(f"{'parameter':36}" + "".join(f"{c:>12}" for c in names))
     total = dict.fromkeys(names, 0.0)
     for k, g in ref.items():
