@@ -121,7 +121,12 @@ Arena::~Arena() {
 Block Arena::allocate(std::size_t bytes, Category category, const std::string& op) {
   const std::size_t rounded = round_up(bytes);
   if (bytes > capacity_) throw_oom(bytes, rounded, category, op, false);
-  if (fail_countdown_ > 0 && --fail_countdown_ == 0) throw_oom(bytes, rounded, category, op, true);
+  if (fail_countdown_ > 0 && --fail_countdown_ == 0) {
+    if (!fail_action_) throw_oom(bytes, rounded, category, op, true);
+    std::function<void()> action = std::move(fail_action_);
+    fail_action_ = nullptr;
+    action();
+  }
   auto it = free_set_.lower_bound({rounded, 0});
   if (it == free_set_.end()) throw_oom(bytes, rounded, category, op, false);
   if (it->first + it->second == capacity_) {  // the tail: only if no other free block fits

@@ -31,6 +31,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <set>
@@ -163,7 +164,16 @@ class Arena {
 
   // Fault injection for tests of out-of-memory recovery: the n-th allocate() from now (1 = the
   // next) throws OutOfMemory as if the arena were full. 0 switches it off.
-  void fail_allocation_after(std::uint64_t n) { fail_countdown_ = n; }
+  void fail_allocation_after(std::uint64_t n) {
+    fail_countdown_ = n;
+    fail_action_ = nullptr;
+  }
+  // The same countdown running `action` instead (tests that kill a process inside a step); when
+  // the action returns, the allocation goes on.
+  void at_allocation(std::uint64_t n, std::function<void()> action) {
+    fail_countdown_ = n;
+    fail_action_ = std::move(action);
+  }
 
   // The live allocation that starts at `offset` (for tests and diagnostics).
   struct LiveInfo {
@@ -200,6 +210,7 @@ class Arena {
   std::array<std::int64_t, kNumCategories> trace_base_{};
   std::chrono::steady_clock::time_point t0_;
   std::uint64_t fail_countdown_ = 0;
+  std::function<void()> fail_action_;  // at_allocation's, else the countdown throws
   std::size_t high_water_ = 0;
 };
 

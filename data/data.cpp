@@ -919,7 +919,10 @@ Loader::~Loader() {
 
 std::int64_t Loader::batches_per_epoch() const { return state_->batches; }
 
-void Loader::start_epoch(std::int64_t epoch) {
+void Loader::start_epoch(std::int64_t epoch, std::int64_t first_batch) {
+  if (first_batch < 0 || first_batch > state_->batches)
+    throw Error(fmt::format("Loader::start_epoch: expected a first batch in [0, {}], found {}", state_->batches,
+                            first_batch));
   auto ord = std::make_shared<std::vector<std::int64_t>>(static_cast<std::size_t>(state_->ds.size()));
   for (std::size_t i = 0; i < ord->size(); ++i) (*ord)[i] = static_cast<std::int64_t>(i);
   if (state_->opt.shuffle) {
@@ -932,8 +935,8 @@ void Loader::start_epoch(std::int64_t epoch) {
     state_->started = true;
     state_->epoch = epoch;
     state_->order = std::move(ord);
-    state_->produce = 0;
-    state_->consume = 0;
+    state_->produce = first_batch;
+    state_->consume = first_batch;
     state_->ready.reset();
     state_->error = nullptr;
   }

@@ -112,8 +112,10 @@ class Loader {
 
   std::int64_t batches_per_epoch() const;
   // Sets the order for this epoch (shuffled by (seed, epoch) when shuffle, else file order) and
-  // starts preparing batch 0. May be called at any time; a partly consumed epoch is abandoned.
-  void start_epoch(std::int64_t epoch);
+  // starts preparing batch `first_batch` (0 <= first_batch <= batches_per_epoch(), else
+  // tally::Error): a run resumed in the middle of an epoch sees the batches it would have seen.
+  // May be called at any time; a partly consumed epoch is abandoned.
+  void start_epoch(std::int64_t epoch, std::int64_t first_batch = 0);
   // The next batch of the epoch; nullopt at its end. Throws tally::Error before the first
   // start_epoch, and rethrows any exception raised while the batch was built.
   std::optional<Batch> next();

@@ -360,4 +360,9 @@ StepResult Executor::step(const float* images, const std::int64_t* labels, std::
   }
 }
 
+void Executor::set_micro_batch_limit(std::int64_t limit) {
+  if (limit < 1) throw Error(fmt::format("MBP executor: expected a micro-batch limit >= 1, found {}", limit));
+  limit_ = limit;
+}
+
 }  // namespace tally::mbp

@@ -160,6 +160,9 @@ class Executor {
 
   // Upper limit on m after out-of-memory retries (INT64_MAX if none happened).
   std::int64_t micro_batch_limit() const { return limit_; }
+  // Restores a limit saved with a checkpoint (mbp/checkpoint.h): m is planned below it from the
+  // next step on, as after the retries that set it. limit >= 1, else tally::Error.
+  void set_micro_batch_limit(std::int64_t limit);
   int total_oom_retries() const { return total_retries_; }
   Planner& planner() { return planner_; }
   const std::shared_ptr<Arena>& arena() const { return arena_; }

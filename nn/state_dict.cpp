@@ -12,13 +12,13 @@
 
 namespace tally::nn {
 
-namespace {
-
 std::vector<std::pair<std::string, Tensor>> state_dict(const Module& m) {
   auto all = m.named_parameters();
   for (auto& e : m.named_buffers()) all.push_back(std::move(e));
   return all;
 }
+
+namespace {
 
 const char* file_dtype(DType t) {
   switch (t) {
@@ -31,6 +31,8 @@ const char* file_dtype(DType t) {
   }
   return "?";
 }
+
+}  // namespace
 
 safetensors::Entry to_entry(const std::string& name, const Tensor& t) {
   switch (t.dtype()) {
@@ -45,6 +47,8 @@ safetensors::Entry to_entry(const std::string& name, const Tensor& t) {
     default: throw Error(fmt::format("save_state_dict: {} has unsupported dtype {}", name, dtype_name(t.dtype())));
   }
 }
+
+namespace {
 
 Tensor from_entry(const safetensors::Entry& e) {
   if (e.dtype == "F32") return Tensor::from_vector(safetensors::as_f32(e), e.shape, Device::cpu(), Category::temporary);
@@ -67,7 +71,11 @@ void save_state_dict(const Module& module, const std::string& path) {
 
 void load_state_dict(Module& module, const std::string& path) {
   const safetensors::File file = safetensors::read(path);  // FormatError naming the file if malformed
-  const auto expected = state_dict(module);
+  copy_matching(state_dict(module), file, fmt::format("load_state_dict: '{}' does not match the model", path));
+}
+
+void copy_matching(const std::vector<std::pair<std::string, Tensor>>& expected, const safetensors::File& file,
+                   const std::string& what) {
 
   std::vector<std::string> missing, unexpected, mismatched;
   std::map<std::string, bool> known;
@@ -88,8 +96,7 @@ void load_state_dict(Module& module, const std::string& path) {
     if (!known.count(name)) unexpected.push_back(name);
 
   if (!missing.empty() || !unexpected.empty() || !mismatched.empty()) {
-    std::string msg = fmt::format("load_state_dict: '{}' does not match the model ({} tensors expected, {} in the file):",
-                                  path, expected.size(), file.tensors.size());
+    std::string msg = fmt::format("{} ({} tensors expected, {} in the file):", what, expected.size(), file.tensors.size());
     if (!missing.empty()) msg += fmt::format("\n  missing keys ({}): {}", missing.size(), fmt::join(missing, ", "));
     if (!unexpected.empty())
       msg += fmt::format("\n  unexpected keys ({}): {}", unexpected.size(), fmt::join(unexpected, ", "));

@@ -73,7 +73,13 @@ Tensor Optimizer::new_state(std::size_t i, const std::string& what, bool zero) {
   Tensor s = zero ? Tensor::zeros(p.shape(), p.dtype(), p.device(), Category::optimizer_state, op)
                   : Tensor::empty(p.shape(), p.dtype(), p.device(), Category::optimizer_state, op);
   state_.push_back(s);
+  named_state_.emplace_back(fmt::format("{}.{}", what, i), s);
   return s;
+}
+
+void Optimizer::set_steps(std::int64_t steps) {
+  if (steps < 0) throw Error(fmt::format("{}.set_steps: expected steps >= 0, found {}", name_, steps));
+  steps_ = steps;
 }
 
 Tensor Optimizer::checked_grad(std::size_t i, const std::vector<Tensor>& state) const {

@@ -36,6 +36,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/tensor.h"
@@ -76,6 +77,12 @@ class Optimizer {
   const std::vector<Tensor>& params() const { return params_; }
   const std::string& name() const { return name_; }
 
+  // Checkpoints (mbp/checkpoint.h): every state tensor under "<what>.<i>" (e.g.
+  // "momentum_buffer.3", "exp_avg_sq.0": what, for parameter i), in creation order. Writing into
+  // these tensors and set_steps() restores a saved optimizer exactly.
+  const std::vector<std::pair<std::string, Tensor>>& named_state() const { return named_state_; }
+  void set_steps(std::int64_t steps);  // steps >= 0, else tally::Error
+
  protected:
   Optimizer(std::string name, std::vector<Tensor> params);
 
@@ -94,6 +101,7 @@ class Optimizer {
   std::string name_;
   std::vector<Tensor> params_;
   std::vector<Tensor> state_;  // every state tensor, for state_bytes()
+  std::vector<std::pair<std::string, Tensor>> named_state_;  // the same, named for checkpoints
   double lr_ = 0;
   std::int64_t steps_ = 0;
 };
