@@ -6,18 +6,23 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <optional>
 #include <ostream>
 #include <set>
 #include <sstream>
 
 #include <fmt/format.h>
 #include <fmt/ostream.h>
+#include <nlohmann/json.hpp>
 
 #include "apps/plan.h"
+#include "apps/run_state.h"
 #include "apps/setup.h"
 #include "distributed/communicator.h"
 #include "core/arena.h"
 #include "core/error.h"
+#include "mbp/checkpoint.h"
 #include "mbp/report/timeline.h"
 
 namespace tally::app {
@@ -102,12 +107,18 @@ PlanOptions plan_options(const SweepOptions& opt, const DataInfo& data, const st
 
 Prepared prepare(const SweepOptions& opt) {
   if (opt.train.out.empty()) throw Error("tally sweep needs --out DIR for sweep.csv, sweep.svg and the runs");
+  std::error_code ec;
+  if (opt.resume.empty() && std::filesystem::exists(std::filesystem::path(opt.train.out) / "sweep.json", ec))
+    throw Error(fmt::format("--out {}: it holds a sweep already; continue it with tally sweep --resume {}, or choose "
+                            "another folder", opt.train.out, opt.train.out));
   if (distributed::launched_by_mpi())
     throw Error("tally sweep runs in one process; under mpirun, run `tally train` once per batch size instead");
   check_choice("--lr-scaling", opt.lr_scaling, {"linear", "sqrt"});
   Prepared p;
   p.sizes = parse_batch_sizes(opt.batch_sizes);
-  p.device = check_train_options(opt.train);
+  TrainOptions largest = opt.train;  // --batch-size is the sweep's list: --micro-batch is checked against its largest
+  largest.batch_size = *std::max_element(p.sizes.begin(), p.sizes.end());
+  p.device = check_train_options(largest);
   const DataInfo data = describe_data(opt.train);
   p.warmups.assign(p.sizes.size(), opt.train.warmup_epochs);
   for (std::size_t i = 0; i < p.sizes.size(); ++i) {
@@ -137,11 +148,40 @@ Prepared prepare(const SweepOptions& opt) {
   return p;
 }
 
-// One run of the sweep (its log in its folder's train.log), as a row.
-SweepRow run_one(const TrainOptions& t, std::int64_t* limit_bytes) {
-  std::ofstream run_log(std::filesystem::path(t.out) / "train.log");
+nlohmann::json row_json(const SweepRow& r, std::int64_t limit_bytes) {
+  return {{"batch_size", r.batch_size}, {"micro_batch", r.micro_batch}, {"micro_batches_per_step", r.micro_batches_per_step},
+          {"steps", r.steps}, {"lr", r.lr}, {"train_loss", r.train_loss}, {"test_accuracy", r.test_accuracy},
+          {"images_per_second", r.images_per_second}, {"predicted_peak_bytes", r.predicted_peak_bytes},
+          {"peak_bytes", r.peak_bytes}, {"wall_seconds", r.wall_seconds}, {"memory_limit_bytes", limit_bytes}};
+}
+
+// A finished run's row (its folder's sweep_row.json), nullopt if the run did not finish.
+std::optional<SweepRow> finished_row(const std::filesystem::path& dir, std::int64_t* limit_bytes) {
+  std::error_code ec;
+  const std::filesystem::path file = dir / "sweep_row.json";
+  if (!std::filesystem::exists(file, ec)) return std::nullopt;
+  std::ifstream in(file);
+  try {
+    const nlohmann::json j = nlohmann::json::parse(in);
+    SweepRow r;
+    r.batch_size = j.at("batch_size"), r.micro_batch = j.at("micro_batch");
+    r.micro_batches_per_step = j.at("micro_batches_per_step"), r.steps = j.at("steps"), r.lr = j.at("lr");
+    r.train_loss = j.at("train_loss"), r.test_accuracy = j.at("test_accuracy");
+    r.images_per_second = j.at("images_per_second"), r.predicted_peak_bytes = j.at("predicted_peak_bytes");
+    r.peak_bytes = j.at("peak_bytes"), r.wall_seconds = j.at("wall_seconds");
+    *limit_bytes = j.at("memory_limit_bytes");
+    return r;
+  } catch (const nlohmann::json::exception& e) {
+    throw FormatError(fmt::format("{}: expected a finished run's row, found: {}", file.string(), e.what()));
+  }
+}
+
+// One run of the sweep (its log in its folder's train.log, appended to when it resumes), as a row.
+SweepRow run_one(const TrainOptions& t, std::int64_t* limit_bytes, int* stop_signal) {
+  std::ofstream run_log(std::filesystem::path(t.out) / "train.log", t.resume.empty() ? std::ios::trunc : std::ios::app);
   const auto t0 = std::chrono::steady_clock::now();
   const TrainResult r = train(t, run_log);
+  *stop_signal = r.stop_signal;
   SweepRow row;
   row.batch_size = t.batch_size;
   row.micro_batch = r.micro_batch;
@@ -155,16 +195,26 @@ SweepRow run_one(const TrainOptions& t, std::int64_t* limit_bytes) {
   row.peak_bytes = r.peak_bytes;
   row.wall_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   *limit_bytes = r.memory_limit_bytes;
+  if (r.stop_signal == 0) write_text(std::filesystem::path(t.out) / "sweep_row.json", row_json(row, *limit_bytes).dump(1) + "\n");
   return row;
+}
+
+void write_sweep_json(const SweepOptions& opt) {
+  nlohmann::json options = nlohmann::json::object();
+  for (const auto& [name, value] : option_values(opt.train)) options[name] = value;
+  const nlohmann::json j = {{"batch_sizes", opt.batch_sizes}, {"lr_scaling", opt.lr_scaling},
+                            {"warmup_given", opt.warmup_given}, {"options", options}};
+  write_text(std::filesystem::path(opt.train.out) / "sweep.json", j.dump(1) + "\n");
 }
 
 }  // namespace
 
-std::vector<SweepRow> sweep(const SweepOptions& opt, std::ostream& log) {
+std::vector<SweepRow> sweep(const SweepOptions& opt, std::ostream& log, int* stop_signal) {
   const Prepared p = prepare(opt);  // every check before any training
   const std::vector<std::int64_t>& sizes = p.sizes;
   const std::filesystem::path out(opt.train.out);
   std::filesystem::create_directories(out);
+  if (opt.resume.empty()) write_sweep_json(opt);
   fmt::print(log, "sweep: {} on {} ({}), {} batch sizes, lr {} at batch {} scaled {}, memory limit {}, {} per run\n",
              opt.train.model, opt.train.data, p.device, sizes.size(), opt.train.lr, sizes.front(), opt.lr_scaling,
              opt.train.memory_limit,
@@ -179,15 +229,34 @@ std::vector<SweepRow> sweep(const SweepOptions& opt, std::ostream& log) {
     const std::int64_t b = sizes[i];
     TrainOptions t = opt.train;
     t.batch_size = b;
+    if (t.micro_batch) t.micro_batch = std::min(*t.micro_batch, b);  // as planned (plan_options)
     t.lr = scaled_lr(opt.train.lr, b, sizes.front(), opt.lr_scaling);
     t.warmup_epochs = p.warmups[i];
     t.out = (out / fmt::format("b{}", b)).string();
     t.save.clear();
     t.progress = false;
     std::filesystem::create_directories(t.out);
-    fmt::print(log, "[{}/{}] batch {} lr {:.4g} | plan: {}\n", i + 1, sizes.size(), b, t.lr, p.plans[i]);
+    std::optional<SweepRow> done = opt.resume.empty() ? std::nullopt : finished_row(t.out, &limit_bytes);
+    if (done) {
+      fmt::print(log, "[{}/{}] batch {}: finished before the sweep was resumed\n", i + 1, sizes.size(), b);
+      rows.push_back(*done);
+      write_text(out / "sweep.csv", csv(rows));
+      write_text(out / "sweep.svg", sweep_svg(rows, limit_bytes, title));
+      continue;
+    }
+    if (!opt.resume.empty() && mbp::latest_checkpoint(t.out)) t.resume = t.out;
+    fmt::print(log, "[{}/{}] batch {} lr {:.4g} | plan: {}{}\n", i + 1, sizes.size(), b, t.lr, p.plans[i],
+               t.resume.empty() ? "" : " | resumed from its checkpoint");
     log.flush();
-    const SweepRow& row = rows.emplace_back(run_one(t, &limit_bytes));
+    int stopped = 0;
+    SweepRow one = run_one(t, &limit_bytes, &stopped);
+    if (stopped) {
+      fmt::print(log, "      stopped by {} (the run's checkpoint is in {}); continue the sweep with: tally sweep "
+                      "--resume {}\n", StopSignals::name(stopped), t.out, out.string());
+      if (stop_signal) *stop_signal = stopped;
+      return rows;
+    }
+    const SweepRow& row = rows.emplace_back(one);
     fmt::print(log, "      {} steps | test accuracy {:.2f}% | {:.1f} img/s | peak {} bytes, predicted {}{} | {:.0f} s\n",
                row.steps, 100.0 * row.test_accuracy, row.images_per_second, row.peak_bytes, row.predicted_peak_bytes,
                row.peak_bytes == row.predicted_peak_bytes ? " (exact)" : "", row.wall_seconds);
@@ -198,6 +267,43 @@ std::vector<SweepRow> sweep(const SweepOptions& opt, std::ostream& log) {
   }
   fmt::print(log, "wrote {0}/sweep.csv and {0}/sweep.svg\n", out.string());
   return rows;
+}
+
+SweepOptions sweep_resume_options(const std::string& dir) {
+  const std::filesystem::path file = std::filesystem::path(dir) / "sweep.json";
+  std::error_code ec;
+  if (!std::filesystem::exists(file, ec))
+    throw Error(fmt::format("--resume {}: no sweep in it (expected {}, written when a sweep starts)", dir, file.string()));
+  std::ifstream in(file);
+  SweepOptions o;
+  try {
+    const nlohmann::json j = nlohmann::json::parse(in);
+    std::map<std::string, std::string> values;
+    for (const auto& [key, value] : j.at("options").items()) values[key] = value.get<std::string>();
+    o.train = options_from_values(values, file.string());
+    o.batch_sizes = j.at("batch_sizes").get<std::string>();
+    o.lr_scaling = j.at("lr_scaling").get<std::string>();
+    o.warmup_given = j.at("warmup_given").get<bool>();
+  } catch (const nlohmann::json::exception& e) {
+    throw FormatError(fmt::format("{}: expected a sweep's options, found: {}", file.string(), e.what()));
+  }
+  o.train.out = dir;
+  o.resume = dir;
+  return o;
+}
+
+void check_sweep_resume(const SweepOptions& saved, const SweepOptions& given, const std::vector<std::string>& names) {
+  auto named = [&](const char* n) { return names.empty() || std::find(names.begin(), names.end(), n) != names.end(); };
+  std::string differences;
+  if (named("batch-sizes") && saved.batch_sizes != given.batch_sizes)
+    differences += fmt::format("\n  --batch-sizes: the sweep has {}, given {}", saved.batch_sizes, given.batch_sizes);
+  if (named("lr-scaling") && saved.lr_scaling != given.lr_scaling)
+    differences += fmt::format("\n  --lr-scaling: the sweep has {}, given {}", saved.lr_scaling, given.lr_scaling);
+  if (!differences.empty())
+    throw Error(fmt::format("--resume {}: a resumed sweep keeps its options:{}", given.resume, differences));
+  TrainOptions t = given.train;
+  t.resume = given.resume;
+  check_resume_options(saved.train, t, names);
 }
 
 // ---- the picture ---------------------------------------------------------------------------------------

@@ -29,6 +29,10 @@ struct SweepOptions {
   // scaling wants) adapts to a run shorter than that: it warms up over half the run's steps. A
   // warm-up the user gave that does not fit a run is an error.
   bool warmup_given = false;
+  // A sweep folder to continue (--resume; docs/checkpoints.md): its finished runs are kept, the
+  // interrupted one resumes from its newest checkpoint, the rest run. The options are the sweep's
+  // (sweep_resume_options gives them); train.checkpoint_every may change.
+  std::string resume;
 };
 
 struct SweepRow {
@@ -45,7 +49,16 @@ std::vector<std::int64_t> parse_batch_sizes(const std::string& list);
 // The learning rate of batch b when `lr` is that of b0 ("linear": lr*b/b0, "sqrt": lr*sqrt(b/b0)).
 double scaled_lr(double lr, std::int64_t b, std::int64_t b0, const std::string& rule);
 
-std::vector<SweepRow> sweep(const SweepOptions& opt, std::ostream& log);
+// Every run of the sweep. When a run is stopped by a signal (apps/trainer.h), the sweep stops after
+// it and sets *stop_signal (when given) to the signal; the rows are those finished.
+std::vector<SweepRow> sweep(const SweepOptions& opt, std::ostream& log, int* stop_signal = nullptr);
+
+// The options of the sweep in folder `dir` (its sweep.json), with resume = out = dir; tally::Error
+// if there is none.
+SweepOptions sweep_resume_options(const std::string& dir);
+// Throws one tally::Error listing every option of `names` (all when empty) that differs between
+// the sweep's saved options and `given` (apps/run_state.h: the few that may change are skipped).
+void check_sweep_resume(const SweepOptions& saved, const SweepOptions& given, const std::vector<std::string>& names);
 
 // The picture of a sweep: accuracy and images/s against batch size (log axis).
 std::string sweep_svg(const std::vector<SweepRow>& rows, std::int64_t memory_limit_bytes, const std::string& title);

@@ -5,6 +5,7 @@
 //                          size, predicted peak (see apps/plan.h); nothing is computed
 //   tally sweep [options]  the batch-size experiment: a run per batch size (see apps/sweep.h)
 #include <cstdio>
+#include <algorithm>
 #include <exception>
 #include <iostream>
 #include <optional>
@@ -14,6 +15,7 @@
 #include <fmt/format.h>
 
 #include "apps/plan.h"
+#include "apps/run_state.h"
 #include "apps/setup.h"
 #include "apps/sweep.h"
 #include "apps/trainer.h"
@@ -99,15 +101,25 @@ struct TrainFlags {
     cmd->add_option("--device", to.device, "cpu|cuda|cuda:N|auto (auto: the GPU when there is one)")->capture_default_str();
     cmd->add_option("--threads", to.threads, "CPU threads (0: default)")->check(number(app::kNonNegativeWhole, "INTEGER >= 0"));
     cmd->add_flag("--tf32", to.tf32, "CUDA: let float32 GEMMs and convolutions use TF32 tensor cores (off by default)");
+    cmd->add_option("--checkpoint-every", to.checkpoint_every,
+                    "write a training-state checkpoint into the run folder every N steps (500) or after a time "
+                    "(90s, 10m, 2h); also at the run's end and when SIGINT/SIGTERM (SIGUSR1 under mpirun) stops it");
     if (!sweep) {
       cmd->add_flag("--profile", to.profile, "time per op (GPU time on CUDA, host time on the CPU) over the steps after the first, printed and written to profile.txt");
       cmd->add_option("--init", to.init, "initial weights (safetensors, torchvision names)");
       cmd->add_option("--save", to.save, "write the trained weights (safetensors)");
-      cmd->add_option("--out", to.out, "write metrics.csv and summary.json into this directory");
+      auto* out = cmd->add_option("--out", to.out, "write metrics.csv and summary.json into this directory");
+      cmd->add_option("--resume", to.resume,
+                      "continue the run in this folder from its newest checkpoint, bit for bit (its options are "
+                      "kept; only --save, --checkpoint-every, --threads, --profile, --no-progress may be given)")
+          ->excludes(out);
       cmd->add_flag("!--no-progress", to.progress, "no progress bar");
       cmd->add_flag("!--no-eval", to.evaluate, "skip the test set after each epoch (timing runs; summary.json's test fields are null)");
     } else {
-      cmd->add_option("--out", to.out, "folder for sweep.csv, sweep.svg and one folder per run")->required();
+      auto* out = cmd->add_option("--out", to.out, "folder for sweep.csv, sweep.svg and one folder per run");
+      cmd->add_option("--resume", to.resume, "continue the sweep in this folder: finished runs are kept, the "
+                                             "interrupted one resumes from its checkpoint")
+          ->excludes(out);
     }
     cmd->add_option("--memory-limit", to.memory_limit, "memory budget: a size (48MiB, 2GiB) or auto; under mpirun one per rank (48MiB,24MiB)")->capture_default_str();
     cmd->add_option("--loss-normalization", to.loss_normalization,
@@ -155,6 +167,34 @@ int fail(const std::exception& e) {
   }
   fmt::print(stderr, "tally: error: {}\n", e.what());
   return 1;
+}
+
+// The flags given on a command line, by the names of apps/run_state.h's option_values (a "--no-"
+// flag by its option's name: --no-augment is "augment").
+std::vector<std::string> given_names(const CLI::App* cmd) {
+  std::vector<std::string> names;
+  for (const CLI::Option* o : cmd->get_options()) {
+    if (o->count() == 0 || o->get_lnames().empty()) continue;
+    std::string n = o->get_lnames().front();
+    if (n.rfind("no-", 0) == 0) n = n.substr(3);
+    names.push_back(n);
+  }
+  return names;
+}
+
+// `tally train --resume DIR [flags]`: the run's saved options; a flag given again must keep the
+// run's value, except the few that may change (apps/run_state.h), which are taken.
+app::TrainOptions resumed(const app::TrainOptions& saved, const app::TrainOptions& given,
+                          const std::vector<std::string>& names) {
+  app::check_resume_options(saved, given, names);
+  app::TrainOptions o = saved;
+  auto named = [&](const char* n) { return std::find(names.begin(), names.end(), n) != names.end(); };
+  if (named("save")) o.save = given.save;
+  if (named("checkpoint-every")) o.checkpoint_every = given.checkpoint_every;
+  if (named("threads")) o.threads = given.threads;
+  if (named("profile")) o.profile = given.profile;
+  if (named("progress")) o.progress = given.progress;
+  return o;
 }
 
 // `tally plan`'s flags.
@@ -215,11 +255,23 @@ int main(int argc, char** argv) {
   plan_flags.add(plan_cmd);
   try {
     app.parse(argc, argv);
-    if (train_cmd->parsed()) train_flags.finish();
+    if (train_cmd->parsed()) {
+      train_flags.finish();
+      if (!train_flags.to.resume.empty())
+        train_flags.to = resumed(app::resume_options(train_flags.to.resume), train_flags.to, given_names(train_cmd));
+    }
     if (sweep_cmd->parsed()) {
       sweep_flags.finish();
       so.train = sweep_flags.to;
       so.warmup_given = sweep_cmd->get_option("--warmup-epochs")->count() > 0;
+      if (!so.train.resume.empty()) {
+        const std::vector<std::string> names = given_names(sweep_cmd);
+        app::SweepOptions saved = app::sweep_resume_options(so.train.resume);
+        so.resume = so.train.resume;
+        app::check_sweep_resume(saved, so, names);
+        saved.train = resumed(saved.train, so.train, names);
+        so = saved;
+      }
     }
     if (plan_cmd->parsed()) plan_flags.finish();
   } catch (const CLI::ParseError& e) {
@@ -233,13 +285,16 @@ int main(int argc, char** argv) {
       fmt::print("{}\n", build_info());
       return 0;
     }
+    // A run stopped by a signal has written its checkpoint and said how to resume: 128 + signal,
+    // the shell's status for a process ended by that signal.
     if (train_cmd->parsed()) {
-      app::train(train_flags.to, std::cout);
-      return 0;
+      const app::TrainResult r = app::train(train_flags.to, std::cout);
+      return r.stop_signal ? 128 + r.stop_signal : 0;
     }
     if (sweep_cmd->parsed()) {
-      app::sweep(so, std::cout);
-      return 0;
+      int stopped = 0;
+      app::sweep(so, std::cout, &stopped);
+      return stopped ? 128 + stopped : 0;
     }
     if (plan_cmd->parsed()) {
       app::plan(plan_flags.po, std::cout);

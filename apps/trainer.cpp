@@ -14,6 +14,7 @@
 #include <fmt/ostream.h>
 #include <nlohmann/json.hpp>
 
+#include "apps/run_state.h"
 #include "apps/setup.h"
 #include "core/autograd.h"
 #include "core/memory.h"
@@ -25,6 +26,7 @@
 #include "distributed/data_parallel.h"
 #include "nn/init.h"
 #include "nn/resnet.h"
+#include "mbp/checkpoint.h"
 #include "mbp/executor.h"
 #include "mbp/report/timeline.h"
 #include "optim/optimizer.h"
@@ -145,27 +147,23 @@ Device validate(const TrainOptions& opt) {
   const Device dev = choose_device(opt.device);
   for (const std::string& limit : split_list(opt.memory_limit))  // a bad size fails before any work
     if (limit != "auto") (void)parse_size(limit);
-  if (!opt.init.empty() && !std::filesystem::exists(opt.init))
+  if (!opt.init.empty() && opt.resume.empty() && !std::filesystem::exists(opt.init))  // resumed: weights from the checkpoint
     throw Error(fmt::format("--init {}: no such file", opt.init));
+  if (parse_checkpoint_every(opt.checkpoint_every).on() && opt.out.empty())
+    throw Error(fmt::format("--checkpoint-every {}: checkpoints go into the run folder; give --out", opt.checkpoint_every));
+  std::error_code ec;
+  if (opt.resume.empty() && !opt.out.empty() && std::filesystem::is_directory(opt.out, ec))
+    if (const auto old = mbp::latest_checkpoint(opt.out))
+      throw Error(fmt::format("--out {}: it holds {} of an earlier run; continue that run with --resume {}, or choose "
+                              "another folder", opt.out, old->filename().string(), opt.out));
   return dev;
 }
 
-// Every option as "name value" lines: what the ranks of a data-parallel run compare.
+// Every option as "--name value" lines: what the ranks of a data-parallel run compare.
 std::string options_text(const TrainOptions& o) {
-  auto opt_int = [](const std::optional<std::int64_t>& v) { return v ? std::to_string(*v) : std::string("auto"); };
   std::string t;
-  auto line = [&t](const char* name, const auto& value) { t += fmt::format("--{} {}\n", name, value); };
-  line("model", o.model), line("norm", o.norm), line("data", o.data), line("num-classes", opt_int(o.num_classes));
-  line("epochs", o.epochs), line("steps", opt_int(o.steps)), line("batch-size", o.batch_size);
-  line("optimizer", o.optimizer), line("lr", o.lr), line("momentum", o.momentum), line("weight-decay", o.weight_decay);
-  line("nesterov", o.nesterov), line("schedule", o.schedule), line("warmup-epochs", o.warmup_epochs);
-  line("label-smoothing", o.label_smoothing), line("augment", o.augment ? (*o.augment ? "on" : "off") : "default");
-  line("shuffle", o.shuffle), line("normalize", o.normalize), line("seed", o.seed), line("device", o.device);
-  line("threads", o.threads), line("tf32", o.tf32), line("profile", o.profile), line("init", o.init);
-  line("save", o.save), line("out", o.out), line("memory-limit", o.memory_limit);
-  line("micro-batch", opt_int(o.micro_batch)), line("loss-normalization", o.loss_normalization);
-  line("recompute", o.recompute), line("precision", o.precision);
-  return t;
+  for (const auto& [name, value] : option_values(o)) t += fmt::format("--{} {}\n", name, value);
+  return t + fmt::format("--resume {}\n", o.resume);
 }
 
 // The data set of --data; --num-classes chooses the class count of synthetic data and must agree
@@ -338,7 +336,8 @@ Setup model_setup(const TrainOptions& opt, const data::Dataset& train_set, const
   OptimizerConfig oc;
   oc.name = opt.optimizer;
   oc.lr = opt.lr, oc.momentum = opt.momentum, oc.weight_decay = opt.weight_decay, oc.nesterov = opt.nesterov;
-  return build_setup(arena, mc, opt.init, oc, format_bytes(arena->capacity()));
+  const std::string init = opt.resume.empty() ? opt.init : "";  // resumed: the checkpoint's weights
+  return build_setup(arena, mc, init, oc, format_bytes(arena->capacity()));
 }
 
 mbp::ExecutorOptions executor_options(const TrainOptions& opt, const data::Dataset& train_set,
@@ -356,15 +355,16 @@ mbp::ExecutorOptions executor_options(const TrainOptions& opt, const data::Datas
   return eo;
 }
 
-// The steps' measurements: the steady-state rate (steps after the first: the first warms caches
-// up), the collectives' share, the peaks against the predictions, into the run's result.
+// The steps' measurements: the steady-state rate (steps after the first this process ran: the
+// first warms caches up), the collectives' share, the peaks against the predictions, into the
+// run's result. `steps` counts the run's steps (a resumed run's from its checkpoint on).
 struct StepMeter {
   double steady_seconds = 0, first_seconds = 0, steady_communication = 0;
-  std::int64_t steady_images = 0, first_images = 0, steps = 0, mismatches = 0;
+  std::int64_t steady_images = 0, first_images = 0, steps = 0, measured = 0, mismatches = 0;
 
   // A step of `images` that took `seconds`; returns the images per second to show.
   double add(const mbp::StepResult& r, std::int64_t images, double seconds, TrainResult& result) {
-    if (steps > 0) {
+    if (measured > 0) {
       steady_seconds += seconds;
       steady_images += images;
       steady_communication += r.communication_seconds;
@@ -372,7 +372,7 @@ struct StepMeter {
       first_seconds = seconds;
       first_images = images;
     }
-    ++steps;
+    ++steps, ++measured;
     result.peak_bytes = std::max(result.peak_bytes, static_cast<std::int64_t>(r.peak));
     result.predicted_peak_bytes = std::max(result.predicted_peak_bytes, static_cast<std::int64_t>(r.predicted_peak));
     result.micro_batch = r.micro_batch;
@@ -392,7 +392,9 @@ struct StepMeter {
 
 // One `tally train` run on this rank: everything before the first step is built by the
 // constructor (ranks, device, data, the budget with the model and optimizer inside it, the
-// executor and its plan, printed); run() trains the epochs and reports.
+// executor and its plan, printed; a resumed run's state from its checkpoint); run() trains the
+// epochs and reports. Between two steps (step_boundary) it writes the checkpoints that are due and
+// stops when a signal asked it to.
 class TrainingRun {
  public:
   TrainingRun(const TrainOptions& options, std::ostream& all_log);
@@ -401,8 +403,15 @@ class TrainingRun {
  private:
   void print_header(const Setup& setup) const;
   void print_plan(const mbp::Plan& plan) const;
-  void train_epoch(std::int64_t epoch, std::int64_t epochs, StepMeter& meter, std::ofstream& metrics);
-  void finish(const StepMeter& meter);
+  void open_metrics();
+  void train_epoch(std::int64_t epoch, std::int64_t epochs);
+  void end_epoch(std::int64_t epoch, std::int64_t epochs);
+  bool step_boundary();  // true: stop here
+  void write_checkpoint();
+  nlohmann::json checkpoint_state(const std::vector<double>& limits) const;
+  void restore();
+  void report_stop() const;
+  void finish();
 
   const TrainOptions& options_;
   RankSetup rank_;
@@ -422,7 +431,18 @@ class TrainingRun {
   distributed::Shard share_;  // this rank's share of every global batch (drop_last: always full)
   TrainResult result_;
   Eval eval_;
-  double last_loss_ = 0;  // of the last step run
+  StepMeter meter_;
+  double last_loss_ = 0;                // of the last step run
+  double epoch_loss_ = 0;               // the losses of this epoch's steps so far, summed
+  std::int64_t epoch_steps_ = 0;
+  bool epoch_end_pending_ = false;      // resumed right after an epoch's last step, before its evaluation
+  std::ofstream metrics_;
+  std::string metrics_text_;            // metrics.csv so far, kept with every checkpoint
+  CheckpointEvery every_;
+  std::optional<StopSignals> signals_;  // with a run folder: a signal stops the run at a step boundary
+  KillPoint kill_;                      // tests (apps/run_state.h)
+  std::chrono::steady_clock::time_point last_checkpoint_ = std::chrono::steady_clock::now();
+  int stopped_ = 0;                     // the signal that stopped the run
 };
 
 optim::ScheduleOptions schedule_options(const TrainOptions& opt, const RunSteps& steps) {
@@ -462,9 +482,13 @@ TrainingRun::TrainingRun(const TrainOptions& options, std::ostream& all_log)
       comm_(distributed::for_device(rank_.world, rank_.dev)),
       schedule_(schedule_options(opt_, steps_)),
       executor_(*setup_.model, *setup_.optimizer, arena_, executor_options(opt_, split_.train, comm_, log_)),
-      share_(distributed::shard(opt_.batch_size, rank_.ranks, rank_.rank)) {
-  distributed::broadcast_parameters(*setup_.model, *comm_);  // every rank starts from rank 0's weights
+      share_(distributed::shard(opt_.batch_size, rank_.ranks, rank_.rank)),
+      every_(parse_checkpoint_every(opt_.checkpoint_every)),
+      kill_(kill_point_from_environment()) {
+  if (!options_.out.empty()) signals_.emplace(rank_.ranks == 1);  // every rank: the same decision
   print_header(setup_);
+  if (!opt_.resume.empty()) restore();
+  distributed::broadcast_parameters(*setup_.model, *comm_);  // every rank starts from rank 0's weights
   if (rank_.ranks > 1)
     fmt::print(log_, "data parallel: {} ranks over {} ({}), rank 0 takes {} of the {} samples of a step, each rank "
                      "plans its own micro-batches\n",
@@ -502,38 +526,48 @@ void TrainingRun::print_plan(const mbp::Plan& plan) const {
                      "mean when the micro-batches differ in size)\n", plan.micro_batches);
 }
 
+void TrainingRun::open_metrics() {
+  if (opt_.out.empty()) return;
+  // A resumed run starts from the rows of its checkpoint: rows written after it are dropped.
+  if (metrics_text_.empty())
+    metrics_text_ = "step,epoch,loss,lr,images_per_second,peak_bytes,predicted_peak_bytes,micro_batch,micro_batches\n";
+  metrics_.open(std::filesystem::path(opt_.out) / "metrics.csv", std::ios::trunc);
+  metrics_ << metrics_text_ << std::flush;
+}
+
 TrainResult TrainingRun::run() {
-  std::ofstream metrics;
-  if (!opt_.out.empty()) {
-    metrics.open(std::filesystem::path(opt_.out) / "metrics.csv");
-    metrics << "step,epoch,loss,lr,images_per_second,peak_bytes,predicted_peak_bytes,micro_batch,micro_batches\n";
-  }
+  open_metrics();
   result_.device = rank_.dev.str();
   result_.recompute = executor_.recompute_choice().name;
   result_.precision = opt_.precision;
   result_.memory_limit_bytes = static_cast<std::int64_t>(arena_->capacity());
-  StepMeter meter;
   const std::int64_t epochs = (steps_.total + per_epoch_ - 1) / per_epoch_;
-  for (std::int64_t epoch = 0; epoch < epochs && meter.steps < steps_.total; ++epoch)
-    train_epoch(epoch, epochs, meter, metrics);
-  finish(meter);
+  if (epoch_end_pending_) end_epoch((meter_.steps - 1) / per_epoch_, epochs);
+  for (std::int64_t epoch = meter_.steps / per_epoch_; epoch < epochs && meter_.steps < steps_.total && !stopped_; ++epoch)
+    train_epoch(epoch, epochs);
+  if (stopped_) {
+    report_stop();
+    result_.stop_signal = stopped_;
+    return result_;
+  }
+  finish();
   return result_;
 }
 
-void TrainingRun::train_epoch(std::int64_t epoch, std::int64_t epochs, StepMeter& meter, std::ofstream& metrics) {
+void TrainingRun::train_epoch(std::int64_t epoch, std::int64_t epochs) {
   using clock = std::chrono::steady_clock;
   // The step whose memory timeline is written: the second (steady state) if there is one.
   const std::int64_t traced_step = steps_.total > 1 ? 1 : 0;
   const std::int64_t sample_numel = split_.train.channels * split_.train.height * split_.train.width;
-  loader_.start_epoch(epoch);
-  const std::int64_t in_epoch = std::min(per_epoch_, steps_.total - meter.steps);
+  const std::int64_t first_batch = meter_.steps - epoch * per_epoch_;  // > 0: resumed inside this epoch
+  loader_.start_epoch(epoch, first_batch);
+  if (first_batch == 0) epoch_loss_ = 0, epoch_steps_ = 0;
+  const std::int64_t in_epoch = std::min(per_epoch_, steps_.total - epoch * per_epoch_);
   Progress bar(log_, opt_.progress, in_epoch, epoch, epochs);
-  double epoch_loss = 0;
-  std::int64_t epoch_steps = 0;
-  while (meter.steps < steps_.total) {
-    const std::int64_t step = meter.steps;
+  while (meter_.steps < steps_.total && epoch_steps_ < in_epoch) {
+    const std::int64_t step = meter_.steps;
     // A step's time runs from asking for its batch (a loader that cannot keep up counts) to the
-    // end of its optimizer step; writing the traced step's files does not count.
+    // end of its optimizer step; writing the traced step's files and checkpoints does not count.
     const auto t0 = clock::now();
     std::optional<data::Batch> b = loader_.next();
     if (!b) break;
@@ -541,6 +575,7 @@ void TrainingRun::train_epoch(std::int64_t epoch, std::int64_t epochs, StepMeter
     const bool trace = step == traced_step && !opt_.out.empty();
     if (trace) arena_->set_tracing(true);
     if (opt_.inject_oom && opt_.inject_oom->first == step) arena_->fail_allocation_after(opt_.inject_oom->second);
+    if (kill_.at("in-step", step + 1)) arena_->at_allocation(kill_.allocation, kill_self);
     const mbp::StepResult r = executor_.step(b->images.data() + share_.offset * sample_numel,
                                              b->labels.data() + share_.offset, share_.size);
     arena_->fail_allocation_after(0);
@@ -552,22 +587,31 @@ void TrainingRun::train_epoch(std::int64_t epoch, std::int64_t epochs, StepMeter
       arena_->set_tracing(false);
       write_timeline(opt_, *arena_, rank_.dev, step, r, b->size);
     }
-    const double ips = meter.add(r, b->size, std::chrono::duration<double>(t1 - t0).count(), result_);
-    profiler_.step_done(step == 0);
-    ++epoch_steps;
-    epoch_loss += last_loss_;
-    bar.update(epoch_steps, last_loss_, ips, static_cast<std::int64_t>(r.peak), epoch_steps == in_epoch);
-    if (metrics.is_open())
-      metrics << fmt::format("{},{},{:.6f},{:.6g},{:.2f},{},{},{},{}\n", step + 1, epoch, last_loss_,
-                             setup_.optimizer->lr(), ips, r.peak, r.predicted_peak, r.micro_batch, r.micro_batches)
-              << std::flush;  // an interrupted run keeps every step it measured
+    const double ips = meter_.add(r, b->size, std::chrono::duration<double>(t1 - t0).count(), result_);
+    profiler_.step_done(meter_.measured == 1);
+    ++epoch_steps_;
+    epoch_loss_ += last_loss_;
+    bar.update(epoch_steps_, last_loss_, ips, static_cast<std::int64_t>(r.peak), epoch_steps_ == in_epoch);
+    if (metrics_.is_open()) {
+      const std::string row = fmt::format("{},{},{:.6f},{:.6g},{:.2f},{},{},{},{}\n", step + 1, epoch, last_loss_,
+                                          setup_.optimizer->lr(), ips, r.peak, r.predicted_peak, r.micro_batch,
+                                          r.micro_batches);
+      metrics_ << row << std::flush;  // an interrupted run keeps every step it measured
+      metrics_text_ += row;
+    }
+    if (step_boundary()) return;  // stopped: this epoch's evaluation waits for the resumed run
   }
+  end_epoch(epoch, epochs);
+}
+
+// The end of an epoch: the test set (rank 0) and the epoch's line.
+void TrainingRun::end_epoch(std::int64_t epoch, std::int64_t epochs) {
   profiler_.pause();  // the profile is of training steps
   if (rank_.rank == 0 && opt_.evaluate)
     eval_ = evaluate(*setup_.model, split_.test, opt_.normalize, rank_.dev, executor_.activation_dtype(),
                      result_.micro_batch);
   profiler_.resume();
-  result_.train_loss = epoch_steps > 0 ? epoch_loss / static_cast<double>(epoch_steps) : last_loss_;
+  result_.train_loss = epoch_steps_ > 0 ? epoch_loss_ / static_cast<double>(epoch_steps_) : last_loss_;
   if (opt_.evaluate)
     fmt::print(log_, "epoch {}/{}: train loss {:.4f} | test loss {:.4f} | test accuracy {:.2f}%\n", epoch + 1, epochs,
                result_.train_loss, eval_.loss, 100.0 * eval_.accuracy);
@@ -576,8 +620,141 @@ void TrainingRun::train_epoch(std::int64_t epoch, std::int64_t epochs, StepMeter
                result_.train_loss);
 }
 
+// After every step: a checkpoint when one is due (every N steps, after the time given, at the
+// run's end, or when a signal asks the run to stop), then whether to stop. Under mpirun every
+// rank takes the same decision: the flags are summed over the ranks first.
+bool TrainingRun::step_boundary() {
+  const std::int64_t done = meter_.steps;
+  int stop = signals_ ? signals_->pending() : 0;
+  bool due = (every_.steps > 0 && done % every_.steps == 0) || (every_.on() && done == steps_.total);
+  if (every_.seconds > 0 && rank_.rank == 0 &&
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - last_checkpoint_).count() >= every_.seconds)
+    due = true;
+  if (rank_.ranks > 1 && signals_) {  // a collective every step, only in runs with a run folder
+    double flags[2] = {stop ? 1.0 : 0.0, due ? 1.0 : 0.0};
+    rank_.world->all_reduce_sum(flags, 2);
+    if (flags[0] > 0 && !stop) stop = SIGUSR1;  // another rank received it
+    due = flags[1] > 0;
+  }
+  if (stop && !options_.out.empty()) due = true;
+  if (due) write_checkpoint();
+  if (kill_.at("after-step", done)) kill_self();
+  stopped_ = stop;
+  return stop != 0;
+}
+
+nlohmann::json TrainingRun::checkpoint_state(const std::vector<double>& limits) const {
+  nlohmann::json options = nlohmann::json::object();
+  for (const auto& [name, value] : option_values(options_)) options[name] = value;
+  return {{"options", options},
+          {"threads", omp_get_max_threads()},
+          {"world_size", rank_.ranks},
+          {"micro_batch_limits", limits},  // per rank; 0: no out-of-memory retry lowered it
+          {"steps_per_epoch", per_epoch_},
+          {"total_steps", steps_.total},
+          {"epoch_loss", epoch_loss_},
+          {"epoch_steps", epoch_steps_},
+          {"last_loss", last_loss_},
+          {"train_loss", result_.train_loss},
+          {"eval", {{"loss", eval_.loss}, {"accuracy", eval_.accuracy}}},
+          {"meter", {{"peak_bytes", result_.peak_bytes}, {"predicted_peak_bytes", result_.predicted_peak_bytes},
+                     {"oom_retries", result_.oom_retries}, {"mismatches", meter_.mismatches},
+                     {"micro_batch", result_.micro_batch}, {"micro_batches_per_step", result_.micro_batches_per_step}}},
+          {"lr", setup_.optimizer->lr()}};
+}
+
+// Every rank's micro-batch limit to rank 0 (a collective), which writes the checkpoint.
+void TrainingRun::write_checkpoint() {
+  std::vector<double> limits(static_cast<std::size_t>(rank_.ranks), 0.0);
+  const std::int64_t mine = executor_.micro_batch_limit();
+  limits[static_cast<std::size_t>(rank_.rank)] = mine == INT64_MAX ? 0.0 : static_cast<double>(mine);
+  if (rank_.ranks > 1) rank_.world->all_reduce_sum(limits.data(), limits.size());
+  last_checkpoint_ = std::chrono::steady_clock::now();
+  if (rank_.rank != 0 || opt_.out.empty()) return;
+  mbp::TrainingState st;
+  st.step = meter_.steps;
+  st.state = checkpoint_state(limits).dump();
+  st.files["metrics.csv"] = metrics_text_;
+  const auto t0 = std::chrono::steady_clock::now();
+  std::function<void()> halfway;
+  if (kill_.at("in-checkpoint", meter_.steps)) halfway = kill_self;
+  const auto path = mbp::save_training_state(opt_.out, *setup_.model, *setup_.optimizer, st, halfway);
+  result_.checkpoint = path.string();
+  fmt::print(log_, "{}checkpoint: step {} -> {} ({:.0f} ms)\n", opt_.progress ? "\n" : "", st.step, path.string(),
+               1000.0 * std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+}
+
+// A resumed run: the newest checkpoint of the run folder into the model, the optimizer, the
+// executor's micro-batch limit and the run's counters, after checking that it belongs to this run.
+void TrainingRun::restore() {
+  const auto dir = mbp::latest_checkpoint(opt_.resume);
+  if (!dir) throw Error(fmt::format("--resume {}: no checkpoint in it", opt_.resume));
+  const mbp::TrainingState st = mbp::load_training_state(*dir, *setup_.model, *setup_.optimizer);
+  const std::string where = fmt::format("{}/state.json", dir->string());
+  try {
+    const nlohmann::json s = nlohmann::json::parse(st.state);
+    const int ranks = s.at("world_size").get<int>(), threads = s.at("threads").get<int>();
+    if (ranks != rank_.ranks)
+      throw Error(fmt::format("--resume {}: the run was started on {} rank{} and resumes on as many (mpirun -np {}), "
+                              "found {}", opt_.resume, ranks, ranks == 1 ? "" : "s", ranks, rank_.ranks));
+    if (rank_.dev.is_cpu() && threads != omp_get_max_threads())
+      throw Error(fmt::format("--resume {}: the run used {} CPU threads and this process has {}; a CPU run resumes bit "
+                              "for bit only with as many (give --threads {})", opt_.resume, threads,
+                              omp_get_max_threads(), threads));
+    if (s.at("steps_per_epoch").get<std::int64_t>() != per_epoch_ || s.at("total_steps").get<std::int64_t>() != steps_.total)
+      throw Error(fmt::format("--resume {}: the run had {} steps of which {} per epoch, this one has {} and {} (has "
+                              "the data set changed?)", opt_.resume, s.at("total_steps").dump(),
+                              s.at("steps_per_epoch").dump(), steps_.total, per_epoch_));
+    if (st.step > steps_.total)
+      throw FormatError(fmt::format("{}: expected a step <= {}, found {}", where, steps_.total, st.step));
+    const auto limits = s.at("micro_batch_limits").get<std::vector<double>>();
+    if (limits.size() != static_cast<std::size_t>(ranks))
+      throw FormatError(fmt::format("{}: expected {} micro-batch limits, found {}", where, ranks, limits.size()));
+    const double mine = limits[static_cast<std::size_t>(rank_.rank)];
+    if (mine >= 1) executor_.set_micro_batch_limit(static_cast<std::int64_t>(mine));
+    const nlohmann::json& m = s.at("meter");
+    result_.peak_bytes = m.at("peak_bytes").get<std::int64_t>();
+    result_.predicted_peak_bytes = m.at("predicted_peak_bytes").get<std::int64_t>();
+    result_.oom_retries = m.at("oom_retries").get<std::int64_t>();
+    result_.micro_batch = m.at("micro_batch").get<std::int64_t>();
+    result_.micro_batches_per_step = m.at("micro_batches_per_step").get<std::int64_t>();
+    meter_.mismatches = m.at("mismatches").get<std::int64_t>();
+    meter_.steps = st.step;
+    epoch_loss_ = s.at("epoch_loss").get<double>(), epoch_steps_ = s.at("epoch_steps").get<std::int64_t>();
+    last_loss_ = s.at("last_loss").get<double>(), result_.train_loss = s.at("train_loss").get<double>();
+    eval_ = {s.at("eval").at("loss").get<double>(), s.at("eval").at("accuracy").get<double>()};
+  } catch (const nlohmann::json::exception& e) {
+    throw FormatError(fmt::format("{}: {}", where, e.what()));
+  }
+  // Steps into the epoch of the last step done (all of them when it ended the epoch).
+  const std::int64_t into_epoch = st.step == 0 ? 0 : st.step - (st.step - 1) / per_epoch_ * per_epoch_;
+  if (epoch_steps_ != into_epoch)
+    throw FormatError(fmt::format("{}: expected {} steps into the epoch at step {}, found {}", where, into_epoch, st.step,
+                                  epoch_steps_));
+  if (const auto it = st.files.find("metrics.csv"); it != st.files.end()) metrics_text_ = it->second;
+  epoch_end_pending_ = st.step > 0 && (st.step % per_epoch_ == 0 || st.step == steps_.total);
+  result_.resumed_from = st.step;
+  result_.checkpoint = dir->string();
+  fmt::print(log_, "resumed from {}: {} of {} steps done (epoch {}, step {} of {}){}\n", dir->string(), st.step,
+             steps_.total, (st.step - (epoch_end_pending_ ? 1 : 0)) / per_epoch_ + 1, epoch_steps_, per_epoch_,
+             executor_.micro_batch_limit() == INT64_MAX
+                 ? ""
+                 : fmt::format(", micro-batches of at most {} after out-of-memory retries", executor_.micro_batch_limit()));
+}
+
+void TrainingRun::report_stop() const {
+  const std::string how = rank_.ranks > 1 ? fmt::format("mpirun -np {} tally train", rank_.ranks) : "tally train";
+  fmt::print(log_, "\nstopped by {} after step {} of {}: {}\n", StopSignals::name(stopped_), meter_.steps,
+             steps_.total,
+             options_.out.empty() ? std::string("no run folder (--out), so no checkpoint")
+                                  : fmt::format("checkpoint {} written; continue with: {} --resume {}",
+                                                result_.checkpoint, how, options_.out));
+  log_.flush();
+}
+
 // The result, the ranks' agreement, the memory and profile reports, and the files.
-void TrainingRun::finish(const StepMeter& meter) {
+void TrainingRun::finish() {
+  const StepMeter& meter = meter_;
   const std::int64_t step = meter.steps;
   const int ranks = rank_.ranks;
   result_.test_accuracy = eval_.accuracy;
@@ -585,7 +762,8 @@ void TrainingRun::finish(const StepMeter& meter) {
   result_.images_per_second = meter.images_per_second();
   result_.steps = step;
   result_.world_size = ranks;
-  if (step > 1) result_.communication_seconds_per_step = meter.steady_communication / static_cast<double>(step - 1);
+  if (meter.measured > 1)
+    result_.communication_seconds_per_step = meter.steady_communication / static_cast<double>(meter.measured - 1);
   result_.ranks = gather_ranks(*rank_.world, result_);
   if (!distributed::parameters_identical(*setup_.model, *comm_))
     throw Error(fmt::format("after {} steps the ranks' parameters differ; a data-parallel run must keep them identical",
@@ -609,7 +787,7 @@ void TrainingRun::finish(const StepMeter& meter) {
   if (profiler_.on()) {
     const std::string report = profiler_.report(fmt::format(
         "over steps 2..{} ({:.1f} ms of wall time per step, data included)", step,
-        meter.steady_images > 0 ? 1000.0 * meter.steady_seconds / static_cast<double>(step - 1) : 0.0));
+        meter.steady_images > 0 ? 1000.0 * meter.steady_seconds / static_cast<double>(meter.measured - 1) : 0.0));
     fmt::print(log_, "{}", report);
     if (!opt_.out.empty()) write_text(std::filesystem::path(opt_.out) / "profile.txt", report);
     profiler_.pause();
@@ -626,6 +804,15 @@ void TrainingRun::finish(const StepMeter& meter) {
 
 }  // namespace
 
-TrainResult train(const TrainOptions& options, std::ostream& all_log) { return TrainingRun(options, all_log).run(); }
+TrainResult train(const TrainOptions& options, std::ostream& all_log) {
+  if (options.resume.empty()) return TrainingRun(options, all_log).run();
+  TrainOptions o = options;  // a resumed run: the saved options, but for the few that may change
+  std::error_code ec;
+  if (o.out.empty()) o.out = o.resume;
+  if (!std::filesystem::equivalent(o.out, o.resume, ec))
+    throw Error(fmt::format("--out {} with --resume {}: a resumed run continues in its own run folder", o.out, o.resume));
+  check_resume_options(resume_options(o.resume), o, {});
+  return TrainingRun(o, all_log).run();
+}
 
 }  // namespace tally::app

@@ -51,6 +51,14 @@ struct TrainOptions {
   // "exact" (the full batch's mean for any split) or "per-micro-batch" (each micro-batch's mean
   // divided by their number, as the MBP paper's code: differs for uneven splits; for teaching).
   std::string loss_normalization = "exact";
+  // Training-state checkpoints into --out (docs/checkpoints.md; apps/run_state.h): "" (none), "N"
+  // (every N steps) or a time ("90s", "10m", "2h"). With --out, a run also writes one when it is
+  // stopped by a signal (SIGINT or SIGTERM in one process, SIGUSR1 under mpirun) and at its end.
+  std::string checkpoint_every;
+  // A run folder to continue from its newest checkpoint, bit for bit as if never interrupted. The
+  // options must be the run's (resume_options(dir) gives them; apps/run_state.h lists the few that
+  // may change); the weights come from the checkpoint, not from --init.
+  std::string resume;
   // Tests: fail the n-th arena allocation of this (0-based) step once, to exercise recovery.
   std::optional<std::pair<std::int64_t, std::uint64_t>> inject_oom;
 };
@@ -76,6 +84,11 @@ struct TrainResult {
   std::string precision = "fp32";
   int world_size = 1;               // ranks of a data-parallel run (mpirun -np N), else 1
   std::vector<RankResult> ranks;    // one per rank
+  // A run stopped by a signal before its end: the signal (SIGINT, SIGTERM, SIGUSR1), after a
+  // checkpoint was written (the command line exits with 128 + signal); 0 for a finished run.
+  int stop_signal = 0;
+  std::string checkpoint;           // the last checkpoint written or resumed from ("" if none)
+  std::int64_t resumed_from = -1;   // the step a resumed run continued after, else -1
 };
 
 // Validates every option first (a bad value is a tally::Error listing the allowed values).
