@@ -76,7 +76,7 @@ bench: build
 FUZZ_DIR       ?= build-fuzz
 FUZZ_SECONDS   ?= 180
 FUZZ_MAX_LEN   ?= 65536
-FUZZ_HARNESSES := safetensors idx cifar cli
+FUZZ_HARNESSES := safetensors idx cifar cli checkpoint
 FUZZ_PACKAGES  := clang-16 libclang-rt-16-dev libomp-16-dev
 
 fuzz-bootstrap: bootstrap

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""fuzz/make_seeds.py — writes the seed inputs of fuzz/corpus/<name>/ (safetensors, idx, cifar, cli).
+"""fuzz/make_seeds.py — writes the seed inputs of fuzz/corpus/<name>/ (safetensors, idx, cifar, cli, checkpoint).
 
 Small valid files of each format and a few broken ones, each named for what it is. Run it from
 anywhere; it (re)writes only the files it names, so regression inputs of past findings kept in
@@ -96,7 +96,7 @@ def cifar_seeds():
 
 def cli_seeds():
     # First byte: 0 parse_size, 1 parse_device, 2 parse_positive_integer, 3 parse_micro_batch,
-    # 4 parse_memory_limit (comma list per rank), 5 parse_batch_sizes.
+    # 4 parse_memory_limit (comma list per rank), 5 parse_batch_sizes, 6 parse_checkpoint_every.
     seeds = {
         "size_512MiB": "\x00512MiB", "size_1.5_GiB": "\x001.5 GiB", "size_2e3": "\x002e3", "size_bad_unit": "\x0012XB",
         "device_cpu": "\x01cpu", "device_cuda0": "\x01cuda:0", "device_cuda_bad": "\x01cuda:x1",
@@ -105,9 +105,41 @@ def cli_seeds():
         "memory_auto": "\x04auto", "memory_per_rank": "\x0448MiB,24MiB", "memory_empty_item": "\x0448MiB,,1GiB",
         "memory_below_granularity": "\x041B",
         "batches_list": "\x0564,128,256", "batches_twice": "\x0564,64", "batches_trailing_comma": "\x0564,",
+        "every_500": "\x06500", "every_90s": "\x0690s", "every_1.5h": "\x061.5h", "every_bad_unit": "\x0610x",
     }
     for name, text in seeds.items():
         put("cli", name, text)
+
+
+def checkpoint_seeds():
+    # The manifest's text, a NUL, then state.safetensors; "@bytes" and "@crc" are filled in by the
+    # harness with the tensor part's size and CRC-32 (fuzz/fuzz_checkpoint.cpp).
+    tensors = safetensors({"model.fc.weight": ("F32", [2, 2], struct.pack("<4f", 1.0, -2.0, 0.5, 3.25)),
+                           "model.bn.num_batches_tracked": ("I64", [], struct.pack("<q", 7)),
+                           "optimizer.momentum_buffer.0": ("F32", [2, 2], struct.pack("<4f", 0.1, 0.2, 0.3, 0.4))})
+    metrics = b"step,loss\n1,2.302585\n"
+    import zlib
+    def manifest(**over):
+        m = {"format": "tally-training-state", "version": 1, "step": 5,
+             "optimizer": {"name": "SGD", "steps": 5},
+             "files": {"state.safetensors": {"bytes": "@bytes", "crc32": "@crc"},
+                       "metrics.csv": {"bytes": len(metrics), "crc32": zlib.crc32(metrics)}},
+             "state": {"options": {"model": "resnet20"}, "world_size": 1, "micro_batch_limits": [0]}}
+        m.update(over)
+        return json.dumps(m, indent=1)
+    put("checkpoint", "valid", manifest() + "\0" + tensors.decode("latin-1"))
+    put("checkpoint", "valid_crc_written_out",
+        manifest(files={"state.safetensors": {"bytes": len(tensors), "crc32": zlib.crc32(tensors)},
+                        "metrics.csv": {"bytes": len(metrics), "crc32": zlib.crc32(metrics)}}).encode()
+        + b"\0" + tensors)
+    put("checkpoint", "broken_wrong_crc", manifest(files={"state.safetensors": {"bytes": len(tensors), "crc32": 1}})
+        + "\0" + tensors.decode("latin-1"))
+    put("checkpoint", "broken_no_tensors", manifest())
+    put("checkpoint", "broken_missing_file", manifest(files={"state.safetensors": {"bytes": "@bytes", "crc32": "@crc"},
+                                                             "other.txt": {"bytes": 1, "crc32": 0}})
+        + "\0" + tensors.decode("latin-1"))
+    put("checkpoint", "broken_version_2", manifest(version=2) + "\0" + tensors.decode("latin-1"))
+    put("checkpoint", "broken_truncated_json", manifest()[:60])
 
 
 if __name__ == "__main__":
@@ -115,3 +147,4 @@ if __name__ == "__main__":
     idx_seeds()
     cifar_seeds()
     cli_seeds()
+    checkpoint_seeds()
