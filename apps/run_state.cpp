@@ -271,6 +271,23 @@ KillPoint kill_point_from_environment() {
   return k;
 }
 
+std::optional<std::pair<std::int64_t, std::uint64_t>> oom_injection_from_environment() {
+  const char* env = std::getenv("TALLY_TEST_OOM");
+  if (!env || !*env) return std::nullopt;
+  const std::string text(env);
+  const auto colon = text.find(':');
+  try {
+    if (colon != std::string::npos) {
+      std::size_t a = 0, b = 0;
+      const std::int64_t step = std::stoll(text.substr(0, colon), &a);
+      const std::uint64_t n = std::stoull(text.substr(colon + 1), &b);
+      if (a == colon && b == text.size() - colon - 1 && step >= 0 && n >= 1) return std::make_pair(step, n);
+    }
+  } catch (const std::exception&) {
+  }
+  throw Error(fmt::format("TALLY_TEST_OOM={}: expected K:N (fail the N-th allocation of step K)", text));
+}
+
 void kill_self() {
   std::fflush(nullptr);
   ::kill(::getpid(), SIGKILL);

@@ -68,6 +68,9 @@ struct KillPoint {
   bool at(const char* w, std::int64_t s) const { return where == w && step == s; }
 };
 KillPoint kill_point_from_environment();
+// And TALLY_TEST_OOM=K:N: the N-th arena allocation of step K (0-based) fails once, as
+// TrainOptions::inject_oom (a test of a resumed run's micro-batch limit after a retry).
+std::optional<std::pair<std::int64_t, std::uint64_t>> oom_injection_from_environment();
 [[noreturn]] void kill_self();
 
 }  // namespace tally::app

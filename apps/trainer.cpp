@@ -441,6 +441,7 @@ class TrainingRun {
   CheckpointEvery every_;
   std::optional<StopSignals> signals_;  // with a run folder: a signal stops the run at a step boundary
   KillPoint kill_;                      // tests (apps/run_state.h)
+  std::optional<std::pair<std::int64_t, std::uint64_t>> inject_oom_;  // tests: TrainOptions::inject_oom, or TALLY_TEST_OOM
   std::chrono::steady_clock::time_point last_checkpoint_ = std::chrono::steady_clock::now();
   int stopped_ = 0;                     // the signal that stopped the run
 };
@@ -484,7 +485,8 @@ TrainingRun::TrainingRun(const TrainOptions& options, std::ostream& all_log)
       executor_(*setup_.model, *setup_.optimizer, arena_, executor_options(opt_, split_.train, comm_, log_)),
       share_(distributed::shard(opt_.batch_size, rank_.ranks, rank_.rank)),
       every_(parse_checkpoint_every(opt_.checkpoint_every)),
-      kill_(kill_point_from_environment()) {
+      kill_(kill_point_from_environment()),
+      inject_oom_(opt_.inject_oom ? opt_.inject_oom : oom_injection_from_environment()) {
   if (!options_.out.empty()) signals_.emplace(rank_.ranks == 1);  // every rank: the same decision
   print_header(setup_);
   if (!opt_.resume.empty()) restore();
@@ -574,7 +576,7 @@ void TrainingRun::train_epoch(std::int64_t epoch, std::int64_t epochs) {
     setup_.optimizer->set_lr(schedule_.lr_at(step));
     const bool trace = step == traced_step && !opt_.out.empty();
     if (trace) arena_->set_tracing(true);
-    if (opt_.inject_oom && opt_.inject_oom->first == step) arena_->fail_allocation_after(opt_.inject_oom->second);
+    if (inject_oom_ && inject_oom_->first == step) arena_->fail_allocation_after(inject_oom_->second);
     if (kill_.at("in-step", step + 1)) arena_->at_allocation(kill_.allocation, kill_self);
     const mbp::StepResult r = executor_.step(b->images.data() + share_.offset * sample_numel,
                                              b->labels.data() + share_.offset, share_.size);

@@ -7,7 +7,9 @@
 # process kills itself: apps/run_state.h) or from outside, SIGINT, SIGUSR1 — resumes it, and
 # requires the --save file and the final checkpoint byte-identical to the uninterrupted run's,
 # metrics.csv identical but for its timing column, and summary.json but for its timings.
-#   kill_points      after a step, inside a step, during a checkpoint's write, twice in a row
+#   kill_points      after a step, inside a step, during a checkpoint's write, twice in a row,
+#                    after an out-of-memory retry lowered the micro-batch
+#   kinds            bf16 mixed precision; AdamW with group norm and recomputation
 #   signals          SIGKILL from outside at an arbitrary moment; SIGINT (exit 130, then resume)
 #   bad_checkpoints  truncated, damaged, missing and foreign files, wrong options, ranks, threads:
 #                    each a clear error and a non-zero exit, and the checkpoint left as it was
@@ -58,8 +60,10 @@ resume() {
   "${launcher[@]}" "$tally" train --resume "$out" "$@" >>"$out.log" 2>&1
 }
 launcher=()
+ref=ref  # the uninterrupted run the resumed ones are compared with: $work/$ref
 reference() {
-  run "$work/ref" || { cat "$work/ref.log"; echo "FAIL: the uninterrupted run failed"; exit 1; }
+  ref=${1:-ref}
+  run "$work/$ref" || { cat "$work/$ref.log"; echo "FAIL: the uninterrupted run failed"; exit 1; }
 }
 
 # kill_and_resume NAME POINT — SIGKILL at POINT (TALLY_TEST_SIGKILL), then resume.
@@ -69,7 +73,7 @@ kill_and_resume() {
   local rc=$?
   [[ $rc -eq 137 ]] || { fail "$name: expected the run to be killed (exit 137), found exit $rc"; tail -5 "$out.log"; return; }
   resume "$out" || { fail "$name: resume failed"; tail -5 "$out.log"; return; }
-  same "$out" "$work/ref" "$name (SIGKILL $point)"
+  same "$out" "$work/$ref" "$name (SIGKILL $point)"
 }
 
 case $case_name in
@@ -79,6 +83,13 @@ case $case_name in
     kill_and_resume at_the_epoch_end after-step:10   # checkpoint written, the epoch's evaluation not yet
     kill_and_resume inside_a_step in-step:12:40      # the 40th allocation of step 12: mid first micro-batch
     kill_and_resume during_the_last_checkpoint in-checkpoint:15
+    # A run whose step 2 ran out of memory and retried with micro-batches of 250 (TALLY_TEST_OOM):
+    # the resumed run keeps the lowered limit, so its steps are those of the uninterrupted run.
+    run "$work/oom_ref" TALLY_TEST_OOM=2:30 || fail "the run with an out-of-memory retry failed"
+    grep -q "retrying with at most 250" "$work/oom_ref.log" || fail "no out-of-memory retry in the reference run"
+    out="$work/oom"
+    run "$out" TALLY_TEST_OOM=2:30 TALLY_TEST_SIGKILL=after-step:8
+    resume "$out" && same "$out" "$work/oom_ref" "after an out-of-memory retry (micro-batches of 250), SIGKILL after step 8"
     # Killed twice: during a checkpoint's write, then again after resuming.
     out="$work/twice"
     run "$out" TALLY_TEST_SIGKILL=in-checkpoint:10
@@ -86,6 +97,16 @@ case $case_name in
     TALLY_TEST_SIGKILL=after-step:12 "$tally" train --resume "$out" >>"$out.log" 2>&1
     [[ -d $out/checkpoint-10 ]] || fail "twice: the first resume wrote no checkpoint-10"
     resume "$out" && same "$out" "$work/ref" "twice (SIGKILL in checkpoint 10, then after step 12)"
+    ;;
+  kinds)
+    # Every kind of run resumes: bf16 mixed precision; AdamW with group norm and recomputation.
+    base=("${ARGS[@]}")
+    ARGS=("${base[@]}" --precision bf16)
+    reference
+    kill_and_resume bf16_inside_a_step in-step:12:40
+    ARGS=("${base[@]}" --optimizer adamw --lr 0.002 --norm group --recompute blocks)
+    reference ref_adamw
+    kill_and_resume adamw_group_norm_recompute after-step:11
     ;;
   signals)
     reference
