@@ -110,13 +110,15 @@ case $case_name in
     ;;
   signals)
     reference
-    # SIGKILL from outside, at whatever moment the run has reached after 2 s.
+    # SIGKILL from outside, at whatever moment the run has reached a random fraction of a second
+    # after its first checkpoint (a kill before any checkpoint leaves nothing to resume).
     out="$work/external"
     run "$out" & pid=$!
-    sleep 2
+    for _ in $(seq 600); do [[ -d $out/checkpoint-5 ]] && break; sleep 0.05; done
+    sleep "0.$((RANDOM % 10))"
     kill -9 "$(pgrep -P $pid -f "$tally" || echo $pid)" 2>/dev/null
     wait $pid
-    resume "$out" && same "$out" "$work/ref" "SIGKILL from outside after 2 s"
+    resume "$out" && same "$out" "$work/ref" "SIGKILL from outside at a random moment after the first checkpoint"
     # SIGINT: a checkpoint at the end of the step under way, a message, exit 130.
     out="$work/sigint"
     "$tally" train "${ARGS[@]}" --out "$out" --save "$out.safetensors" >"$out.log" 2>&1 & pid=$!
