@@ -99,9 +99,18 @@ std::vector<std::string> split_list(const std::string& text) {
 }
 
 void write_text(const std::filesystem::path& path, const std::string& text) {
-  std::ofstream f(path);
-  f << text;
-  if (!f) throw Error(fmt::format("cannot write {}", path.string()));
+  // Through a temporary and a rename: a process killed while writing leaves the old file or the
+  // new one, never half of one (a resumed sweep reads its runs' rows back).
+  std::filesystem::path tmp = path;
+  tmp += ".tmp";
+  {
+    std::ofstream f(tmp);
+    f << text;
+    if (!f.flush()) throw Error(fmt::format("cannot write {}", tmp.string()));
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) throw Error(fmt::format("cannot write {}: {}", path.string(), ec.message()));
 }
 
 std::size_t parse_memory_limit(const std::string& text, Device dev) {

@@ -67,7 +67,8 @@ void check_number(const std::string& flag, const NumberRule& rule, double value)
 // "a,b,c" -> {"a", "b", "c"}; "a" -> {"a"} (empty items stay, for the caller to refuse).
 std::vector<std::string> split_list(const std::string& text);
 
-// Writes `text` to `path`; an Error naming the path when it cannot.
+// Writes `text` to `path` (through path.tmp and a rename: never half a file); an Error naming the
+// path when it cannot.
 void write_text(const std::filesystem::path& path, const std::string& text);
 
 // --memory-limit: a size ("48MiB", "2GiB") or "auto" (core/memory.h's default capacity for the device).
