@@ -201,10 +201,11 @@ CheckpointEvery parse_checkpoint_every(const std::string& text) {
   const double value = std::strtod(text.c_str(), &unit);
   const std::string u(unit ? unit : "");
   const double scale = u == "s" ? 1 : (u == "m" || u == "min") ? 60 : u == "h" ? 3600 : 0;
-  if (unit == text.c_str() || scale == 0 || !std::isfinite(value) || value <= 0)
+  const double seconds = value * scale;  // finite itself: "3E307h" is 1.08e311 s, no time at all
+  if (unit == text.c_str() || scale == 0 || !std::isfinite(seconds) || seconds <= 0)
     throw Error(fmt::format("--checkpoint-every: expected a number of steps >= 1 (\"500\") or a time (\"90s\", \"10m\", "
                             "\"2h\"), found \"{}\"", text));
-  every.seconds = value * scale;
+  every.seconds = seconds;
   return every;
 }
 

@@ -256,7 +256,8 @@ TEST(RunState, CheckpointEvery) {
   EXPECT_EQ(app::parse_checkpoint_every("90s").seconds, 90);
   EXPECT_EQ(app::parse_checkpoint_every("10m").seconds, 600);
   EXPECT_EQ(app::parse_checkpoint_every("1.5h").seconds, 5400);
-  for (const char* bad : {"0", "-5", "5x", "m", "10 m", "nan", "inf s", "-1h"})
+  // "3E307h": a finite number of hours that is no finite number of seconds (found by fuzz_cli).
+  for (const char* bad : {"0", "-5", "5x", "m", "10 m", "nan", "inf s", "-1h", "3E307h", "1e308m"})
     EXPECT_THROW(app::parse_checkpoint_every(bad), Error) << bad;
 }
 
