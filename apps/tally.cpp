@@ -111,7 +111,8 @@ struct TrainFlags {
       auto* out = cmd->add_option("--out", to.out, "write metrics.csv and summary.json into this directory");
       cmd->add_option("--resume", to.resume,
                       "continue the run in this folder from its newest checkpoint, bit for bit (its options are "
-                      "kept; only --save, --checkpoint-every, --threads, --profile, --no-progress may be given)")
+                      "kept: a flag given again must have the run's value, but for --save, --checkpoint-every, "
+                      "--threads, --profile, --no-progress)")
           ->excludes(out);
       cmd->add_flag("!--no-progress", to.progress, "no progress bar");
       cmd->add_flag("!--no-eval", to.evaluate, "skip the test set after each epoch (timing runs; summary.json's test fields are null)");
