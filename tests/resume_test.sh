@@ -55,6 +55,13 @@ run() {
   local out=$1; shift
   env "$@" "${launcher[@]}" "$tally" train "${ARGS[@]}" --out "$out" --save "$out.safetensors" >"$out.log" 2>&1
 }
+# run_bg OUT — the same in the background; $bg is its pid (env execs tally, or mpirun: the process
+# to signal, found without pgrep).
+run_bg() {
+  local out=$1; shift
+  env "$@" "${launcher[@]}" "$tally" train "${ARGS[@]}" --out "$out" --save "$out.safetensors" >"$out.log" 2>&1 &
+  bg=$!
+}
 resume() {
   local out=$1; shift
   "${launcher[@]}" "$tally" train --resume "$out" "$@" >>"$out.log" 2>&1
@@ -113,11 +120,12 @@ case $case_name in
     # SIGKILL from outside, at whatever moment the run has reached a random fraction of a second
     # after its first checkpoint (a kill before any checkpoint leaves nothing to resume).
     out="$work/external"
-    run "$out" & pid=$!
+    run_bg "$out"
     for _ in $(seq 600); do [[ -d $out/checkpoint-5 ]] && break; sleep 0.05; done
     sleep "0.$((RANDOM % 10))"
-    kill -9 "$(pgrep -P $pid -f "$tally" || echo $pid)" 2>/dev/null
-    wait $pid
+    kill -9 "$bg" 2>/dev/null
+    wait "$bg"; rc=$?
+    [[ $rc -eq 137 ]] || fail "SIGKILL from outside: expected the run killed (exit 137), found exit $rc"
     resume "$out" && same "$out" "$work/ref" "SIGKILL from outside at a random moment after the first checkpoint"
     # SIGINT: a checkpoint at the end of the step under way, a message, exit 130.
     out="$work/sigint"
@@ -216,10 +224,10 @@ case $case_name in
       && echo "ok: a 2-rank checkpoint on 1 rank: refused" || fail "mpi: resume on 1 rank: exit $rc: $msg"
     resume "$out" && same "$out" "$work/ref" "2 ranks, SIGKILL after step 6"
     out="$work/usr1"
-    run "$out" & pid=$!
+    run_bg "$out"
     for _ in $(seq 200); do [[ $( (wc -l <"$out/metrics.csv") 2>/dev/null || echo 0) -ge 3 ]] && break; sleep 0.1; done
-    kill -USR1 "$(pgrep -P $pid)"   # to mpirun, which forwards it to every rank
-    wait $pid; rc=$?
+    kill -USR1 "$bg"   # to mpirun, which forwards it to every rank
+    wait "$bg"; rc=$?
     grep -q "stopped by SIGUSR1 after step" "$out.log" || fail "mpi: SIGUSR1 did not stop the run (exit $rc)"
     resume "$out" && same "$out" "$work/ref" "2 ranks, SIGUSR1, then resume"
     ;;
