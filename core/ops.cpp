@@ -342,11 +342,12 @@ struct NormGrads {
   Tensor dx, dw, db;
   double beta_dx = 0, beta_param = 0;
 };
+// `dx_given`: g[0].buffer was set by the caller to a buffer to overwrite (beta 0), not to add into.
 NormGrads norm_grad_targets(std::vector<GradSlot>& g, const Tensor& x, const Tensor& w, bool has_weight,
-                            bool has_bias, i64 C, const char* op) {
+                            bool has_bias, i64 C, const char* op, bool dx_given = false) {
   NormGrads r;
   double bw = 0, bb = 0;
-  if (g[0].needed) r.dx = grad_target(g[0], x, r.beta_dx, op);
+  if (g[0].needed) r.dx = dx_given ? g[0].buffer : grad_target(g[0], x, r.beta_dx, op);
   if (has_weight && g[1].needed) r.dw = grad_target(g[1], w, bw, op);
   if (has_bias && g[2].needed) r.db = grad_target(g[2], {C}, param_dtype(x.dtype()), x.device(), bb, op);
   if (r.dw.defined() && r.db.defined() && bw != bb)
@@ -358,13 +359,87 @@ NormGrads norm_grad_targets(std::vector<GradSlot>& g, const Tensor& x, const Ten
 struct BatchNormBackward : Node {
   Saved<4> saved;  // x, weight (may be undefined), save_mean, save_invstd  — or running stats in eval
   Saved<2> running;  // eval: running_mean, running_var
+  Saved<1> output;   // fused ReLU (training): y, whose sign is the mask
   bool training;
+  bool relu = false, has_residual = false;  // the fused activation (BatchNormOptions::relu, residual)
   double eps;
   i64 N, C, HW;
   bool has_weight, has_bias;
-  const char* name() const override { return "batch_norm"; }
-  void release() override { saved.release(); running.release(); }
+  const char* name() const override { return relu || has_residual ? "batch_norm_relu" : "batch_norm"; }
+  void release() override { saved.release(); running.release(); output.release(); }
+  // The fused backward owns its incoming gradient and reuses its buffer: as the residual's gradient
+  // (masked in place) when that slot is fresh, else as x's (dx written over it) — so it allocates
+  // no more than the unfused ReLU, add and norm did, and with no residual nothing at all for dx.
+  void fused_backward(const Tensor& gy, std::vector<GradSlot>& g) {
+    const char* op = "batch_norm";
+    const Tensor& x = saved.t[0];
+    const Tensor& w = saved.t[1];
+    const Tensor dz = gy.contiguous();
+    auto reusable_slot = [](const GradSlot& slot) { return !slot.buffer.defined() && slot.category != Category::gradient; };
+    double beta_res = 0;
+    Tensor dres;
+    bool dz_taken = false;
+    if (has_residual && g[3].needed) {
+      if (reusable_slot(g[3])) {
+        g[3].buffer = dres = dz;
+        dz_taken = true;
+      } else {
+        dres = grad_target(g[3], x, beta_res, op);
+      }
+    }
+    bool dx_over_dz = false;
+    if (g[0].needed && !dz_taken && reusable_slot(g[0])) {
+      g[0].buffer = dz;  // dx written over dz (beta 0)
+      dx_over_dz = true;
+    }
+    // The residual took dz and x needs a buffer of its own: ReLU's mask (y) is dropped before that
+    // buffer is taken — one fewer activation-sized buffer at a backward's peak (ResNet-50 224² in
+    // 8 GiB at --recompute all: micro-batches of 342 instead of 293). It costs a second pass that
+    // sums the masked dz again for dx (the same sums, so the same bits).
+    if (dz_taken && relu) {
+      GradSlot none;
+      std::vector<GradSlot> params = {none, g[1], g[2]};
+      auto [unused, dw, db, bdx0, bp] = norm_grad_targets(params, x, w, has_weight, has_bias, C, op);
+      g[1] = params[1], g[2] = params[2];
+      {
+        const Tensor ws = workspace(x, batch_norm_workspace_bytes(x, N, C, HW), "batch_norm_backward");
+        TALLY_DISPATCH(op, x, FLOATING, {
+          kernels::NormActGrad<T> act;
+          act.y = output.t[0].data<T>();
+          act.relu = true;
+          act.dresidual = dres.data<T>();
+          kk::batch_norm_backward<T>(N, C, HW, dz.data<T>(), x.data<T>(), ptr_or_null<TP>(w), saved.t[2].data<TP>(),
+                                     saved.t[3].data<TP>(), static_cast<T*>(nullptr), TP(0), ptr_or_null<TP>(dw),
+                                     ptr_or_null<TP>(db), TP(bp), ws_ptr(ws), act);
+        });
+      }
+      output.release();
+      if (!g[0].needed) return;
+      double bdx = 0;
+      Tensor& dx = grad_target(g[0], x, bdx, op);
+      const Tensor ws = workspace(x, batch_norm_workspace_bytes(x, N, C, HW), "batch_norm_backward");
+      TALLY_DISPATCH(op, x, FLOATING, {
+        kk::batch_norm_backward<T>(N, C, HW, dz.data<T>(), x.data<T>(), ptr_or_null<TP>(w), saved.t[2].data<TP>(),
+                                   saved.t[3].data<TP>(), dx.data<T>(), TP(bdx), static_cast<TP*>(nullptr),
+                                   static_cast<TP*>(nullptr), TP(0), ws_ptr(ws));
+      });
+      return;
+    }
+    auto [dx, dw, db, bdx, bp] = norm_grad_targets(g, x, w, has_weight, has_bias, C, op, dx_over_dz);
+    const Tensor ws = workspace(x, batch_norm_workspace_bytes(x, N, C, HW), "batch_norm_backward");
+    TALLY_DISPATCH(op, x, FLOATING, {
+      kernels::NormActGrad<T> act;
+      act.y = relu ? output.t[0].data<T>() : nullptr;
+      act.relu = relu;
+      act.dresidual = ptr_or_null<T>(dres);
+      act.beta_residual = TP(beta_res);
+      kk::batch_norm_backward<T>(N, C, HW, dz.data<T>(), x.data<T>(), ptr_or_null<TP>(w), saved.t[2].data<TP>(),
+                                 saved.t[3].data<TP>(), ptr_or_null<T>(dx), TP(bdx), ptr_or_null<TP>(dw),
+                                 ptr_or_null<TP>(db), TP(bp), ws_ptr(ws), act);
+    });
+  }
   void backward(const Tensor& gy, std::vector<GradSlot>& g) override {
+    if (training && (relu || has_residual)) return fused_backward(gy, g);
     const Tensor& x = saved.t[0];
     const Tensor& w = saved.t[1];
     const Tensor dy = gy.contiguous();
@@ -402,13 +477,56 @@ struct GroupNormBackward : Node {
 }  // namespace
 
 Tensor batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
-                  const Tensor& running_var, const BatchNormOptions& opt) {
-  return batch_norm_with_stats(x, weight, bias, running_mean, running_var, opt).y;
+                  const Tensor& running_var, const BatchNormOptions& opt, const Tensor& residual) {
+  return batch_norm_with_stats(x, weight, bias, running_mean, running_var, opt, residual).y;
 }
 
-BatchNormResult batch_norm_with_stats(const Tensor& x_, const Tensor& weight, const Tensor& bias,
-                                      const Tensor& running_mean, const Tensor& running_var,
-                                      const BatchNormOptions& opt) {
+namespace {
+
+// Training: the batch's statistics, the running statistics updated if given, the fused residual
+// and ReLU applied; the node keeps x, the statistics and (fused ReLU) y.
+BatchNormResult batch_norm_train(const Tensor& x_, const Tensor& x, const Tensor& weight, const Tensor& bias,
+                                 const Tensor& running_mean, const Tensor& running_var, const BatchNormOptions& opt,
+                                 const Tensor& residual_, const Tensor& residual, bool in_place) {
+  const char* op = "batch_norm";
+  const i64 N = x.size(0), C = x.size(1), HW = spatial(x);
+  Tensor y = in_place ? alias_for_output(x) : out_like(x, x.shape(), op);
+  // Saved statistics are activations: they live exactly as long as the backward needs them.
+  Tensor save_mean = Tensor::empty({C}, param_dtype(x.dtype()), x.device(), Category::activation, "batch_norm_mean");
+  Tensor save_invstd = Tensor::empty({C}, param_dtype(x.dtype()), x.device(), Category::activation, "batch_norm_invstd");
+  const bool update = running_mean.defined();
+  {
+    const Tensor ws = workspace(x, batch_norm_workspace_bytes(x, N, C, HW), op);
+    TALLY_DISPATCH(op, x, FLOATING, {
+      kernels::NormAct<T> act;
+      act.residual = ptr_or_null<T>(residual);
+      act.relu = opt.relu;
+      kk::batch_norm_forward_train<T>(N, C, HW, x.data<T>(), ptr_or_null<TP>(weight), ptr_or_null<TP>(bias), TP(opt.eps),
+                                      TP(opt.momentum), update ? running_mean.data<TP>() : nullptr,
+                                      update ? running_var.data<TP>() : nullptr, y.data<T>(), save_mean.data<TP>(),
+                                      save_invstd.data<TP>(), ws_ptr(ws), act);
+    });
+  }
+  if (any_requires_grad({&x_, &weight, &bias, &residual_})) {
+    auto n = std::make_shared<BatchNormBackward>();
+    n->saved.t = {x, weight, save_mean, save_invstd};
+    n->training = true;
+    n->relu = opt.relu, n->has_residual = residual.defined();
+    n->eps = opt.eps;
+    n->N = N, n->C = C, n->HW = HW;
+    n->has_weight = weight.defined(), n->has_bias = bias.defined();
+    set_history(y, n, {&x_, &weight, &bias, &residual_});
+    if (opt.relu) n->output.t[0] = y.detach();  // the node must not own a handle that points back at itself
+  }
+  return {y, save_mean, save_invstd};
+}
+
+}  // namespace
+
+namespace {
+BatchNormResult batch_norm_any(const Tensor& x_, const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
+                               const Tensor& running_var, const BatchNormOptions& opt, const Tensor& residual_,
+                               bool given_up) {
   const char* op = "batch_norm";
   if (!x_.defined() || x_.dim() < 2) throw ShapeError(fmt::format("batch_norm: expected input (N, C, ...), found {}", x_.str()));
   check_floating(op, x_);
@@ -417,51 +535,49 @@ BatchNormResult batch_norm_with_stats(const Tensor& x_, const Tensor& weight, co
   check_matching(op, x_, bias, "bias", C);
   check_matching(op, x_, running_mean, "running_mean", C);
   check_matching(op, x_, running_var, "running_var", C);
+  if (residual_.defined()) check_same_shape("batch_norm (residual)", x_, residual_);
   if (!opt.training && (!running_mean.defined() || !running_var.defined()))
     throw ShapeError("batch_norm: eval mode needs running_mean and running_var");
   if (opt.training && N * HW < 2)
     throw ShapeError(fmt::format("batch_norm: expected more than 1 value per channel when training, got input {}", x_.str()));
+  // y over x: x's handle given up and nothing else holding its buffer, and no backward to keep it.
+  const bool in_place = given_up && reusable(x_) && !any_requires_grad({&x_, &weight, &bias, &residual_});
   const Tensor x = x_.contiguous();
-  Tensor y = out_like(x, x.shape(), op);
-  const bool need_grad = any_requires_grad({&x_, &weight, &bias});
-  if (opt.training) {
-    // Saved statistics are activations: they live exactly as long as the backward needs them.
-    Tensor save_mean = Tensor::empty({C}, param_dtype(x.dtype()), x.device(), Category::activation, "batch_norm_mean");
-    Tensor save_invstd = Tensor::empty({C}, param_dtype(x.dtype()), x.device(), Category::activation, "batch_norm_invstd");
-    const bool update = running_mean.defined();
-    {
-      const Tensor ws = workspace(x, batch_norm_workspace_bytes(x, N, C, HW), op);
-      TALLY_DISPATCH(op, x, FLOATING, kk::batch_norm_forward_train<T>(N, C, HW, x.data<T>(), ptr_or_null<TP>(weight), ptr_or_null<TP>(bias),
-                                                                      TP(opt.eps), TP(opt.momentum),
-                                                                      update ? running_mean.data<TP>() : nullptr,
-                                                                      update ? running_var.data<TP>() : nullptr, y.data<T>(),
-                                                                      save_mean.data<TP>(), save_invstd.data<TP>(), ws_ptr(ws)));
-    }
-    if (need_grad) {
-      auto n = std::make_shared<BatchNormBackward>();
-      n->saved.t = {x, weight, save_mean, save_invstd};
-      n->training = true;
-      n->eps = opt.eps;
-      n->N = N, n->C = C, n->HW = HW;
-      n->has_weight = weight.defined(), n->has_bias = bias.defined();
-      set_history(y, n, {&x_, &weight, &bias});
-    }
-    return {y, save_mean, save_invstd};
-  } else {
-    TALLY_DISPATCH(op, x, FLOATING, kk::batch_norm_forward_eval<T>(N, C, HW, x.data<T>(), ptr_or_null<TP>(weight), ptr_or_null<TP>(bias),
-                                                                   running_mean.data<TP>(), running_var.data<TP>(), TP(opt.eps), y.data<T>()));
-    if (need_grad) {
-      auto n = std::make_shared<BatchNormBackward>();
-      n->saved.t = {x, weight, Tensor(), Tensor()};
-      n->running.t = {running_mean, running_var};
-      n->training = false;
-      n->eps = opt.eps;
-      n->N = N, n->C = C, n->HW = HW;
-      n->has_weight = weight.defined(), n->has_bias = bias.defined();
-      set_history(y, n, {&x_, &weight, &bias});
-    }
+  if (opt.training)
+    return batch_norm_train(x_, x, weight, bias, running_mean, running_var, opt, residual_,
+                            residual_.defined() ? residual_.contiguous() : Tensor(), in_place);
+  Tensor y = in_place ? alias_for_output(x) : out_like(x, x.shape(), op);
+  TALLY_DISPATCH(op, x, FLOATING, kk::batch_norm_forward_eval<T>(N, C, HW, x.data<T>(), ptr_or_null<TP>(weight), ptr_or_null<TP>(bias),
+                                                                 running_mean.data<TP>(), running_var.data<TP>(), TP(opt.eps), y.data<T>()));
+  if (any_requires_grad({&x_, &weight, &bias})) {
+    auto n = std::make_shared<BatchNormBackward>();
+    n->saved.t = {x, weight, Tensor(), Tensor()};
+    n->running.t = {running_mean, running_var};
+    n->training = false;
+    n->eps = opt.eps;
+    n->N = N, n->C = C, n->HW = HW;
+    n->has_weight = weight.defined(), n->has_bias = bias.defined();
+    set_history(y, n, {&x_, &weight, &bias});
   }
+  // Eval: the fused activation as the unfused ops (the buffer handed on, so no copies).
+  if (residual_.defined()) y = add(std::move(y), residual_);
+  if (opt.relu) y = relu(std::move(y));
   return {y, Tensor(), Tensor()};
+}
+}  // namespace
+
+BatchNormResult batch_norm_with_stats(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                                      const Tensor& running_mean, const Tensor& running_var,
+                                      const BatchNormOptions& opt, const Tensor& residual) {
+  return batch_norm_any(x, weight, bias, running_mean, running_var, opt, residual, false);
+}
+
+BatchNormResult batch_norm_with_stats(Tensor&& x, const Tensor& weight, const Tensor& bias,
+                                      const Tensor& running_mean, const Tensor& running_var,
+                                      const BatchNormOptions& opt, const Tensor& residual) {
+  BatchNormResult r = batch_norm_any(x, weight, bias, running_mean, running_var, opt, residual, true);
+  x = Tensor();  // given up
+  return r;
 }
 
 void batch_norm_add_moments(const Tensor& mean, const Tensor& invstd, double eps, i64 count, Tensor& sum,

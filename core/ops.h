@@ -34,12 +34,20 @@ struct BatchNormOptions {
   bool training = true;
   double momentum = 0.1;
   double eps = 1e-5;
+  // Fused after the norm: y = relu(batch_norm(x) + residual) — the residual add and the ReLU ride
+  // on the normalizing pass, and in backward ReLU's mask on the norm's passes, which hand the
+  // residual its gradient (dz) too. Values and gradients are the unfused ops' bit for bit (the
+  // residual added to the normalized value rounded to x's dtype, then relu's NaN-passing ReLU).
+  // Its backward keeps x, the statistics and y (the next layer's input, kept by it anyway): no
+  // more than the unfused ops. In eval mode the unfused ops run.
+  bool relu = false;
 };
 // x (N, C, ...) ; weight, bias (C) or undefined ; running_mean/var (C) or undefined.
 // Training: normalizes with batch statistics and updates the running statistics in place if given
 // (unbiased variance); it never tracks num_batches_tracked itself (the module does).
+// `residual` (x's shape, dtype and device, or undefined) is added before the ReLU (above).
 Tensor batch_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, const Tensor& running_mean,
-                  const Tensor& running_var, const BatchNormOptions& opt = {});
+                  const Tensor& running_var, const BatchNormOptions& opt = {}, const Tensor& residual = {});
 // batch_norm, and in training the batch statistics it normalized with (torch.native_batch_norm's
 // save_mean and save_invstd): per channel the mean and 1 / sqrt(biased variance + eps), the
 // activations its backward keeps; undefined in eval mode.
@@ -48,7 +56,13 @@ struct BatchNormResult {
 };
 BatchNormResult batch_norm_with_stats(const Tensor& x, const Tensor& weight, const Tensor& bias,
                                       const Tensor& running_mean, const Tensor& running_var,
-                                      const BatchNormOptions& opt = {});
+                                      const BatchNormOptions& opt = {}, const Tensor& residual = {});
+// The same on an x whose handle the caller gives up (as relu(Tensor&&)): when nothing else holds
+// its buffer and no gradient is recorded (a recomputed segment's first run, evaluation), y is
+// written over x — one buffer instead of two.
+BatchNormResult batch_norm_with_stats(Tensor&& x, const Tensor& weight, const Tensor& bias,
+                                      const Tensor& running_mean, const Tensor& running_var,
+                                      const BatchNormOptions& opt = {}, const Tensor& residual = {});
 // Moments over several batches (no gradient): adds one batch's, from its statistics over `count`
 // values per channel, to float64 (C) sums on the statistics' device — sum += count * mean,
 // sum_sq += count * (var + mean^2), var = 1 / invstd^2 - eps — without a host wait.

@@ -81,6 +81,24 @@ struct Compute<bf16> {
 template <class T>
 using compute_t = typename Compute<T>::type;
 
+// What a training batch norm fuses after itself (core/ops.h, batch_norm with relu or a residual):
+// forward y = relu(bn(x) + residual); backward folds ReLU's mask (y > 0) into the norm's gradient
+// and hands the residual its gradient dz = dy * (y > 0). The defaults are the plain batch norm.
+template <class T>
+struct NormAct {
+  const T* residual = nullptr;  // (N, C, HW) added before the ReLU, or null
+  bool relu = false;
+};
+// In place: dresidual may be dy itself (beta 0: the masked gradient replaces dy), or else dx may
+// be dy itself (beta 0) — a backward that owns its incoming gradient reuses its buffer.
+template <class T>
+struct NormActGrad {
+  const T* y = nullptr;  // (N, C, HW) the fused forward's output, whose sign is ReLU's mask (relu only)
+  bool relu = false;
+  T* dresidual = nullptr;  // (N, C, HW) receives dz (=|+= by beta_residual); null: not needed
+  compute_t<T> beta_residual = 0;
+};
+
 // The three passes of a convolution; each has its own workspace (conv2d_workspace_bytes).
 enum class ConvPass { forward, backward_data, backward_filter };
 

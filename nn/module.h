@@ -85,9 +85,15 @@ class Module {
   // forward(x), recomputed during backward instead of kept when set_recompute(true) is on and the
   // module is training with grad mode on (core/autograd.h, recompute()).
   Tensor operator()(const Tensor& x) {
+    return observed([&] { return run_segment(recompute_, [this](const Tensor& t) { return forward(t); }, x); });
+  }
+  // fn() run as a call of this module, seen by the forward observer (the layer table) as
+  // operator() is: for a module's other forwards (BatchNorm2d::forward_relu).
+  template <class F>
+  Tensor observed(F&& fn) {
     ForwardObserver* o = forward_observer();
     if (o) o->before(*this);
-    Tensor y = run_segment(recompute_, [this](const Tensor& t) { return forward(t); }, x);
+    Tensor y = fn();
     if (o) o->after(*this, y);
     return y;
   }

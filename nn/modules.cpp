@@ -86,30 +86,43 @@ void BatchNorm2d::count_batch() {
   num_batches_tracked.data<std::int64_t>()[0] += 1;
 }
 
-Tensor BatchNorm2d::forward(const Tensor& x) {
+Tensor BatchNorm2d::forward(const Tensor& x) { return normalize(x, Tensor(), false); }
+
+Tensor BatchNorm2d::forward_relu(Tensor x, const Tensor& residual) {
+  if (recompute()) {  // a segment of its own keeps only x: the residual's gradient needs the unfused ops
+    Tensor y = (*this)(x);
+    if (residual.defined()) y = add(std::move(y), residual);
+    return relu(std::move(y));
+  }
+  return observed([&] { return normalize(std::move(x), residual, true); });
+}
+
+Tensor BatchNorm2d::normalize(Tensor x, const Tensor& residual, bool relu) {
   if (x.defined() && x.dim() != 4)
     throw ShapeError(fmt::format("BatchNorm2d: expected input (N, C, H, W), found {}", x.str()));
   BatchNormOptions opt;
   opt.training = is_training();
   opt.momentum = momentum;
   opt.eps = eps;
+  opt.relu = relu;
   if (is_training() && recomputing()) {
     // The forward re-run of a recomputed segment: the batch's statistics again (the same input,
     // so the same values), but the running statistics and the step's moments were counted the
     // first time.
-    return batch_norm(x, weight, bias, Tensor(), Tensor(), opt);
+    return batch_norm(x, weight, bias, Tensor(), Tensor(), opt, residual);
   }
+  const std::int64_t values = x.defined() ? x.size(0) * x.size(2) * x.size(3) : 0;
+  const Device device = x.defined() ? x.device() : Device::cpu();  // x may be given up below
   if (!is_training() || !in_step_) {
-    Tensor y = batch_norm(x, weight, bias, running_mean, running_var, opt);
+    Tensor y = batch_norm_with_stats(std::move(x), weight, bias, running_mean, running_var, opt, residual).y;
     if (is_training()) count_batch();
     return y;
   }
-  BatchNormResult r = batch_norm_with_stats(x, weight, bias, Tensor(), Tensor(), opt);
+  BatchNormResult r = batch_norm_with_stats(std::move(x), weight, bias, Tensor(), Tensor(), opt, residual);
   if (!sum_.defined()) {  // the step's first forward allocates the sums (a dry run too)
-    sum_ = Tensor::zeros({num_features}, DType::Float64, x.device(), Category::temporary, "batch_norm_moments");
-    sum_sq_ = Tensor::zeros({num_features}, DType::Float64, x.device(), Category::temporary, "batch_norm_moments");
+    sum_ = Tensor::zeros({num_features}, DType::Float64, device, Category::temporary, "batch_norm_moments");
+    sum_sq_ = Tensor::zeros({num_features}, DType::Float64, device, Category::temporary, "batch_norm_moments");
   }
-  const std::int64_t values = x.size(0) * x.size(2) * x.size(3);
   batch_norm_add_moments(r.mean, r.invstd, eps, values, sum_, sum_sq_);
   count_ += values;
   return std::move(r.y);

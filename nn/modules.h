@@ -54,6 +54,10 @@ class BatchNorm2d : public Module, public StepState {
   // Training: batch statistics, running statistics updated and num_batches_tracked += 1 — or,
   // during an MBP step, the batch's moments added to the step's (below). Eval: running statistics.
   Tensor forward(const Tensor& x) override;
+  // relu(forward(x) + residual) in one op (core/ops.h's fused batch norm; residual may be
+  // undefined): the same values, gradients, statistics and MBP moments, fewer passes over memory.
+  // x by value: a caller that moves its handle in lets a gradient-free run write y over x.
+  Tensor forward_relu(Tensor x, const Tensor& residual = {});
 
   // The MBP step (module.h's StepState): training forwards add their per-channel moments (sums of
   // x and x^2, float64 tensors of category temporary on the module's device, allocated by the first
@@ -81,6 +85,7 @@ class BatchNorm2d : public Module, public StepState {
 
  private:
   void count_batch();
+  Tensor normalize(Tensor x, const Tensor& residual, bool relu);
   bool in_step_ = false;
   Tensor sum_, sum_sq_;     // (C) float64: the step's sums of x and x^2 over every value seen
   std::int64_t count_ = 0;  // values per channel seen in the step

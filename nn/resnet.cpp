@@ -85,17 +85,23 @@ BasicBlock::BasicBlock(std::int64_t in_planes, std::int64_t planes, std::int64_t
   if (auto ds = make_downsample(in_planes, planes * expansion, stride, norm)) downsample = register_module("downsample", ds);
 }
 
+Tensor norm_relu(Module& norm, Tensor x, const Tensor& residual) {
+  if (auto* bn = dynamic_cast<BatchNorm2d*>(&norm)) return bn->forward_relu(std::move(x), residual);
+  Tensor y = norm(x);
+  if (residual.defined()) y = add(std::move(y), residual);
+  return tally::relu(std::move(y));
+}
+
 // The blocks' forwards hold one intermediate at a time: each step's input handle is dropped as the
 // next is assigned (a tensor no backward saved is freed there, e.g. in a recomputed segment's
-// first, gradient-free run), and ReLU and the residual add write in place into the norm's output,
-// which nothing else holds (core/ops.h), as torchvision's inplace ReLU and `out += identity` do.
+// first, gradient-free run). The norm, the residual add and the ReLU are one op (norm_relu) — or,
+// for the norms without a fused op, ReLU and the add write in place into the norm's output, which
+// nothing else holds (core/ops.h), as torchvision's inplace ReLU and `out += identity` do.
 Tensor BasicBlock::forward(const Tensor& x) {
   Tensor out = (*conv1)(x);
-  out = tally::relu((*bn1)(out));
+  out = norm_relu(*bn1, std::move(out));
   out = (*conv2)(out);
-  out = (*bn2)(out);
-  out = add(std::move(out), downsample ? (*downsample)(x) : x);
-  return tally::relu(std::move(out));
+  return norm_relu(*bn2, std::move(out), downsample ? (*downsample)(x) : x);
 }
 
 Bottleneck::Bottleneck(std::int64_t in_planes, std::int64_t planes, std::int64_t stride, Norm norm) {
@@ -111,13 +117,11 @@ Bottleneck::Bottleneck(std::int64_t in_planes, std::int64_t planes, std::int64_t
 
 Tensor Bottleneck::forward(const Tensor& x) {
   Tensor out = (*conv1)(x);
-  out = tally::relu((*bn1)(out));
+  out = norm_relu(*bn1, std::move(out));
   out = (*conv2)(out);
-  out = tally::relu((*bn2)(out));
+  out = norm_relu(*bn2, std::move(out));
   out = (*conv3)(out);
-  out = (*bn3)(out);
-  out = add(std::move(out), downsample ? (*downsample)(x) : x);
-  return tally::relu(std::move(out));
+  return norm_relu(*bn3, std::move(out), downsample ? (*downsample)(x) : x);
 }
 
 // ---- torchvision ResNet -------------------------------------------------------------------------
@@ -163,7 +167,7 @@ Module::RecomputeParts ResNet::recompute_parts() {
 
 Tensor ResNet::stem(const Tensor& x) {
   Tensor y = (*conv1)(x);
-  y = tally::relu((*bn1)(y));
+  y = norm_relu(*bn1, std::move(y));
   return (*maxpool)(y);
 }
 
@@ -195,7 +199,7 @@ Module::RecomputeParts CifarResNet::recompute_parts() {
 }
 
 Tensor CifarResNet::forward(const Tensor& x) {
-  Tensor y = tally::relu((*bn1)((*conv1)(x)));
+  Tensor y = norm_relu(*bn1, (*conv1)(x));
   y = (*layer3)((*layer2)((*layer1)(y)));
   return (*fc)(flatten((*avgpool)(y), 1));
 }

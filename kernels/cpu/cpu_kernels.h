@@ -164,20 +164,24 @@ template <class S, class D> void convert(i64 n, const S* x, D* y);
 //   `workspace` (batch_norm_workspace_bytes, 0 on the CPU) holds the CUDA twin's per-block
 //   partial sums; the CPU ignores it.
 std::size_t batch_norm_workspace_bytes(i64 N, i64 C, i64 HW);
+// `act` fuses the residual add and the ReLU after it (kernels/common.h): y = relu(bn(x) + residual)
+// in the same pass over x that normalizes.
 template <class T>
 void batch_norm_forward_train(i64 N, i64 C, i64 HW, const T* x, const P<T>* gamma, const P<T>* beta_,
                               P<T> eps, P<T> momentum, P<T>* running_mean, P<T>* running_var, T* y,
-                              P<T>* save_mean, P<T>* save_invstd, void* workspace = nullptr);
+                              P<T>* save_mean, P<T>* save_invstd, void* workspace = nullptr,
+                              NormAct<T> act = {});
 // Eval mode: y = (x - running_mean) / sqrt(running_var + eps) * gamma + beta_.
 template <class T>
 void batch_norm_forward_eval(i64 N, i64 C, i64 HW, const T* x, const P<T>* gamma, const P<T>* beta_,
                              const P<T>* running_mean, const P<T>* running_var, P<T> eps, T* y);
 // Training-mode backward. dx (=|+=) with beta_dx; dgamma, dbeta (C) (=|+=) with beta_param;
-// any of dx, dgamma, dbeta may be null (not needed).
+// any of dx, dgamma, dbeta may be null (not needed). `act`: the fused forward's ReLU (dy masked
+// by y > 0 first) and the residual's gradient, written in the pass that sums dy.
 template <class T>
 void batch_norm_backward(i64 N, i64 C, i64 HW, const T* dy, const T* x, const P<T>* gamma,
                          const P<T>* save_mean, const P<T>* save_invstd, T* dx, P<T> beta_dx, P<T>* dgamma,
-                         P<T>* dbeta, P<T> beta_param, void* workspace = nullptr);
+                         P<T>* dbeta, P<T> beta_param, void* workspace = nullptr, NormActGrad<T> act = {});
 // Eval-mode backward (statistics are constants): dx = dy * gamma * invstd_running.
 template <class T>
 void batch_norm_backward_eval(i64 N, i64 C, i64 HW, const T* dy, const T* x, const P<T>* gamma,

@@ -6,6 +6,8 @@
 // order, so results do not depend on the thread count.
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #include "kernels/cpu/cpu_kernels.h"
@@ -26,20 +28,43 @@ inline void store(T* out, P<T> beta, double v) {
   }
 }
 
-// y = (x - mean) * scale + b over one channel of (N, C, HW) (at x + c * HW, y + c * HW): in double,
-// or for a bf16 y in float32 (its one rounding to bf16 dominates), so that the loop vectorizes.
-template <class T>
-void normalize_channel(i64 N, i64 CHW, i64 HW, const T* xc, T* yc, double mean, double scale, double b) {
+// y = (x - mean) * scale + b [+ r] [then max(0, .)] over one channel of (N, C, HW) (at x + c * HW,
+// y + c * HW, r + c * HW): in double, or for a bf16 y in float32 (its one rounding to bf16
+// dominates), so that the loop vectorizes. The residual is added to the normalized value rounded
+// to T and the ReLU taken after, as the unfused ops would (bit for bit the same). R and A select
+// the loop at compile time: one branch-free loop per combination.
+template <bool R, bool A, class T>
+void normalize_rows(i64 N, i64 CHW, i64 HW, const T* xc, const T* rc, T* yc, double mean, double scale, double b) {
   for (i64 n = 0; n < N; ++n) {
     const T* xp = xc + n * CHW;
+    const T* rp = R ? rc + n * CHW : nullptr;
     T* yp = yc + n * CHW;
     if constexpr (std::is_same_v<T, bf16>) {
       const float sf = static_cast<float>(scale), bf = static_cast<float>(b - mean * scale);
-      for (i64 i = 0; i < HW; ++i) yp[i] = bf16(float(xp[i]) * sf + bf);
+      for (i64 i = 0; i < HW; ++i) {
+        float v = float(bf16(float(xp[i]) * sf + bf));
+        if constexpr (R) v = float(bf16(v + float(rp[i])));
+        if constexpr (A) v = v < 0.f ? 0.f : v;  // relu_forward's: NaN and -0 pass
+        yp[i] = bf16(v);
+      }
     } else {
-      for (i64 i = 0; i < HW; ++i) yp[i] = static_cast<T>((static_cast<double>(xp[i]) - mean) * scale + b);
+      for (i64 i = 0; i < HW; ++i) {
+        T v = static_cast<T>((static_cast<double>(xp[i]) - mean) * scale + b);
+        if constexpr (R) v = v + rp[i];
+        if constexpr (A) v = v < T(0) ? T(0) : v;
+        yp[i] = v;
+      }
     }
   }
+}
+
+template <class T>
+void normalize_channel(i64 N, i64 CHW, i64 HW, const T* xc, const T* rc, bool relu, T* yc, double mean, double scale,
+                       double b) {
+  if (rc && relu) normalize_rows<true, true>(N, CHW, HW, xc, rc, yc, mean, scale, b);
+  else if (rc) normalize_rows<true, false>(N, CHW, HW, xc, rc, yc, mean, scale, b);
+  else if (relu) normalize_rows<false, true>(N, CHW, HW, xc, rc, yc, mean, scale, b);
+  else normalize_rows<false, false>(N, CHW, HW, xc, rc, yc, mean, scale, b);
 }
 
 // Per-channel sums over the N images of a (N, C, HW) tensor, in double: eight interleaved
@@ -85,29 +110,81 @@ double channel_ssd(i64 N, i64 CHW, i64 HW, const T* xc, double mean) {
   return a.total();
 }
 
-// sum of dy and of dy * (x - mean), over n, i.
-template <class T>
-void channel_dy_sums(i64 N, i64 CHW, i64 HW, const T* dyc, const T* xc, double mean, double* sum_dy,
-                     double* sum_dy_xmu) {
+// dy masked by a fused ReLU as relu_backward masks it: +0 where y <= 0, else dy (a NaN y passes
+// dy). By a bit mask from the comparison, not a conditional: both loads happen and the loop has
+// no branch per element (a branch on random signs made the fused backward 4x slower, measured).
+template <bool A, class T>
+inline T masked(const T* dyp, const T* yp, i64 i) {
+  const T d = dyp[i];
+  if constexpr (!A) {
+    return d;
+  } else if constexpr (std::is_same_v<T, bf16>) {
+    const std::uint16_t keep = static_cast<std::uint16_t>(0u - static_cast<unsigned>(!(float(yp[i]) <= 0.f)));
+    return bf16::from_bits(d.bits & keep);
+  } else {
+    using U = std::conditional_t<sizeof(T) == 4, std::uint32_t, std::uint64_t>;
+    U b;
+    std::memcpy(&b, &d, sizeof b);
+    b &= U(0) - static_cast<U>(!(yp[i] <= T(0)));
+    T r;
+    std::memcpy(&r, &b, sizeof r);
+    return r;
+  }
+}
+
+// sum of dz and of dz * (x - mean), over n, i, where dz = dy (masked by y > 0 when A); with
+// D = 1 dz is also stored into dr, with D = 2 added to it, with D = 3 stored over dy itself (dr is
+// dy): the residual's gradient, in the same pass. Plain loops over the lanes through one pointer
+// per array, no call per element: they vectorize (two names for one array would fail the
+// compiler's overlap check and run the scalar loop).
+template <bool A, int D, class T>
+void channel_dy_sums(i64 N, i64 CHW, i64 HW, const T* dyc, const T* yc, const T* xc, double mean, T* drc,
+                     double* sum_dy, double* sum_dy_xmu) {
   Lanes a, b;
   for (i64 n = 0; n < N; ++n) {
     const T* xp = xc + n * CHW;
-    const T* dyp = dyc + n * CHW;
+    const T* dyp = D == 3 ? nullptr : dyc + n * CHW;
+    const T* yp = A ? yc + n * CHW : nullptr;
+    T* drp = D ? drc + n * CHW : nullptr;
+    const T* src = D == 3 ? drp : dyp;
+    auto one = [&](i64 i, int lane) __attribute__((always_inline)) {
+      const T dz = masked<A>(src, yp, i);
+      if constexpr (D == 1 || D == 3) drp[i] = dz;
+      if constexpr (D == 2) drp[i] = T(P<T>(drp[i]) + P<T>(dz));
+      const double d = static_cast<double>(dz);
+      a.v[lane] += d;
+      b.v[lane] += d * (static_cast<double>(xp[i]) - mean);
+    };
     i64 i = 0;
     for (; i + 8 <= HW; i += 8)
-      for (int j = 0; j < 8; ++j) {
-        const double d = static_cast<double>(dyp[i + j]);
-        a.v[j] += d;
-        b.v[j] += d * (static_cast<double>(xp[i + j]) - mean);
-      }
-    for (; i < HW; ++i) {
-      const double d = static_cast<double>(dyp[i]);
-      a.v[i % 8] += d;
-      b.v[i % 8] += d * (static_cast<double>(xp[i]) - mean);
-    }
+      for (int j = 0; j < 8; ++j) one(i + j, j);
+    for (; i < HW; ++i) one(i, static_cast<int>(i % 8));
   }
   *sum_dy = a.total();
   *sum_dy_xmu = b.total();
+}
+
+template <class T>
+void channel_dy_sums(const NormActGrad<T>& act, i64 N, i64 CHW, i64 HW, i64 c, const T* dy, const T* x, double mean,
+                     double* sum_dy, double* sum_dy_xmu) {
+  const i64 o = c * HW;
+  const T* y = act.relu ? act.y + o : nullptr;
+  T* dr = act.dresidual ? act.dresidual + o : nullptr;
+  const int d = !dr ? 0 : dr == dy + o ? 3 : act.beta_residual == P<T>(0) ? 1 : 2;
+  auto run = [&](auto a_tag, auto d_tag) {
+    channel_dy_sums<decltype(a_tag)::value, decltype(d_tag)::value>(N, CHW, HW, dy + o, y, x + o, mean, dr, sum_dy,
+                                                                    sum_dy_xmu);
+  };
+  auto with_d = [&](auto a_tag) {
+    switch (d) {
+      case 0: run(a_tag, std::integral_constant<int, 0>{}); break;
+      case 1: run(a_tag, std::integral_constant<int, 1>{}); break;
+      case 2: run(a_tag, std::integral_constant<int, 2>{}); break;
+      default: run(a_tag, std::integral_constant<int, 3>{}); break;
+    }
+  };
+  if (act.relu) with_d(std::true_type{});
+  else with_d(std::false_type{});
 }
 
 }  // namespace
@@ -120,7 +197,7 @@ std::size_t batch_norm_workspace_bytes(i64, i64, i64) { return 0; }
 template <class T>
 void batch_norm_forward_train(i64 N, i64 C, i64 HW, const T* x, const P<T>* gamma, const P<T>* beta_,
                               P<T> eps, P<T> momentum, P<T>* running_mean, P<T>* running_var, T* y,
-                              P<T>* save_mean, P<T>* save_invstd, void* /*workspace: none needed*/) {
+                              P<T>* save_mean, P<T>* save_invstd, void* /*workspace: none needed*/, NormAct<T> act) {
   using M_ = P<T>;
   const i64 M = N * HW;
   const i64 CHW = C * HW;
@@ -134,7 +211,8 @@ void batch_norm_forward_train(i64 N, i64 C, i64 HW, const T* x, const P<T>* gamm
     const double g = gamma ? static_cast<double>(gamma[c]) : 1.0;
     const double b = beta_ ? static_cast<double>(beta_[c]) : 0.0;
     const double scale = invstd * g;
-    normalize_channel(N, CHW, HW, x + c * HW, y + c * HW, mean, scale, b);
+    normalize_channel(N, CHW, HW, x + c * HW, act.residual ? act.residual + c * HW : nullptr, act.relu, y + c * HW,
+                      mean, scale, b);
     if (save_mean) save_mean[c] = static_cast<M_>(mean);
     if (save_invstd) save_invstd[c] = static_cast<M_>(invstd);
     const double mom = static_cast<double>(momentum);
@@ -164,14 +242,69 @@ void batch_norm_forward_eval(i64 N, i64 C, i64 HW, const T* x, const P<T>* gamma
     const double g = gamma ? static_cast<double>(gamma[c]) : 1.0;
     const double b = beta_ ? static_cast<double>(beta_[c]) : 0.0;
     const double scale = invstd * g;
-    normalize_channel(N, CHW, HW, x + c * HW, y + c * HW, mean, scale, b);
+    normalize_channel(N, CHW, HW, x + c * HW, static_cast<const T*>(nullptr), false, y + c * HW, mean, scale, b);
   }
 }
+
+namespace {
+
+// The dx pass of one channel of a training batch norm's backward, dz = dy (masked by y > 0 when A):
+// dx = k (dz - mean_dz - xhat mean_dz_xhat).
+template <class T>
+struct DxRows {
+  i64 N, CHW, HW;
+  double mean, invstd, k, mean_dy, mean_dy_xhat;
+  P<T> beta_dx;
+
+  // dx over dy itself (In): read and written through one pointer, so the loops vectorize.
+  template <bool A, bool In>
+  void run(const T* dyc, const T* yc, const T* xc, T* dxc) const {
+    using M_ = P<T>;
+    // Locals, not members: a store through dxp could alias a member as far as the compiler knows,
+    // and reloading them every element keeps the loops from vectorizing.
+    const i64 N = this->N, CHW = this->CHW, HW = this->HW;
+    const double mean = this->mean, invstd = this->invstd, k = this->k, mean_dy = this->mean_dy,
+                 mean_dy_xhat = this->mean_dy_xhat;
+    const P<T> beta_dx = this->beta_dx;
+    for (i64 n = 0; n < N; ++n) {
+      const T* xp = xc + n * CHW;
+      T* dxp = dxc + n * CHW;
+      const T* dyp = In ? dxp : dyc + n * CHW;
+      const T* yp = A ? yc + n * CHW : nullptr;
+      // Two loops rather than a test of beta per element: each vectorizes.
+      if constexpr (std::is_same_v<T, bf16>) {
+        // For a bf16 dx, float32 math: dx = a1 dz - a2 x + a0 with the channel's constants
+        // (k (dz - mean_dz - (x - mean) invstd mean_dz_xhat) expanded).
+        const float a1 = static_cast<float>(k), a2 = static_cast<float>(k * invstd * mean_dy_xhat);
+        const float a0 = static_cast<float>(k * (invstd * mean_dy_xhat * mean - mean_dy));
+        if (beta_dx == 0.f) {
+          for (i64 i = 0; i < HW; ++i) dxp[i] = bf16(a1 * float(masked<A>(dyp, yp, i)) - a2 * float(xp[i]) + a0);
+        } else {
+          for (i64 i = 0; i < HW; ++i)
+            dxp[i] = bf16(beta_dx * float(dxp[i]) + (a1 * float(masked<A>(dyp, yp, i)) - a2 * float(xp[i]) + a0));
+        }
+      } else if (beta_dx == M_(0)) {
+        for (i64 i = 0; i < HW; ++i) {
+          const double xhat = (static_cast<double>(xp[i]) - mean) * invstd;
+          dxp[i] = static_cast<T>(k * (static_cast<double>(masked<A>(dyp, yp, i)) - mean_dy - xhat * mean_dy_xhat));
+        }
+      } else {
+        for (i64 i = 0; i < HW; ++i) {
+          const double xhat = (static_cast<double>(xp[i]) - mean) * invstd;
+          dxp[i] = T(beta_dx * M_(dxp[i]) +
+                     static_cast<M_>(k * (static_cast<double>(masked<A>(dyp, yp, i)) - mean_dy - xhat * mean_dy_xhat)));
+        }
+      }
+    }
+  }
+};
+
+}  // namespace
 
 template <class T>
 void batch_norm_backward(i64 N, i64 C, i64 HW, const T* dy, const T* x, const P<T>* gamma,
                          const P<T>* save_mean, const P<T>* save_invstd, T* dx, P<T> beta_dx, P<T>* dgamma,
-                         P<T>* dbeta, P<T> beta_param, void* /*workspace*/) {
+                         P<T>* dbeta, P<T> beta_param, void* /*workspace*/, NormActGrad<T> act) {
   using M_ = P<T>;
   const i64 M = N * HW;
   const i64 CHW = C * HW;
@@ -180,7 +313,7 @@ void batch_norm_backward(i64 N, i64 C, i64 HW, const T* dy, const T* x, const P<
     const double mean = static_cast<double>(save_mean[c]);
     const double invstd = static_cast<double>(save_invstd[c]);
     double sum_dy = 0.0, sum_dy_xmu = 0.0;
-    channel_dy_sums(N, CHW, HW, dy + c * HW, x + c * HW, mean, &sum_dy, &sum_dy_xmu);
+    channel_dy_sums(act, N, CHW, HW, c, dy, x, mean, &sum_dy, &sum_dy_xmu);
     const double sum_dy_xhat = sum_dy_xmu * invstd;
     if (dgamma) store<M_>(dgamma + c, beta_param, sum_dy_xhat);
     if (dbeta) store<M_>(dbeta + c, beta_param, sum_dy);
@@ -189,34 +322,13 @@ void batch_norm_backward(i64 N, i64 C, i64 HW, const T* dy, const T* x, const P<
       const double mean_dy = sum_dy / static_cast<double>(M);
       const double mean_dy_xhat = sum_dy_xhat / static_cast<double>(M);
       const double k = g * invstd;
-      for (i64 n = 0; n < N; ++n) {
-        const T* xp = x + n * CHW + c * HW;
-        const T* dyp = dy + n * CHW + c * HW;
-        T* dxp = dx + n * CHW + c * HW;
-        // Two loops rather than a test of beta per element: each vectorizes.
-        if constexpr (std::is_same_v<T, bf16>) {
-          // For a bf16 dx, float32 math: dx = a1 dy - a2 x + a0 with the channel's constants
-          // (k (dy - mean_dy - (x - mean) invstd mean_dy_xhat) expanded).
-          const float a1 = static_cast<float>(k), a2 = static_cast<float>(k * invstd * mean_dy_xhat);
-          const float a0 = static_cast<float>(k * (invstd * mean_dy_xhat * mean - mean_dy));
-          if (beta_dx == 0.f) {
-            for (i64 i = 0; i < HW; ++i) dxp[i] = bf16(a1 * float(dyp[i]) - a2 * float(xp[i]) + a0);
-          } else {
-            for (i64 i = 0; i < HW; ++i)
-              dxp[i] = bf16(beta_dx * float(dxp[i]) + (a1 * float(dyp[i]) - a2 * float(xp[i]) + a0));
-          }
-        } else if (beta_dx == M_(0)) {
-          for (i64 i = 0; i < HW; ++i) {
-            const double xhat = (static_cast<double>(xp[i]) - mean) * invstd;
-            dxp[i] = static_cast<T>(k * (static_cast<double>(dyp[i]) - mean_dy - xhat * mean_dy_xhat));
-          }
-        } else {
-          for (i64 i = 0; i < HW; ++i) {
-            const double xhat = (static_cast<double>(xp[i]) - mean) * invstd;
-            dxp[i] = T(beta_dx * M_(dxp[i]) + static_cast<M_>(k * (static_cast<double>(dyp[i]) - mean_dy - xhat * mean_dy_xhat)));
-          }
-        }
-      }
+      const DxRows<T> rows{N, CHW, HW, mean, invstd, k, mean_dy, mean_dy_xhat, beta_dx};
+      const i64 o = c * HW;
+      const bool in = dx == dy;  // dx over dy (the caller's choice: it owns dy)
+      if (act.relu && in) rows.template run<true, true>(dy + o, act.y + o, x + o, dx + o);
+      else if (act.relu) rows.template run<true, false>(dy + o, act.y + o, x + o, dx + o);
+      else if (in) rows.template run<false, true>(dy + o, nullptr, x + o, dx + o);
+      else rows.template run<false, false>(dy + o, nullptr, x + o, dx + o);
     }
   }
 }
@@ -385,11 +497,11 @@ void group_norm_backward(i64 N, i64 C, i64 HW, i64 G, const T* dy, const T* x, c
 // Explicit instantiations.
 #define TALLY_INSTANTIATE_NORM(T)                                                                   \
   template void batch_norm_forward_train<T>(i64, i64, i64, const T*, const P<T>*, const P<T>*, P<T>, P<T>, \
-                                            P<T>*, P<T>*, T*, P<T>*, P<T>*, void*);                 \
+                                            P<T>*, P<T>*, T*, P<T>*, P<T>*, void*, NormAct<T>);     \
   template void batch_norm_forward_eval<T>(i64, i64, i64, const T*, const P<T>*, const P<T>*,        \
                                            const P<T>*, const P<T>*, P<T>, T*);                     \
   template void batch_norm_backward<T>(i64, i64, i64, const T*, const T*, const P<T>*, const P<T>*,  \
-                                       const P<T>*, T*, P<T>, P<T>*, P<T>*, P<T>, void*);           \
+                                       const P<T>*, T*, P<T>, P<T>*, P<T>*, P<T>, void*, NormActGrad<T>); \
   template void batch_norm_backward_eval<T>(i64, i64, i64, const T*, const T*, const P<T>*,          \
                                             const P<T>*, const P<T>*, P<T>, T*, P<T>, P<T>*, P<T>*, \
                                             P<T>, void*);                                           \

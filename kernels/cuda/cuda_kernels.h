@@ -141,19 +141,21 @@ template <class S, class D> void convert(i64 n, const S* x, D* y);
 // per-element formulas in double. Batch norm: partial sums over several blocks per channel (its
 // workspace: batch_norm_workspace_bytes), a per-channel finalize, an elementwise pass; group
 // norm: one block per (n, group). bf16: the same double sums and formulas on widened values, the
-// statistics and parameter gradients float32, each bf16 output rounded once.
+// statistics and parameter gradients float32, each bf16 output rounded once. The fused residual
+// add and ReLU (NormAct, NormActGrad: kernels/common.h) ride on the normalizing pass and on the
+// backward's partial sums and dx pass, as on the CPU.
 std::size_t batch_norm_workspace_bytes(i64 N, i64 C, i64 HW);
 template <class T>
 void batch_norm_forward_train(i64 N, i64 C, i64 HW, const T* x, const P<T>* gamma, const P<T>* beta_,
                               P<T> eps, P<T> momentum, P<T>* running_mean, P<T>* running_var, T* y,
-                              P<T>* save_mean, P<T>* save_invstd, void* workspace = nullptr);
+                              P<T>* save_mean, P<T>* save_invstd, void* workspace = nullptr, NormAct<T> act = {});
 template <class T>
 void batch_norm_forward_eval(i64 N, i64 C, i64 HW, const T* x, const P<T>* gamma, const P<T>* beta_,
                              const P<T>* running_mean, const P<T>* running_var, P<T> eps, T* y);
 template <class T>
 void batch_norm_backward(i64 N, i64 C, i64 HW, const T* dy, const T* x, const P<T>* gamma,
                          const P<T>* save_mean, const P<T>* save_invstd, T* dx, P<T> beta_dx, P<T>* dgamma,
-                         P<T>* dbeta, P<T> beta_param, void* workspace = nullptr);
+                         P<T>* dbeta, P<T> beta_param, void* workspace = nullptr, NormActGrad<T> act = {});
 template <class T>
 void batch_norm_backward_eval(i64 N, i64 C, i64 HW, const T* dy, const T* x, const P<T>* gamma,
                               const P<T>* running_mean, const P<T>* running_var, P<T> eps, T* dx,

@@ -44,6 +44,13 @@ __device__ __forceinline__ void store(T* out, B beta, double v) {
   *out = beta == B(0) ? static_cast<T>(v) : static_cast<T>(static_cast<double>(beta) * static_cast<double>(*out) + v);
 }
 
+// dy masked by a fused ReLU as relu_backward masks it: 0 where y <= 0 (a NaN y passes dy).
+template <class T>
+__device__ __forceinline__ double masked_dy(const T* dy, const T* __restrict__ y, i64 o) {
+  const double d = static_cast<double>(dy[o]);
+  return y && static_cast<S<T>>(y[o]) <= S<T>(0) ? 0.0 : d;
+}
+
 // Chunks per channel: rows of x (images) are split into P contiguous groups.
 i64 batch_norm_chunks(i64 N, i64 C, i64 HW) {
   const i64 M = N * HW;
@@ -92,11 +99,14 @@ __global__ void bn_forward_partial_kernel(i64 N, i64 C, i64 HW, i64 P, const T* 
   }
 }
 
-// Backward (training or eval statistics): s1 = sum dy, s2 = sum dy * (x - mean) * invstd.
+// Backward (training or eval statistics): s1 = sum dz, s2 = sum dz * (x - mean) * invstd, with dz = dy
+// masked by a fused ReLU's output y (when y is given); dz is also stored into dres (=|+= by
+// beta_res) when given: the fused residual's gradient, each element by the one thread that reads it.
 template <class T>
-__global__ void bn_backward_partial_kernel(i64 N, i64 C, i64 HW, i64 P, const T* __restrict__ dy,
-                                           const T* __restrict__ x, const double* __restrict__ mean,
-                                           const double* __restrict__ invstd, double* part) {
+__global__ void bn_backward_partial_kernel(i64 N, i64 C, i64 HW, i64 P, const T* dy,  // dres may be dy
+                                           const T* __restrict__ y, const T* __restrict__ x,
+                                           const double* __restrict__ mean, const double* __restrict__ invstd,
+                                           T* dres, S<T> beta_res, double* part) {
   const i64 c = blockIdx.x / P, p = blockIdx.x % P;
   i64 n0, n1;
   chunk_rows(N, P, p, &n0, &n1);
@@ -106,7 +116,8 @@ __global__ void bn_backward_partial_kernel(i64 N, i64 C, i64 HW, i64 P, const T*
   for (unsigned i = threadIdx.x; i < count; i += blockDim.x) {
     const unsigned r = i / hw, j = i - r * hw;
     const i64 o = ((n0 + r) * C + c) * HW + j;
-    const double d = static_cast<double>(dy[o]);
+    const double d = masked_dy(dy, y, o);
+    if (dres) store(dres + o, beta_res, d);
     s1 += d;
     s2 += d * ((static_cast<double>(x[o]) - mu) * is);
   }
@@ -201,22 +212,29 @@ dim3 plane_grid(i64 planes, i64 HW) {
 // y = (x - mean) * scale + shift (coef = mean, scale, shift per channel).
 template <class T>
 __global__ void bn_normalize_kernel(i64 planes, i64 C, i64 HW, const T* __restrict__ x, const double* __restrict__ coef,
-                                    T* __restrict__ y) {
+                                    const T* __restrict__ residual, bool relu, T* __restrict__ y) {
   TALLY_PLANE_LOOP(plane, j, planes, HW) {
     const i64 c = plane % C, o = plane * HW + j;
-    y[o] = static_cast<T>((static_cast<double>(x[o]) - coef[c]) * coef[C + c] + coef[2 * C + c]);
+    T v = static_cast<T>((static_cast<double>(x[o]) - coef[c]) * coef[C + c] + coef[2 * C + c]);
+    // Fused after it (NormAct): the residual added to the rounded value, then relu_forward's ReLU
+    // (NaN and -0 pass) — what the unfused add and relu kernels compute.
+    if (residual) v = static_cast<T>(static_cast<S<T>>(v) + static_cast<S<T>>(residual[o]));
+    if (relu && static_cast<S<T>>(v) < S<T>(0)) v = static_cast<T>(S<T>(0));
+    y[o] = v;
   }
 }
 
+
 // Training: dx = k (dy - mean_dy - xhat mean_dy_xhat), xhat = (x - mean) invstd.
 template <class T>
-__global__ void bn_backward_dx_kernel(i64 planes, i64 C, i64 HW, const T* __restrict__ dy, const T* __restrict__ x,
-                                      const double* __restrict__ mean, const double* __restrict__ invstd,
-                                      const double* __restrict__ coef, T* dx, S<T> beta_dx) {
+__global__ void bn_backward_dx_kernel(i64 planes, i64 C, i64 HW, const T* dy /* dx may be dy */, const T* __restrict__ y,
+                                      const T* __restrict__ x, const double* __restrict__ mean,
+                                      const double* __restrict__ invstd, const double* __restrict__ coef, T* dx,
+                                      S<T> beta_dx) {
   TALLY_PLANE_LOOP(plane, j, planes, HW) {
     const i64 c = plane % C, o = plane * HW + j;
     const double xhat = (static_cast<double>(x[o]) - mean[c]) * invstd[c];
-    store(dx + o, beta_dx, coef[c] * (static_cast<double>(dy[o]) - coef[C + c] - xhat * coef[2 * C + c]));
+    store(dx + o, beta_dx, coef[c] * (masked_dy(dy, y, o) - coef[C + c] - xhat * coef[2 * C + c]));
   }
 }
 
@@ -389,15 +407,15 @@ unsigned per_channel_blocks(i64 C) { return static_cast<unsigned>((C + kNormThre
 template <class T>
 void bn_backward_sums(i64 N, i64 C, i64 HW, const T* dy, const T* x, const S<T>* gamma, const S<T>* mean,
                       const S<T>* invstd_or_var, bool is_var, double eps, S<T>* dgamma, S<T>* dbeta, S<T> beta_param,
-                      const BnWorkspace& ws, double* stats) {
+                      const BnWorkspace& ws, double* stats, const NormActGrad<T>& act = {}) {
   const i64 P = batch_norm_chunks(N, C, HW);
   double* smean = stats;
   double* sinvstd = stats + C;
   bn_backward_stats_kernel<<<per_channel_blocks(C), kNormThreads, 0, detail::stream()>>>(C, mean, invstd_or_var, is_var,
                                                                                          eps, smean, sinvstd);
   TALLY_LAUNCH_CHECK("batch_norm_backward.stats");
-  bn_backward_partial_kernel<<<static_cast<unsigned>(C * P), kNormThreads, 0, detail::stream()>>>(N, C, HW, P, dy, x,
-                                                                                                  smean, sinvstd, ws.part);
+  bn_backward_partial_kernel<<<static_cast<unsigned>(C * P), kNormThreads, 0, detail::stream()>>>(
+      N, C, HW, P, dy, act.relu ? act.y : nullptr, x, smean, sinvstd, act.dresidual, act.beta_residual, ws.part);
   TALLY_LAUNCH_CHECK("batch_norm_backward.partial");
   bn_backward_finalize_kernel<<<per_channel_blocks(C), kNormThreads, 0, detail::stream()>>>(
       N, C, HW, P, gamma, sinvstd, ws.part, dgamma, dbeta, beta_param, ws.coef);
@@ -408,7 +426,7 @@ void bn_backward_sums(i64 N, i64 C, i64 HW, const T* dy, const T* x, const S<T>*
 template <class T>
 void batch_norm_forward_train(i64 N, i64 C, i64 HW, const T* x, const P<T>* gamma, const P<T>* beta_, P<T> eps,
                               P<T> momentum, P<T>* running_mean, P<T>* running_var, T* y, P<T>* save_mean,
-                              P<T>* save_invstd, void* workspace) {
+                              P<T>* save_invstd, void* workspace, NormAct<T> act) {
   if (C <= 0 || N * HW <= 0) return;
   const BnWorkspace ws = bn_workspace(workspace, N, C, HW, "batch_norm_forward_train");
   const i64 P = batch_norm_chunks(N, C, HW);
@@ -418,7 +436,8 @@ void batch_norm_forward_train(i64 N, i64 C, i64 HW, const T* x, const P<T>* gamm
       N, C, HW, P, x, gamma, beta_, static_cast<double>(eps), static_cast<double>(momentum), running_mean, running_var,
       save_mean, save_invstd, ws.part, ws.coef);
   TALLY_LAUNCH_CHECK("batch_norm_forward_train.finalize");
-  bn_normalize_kernel<<<plane_grid(N * C, HW), kNormThreads, 0, detail::stream()>>>(N * C, C, HW, x, ws.coef, y);
+  bn_normalize_kernel<<<plane_grid(N * C, HW), kNormThreads, 0, detail::stream()>>>(N * C, C, HW, x, ws.coef,
+                                                                                    act.residual, act.relu, y);
   TALLY_LAUNCH_CHECK("batch_norm_forward_train.normalize");
 }
 
@@ -434,14 +453,14 @@ void batch_norm_forward_eval(i64 N, i64 C, i64 HW, const T* x, const P<T>* gamma
 template <class T>
 void batch_norm_backward(i64 N, i64 C, i64 HW, const T* dy, const T* x, const P<T>* gamma, const P<T>* save_mean,
                          const P<T>* save_invstd, T* dx, P<T> beta_dx, P<T>* dgamma, P<T>* dbeta, P<T> beta_param,
-                         void* workspace) {
+                         void* workspace, NormActGrad<T> act) {
   if (C <= 0 || N * HW <= 0) return;
   const BnWorkspace ws = bn_workspace(workspace, N, C, HW, "batch_norm_backward");
   bn_backward_sums(N, C, HW, dy, x, gamma, save_mean, save_invstd, false, 0.0, dgamma, dbeta, beta_param, ws,
-                   ws.coef + 3 * C);
+                   ws.coef + 3 * C, act);
   if (dx) {
     bn_backward_dx_kernel<<<plane_grid(N * C, HW), kNormThreads, 0, detail::stream()>>>(
-        N * C, C, HW, dy, x, ws.coef + 3 * C, ws.coef + 4 * C, ws.coef, dx, beta_dx);
+        N * C, C, HW, dy, act.relu ? act.y : nullptr, x, ws.coef + 3 * C, ws.coef + 4 * C, ws.coef, dx, beta_dx);
     TALLY_LAUNCH_CHECK("batch_norm_backward.dx");
   }
 }
@@ -508,11 +527,11 @@ void group_norm_backward(i64 N, i64 C, i64 HW, i64 G, const T* dy, const T* x, c
 
 #define TALLY_INSTANTIATE_NORM(T)                                                                      \
   template void batch_norm_forward_train<T>(i64, i64, i64, const T*, const P<T>*, const P<T>*, P<T>, P<T>, \
-                                            P<T>*, P<T>*, T*, P<T>*, P<T>*, void*);                    \
+                                            P<T>*, P<T>*, T*, P<T>*, P<T>*, void*, NormAct<T>);        \
   template void batch_norm_forward_eval<T>(i64, i64, i64, const T*, const P<T>*, const P<T>*,           \
                                            const P<T>*, const P<T>*, P<T>, T*);                        \
   template void batch_norm_backward<T>(i64, i64, i64, const T*, const T*, const P<T>*, const P<T>*,     \
-                                       const P<T>*, T*, P<T>, P<T>*, P<T>*, P<T>, void*);              \
+                                       const P<T>*, T*, P<T>, P<T>*, P<T>*, P<T>, void*, NormActGrad<T>); \
   template void batch_norm_backward_eval<T>(i64, i64, i64, const T*, const T*, const P<T>*,             \
                                             const P<T>*, const P<T>*, P<T>, T*, P<T>, P<T>*, P<T>*,    \
                                             P<T>, void*);                                              \

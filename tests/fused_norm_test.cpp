@@ -1,0 +1,153 @@
+// The fused batch norm + residual add + ReLU (core/ops.h: BatchNormOptions::relu and the residual)
+// against the unfused ops it replaces — relu(add(batch_norm(x), r)):
+//   * outputs, running statistics and every gradient (x, weight, bias, residual) bit for bit, in
+//     float64, float32 and bf16 activations with float32 parameters, with and without the
+//     residual, through leaves (persistent gradient buffers: the fused backward adds into them)
+//     and through intermediate tensors (fresh gradients: it reuses the incoming one in place);
+//   * the float64 gradients against central finite differences;
+//   * an input given up without a gradient is overwritten, with the same values.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "core/autograd.h"
+#include "core/memory.h"
+#include "core/ops.h"
+
+using namespace tally;
+
+namespace {
+
+Tensor random_tensor(const Shape& s, DType dt, std::mt19937& rng, Category cat = Category::activation) {
+  std::normal_distribution<double> n(0.2, 1.0);  // a mean off zero: the mask and the statistics both matter
+  std::vector<double> v(static_cast<std::size_t>(shape_numel(s)));
+  for (double& x : v) x = n(rng);
+  Tensor t = Tensor::from_vector(v, s, Device::cpu(), cat);
+  return dt == DType::Float64 ? t : t.to(dt);
+}
+
+std::vector<char> bytes(const Tensor& t) {
+  const Tensor c = t.contiguous();
+  const auto* p = static_cast<const char*>(c.raw_data());
+  return std::vector<char>(p, p + c.nbytes());
+}
+
+struct Outcome {
+  std::vector<std::vector<char>> all;  // y, running mean, running var, dx, dw, db, dr
+};
+
+// One forward and backward, fused or not. `through`: x and r reach the op through a scale by 1
+// (intermediate tensors: their gradients are fresh), else they are the leaves themselves.
+Outcome run(bool fused, bool residual, DType act, bool through, std::uint32_t seed) {
+  std::mt19937 rng(seed);
+  const Shape s{3, 5, 4, 6};
+  const DType pdt = act == DType::BFloat16 ? DType::Float32 : act;
+  Tensor x0 = random_tensor(s, act, rng), r0 = random_tensor(s, act, rng);
+  Tensor w = random_tensor({5}, pdt, rng, Category::parameter), b = random_tensor({5}, pdt, rng, Category::parameter);
+  Tensor rm = random_tensor({5}, pdt, rng, Category::parameter);
+  Tensor rv = random_tensor({5}, pdt, rng, Category::parameter).to(DType::Float64);
+  {  // a positive running variance
+    std::vector<double> v = rv.to_vector<double>();
+    for (double& e : v) e = std::abs(e) + 0.5;
+    rv = Tensor::from_vector(v, {5}, Device::cpu(), Category::parameter).to(pdt);
+  }
+  const Tensor gy = random_tensor(s, act, rng);
+  for (Tensor* t : {&x0, &r0, &w, &b}) t->set_requires_grad(true);
+  Tensor x = through ? scale(x0, 1.0) : x0, r = through ? scale(r0, 1.0) : r0;
+  BatchNormOptions o;
+  Tensor y;
+  if (fused) {
+    o.relu = true;
+    y = batch_norm(x, w, b, rm, rv, o, residual ? r : Tensor());
+  } else {
+    y = batch_norm(x, w, b, rm, rv, o);
+    if (residual) y = add(y, r);
+    y = relu(y);
+  }
+  Outcome out;
+  out.all = {bytes(y), bytes(rm), bytes(rv)};
+  sum(mul(y, gy)).backward();
+  out.all.push_back(bytes(x0.grad()));
+  out.all.push_back(bytes(w.grad()));
+  out.all.push_back(bytes(b.grad()));
+  if (residual) out.all.push_back(bytes(r0.grad()));
+  return out;
+}
+
+class FusedBatchNorm : public ::testing::Test {
+ protected:
+  void SetUp() override { configure_arena(Device::cpu(), kDefaultCpuArenaBytes); }
+};
+
+}  // namespace
+
+TEST_F(FusedBatchNorm, MatchesTheUnfusedOpsBitForBit) {
+  const char* names[] = {"y", "running_mean", "running_var", "dx", "dweight", "dbias", "dresidual"};
+  for (DType act : {DType::Float64, DType::Float32, DType::BFloat16})
+    for (bool residual : {false, true})
+      for (bool through : {false, true}) {
+        const Outcome a = run(true, residual, act, through, 7), b = run(false, residual, act, through, 7);
+        ASSERT_EQ(a.all.size(), b.all.size());
+        for (std::size_t i = 0; i < a.all.size(); ++i)
+          EXPECT_TRUE(a.all[i] == b.all[i]) << names[i] << " differs: " << dtype_name(act)
+                                            << (residual ? ", with residual" : ", no residual")
+                                            << (through ? ", intermediate inputs" : ", leaf inputs");
+      }
+}
+
+TEST_F(FusedBatchNorm, GradientsMatchFiniteDifferences) {
+  std::mt19937 rng(3);
+  const Shape s{2, 3, 3, 4};
+  Tensor x = random_tensor(s, DType::Float64, rng, Category::parameter);
+  Tensor r = random_tensor(s, DType::Float64, rng, Category::parameter);
+  Tensor w = random_tensor({3}, DType::Float64, rng, Category::parameter);
+  Tensor b = random_tensor({3}, DType::Float64, rng, Category::parameter);
+  const Tensor probe = random_tensor(s, DType::Float64, rng);
+  std::vector<Tensor*> inputs = {&x, &r, &w, &b};
+  for (Tensor* t : inputs) t->set_requires_grad(true);
+  BatchNormOptions o;
+  o.relu = true;
+  auto loss = [&] { return sum(mul(batch_norm(x, w, b, Tensor(), Tensor(), o, r), probe)); };
+  loss().backward();
+  const double h = 1e-6;
+  for (Tensor* t : inputs) {
+    const std::vector<double> analytic = t->grad().to_vector<double>();
+    double* p = t->data<double>();
+    double max_err = 0, max_ref = 0;
+    for (std::int64_t i = 0; i < t->numel(); ++i) {
+      NoGradGuard ng;
+      const double old = p[i];
+      p[i] = old + h;
+      const double lp = loss().item();
+      p[i] = old - h;
+      const double lm = loss().item();
+      p[i] = old;
+      const double num = (lp - lm) / (2 * h);
+      ASSERT_TRUE(std::isfinite(analytic[static_cast<std::size_t>(i)]));
+      max_err = std::max(max_err, std::abs(num - analytic[static_cast<std::size_t>(i)]));
+      max_ref = std::max(max_ref, std::abs(num));
+    }
+    EXPECT_LE(max_err, 1e-6 * std::max(1.0, max_ref)) << t->str();
+    EXPECT_GT(max_ref, 0.0) << "an all-zero gradient proves nothing";
+  }
+}
+
+TEST_F(FusedBatchNorm, AGivenUpInputWithoutGradientIsOverwritten) {
+  std::mt19937 rng(5);
+  const Shape s{4, 3, 5, 5};
+  Tensor x = random_tensor(s, DType::Float32, rng), r = random_tensor(s, DType::Float32, rng);
+  Tensor w = random_tensor({3}, DType::Float32, rng, Category::parameter);
+  Tensor b = random_tensor({3}, DType::Float32, rng, Category::parameter);
+  BatchNormOptions o;
+  o.relu = true;
+  NoGradGuard ng;
+  const Tensor kept = batch_norm(x, w, b, Tensor(), Tensor(), o, r);  // x stays
+  Tensor given = x.clone(Category::activation);
+  const void* buffer = given.raw_data();
+  const Tensor y = batch_norm_with_stats(std::move(given), w, b, Tensor(), Tensor(), o, r).y;
+  EXPECT_EQ(y.raw_data(), buffer) << "the given-up input's buffer was not reused";
+  EXPECT_TRUE(bytes(y) == bytes(kept));
+}
