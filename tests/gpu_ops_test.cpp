@@ -121,6 +121,44 @@ TEST(GpuOps, EveryOpForwardAndBackwardMatchesTheCpu) {
   }
 }
 
+// The fused batch norm + residual add + ReLU (core/ops.h) on the GPU against the CPU's, with and
+// without the residual: outputs, running statistics and the gradients of x, weight, bias and the
+// residual (leaves: their gradients are added into; the CPU's are the unfused ops' bit for bit,
+// tests/fused_norm_test.cpp).
+TEST(GpuOps, FusedBatchNormReluMatchesTheCpu) {
+  REQUIRE_GPU();
+  const auto seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  const std::map<std::string, Tensor> host = {{"x", host_tensor({3, 6, 7, 9}, rng)},
+                                              {"res", host_tensor({3, 6, 7, 9}, rng)},
+                                              {"w", host_tensor({6}, rng, 0.5f, 1.5f)},
+                                              {"b", host_tensor({6}, rng)}};
+  const Tensor probe = host_tensor({3, 6, 7, 9}, rng);
+  for (bool residual : {false, true}) {
+    auto run = [&](Device d, std::map<std::string, Tensor>& L, Tensor& rm, Tensor& rv) {
+      for (const auto& [k, v] : host) L[k] = leaf(v, d);
+      rm = Tensor::zeros({6}, DType::Float32, d, Category::parameter);
+      rv = Tensor::full({6}, 1.0, DType::Float32, d, Category::parameter);
+      BatchNormOptions fused;
+      fused.relu = true;
+      Tensor y = batch_norm(L["x"], L["w"], L["b"], rm, rv, fused, residual ? L["res"] : Tensor());
+      sum(mul(y, probe.to(d))).backward();
+      return y;
+    };
+    std::map<std::string, Tensor> lc, lg;
+    Tensor rmc, rvc, rmg, rvg;
+    const Tensor yc = run(Device::cpu(), lc, rmc, rvc), yg = run(Device::cuda(), lg, rmg, rvg);
+    EXPECT_LE(norm_rel_err(yg, yc), 1e-5) << "y, residual " << residual;
+    EXPECT_LE(norm_rel_err(rmg, rmc), 1e-5) << "running_mean";
+    EXPECT_LE(norm_rel_err(rvg, rvc), 1e-5) << "running_var";
+    for (const char* k : {"x", "w", "b", "res"}) {
+      if (!residual && std::string(k) == "res") continue;
+      EXPECT_LE(norm_rel_err(lg.at(k).grad(), lc.at(k).grad()), 1e-4) << names("gradient", k) << ", residual " << residual;
+    }
+  }
+}
+
 TEST(GpuOps, BatchNormEvalAndFloat64OnTheGpu) {
   REQUIRE_GPU();
   std::mt19937 rng(fresh_seed());
