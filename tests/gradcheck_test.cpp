@@ -132,6 +132,16 @@ TEST(GradCheck, BatchNorm) {
             {req(rand64({2, 3, 3, 3}, rng)), req(rand64({3}, rng)), req(rand64({3}, rng))});
 }
 
+// The fused batch norm + residual add + ReLU (BatchNormOptions::relu): x, the residual, weight, bias.
+TEST(GradCheck, BatchNormFusedWithResidualAndRelu) {
+  std::mt19937 rng(3);
+  BatchNormOptions fused;
+  fused.relu = true;
+  gradcheck([&](const std::vector<Tensor>& t) { return batch_norm(t[0], t[2], t[3], {}, {}, fused, t[1]); },
+            {req(rand64({2, 3, 3, 4}, rng)), req(rand64({2, 3, 3, 4}, rng)), req(rand64({3}, rng)),
+             req(rand64({3}, rng))});
+}
+
 TEST(GradCheck, GroupNorm) {
   std::mt19937 rng(13);
   for (std::int64_t g : {1, 2, 3, 6}) {
