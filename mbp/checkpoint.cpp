@@ -267,15 +267,17 @@ TrainingState peek_training_state(const fs::path& dir) {
   return parse_manifest(read_text(dir / kManifest), dir.string()).state;
 }
 
-CheckpointContents parse_checkpoint(const std::string& manifest_text, std::span<const std::byte> tensor_bytes,
-                                    const std::map<std::string, std::string>& files, const std::string& where) {
-  Manifest m = parse_manifest(manifest_text, where);
+namespace {
+
+// The checks behind a parsed manifest: every file it records against its bytes (the tensor file's,
+// and the others' by name from `files`), then the tensors parsed.
+CheckpointContents check_contents(Manifest m, std::span<const std::byte> tensor_bytes,
+                                  const std::map<std::string, std::string>& files, const std::string& where) {
   CheckpointContents c;
   c.state = std::move(m.state);
   c.optimizer = std::move(m.optimizer);
   c.optimizer_steps = m.optimizer_steps;
-  const json& records = m.records;
-  for (const auto& [name, record] : records.items()) {
+  for (const auto& [name, record] : m.records.items()) {
     if (name == kTensors) {
       check_file(record, name, tensor_bytes, where);
       continue;
@@ -291,6 +293,13 @@ CheckpointContents parse_checkpoint(const std::string& manifest_text, std::span<
   return c;
 }
 
+}  // namespace
+
+CheckpointContents parse_checkpoint(const std::string& manifest_text, std::span<const std::byte> tensor_bytes,
+                                    const std::map<std::string, std::string>& files, const std::string& where) {
+  return check_contents(parse_manifest(manifest_text, where), tensor_bytes, files, where);
+}
+
 TrainingState load_training_state(const fs::path& dir, nn::Module& model, optim::Optimizer& optimizer) {
   const std::string where = dir.string();
   std::error_code ec;
@@ -298,22 +307,16 @@ TrainingState load_training_state(const fs::path& dir, nn::Module& model, optim:
   if (!fs::exists(dir / kManifest, ec))
     throw FormatError(fmt::format("{}/{}: expected the checkpoint's manifest, found no such file (an incomplete "
                                   "checkpoint?)", where, kManifest));
-  const std::string manifest = read_text(dir / kManifest);
-  // The manifest names the other files; read the ones it lists (parse_checkpoint checks them).
+  Manifest m = parse_manifest(read_text(dir / kManifest), where);
+  // The other files the manifest lists (check_contents names one that is missing or wrong).
   std::map<std::string, std::string> files;
-  try {
-    const json m = json::parse(manifest);
-    if (m.is_object() && m.contains("files") && m["files"].is_object())
-      for (const auto& [name, record] : m["files"].items())
-        if (name != kTensors && plain_file_name(name) && fs::is_regular_file(dir / name, ec))
-          files[name] = read_text(dir / name);
-  } catch (const json::exception&) {
-    // parse_checkpoint names the error
-  }
+  for (const auto& [name, record] : m.records.items())
+    if (name != kTensors && plain_file_name(name) && fs::is_regular_file(dir / name, ec))
+      files[name] = read_text(dir / name);
   if (!fs::exists(dir / kTensors, ec))
     throw FormatError(fmt::format("{}/{}: expected the checkpoint's tensors, found no such file", where, kTensors));
   const std::vector<std::byte> tensor_bytes = read_bytes(dir / kTensors);
-  CheckpointContents c = parse_checkpoint(manifest, tensor_bytes, files, where);
+  CheckpointContents c = check_contents(std::move(m), tensor_bytes, files, where);
   const fs::path folder = dir.has_filename() ? dir : dir.parent_path();  // "checkpoint-12/" too
   const auto named_step = step_of(folder.filename().string());
   if (named_step && *named_step != c.state.step)
