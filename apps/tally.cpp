@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <exception>
 #include <iostream>
+#include <map>
 #include <optional>
 #include <string>
 
@@ -188,13 +189,15 @@ std::vector<std::string> given_names(const CLI::App* cmd) {
 app::TrainOptions resumed(const app::TrainOptions& saved, const app::TrainOptions& given,
                           const std::vector<std::string>& names) {
   app::check_resume_options(saved, given, names);
-  app::TrainOptions o = saved;
-  auto named = [&](const char* n) { return std::find(names.begin(), names.end(), n) != names.end(); };
-  if (named("save")) o.save = given.save;
-  if (named("checkpoint-every")) o.checkpoint_every = given.checkpoint_every;
-  if (named("threads")) o.threads = given.threads;
-  if (named("profile")) o.profile = given.profile;
-  if (named("progress")) o.progress = given.progress;
+  auto listed = [](const std::vector<std::string>& list, const std::string& n) {
+    return std::find(list.begin(), list.end(), n) != list.end();
+  };
+  std::map<std::string, std::string> values;
+  for (const auto& [name, value] : app::option_values(saved)) values[name] = value;
+  for (const auto& [name, value] : app::option_values(given))
+    if (listed(names, name) && listed(app::options_changeable_on_resume(), name)) values[name] = value;
+  app::TrainOptions o = app::options_from_values(values, "--resume " + saved.resume);
+  o.resume = saved.resume;
   return o;
 }
 
