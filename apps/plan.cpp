@@ -7,6 +7,7 @@
 
 #include <fmt/format.h>
 #include <fmt/ostream.h>
+#include <fmt/ranges.h>
 
 #include "apps/setup.h"
 #include "core/dry_run.h"
@@ -33,6 +34,83 @@ Shape parse_input(const std::string& s) {
   return shape;
 }
 
+// `tally plan --pipeline-stages S`: every stage on its own virtual arena, each planned alone, then
+// all at the smallest of their micro-batches (what the ranks of a run agree on).
+mbp::Plan plan_stages(const PlanOptions& opt, const nn::ModelConfig& mc, const Shape& sample, Device dev,
+                      mbp::Precision precision, std::ostream& out) {
+  const int S = opt.pipeline_stages;
+  const std::vector<std::string> limits = split_list(opt.memory_limit);
+  if (limits.size() != 1 && static_cast<int>(limits.size()) != S)
+    throw Error(fmt::format("--memory-limit {} lists {} sizes; expected one, or one per stage ({})", opt.memory_limit,
+                            limits.size(), S));
+  if (!dev.is_cpu()) throw Error(fmt::format("--pipeline-stages: stages run on the CPU, found --device {}", opt.device));
+  OptimizerConfig oc;
+  oc.name = opt.optimizer;
+  oc.momentum = opt.momentum;
+  PipelineConfig pc;
+  pc.stages = S;
+  pc.split = opt.pipeline_split;
+  pc.schedule = mbp::parse_pipeline_schedule(opt.pipeline_schedule);
+  pc.sample_shape = sample;
+  pc.activation_dtype = precision == mbp::Precision::bf16 ? DType::BFloat16 : DType::Float32;
+  pc.batch = opt.batch_size;
+  for (int s = 0; s < S; ++s)
+    pc.limits.push_back(static_cast<std::int64_t>(
+        parse_memory_limit(limits.size() == 1 ? limits[0] : limits[static_cast<std::size_t>(s)], dev)));
+  DryRunGuard dry;
+  struct Stage {
+    std::shared_ptr<Arena> arena;
+    Setup setup;
+    std::unique_ptr<mbp::Executor> executor;
+  };
+  std::vector<Stage> stages(static_cast<std::size_t>(S));
+  std::int64_t m = INT64_MAX;
+  int tightest = 0;
+  for (int s = 0; s < S; ++s) {
+    Stage& st = stages[static_cast<std::size_t>(s)];
+    const std::string& limit_text = limits.size() == 1 ? limits[0] : limits[static_cast<std::size_t>(s)];
+    st.arena = Arena::make_virtual(dev, parse_memory_limit(limit_text, dev));
+    pc.stage = s;
+    st.setup = build_setup(st.arena, mc, "", oc, limit_text, &pc);
+    if (s == 0) {
+      std::vector<std::string> names;
+      for (const auto& seg : st.setup.segments) names.push_back(seg.name);
+      fmt::print(out, "model {} (norm {}), {} parameters, {} classes | input {} | batch {} | optimizer {} | precision {}\n",
+                 opt.model, opt.norm, st.setup.parameters, mc.num_classes, shape_str(sample), opt.batch_size,
+                 opt.optimizer, opt.precision);
+      fmt::print(out, "segments (cut points of --pipeline-split): {}\n", fmt::join(names, ", "));
+      fmt::print(out, "pipeline: {} stages, schedule {}, cut {}\n", S, opt.pipeline_schedule,
+                 opt.pipeline_split.empty() ? "balanced by the planner (the largest stage's bytes smallest)"
+                                            : "--pipeline-split " + opt.pipeline_split);
+    }
+    mbp::ExecutorOptions eo;
+    eo.sample_shape = sample;
+    eo.micro_batch = opt.micro_batch;
+    eo.recompute = opt.recompute;
+    eo.precision = precision;
+    eo.pipeline = st.setup.stage;
+    st.executor = std::make_unique<mbp::Executor>(*st.setup.model, *st.setup.optimizer, st.arena, eo);
+    const mbp::Plan& p = plan_step(*st.executor, opt.batch_size, opt.micro_batch);  // an error names the stage
+    if (p.micro_batch < m) m = p.micro_batch, tightest = s;
+  }
+  mbp::Plan last;
+  for (int s = 0; s < S; ++s) {
+    Stage& st = stages[static_cast<std::size_t>(s)];
+    const mbp::PipelineStage& ps = *st.setup.stage;
+    const mbp::Plan p = st.executor->plan_agreed(opt.batch_size, m);
+    fmt::print(out, "\nstage {} (rank {}): {} | {} parameters\n", s, s,
+               mbp::segment_range(st.setup.segments, ps.first(), ps.last()), st.setup.stage_parameters);
+    fmt::print(out, "  memory limit {}: {}\n", format_bytes(st.arena->capacity()), persistent_summary(*st.arena));
+    fmt::print(out, "  plan: {} | holds up to {} micro-batch{} at once\n", p.summary(),
+               ps.in_flight(p.micro_batches), ps.in_flight(p.micro_batches) == 1 ? "" : "es");
+    fmt::print(out, "  live at the peak: {}\n", p.at_peak.str());
+    fmt::print(out, "  recompute: {}\n", st.executor->recompute_choice().summary(p));
+    last = p;
+  }
+  fmt::print(out, "\nevery stage runs micro-batches of {}: the largest that fits stage {}, the tightest\n", m, tightest);
+  return last;
+}
+
 }  // namespace
 
 mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
@@ -44,7 +122,6 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   if (dev.is_cuda() && !cuda_available())
     throw Error(fmt::format("--device {}: no GPU is present (CUDA workspace sizes come from the GPU's libraries)",
                             opt.device));
-  const std::size_t limit = parse_memory_limit(opt.memory_limit, dev);
   nn::ModelConfig mc;
   mc.name = opt.model;
   mc.norm = nn::parse_norm(opt.norm);
@@ -52,6 +129,11 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   mc.num_classes = opt.num_classes.value_or(sample[1] >= 64 ? 1000 : 10);
   check_number("--num-classes", kPositiveWhole, static_cast<double>(mc.num_classes));
   check_number("--momentum", kNonNegative, opt.momentum);
+  check_number("--pipeline-stages", kPositiveWhole, opt.pipeline_stages);
+  if (opt.pipeline_stages > 1) return plan_stages(opt, mc, sample, dev, precision, out);
+  if (!opt.pipeline_split.empty())
+    throw Error(fmt::format("--pipeline-split {}: there is one stage (give --pipeline-stages)", opt.pipeline_split));
+  const std::size_t limit = parse_memory_limit(opt.memory_limit, dev);
 
   // Everything lives on a virtual arena of the budget's size: offsets only, no memory, no compute.
   const auto arena = Arena::make_virtual(dev, limit);

@@ -28,10 +28,16 @@ struct PlanOptions {
   bool layers = true;                        // print the per-layer table
   std::string recompute = "auto";            // auto | none | blocks | blocks+layerK[-layerL] | all (mbp/executor.h)
   std::string precision = "fp32";            // fp32 | bf16 (mbp::Precision)
+  // Pipeline stages (mbp/pipeline.h): every stage planned in this process, each on its own limit
+  // (--memory-limit: one size, or one per stage), at the micro-batch they all fit.
+  int pipeline_stages = 1;
+  std::string pipeline_split;
+  std::string pipeline_schedule = "1f1b";
 };
 
 // Prints the table and the plan to `out`; returns the plan. Bad options and budgets that cannot
 // hold one sample are tally::Error / OutOfMemory with the bytes needed.
+// With pipeline stages: the last stage's plan (every stage's is printed).
 mbp::Plan plan(const PlanOptions& opt, std::ostream& out);
 
 }  // namespace tally::app

@@ -58,7 +58,10 @@ std::vector<std::pair<std::string, std::string>> option_values(const TrainOption
           {"loss-normalization", o.loss_normalization},
           {"recompute", o.recompute},
           {"precision", o.precision},
-          {"checkpoint-every", o.checkpoint_every}};
+          {"checkpoint-every", o.checkpoint_every},
+          {"pipeline-stages", std::to_string(o.pipeline_stages)},
+          {"pipeline-split", o.pipeline_split},
+          {"pipeline-schedule", o.pipeline_schedule}};
 }
 
 namespace {
@@ -134,6 +137,10 @@ TrainOptions options_from_values(const std::map<std::string, std::string>& value
   o.micro_batch = r.whole_or_auto("micro-batch");
   o.loss_normalization = r.text("loss-normalization"), o.recompute = r.text("recompute");
   o.precision = r.text("precision"), o.checkpoint_every = r.text("checkpoint-every");
+  // Pipeline runs write no checkpoints; the keys are there to compare the ranks' options.
+  if (values.count("pipeline-stages")) o.pipeline_stages = r.whole<int>("pipeline-stages");
+  if (values.count("pipeline-split")) o.pipeline_split = r.text("pipeline-split");
+  if (values.count("pipeline-schedule")) o.pipeline_schedule = r.text("pipeline-schedule");
   return o;
 }
 

@@ -121,33 +121,80 @@ std::size_t parse_memory_limit(const std::string& text, Device dev) {
   return limit;
 }
 
+namespace {
+
+std::unique_ptr<optim::Optimizer> make_optimizer(std::vector<Tensor> params, const OptimizerConfig& optimizer) {
+  if (optimizer.name == "sgd") {
+    optim::SGDOptions so;
+    so.lr = optimizer.lr, so.momentum = optimizer.momentum, so.weight_decay = optimizer.weight_decay;
+    so.nesterov = optimizer.nesterov;
+    return std::make_unique<optim::SGD>(std::move(params), so);
+  }
+  optim::AdamWOptions ao;
+  ao.lr = optimizer.lr, ao.weight_decay = optimizer.weight_decay;
+  return std::make_unique<optim::AdamW>(std::move(params), ao);
+}
+
+// The model's copies of its optimizer state per parameter (for the pipeline's cut).
+int state_per_parameter(const OptimizerConfig& optimizer) {
+  if (optimizer.name == "adamw") return 2;
+  return optimizer.momentum > 0 ? 1 : 0;
+}
+
+}  // namespace
+
 Setup build_setup(const std::shared_ptr<Arena>& arena, const nn::ModelConfig& model, const std::string& init,
-                  const OptimizerConfig& optimizer, const std::string& limit_text) {
+                  const OptimizerConfig& optimizer, const std::string& limit_text, const PipelineConfig* pipeline) {
   check_choice("--optimizer", optimizer.name, optimizer_names());
   const Device dev = arena->device();
-  ArenaScope scope(arena);
   Setup s;
-  try {
-    s.model = nn::make_model(model);
-    if (!init.empty()) nn::load_state_dict(*s.model, init);
-    if (!dev.is_cpu()) s.model->to(dev);
-    s.model->train();
-    if (optimizer.name == "sgd") {
-      optim::SGDOptions so;
-      so.lr = optimizer.lr, so.momentum = optimizer.momentum, so.weight_decay = optimizer.weight_decay;
-      so.nesterov = optimizer.nesterov;
-      s.optimizer = std::make_unique<optim::SGD>(s.model->parameters(), so);
-    } else {
-      optim::AdamWOptions ao;
-      ao.lr = optimizer.lr, ao.weight_decay = optimizer.weight_decay;
-      s.optimizer = std::make_unique<optim::AdamW>(s.model->parameters(), ao);
+  if (pipeline && pipeline->stages > 1) {
+    if (!dev.is_cpu()) throw Error(fmt::format("--pipeline-stages: stages run on the CPU (MPI ranks), found {}", dev.str()));
+    // The whole model, built where the budget does not count it; then this stage's part moves in.
+    s.host = arena->is_virtual() ? Arena::make_virtual(dev, default_arena_capacity(dev))
+                                 : std::make_shared<Arena>(dev, default_arena_capacity(dev));
+    {
+      ArenaScope on_host(s.host);
+      s.model = nn::make_model(model);
+      if (!init.empty()) nn::load_state_dict(*s.model, init);
+      s.model->train();
     }
-  } catch (const OutOfMemory& e) {
-    throw OutOfMemory(fmt::format("--memory-limit {}: the {} model's parameters, gradients and {} state do not fit "
-                                  "({})", limit_text, model.name, optimizer.name, e.what()),
-                      e.requested());
+    s.segments = s.model->segments();
+    mbp::check_segments_cover(*s.model, s.segments);
+    mbp::PipelineStage st;
+    st.stage = pipeline->stage, st.stages = pipeline->stages, st.schedule = pipeline->schedule;
+    st.bounds = pipeline->split.empty()
+                    ? mbp::balanced_cut(mbp::segment_costs(*s.model, pipeline->sample_shape, pipeline->activation_dtype,
+                                                           state_per_parameter(optimizer)),
+                                        pipeline->stages, pipeline->limits, pipeline->batch)
+                    : mbp::parse_pipeline_split(pipeline->split, s.segments, pipeline->stages);
+    s.stage = st;
+    std::vector<Tensor> params = mbp::place_stage(s.segments, st.bounds, st.stage, arena);
+    for (const auto& p : params) s.stage_parameters += p.numel();
+    ArenaScope scope(arena);
+    try {
+      s.optimizer = make_optimizer(std::move(params), optimizer);
+    } catch (const OutOfMemory& e) {
+      throw OutOfMemory(fmt::format("--memory-limit {}: pipeline stage {}'s {} optimizer state does not fit ({})",
+                                    limit_text, st.stage, optimizer.name, e.what()),
+                        e.requested());
+    }
+  } else {
+    ArenaScope scope(arena);
+    try {
+      s.model = nn::make_model(model);
+      if (!init.empty()) nn::load_state_dict(*s.model, init);
+      if (!dev.is_cpu()) s.model->to(dev);
+      s.model->train();
+      s.optimizer = make_optimizer(s.model->parameters(), optimizer);
+    } catch (const OutOfMemory& e) {
+      throw OutOfMemory(fmt::format("--memory-limit {}: the {} model's parameters, gradients and {} state do not fit "
+                                    "({})", limit_text, model.name, optimizer.name, e.what()),
+                        e.requested());
+    }
   }
   for (const auto& p : s.model->parameters()) s.parameters += p.numel();
+  if (!s.stage) s.stage_parameters = s.parameters;
   return s;
 }
 

@@ -80,18 +80,40 @@ struct OptimizerConfig {
   bool nesterov = false;
 };
 
+// A pipeline stage to build (mbp/pipeline.h): which of how many, where the stages begin (the
+// --pipeline-split text; empty: the balanced cut of mbp::balanced_cut), the schedule, and what the
+// cut's dry run needs (one sample's shape, the activations' dtype).
+struct PipelineConfig {
+  int stages = 1, stage = 0;
+  std::string split;
+  mbp::PipelineSchedule schedule = mbp::PipelineSchedule::one_f_one_b;
+  Shape sample_shape;
+  DType activation_dtype = DType::Float32;
+  std::vector<std::int64_t> limits;  // every stage's memory limit in bytes (one per stage)
+  std::int64_t batch = 1;            // the batch the micro-batches split
+};
+
 struct Setup {
   std::shared_ptr<nn::Module> model;
   std::unique_ptr<optim::Optimizer> optimizer;
-  std::int64_t parameters = 0;  // elements
+  std::int64_t parameters = 0;  // elements, of the whole model
+  // A pipeline stage: the whole model is built on `host` (outside the budget; the other stages'
+  // tensors stay there), this stage's part moved into the budget; the optimizer holds its parameters.
+  std::shared_ptr<Arena> host;
+  std::optional<mbp::PipelineStage> stage;
+  std::vector<nn::Module::Segment> segments;
+  std::int64_t stage_parameters = 0;  // elements
 };
 
 // The model (from `init`'s safetensors weights if not empty, then on `arena`'s device, in training
 // mode) and its optimizer, every persistent byte — parameters, gradients, optimizer state — in
 // `arena`. When they do not fit, an OutOfMemory names the budget (`limit_text`, as the user wrote
 // it), the model and the optimizer.
+// With `pipeline` (stages > 1): stage `pipeline->stage`'s part of the model in `arena`, the rest on
+// a host arena of its own (virtual when `arena` is: `tally plan`).
 Setup build_setup(const std::shared_ptr<Arena>& arena, const nn::ModelConfig& model, const std::string& init,
-                  const OptimizerConfig& optimizer, const std::string& limit_text);
+                  const OptimizerConfig& optimizer, const std::string& limit_text,
+                  const PipelineConfig* pipeline = nullptr);
 
 // "parameters 1.1 MiB, gradients 1.0 MiB, optimizer state 1.0 MiB": the persistent bytes in `arena`.
 std::string persistent_summary(const Arena& arena);

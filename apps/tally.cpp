@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <algorithm>
 #include <exception>
+#include <fstream>
 #include <iostream>
 #include <map>
 #include <optional>
@@ -117,6 +118,15 @@ struct TrainFlags {
           ->excludes(out);
       cmd->add_flag("!--no-progress", to.progress, "no progress bar");
       cmd->add_flag("!--no-eval", to.evaluate, "skip the test set after each epoch (timing runs; summary.json's test fields are null)");
+      cmd->add_option("--pipeline-stages", to.pipeline_stages,
+                      "cut the model into S stages, one per rank (mpirun -np S), fed by the micro-batches (CPU)")
+          ->check(positive_whole())->capture_default_str();
+      cmd->add_option("--pipeline-split", to.pipeline_split,
+                      "where stages 2..S begin, by segment name (layer3.0; tally plan --pipeline-stages lists them); "
+                      "default: the cut that makes the largest stage smallest");
+      cmd->add_option("--pipeline-schedule", to.pipeline_schedule,
+                      "1f1b (stage s holds at most S - s micro-batches) | gpipe (all forwards, then all backwards)")
+          ->check(CLI::IsMember(mbp::pipeline_schedule_names()))->capture_default_str();
     } else {
       auto* out = cmd->add_option("--out", to.out, "folder for sweep.csv, sweep.svg and one folder per run");
       cmd->add_option("--resume", to.resume, "continue the sweep in this folder: finished runs are kept, the "
@@ -226,6 +236,11 @@ struct PlanFlags {
     cmd->add_option("--precision", po.precision,
                     "fp32 | bf16 (mixed precision: bf16 activations, float32 weights, gradients, optimizer state and loss)")
         ->check(CLI::IsMember(mbp::precision_names()))->capture_default_str();
+    cmd->add_option("--pipeline-stages", po.pipeline_stages, "plan S pipeline stages (memory limits: one, or one per stage)")
+        ->check(positive_whole())->capture_default_str();
+    cmd->add_option("--pipeline-split", po.pipeline_split, "where stages 2..S begin, by segment name (default: balanced)");
+    cmd->add_option("--pipeline-schedule", po.pipeline_schedule, "1f1b | gpipe")
+        ->check(CLI::IsMember(mbp::pipeline_schedule_names()))->capture_default_str();
     cmd->add_flag("--no-layers", no_layers, "skip the per-layer table");
   }
   void finish() {
@@ -301,7 +316,11 @@ int main(int argc, char** argv) {
       return stopped ? 128 + stopped : 0;
     }
     if (plan_cmd->parsed()) {
-      app::plan(plan_flags.po, std::cout);
+      // Under mpirun every rank plans every stage alike; rank 0 speaks.
+      std::ofstream silent;
+      const bool quiet = tally::distributed::launched_by_mpi() && tally::distributed::have_mpi() &&
+                         tally::distributed::process_world()->rank() != 0;
+      app::plan(plan_flags.po, quiet ? static_cast<std::ostream&>(silent) : std::cout);
       return 0;
     }
   } catch (const std::exception& e) {

@@ -127,6 +127,46 @@ Eval evaluate(nn::Module& model, const data::Dataset& ds, bool normalize, Device
   }
 }
 
+// A pipeline's evaluation: every rank runs its stage on every batch of the test set (batches of at
+// most the planned micro-batch, as above), the last stage counts; the counts go to every rank.
+Eval evaluate_stages(mbp::Executor& executor, nn::Module& model, const data::Dataset& ds, bool normalize,
+                     distributed::Communicator& comm, std::int64_t max_batch) {
+  NoGradGuard ng;
+  model.eval();
+  struct Train {
+    nn::Module& m;
+    ~Train() { m.train(); }
+  } back{model};
+  data::LoaderOptions lo;
+  lo.batch_size = std::max<std::int64_t>(1, std::min<std::int64_t>(256, max_batch));
+  lo.shuffle = false, lo.augment = false, lo.normalize = normalize, lo.drop_last = false;
+  data::Loader loader(ds, lo);
+  loader.start_epoch(0);
+  const bool first = executor.pipeline()->stage == 0;
+  double sums[2] = {0, 0};  // loss, correct
+  while (auto b = loader.next()) {
+    Tensor x;
+    if (first)
+      x = Tensor::from_vector(b->images, {b->size, ds.channels, ds.height, ds.width}, executor.device(), Category::input)
+              .to(executor.activation_dtype());
+    Tensor logits = executor.forward_through_stages(x, b->size);
+    if (!logits.defined()) continue;
+    Tensor y = Tensor::from_vector(b->labels, {b->size}, executor.device(), Category::input);
+    CrossEntropyOptions co;
+    co.reduction = Reduction::Sum;
+    sums[0] += cross_entropy(logits, y, co).item();
+    const auto l = logits.to(DType::Float32).to_vector<float>();
+    const std::int64_t C = logits.size(1);
+    for (std::int64_t i = 0; i < b->size; ++i) {
+      const float* row = l.data() + i * C;
+      sums[1] += static_cast<double>(std::max_element(row, row + C) - row == b->labels[static_cast<std::size_t>(i)]);
+    }
+  }
+  comm.all_reduce_sum(sums, 2);
+  const auto n = static_cast<double>(ds.size());
+  return {sums[0] / n, sums[1] / n};
+}
+
 // Every option, checked before any work: a bad value is an Error naming the flag, the value found
 // and what is allowed. Returns the device the run uses.
 Device validate(const TrainOptions& opt) {
@@ -144,7 +184,22 @@ Device validate(const TrainOptions& opt) {
   check_number("--warmup-epochs", kNonNegative, opt.warmup_epochs);
   check_number("--label-smoothing", kFraction, opt.label_smoothing);
   check_number("--threads", kNonNegativeWhole, opt.threads);
-  const Device dev = choose_device(opt.device);
+  check_number("--pipeline-stages", kPositiveWhole, opt.pipeline_stages);
+  check_choice("--pipeline-schedule", opt.pipeline_schedule, mbp::pipeline_schedule_names());
+  if (opt.pipeline_stages == 1 && !opt.pipeline_split.empty())
+    throw Error(fmt::format("--pipeline-split {}: there is one stage (give --pipeline-stages)", opt.pipeline_split));
+  if (opt.pipeline_stages > 1) {
+    if (opt.device != "cpu" && opt.device != "auto")
+      throw Error(fmt::format("--pipeline-stages {} with --device {}: pipeline stages run on the CPU, one MPI rank each "
+                              "(a CUDA pipeline needs one GPU per rank and is not implemented)", opt.pipeline_stages,
+                              opt.device));
+    if (!opt.checkpoint_every.empty() || !opt.resume.empty())
+      throw Error(fmt::format("--pipeline-stages {} with {}: a pipeline run writes no training-state checkpoints yet",
+                              opt.pipeline_stages, opt.resume.empty() ? "--checkpoint-every" : "--resume"));
+    if (opt.loss_normalization != "exact")
+      throw Error("--loss-normalization per-micro-batch is for one process; a pipeline uses exact");
+  }
+  const Device dev = opt.pipeline_stages > 1 ? Device::cpu() : choose_device(opt.device);
   for (const std::string& limit : split_list(opt.memory_limit))  // a bad size fails before any work
     if (limit != "auto") (void)parse_size(limit);
   if (!opt.init.empty() && opt.resume.empty() && !std::filesystem::exists(opt.init))  // resumed: weights from the checkpoint
@@ -201,18 +256,24 @@ void write_timeline(const TrainOptions& opt, Arena& arena, Device dev, std::int6
 
 // Every rank's memory plan and peaks, known to all (a sum where each rank fills its own row).
 std::vector<RankResult> gather_ranks(distributed::Communicator& comm, const TrainResult& mine) {
-  constexpr std::size_t kFields = 5;
+  constexpr std::size_t kFields = 6;
   std::vector<double> rows(kFields * static_cast<std::size_t>(comm.size()), 0.0);
   double* row = rows.data() + kFields * static_cast<std::size_t>(comm.rank());
   row[0] = static_cast<double>(mine.memory_limit_bytes), row[1] = static_cast<double>(mine.micro_batch);
   row[2] = static_cast<double>(mine.micro_batches_per_step), row[3] = static_cast<double>(mine.predicted_peak_bytes);
   row[4] = static_cast<double>(mine.peak_bytes);
+  row[5] = static_cast<double>(mine.parameters);
   comm.all_reduce_sum(rows.data(), rows.size());  // byte counts < 2^53: exact in a double
   std::vector<RankResult> out;
   for (int r = 0; r < comm.size(); ++r) {
     const double* v = rows.data() + kFields * static_cast<std::size_t>(r);
-    out.push_back({r, static_cast<std::int64_t>(v[0]), static_cast<std::int64_t>(v[1]), static_cast<std::int64_t>(v[2]),
-                   static_cast<std::int64_t>(v[3]), static_cast<std::int64_t>(v[4])});
+    RankResult rr;
+    rr.rank = r;
+    rr.parameters = static_cast<std::int64_t>(v[5]);
+    rr.memory_limit_bytes = static_cast<std::int64_t>(v[0]), rr.micro_batch = static_cast<std::int64_t>(v[1]);
+    rr.micro_batches_per_step = static_cast<std::int64_t>(v[2]), rr.predicted_peak_bytes = static_cast<std::int64_t>(v[3]);
+    rr.peak_bytes = static_cast<std::int64_t>(v[4]);
+    out.push_back(rr);
   }
   return out;
 }
@@ -239,10 +300,13 @@ void write_summary(const TrainOptions& opt, const TrainResult& result) {
                       {"precision", opt.precision},
                       {"data", opt.data},
                       {"world_size", result.world_size},
+                      {"pipeline_stages", result.pipeline_stages},
                       {"communication_seconds_per_step", result.communication_seconds_per_step}};
   nlohmann::json ranks = nlohmann::json::array();
   for (const RankResult& r : result.ranks)
     ranks.push_back({{"rank", r.rank},
+                     {"segments", r.segments},
+                     {"parameters", r.parameters},
                      {"memory_limit_bytes", r.memory_limit_bytes},
                      {"micro_batch", r.micro_batch},
                      {"micro_batches_per_step", r.micro_batches_per_step},
@@ -296,6 +360,11 @@ void set_up_rank(RankSetup& r, const TrainOptions& options, std::ostream& all_lo
                             r.ranks == 1 ? fmt::format(" (start it with mpirun -np {})", limits.size()) : ""));
   r.opt.memory_limit = limits.size() == 1 ? limits[0] : limits[static_cast<std::size_t>(r.rank)];
   distributed::check_same_text(options_text(options), *r.world, "options");
+  if (r.opt.pipeline_stages > 1 && r.ranks != r.opt.pipeline_stages)
+    throw Error(fmt::format("--pipeline-stages {}: one rank per stage, so start it with mpirun -np {}; found {} rank{}{}",
+                            r.opt.pipeline_stages, r.opt.pipeline_stages, r.ranks, r.ranks == 1 ? "" : "s",
+                            r.ranks > r.opt.pipeline_stages ? " (pipeline stages and data parallelism together are not "
+                                                              "supported)" : ""));
   if (r.ranks > 1 && r.opt.loss_normalization != "exact")
     throw Error("--loss-normalization per-micro-batch is for one process; data parallelism uses exact");
   if (r.ranks > 1 && r.dev.is_cuda() && (r.opt.device == "auto" || r.opt.device == "cuda"))
@@ -326,7 +395,9 @@ bool augments(const TrainOptions& opt) {
 }
 
 // The model and optimizer of the options, every persistent byte in `arena`.
-Setup model_setup(const TrainOptions& opt, const data::Dataset& train_set, const std::shared_ptr<Arena>& arena) {
+// `all_limits`: --memory-limit as given (one size, or one per rank), for a pipeline's cut.
+Setup model_setup(const TrainOptions& opt, const data::Dataset& train_set, const std::shared_ptr<Arena>& arena,
+                  const std::string& all_limits) {
   nn::manual_seed(opt.seed);
   nn::ModelConfig mc;
   mc.name = opt.model;
@@ -337,10 +408,22 @@ Setup model_setup(const TrainOptions& opt, const data::Dataset& train_set, const
   oc.name = opt.optimizer;
   oc.lr = opt.lr, oc.momentum = opt.momentum, oc.weight_decay = opt.weight_decay, oc.nesterov = opt.nesterov;
   const std::string init = opt.resume.empty() ? opt.init : "";  // resumed: the checkpoint's weights
-  return build_setup(arena, mc, init, oc, format_bytes(arena->capacity()));
+  if (opt.pipeline_stages == 1) return build_setup(arena, mc, init, oc, format_bytes(arena->capacity()));
+  PipelineConfig pc;
+  pc.stages = opt.pipeline_stages;
+  pc.stage = distributed::process_world()->rank();
+  pc.split = opt.pipeline_split;
+  pc.schedule = mbp::parse_pipeline_schedule(opt.pipeline_schedule);
+  pc.sample_shape = {train_set.channels, train_set.height, train_set.width};
+  pc.activation_dtype = opt.precision == "bf16" ? DType::BFloat16 : DType::Float32;
+  pc.batch = opt.batch_size;
+  for (const std::string& limit : split_list(all_limits))
+    pc.limits.push_back(static_cast<std::int64_t>(parse_memory_limit(limit, Device::cpu())));
+  if (pc.limits.size() == 1) pc.limits.assign(static_cast<std::size_t>(pc.stages), pc.limits[0]);
+  return build_setup(arena, mc, init, oc, format_bytes(arena->capacity()), &pc);
 }
 
-mbp::ExecutorOptions executor_options(const TrainOptions& opt, const data::Dataset& train_set,
+mbp::ExecutorOptions executor_options(const TrainOptions& opt, const data::Dataset& train_set, const Setup& setup,
                                       std::shared_ptr<distributed::Communicator> comm, std::ostream& log) {
   mbp::ExecutorOptions eo;
   eo.sample_shape = {train_set.channels, train_set.height, train_set.width};
@@ -352,6 +435,7 @@ mbp::ExecutorOptions executor_options(const TrainOptions& opt, const data::Datas
   eo.communicator = std::move(comm);
   eo.recompute = opt.recompute;
   eo.precision = mbp::parse_precision(opt.precision);
+  eo.pipeline = setup.stage;
   return eo;
 }
 
@@ -479,19 +563,32 @@ TrainingRun::TrainingRun(const TrainOptions& options, std::ostream& all_log)
       steps_(run_steps(opt_, per_epoch_)),
       arena_(make_arena(opt_, rank_.dev)),
       in_budget_(arena_),
-      setup_(model_setup(opt_, split_.train, arena_)),
+      setup_(model_setup(opt_, split_.train, arena_, options.memory_limit)),
       comm_(distributed::for_device(rank_.world, rank_.dev)),
       schedule_(schedule_options(opt_, steps_)),
-      executor_(*setup_.model, *setup_.optimizer, arena_, executor_options(opt_, split_.train, comm_, log_)),
-      share_(distributed::shard(opt_.batch_size, rank_.ranks, rank_.rank)),
+      executor_(*setup_.model, *setup_.optimizer, arena_, executor_options(opt_, split_.train, setup_, comm_, log_)),
+      // A pipeline's stages all see the whole batch (the first its images, the last its labels).
+      share_(setup_.stage ? distributed::shard(opt_.batch_size, 1, 0)
+                          : distributed::shard(opt_.batch_size, rank_.ranks, rank_.rank)),
       every_(parse_checkpoint_every(opt_.checkpoint_every)),
       kill_(kill_point_from_environment()),
       inject_oom_(opt_.inject_oom ? opt_.inject_oom : oom_injection_from_environment()) {
-  if (!options_.out.empty()) signals_.emplace(rank_.ranks == 1);  // every rank: the same decision
+  // Every rank takes the same decision; a pipeline writes no checkpoints, so a signal just ends it.
+  if (!options_.out.empty() && !setup_.stage) signals_.emplace(rank_.ranks == 1);
   print_header(setup_);
   if (!opt_.resume.empty()) restore();
-  distributed::broadcast_parameters(*setup_.model, *comm_);  // every rank starts from rank 0's weights
-  if (rank_.ranks > 1)
+  // Every rank starts from rank 0's weights (a pipeline's stages: the same seed built the same model).
+  if (!setup_.stage) distributed::broadcast_parameters(*setup_.model, *comm_);
+  if (setup_.stage) {
+    const mbp::PipelineStage& st = *setup_.stage;
+    fmt::print(log_, "pipeline: {} stages over {} ({}), schedule {}, cut {}\n", st.stages, comm_->backend(),
+               options_.memory_limit, mbp::pipeline_schedule_name(st.schedule),
+               opt_.pipeline_split.empty() ? "balanced by the planner" : "--pipeline-split " + opt_.pipeline_split);
+    for (int s = 0; s < st.stages; ++s) {
+      const auto ss = static_cast<std::size_t>(s);
+      fmt::print(log_, "  stage {} (rank {}): {}\n", s, s, mbp::segment_range(setup_.segments, st.bounds[ss], st.bounds[ss + 1]));
+    }
+  } else if (rank_.ranks > 1)
     fmt::print(log_, "data parallel: {} ranks over {} ({}), rank 0 takes {} of the {} samples of a step, each rank "
                      "plans its own micro-batches\n",
                rank_.ranks, comm_->backend(), options_.memory_limit, share_.size, opt_.batch_size);
@@ -609,7 +706,9 @@ void TrainingRun::train_epoch(std::int64_t epoch, std::int64_t epochs) {
 // The end of an epoch: the test set (rank 0) and the epoch's line.
 void TrainingRun::end_epoch(std::int64_t epoch, std::int64_t epochs) {
   profiler_.pause();  // the profile is of training steps
-  if (rank_.rank == 0 && opt_.evaluate)
+  if (setup_.stage && opt_.evaluate)
+    eval_ = evaluate_stages(executor_, *setup_.model, split_.test, opt_.normalize, *comm_, result_.micro_batch);
+  else if (rank_.rank == 0 && opt_.evaluate)
     eval_ = evaluate(*setup_.model, split_.test, opt_.normalize, rank_.dev, executor_.activation_dtype(),
                      result_.micro_batch);
   profiler_.resume();
@@ -766,11 +865,28 @@ void TrainingRun::finish() {
   result_.world_size = ranks;
   if (meter.measured > 1)
     result_.communication_seconds_per_step = meter.steady_communication / static_cast<double>(meter.measured - 1);
+  result_.parameters = setup_.stage_parameters;
   result_.ranks = gather_ranks(*rank_.world, result_);
-  if (!distributed::parameters_identical(*setup_.model, *comm_))
+  if (setup_.stage) {
+    // Every stage's parameters and buffers to every rank, through host memory: rank 0 saves them all.
+    const mbp::PipelineStage& st = *setup_.stage;
+    result_.pipeline_stages = st.stages;
+    mbp::gather_stages(*setup_.model, setup_.segments, st.bounds, *comm_);
+    for (RankResult& rr : result_.ranks) {
+      const auto s = static_cast<std::size_t>(rr.rank);
+      rr.segments = mbp::segment_range(setup_.segments, st.bounds[s], st.bounds[s + 1]);
+    }
+    fmt::print(log_, "pipeline: {} stages, the parameters of every stage gathered on rank 0\n", st.stages);
+    for (const RankResult& rr : result_.ranks)
+      fmt::print(log_, "stage {} ({}): {} parameters, memory limit {}, micro-batches of {} x {} per step, peak {} bytes, "
+                       "predicted {}\n",
+                 rr.rank, rr.segments, rr.parameters, format_bytes(static_cast<std::size_t>(rr.memory_limit_bytes)),
+                 rr.micro_batch, rr.micro_batches_per_step, rr.peak_bytes, rr.predicted_peak_bytes);
+  } else if (!distributed::parameters_identical(*setup_.model, *comm_)) {
     throw Error(fmt::format("after {} steps the ranks' parameters differ; a data-parallel run must keep them identical",
                             step));
-  if (ranks > 1) {
+  }
+  if (ranks > 1 && !setup_.stage) {
     fmt::print(log_, "parameters bit-identical on all {} ranks | collectives {:.1f} ms per step ({:.1f}% of the step, "
                      "rank 0, steps after the first)\n",
                ranks, 1000.0 * result_.communication_seconds_per_step,

@@ -59,6 +59,14 @@ struct TrainOptions {
   // options must be the run's (resume_options(dir) gives them; apps/run_state.h lists the few that
   // may change); the weights come from the checkpoint, not from --init.
   std::string resume;
+  // Pipeline stages (mbp/pipeline.h; docs/distributed.md): 1 (the whole model on every rank), or S
+  // with mpirun -np S: rank s runs stage s, a contiguous part of the model's segments (stem, residual
+  // blocks, head), on its own --memory-limit. --pipeline-split names the segments where stages 2..S
+  // begin ("layer3.0"); empty: the cut that makes the largest stage smallest. Schedule: 1f1b | gpipe.
+  // CPU only; not with checkpoints or data parallelism (errors that say so).
+  int pipeline_stages = 1;
+  std::string pipeline_split;
+  std::string pipeline_schedule = "1f1b";
   // Tests: fail the n-th arena allocation of this (0-based) step once, to exercise recovery.
   std::optional<std::pair<std::int64_t, std::uint64_t>> inject_oom;
 };
@@ -66,6 +74,8 @@ struct TrainOptions {
 // One rank's memory plan in a data-parallel run (summary.json's "ranks").
 struct RankResult {
   int rank = 0;
+  std::string segments;        // a pipeline stage's ("stem .. layer2.0"); empty otherwise
+  std::int64_t parameters = 0;  // elements this rank trains (its stage's, or the whole model's)
   std::int64_t memory_limit_bytes = 0, micro_batch = 0, micro_batches_per_step = 0, predicted_peak_bytes = 0,
                peak_bytes = 0;
 };
@@ -82,7 +92,9 @@ struct TrainResult {
   double communication_seconds_per_step = 0;
   std::string recompute = "none";   // the policy the run used
   std::string precision = "fp32";
-  int world_size = 1;               // ranks of a data-parallel run (mpirun -np N), else 1
+  int world_size = 1;               // ranks of a data-parallel or pipeline run (mpirun -np N), else 1
+  int pipeline_stages = 1;
+  std::int64_t parameters = 0;      // elements this rank trains (a pipeline stage's)
   std::vector<RankResult> ranks;    // one per rank
   // A run stopped by a signal before its end: the signal (SIGINT, SIGTERM, SIGUSR1), after a
   // checkpoint was written (the command line exits with 128 + signal); 0 for a finished run.

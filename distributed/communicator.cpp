@@ -5,6 +5,7 @@
 
 #include <fmt/format.h>
 
+#include "core/dry_run.h"
 #include "core/error.h"
 #include "core/memory.h"
 #include "distributed/backends.h"
@@ -48,6 +49,18 @@ class Local final : public Communicator {
 };
 
 }  // namespace
+
+std::size_t Communicator::send(const Tensor& t, int peer) {
+  if (skip_host_work()) return 0;
+  throw Error(fmt::format("send of {} to rank {}: the {} communicator has no point-to-point messages (pipeline stages "
+                          "need MPI ranks on the CPU)", t.str(), peer, backend()));
+}
+void Communicator::wait_send(std::size_t) {}
+void Communicator::recv(Tensor& t, int peer) {
+  if (skip_host_work()) return;
+  throw Error(fmt::format("recv of {} from rank {}: the {} communicator has no point-to-point messages (pipeline "
+                          "stages need MPI ranks on the CPU)", t.str(), peer, backend()));
+}
 
 std::shared_ptr<Communicator> local() {
   static const std::shared_ptr<Communicator> c = std::make_shared<Local>();

@@ -7,6 +7,16 @@
 //   broadcast        in place: every rank ends with `root`'s bytes
 //   barrier
 //
+// and, for the stages of a pipeline, point-to-point messages between two ranks:
+//
+//   send / wait_send   starts sending a contiguous tensor to `peer` and returns at once with a
+//                      ticket; the tensor must stay alive (and unchanged) until wait_send(ticket)
+//   recv               blocks until the next tensor `peer` sent this rank arrives, into `t` (of the
+//                      same shape and dtype); messages between two ranks arrive in the order sent
+//
+// Sends never block, so two stages that each send before they receive (1F1B's steady state: an
+// activation forward, a gradient back) cannot wait on each other.
+//
 // Backends:
 //   local  one process, world size 1: every collective leaves the data as it is.
 //   mpi    Open MPI (or any MPI): processes on one machine or many, started by `mpirun`. Host
@@ -44,6 +54,11 @@ class Communicator {
   virtual void all_reduce_sum(Tensor& t) = 0;
   virtual void broadcast(Tensor& t, int root) = 0;
   virtual void barrier() = 0;
+  // Point-to-point (see above); no-ops in a dry run. The local world and NCCL have none: an Error
+  // outside a dry run.
+  virtual std::size_t send(const Tensor& t, int peer);
+  virtual void wait_send(std::size_t ticket);
+  virtual void recv(Tensor& t, int peer);
   // Ends every rank of the job with `code` (after an error on this one: the others would wait in
   // their next collective forever). Returns only for a world of one.
   virtual void abort(int code) = 0;

@@ -6,6 +6,7 @@
 #include <mpi.h>
 
 #include <cstdlib>
+#include <map>
 
 #include <fmt/format.h>
 
@@ -75,6 +76,33 @@ class Mpi final : public Communicator {
           "MPI_Bcast");
   }
   void barrier() override { check(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier"); }
+  std::size_t send(const Tensor& t, int peer) override {
+    check_message(t, peer, "send");
+    if (skip_host_work() || t.numel() == 0) return 0;
+    MPI_Request request;
+    check(MPI_Isend(t.raw_data(), static_cast<int>(t.nbytes()), MPI_BYTE, peer, kMessageTag, MPI_COMM_WORLD, &request),
+          "MPI_Isend");
+    pending_[++tickets_] = request;
+    return tickets_;
+  }
+  void wait_send(std::size_t ticket) override {
+    const auto it = pending_.find(ticket);
+    if (it == pending_.end()) return;
+    MPI_Request request = it->second;
+    pending_.erase(it);
+    check(MPI_Wait(&request, MPI_STATUS_IGNORE), "MPI_Wait");
+  }
+  void recv(Tensor& t, int peer) override {
+    check_message(t, peer, "recv");
+    if (skip_host_work() || t.numel() == 0) return;
+    MPI_Status status;
+    check(MPI_Recv(t.raw_data(), static_cast<int>(t.nbytes()), MPI_BYTE, peer, kMessageTag, MPI_COMM_WORLD, &status),
+          "MPI_Recv");
+    int count = 0;
+    MPI_Get_count(&status, MPI_BYTE, &count);
+    if (static_cast<std::size_t>(count) != t.nbytes())
+      throw Error(fmt::format("recv from rank {}: expected {} bytes ({}), found {}", peer, t.nbytes(), t.str(), count));
+  }
   void abort(int code) override { MPI_Abort(MPI_COMM_WORLD, code); }
   bool serves(Device device) const override { return device.is_cpu(); }
 
@@ -91,7 +119,20 @@ class Mpi final : public Communicator {
     if (t.numel() > INT32_MAX) throw Error(fmt::format("{} over MPI: {} has more than 2^31 elements", what, t.str()));
   }
 
+  void check_message(const Tensor& t, int peer, const char* what) const {
+    if (peer < 0 || peer >= size_ || peer == rank_)
+      throw Error(fmt::format("{}: rank {} is not another rank of a world of {}", what, peer, size_));
+    if (!t.defined() || !t.is_contiguous() || !t.device().is_cpu())
+      throw Error(fmt::format("{} over MPI: expected a contiguous CPU tensor, found {}", what,
+                              t.defined() ? t.str() : std::string("none")));
+    if (t.nbytes() > static_cast<std::size_t>(INT32_MAX))
+      throw Error(fmt::format("{} over MPI: {} has more than 2^31 bytes", what, t.str()));
+  }
+
+  static constexpr int kMessageTag = 7;
   int rank_ = 0, size_ = 1;
+  std::size_t tickets_ = 0;
+  std::map<std::size_t, MPI_Request> pending_;
 };
 
 }  // namespace

@@ -4,12 +4,16 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <deque>
+
+#include <fmt/ranges.h>
 
 #include <fmt/format.h>
 
 #include "core/autograd.h"
 #include "core/dry_run.h"
 #include "core/memory.h"
+#include "mbp/pipeline.h"
 
 namespace tally::mbp {
 
@@ -36,26 +40,38 @@ std::size_t staging_bytes(std::int64_t batch, std::int64_t sample_numel, DType d
   return static_cast<std::size_t>(batch) * (static_cast<std::size_t>(sample_numel) * dtype_size(dtype) + sizeof(std::int64_t));
 }
 
-// Stages samples [offset, offset + n) of the host batch into `in` (float images converted to the
-// activations' dtype first where it is not float32), at their place in the step's staging layout.
-void fill_inputs(Inputs& in, InputStager& stager, const float* images, const std::int64_t* labels, std::int64_t offset,
-                 std::int64_t n, std::int64_t batch, std::int64_t sample_numel, DType dtype) {
-  if (skip_host_work()) return;
+// Stages images [offset, offset + n) of the host batch into `x` (float images converted to the
+// activations' dtype first where it is not float32), at their place in the step's staging layout
+// (all images, then all labels); returns the upload's ticket.
+std::size_t stage_images(Tensor& x, InputStager& stager, const float* images, std::int64_t offset, std::int64_t n,
+                         std::int64_t sample_numel, DType dtype) {
   const float* src = images + offset * sample_numel;
   const std::size_t count = static_cast<std::size_t>(n * sample_numel);
   const std::size_t es = dtype_size(dtype), image_offset = static_cast<std::size_t>(offset * sample_numel) * es;
-  if (dtype == DType::Float32) {
-    stager.stage(in.x, src, count * es, image_offset);
-  } else if (dtype == DType::BFloat16) {
+  if (dtype == DType::Float32) return stager.stage(x, src, count * es, image_offset);
+  if (dtype == DType::BFloat16) {
     std::vector<kernels::bf16> converted(count);
     for (std::size_t i = 0; i < count; ++i) converted[i] = kernels::bf16(src[i]);
-    stager.stage(in.x, converted.data(), count * es, image_offset);
-  } else {
-    const std::vector<double> converted(src, src + count);
-    stager.stage(in.x, converted.data(), count * es, image_offset);
+    return stager.stage(x, converted.data(), count * es, image_offset);
   }
-  const std::size_t label_offset = static_cast<std::size_t>(batch * sample_numel) * es + offset * sizeof(std::int64_t);
-  in.uploaded = stager.stage(in.y, labels + offset, static_cast<std::size_t>(n) * sizeof(std::int64_t), label_offset);
+  const std::vector<double> converted(src, src + count);
+  return stager.stage(x, converted.data(), count * es, image_offset);
+}
+
+// The labels [offset, offset + n) into `y`, after the images in the staging layout.
+std::size_t stage_labels(Tensor& y, InputStager& stager, const std::int64_t* labels, std::int64_t offset, std::int64_t n,
+                         std::int64_t batch, std::int64_t sample_numel, DType dtype) {
+  const std::size_t label_offset =
+      static_cast<std::size_t>(batch * sample_numel) * dtype_size(dtype) + offset * sizeof(std::int64_t);
+  return stager.stage(y, labels + offset, static_cast<std::size_t>(n) * sizeof(std::int64_t), label_offset);
+}
+
+// Both, for one micro-batch of the whole model.
+void fill_inputs(Inputs& in, InputStager& stager, const float* images, const std::int64_t* labels, std::int64_t offset,
+                 std::int64_t n, std::int64_t batch, std::int64_t sample_numel, DType dtype) {
+  if (skip_host_work()) return;
+  stage_images(in.x, stager, images, offset, n, sample_numel, dtype);
+  in.uploaded = stage_labels(in.y, stager, labels, offset, n, batch, sample_numel, dtype);
 }
 
 Tensor first_parameter(const nn::Module& m) {
@@ -120,7 +136,59 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_p
   if (arena_->device() != device_)
     throw Error(fmt::format("MBP executor: the arena is on {} but the model's parameters are on {}",
                             arena_->device().str(), device_.str()));
+  if (opt_.pipeline) {
+    const PipelineStage& st = *opt_.pipeline;
+    segments_ = model.segments();
+    if (segments_.empty()) throw Error("MBP executor: a pipeline stage needs a model that offers segments (Module::segments)");
+    if (st.stages < 1 || st.stage < 0 || st.stage >= st.stages || st.bounds.size() != static_cast<std::size_t>(st.stages) + 1 ||
+        st.bounds.front() != 0 || st.bounds.back() != segments_.size() ||
+        !std::is_sorted(st.bounds.begin(), st.bounds.end()) ||
+        std::adjacent_find(st.bounds.begin(), st.bounds.end()) != st.bounds.end())
+      throw Error(fmt::format("MBP executor: pipeline stage {} of {} with bounds [{}]: expected S + 1 increasing segment "
+                              "indices from 0 to {}", st.stage, st.stages, fmt::join(st.bounds, ", "), segments_.size()));
+    if (!opt_.communicator) opt_.communicator = distributed::local();
+    if (opt_.communicator->size() > 1 && opt_.communicator->size() != st.stages)
+      throw Error(fmt::format("MBP executor: a pipeline of {} stages runs on as many ranks, found {} (pipeline stages "
+                              "and data parallelism together are not supported)", st.stages, opt_.communicator->size()));
+    if (opt_.communicator->size() > 1 && opt_.communicator->rank() != st.stage)
+      throw Error(fmt::format("MBP executor: rank {} must run stage {}, found stage {}", opt_.communicator->rank(),
+                              opt_.communicator->rank(), st.stage));
+    if (!device_.is_cpu())
+      throw Error(fmt::format("MBP executor: pipeline stages run on the CPU (MPI ranks); the model is on {}", device_.str()));
+    if (opt_.normalization != LossNormalization::exact)
+      throw Error("MBP executor: a pipeline uses the exact loss normalization");
+    if (opt_.recompute != "none" && opt_.recompute != "auto" && opt_.recompute != "blocks")
+      throw Error(fmt::format("--recompute {}: a pipeline stage recomputes its residual blocks at most (none|blocks|auto)",
+                              opt_.recompute));
+    check_segments_cover(model, segments_);
+    states_ = nn::step_states_of(stage_modules(segments_, st.bounds, st.stage));
+    planner_.set_repeats(st.schedule == PipelineSchedule::gpipe ? std::size_t(1) << 40
+                                                                : static_cast<std::size_t>(st.stages) + 1);
+    // The stage's input per sample: a gradient-free dry run of the segments before it.
+    stage_sample_shape_ = opt_.sample_shape;
+    if (st.first() > 0) {
+      const auto scratch = Arena::make_virtual(device_, std::size_t(1) << 46);
+      ArenaScope in_scratch(scratch);
+      DryRunGuard dry;
+      NoGradGuard no_grad;
+      const bool training = model.is_training();
+      model.eval();
+      Shape one{1};
+      one.insert(one.end(), opt_.sample_shape.begin(), opt_.sample_shape.end());
+      Tensor y = Tensor::empty(one, activation_dtype_, device_, Category::input, "input");
+      for (std::size_t i = 0; i < st.first(); ++i) y = segments_[i].forward(y);
+      model.train(training);
+      stage_sample_shape_.assign(y.shape().begin() + 1, y.shape().end());
+    }
+  }
+  const std::vector<Tensor> trained =
+      opt_.pipeline ? nn::parameters_of(stage_modules(segments_, opt_.pipeline->bounds, opt_.pipeline->stage))
+                    : model.parameters();
+  if (trained.empty()) throw Error("MBP executor: the model (or its pipeline stage) has no parameters");
   for (const auto& [name, p] : model.named_parameters()) {
+    if (std::find_if(trained.begin(), trained.end(), [&](const Tensor& t) { return &t.impl() == &p.impl(); }) ==
+        trained.end())
+      continue;  // another stage's
     if (!p.grad().defined())
       throw Error(fmt::format("MBP executor: parameter {} has no gradient buffer; the planner counts gradients, so "
                               "they must exist before planning (Module::zero_grad allocates them)", name));
@@ -224,7 +292,8 @@ void Executor::run_step(Arena& arena, const float* images, const std::int64_t* l
       for (nn::StepState* s : states) s->discard();
     }
   } end_step{states_};
-  Tensor total = accumulate_loss(arena, images, labels, sizes, global_divisor_);
+  Tensor total = opt_.pipeline ? accumulate_stage(arena, images, labels, sizes)
+                               : accumulate_loss(arena, images, labels, sizes, global_divisor_);
   if (distributed()) {
     const auto t0 = std::chrono::steady_clock::now();
     reduce_across_ranks(arena, total);
@@ -236,8 +305,8 @@ void Executor::run_step(Arena& arena, const float* images, const std::int64_t* l
   NoGradGuard ng;
   optimizer_.step();
   optimizer_.zero_grad();
-  // The step's one wait for the device: the loss value.
-  if (loss) *loss = skip_host_work() ? 0.0 : total.item();
+  // The step's one wait for the device: the loss value (a pipeline's: on its last stage).
+  if (loss) *loss = skip_host_work() || !total.defined() ? 0.0 : total.item();
 }
 
 void Executor::reduce_across_ranks(Arena& arena, Tensor& loss) {
@@ -310,7 +379,13 @@ void Executor::discard_partial_step() {
 }
 
 StepResult Executor::step(const float* images, const std::int64_t* labels, std::int64_t batch) {
-  if (images == nullptr || labels == nullptr) throw Error("MBP executor: step needs images and labels");
+  if (opt_.pipeline) {  // the images on the first stage, the labels on the last
+    if ((opt_.pipeline->stage == 0 && images == nullptr) || (opt_.pipeline->stage + 1 == opt_.pipeline->stages && labels == nullptr))
+      throw Error(fmt::format("MBP executor: pipeline stage {} of {} needs {}", opt_.pipeline->stage, opt_.pipeline->stages,
+                              images == nullptr ? "the images" : "the labels"));
+  } else if (images == nullptr || labels == nullptr) {
+    throw Error("MBP executor: step needs images and labels");
+  }
   ArenaScope scope(arena_);
   StepResult r;
   global_divisor_.reset();
@@ -334,6 +409,7 @@ StepResult Executor::step(const float* images, const std::int64_t* labels, std::
     arena_->reset_peak();
     try {
       run_step(*arena_, images, labels, p.sizes, &r.loss);
+      if (agrees_across_stages()) opt_.communicator->all_reduce_sum(&r.loss, 1);  // the last stage's, to every rank
       r.micro_batch = p.micro_batch;
       r.micro_batches = p.micro_batches;
       r.predicted_peak = p.predicted_peak;
@@ -342,6 +418,12 @@ StepResult Executor::step(const float* images, const std::int64_t* labels, std::
       return r;
     } catch (const OutOfMemory& e) {
       discard_partial_step();
+      if (opt_.pipeline && opt_.pipeline->stages > 1)
+        throw OutOfMemory(fmt::format("training step of batch {} on pipeline stage {} of {} ran out of memory with "
+                                      "micro-batches of {} (predicted peak {}); a pipeline does not retry: {}", batch,
+                                      opt_.pipeline->stage, opt_.pipeline->stages, p.micro_batch,
+                                      format_bytes(p.predicted_peak), e.what()),
+                          e.requested());
       if (p.micro_batch == 1 || r.oom_retries >= opt_.max_oom_retries)
         throw OutOfMemory(fmt::format("training step of batch {} ran out of memory with micro-batches of {} after {} "
                                       "retries; nothing was updated. {}", batch, p.micro_batch, r.oom_retries, e.what()),
@@ -358,6 +440,141 @@ StepResult Executor::step(const float* images, const std::int64_t* labels, std::
       throw;
     }
   }
+}
+
+// ---- pipeline stages (mbp/pipeline.h) ------------------------------------------------------------
+
+Shape Executor::stage_input_shape(std::int64_t n) const {
+  Shape shape{n};
+  shape.insert(shape.end(), stage_sample_shape_.begin(), stage_sample_shape_.end());
+  return shape;
+}
+
+Tensor Executor::accumulate_stage(Arena& arena, const float* images, const std::int64_t* labels,
+                                  const std::vector<std::int64_t>& sizes) {
+  const PipelineStage& st = *opt_.pipeline;
+  distributed::Communicator& comm = *opt_.communicator;
+  const bool dry = skip_host_work(), first = st.stage == 0, last = st.stage + 1 == st.stages;
+  const int previous = st.stage - 1, next = st.stage + 1;  // rank s runs stage s
+  std::int64_t batch = 0;
+  for (std::int64_t n : sizes) {
+    if (n < 1) throw Error(fmt::format("MBP executor: micro-batch sizes must be >= 1, found {}", n));
+    batch += n;
+  }
+  if (sizes.empty()) throw Error("MBP executor: no micro-batches");
+  std::vector<std::int64_t> offsets{0};
+  for (std::int64_t n : sizes) offsets.push_back(offsets.back() + n);
+  // The whole batch's divisor, on the stage that has the targets.
+  double divisor = 1.0;
+  if (last && !dry) {
+    divisor = cross_entropy_divisor(labels, batch, opt_.loss);
+    if (!(divisor > 0))
+      throw Error(fmt::format("MBP executor: the batch of {} has no counted target (all ignore_index {} or zero class "
+                              "weight), so its mean loss is undefined", batch, opt_.loss.ignore_index));
+  }
+  for (nn::StepState* s : states_) s->begin_step();
+  if (!dry && (first || last)) stager_->begin_step(staging_bytes(batch, sample_numel_, activation_dtype_));
+  EnableGradGuard grad_on;
+  auto run = [&](Tensor x) {
+    for (std::size_t i = st.first(); i < st.last(); ++i) x = segments_[i].forward(x);
+    return x;
+  };
+  Tensor total;
+  if (last) total = Tensor::zeros({}, dtype_, device_, Category::temporary, "step_loss");
+  // A micro-batch between its forward and its backward: its input (a leaf whose gradient goes
+  // back) and its output (sent on, kept for backward) with the ticket of that send.
+  struct InFlight {
+    Tensor x, out;
+    std::size_t sent = 0;
+  };
+  std::deque<InFlight> in_flight;
+  // The gradient last sent back, kept until that send is done (waited for before the next one).
+  Tensor sent_back;
+  std::size_t sent_back_ticket = 0;
+  auto send_back = [&](const Tensor& x) {
+    if (first) return;
+    comm.wait_send(sent_back_ticket);
+    sent_back = Tensor();
+    sent_back = x.grad();
+    sent_back_ticket = comm.send(sent_back, previous);
+  };
+  bool targets_checked = false;
+  const auto k = static_cast<std::int64_t>(sizes.size());
+  for (const PipelineOp& op : pipeline_order(st.schedule, st.stage, st.stages, k)) {
+    const auto i = static_cast<std::size_t>(op.index);
+    const std::int64_t n = sizes[i];
+    if (op.forward) {
+      arena.mark(fmt::format("micro-batch {}/{} ({} samples) forward", i + 1, k, n));
+      Tensor x;
+      if (first) {
+        Shape xs{n};
+        xs.insert(xs.end(), opt_.sample_shape.begin(), opt_.sample_shape.end());
+        x = Tensor::empty(xs, activation_dtype_, device_, Category::input, "input");
+        if (!dry) stager_->wait(stage_images(x, *stager_, images, offsets[i], n, sample_numel_, activation_dtype_));
+      } else {
+        x = Tensor::empty(stage_input_shape(n), activation_dtype_, device_, Category::input, "stage_input");
+        comm.recv(x, previous);
+        x.impl().grad_category = Category::temporary;
+        x.set_requires_grad(true);
+      }
+      Tensor out = run(x);
+      if (!last) {
+        const std::size_t ticket = comm.send(out, next);
+        in_flight.push_back({std::move(x), std::move(out), ticket});
+        continue;
+      }
+      // The last stage: the loss with the whole batch's divisor, and its backward at once.
+      Tensor y = Tensor::empty({n}, DType::Int64, device_, Category::input, "labels");
+      if (!dry) {
+        stager_->wait(stage_labels(y, *stager_, labels, offsets[i], n, batch, sample_numel_, activation_dtype_));
+        if (!targets_checked) {
+          check_cross_entropy_targets(labels, batch, out.size(1), opt_.loss.ignore_index);
+          targets_checked = true;
+        }
+      }
+      CrossEntropyOptions co = opt_.loss;
+      co.divisor = divisor;
+      co.targets_checked = !dry;
+      Tensor loss = cross_entropy(out, y, co);
+      out = Tensor();
+      y = Tensor();
+      loss.backward();
+      add_into(total, loss);
+      send_back(x);
+    } else {
+      arena.mark(fmt::format("micro-batch {}/{} backward", i + 1, k));
+      InFlight f = std::move(in_flight.front());
+      in_flight.pop_front();
+      Tensor g = Tensor::empty(f.out.shape(), f.out.dtype(), device_, Category::temporary, "stage_output_grad");
+      comm.recv(g, next);
+      comm.wait_send(f.sent);  // the next stage has it: it sent this gradient back
+      run_backward(f.out, g);
+      f.out = Tensor();
+      g = Tensor();
+      send_back(f.x);
+    }
+  }
+  comm.wait_send(sent_back_ticket);
+  return total;
+}
+
+Tensor Executor::forward_through_stages(const Tensor& x, std::int64_t n) {
+  if (!opt_.pipeline) throw Error("MBP executor: forward_through_stages is for a pipeline stage");
+  const PipelineStage& st = *opt_.pipeline;
+  distributed::Communicator& comm = *opt_.communicator;
+  ArenaScope scope(arena_);
+  Tensor y = x;
+  if (st.stage > 0) {
+    y = Tensor::empty(stage_input_shape(n), activation_dtype_, device_, Category::input, "stage_input");
+    comm.recv(y, st.stage - 1);
+  } else if (!y.defined() || y.size(0) != n) {
+    throw Error(fmt::format("forward_through_stages: stage 0 expected {} samples, found {}", n,
+                            y.defined() ? y.str() : std::string("none")));
+  }
+  for (std::size_t i = st.first(); i < st.last(); ++i) y = segments_[i].forward(y);
+  if (st.stage + 1 == st.stages) return y;
+  comm.wait_send(comm.send(y, st.stage + 1));
+  return {};
 }
 
 void Executor::set_micro_batch_limit(std::int64_t limit) {

@@ -46,6 +46,7 @@
 #include "distributed/communicator.h"
 #include "nn/modules.h"
 #include "nn/module.h"
+#include "mbp/pipeline.h"
 #include "mbp/planner.h"
 #include "optim/optimizer.h"
 
@@ -99,6 +100,13 @@ struct ExecutorOptions {
   // library's default: MBP already runs any batch exactly in whatever fits one sample.
   std::string recompute = "none";
   Precision precision = Precision::fp32;
+  // Pipeline stages (mbp/pipeline.h): this process runs stage `pipeline->stage` of the model's
+  // segments, rank s of `communicator` running stage s (CPU, MPI; no data parallelism besides).
+  // The model's other parameters may live anywhere (outside the arena); the optimizer holds this
+  // stage's. Recomputation: none, blocks or auto (the blocks of the stage). An out-of-memory step
+  // is not retried (the ranks would wait on each other's messages): it ends the run, which the
+  // exact plan makes a bug, not an event.
+  std::optional<PipelineStage> pipeline{};
 };
 
 // The recomputation a plan runs with (Executor::recompute_choice).
@@ -141,6 +149,10 @@ class Executor {
   // The plan for a batch of `batch` samples under the current limit (cached), at the
   // recomputation the policy (ExecutorOptions::recompute) chooses, set on the model.
   const Plan& plan(std::int64_t batch);
+  // A pipeline: the plan of every stage has the same micro-batch, the smallest of the largest that
+  // fits each stage (plan() agrees on it over the communicator, a collective); plan_agreed(batch,
+  // m) is the plan of this stage at exactly m, at the recomputation plan() chose.
+  const Plan& plan_agreed(std::int64_t batch, std::int64_t micro_batch);
   // The recomputation of the last plan().
   const RecomputeChoice& recompute_choice() const { return choice_; }
   // The plan of `batch` at level `level` of the model's recomputation ladder, with micro-batches
@@ -157,6 +169,12 @@ class Executor {
   // gradient buffers and BatchNorm moment accumulators; returns the full-batch loss (0 in a dry
   // run). The step's building block; public for tests of gradient equivalence.
   double accumulate(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes);
+
+  // A pipeline's no-grad forward of n samples through every stage, for evaluation (every rank
+  // calls it for every batch): stage 0 takes `x`, the others receive their input; the logits on
+  // the last stage, an undefined tensor on the others.
+  Tensor forward_through_stages(const Tensor& x, std::int64_t n);
+  const std::optional<PipelineStage>& pipeline() const { return opt_.pipeline; }
 
   // Upper limit on m after out-of-memory retries (INT64_MAX if none happened).
   std::int64_t micro_batch_limit() const { return limit_; }
@@ -181,7 +199,19 @@ class Executor {
   const Plan& plan_auto(std::int64_t batch);
   [[noreturn]] void throw_none_too_small(const OutOfMemory& without, std::int64_t batch);
   // Collectives run with any communicator but the local one (an MPI or NCCL world of one too).
-  bool distributed() const { return opt_.communicator && opt_.communicator->backend() != "local"; }
+  bool distributed() const { return opt_.communicator && opt_.communicator->backend() != "local" && !opt_.pipeline; }
+  // The micro-batch every stage of a pipeline of several ranks runs.
+  bool agrees_across_stages() const {
+    return opt_.pipeline && opt_.communicator && opt_.communicator->size() > 1;
+  }
+  const Plan& plan_here(std::int64_t batch);
+  // The highest level of the recomputation ladder this executor uses (a pipeline: blocks).
+  int top_level();
+  // A pipeline stage's micro-batches in the schedule's order; the loss on the last stage.
+  Tensor accumulate_stage(Arena& arena, const float* images, const std::int64_t* labels,
+                          const std::vector<std::int64_t>& sizes);
+  // One micro-batch's input of a stage: n samples of the stage's input shape.
+  Shape stage_input_shape(std::int64_t n) const;
   // accumulate() with the loss left where it was computed (undefined in a dry run: no values).
   // `divisor`: the loss divisor D when it was counted elsewhere (over every rank's samples).
   // `arena`: the one the step runs on — arena_ in a real step, the planner's virtual clone of it in
@@ -213,6 +243,10 @@ class Executor {
   std::unique_ptr<InputStager> stager_;  // the step's inputs onto the device (core/staging.h)
   RecomputeChoice choice_;
   std::map<std::int64_t, RecomputeChoice> auto_choices_;  // recompute "auto": the choice per batch size
+  // A pipeline: this stage's segments, its input's shape per sample, the micro-batch agreed per batch.
+  std::vector<nn::Module::Segment> segments_;
+  Shape stage_sample_shape_;
+  std::map<std::int64_t, std::int64_t> agreed_;
 };
 
 }  // namespace tally::mbp

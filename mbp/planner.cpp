@@ -57,16 +57,26 @@ std::string Plan::summary() const {
 
 namespace {
 
-// Each run of equal sizes shortened to at most two (see the header).
-std::vector<std::int64_t> compressed(const std::vector<std::int64_t>& sizes) {
+// Each run of equal sizes shortened to at most `keep` (see the header).
+std::vector<std::int64_t> compressed(const std::vector<std::int64_t>& sizes, std::size_t keep) {
   std::vector<std::int64_t> out;
+  std::size_t run = 0;
   for (std::size_t i = 0; i < sizes.size(); ++i) {
-    const std::size_t n = out.size();
-    if (n >= 2 && out[n - 1] == sizes[i] && out[n - 2] == sizes[i]) continue;
-    out.push_back(sizes[i]);
+    run = i > 0 && sizes[i] == sizes[i - 1] ? run + 1 : 1;
+    if (run <= keep) out.push_back(sizes[i]);
   }
   return out;
 }
+
+}  // namespace
+
+void Planner::set_repeats(std::size_t repeats) {
+  if (repeats < 2) throw Error(fmt::format("Planner: expected at least 2 repeats, found {}", repeats));
+  if (repeats != repeats_) cache_.clear();
+  repeats_ = repeats;
+}
+
+namespace {
 
 std::vector<std::int64_t> split_for(std::int64_t batch, std::int64_t m) {
   return balanced_sizes(batch, (batch + m - 1) / m);
@@ -159,7 +169,7 @@ const Plan& Planner::plan(std::int64_t batch, std::optional<std::int64_t> micro_
     std::int64_t lo = 0, hi = 0;  // lo: largest size known to fit (0: none yet); hi (> 0): fails
     std::string cannot_run;
     for (std::int64_t next = 1;; next = std::min(next * 2, hi_limit)) {
-      const Probe p = probe(compressed(split_for(batch, next)), false);
+      const Probe p = probe(compressed(split_for(batch, next), repeats_), false);
       if (p.fits) {
         lo = next;
         if (next == hi_limit) break;
@@ -178,7 +188,7 @@ const Plan& Planner::plan(std::int64_t batch, std::optional<std::int64_t> micro_
     // Bisect (lo fits, hi does not).
     while (hi > 0 && hi - lo > 1) {
       const std::int64_t mid = lo + (hi - lo) / 2;
-      (probe(compressed(split_for(batch, mid)), false).fits ? lo : hi) = mid;
+      (probe(compressed(split_for(batch, mid), repeats_), false).fits ? lo : hi) = mid;
     }
     m = lo;
   }

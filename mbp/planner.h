@@ -98,6 +98,10 @@ class Planner {
   Probe probe(const std::vector<std::int64_t>& sizes, bool detailed,
               std::optional<std::size_t> capacity = std::nullopt);
   int probes() const { return probes_; }
+  // How many micro-batches of one size a search probe keeps of a run of them (2: after a micro-batch
+  // everything but the persistent state is freed). A pipeline stage holds up to S of them at once
+  // under 1F1B (S + 1 keeps the steady state), all of them under GPipe (no shortening at all).
+  void set_repeats(std::size_t repeats);
 
  private:
   [[noreturn]] void throw_too_small(std::int64_t batch, std::int64_t m, const std::string& why);
@@ -105,6 +109,7 @@ class Planner {
   std::shared_ptr<Arena> arena_;
   StepFn step_;
   int probes_ = 0;
+  std::size_t repeats_ = 2;
   std::map<std::tuple<std::int64_t, std::size_t, std::int64_t, std::int64_t, std::string>, Plan> cache_;
 };
 

@@ -78,6 +78,44 @@ std::string RecomputeChoice::summary(const Plan& plan) const {
 }
 
 const Plan& Executor::plan(std::int64_t batch) {
+  const Plan* planned = nullptr;
+  try {
+    planned = &plan_here(batch);
+  } catch (const OutOfMemory& e) {
+    if (!opt_.pipeline || opt_.pipeline->stages == 1) throw;
+    const PipelineStage& st = *opt_.pipeline;
+    throw OutOfMemory(fmt::format("pipeline stage {} of {} ({}), memory limit {}: {}", st.stage, st.stages,
+                                  segment_range(segments_, st.first(), st.last()), format_bytes(arena_->capacity()),
+                                  e.what()),
+                      e.requested());
+  }
+  const Plan& mine = *planned;
+  if (!agrees_across_stages()) return mine;
+  // Every stage runs the same micro-batches: the smallest of the stages' largest (each rank fills
+  // its own slot of a sum). Agreed once per batch size, in the same order on every rank.
+  auto it = agreed_.find(batch);
+  if (it == agreed_.end()) {
+    distributed::Communicator& comm = *opt_.communicator;
+    std::vector<double> largest(static_cast<std::size_t>(comm.size()), 0.0);
+    largest[static_cast<std::size_t>(comm.rank())] = static_cast<double>(mine.micro_batch);
+    comm.all_reduce_sum(largest.data(), largest.size());
+    it = agreed_.emplace(batch, static_cast<std::int64_t>(*std::min_element(largest.begin(), largest.end()))).first;
+  }
+  if (it->second == mine.micro_batch) return mine;
+  return plan_as_set(batch, it->second);
+}
+
+const Plan& Executor::plan_agreed(std::int64_t batch, std::int64_t micro_batch) {
+  (void)plan_here(batch);  // the recomputation of this batch, set on the model
+  return plan_as_set(batch, micro_batch);
+}
+
+int Executor::top_level() {
+  const int all = nn::recompute_levels(model_) - 1;
+  return opt_.pipeline ? std::min(1, all) : all;  // a stage's segments are blocks: no stage around them
+}
+
+const Plan& Executor::plan_here(std::int64_t batch) {
   const std::string& policy = opt_.recompute;
   if (policy == "none") {
     const std::string state = nn::recompute_state(model_);
@@ -107,7 +145,7 @@ const Plan& Executor::plan_auto(std::int64_t batch) {
     nn::set_recompute_level(model_, choice_.level);
     return plan_as_set(batch, std::nullopt);
   }
-  const int all = nn::recompute_levels(model_) - 1;
+  const int all = top_level();
   choice_ = choice_at(model_, 0);
   try {
     const Plan& p = plan_as_set(batch, std::nullopt);
@@ -127,9 +165,9 @@ const Plan& Executor::plan_auto(std::int64_t batch) {
       } catch (const OutOfMemory& e) {
         if (level < all) continue;
         nn::set_recompute_level(model_, 0);
-        throw OutOfMemory(fmt::format("{} (with --recompute all, the most recomputation there is: {}; without "
+        throw OutOfMemory(fmt::format("{} (with --recompute {}, the most recomputation there is: {}; without "
                                       "recomputation at least {})",
-                                      e.what(), choice_.description, format_bytes(without.requested())),
+                                      e.what(), nn::recompute_level_name(model_, all), choice_.description, format_bytes(without.requested())),
                           e.requested());
       }
     }
@@ -140,16 +178,18 @@ const Plan& Executor::plan_auto(std::int64_t batch) {
 // A budget too small without recomputation: the error also says what recomputing the most would
 // need (measured with the model's segments as they were put back afterwards).
 void Executor::throw_none_too_small(const OutOfMemory& without, std::int64_t batch) {
-  const int all = nn::recompute_levels(model_) - 1;
+  const int all = top_level();
   std::string with;
   if (all > 0) {
     const std::string description = nn::recompute_level_description(model_, all);
     try {
       const Plan p = plan_at_level(batch, std::nullopt, all);
-      with = fmt::format("; --recompute all ({}) fits micro-batches of {} (predicted peak {})", description,
+      with = fmt::format("; --recompute {} ({}) fits micro-batches of {} (predicted peak {})",
+                         nn::recompute_level_name(model_, all), description,
                          p.micro_batch, format_bytes(p.predicted_peak));
     } catch (const OutOfMemory& e) {
-      with = fmt::format("; with --recompute all ({}) it needs at least {}", description, format_bytes(e.requested()));
+      with = fmt::format("; with --recompute {} ({}) it needs at least {}", nn::recompute_level_name(model_, all),
+                         description, format_bytes(e.requested()));
     }
   }
   throw OutOfMemory(fmt::format("{}{}", without.what(), with), without.requested());

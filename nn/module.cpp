@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "core/memory.h"
 
 namespace tally::nn {
 
@@ -134,6 +135,29 @@ std::vector<StepState*> step_states(Module& root) {
   for (auto& [name, child] : root.named_children())
     for (StepState* s : step_states(*child)) out.push_back(s);
   return out;
+}
+
+std::vector<Tensor> parameters_of(const std::vector<Module*>& modules) {
+  std::vector<Tensor> out;
+  for (Module* m : modules)
+    for (Tensor& p : m->parameters()) out.push_back(std::move(p));
+  return out;
+}
+
+std::vector<StepState*> step_states_of(const std::vector<Module*>& modules) {
+  std::vector<StepState*> out;
+  for (Module* m : modules)
+    for (StepState* s : step_states(*m)) out.push_back(s);
+  return out;
+}
+
+void move_to_arena(Module& module, const std::shared_ptr<Arena>& arena) {
+  ArenaScope scope(arena);
+  auto into = [&](const Tensor& x) { return x.clone(x.storage()->category()); };
+  for (auto& [name, t] : module.named_parameters())
+    if (t.storage()->arena() != arena) replace_in_place(t, into);
+  for (auto& [name, t] : module.named_buffers())
+    if (t.storage()->arena() != arena) replace_in_place(t, into);
 }
 
 }  // namespace tally::nn

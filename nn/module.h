@@ -116,6 +116,17 @@ class Module {
   };
   virtual RecomputeParts recompute_parts() { return {}; }
 
+  // The model as a chain of segments whose composition, in order, is forward(): the cut points a
+  // pipeline of stages may split it at (mbp/pipeline.h). A ResNet offers its stem, each residual
+  // block and its head (pool, flatten, fully connected layer); each segment names the modules whose
+  // parameters and buffers it uses. The default offers none (the model cannot be split).
+  struct Segment {
+    std::string name;                            // "stem", "layer2.1", "head"
+    std::vector<Module*> modules;                // the modules it runs (their parameters and buffers)
+    std::function<Tensor(const Tensor&)> forward;
+  };
+  virtual std::vector<Segment> segments() { return {}; }
+
   // This module's state across the micro-batches of a step, if it has one (BatchNorm2d).
   virtual StepState* step_state() { return nullptr; }
 
@@ -172,5 +183,13 @@ class Module {
 
 // The step states (Module::step_state) of `root` and its descendants, in registration order.
 std::vector<StepState*> step_states(Module& root);
+
+// The parameters (in registration order, module by module) and the step states of `modules`.
+std::vector<Tensor> parameters_of(const std::vector<Module*>& modules);
+std::vector<StepState*> step_states_of(const std::vector<Module*>& modules);
+// Moves every parameter (with its gradient buffer) and buffer of `module` into `arena` (same
+// device), in place as Module::to does: a pipeline stage's share of a model built elsewhere moves
+// into its rank's budget.
+void move_to_arena(Module& module, const std::shared_ptr<Arena>& arena);
 
 }  // namespace tally::nn

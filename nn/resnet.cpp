@@ -148,6 +148,16 @@ ResNet::ResNet(BlockKind block, const std::vector<std::int64_t>& layers, std::in
 
 namespace {
 // A ResNet's stages and their blocks, for the recomputation ladder (nn/recompute.h).
+// The residual blocks of `stages`, one segment each ("layer2.1").
+void add_block_segments(std::vector<Module::Segment>& out,
+                        std::initializer_list<std::pair<const char*, Module*>> stages) {
+  for (const auto& [name, stage] : stages)
+    for (auto& [index, block] : stage->named_children()) {
+      Module* b = block.get();
+      out.push_back({fmt::format("{}.{}", name, index), {b}, [b](const Tensor& x) { return (*b)(x); }});
+    }
+}
+
 Module::RecomputeParts staged_parts(std::initializer_list<std::pair<const char*, Module*>> stages) {
   Module::RecomputeParts parts;
   for (const auto& [name, stage] : stages) {
@@ -163,6 +173,17 @@ Module::RecomputeParts ResNet::recompute_parts() {
       {{"layer1", layer1.get()}, {"layer2", layer2.get()}, {"layer3", layer3.get()}, {"layer4", layer4.get()}});
   parts.stem = &recompute_stem;
   return parts;
+}
+
+std::vector<Module::Segment> ResNet::segments() {
+  std::vector<Segment> out;
+  out.push_back({"stem", {conv1.get(), bn1.get(), relu.get(), maxpool.get()}, [this](const Tensor& x) {
+                   return run_segment(recompute_stem, [this](const Tensor& t) { return stem(t); }, x);
+                 }});
+  add_block_segments(out, {{"layer1", layer1.get()}, {"layer2", layer2.get()}, {"layer3", layer3.get()},
+                           {"layer4", layer4.get()}});
+  out.push_back({"head", {avgpool.get(), fc.get()}, [this](const Tensor& x) { return (*fc)(flatten((*avgpool)(x), 1)); }});
+  return out;
 }
 
 Tensor ResNet::stem(const Tensor& x) {
@@ -202,6 +223,16 @@ Tensor CifarResNet::forward(const Tensor& x) {
   Tensor y = norm_relu(*bn1, (*conv1)(x));
   y = (*layer3)((*layer2)((*layer1)(y)));
   return (*fc)(flatten((*avgpool)(y), 1));
+}
+
+std::vector<Module::Segment> CifarResNet::segments() {
+  std::vector<Segment> out;
+  out.push_back({"stem", {conv1.get(), bn1.get(), relu.get()}, [this](const Tensor& x) {
+                   return norm_relu(*bn1, (*conv1)(x));
+                 }});
+  add_block_segments(out, {{"layer1", layer1.get()}, {"layer2", layer2.get()}, {"layer3", layer3.get()}});
+  out.push_back({"head", {avgpool.get(), fc.get()}, [this](const Tensor& x) { return (*fc)(flatten((*avgpool)(x), 1)); }});
+  return out;
 }
 
 // ---- ResNet-9 -----------------------------------------------------------------------------------
@@ -247,6 +278,21 @@ Tensor ResNet9::forward(const Tensor& x) {
   const std::int64_t h = y.size(2), w = y.size(3);
   y = flatten(max_pool2d(y, {h, w}, {h, w}), 1);
   return scale((*fc)(y), 0.125);
+}
+
+std::vector<Module::Segment> ResNet9::segments() {
+  auto unit = [](Sequential* m) { return [m](const Tensor& x) { return (*m)(x); }; };
+  auto residual_unit = [](Sequential* m) { return [m](const Tensor& x) { return add(x, (*m)(x)); }; };
+  return {{"prep", {prep.get()}, unit(prep.get())},
+          {"layer1", {layer1.get()}, unit(layer1.get())},
+          {"res1", {res1.get()}, residual_unit(res1.get())},
+          {"layer2", {layer2.get()}, unit(layer2.get())},
+          {"layer3", {layer3.get()}, unit(layer3.get())},
+          {"res3", {res3.get()}, residual_unit(res3.get())},
+          {"head", {fc.get()}, [this](const Tensor& x) {
+             const std::int64_t h = x.size(2), w = x.size(3);
+             return scale((*fc)(flatten(max_pool2d(x, {h, w}, {h, w}), 1)), 0.125);
+           }}};
 }
 
 // ---- factory ------------------------------------------------------------------------------------

@@ -86,6 +86,7 @@ class ResNet : public Module {
          Norm norm);
   Tensor forward(const Tensor& x) override;
   RecomputeParts recompute_parts() override;
+  std::vector<Segment> segments() override;  // stem, layer1.0 .. layer4.N, head
 
   std::shared_ptr<Conv2d> conv1;
   std::shared_ptr<Module> bn1;
@@ -107,6 +108,7 @@ class CifarResNet : public Module {
   CifarResNet(std::int64_t depth, std::int64_t in_channels, std::int64_t num_classes, Norm norm);
   Tensor forward(const Tensor& x) override;
   RecomputeParts recompute_parts() override;
+  std::vector<Segment> segments() override;  // stem, layer1.0 .. layer3.N, head
 
   std::shared_ptr<Conv2d> conv1;
   std::shared_ptr<Module> bn1;
@@ -122,6 +124,7 @@ class ResNet9 : public Module {
   ResNet9(std::int64_t in_channels, std::int64_t num_classes, Norm norm);
   Tensor forward(const Tensor& x) override;
   RecomputeParts recompute_parts() override;
+  std::vector<Segment> segments() override;  // prep, layer1, res1 (with its add), layer2, layer3, res3 (with its add), head
 
   std::shared_ptr<Sequential> prep, layer1, res1, layer2, layer3, res3;
   std::shared_ptr<Linear> fc;

@@ -1,0 +1,399 @@
+// Pipeline stages (mbp/pipeline.h and mbp::Executor with ExecutorOptions::pipeline).
+// In one process (PipelineParts.*): the segments of every model compose to its forward bit for
+// bit; the schedules' orders; the cut and --pipeline-split's errors. Under `mpirun -np 2`
+// (PipelineStages.*; each skips, saying so, in a world of one): float64 ResNet-20 through 2 stages,
+// several SGD-momentum steps, against one process — with group norm and no norm its full-batch step
+// (<= 1e-12), with BatchNorm its micro-batched step at the same micro-batch (<= 1e-12, running
+// statistics too) — under 1F1B and GPipe, with equal and with different limits per rank (the
+// micro-batch is then the smaller stage's); predicted == measured peak on every rank every step.
+// PipelineCommandLine.* (no mpirun; they start it): `tally train --pipeline-stages 2` against one
+// process, and ResNet-50 in 300 MiB per stage.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "core/autograd.h"
+#include "core/memory.h"
+#include "core/safetensors.h"
+#include "distributed/communicator.h"
+#include "mbp/executor.h"
+#include "mbp/pipeline.h"
+#include "tests/model_common.h"
+
+using namespace tally;
+using namespace tally::test;
+
+namespace {
+
+std::shared_ptr<distributed::Communicator> world() { return distributed::process_world(); }
+
+class PipelineParts : public ::testing::Test {
+ protected:
+  void SetUp() override { configure_arena(Device::cpu(), kDefaultCpuArenaBytes); }
+};
+
+}  // namespace
+
+// The segments' composition is the model's forward, bit for bit, in training mode with gradients
+// (the same ops in the same order) — for every model family.
+TEST_F(PipelineParts, SegmentsComposeToTheForwardBitForBit) {
+  for (const auto& [name, input] : std::vector<std::pair<std::string, Shape>>{
+           {"resnet20", {3, 16, 16}}, {"resnet9", {3, 32, 32}}, {"resnet18", {3, 64, 64}}}) {
+    for (const std::string norm : {"batch", "group"}) {
+      auto m = model(name, norm, 4, DType::Float64);
+      const Data d = make_data(3, input, 11);
+      const Tensor x = input_tensor<double>(d, 3, input);
+      const auto segments = m->segments();
+      ASSERT_GE(segments.size(), 3u) << name;
+      EXPECT_EQ(segments.front().name, name == "resnet9" ? "prep" : "stem");
+      EXPECT_EQ(segments.back().name, "head");
+      EXPECT_NO_THROW(mbp::check_segments_cover(*m, segments)) << name;
+      const auto want = m->forward(x).to_vector<double>();
+      Tensor y = x;
+      for (const auto& s : segments) y = s.forward(y);
+      const auto got = y.to_vector<double>();
+      ASSERT_EQ(got.size(), want.size());
+      EXPECT_TRUE(std::equal(got.begin(), got.end(), want.begin())) << name << " " << norm;
+      EXPECT_TRUE(std::none_of(got.begin(), got.end(), [](double v) { return std::isnan(v); }));
+    }
+  }
+}
+
+// Every micro-batch's forward and backward once, forward first; 1F1B holds at most S - s micro-batches
+// on stage s, GPipe all k; the last stage runs forwards only (each with its backward).
+TEST_F(PipelineParts, SchedulesRunEveryMicroBatchOnceAndHoldWhatTheySay) {
+  for (auto schedule : {mbp::PipelineSchedule::one_f_one_b, mbp::PipelineSchedule::gpipe})
+    for (int S : {2, 3, 4})
+      for (int s = 0; s < S; ++s)
+        for (std::int64_t k : {1, 2, 5, 8}) {
+          const auto order = mbp::pipeline_order(schedule, s, S, k);
+          const bool last = s == S - 1;
+          std::vector<int> forwards(k, 0), backwards(k, 0);
+          std::int64_t held = 0, most = 0;
+          for (const auto& op : order) {
+            if (op.forward) {
+              EXPECT_EQ(forwards[op.index]++, 0);
+              if (!last) most = std::max(most, ++held);
+            } else {
+              EXPECT_EQ(forwards[op.index], 1) << "backward before forward";
+              EXPECT_EQ(backwards[op.index]++, 0);
+              --held;
+            }
+          }
+          for (std::int64_t i = 0; i < k; ++i) {
+            EXPECT_EQ(forwards[i], 1);
+            EXPECT_EQ(backwards[i], last ? 0 : 1);
+          }
+          mbp::PipelineStage st;
+          st.stage = s, st.stages = S, st.schedule = schedule;
+          if (!last) {
+            EXPECT_EQ(most, st.in_flight(k)) << "stage " << s << " of " << S << ", k " << k;
+            EXPECT_EQ(most, schedule == mbp::PipelineSchedule::gpipe ? k : std::min<std::int64_t>(S - s, k));
+          }
+        }
+}
+
+TEST_F(PipelineParts, CutsAndSplitsAndTheirErrors) {
+  auto m = model("resnet20", "batch", 1);
+  const auto segments = m->segments();
+  ASSERT_EQ(segments.size(), 11u);  // stem, 9 blocks, head
+  const auto costs = mbp::segment_costs(*m, {3, 32, 32}, DType::Float32, 1);
+  for (const auto& c : costs) {
+    EXPECT_GT(c.activation_bytes, 0) << c.name;
+    EXPECT_GT(c.persistent_bytes, 0) << c.name;
+  }
+  EXPECT_GT(costs[0].activation_bytes, costs[9].activation_bytes) << "full resolution before quarter resolution";
+  EXPECT_GT(costs[9].parameters, costs[1].parameters) << "64 channels before 16";
+  for (int S : {1, 2, 3, 11}) {
+    const auto b = mbp::balanced_cut(costs, S, std::vector<std::int64_t>(S, std::int64_t(1) << 30), 128);
+    ASSERT_EQ(b.size(), static_cast<std::size_t>(S) + 1);
+    EXPECT_EQ(b.front(), 0u);
+    EXPECT_EQ(b.back(), 11u);
+    for (int s = 0; s < S; ++s) EXPECT_LT(b[s], b[s + 1]) << "every stage has a segment";
+  }
+  // A tight first limit moves the cut: fewer segments on stage 0.
+  const auto loose = mbp::balanced_cut(costs, 2, {std::int64_t(64) << 20, std::int64_t(64) << 20}, 128);
+  const auto tight = mbp::balanced_cut(costs, 2, {std::int64_t(8) << 20, std::int64_t(64) << 20}, 128);
+  EXPECT_LE(tight[1], loose[1]);
+  auto error_of = [](auto f) {
+    try {
+      f();
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(error_of([&] { mbp::balanced_cut(costs, 12, std::vector<std::int64_t>(12, 1 << 30), 8); })
+                .find("the model has 11 segments to cut between (stem, layer1.0"),
+            std::string::npos);
+  const auto split = mbp::parse_pipeline_split("layer2.0,layer3.0", segments, 3);
+  EXPECT_EQ(split, (std::vector<std::size_t>{0, 4, 7, 11}));
+  EXPECT_NE(error_of([&] { mbp::parse_pipeline_split("layer9.0", segments, 2); })
+                .find("'layer9.0' names no segment of the model; its segments are stem, layer1.0"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { mbp::parse_pipeline_split("layer2.0", segments, 3); })
+                .find("expected 2 segment names (where each stage after the first begins) for 3 stages, found 1"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { mbp::parse_pipeline_split("layer3.0,layer2.0", segments, 3); }).find("does not come after"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { mbp::parse_pipeline_split("stem", segments, 2); }).find("does not come after"),
+            std::string::npos);
+  EXPECT_EQ(mbp::segment_range(segments, 0, 4), "stem .. layer1.2");
+  EXPECT_EQ(mbp::segment_range(segments, 10, 11), "head");
+}
+
+// A stage's executor refuses what a pipeline cannot do, naming it.
+TEST_F(PipelineParts, StageOptionsThatCannotWorkAreErrors) {
+  auto m = model("resnet20", "group", 1);
+  auto opt = sgd(*m);
+  mbp::ExecutorOptions eo;
+  eo.sample_shape = {3, 16, 16};
+  mbp::PipelineStage st;
+  st.stages = 2, st.stage = 0, st.bounds = {0, 5, 11};
+  eo.pipeline = st;
+  eo.recompute = "all";
+  try {
+    mbp::Executor ex(*m, *opt, default_arena(Device::cpu()), eo);
+    FAIL() << "--recompute all accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("recomputes its residual blocks at most (none|blocks|auto)"), std::string::npos);
+  }
+  eo.recompute = "none";
+  st.bounds = {0, 5, 12};
+  eo.pipeline = st;
+  try {
+    mbp::Executor ex(*m, *opt, default_arena(Device::cpu()), eo);
+    FAIL() << "bounds past the segments accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("expected S + 1 increasing segment indices from 0 to 11"), std::string::npos);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Two stages against one process. Each rank builds the whole model (same seed) on the default
+// arena, moves its stage into a budget of its own and trains it there.
+namespace {
+
+struct Stage {
+  std::shared_ptr<nn::Module> model;
+  std::shared_ptr<Arena> budget;
+  std::unique_ptr<optim::SGD> optimizer;
+  std::vector<nn::Module::Segment> segments;
+  mbp::PipelineStage stage;
+};
+
+Stage make_stage(const std::string& norm, int rank, const std::vector<std::size_t>& bounds,
+                 mbp::PipelineSchedule schedule, std::size_t budget_bytes) {
+  Stage s;
+  s.model = model("resnet20", norm, 7, DType::Float64);
+  s.segments = s.model->segments();
+  s.budget = std::make_shared<Arena>(Device::cpu(), budget_bytes);
+  s.stage.stage = rank, s.stage.stages = 2, s.stage.bounds = bounds, s.stage.schedule = schedule;
+  std::vector<Tensor> params = mbp::place_stage(s.segments, bounds, rank, s.budget);
+  ArenaScope in_budget(s.budget);
+  optim::SGDOptions so;
+  so.lr = 0.05, so.momentum = 0.9, so.weight_decay = 5e-4;
+  s.optimizer = std::make_unique<optim::SGD>(std::move(params), so);
+  return s;
+}
+
+}  // namespace
+
+class PipelineStages
+    : public PipelineParts,
+      public ::testing::WithParamInterface<std::tuple<std::string, mbp::PipelineSchedule, bool>> {};
+
+TEST_P(PipelineStages, TwoStagesEqualOneProcess) {
+  if (world()->size() != 2) GTEST_SKIP() << "needs exactly 2 ranks: run under mpirun -np 2 (this world has "
+                                         << world()->size() << ")";
+  const auto [norm, schedule, uneven] = GetParam();
+  auto comm = world();
+  const int rank = comm->rank();
+  const std::int64_t B = 12;
+  const Shape sample{3, 16, 16};
+  const std::vector<std::size_t> bounds{0, 5, 11};  // stem .. layer2.0 | layer2.1 .. head
+  // Uneven: rank 0 in 4 MiB, where fewer samples fit than rank 1's 64 MiB: the stages agree on the
+  // smaller micro-batch. Even: both fit micro-batches of 3 (given), k = 4.
+  // (GPipe's stage 0 holds every micro-batch whatever their size, so there rank 0 has 16 MiB, fits
+  // the whole batch, and rank 1 is given micro-batches of 4.)
+  const bool gpipe = schedule == mbp::PipelineSchedule::gpipe;
+  Stage st = make_stage(norm, rank, bounds, schedule,
+                        uneven && rank == 0 ? parse_size(gpipe ? "16MiB" : "4MiB") : parse_size("64MiB"));
+  mbp::ExecutorOptions eo;
+  eo.sample_shape = sample;
+  if (!uneven) eo.micro_batch = 3;
+  if (uneven && gpipe && rank == 1) eo.micro_batch = 4;  // rank 0 fits all 12: the stages agree on 4
+  eo.communicator = comm;
+  eo.pipeline = st.stage;
+  mbp::Executor ex(*st.model, *st.optimizer, st.budget, eo);
+  // The reference: one process, the same weights, the full batch (group/none) or the same micro-batches (batch).
+  auto ref = model("resnet20", norm, 7, DType::Float64);
+  auto ref_opt = sgd(*ref);
+  std::unique_ptr<mbp::Executor> ref_ex;
+  std::int64_t m = 0;
+  for (int step = 0; step < 3; ++step) {
+    const Data d = make_data(B, sample, 500 + static_cast<std::uint32_t>(step));
+    const mbp::StepResult r = ex.step(d.images.data(), d.labels.data(), B);
+    if (step == 0) m = r.micro_batch;
+    EXPECT_EQ(r.micro_batch, m);
+    EXPECT_EQ(r.peak, r.predicted_peak) << "rank " << rank << " step " << step;
+    EXPECT_GT(r.micro_batches, 1) << "a pipeline of one micro-batch would test nothing";
+    double ms[2] = {0, 0};
+    ms[rank] = static_cast<double>(r.micro_batch);
+    comm->all_reduce_sum(ms, 2);
+    EXPECT_EQ(ms[0], ms[1]) << "one micro-batch for every stage";
+    double ref_loss = 0;
+    if (norm == "batch") {
+      if (!ref_ex) {
+        mbp::ExecutorOptions ro;
+        ro.sample_shape = sample;
+        ro.micro_batch = m;
+        ref_ex = std::make_unique<mbp::Executor>(*ref, *ref_opt, ro);
+      }
+      ref_loss = ref_ex->step(d.images.data(), d.labels.data(), B).loss;
+    } else {
+      ref_loss = full_batch_backward<double>(*ref, d, B, sample);
+      NoGradGuard ng;
+      ref_opt->step();
+      ref_opt->zero_grad();
+    }
+    EXPECT_NEAR(r.loss, ref_loss, 1e-12 * std::abs(ref_loss)) << "step " << step;
+    EXPECT_TRUE(std::isfinite(r.loss));
+  }
+  if (uneven && !gpipe) {
+    EXPECT_LT(m, B) << "4 MiB holds fewer than the batch";
+  } else if (uneven) {
+    EXPECT_EQ(m, 4) << "rank 1's micro-batch, the smaller";
+  } else {
+    EXPECT_EQ(m, 3);
+  }
+  mbp::gather_stages(*st.model, st.segments, bounds, *comm);
+  // Parameters, and BatchNorm's running statistics.
+  auto all = [&](const nn::Module& mod) {
+    auto v = values<double>(mod);
+    if (norm == "batch")
+      for (auto& buf : values<double>(mod, true)) v.push_back(std::move(buf));
+    return v;
+  };
+  const auto a = all(*st.model), b = all(*ref);
+  const auto init = values<double>(*model("resnet20", norm, 7, DType::Float64));
+  ASSERT_EQ(a.size(), b.size());
+  double worst = 0, moved = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    worst = std::max(worst, rel_error(a[i], b[i]));
+    EXPECT_LE(rel_error(a[i], b[i]), 1e-12) << "tensor " << i;
+  }
+  const auto pa = values<double>(*st.model);
+  for (std::size_t i = 0; i < pa.size(); ++i) moved = std::max(moved, rel_error(pa[i], init[i]));
+  EXPECT_GT(moved, 1e-3) << "the parameters moved";
+  if (rank == 0)
+    std::cout << fmt::format("norm {}, {}, micro-batches of {}{}: worst per-tensor relative difference from one process {}\n",
+                             norm, mbp::pipeline_schedule_name(schedule), m, uneven ? fmt::format(" ({})", gpipe ? "stage 1 given 4" : "stage 0 in 4 MiB") : std::string(), worst);
+}
+
+INSTANTIATE_TEST_SUITE_P(NormsSchedulesLimits, PipelineStages,
+                         ::testing::Combine(::testing::Values("group", "none", "batch"),
+                                            ::testing::Values(mbp::PipelineSchedule::one_f_one_b,
+                                                              mbp::PipelineSchedule::gpipe),
+                                            ::testing::Bool()));
+
+// ---------------------------------------------------------------------------------------------
+// The command line: `mpirun -np 2 tally train --pipeline-stages 2` (these tests start mpirun).
+#ifdef TALLY_MPIEXEC
+namespace {
+
+int run(const std::string& command) {
+  std::cout << "$ " << command << "\n";
+  return std::system(command.c_str());
+}
+
+std::string mpirun() {
+  return fmt::format("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 timeout 400 {} "
+                     "--oversubscribe -np 2",
+                     TALLY_MPIEXEC);
+}
+
+std::filesystem::path fresh_dir(const std::string& name) {
+  const auto dir = std::filesystem::temp_directory_path() / name;
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+nlohmann::json read_json(const std::filesystem::path& p) {
+  std::ifstream f(p);
+  return nlohmann::json::parse(f);
+}
+
+}  // namespace
+
+// Two stages train the weights one process does (group norm: the step is the full batch's, for any
+// micro-batches), within float32 rounding; both ranks' peaks exact; --save holds every stage's
+// tensors under the model's names.
+TEST(PipelineCommandLine, TwoStagesTrainTheWeightsOfOneProcess) {
+  if (distributed::launched_by_mpi()) GTEST_SKIP() << "starts mpirun itself";
+  const auto dir = fresh_dir("tally_pipeline_cli");
+  const std::string common = "train --norm group --steps 3 --batch-size 64 --no-progress --no-eval";
+  ASSERT_EQ(run(fmt::format("OMP_NUM_THREADS=1 {} {} --memory-limit 48MiB --save {}/one.safetensors > {}/one.log",
+                            TALLY_EXE, common, dir.string(), dir.string())), 0);
+  ASSERT_EQ(run(fmt::format("{} {} {} --pipeline-stages 2 --memory-limit 16MiB,48MiB --save {}/two.safetensors --out "
+                            "{}/two > {}/two.log",
+                            mpirun(), TALLY_EXE, common, dir.string(), dir.string(), dir.string())), 0);
+  const auto one = safetensors::read((dir / "one.safetensors").string());
+  const auto two = safetensors::read((dir / "two.safetensors").string());
+  ASSERT_EQ(one.tensors.size(), two.tensors.size());
+  double worst = 0;
+  for (const auto& [name, e] : one.tensors) {
+    ASSERT_TRUE(two.tensors.count(name)) << name;
+    EXPECT_EQ(e.shape, two.tensors.at(name).shape) << name;
+    if (e.dtype != "F32") continue;
+    const auto a = safetensors::as_f32(e), b = safetensors::as_f32(two.tensors.at(name));
+    const double err = rel_error(std::vector<double>(b.begin(), b.end()), std::vector<double>(a.begin(), a.end()));
+    worst = std::max(worst, err);
+    EXPECT_LE(err, 1e-5) << name;
+  }
+  std::cout << "worst per-tensor relative difference, 2 pipeline stages vs 1 process: " << worst << "\n";
+  const auto j = read_json(dir / "two" / "summary.json");
+  EXPECT_EQ(j.at("pipeline_stages"), 2);
+  ASSERT_EQ(j.at("ranks").size(), 2u);
+  for (const auto& r : j["ranks"]) {
+    EXPECT_EQ(r["peak_bytes"], r["predicted_peak_bytes"]);
+    EXPECT_GT(r["parameters"].get<std::int64_t>(), 0);
+    EXPECT_FALSE(r["segments"].get<std::string>().empty());
+  }
+  EXPECT_EQ(j["ranks"][0]["micro_batch"], j["ranks"][1]["micro_batch"]) << "one micro-batch for every stage";
+  EXPECT_EQ(j["ranks"][0]["parameters"].get<std::int64_t>() + j["ranks"][1]["parameters"].get<std::int64_t>(), 272474)
+      << "ResNet-20's parameters, each on one stage";
+}
+
+// ResNet-50 at 224x224 trains in 300 MiB per stage, which one process cannot do at any batch size
+// or recomputation level (tally plan says so, with what it would need).
+TEST(PipelineCommandLine, ResNet50TrainsInThreeHundredMiBPerStage) {
+  if (distributed::launched_by_mpi()) GTEST_SKIP() << "starts mpirun itself";
+  const auto dir = fresh_dir("tally_pipeline_r50");
+  EXPECT_NE(run(fmt::format("{} plan --model resnet50 --batch-size 4 --memory-limit 300MiB --no-layers > {}/one.log 2>&1",
+                            TALLY_EXE, dir.string())), 0);
+  std::ifstream f(dir / "one.log");
+  const std::string one((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  EXPECT_NE(one.find("not even one sample fits"), std::string::npos) << one;
+  EXPECT_NE(one.find("with --recompute all"), std::string::npos) << one;
+  ASSERT_EQ(run(fmt::format("{} {} train --pipeline-stages 2 --model resnet50 --data synthetic:3x224x224 --steps 2 "
+                            "--batch-size 4 --lr 0.01 --memory-limit 300MiB --no-progress --no-eval --save {}/w.safetensors "
+                            "--out {}/two > {}/two.log",
+                            mpirun(), TALLY_EXE, dir.string(), dir.string(), dir.string())), 0);
+  const auto j = read_json(dir / "two" / "summary.json");
+  ASSERT_EQ(j.at("ranks").size(), 2u);
+  for (const auto& r : j["ranks"]) {
+    EXPECT_EQ(r["peak_bytes"], r["predicted_peak_bytes"]);
+    EXPECT_LE(r["peak_bytes"].get<std::int64_t>(), 300 << 20);
+  }
+  EXPECT_TRUE(std::isfinite(j.at("train_loss").get<double>()));
+  EXPECT_EQ(safetensors::read((dir / "w.safetensors").string()).tensors.size(), 320u) << "every tensor of ResNet-50";
+}
+#endif
