@@ -28,6 +28,7 @@
 #include "nn/resnet.h"
 #include "mbp/checkpoint.h"
 #include "mbp/executor.h"
+#include "mbp/report/schedule.h"
 #include "mbp/report/timeline.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
@@ -256,13 +257,14 @@ void write_timeline(const TrainOptions& opt, Arena& arena, Device dev, std::int6
 
 // Every rank's memory plan and peaks, known to all (a sum where each rank fills its own row).
 std::vector<RankResult> gather_ranks(distributed::Communicator& comm, const TrainResult& mine) {
-  constexpr std::size_t kFields = 6;
+  constexpr std::size_t kFields = 8;
   std::vector<double> rows(kFields * static_cast<std::size_t>(comm.size()), 0.0);
   double* row = rows.data() + kFields * static_cast<std::size_t>(comm.rank());
   row[0] = static_cast<double>(mine.memory_limit_bytes), row[1] = static_cast<double>(mine.micro_batch);
   row[2] = static_cast<double>(mine.micro_batches_per_step), row[3] = static_cast<double>(mine.predicted_peak_bytes);
   row[4] = static_cast<double>(mine.peak_bytes);
   row[5] = static_cast<double>(mine.parameters);
+  row[6] = mine.seconds_per_step, row[7] = mine.communication_seconds_per_step;
   comm.all_reduce_sum(rows.data(), rows.size());  // byte counts < 2^53: exact in a double
   std::vector<RankResult> out;
   for (int r = 0; r < comm.size(); ++r) {
@@ -273,6 +275,7 @@ std::vector<RankResult> gather_ranks(distributed::Communicator& comm, const Trai
     rr.memory_limit_bytes = static_cast<std::int64_t>(v[0]), rr.micro_batch = static_cast<std::int64_t>(v[1]);
     rr.micro_batches_per_step = static_cast<std::int64_t>(v[2]), rr.predicted_peak_bytes = static_cast<std::int64_t>(v[3]);
     rr.peak_bytes = static_cast<std::int64_t>(v[4]);
+    rr.seconds_per_step = v[6], rr.communication_seconds_per_step = v[7];
     out.push_back(rr);
   }
   return out;
@@ -311,7 +314,9 @@ void write_summary(const TrainOptions& opt, const TrainResult& result) {
                      {"micro_batch", r.micro_batch},
                      {"micro_batches_per_step", r.micro_batches_per_step},
                      {"predicted_peak_bytes", r.predicted_peak_bytes},
-                     {"peak_bytes", r.peak_bytes}});
+                     {"peak_bytes", r.peak_bytes},
+                     {"seconds_per_step", r.seconds_per_step},
+                     {"communication_seconds_per_step", r.communication_seconds_per_step}});
   j["ranks"] = ranks;
   write_text(std::filesystem::path(opt.out) / "summary.json", j.dump(2) + "\n");
 }
@@ -495,6 +500,7 @@ class TrainingRun {
   nlohmann::json checkpoint_state(const std::vector<double>& limits) const;
   void restore();
   void report_stop() const;
+  void write_schedule(std::int64_t step, const mbp::StepResult& r);
   void finish();
 
   const TrainOptions& options_;
@@ -686,6 +692,7 @@ void TrainingRun::train_epoch(std::int64_t epoch, std::int64_t epochs) {
       arena_->set_tracing(false);
       write_timeline(opt_, *arena_, rank_.dev, step, r, b->size);
     }
+    if (setup_.stage && step == traced_step && !options_.out.empty()) write_schedule(step, r);
     const double ips = meter_.add(r, b->size, std::chrono::duration<double>(t1 - t0).count(), result_);
     profiler_.step_done(meter_.measured == 1);
     ++epoch_steps_;
@@ -843,6 +850,40 @@ void TrainingRun::restore() {
                  : fmt::format(", micro-batches of at most {} after out-of-memory retries", executor_.micro_batch_limit()));
 }
 
+// A pipeline's traced step: every stage's timeline to rank 0 (a collective), which draws them into
+// pipeline.svg, with the bubble the schedule implies for k micro-batches on S equal stages.
+void TrainingRun::write_schedule(std::int64_t step, const mbp::StepResult& r) {
+  const mbp::PipelineTrace& mine = executor_.pipeline_trace();
+  const auto S = static_cast<std::size_t>(rank_.ranks);
+  const std::size_t slots = 2 * static_cast<std::size_t>(r.micro_batches), per_rank = 2 + 4 * slots;
+  std::vector<double> all(S * per_rank, 0.0);
+  double* row = all.data() + per_rank * static_cast<std::size_t>(rank_.rank);
+  row[0] = mine.seconds, row[1] = mine.idle_seconds;
+  for (std::size_t i = 0; i < std::min(slots, mine.events.size()); ++i) {
+    const mbp::PipelineEvent& e = mine.events[i];
+    double* ev = row + 2 + 4 * i;
+    ev[0] = e.forward ? 1 : 2, ev[1] = static_cast<double>(e.index), ev[2] = e.start, ev[3] = e.end;
+  }
+  rank_.world->all_reduce_sum(all.data(), all.size());
+  if (rank_.rank != 0) return;
+  std::vector<mbp::PipelineTrace> traces(S);
+  for (std::size_t s = 0; s < S; ++s) {
+    const double* v = all.data() + per_rank * s;
+    traces[s].seconds = v[0], traces[s].idle_seconds = v[1];
+    for (std::size_t i = 0; i < slots; ++i) {
+      const double* ev = v + 2 + 4 * i;
+      if (ev[0] == 0) break;
+      traces[s].events.push_back({ev[0] == 1, static_cast<std::int64_t>(ev[1]), ev[2], ev[3]});
+    }
+  }
+  const double k = static_cast<double>(r.micro_batches), stages = static_cast<double>(S);
+  const std::string title = fmt::format(
+      "{} in {} stages ({}), step {}: {} micro-batches of {}; equal stages would wait {:.0f}% ((S-1)/(k+S-1))",
+      opt_.model, S, mbp::pipeline_schedule_name(setup_.stage->schedule), step + 1, r.micro_batches, r.micro_batch,
+      100.0 * (stages - 1) / (k + stages - 1));
+  write_text(std::filesystem::path(opt_.out) / "pipeline.svg", report::pipeline_svg(traces, title));
+}
+
 void TrainingRun::report_stop() const {
   const std::string how = rank_.ranks > 1 ? fmt::format("mpirun -np {} tally train", rank_.ranks) : "tally train";
   fmt::print(log_, "\nstopped by {} after step {} of {}: {}\n", StopSignals::name(stopped_), meter_.steps,
@@ -863,8 +904,10 @@ void TrainingRun::finish() {
   result_.images_per_second = meter.images_per_second();
   result_.steps = step;
   result_.world_size = ranks;
-  if (meter.measured > 1)
+  if (meter.measured > 1) {
     result_.communication_seconds_per_step = meter.steady_communication / static_cast<double>(meter.measured - 1);
+    result_.seconds_per_step = meter.steady_seconds / static_cast<double>(meter.measured - 1);
+  }
   result_.parameters = setup_.stage_parameters;
   result_.ranks = gather_ranks(*rank_.world, result_);
   if (setup_.stage) {
@@ -879,9 +922,13 @@ void TrainingRun::finish() {
     fmt::print(log_, "pipeline: {} stages, the parameters of every stage gathered on rank 0\n", st.stages);
     for (const RankResult& rr : result_.ranks)
       fmt::print(log_, "stage {} ({}): {} parameters, memory limit {}, micro-batches of {} x {} per step, peak {} bytes, "
-                       "predicted {}\n",
+                       "predicted {}{}\n",
                  rr.rank, rr.segments, rr.parameters, format_bytes(static_cast<std::size_t>(rr.memory_limit_bytes)),
-                 rr.micro_batch, rr.micro_batches_per_step, rr.peak_bytes, rr.predicted_peak_bytes);
+                 rr.micro_batch, rr.micro_batches_per_step, rr.peak_bytes, rr.predicted_peak_bytes,
+                 rr.seconds_per_step > 0
+                     ? fmt::format(", waits {:.1f} of {:.1f} ms per step ({:.1f}%)", 1000.0 * rr.communication_seconds_per_step,
+                                   1000.0 * rr.seconds_per_step, 100.0 * rr.communication_seconds_per_step / rr.seconds_per_step)
+                     : std::string());
   } else if (!distributed::parameters_identical(*setup_.model, *comm_)) {
     throw Error(fmt::format("after {} steps the ranks' parameters differ; a data-parallel run must keep them identical",
                             step));
@@ -916,7 +963,8 @@ void TrainingRun::finish() {
   }
   if (!opt_.out.empty()) {
     write_summary(opt_, result_);
-    fmt::print(log_, "wrote {0}/metrics.csv, {0}/summary.json, {0}/memory_trace.json and {0}/memory.svg\n", opt_.out);
+    fmt::print(log_, "wrote {0}/metrics.csv, {0}/summary.json, {0}/memory_trace.json{1} and {0}/memory.svg\n", opt_.out,
+               setup_.stage && steps_.total > 1 ? fmt::format(", {}/pipeline.svg", opt_.out) : std::string());
   }
 }
 

@@ -78,6 +78,9 @@ struct RankResult {
   std::int64_t parameters = 0;  // elements this rank trains (its stage's, or the whole model's)
   std::int64_t memory_limit_bytes = 0, micro_batch = 0, micro_batches_per_step = 0, predicted_peak_bytes = 0,
                peak_bytes = 0;
+  // Steps after the first: seconds per step, and of those in collectives (a pipeline stage: waiting
+  // for the other stages).
+  double seconds_per_step = 0, communication_seconds_per_step = 0;
 };
 
 struct TrainResult {
@@ -88,8 +91,9 @@ struct TrainResult {
   std::int64_t memory_limit_bytes = 0, micro_batch = 0, micro_batches_per_step = 0;
   std::int64_t steps = 0, oom_retries = 0;
   std::string device;
-  // Data parallelism: host seconds per step in collectives (steps after the first; rank 0's).
-  double communication_seconds_per_step = 0;
+  // Data parallelism: host seconds per step in collectives (steps after the first; rank 0's); a
+  // pipeline: rank 0's waiting for the other stages. Per rank in `ranks`.
+  double communication_seconds_per_step = 0, seconds_per_step = 0;
   std::string recompute = "none";   // the policy the run used
   std::string precision = "fp32";
   int world_size = 1;               // ranks of a data-parallel or pipeline run (mpirun -np N), else 1

@@ -136,51 +136,7 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_p
   if (arena_->device() != device_)
     throw Error(fmt::format("MBP executor: the arena is on {} but the model's parameters are on {}",
                             arena_->device().str(), device_.str()));
-  if (opt_.pipeline) {
-    const PipelineStage& st = *opt_.pipeline;
-    segments_ = model.segments();
-    if (segments_.empty()) throw Error("MBP executor: a pipeline stage needs a model that offers segments (Module::segments)");
-    if (st.stages < 1 || st.stage < 0 || st.stage >= st.stages || st.bounds.size() != static_cast<std::size_t>(st.stages) + 1 ||
-        st.bounds.front() != 0 || st.bounds.back() != segments_.size() ||
-        !std::is_sorted(st.bounds.begin(), st.bounds.end()) ||
-        std::adjacent_find(st.bounds.begin(), st.bounds.end()) != st.bounds.end())
-      throw Error(fmt::format("MBP executor: pipeline stage {} of {} with bounds [{}]: expected S + 1 increasing segment "
-                              "indices from 0 to {}", st.stage, st.stages, fmt::join(st.bounds, ", "), segments_.size()));
-    if (!opt_.communicator) opt_.communicator = distributed::local();
-    if (opt_.communicator->size() > 1 && opt_.communicator->size() != st.stages)
-      throw Error(fmt::format("MBP executor: a pipeline of {} stages runs on as many ranks, found {} (pipeline stages "
-                              "and data parallelism together are not supported)", st.stages, opt_.communicator->size()));
-    if (opt_.communicator->size() > 1 && opt_.communicator->rank() != st.stage)
-      throw Error(fmt::format("MBP executor: rank {} must run stage {}, found stage {}", opt_.communicator->rank(),
-                              opt_.communicator->rank(), st.stage));
-    if (!device_.is_cpu())
-      throw Error(fmt::format("MBP executor: pipeline stages run on the CPU (MPI ranks); the model is on {}", device_.str()));
-    if (opt_.normalization != LossNormalization::exact)
-      throw Error("MBP executor: a pipeline uses the exact loss normalization");
-    if (opt_.recompute != "none" && opt_.recompute != "auto" && opt_.recompute != "blocks")
-      throw Error(fmt::format("--recompute {}: a pipeline stage recomputes its residual blocks at most (none|blocks|auto)",
-                              opt_.recompute));
-    check_segments_cover(model, segments_);
-    states_ = nn::step_states_of(stage_modules(segments_, st.bounds, st.stage));
-    planner_.set_repeats(st.schedule == PipelineSchedule::gpipe ? std::size_t(1) << 40
-                                                                : static_cast<std::size_t>(st.stages) + 1);
-    // The stage's input per sample: a gradient-free dry run of the segments before it.
-    stage_sample_shape_ = opt_.sample_shape;
-    if (st.first() > 0) {
-      const auto scratch = Arena::make_virtual(device_, std::size_t(1) << 46);
-      ArenaScope in_scratch(scratch);
-      DryRunGuard dry;
-      NoGradGuard no_grad;
-      const bool training = model.is_training();
-      model.eval();
-      Shape one{1};
-      one.insert(one.end(), opt_.sample_shape.begin(), opt_.sample_shape.end());
-      Tensor y = Tensor::empty(one, activation_dtype_, device_, Category::input, "input");
-      for (std::size_t i = 0; i < st.first(); ++i) y = segments_[i].forward(y);
-      model.train(training);
-      stage_sample_shape_.assign(y.shape().begin() + 1, y.shape().end());
-    }
-  }
+  if (opt_.pipeline) set_up_stage(model);
   const std::vector<Tensor> trained =
       opt_.pipeline ? nn::parameters_of(stage_modules(segments_, opt_.pipeline->bounds, opt_.pipeline->stage))
                     : model.parameters();
@@ -195,6 +151,52 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_p
     if (p.storage()->arena() != arena_ || p.grad().storage()->arena() != arena_)
       throw Error(fmt::format("MBP executor: parameter {} (or its gradient) lives in another arena than the one the "
                               "executor runs on; build the model inside an ArenaScope of that arena", name));
+  }
+}
+
+void Executor::set_up_stage(nn::Module& model) {
+  const PipelineStage& st = *opt_.pipeline;
+  segments_ = model.segments();
+  if (segments_.empty()) throw Error("MBP executor: a pipeline stage needs a model that offers segments (Module::segments)");
+  if (st.stages < 1 || st.stage < 0 || st.stage >= st.stages || st.bounds.size() != static_cast<std::size_t>(st.stages) + 1 ||
+      st.bounds.front() != 0 || st.bounds.back() != segments_.size() ||
+      !std::is_sorted(st.bounds.begin(), st.bounds.end()) ||
+      std::adjacent_find(st.bounds.begin(), st.bounds.end()) != st.bounds.end())
+    throw Error(fmt::format("MBP executor: pipeline stage {} of {} with bounds [{}]: expected S + 1 increasing segment "
+                            "indices from 0 to {}", st.stage, st.stages, fmt::join(st.bounds, ", "), segments_.size()));
+  if (!opt_.communicator) opt_.communicator = distributed::local();
+  if (opt_.communicator->size() > 1 && opt_.communicator->size() != st.stages)
+    throw Error(fmt::format("MBP executor: a pipeline of {} stages runs on as many ranks, found {} (pipeline stages "
+                            "and data parallelism together are not supported)", st.stages, opt_.communicator->size()));
+  if (opt_.communicator->size() > 1 && opt_.communicator->rank() != st.stage)
+    throw Error(fmt::format("MBP executor: rank {} must run stage {}, found stage {}", opt_.communicator->rank(),
+                            opt_.communicator->rank(), st.stage));
+  if (!device_.is_cpu())
+    throw Error(fmt::format("MBP executor: pipeline stages run on the CPU (MPI ranks); the model is on {}", device_.str()));
+  if (opt_.normalization != LossNormalization::exact)
+    throw Error("MBP executor: a pipeline uses the exact loss normalization");
+  if (opt_.recompute != "none" && opt_.recompute != "auto" && opt_.recompute != "blocks")
+    throw Error(fmt::format("--recompute {}: a pipeline stage recomputes its residual blocks at most (none|blocks|auto)",
+                            opt_.recompute));
+  check_segments_cover(model, segments_);
+  states_ = nn::step_states_of(stage_modules(segments_, st.bounds, st.stage));
+  planner_.set_repeats(st.schedule == PipelineSchedule::gpipe ? std::size_t(1) << 40
+                                                              : static_cast<std::size_t>(st.stages) + 1);
+  // The stage's input per sample: a gradient-free dry run of the segments before it.
+  stage_sample_shape_ = opt_.sample_shape;
+  if (st.first() > 0) {
+    const auto scratch = Arena::make_virtual(device_, std::size_t(1) << 46);
+    ArenaScope in_scratch(scratch);
+    DryRunGuard dry;
+    NoGradGuard no_grad;
+    const bool training = model.is_training();
+    model.eval();
+    Shape one{1};
+    one.insert(one.end(), opt_.sample_shape.begin(), opt_.sample_shape.end());
+    Tensor y = Tensor::empty(one, activation_dtype_, device_, Category::input, "input");
+    for (std::size_t i = 0; i < st.first(); ++i) y = segments_[i].forward(y);
+    model.train(training);
+    stage_sample_shape_.assign(y.shape().begin() + 1, y.shape().end());
   }
 }
 
@@ -409,6 +411,7 @@ StepResult Executor::step(const float* images, const std::int64_t* labels, std::
     arena_->reset_peak();
     try {
       run_step(*arena_, images, labels, p.sizes, &r.loss);
+      if (opt_.pipeline) communication_seconds_ = trace_.idle_seconds;  // waiting for the other stages
       if (agrees_across_stages()) opt_.communicator->all_reduce_sum(&r.loss, 1);  // the last stage's, to every rank
       r.micro_batch = p.micro_batch;
       r.micro_batches = p.micro_batches;
@@ -450,37 +453,19 @@ Shape Executor::stage_input_shape(std::int64_t n) const {
   return shape;
 }
 
-Tensor Executor::accumulate_stage(Arena& arena, const float* images, const std::int64_t* labels,
-                                  const std::vector<std::int64_t>& sizes) {
-  const PipelineStage& st = *opt_.pipeline;
-  distributed::Communicator& comm = *opt_.communicator;
-  const bool dry = skip_host_work(), first = st.stage == 0, last = st.stage + 1 == st.stages;
-  const int previous = st.stage - 1, next = st.stage + 1;  // rank s runs stage s
-  std::int64_t batch = 0;
-  for (std::int64_t n : sizes) {
-    if (n < 1) throw Error(fmt::format("MBP executor: micro-batch sizes must be >= 1, found {}", n));
-    batch += n;
-  }
-  if (sizes.empty()) throw Error("MBP executor: no micro-batches");
+// One step of a pipeline stage under way: what its forwards and backwards share.
+struct Executor::StageRun {
+  StageRun(Arena& a, const float* i, const std::int64_t* l, const std::vector<std::int64_t>& s)
+      : arena(a), images(i), labels(l), sizes(s) {}
+  Arena& arena;
+  const float* images;
+  const std::int64_t* labels;
+  const std::vector<std::int64_t>& sizes;
   std::vector<std::int64_t> offsets{0};
-  for (std::int64_t n : sizes) offsets.push_back(offsets.back() + n);
-  // The whole batch's divisor, on the stage that has the targets.
+  std::int64_t batch = 0;
   double divisor = 1.0;
-  if (last && !dry) {
-    divisor = cross_entropy_divisor(labels, batch, opt_.loss);
-    if (!(divisor > 0))
-      throw Error(fmt::format("MBP executor: the batch of {} has no counted target (all ignore_index {} or zero class "
-                              "weight), so its mean loss is undefined", batch, opt_.loss.ignore_index));
-  }
-  for (nn::StepState* s : states_) s->begin_step();
-  if (!dry && (first || last)) stager_->begin_step(staging_bytes(batch, sample_numel_, activation_dtype_));
-  EnableGradGuard grad_on;
-  auto run = [&](Tensor x) {
-    for (std::size_t i = st.first(); i < st.last(); ++i) x = segments_[i].forward(x);
-    return x;
-  };
-  Tensor total;
-  if (last) total = Tensor::zeros({}, dtype_, device_, Category::temporary, "step_loss");
+  bool dry = false, first = false, last = false, targets_checked = false;
+  Tensor total;  // the loss, summed (the last stage)
   // A micro-batch between its forward and its backward: its input (a leaf whose gradient goes
   // back) and its output (sent on, kept for backward) with the ticket of that send.
   struct InFlight {
@@ -491,71 +476,133 @@ Tensor Executor::accumulate_stage(Arena& arena, const float* images, const std::
   // The gradient last sent back, kept until that send is done (waited for before the next one).
   Tensor sent_back;
   std::size_t sent_back_ticket = 0;
-  auto send_back = [&](const Tensor& x) {
-    if (first) return;
-    comm.wait_send(sent_back_ticket);
-    sent_back = Tensor();
-    sent_back = x.grad();
-    sent_back_ticket = comm.send(sent_back, previous);
-  };
-  bool targets_checked = false;
+  // The step's timeline and its waits (a real step's: a dry run neither waits nor takes time).
+  std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+  PipelineTrace trace;
+  double since() const { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); }
+  // Runs a wait (a receive, or a send to be taken), counted as idle; a receive an operation starts
+  // with moves the operation's start to its end, so the picture shows the wait as a gap.
+  double op_start = 0;
+  template <class F>
+  void waiting(F&& f, bool starts_op = false) {
+    const double a = since();
+    f();
+    const double b = since();
+    trace.idle_seconds += b - a;
+    if (starts_op) op_start = b;
+  }
+};
+
+Tensor Executor::accumulate_stage(Arena& arena, const float* images, const std::int64_t* labels,
+                                  const std::vector<std::int64_t>& sizes) {
+  const PipelineStage& st = *opt_.pipeline;
+  StageRun r(arena, images, labels, sizes);
+  r.dry = skip_host_work(), r.first = st.stage == 0, r.last = st.stage + 1 == st.stages;
+  for (std::int64_t n : sizes) {
+    if (n < 1) throw Error(fmt::format("MBP executor: micro-batch sizes must be >= 1, found {}", n));
+    r.batch += n;
+    r.offsets.push_back(r.batch);
+  }
+  if (sizes.empty()) throw Error("MBP executor: no micro-batches");
+  // The whole batch's divisor, on the stage that has the targets.
+  if (r.last && !r.dry) {
+    r.divisor = cross_entropy_divisor(labels, r.batch, opt_.loss);
+    if (!(r.divisor > 0))
+      throw Error(fmt::format("MBP executor: the batch of {} has no counted target (all ignore_index {} or zero class "
+                              "weight), so its mean loss is undefined", r.batch, opt_.loss.ignore_index));
+  }
+  for (nn::StepState* s : states_) s->begin_step();
+  if (!r.dry && (r.first || r.last)) stager_->begin_step(staging_bytes(r.batch, sample_numel_, activation_dtype_));
+  EnableGradGuard grad_on;
+  if (r.last) r.total = Tensor::zeros({}, dtype_, device_, Category::temporary, "step_loss");
   const auto k = static_cast<std::int64_t>(sizes.size());
   for (const PipelineOp& op : pipeline_order(st.schedule, st.stage, st.stages, k)) {
-    const auto i = static_cast<std::size_t>(op.index);
-    const std::int64_t n = sizes[i];
-    if (op.forward) {
-      arena.mark(fmt::format("micro-batch {}/{} ({} samples) forward", i + 1, k, n));
-      Tensor x;
-      if (first) {
-        Shape xs{n};
-        xs.insert(xs.end(), opt_.sample_shape.begin(), opt_.sample_shape.end());
-        x = Tensor::empty(xs, activation_dtype_, device_, Category::input, "input");
-        if (!dry) stager_->wait(stage_images(x, *stager_, images, offsets[i], n, sample_numel_, activation_dtype_));
-      } else {
-        x = Tensor::empty(stage_input_shape(n), activation_dtype_, device_, Category::input, "stage_input");
-        comm.recv(x, previous);
-        x.impl().grad_category = Category::temporary;
-        x.set_requires_grad(true);
-      }
-      Tensor out = run(x);
-      if (!last) {
-        const std::size_t ticket = comm.send(out, next);
-        in_flight.push_back({std::move(x), std::move(out), ticket});
-        continue;
-      }
-      // The last stage: the loss with the whole batch's divisor, and its backward at once.
-      Tensor y = Tensor::empty({n}, DType::Int64, device_, Category::input, "labels");
-      if (!dry) {
-        stager_->wait(stage_labels(y, *stager_, labels, offsets[i], n, batch, sample_numel_, activation_dtype_));
-        if (!targets_checked) {
-          check_cross_entropy_targets(labels, batch, out.size(1), opt_.loss.ignore_index);
-          targets_checked = true;
-        }
-      }
-      CrossEntropyOptions co = opt_.loss;
-      co.divisor = divisor;
-      co.targets_checked = !dry;
-      Tensor loss = cross_entropy(out, y, co);
-      out = Tensor();
-      y = Tensor();
-      loss.backward();
-      add_into(total, loss);
-      send_back(x);
-    } else {
-      arena.mark(fmt::format("micro-batch {}/{} backward", i + 1, k));
-      InFlight f = std::move(in_flight.front());
-      in_flight.pop_front();
-      Tensor g = Tensor::empty(f.out.shape(), f.out.dtype(), device_, Category::temporary, "stage_output_grad");
-      comm.recv(g, next);
-      comm.wait_send(f.sent);  // the next stage has it: it sent this gradient back
-      run_backward(f.out, g);
-      f.out = Tensor();
-      g = Tensor();
-      send_back(f.x);
+    r.op_start = r.since();
+    if (op.forward)
+      stage_forward(r, static_cast<std::size_t>(op.index));
+    else
+      stage_backward(r, static_cast<std::size_t>(op.index));
+    r.trace.events.push_back({op.forward, op.index, r.op_start, r.since()});
+  }
+  r.waiting([&] { opt_.communicator->wait_send(r.sent_back_ticket); });
+  if (!r.dry) {
+    r.trace.seconds = r.since();
+    trace_ = std::move(r.trace);
+  }
+  return r.total;
+}
+
+// Sends the gradient of a micro-batch's input back to the stage before (after the last one sent
+// is taken: one such buffer lives at a time).
+void Executor::send_back(StageRun& r, const Tensor& x) {
+  if (r.first) return;
+  distributed::Communicator& comm = *opt_.communicator;
+  r.waiting([&] { comm.wait_send(r.sent_back_ticket); });
+  r.sent_back = Tensor();
+  r.sent_back = x.grad();
+  r.sent_back_ticket = comm.send(r.sent_back, opt_.pipeline->stage - 1);
+}
+
+void Executor::stage_forward(StageRun& r, std::size_t i) {
+  distributed::Communicator& comm = *opt_.communicator;
+  const int stage = opt_.pipeline->stage;
+  const std::int64_t n = r.sizes[i];
+  r.arena.mark(fmt::format("micro-batch {}/{} ({} samples) forward", i + 1, r.sizes.size(), n));
+  Tensor x;
+  if (r.first) {
+    Shape xs{n};
+    xs.insert(xs.end(), opt_.sample_shape.begin(), opt_.sample_shape.end());
+    x = Tensor::empty(xs, activation_dtype_, device_, Category::input, "input");
+    if (!r.dry) stager_->wait(stage_images(x, *stager_, r.images, r.offsets[i], n, sample_numel_, activation_dtype_));
+  } else {
+    x = Tensor::empty(stage_input_shape(n), activation_dtype_, device_, Category::input, "stage_input");
+    r.waiting([&] { comm.recv(x, stage - 1); }, true);
+    x.impl().grad_category = Category::temporary;
+    x.set_requires_grad(true);
+  }
+  Tensor out = x;
+  for (std::size_t s = opt_.pipeline->first(); s < opt_.pipeline->last(); ++s) out = segments_[s].forward(out);
+  if (!r.last) {
+    const std::size_t ticket = comm.send(out, stage + 1);
+    r.in_flight.push_back({std::move(x), std::move(out), ticket});
+    return;
+  }
+  // The last stage: the loss with the whole batch's divisor, and its backward at once.
+  Tensor y = Tensor::empty({n}, DType::Int64, device_, Category::input, "labels");
+  if (!r.dry) {
+    stager_->wait(stage_labels(y, *stager_, r.labels, r.offsets[i], n, r.batch, sample_numel_, activation_dtype_));
+    if (!r.targets_checked) {
+      check_cross_entropy_targets(r.labels, r.batch, out.size(1), opt_.loss.ignore_index);
+      r.targets_checked = true;
     }
   }
-  comm.wait_send(sent_back_ticket);
-  return total;
+  CrossEntropyOptions co = opt_.loss;
+  co.divisor = r.divisor;
+  co.targets_checked = !r.dry;
+  Tensor loss = cross_entropy(out, y, co);
+  out = Tensor();
+  y = Tensor();
+  loss.backward();
+  add_into(r.total, loss);
+  send_back(r, x);
+}
+
+void Executor::stage_backward(StageRun& r, std::size_t i) {
+  distributed::Communicator& comm = *opt_.communicator;
+  r.arena.mark(fmt::format("micro-batch {}/{} backward", i + 1, r.sizes.size()));
+  StageRun::InFlight f = std::move(r.in_flight.front());
+  r.in_flight.pop_front();
+  Tensor g = Tensor::empty(f.out.shape(), f.out.dtype(), device_, Category::temporary, "stage_output_grad");
+  r.waiting(
+      [&] {
+        comm.recv(g, opt_.pipeline->stage + 1);
+        comm.wait_send(f.sent);  // the next stage has it: it sent this gradient back
+      },
+      true);
+  run_backward(f.out, g);
+  f.out = Tensor();
+  g = Tensor();
+  send_back(r, f.x);
 }
 
 Tensor Executor::forward_through_stages(const Tensor& x, std::int64_t n) {

@@ -133,7 +133,7 @@ struct StepResult {
   int oom_retries = 0;             // retries this step needed
   // Data parallelism: host time spent in the step's collectives (the divisor's sum, the buckets,
   // the moments), waiting for the slowest rank included; on CUDA only their enqueueing (NCCL runs
-  // on the compute stream).
+  // on the compute stream). A pipeline stage: the time it waited for the other stages' messages.
   double communication_seconds = 0;
 };
 
@@ -175,6 +175,8 @@ class Executor {
   // the last stage, an undefined tensor on the others.
   Tensor forward_through_stages(const Tensor& x, std::int64_t n);
   const std::optional<PipelineStage>& pipeline() const { return opt_.pipeline; }
+  // A pipeline stage's last real step: what it ran when, and how long it waited.
+  const PipelineTrace& pipeline_trace() const { return trace_; }
 
   // Upper limit on m after out-of-memory retries (INT64_MAX if none happened).
   std::int64_t micro_batch_limit() const { return limit_; }
@@ -208,8 +210,14 @@ class Executor {
   // The highest level of the recomputation ladder this executor uses (a pipeline: blocks).
   int top_level();
   // A pipeline stage's micro-batches in the schedule's order; the loss on the last stage.
+  struct StageRun;
   Tensor accumulate_stage(Arena& arena, const float* images, const std::int64_t* labels,
                           const std::vector<std::int64_t>& sizes);
+  void stage_forward(StageRun& r, std::size_t i);
+  void stage_backward(StageRun& r, std::size_t i);
+  void send_back(StageRun& r, const Tensor& x);
+  // The pipeline part of the constructor: the stage's checks, segments, step states, input shape.
+  void set_up_stage(nn::Module& model);
   // One micro-batch's input of a stage: n samples of the stage's input shape.
   Shape stage_input_shape(std::int64_t n) const;
   // accumulate() with the loss left where it was computed (undefined in a dry run: no values).
@@ -247,6 +255,7 @@ class Executor {
   std::vector<nn::Module::Segment> segments_;
   Shape stage_sample_shape_;
   std::map<std::int64_t, std::int64_t> agreed_;
+  PipelineTrace trace_;
 };
 
 }  // namespace tally::mbp

@@ -54,6 +54,20 @@ struct PipelineOp {
 // right after its forward: its order has forwards only (each one with its backward).
 std::vector<PipelineOp> pipeline_order(PipelineSchedule schedule, int stage, int stages, std::int64_t k);
 
+// What a stage did in a real step, for the schedule's picture (report::pipeline_svg): each forward
+// and backward with its start and end in seconds from the step's start (the last stage's forwards
+// include their backward), and the time it waited for a message.
+struct PipelineEvent {
+  bool forward = true;
+  std::int64_t index = 0;
+  double start = 0, end = 0;
+};
+struct PipelineTrace {
+  std::vector<PipelineEvent> events;
+  double seconds = 0;       // the stage's step, from its first micro-batch to its last
+  double idle_seconds = 0;  // of those, waiting in recv (and for a send to be taken)
+};
+
 // What each segment costs a stage, measured by one dry run: its persistent bytes (parameters,
 // gradients and `state_per_parameter` optimizer-state copies of them) and the bytes its training
 // forward keeps per sample until its backward (output included).
