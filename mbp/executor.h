@@ -206,7 +206,8 @@ class Executor {
   bool agrees_across_stages() const {
     return opt_.pipeline && opt_.communicator && opt_.communicator->size() > 1;
   }
-  const Plan& plan_here(std::int64_t batch);
+  const Plan& plan_here(std::int64_t batch);       // this rank's plan alone
+  const Plan& plan_by_policy(std::int64_t batch);  // plan_here before a stage's words
   // The highest level of the recomputation ladder this executor uses (a pipeline: blocks).
   int top_level();
   // A pipeline stage's micro-batches in the schedule's order; the loss on the last stage.

@@ -116,6 +116,13 @@ int Executor::top_level() {
 }
 
 const Plan& Executor::plan_here(std::int64_t batch) {
+  const Plan& p = plan_by_policy(batch);
+  if (opt_.pipeline && opt_.pipeline->stages > 1 && choice_.level > 0)  // the ladder's words are the model's
+    choice_.description = "this stage's residual blocks, the model's last excepted, and the stem where the stage has it";
+  return p;
+}
+
+const Plan& Executor::plan_by_policy(std::int64_t batch) {
   const std::string& policy = opt_.recompute;
   if (policy == "none") {
     const std::string state = nn::recompute_state(model_);
