@@ -28,6 +28,7 @@
 #include "distributed/communicator.h"
 #include "distributed/data_parallel.h"
 #include "mbp/executor.h"
+#include "tests/command_line.h"
 #include "tests/model_common.h"
 
 using namespace tally;
@@ -294,45 +295,19 @@ TEST_F(Dist, DifferentOptionsNameTheFirstDifferenceOnEveryRank) {
 
 // ---------------------------------------------------------------------------------------------
 #ifdef TALLY_MPIEXEC
-namespace {
-
-int run(const std::string& command) {
-  std::cout << "$ " << command << "\n";
-  return std::system(command.c_str());
-}
-
-std::string mpirun() {
-  return fmt::format("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 timeout 240 {} "
-                     "--oversubscribe -np 2",
-                     TALLY_MPIEXEC);
-}
-
-}  // namespace
-
 // `mpirun -np 2 tally train` with a different memory limit per rank (so a different micro-batch
 // on each) trains the weights `tally train` does alone, within float32 rounding.
 TEST(CommandLine, TwoRanksWithTheirOwnMemoryLimitsTrainTheWeightsOfOneProcess) {
   if (distributed::launched_by_mpi()) GTEST_SKIP() << "starts mpirun itself";
-  const std::filesystem::path dir = std::filesystem::temp_directory_path() / "tally_dist_cli";
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
+  const auto dir = fresh_dir("tally_dist_cli");
   const std::string common = "train --norm group --steps 1 --batch-size 64 --no-progress";
-  ASSERT_EQ(run(fmt::format("{} {} --memory-limit 48MiB --save {}/one.safetensors > {}/one.log", TALLY_EXE, common,
-                            dir.string(), dir.string())), 0);
-  ASSERT_EQ(run(fmt::format("{} {} {} --memory-limit 48MiB,24MiB --save {}/two.safetensors --out {}/two > {}/two.log",
-                            mpirun(), TALLY_EXE, common, dir.string(), dir.string(), dir.string())), 0);
-  const auto one = safetensors::read((dir / "one.safetensors").string());
-  const auto two = safetensors::read((dir / "two.safetensors").string());
-  ASSERT_EQ(one.tensors.size(), two.tensors.size());
-  double worst = 0;
-  for (const auto& [name, e] : one.tensors) {
-    ASSERT_TRUE(two.tensors.count(name)) << name;
-    if (e.dtype != "F32") continue;
-    const auto a = safetensors::as_f32(e), b = safetensors::as_f32(two.tensors.at(name));
-    const double err = rel_error(std::vector<double>(b.begin(), b.end()), std::vector<double>(a.begin(), a.end()));
-    worst = std::max(worst, err);
-    EXPECT_LE(err, 1e-5) << name;
-  }
+  ASSERT_EQ(run_command(fmt::format("{} {} --memory-limit 48MiB --save {}/one.safetensors > {}/one.log", TALLY_EXE,
+                                    common, dir.string(), dir.string())), 0);
+  ASSERT_EQ(run_command(fmt::format("{} {} {} --memory-limit 48MiB,24MiB --save {}/two.safetensors --out {}/two > "
+                                    "{}/two.log",
+                                    mpirun_two(TALLY_MPIEXEC, 240), TALLY_EXE, common, dir.string(), dir.string(),
+                                    dir.string())), 0);
+  const double worst = compare_state_dicts(dir / "one.safetensors", dir / "two.safetensors", 1e-5);
   std::cout << "worst per-tensor relative difference, 2 ranks vs 1 process: " << worst << "\n";
   std::ifstream f(dir / "two" / "summary.json");
   const auto j = nlohmann::json::parse(f);

@@ -24,6 +24,7 @@
 #include "distributed/communicator.h"
 #include "mbp/executor.h"
 #include "mbp/pipeline.h"
+#include "tests/command_line.h"
 #include "tests/model_common.h"
 
 using namespace tally;
@@ -308,24 +309,6 @@ INSTANTIATE_TEST_SUITE_P(NormsSchedulesLimits, PipelineStages,
 #ifdef TALLY_MPIEXEC
 namespace {
 
-int run(const std::string& command) {
-  std::cout << "$ " << command << "\n";
-  return std::system(command.c_str());
-}
-
-std::string mpirun() {
-  return fmt::format("OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1 timeout 400 {} "
-                     "--oversubscribe -np 2",
-                     TALLY_MPIEXEC);
-}
-
-std::filesystem::path fresh_dir(const std::string& name) {
-  const auto dir = std::filesystem::temp_directory_path() / name;
-  std::filesystem::remove_all(dir);
-  std::filesystem::create_directories(dir);
-  return dir;
-}
-
 nlohmann::json read_json(const std::filesystem::path& p) {
   std::ifstream f(p);
   return nlohmann::json::parse(f);
@@ -334,30 +317,22 @@ nlohmann::json read_json(const std::filesystem::path& p) {
 }  // namespace
 
 // Two stages train the weights one process does (group norm: the step is the full batch's, for any
-// micro-batches), within float32 rounding; both ranks' peaks exact; --save holds every stage's
-// tensors under the model's names.
+// micro-batches — one process takes the batch whole in 128 MiB, the stages split it), within
+// float32 rounding; both ranks' peaks exact; --save holds every stage's tensors under the model's
+// names.
 TEST(PipelineCommandLine, TwoStagesTrainTheWeightsOfOneProcess) {
   if (distributed::launched_by_mpi()) GTEST_SKIP() << "starts mpirun itself";
   const auto dir = fresh_dir("tally_pipeline_cli");
-  const std::string common = "train --norm group --steps 3 --batch-size 64 --no-progress --no-eval";
-  ASSERT_EQ(run(fmt::format("OMP_NUM_THREADS=1 {} {} --memory-limit 48MiB --save {}/one.safetensors > {}/one.log",
-                            TALLY_EXE, common, dir.string(), dir.string())), 0);
-  ASSERT_EQ(run(fmt::format("{} {} {} --pipeline-stages 2 --memory-limit 16MiB,48MiB --save {}/two.safetensors --out "
-                            "{}/two > {}/two.log",
-                            mpirun(), TALLY_EXE, common, dir.string(), dir.string(), dir.string())), 0);
-  const auto one = safetensors::read((dir / "one.safetensors").string());
-  const auto two = safetensors::read((dir / "two.safetensors").string());
-  ASSERT_EQ(one.tensors.size(), two.tensors.size());
-  double worst = 0;
-  for (const auto& [name, e] : one.tensors) {
-    ASSERT_TRUE(two.tensors.count(name)) << name;
-    EXPECT_EQ(e.shape, two.tensors.at(name).shape) << name;
-    if (e.dtype != "F32") continue;
-    const auto a = safetensors::as_f32(e), b = safetensors::as_f32(two.tensors.at(name));
-    const double err = rel_error(std::vector<double>(b.begin(), b.end()), std::vector<double>(a.begin(), a.end()));
-    worst = std::max(worst, err);
-    EXPECT_LE(err, 1e-5) << name;
-  }
+  // One step: float32 runs of different splits drift apart in later steps whatever runs them (one
+  // process at 128 MiB against itself at 16 MiB: 9e-8 after one step, 9e-4 after two).
+  const std::string common = "train --norm group --steps 1 --batch-size 64 --no-progress --no-eval";
+  ASSERT_EQ(run_command(fmt::format("OMP_NUM_THREADS=1 {} {} --memory-limit 128MiB --save {}/one.safetensors > {}/one.log",
+                                    TALLY_EXE, common, dir.string(), dir.string())), 0);
+  ASSERT_EQ(run_command(fmt::format("{} {} {} --pipeline-stages 2 --memory-limit 16MiB,48MiB --save {}/two.safetensors "
+                                    "--out {}/two > {}/two.log",
+                                    mpirun_two(TALLY_MPIEXEC, 400), TALLY_EXE, common, dir.string(), dir.string(),
+                                    dir.string())), 0);
+  const double worst = compare_state_dicts(dir / "one.safetensors", dir / "two.safetensors", 1e-5);
   std::cout << "worst per-tensor relative difference, 2 pipeline stages vs 1 process: " << worst << "\n";
   const auto j = read_json(dir / "two" / "summary.json");
   EXPECT_EQ(j.at("pipeline_stages"), 2);
@@ -377,16 +352,20 @@ TEST(PipelineCommandLine, TwoStagesTrainTheWeightsOfOneProcess) {
 TEST(PipelineCommandLine, ResNet50TrainsInThreeHundredMiBPerStage) {
   if (distributed::launched_by_mpi()) GTEST_SKIP() << "starts mpirun itself";
   const auto dir = fresh_dir("tally_pipeline_r50");
-  EXPECT_NE(run(fmt::format("{} plan --model resnet50 --batch-size 4 --memory-limit 300MiB --no-layers > {}/one.log 2>&1",
-                            TALLY_EXE, dir.string())), 0);
+  EXPECT_NE(run_command(fmt::format("{} plan --model resnet50 --batch-size 4 --memory-limit 300MiB --no-layers > "
+                                    "{}/one.log 2>&1",
+                                    TALLY_EXE, dir.string())),
+            0);
   std::ifstream f(dir / "one.log");
   const std::string one((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
   EXPECT_NE(one.find("not even one sample fits"), std::string::npos) << one;
   EXPECT_NE(one.find("with --recompute all"), std::string::npos) << one;
-  ASSERT_EQ(run(fmt::format("{} {} train --pipeline-stages 2 --model resnet50 --data synthetic:3x224x224 --steps 2 "
-                            "--batch-size 4 --lr 0.01 --memory-limit 300MiB --no-progress --no-eval --save {}/w.safetensors "
-                            "--out {}/two > {}/two.log",
-                            mpirun(), TALLY_EXE, dir.string(), dir.string(), dir.string())), 0);
+  ASSERT_EQ(run_command(fmt::format("{} {} train --pipeline-stages 2 --model resnet50 --data synthetic:3x224x224 "
+                                    "--steps 2 --batch-size 4 --lr 0.01 --memory-limit 300MiB --no-progress --no-eval "
+                                    "--save {}/w.safetensors --out {}/two > {}/two.log",
+                                    mpirun_two(TALLY_MPIEXEC, 400), TALLY_EXE, dir.string(), dir.string(),
+                                    dir.string())),
+            0);
   const auto j = read_json(dir / "two" / "summary.json");
   ASSERT_EQ(j.at("ranks").size(), 2u);
   for (const auto& r : j["ranks"]) {
