@@ -108,6 +108,8 @@ mbp::Plan plan_stages(const PlanOptions& opt, const nn::ModelConfig& mc, const S
     last = p;
   }
   fmt::print(out, "\nevery stage runs micro-batches of {}: the largest that fits stage {}, the tightest\n", m, tightest);
+  const Setup& first = stages.front().setup;
+  fmt::print(out, "{}\n", work_line(first.segment_costs, first.stage->bounds));
   return last;
 }
 

@@ -163,10 +163,10 @@ Setup build_setup(const std::shared_ptr<Arena>& arena, const nn::ModelConfig& mo
     mbp::check_segments_cover(*s.model, s.segments);
     mbp::PipelineStage st;
     st.stage = pipeline->stage, st.stages = pipeline->stages, st.schedule = pipeline->schedule;
+    s.segment_costs = mbp::segment_costs(*s.model, pipeline->sample_shape, pipeline->activation_dtype,
+                                         state_per_parameter(optimizer));
     st.bounds = pipeline->split.empty()
-                    ? mbp::balanced_cut(mbp::segment_costs(*s.model, pipeline->sample_shape, pipeline->activation_dtype,
-                                                           state_per_parameter(optimizer)),
-                                        pipeline->stages, pipeline->limits, pipeline->batch)
+                    ? mbp::balanced_cut(s.segment_costs, pipeline->stages, pipeline->limits, pipeline->batch)
                     : mbp::parse_pipeline_split(pipeline->split, s.segments, pipeline->stages);
     s.stage = st;
     std::vector<Tensor> params = mbp::place_stage(s.segments, st.bounds, st.stage, arena);
@@ -196,6 +196,15 @@ Setup build_setup(const std::shared_ptr<Arena>& arena, const nn::ModelConfig& mo
   for (const auto& p : s.model->parameters()) s.parameters += p.numel();
   if (!s.stage) s.stage_parameters = s.parameters;
   return s;
+}
+
+std::string work_line(const std::vector<mbp::SegmentCost>& costs, const std::vector<std::size_t>& bounds) {
+  const int stages = static_cast<int>(bounds.size()) - 1;
+  const std::vector<std::size_t> even = mbp::work_balanced_cut(costs, stages);
+  return fmt::format("work per stage: {} of the forward FLOPs{}", mbp::work_shares(costs, bounds),
+                     even == bounds ? " (balanced by work as well)"
+                                    : fmt::format(" (balanced by work: --pipeline-split {}, {})",
+                                                  mbp::split_text(costs, even), mbp::work_shares(costs, even)));
 }
 
 std::string persistent_summary(const Arena& arena) {

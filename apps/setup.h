@@ -102,6 +102,7 @@ struct Setup {
   std::shared_ptr<Arena> host;
   std::optional<mbp::PipelineStage> stage;
   std::vector<nn::Module::Segment> segments;
+  std::vector<mbp::SegmentCost> segment_costs;  // what the cut was chosen from (mbp::segment_costs)
   std::int64_t stage_parameters = 0;  // elements
 };
 
@@ -114,6 +115,10 @@ struct Setup {
 Setup build_setup(const std::shared_ptr<Arena>& arena, const nn::ModelConfig& model, const std::string& init,
                   const OptimizerConfig& optimizer, const std::string& limit_text,
                   const PipelineConfig* pipeline = nullptr);
+
+// A pipeline cut's forward work per stage, and the cut that would balance it: "work per stage:
+// 13% / 87% of the forward FLOPs (balanced by work: --pipeline-split layer2.1, 45% / 55%)".
+std::string work_line(const std::vector<mbp::SegmentCost>& costs, const std::vector<std::size_t>& bounds);
 
 // "parameters 1.1 MiB, gradients 1.0 MiB, optimizer state 1.0 MiB": the persistent bytes in `arena`.
 std::string persistent_summary(const Arena& arena);

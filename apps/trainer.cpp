@@ -594,6 +594,7 @@ TrainingRun::TrainingRun(const TrainOptions& options, std::ostream& all_log)
       const auto ss = static_cast<std::size_t>(s);
       fmt::print(log_, "  stage {} (rank {}): {}\n", s, s, mbp::segment_range(setup_.segments, st.bounds[ss], st.bounds[ss + 1]));
     }
+    fmt::print(log_, "  {}\n", work_line(setup_.segment_costs, st.bounds));
   } else if (rank_.ranks > 1)
     fmt::print(log_, "data parallel: {} ranks over {} ({}), rank 0 takes {} of the {} samples of a step, each rank "
                      "plans its own micro-batches\n",

@@ -13,6 +13,7 @@
 #include "core/dry_run.h"
 #include "core/error.h"
 #include "core/memory.h"
+#include "core/ops.h"
 #include "mbp/planner.h"
 
 namespace tally::mbp {
@@ -100,12 +101,16 @@ std::vector<SegmentCost> segment_costs(nn::Module& model, const Shape& sample_sh
   shape.insert(shape.end(), sample_shape.begin(), sample_shape.end());
   std::vector<Tensor> kept;  // every output, as the stages' in-flight micro-batches keep them
   Tensor x = Tensor::empty(shape, activation_dtype, model.parameters().front().device(), Category::input, "input");
+  const FlopCount flops_before = flop_count();
   for (std::size_t i = 0; i < segments.size(); ++i) {
     const std::int64_t before = arena->stats().total.current;
+    const double work_before = flop_count().forward;
     Tensor y = segments[i].forward(i == 0 ? x : kept.back());
     kept.push_back(y);
     costs[i].activation_bytes = (arena->stats().total.current - before) / kSamples;
+    costs[i].flops = (flop_count().forward - work_before) / kSamples;
   }
+  flop_count() = flops_before;  // a measurement, not work of the caller's
   return costs;
 }
 
@@ -139,22 +144,22 @@ std::vector<std::size_t> balanced_cut(const std::vector<SegmentCost>& costs, int
     return per <= 0 ? batch : std::min(batch, room / per);
   };
   // A contiguous partition by dynamic programming over (stages used, segments covered), twice: first
-  // the largest micro-batch every stage fits; then, at that micro-batch, the smallest largest stage.
-  constexpr std::int64_t kInf = std::numeric_limits<std::int64_t>::max();
-  auto solve = [&](auto value, auto combine, std::int64_t worst) {
-    std::vector<std::vector<std::int64_t>> best(S + 1, std::vector<std::int64_t>(n + 1, worst));
+  // the largest micro-batch every stage fits (the largest smallest value: `widest`); then, at that
+  // micro-batch, the smallest largest stage. `value` of a stage may rule it out (nullopt).
+  auto solve = [&](auto value, bool widest) {
+    std::vector<std::vector<std::int64_t>> best(S + 1, std::vector<std::int64_t>(n + 1, 0));
     std::vector<std::vector<std::size_t>> from(S + 1, std::vector<std::size_t>(n + 1, 0));
     std::vector<std::vector<bool>> reached(S + 1, std::vector<bool>(n + 1, false));
     reached[0][0] = true;
-    best[0][0] = worst == kInf ? 0 : kInf;
+    best[0][0] = widest ? std::numeric_limits<std::int64_t>::max() : 0;
     for (std::size_t s = 1; s <= S; ++s)
       for (std::size_t b = s; b <= n; ++b)
         for (std::size_t a = s - 1; a < b; ++a) {
           if (!reached[s - 1][a]) continue;
           const std::optional<std::int64_t> v = value(s - 1, a, b);
           if (!v) continue;
-          const std::int64_t c = combine(best[s - 1][a], *v);
-          if (!reached[s][b] || (worst == kInf ? c < best[s][b] : c > best[s][b]))
+          const std::int64_t c = widest ? std::min(best[s - 1][a], *v) : std::max(best[s - 1][a], *v);
+          if (!reached[s][b] || (widest ? c > best[s][b] : c < best[s][b]))
             best[s][b] = c, from[s][b] = a, reached[s][b] = true;
         }
     std::vector<std::size_t> bounds(S + 1, n);
@@ -168,8 +173,7 @@ std::vector<std::size_t> balanced_cut(const std::vector<SegmentCost>& costs, int
     return m;
   };
   const auto [most, found] = solve(
-      [&](std::size_t s, std::size_t a, std::size_t b) { return std::optional<std::int64_t>(largest_m(s, a, b)); },
-      [](std::int64_t x, std::int64_t y) { return std::min(x, y); }, std::int64_t{-1});
+      [&](std::size_t s, std::size_t a, std::size_t b) { return std::optional<std::int64_t>(largest_m(s, a, b)); }, true);
   const bool fits = found && micro_batch_of(most) >= 1;  // else: the smallest largest stage at one sample
   const std::int64_t m = fits ? micro_batch_of(most) : 1;
   const auto [smallest, ok] = solve(
@@ -178,8 +182,47 @@ std::vector<std::size_t> balanced_cut(const std::vector<SegmentCost>& costs, int
         if (fits && v > limits[s]) return std::nullopt;
         return v;
       },
-      [](std::int64_t x, std::int64_t y) { return std::max(x, y); }, kInf);
+      false);
   return ok ? smallest : most;
+}
+
+std::vector<std::size_t> work_balanced_cut(const std::vector<SegmentCost>& costs, int stages) {
+  const std::size_t n = costs.size(), S = static_cast<std::size_t>(stages);
+  if (stages < 1 || S > n) throw Error(fmt::format("work_balanced_cut: {} stages for {} segments", stages, n));
+  std::vector<double> work(n + 1, 0);
+  for (std::size_t i = 0; i < n; ++i) work[i + 1] = work[i] + costs[i].flops;
+  // best[s][b]: the smallest largest-stage work of stages 0..s-1 covering segments [0, b).
+  const double inf = std::numeric_limits<double>::infinity();
+  std::vector<std::vector<double>> best(S + 1, std::vector<double>(n + 1, inf));
+  std::vector<std::vector<std::size_t>> from(S + 1, std::vector<std::size_t>(n + 1, 0));
+  best[0][0] = 0;
+  for (std::size_t s = 1; s <= S; ++s)
+    for (std::size_t b = s; b <= n; ++b)
+      for (std::size_t a = s - 1; a < b; ++a) {
+        const double c = std::max(best[s - 1][a], work[b] - work[a]);
+        if (c < best[s][b]) best[s][b] = c, from[s][b] = a;
+      }
+  std::vector<std::size_t> bounds(S + 1, n);
+  for (std::size_t s = S; s > 0; --s) bounds[s - 1] = from[s][bounds[s]];
+  return bounds;
+}
+
+std::string split_text(const std::vector<SegmentCost>& costs, const std::vector<std::size_t>& bounds) {
+  std::vector<std::string> names;
+  for (std::size_t s = 1; s + 1 < bounds.size(); ++s) names.push_back(costs.at(bounds[s]).name);
+  return fmt::format("{}", fmt::join(names, ","));
+}
+
+std::string work_shares(const std::vector<SegmentCost>& costs, const std::vector<std::size_t>& bounds) {
+  double all = 0;
+  for (const auto& c : costs) all += c.flops;
+  std::vector<std::string> shares;
+  for (std::size_t s = 0; s + 1 < bounds.size(); ++s) {
+    double w = 0;
+    for (std::size_t i = bounds[s]; i < bounds[s + 1]; ++i) w += costs[i].flops;
+    shares.push_back(fmt::format("{:.0f}%", all > 0 ? 100.0 * w / all : 0.0));
+  }
+  return fmt::format("{}", fmt::join(shares, " / "));
 }
 
 std::vector<std::size_t> parse_pipeline_split(const std::string& text, const std::vector<nn::Module::Segment>& segments,

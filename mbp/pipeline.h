@@ -76,6 +76,7 @@ struct SegmentCost {
   std::int64_t parameters = 0;        // elements
   std::int64_t persistent_bytes = 0;  // parameters, gradients, optimizer state
   std::int64_t activation_bytes = 0;  // per sample, kept for backward
+  double flops = 0;                   // per sample, of its forward (convolutions and GEMMs; core/ops.h)
 };
 std::vector<SegmentCost> segment_costs(nn::Module& model, const Shape& sample_shape, DType activation_dtype,
                                        int state_per_parameter);
@@ -87,6 +88,14 @@ std::vector<SegmentCost> segment_costs(nn::Module& model, const Shape& sample_sh
 // then comes from each stage's dry runs. An Error when there are fewer segments than stages.
 std::vector<std::size_t> balanced_cut(const std::vector<SegmentCost>& costs, int stages,
                                       const std::vector<std::int64_t>& limits, std::int64_t batch);
+// The cut that makes the largest stage's work smallest (forward FLOPs: backward is about twice
+// them everywhere), memory aside: what --pipeline-split would name to balance time.
+std::vector<std::size_t> work_balanced_cut(const std::vector<SegmentCost>& costs, int stages);
+// The --pipeline-split text of a cut ("layer2.1,layer3.0").
+std::string split_text(const std::vector<SegmentCost>& costs, const std::vector<std::size_t>& bounds);
+// Each stage's share of the model's forward work under a cut, in percent ("27% / 73%").
+std::string work_shares(const std::vector<SegmentCost>& costs, const std::vector<std::size_t>& bounds);
+
 // --pipeline-split "layer2.1,layer3.0": the first segment of every stage after the first, in
 // order. An Error naming the flag, what was expected and what was found otherwise.
 std::vector<std::size_t> parse_pipeline_split(const std::string& text, const std::vector<nn::Module::Segment>& segments,

@@ -111,6 +111,18 @@ TEST_F(PipelineParts, CutsAndSplitsAndTheirErrors) {
   }
   EXPECT_GT(costs[0].activation_bytes, costs[9].activation_bytes) << "full resolution before quarter resolution";
   EXPECT_GT(costs[9].parameters, costs[1].parameters) << "64 channels before 16";
+  double work = 0;
+  for (const auto& c : costs) {
+    EXPECT_GT(c.flops, 0) << c.name;
+    work += c.flops;
+  }
+  // By work: two stages within one block of half the forward FLOPs each, and its split text parses back.
+  const auto even = mbp::work_balanced_cut(costs, 2);
+  double first_stage = 0;
+  for (std::size_t i = 0; i < even[1]; ++i) first_stage += costs[i].flops;
+  EXPECT_NEAR(first_stage / work, 0.5, 0.1);
+  EXPECT_EQ(mbp::parse_pipeline_split(mbp::split_text(costs, even), segments, 2), even);
+  EXPECT_EQ(mbp::work_shares(costs, {0, 11}), "100%");
   for (int S : {1, 2, 3, 11}) {
     const auto b = mbp::balanced_cut(costs, S, std::vector<std::int64_t>(S, std::int64_t(1) << 30), 128);
     ASSERT_EQ(b.size(), static_cast<std::size_t>(S) + 1);
