@@ -26,6 +26,10 @@
 //      allocated in the arena before the first collective, so the planner counts them and an
 //      out-of-memory retry never leaves another rank inside a collective. Every rank then takes
 //      the same optimizer step. Each rank plans its own micro-batches for its own arena.
+//   7. Pipeline stages (ExecutorOptions::pipeline; mbp/pipeline.h): the step runs one stage of the
+//      model's segments, its micro-batches in the schedule's order (1F1B or GPipe), activations and
+//      their gradients exchanged with the neighbouring stages' ranks; the last stage counts D and
+//      the loss; every stage steps its own optimizer. The micro-batch is agreed across the stages.
 // The planner dry-runs exactly this code (run_micro_batches), so the predicted peak is the real
 // step's peak. If the real step still runs out of memory, the partial step is discarded —
 // gradients zeroed, BatchNorm moments dropped; parameters, optimizer state and running
