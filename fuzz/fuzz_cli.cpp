@@ -1,9 +1,10 @@
 // fuzz/fuzz_cli.cpp — libFuzzer harness for the command-line value parsers: parse_size
 // (core/arena.h), parse_device (core/device.h), parse_positive_integer, parse_micro_batch and
 // parse_memory_limit with its comma list per rank (apps/setup.h), parse_batch_sizes
-// (apps/sweep.h), parse_checkpoint_every (apps/run_state.h).
+// (apps/sweep.h), parse_checkpoint_every (apps/run_state.h), parse_pipeline_split (mbp/pipeline.h)
+// against ResNet-20's segments.
 //
-// Input: the first byte picks the parser (its value modulo 7, in the order of the switch), the
+// Input: the first byte picks the parser (its value modulo 8, in the order of the switch), the
 // rest is the text. Besides "no exception but tally's", each accepted value is checked against
 // what the parser promises (positive sizes and counts).
 #include <algorithm>
@@ -19,11 +20,27 @@
 #include "core/arena.h"
 #include "core/device.h"
 #include "fuzz/harness.h"
+#include "mbp/pipeline.h"
+#include "nn/resnet.h"
 
 namespace {
 
 void require(bool ok, const char* what) {
   if (!ok) throw std::logic_error(what);
+}
+
+// ResNet-20's segments (stem, layer1.0 .. layer3.2, head), built once.
+const std::vector<tally::nn::Module::Segment>& resnet20_segments() {
+  static const auto model = tally::nn::make_model({"resnet20", 3, 10, tally::nn::Norm::Batch});
+  static const auto segments = model->segments();
+  return segments;
+}
+
+// A split's bounds: S + 1 strictly increasing segment indices from 0 to the segment count.
+void check_bounds(const std::vector<std::size_t>& b, int stages, std::size_t segments) {
+  require(b.size() == static_cast<std::size_t>(stages) + 1 && b.front() == 0 && b.back() == segments,
+          "parse_pipeline_split returned bounds of the wrong length or ends");
+  for (std::size_t i = 1; i < b.size(); ++i) require(b[i - 1] < b[i], "parse_pipeline_split returned an empty stage");
 }
 
 }  // namespace
@@ -33,7 +50,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (size < 1 || size > 4096) return 0;  // command-line values: a page is plenty
   const std::string s = fuzz::text(data + 1, size - 1);
   fuzz::expect_tally_errors_only([&] {
-    switch (data[0] % 7) {
+    switch (data[0] % 8) {
       case 0: {
         require(parse_size(s) >= 1, "parse_size returned 0");
         const std::string number = s.substr(0, s.find_first_not_of("0123456789."));
@@ -62,6 +79,13 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         const app::CheckpointEvery every = app::parse_checkpoint_every(s);
         require(s.empty() || every.steps >= 1 || (every.seconds > 0 && std::isfinite(every.seconds)),
                 "parse_checkpoint_every accepted a value that is neither steps >= 1 nor a positive time");
+        break;
+      }
+      case 7: {  // --pipeline-split: as many stages as the text names cut points, and three
+        const auto& segments = resnet20_segments();
+        const int stages = 1 + static_cast<int>(std::count(s.begin(), s.end(), ',')) + 1;
+        check_bounds(mbp::parse_pipeline_split(s, segments, stages), stages, segments.size());
+        check_bounds(mbp::parse_pipeline_split(s, segments, 3), 3, segments.size());
         break;
       }
     }

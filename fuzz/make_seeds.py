@@ -96,7 +96,8 @@ def cifar_seeds():
 
 def cli_seeds():
     # First byte: 0 parse_size, 1 parse_device, 2 parse_positive_integer, 3 parse_micro_batch,
-    # 4 parse_memory_limit (comma list per rank), 5 parse_batch_sizes, 6 parse_checkpoint_every.
+    # 4 parse_memory_limit (comma list per rank), 5 parse_batch_sizes, 6 parse_checkpoint_every,
+    # 7 parse_pipeline_split (ResNet-20's segments).
     seeds = {
         "size_512MiB": "\x00512MiB", "size_1.5_GiB": "\x001.5 GiB", "size_2e3": "\x002e3", "size_bad_unit": "\x0012XB",
         "device_cpu": "\x01cpu", "device_cuda0": "\x01cuda:0", "device_cuda_bad": "\x01cuda:x1",
@@ -106,6 +107,8 @@ def cli_seeds():
         "memory_below_granularity": "\x041B",
         "batches_list": "\x0564,128,256", "batches_twice": "\x0564,64", "batches_trailing_comma": "\x0564,",
         "every_500": "\x06500", "every_90s": "\x0690s", "every_1.5h": "\x061.5h", "every_bad_unit": "\x0610x",
+        "split_layer2.1": "\x07layer2.1", "split_two": "\x07layer2.0,layer3.0", "split_backwards": "\x07layer3.0,layer2.0",
+        "split_unknown": "\x07layer9.0", "split_stem": "\x07stem", "split_empty_item": "\x07layer2.0,,layer3.0",
     }
     for name, text in seeds.items():
         put("cli", name, text)
