@@ -142,8 +142,8 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_p
                     : model.parameters();
   if (trained.empty()) throw Error("MBP executor: the model (or its pipeline stage) has no parameters");
   for (const auto& [name, p] : model.named_parameters()) {
-    if (std::find_if(trained.begin(), trained.end(), [&](const Tensor& t) { return &t.impl() == &p.impl(); }) ==
-        trained.end())
+    const TensorImpl* impl = &p.impl();  // (clang 16 cannot capture a structured binding)
+    if (std::none_of(trained.begin(), trained.end(), [impl](const Tensor& t) { return &t.impl() == impl; }))
       continue;  // another stage's
     if (!p.grad().defined())
       throw Error(fmt::format("MBP executor: parameter {} has no gradient buffer; the planner counts gradients, so "

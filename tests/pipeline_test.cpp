@@ -288,9 +288,10 @@ TEST_P(PipelineStages, TwoStagesEqualOneProcess) {
   }
   mbp::gather_stages(*st.model, st.segments, bounds, *comm);
   // Parameters, and BatchNorm's running statistics.
-  auto all = [&](const nn::Module& mod) {
+  const bool batch_norm = norm == "batch";  // (clang 16 cannot capture a structured binding)
+  auto all = [batch_norm](const nn::Module& mod) {
     auto v = values<double>(mod);
-    if (norm == "batch")
+    if (batch_norm)
       for (auto& buf : values<double>(mod, true)) v.push_back(std::move(buf));
     return v;
   };
