@@ -39,24 +39,12 @@ Shape parse_input(const std::string& s) {
 mbp::Plan plan_stages(const PlanOptions& opt, const nn::ModelConfig& mc, const Shape& sample, Device dev,
                       mbp::Precision precision, std::ostream& out) {
   const int S = opt.pipeline_stages;
-  const std::vector<std::string> limits = split_list(opt.memory_limit);
-  if (limits.size() != 1 && static_cast<int>(limits.size()) != S)
-    throw Error(fmt::format("--memory-limit {} lists {} sizes; expected one, or one per stage ({})", opt.memory_limit,
-                            limits.size(), S));
   if (!dev.is_cpu()) throw Error(fmt::format("--pipeline-stages: stages run on the CPU, found --device {}", opt.device));
   OptimizerConfig oc;
   oc.name = opt.optimizer;
   oc.momentum = opt.momentum;
-  PipelineConfig pc;
-  pc.stages = S;
-  pc.split = opt.pipeline_split;
-  pc.schedule = mbp::parse_pipeline_schedule(opt.pipeline_schedule);
-  pc.sample_shape = sample;
-  pc.activation_dtype = precision == mbp::Precision::bf16 ? DType::BFloat16 : DType::Float32;
-  pc.batch = opt.batch_size;
-  for (int s = 0; s < S; ++s)
-    pc.limits.push_back(static_cast<std::int64_t>(
-        parse_memory_limit(limits.size() == 1 ? limits[0] : limits[static_cast<std::size_t>(s)], dev)));
+  PipelineConfig pc = pipeline_config(S, opt.pipeline_split, opt.pipeline_schedule, sample, opt.precision,
+                                      opt.batch_size, opt.memory_limit);
   DryRunGuard dry;
   struct Stage {
     std::shared_ptr<Arena> arena;
@@ -68,10 +56,10 @@ mbp::Plan plan_stages(const PlanOptions& opt, const nn::ModelConfig& mc, const S
   int tightest = 0;
   for (int s = 0; s < S; ++s) {
     Stage& st = stages[static_cast<std::size_t>(s)];
-    const std::string& limit_text = limits.size() == 1 ? limits[0] : limits[static_cast<std::size_t>(s)];
-    st.arena = Arena::make_virtual(dev, parse_memory_limit(limit_text, dev));
+    const std::size_t limit = static_cast<std::size_t>(pc.limits[static_cast<std::size_t>(s)]);
+    st.arena = Arena::make_virtual(dev, limit);
     pc.stage = s;
-    st.setup = build_setup(st.arena, mc, "", oc, limit_text, &pc);
+    st.setup = build_setup(st.arena, mc, "", oc, format_bytes(limit), &pc);
     if (s == 0) {
       std::vector<std::string> names;
       for (const auto& seg : st.setup.segments) names.push_back(seg.name);

@@ -143,6 +143,26 @@ int state_per_parameter(const OptimizerConfig& optimizer) {
 
 }  // namespace
 
+PipelineConfig pipeline_config(int stages, const std::string& split, const std::string& schedule,
+                               const Shape& sample_shape, const std::string& precision, std::int64_t batch,
+                               const std::string& memory_limits) {
+  PipelineConfig pc;
+  pc.stages = stages;
+  pc.split = split;
+  pc.schedule = mbp::parse_pipeline_schedule(schedule);
+  pc.sample_shape = sample_shape;
+  pc.activation_dtype = mbp::parse_precision(precision) == mbp::Precision::bf16 ? DType::BFloat16 : DType::Float32;
+  pc.batch = batch;
+  const std::vector<std::string> limits = split_list(memory_limits);
+  if (limits.size() != 1 && limits.size() != static_cast<std::size_t>(stages))
+    throw Error(fmt::format("--memory-limit {} lists {} sizes; expected one, or one per stage ({})", memory_limits,
+                            limits.size(), stages));
+  for (int s = 0; s < stages; ++s)
+    pc.limits.push_back(static_cast<std::int64_t>(
+        parse_memory_limit(limits.size() == 1 ? limits[0] : limits[static_cast<std::size_t>(s)], Device::cpu())));
+  return pc;
+}
+
 Setup build_setup(const std::shared_ptr<Arena>& arena, const nn::ModelConfig& model, const std::string& init,
                   const OptimizerConfig& optimizer, const std::string& limit_text, const PipelineConfig* pipeline) {
   check_choice("--optimizer", optimizer.name, optimizer_names());

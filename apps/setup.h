@@ -93,6 +93,13 @@ struct PipelineConfig {
   std::int64_t batch = 1;            // the batch the micro-batches split
 };
 
+// The pipeline of `stages` stages (stage 0; the caller sets its own) for batches of `batch` samples of
+// `sample_shape`, from the options' text: --pipeline-split, --pipeline-schedule, --precision (the
+// activations' dtype) and --memory-limit (one size, or one per stage; an Error otherwise).
+PipelineConfig pipeline_config(int stages, const std::string& split, const std::string& schedule,
+                               const Shape& sample_shape, const std::string& precision, std::int64_t batch,
+                               const std::string& memory_limits);
+
 struct Setup {
   std::shared_ptr<nn::Module> model;
   std::unique_ptr<optim::Optimizer> optimizer;

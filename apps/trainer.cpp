@@ -414,17 +414,10 @@ Setup model_setup(const TrainOptions& opt, const data::Dataset& train_set, const
   oc.lr = opt.lr, oc.momentum = opt.momentum, oc.weight_decay = opt.weight_decay, oc.nesterov = opt.nesterov;
   const std::string init = opt.resume.empty() ? opt.init : "";  // resumed: the checkpoint's weights
   if (opt.pipeline_stages == 1) return build_setup(arena, mc, init, oc, format_bytes(arena->capacity()));
-  PipelineConfig pc;
-  pc.stages = opt.pipeline_stages;
+  PipelineConfig pc = pipeline_config(opt.pipeline_stages, opt.pipeline_split, opt.pipeline_schedule,
+                                      {train_set.channels, train_set.height, train_set.width}, opt.precision,
+                                      opt.batch_size, all_limits);
   pc.stage = distributed::process_world()->rank();
-  pc.split = opt.pipeline_split;
-  pc.schedule = mbp::parse_pipeline_schedule(opt.pipeline_schedule);
-  pc.sample_shape = {train_set.channels, train_set.height, train_set.width};
-  pc.activation_dtype = opt.precision == "bf16" ? DType::BFloat16 : DType::Float32;
-  pc.batch = opt.batch_size;
-  for (const std::string& limit : split_list(all_limits))
-    pc.limits.push_back(static_cast<std::int64_t>(parse_memory_limit(limit, Device::cpu())));
-  if (pc.limits.size() == 1) pc.limits.assign(static_cast<std::size_t>(pc.stages), pc.limits[0]);
   return build_setup(arena, mc, init, oc, format_bytes(arena->capacity()), &pc);
 }
 

@@ -64,6 +64,33 @@ std::int64_t rounded(std::size_t bytes) {
   return static_cast<std::int64_t>((bytes + Arena::kAlignment - 1) / Arena::kAlignment * Arena::kAlignment);
 }
 
+// The best partition of segments [0, n) into S contiguous non-empty stages, by dynamic programming
+// over (stages used, segments covered): `value(s, a, b)` rates stage s running segments [a, b)
+// (nullopt: it may not), and the partition's rating is its stages' smallest value (`widest`: made as
+// large as possible) or largest (made as small as possible). nullopt when no partition is allowed.
+template <class T, class Value>
+std::optional<std::vector<std::size_t>> best_partition(std::size_t n, std::size_t S, Value value, bool widest) {
+  std::vector<std::vector<T>> best(S + 1, std::vector<T>(n + 1, T{}));
+  std::vector<std::vector<std::size_t>> from(S + 1, std::vector<std::size_t>(n + 1, 0));
+  std::vector<std::vector<bool>> reached(S + 1, std::vector<bool>(n + 1, false));
+  reached[0][0] = true;
+  best[0][0] = widest ? std::numeric_limits<T>::max() : std::numeric_limits<T>::lowest();
+  for (std::size_t s = 1; s <= S; ++s)
+    for (std::size_t b = s; b <= n; ++b)
+      for (std::size_t a = s - 1; a < b; ++a) {
+        if (!reached[s - 1][a]) continue;
+        const std::optional<T> v = value(s - 1, a, b);
+        if (!v) continue;
+        const T c = widest ? std::min(best[s - 1][a], *v) : std::max(best[s - 1][a], *v);
+        if (!reached[s][b] || (widest ? c > best[s][b] : c < best[s][b]))
+          best[s][b] = c, from[s][b] = a, reached[s][b] = true;
+      }
+  if (!reached[S][n]) return std::nullopt;
+  std::vector<std::size_t> bounds(S + 1, n);
+  for (std::size_t s = S; s > 0; --s) bounds[s - 1] = from[s][bounds[s]];
+  return bounds;
+}
+
 }  // namespace
 
 std::vector<SegmentCost> segment_costs(nn::Module& model, const Shape& sample_shape, DType activation_dtype,
@@ -143,47 +170,26 @@ std::vector<std::size_t> balanced_cut(const std::vector<SegmentCost>& costs, int
     if (room < per) return std::int64_t{0};
     return per <= 0 ? batch : std::min(batch, room / per);
   };
-  // A contiguous partition by dynamic programming over (stages used, segments covered), twice: first
-  // the largest micro-batch every stage fits (the largest smallest value: `widest`); then, at that
-  // micro-batch, the smallest largest stage. `value` of a stage may rule it out (nullopt).
-  auto solve = [&](auto value, bool widest) {
-    std::vector<std::vector<std::int64_t>> best(S + 1, std::vector<std::int64_t>(n + 1, 0));
-    std::vector<std::vector<std::size_t>> from(S + 1, std::vector<std::size_t>(n + 1, 0));
-    std::vector<std::vector<bool>> reached(S + 1, std::vector<bool>(n + 1, false));
-    reached[0][0] = true;
-    best[0][0] = widest ? std::numeric_limits<std::int64_t>::max() : 0;
-    for (std::size_t s = 1; s <= S; ++s)
-      for (std::size_t b = s; b <= n; ++b)
-        for (std::size_t a = s - 1; a < b; ++a) {
-          if (!reached[s - 1][a]) continue;
-          const std::optional<std::int64_t> v = value(s - 1, a, b);
-          if (!v) continue;
-          const std::int64_t c = widest ? std::min(best[s - 1][a], *v) : std::max(best[s - 1][a], *v);
-          if (!reached[s][b] || (widest ? c > best[s][b] : c < best[s][b]))
-            best[s][b] = c, from[s][b] = a, reached[s][b] = true;
-        }
-    std::vector<std::size_t> bounds(S + 1, n);
-    if (!reached[S][n]) return std::pair{bounds, false};
-    for (std::size_t s = S; s > 0; --s) bounds[s - 1] = from[s][bounds[s]];
-    return std::pair{bounds, true};
-  };
+  // First the largest micro-batch every stage fits; then, at that micro-batch, the smallest largest stage.
   auto micro_batch_of = [&](const std::vector<std::size_t>& bounds) {
     std::int64_t m = batch;
     for (std::size_t s = 0; s < S; ++s) m = std::min(m, largest_m(s, bounds[s], bounds[s + 1]));
     return m;
   };
-  const auto [most, found] = solve(
-      [&](std::size_t s, std::size_t a, std::size_t b) { return std::optional<std::int64_t>(largest_m(s, a, b)); }, true);
-  const bool fits = found && micro_batch_of(most) >= 1;  // else: the smallest largest stage at one sample
-  const std::int64_t m = fits ? micro_batch_of(most) : 1;
-  const auto [smallest, ok] = solve(
+  const auto most = best_partition<std::int64_t>(
+      n, S, [&](std::size_t s, std::size_t a, std::size_t b) { return std::optional<std::int64_t>(largest_m(s, a, b)); },
+      true);
+  const bool fits = most && micro_batch_of(*most) >= 1;  // else: the smallest largest stage at one sample
+  const std::int64_t m = fits ? micro_batch_of(*most) : 1;
+  const auto smallest = best_partition<std::int64_t>(
+      n, S,
       [&](std::size_t s, std::size_t a, std::size_t b) -> std::optional<std::int64_t> {
         const std::int64_t v = bytes(s, a, b, m);
         if (fits && v > limits[s]) return std::nullopt;
         return v;
       },
       false);
-  return ok ? smallest : most;
+  return smallest ? *smallest : *most;  // with no limit binding, the smallest is always found
 }
 
 std::vector<std::size_t> work_balanced_cut(const std::vector<SegmentCost>& costs, int stages) {
@@ -191,20 +197,8 @@ std::vector<std::size_t> work_balanced_cut(const std::vector<SegmentCost>& costs
   if (stages < 1 || S > n) throw Error(fmt::format("work_balanced_cut: {} stages for {} segments", stages, n));
   std::vector<double> work(n + 1, 0);
   for (std::size_t i = 0; i < n; ++i) work[i + 1] = work[i] + costs[i].flops;
-  // best[s][b]: the smallest largest-stage work of stages 0..s-1 covering segments [0, b).
-  const double inf = std::numeric_limits<double>::infinity();
-  std::vector<std::vector<double>> best(S + 1, std::vector<double>(n + 1, inf));
-  std::vector<std::vector<std::size_t>> from(S + 1, std::vector<std::size_t>(n + 1, 0));
-  best[0][0] = 0;
-  for (std::size_t s = 1; s <= S; ++s)
-    for (std::size_t b = s; b <= n; ++b)
-      for (std::size_t a = s - 1; a < b; ++a) {
-        const double c = std::max(best[s - 1][a], work[b] - work[a]);
-        if (c < best[s][b]) best[s][b] = c, from[s][b] = a;
-      }
-  std::vector<std::size_t> bounds(S + 1, n);
-  for (std::size_t s = S; s > 0; --s) bounds[s - 1] = from[s][bounds[s]];
-  return bounds;
+  return *best_partition<double>(
+      n, S, [&](std::size_t, std::size_t a, std::size_t b) { return std::optional<double>(work[b] - work[a]); }, false);
 }
 
 std::string split_text(const std::vector<SegmentCost>& costs, const std::vector<std::size_t>& bounds) {
