@@ -68,8 +68,7 @@ mbp::Plan plan_stages(const PlanOptions& opt, const nn::ModelConfig& mc, const S
                  opt.optimizer, opt.precision);
       fmt::print(out, "segments (cut points of --pipeline-split): {}\n", fmt::join(names, ", "));
       fmt::print(out, "pipeline: {} stages, schedule {}, cut {}\n", S, opt.pipeline_schedule,
-                 opt.pipeline_split.empty() ? "balanced by the planner (the largest stage's bytes smallest)"
-                                            : "--pipeline-split " + opt.pipeline_split);
+                 cut_description(opt.pipeline_split));
     }
     mbp::ExecutorOptions eo;
     eo.sample_shape = sample;

@@ -185,9 +185,12 @@ Setup build_setup(const std::shared_ptr<Arena>& arena, const nn::ModelConfig& mo
     st.stage = pipeline->stage, st.stages = pipeline->stages, st.schedule = pipeline->schedule;
     s.segment_costs = mbp::segment_costs(*s.model, pipeline->sample_shape, pipeline->activation_dtype,
                                          state_per_parameter(optimizer));
-    st.bounds = pipeline->split.empty()
+    // --pipeline-split: "memory" (the default), "work", or the segments where stages 2..S begin.
+    const std::string& split = pipeline->split;
+    st.bounds = split.empty() || split == "memory"
                     ? mbp::balanced_cut(s.segment_costs, pipeline->stages, pipeline->limits, pipeline->batch)
-                    : mbp::parse_pipeline_split(pipeline->split, s.segments, pipeline->stages);
+                : split == "work" ? mbp::work_balanced_cut(s.segment_costs, pipeline->stages)
+                                  : mbp::parse_pipeline_split(split, s.segments, pipeline->stages);
     s.stage = st;
     std::vector<Tensor> params = mbp::place_stage(s.segments, st.bounds, st.stage, arena);
     for (const auto& p : params) s.stage_parameters += p.numel();
@@ -216,6 +219,12 @@ Setup build_setup(const std::shared_ptr<Arena>& arena, const nn::ModelConfig& mo
   for (const auto& p : s.model->parameters()) s.parameters += p.numel();
   if (!s.stage) s.stage_parameters = s.parameters;
   return s;
+}
+
+std::string cut_description(const std::string& split) {
+  if (split.empty() || split == "memory") return "balanced by memory (the largest micro-batch, then the smallest largest stage)";
+  if (split == "work") return "balanced by work (the stages' forward FLOPs)";
+  return "--pipeline-split " + split;
 }
 
 std::string work_line(const std::vector<mbp::SegmentCost>& costs, const std::vector<std::size_t>& bounds) {

@@ -81,8 +81,9 @@ struct OptimizerConfig {
 };
 
 // A pipeline stage to build (mbp/pipeline.h): which of how many, where the stages begin (the
-// --pipeline-split text; empty: the balanced cut of mbp::balanced_cut), the schedule, and what the
-// cut's dry run needs (one sample's shape, the activations' dtype).
+// --pipeline-split text: segment names; "work" for mbp::work_balanced_cut; empty or "memory" for
+// mbp::balanced_cut), the schedule, and what the cut's dry run needs (one sample's shape, the
+// activations' dtype).
 struct PipelineConfig {
   int stages = 1, stage = 0;
   std::string split;
@@ -122,6 +123,10 @@ struct Setup {
 Setup build_setup(const std::shared_ptr<Arena>& arena, const nn::ModelConfig& model, const std::string& init,
                   const OptimizerConfig& optimizer, const std::string& limit_text,
                   const PipelineConfig* pipeline = nullptr);
+
+// What --pipeline-split chose, in words: "balanced by memory (the planner's)", "balanced by work
+// (forward FLOPs)" or "--pipeline-split layer2.1".
+std::string cut_description(const std::string& split);
 
 // A pipeline cut's forward work per stage, and the cut that would balance it: "work per stage:
 // 13% / 87% of the forward FLOPs (balanced by work: --pipeline-split layer2.1, 45% / 55%)".

@@ -122,8 +122,9 @@ struct TrainFlags {
                       "cut the model into S stages, one per rank (mpirun -np S), fed by the micro-batches (CPU)")
           ->check(positive_whole())->capture_default_str();
       cmd->add_option("--pipeline-split", to.pipeline_split,
-                      "where stages 2..S begin, by segment name (layer3.0; tally plan --pipeline-stages lists them); "
-                      "default: the cut that makes the largest stage smallest");
+                      "memory (default: the largest micro-batch that fits, then the smallest largest stage) | work "
+                      "(the stages' forward FLOPs balanced) | where stages 2..S begin, by segment name (layer3.0; "
+                      "tally plan --pipeline-stages lists them)");
       cmd->add_option("--pipeline-schedule", to.pipeline_schedule,
                       "1f1b (stage s holds at most S - s micro-batches) | gpipe (all forwards, then all backwards)")
           ->check(CLI::IsMember(mbp::pipeline_schedule_names()))->capture_default_str();
@@ -238,7 +239,7 @@ struct PlanFlags {
         ->check(CLI::IsMember(mbp::precision_names()))->capture_default_str();
     cmd->add_option("--pipeline-stages", po.pipeline_stages, "plan S pipeline stages (memory limits: one, or one per stage)")
         ->check(positive_whole())->capture_default_str();
-    cmd->add_option("--pipeline-split", po.pipeline_split, "where stages 2..S begin, by segment name (default: balanced)");
+    cmd->add_option("--pipeline-split", po.pipeline_split, "memory (default) | work | where stages 2..S begin, by segment name");
     cmd->add_option("--pipeline-schedule", po.pipeline_schedule, "1f1b | gpipe")
         ->check(CLI::IsMember(mbp::pipeline_schedule_names()))->capture_default_str();
     cmd->add_flag("--no-layers", no_layers, "skip the per-layer table");

@@ -582,7 +582,7 @@ TrainingRun::TrainingRun(const TrainOptions& options, std::ostream& all_log)
     const mbp::PipelineStage& st = *setup_.stage;
     fmt::print(log_, "pipeline: {} stages over {} ({}), schedule {}, cut {}\n", st.stages, comm_->backend(),
                options_.memory_limit, mbp::pipeline_schedule_name(st.schedule),
-               opt_.pipeline_split.empty() ? "balanced by the planner" : "--pipeline-split " + opt_.pipeline_split);
+               cut_description(opt_.pipeline_split));
     for (int s = 0; s < st.stages; ++s) {
       const auto ss = static_cast<std::size_t>(s);
       fmt::print(log_, "  stage {} (rank {}): {}\n", s, s, mbp::segment_range(setup_.segments, st.bounds[ss], st.bounds[ss + 1]));

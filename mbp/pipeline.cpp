@@ -141,8 +141,10 @@ std::vector<SegmentCost> segment_costs(nn::Module& model, const Shape& sample_sh
   return costs;
 }
 
-std::vector<std::size_t> balanced_cut(const std::vector<SegmentCost>& costs, int stages,
-                                      const std::vector<std::int64_t>& limits, std::int64_t batch) {
+namespace {
+
+// At least one stage, and no more than segments.
+void check_stage_count(const std::vector<SegmentCost>& costs, int stages) {
   const std::size_t n = costs.size();
   if (stages < 1) throw Error(fmt::format("--pipeline-stages: expected at least 1, found {}", stages));
   if (static_cast<std::size_t>(stages) > n) {
@@ -151,6 +153,14 @@ std::vector<std::size_t> balanced_cut(const std::vector<SegmentCost>& costs, int
     throw Error(fmt::format("--pipeline-stages {}: the model has {} segments to cut between ({}), so at most {} stages",
                             stages, n, fmt::join(names, ", "), n));
   }
+}
+
+}  // namespace
+
+std::vector<std::size_t> balanced_cut(const std::vector<SegmentCost>& costs, int stages,
+                                      const std::vector<std::int64_t>& limits, std::int64_t batch) {
+  check_stage_count(costs, stages);
+  const std::size_t n = costs.size();
   const auto S = static_cast<std::size_t>(stages);
   if (limits.size() != S) throw Error(fmt::format("balanced_cut: expected {} limits, found {}", S, limits.size()));
   std::vector<std::int64_t> persistent(n + 1, 0), activation(n + 1, 0);
@@ -193,8 +203,8 @@ std::vector<std::size_t> balanced_cut(const std::vector<SegmentCost>& costs, int
 }
 
 std::vector<std::size_t> work_balanced_cut(const std::vector<SegmentCost>& costs, int stages) {
+  check_stage_count(costs, stages);
   const std::size_t n = costs.size(), S = static_cast<std::size_t>(stages);
-  if (stages < 1 || S > n) throw Error(fmt::format("work_balanced_cut: {} stages for {} segments", stages, n));
   std::vector<double> work(n + 1, 0);
   for (std::size_t i = 0; i < n; ++i) work[i + 1] = work[i] + costs[i].flops;
   return *best_partition<double>(
