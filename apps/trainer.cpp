@@ -76,6 +76,20 @@ struct Eval {
   double loss = 0, accuracy = 0;
 };
 
+// One batch of evaluation: its summed loss and its correct predictions, added to `sums`.
+void count_batch(const Tensor& logits, const data::Batch& b, Device dev, double sums[2]) {
+  Tensor y = Tensor::from_vector(b.labels, {b.size}, dev, Category::input);
+  CrossEntropyOptions co;
+  co.reduction = Reduction::Sum;
+  sums[0] += cross_entropy(logits, y, co).item();
+  const auto l = logits.to(DType::Float32).to_vector<float>();
+  const std::int64_t C = logits.size(1);
+  for (std::int64_t i = 0; i < b.size; ++i) {
+    const float* row = l.data() + i * C;
+    sums[1] += static_cast<double>(std::max_element(row, row + C) - row == b.labels[static_cast<std::size_t>(i)]);
+  }
+}
+
 Eval evaluate_with(nn::Module& model, const data::Dataset& ds, bool normalize, Device dev, DType act, std::int64_t B) {
   NoGradGuard ng;
   model.eval();
@@ -83,8 +97,7 @@ Eval evaluate_with(nn::Module& model, const data::Dataset& ds, bool normalize, D
     nn::Module& m;
     ~Train() { m.train(); }
   } back{model};
-  double loss_sum = 0;
-  std::int64_t correct = 0;
+  double sums[2] = {0, 0};  // loss, correct
   const std::int64_t n = ds.size();
   data::LoaderOptions lo;
   lo.batch_size = B;
@@ -97,20 +110,9 @@ Eval evaluate_with(nn::Module& model, const data::Dataset& ds, bool normalize, D
   while (auto b = loader.next()) {
     // In the training steps' precision: bf16 activations under --precision bf16.
     Tensor x = Tensor::from_vector(b->images, {b->size, ds.channels, ds.height, ds.width}, dev, Category::input).to(act);
-    Tensor y = Tensor::from_vector(b->labels, {b->size}, dev, Category::input);
-    Tensor logits = model(x);
-    CrossEntropyOptions co;
-    co.reduction = Reduction::Sum;
-    loss_sum += cross_entropy(logits, y, co).item();
-    const auto l = logits.to(DType::Float32).to_vector<float>();
-    const std::int64_t C = logits.size(1);
-    for (std::int64_t i = 0; i < b->size; ++i) {
-      const float* row = l.data() + i * C;
-      const std::int64_t pred = std::max_element(row, row + C) - row;
-      correct += pred == b->labels[static_cast<std::size_t>(i)];
-    }
+    count_batch(model(x), *b, dev, sums);
   }
-  return {loss_sum / static_cast<double>(n), static_cast<double>(correct) / static_cast<double>(n)};
+  return {sums[0] / static_cast<double>(n), sums[1] / static_cast<double>(n)};
 }
 
 // Evaluation runs in the same arena as training, in batches of at most the planned micro-batch
@@ -150,18 +152,8 @@ Eval evaluate_stages(mbp::Executor& executor, nn::Module& model, const data::Dat
     if (first)
       x = Tensor::from_vector(b->images, {b->size, ds.channels, ds.height, ds.width}, executor.device(), Category::input)
               .to(executor.activation_dtype());
-    Tensor logits = executor.forward_through_stages(x, b->size);
-    if (!logits.defined()) continue;
-    Tensor y = Tensor::from_vector(b->labels, {b->size}, executor.device(), Category::input);
-    CrossEntropyOptions co;
-    co.reduction = Reduction::Sum;
-    sums[0] += cross_entropy(logits, y, co).item();
-    const auto l = logits.to(DType::Float32).to_vector<float>();
-    const std::int64_t C = logits.size(1);
-    for (std::int64_t i = 0; i < b->size; ++i) {
-      const float* row = l.data() + i * C;
-      sums[1] += static_cast<double>(std::max_element(row, row + C) - row == b->labels[static_cast<std::size_t>(i)]);
-    }
+    const Tensor logits = executor.forward_through_stages(x, b->size);
+    if (logits.defined()) count_batch(logits, *b, executor.device(), sums);  // the last stage
   }
   comm.all_reduce_sum(sums, 2);
   const auto n = static_cast<double>(ds.size());

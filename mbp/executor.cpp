@@ -26,11 +26,36 @@ struct Inputs {
   std::size_t uploaded = 0;
 };
 
+// n samples of `sample` shape: {n, sample...}.
+Shape batch_shape(std::int64_t n, const Shape& sample) {
+  Shape shape{n};
+  shape.insert(shape.end(), sample.begin(), sample.end());
+  return shape;
+}
+
+// The sum of the micro-batch sizes, each checked (>= 1, at least one).
+std::int64_t checked_batch(const std::vector<std::int64_t>& sizes) {
+  if (sizes.empty()) throw Error("MBP executor: no micro-batches");
+  std::int64_t batch = 0;
+  for (std::int64_t n : sizes) {
+    if (n < 1) throw Error(fmt::format("MBP executor: micro-batch sizes must be >= 1, found {}", n));
+    batch += n;
+  }
+  return batch;
+}
+
+// The loss divisor D of a whole batch, counted on the host; an Error when it counts no target.
+double batch_divisor(const std::int64_t* labels, std::int64_t batch, const CrossEntropyOptions& loss) {
+  const double divisor = cross_entropy_divisor(labels, batch, loss);
+  if (!(divisor > 0))
+    throw Error(fmt::format("MBP executor: the batch of {} has no counted target (all ignore_index {} or zero class "
+                            "weight), so its mean loss is undefined", batch, loss.ignore_index));
+  return divisor;
+}
+
 Inputs allocate_inputs(std::int64_t n, const Shape& sample_shape, DType dtype, Device device) {
-  Shape xs{n};
-  xs.insert(xs.end(), sample_shape.begin(), sample_shape.end());
   Inputs in;
-  in.x = Tensor::empty(xs, dtype, device, Category::input, "input");
+  in.x = Tensor::empty(batch_shape(n, sample_shape), dtype, device, Category::input, "input");
   in.y = Tensor::empty({n}, DType::Int64, device, Category::input, "labels");
   return in;
 }
@@ -191,9 +216,7 @@ void Executor::set_up_stage(nn::Module& model) {
     NoGradGuard no_grad;
     const bool training = model.is_training();
     model.eval();
-    Shape one{1};
-    one.insert(one.end(), opt_.sample_shape.begin(), opt_.sample_shape.end());
-    Tensor y = Tensor::empty(one, activation_dtype_, device_, Category::input, "input");
+    Tensor y = Tensor::empty(batch_shape(1, opt_.sample_shape), activation_dtype_, device_, Category::input, "input");
     for (std::size_t i = 0; i < st.first(); ++i) y = segments_[i].forward(y);
     model.train(training);
     stage_sample_shape_.assign(y.shape().begin() + 1, y.shape().end());
@@ -213,21 +236,13 @@ Tensor Executor::accumulate_loss(Arena& arena, const float* images, const std::i
                                  const std::vector<std::int64_t>& sizes, std::optional<double> given_divisor) {
   const bool dry = skip_host_work();
   if (!dry && (images == nullptr || labels == nullptr)) throw Error("MBP executor: no input data");
-  std::int64_t batch = 0;
-  for (std::int64_t n : sizes) {
-    if (n < 1) throw Error(fmt::format("MBP executor: micro-batch sizes must be >= 1, found {}", n));
-    batch += n;
-  }
-  if (sizes.empty()) throw Error("MBP executor: no micro-batches");
+  const std::int64_t batch = checked_batch(sizes);
   // The whole batch's divisor (computed on the host before any micro-batch runs).
   double divisor = 1.0;
   if (given_divisor) {
     divisor = *given_divisor;
   } else if (!dry) {
-    divisor = cross_entropy_divisor(labels, batch, opt_.loss);
-    if (!(divisor > 0))
-      throw Error(fmt::format("MBP executor: the batch of {} has no counted target (all ignore_index {} or zero "
-                              "class weight), so its mean loss is undefined", batch, opt_.loss.ignore_index));
+    divisor = batch_divisor(labels, batch, opt_.loss);
   }
   // State across micro-batches (BatchNorm's moments) gathers from here; run_step applies it.
   for (nn::StepState* s : states_) s->begin_step();
@@ -447,10 +462,11 @@ StepResult Executor::step(const float* images, const std::int64_t* labels, std::
 
 // ---- pipeline stages (mbp/pipeline.h) ------------------------------------------------------------
 
-Shape Executor::stage_input_shape(std::int64_t n) const {
-  Shape shape{n};
-  shape.insert(shape.end(), stage_sample_shape_.begin(), stage_sample_shape_.end());
-  return shape;
+Shape Executor::stage_input_shape(std::int64_t n) const { return batch_shape(n, stage_sample_shape_); }
+
+Tensor Executor::run_stage(Tensor x) {
+  for (std::size_t s = opt_.pipeline->first(); s < opt_.pipeline->last(); ++s) x = segments_[s].forward(x);
+  return x;
 }
 
 // One step of a pipeline stage under way: what its forwards and backwards share.
@@ -498,19 +514,9 @@ Tensor Executor::accumulate_stage(Arena& arena, const float* images, const std::
   const PipelineStage& st = *opt_.pipeline;
   StageRun r(arena, images, labels, sizes);
   r.dry = skip_host_work(), r.first = st.stage == 0, r.last = st.stage + 1 == st.stages;
-  for (std::int64_t n : sizes) {
-    if (n < 1) throw Error(fmt::format("MBP executor: micro-batch sizes must be >= 1, found {}", n));
-    r.batch += n;
-    r.offsets.push_back(r.batch);
-  }
-  if (sizes.empty()) throw Error("MBP executor: no micro-batches");
-  // The whole batch's divisor, on the stage that has the targets.
-  if (r.last && !r.dry) {
-    r.divisor = cross_entropy_divisor(labels, r.batch, opt_.loss);
-    if (!(r.divisor > 0))
-      throw Error(fmt::format("MBP executor: the batch of {} has no counted target (all ignore_index {} or zero class "
-                              "weight), so its mean loss is undefined", r.batch, opt_.loss.ignore_index));
-  }
+  r.batch = checked_batch(sizes);
+  for (std::int64_t n : sizes) r.offsets.push_back(r.offsets.back() + n);
+  if (r.last && !r.dry) r.divisor = batch_divisor(labels, r.batch, opt_.loss);  // on the stage that has the targets
   for (nn::StepState* s : states_) s->begin_step();
   if (!r.dry && (r.first || r.last)) stager_->begin_step(staging_bytes(r.batch, sample_numel_, activation_dtype_));
   EnableGradGuard grad_on;
@@ -550,9 +556,7 @@ void Executor::stage_forward(StageRun& r, std::size_t i) {
   r.arena.mark(fmt::format("micro-batch {}/{} ({} samples) forward", i + 1, r.sizes.size(), n));
   Tensor x;
   if (r.first) {
-    Shape xs{n};
-    xs.insert(xs.end(), opt_.sample_shape.begin(), opt_.sample_shape.end());
-    x = Tensor::empty(xs, activation_dtype_, device_, Category::input, "input");
+    x = Tensor::empty(batch_shape(n, opt_.sample_shape), activation_dtype_, device_, Category::input, "input");
     if (!r.dry) stager_->wait(stage_images(x, *stager_, r.images, r.offsets[i], n, sample_numel_, activation_dtype_));
   } else {
     x = Tensor::empty(stage_input_shape(n), activation_dtype_, device_, Category::input, "stage_input");
@@ -560,8 +564,7 @@ void Executor::stage_forward(StageRun& r, std::size_t i) {
     x.impl().grad_category = Category::temporary;
     x.set_requires_grad(true);
   }
-  Tensor out = x;
-  for (std::size_t s = opt_.pipeline->first(); s < opt_.pipeline->last(); ++s) out = segments_[s].forward(out);
+  Tensor out = run_stage(x);
   if (!r.last) {
     const std::size_t ticket = comm.send(out, stage + 1);
     r.in_flight.push_back({std::move(x), std::move(out), ticket});
@@ -618,7 +621,7 @@ Tensor Executor::forward_through_stages(const Tensor& x, std::int64_t n) {
     throw Error(fmt::format("forward_through_stages: stage 0 expected {} samples, found {}", n,
                             y.defined() ? y.str() : std::string("none")));
   }
-  for (std::size_t i = st.first(); i < st.last(); ++i) y = segments_[i].forward(y);
+  y = run_stage(std::move(y));
   if (st.stage + 1 == st.stages) return y;
   comm.wait_send(comm.send(y, st.stage + 1));
   return {};

@@ -225,6 +225,8 @@ class Executor {
   void set_up_stage(nn::Module& model);
   // One micro-batch's input of a stage: n samples of the stage's input shape.
   Shape stage_input_shape(std::int64_t n) const;
+  // The stage's segments on x.
+  Tensor run_stage(Tensor x);
   // accumulate() with the loss left where it was computed (undefined in a dry run: no values).
   // `divisor`: the loss divisor D when it was counted elsewhere (over every rank's samples).
   // `arena`: the one the step runs on — arena_ in a real step, the planner's virtual clone of it in
