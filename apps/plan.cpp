@@ -143,6 +143,7 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   eo.micro_batch = opt.micro_batch;
   eo.recompute = opt.recompute;
   eo.precision = precision;
+  eo.memory_format = mbp::parse_memory_format(opt.memory_format);
   mbp::Executor executor(*setup.model, *setup.optimizer, arena, eo);
   const mbp::Plan& p = plan_step(executor, opt.batch_size, opt.micro_batch);
   const mbp::RecomputeChoice& chosen = executor.recompute_choice();

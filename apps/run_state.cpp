@@ -58,6 +58,7 @@ std::vector<std::pair<std::string, std::string>> option_values(const TrainOption
           {"loss-normalization", o.loss_normalization},
           {"recompute", o.recompute},
           {"precision", o.precision},
+          {"memory-format", o.memory_format},
           {"checkpoint-every", o.checkpoint_every},
           {"pipeline-stages", std::to_string(o.pipeline_stages)},
           {"pipeline-split", o.pipeline_split},
@@ -138,6 +139,8 @@ TrainOptions options_from_values(const std::map<std::string, std::string>& value
   o.loss_normalization = r.text("loss-normalization"), o.recompute = r.text("recompute");
   o.precision = r.text("precision"), o.checkpoint_every = r.text("checkpoint-every");
   // Pipeline runs write no checkpoints; the keys are there to compare the ranks' options.
+  // Checkpoints written before --memory-format existed ran contiguous.
+  if (values.count("memory-format")) o.memory_format = r.text("memory-format");
   if (values.count("pipeline-stages")) o.pipeline_stages = r.whole<int>("pipeline-stages");
   if (values.count("pipeline-split")) o.pipeline_split = r.text("pipeline-split");
   if (values.count("pipeline-schedule")) o.pipeline_schedule = r.text("pipeline-schedule");

@@ -99,6 +99,7 @@ PlanOptions plan_options(const SweepOptions& opt, const DataInfo& data, const st
   po.optimizer = opt.train.optimizer;
   po.recompute = opt.train.recompute;
   po.precision = opt.train.precision;
+  po.memory_format = opt.train.memory_format;
   po.momentum = opt.train.momentum;
   po.device = device;
   po.layers = false;

@@ -147,6 +147,10 @@ struct TrainFlags {
     cmd->add_option("--precision", to.precision,
                     "fp32 | bf16 (mixed precision: bf16 activations, float32 weights, gradients, optimizer state and loss)")
         ->check(CLI::IsMember(mbp::precision_names()))->capture_default_str();
+    cmd->add_option("--memory-format", to.memory_format,
+                    "contiguous | channels_last (the activations' layout: channels_last runs the CPU's convolutions "
+                    "and batch norms on NHWC, with no reorder around each convolution)")
+        ->check(CLI::IsMember(mbp::memory_format_names()))->capture_default_str();
   }
 
   // After parsing: the flags that fill optional fields.
@@ -237,6 +241,10 @@ struct PlanFlags {
     cmd->add_option("--precision", po.precision,
                     "fp32 | bf16 (mixed precision: bf16 activations, float32 weights, gradients, optimizer state and loss)")
         ->check(CLI::IsMember(mbp::precision_names()))->capture_default_str();
+    cmd->add_option("--memory-format", po.memory_format,
+                    "contiguous | channels_last (the activations' layout: channels_last runs the CPU's convolutions "
+                    "and batch norms on NHWC, with no reorder around each convolution)")
+        ->check(CLI::IsMember(mbp::memory_format_names()))->capture_default_str();
     cmd->add_option("--pipeline-stages", po.pipeline_stages, "plan S pipeline stages (memory limits: one, or one per stage)")
         ->check(positive_whole())->capture_default_str();
     cmd->add_option("--pipeline-split", po.pipeline_split, "memory (default) | work | where stages 2..S begin, by segment name");

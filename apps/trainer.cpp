@@ -168,6 +168,7 @@ Device validate(const TrainOptions& opt) {
   check_choice("--loss-normalization", opt.loss_normalization, loss_normalization_names());
   mbp::check_recompute_policy(opt.recompute);
   check_choice("--precision", opt.precision, mbp::precision_names());
+  check_choice("--memory-format", opt.memory_format, mbp::memory_format_names());
   if (!opt.steps) check_number("--epochs", kPositiveWhole, static_cast<double>(opt.epochs));
   if (opt.steps) check_number("--steps", kPositiveWhole, static_cast<double>(*opt.steps));
   if (opt.num_classes) check_number("--num-classes", kPositiveWhole, static_cast<double>(*opt.num_classes));
@@ -293,6 +294,7 @@ void write_summary(const TrainOptions& opt, const TrainResult& result) {
                       {"loss_normalization", opt.loss_normalization},
                       {"recompute", result.recompute},
                       {"precision", opt.precision},
+                      {"memory_format", opt.memory_format},
                       {"data", opt.data},
                       {"world_size", result.world_size},
                       {"pipeline_stages", result.pipeline_stages},
@@ -425,6 +427,7 @@ mbp::ExecutorOptions executor_options(const TrainOptions& opt, const data::Datas
   eo.communicator = std::move(comm);
   eo.recompute = opt.recompute;
   eo.precision = mbp::parse_precision(opt.precision);
+  eo.memory_format = mbp::parse_memory_format(opt.memory_format);
   eo.pipeline = setup.stage;
   return eo;
 }

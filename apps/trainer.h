@@ -48,6 +48,9 @@ struct TrainOptions {
   // fp32 | bf16: bf16 mixed precision (mbp::Precision, mbp/executor.h; docs/precision.md): bf16
   // activations, float32 master weights, gradients, optimizer state and loss. Evaluation too.
   std::string precision = "fp32";
+  // contiguous | channels_last: the layout of the activations (ExecutorOptions::memory_format,
+  // docs/memory-format.md); channels_last skips oneDNN's reorders around every CPU convolution.
+  std::string memory_format = "contiguous";
   // "exact" (the full batch's mean for any split) or "per-micro-batch" (each micro-batch's mean
   // divided by their number, as the MBP paper's code: differs for uneven splits; for teaching).
   std::string loss_normalization = "exact";

@@ -48,21 +48,27 @@ void set_history(Tensor& out, const std::shared_ptr<Node>& node, std::initialize
   out.impl().grad_fn = node;
 }
 
-Tensor& grad_target(GradSlot& slot, const Shape& shape, DType dtype, Device device, double& beta, const char* op) {
+Tensor& grad_target(GradSlot& slot, const Shape& shape, DType dtype, Device device, double& beta, const char* op,
+                    MemoryFormat format) {
+  Category category = slot.category;
   if (slot.buffer.defined()) {
     if (slot.buffer.shape() != shape || slot.buffer.dtype() != dtype || slot.buffer.device() != device)
       throw ShapeError(fmt::format("{} backward: gradient buffer {} does not match input {}{} on {}", op,
                                    slot.buffer.str(), dtype_name(dtype), shape_str(shape), device.str()));
-    beta = 1.0;
-  } else {
-    slot.buffer = Tensor::empty(shape, dtype, device, slot.category, fmt::format("{}_backward", op));
-    beta = 0.0;
+    if (slot.buffer.is_contiguous(format)) {
+      beta = 1.0;
+      return slot.buffer;
+    }
+    slot.pending = std::move(slot.buffer);  // added in by the engine after this op's backward
+    category = Category::temporary;
   }
+  slot.buffer = Tensor::empty(shape, dtype, device, category, fmt::format("{}_backward", op), format);
+  beta = 0.0;
   return slot.buffer;
 }
 
 Tensor& grad_target(GradSlot& slot, const Tensor& like, double& beta, const char* op) {
-  return grad_target(slot, like.shape(), like.dtype(), like.device(), beta, op);
+  return grad_target(slot, like.shape(), like.dtype(), like.device(), beta, op, like.suggest_memory_format());
 }
 
 namespace {
@@ -172,6 +178,11 @@ void backward_from(std::shared_ptr<Node> root_fn, Tensor seed) {
       if (grad_out.defined()) node->backward(std::move(grad_out), slots);  // else no gradient reached it
       node->release();  // saved tensors go now, and grad_out at the end of this scope
     }
+    for (GradSlot& s : slots)
+      if (s.pending.defined()) {  // written in the other memory format: added into its target
+        add_into(s.pending, s.buffer);
+        s.buffer = std::move(s.pending);
+      }
     for (std::size_t i = 0; i < node->next.size(); ++i) {
       const Edge& e = node->next[i];
       Tensor& b = slots[i].buffer;

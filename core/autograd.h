@@ -40,6 +40,9 @@ struct GradSlot {
   bool needed = false;
   Tensor buffer;  // undefined: allocate and write (beta 0); defined: accumulate (beta 1)
   Category category = Category::temporary;
+  // An accumulation target in another memory format than the op writes (grad_target): the op
+  // writes a fresh buffer, which the engine adds into this one after the op's backward.
+  Tensor pending;
 };
 
 struct Node {
@@ -92,9 +95,13 @@ bool any_requires_grad(std::initializer_list<const Tensor*> inputs);
 void set_history(Tensor& out, const std::shared_ptr<Node>& node, std::initializer_list<const Tensor*> inputs);
 
 // Returns the buffer to write an input's gradient into and sets `beta` (0 or 1): an existing
-// buffer (accumulate) or a new one of `like`'s shape, dtype and device.
+// buffer (accumulate) or a new one of `like`'s shape, dtype, device and memory format
+// (like.suggest_memory_format(): the layout the op's kernel writes). An existing buffer in the
+// other memory format is not written by a kernel of this layout: a new buffer is (beta 0), and
+// the engine adds it into the existing one afterwards (GradSlot::pending).
 Tensor& grad_target(GradSlot& slot, const Tensor& like, double& beta, const char* op);
-Tensor& grad_target(GradSlot& slot, const Shape& shape, DType dtype, Device device, double& beta, const char* op);
+Tensor& grad_target(GradSlot& slot, const Shape& shape, DType dtype, Device device, double& beta, const char* op,
+                    MemoryFormat format = MemoryFormat::Contiguous);
 
 void run_backward(const Tensor& root);
 // Backward from `root` of any shape, with `seed` (root's shape) as its gradient.

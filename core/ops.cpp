@@ -21,9 +21,14 @@ using i64 = std::int64_t;
 
 namespace {
 
-Tensor out_like(const Tensor& like, const Shape& shape, const char* op) {
-  return Tensor::empty(shape, like.dtype(), like.device(), Category::activation, op);
+Tensor out_like(const Tensor& like, const Shape& shape, const char* op,
+                MemoryFormat format = MemoryFormat::Contiguous) {
+  return Tensor::empty(shape, like.dtype(), like.device(), Category::activation, op, format);
 }
+
+// The tensor itself when it is dense in its memory format (row-major or channels-last), else a
+// row-major copy: what an elementwise kernel, which runs over the bytes, takes.
+Tensor dense(const Tensor& t) { return t.contiguous(t.suggest_memory_format()); }
 
 Tensor workspace(const Tensor& like, std::size_t bytes, const char* op) {
   if (bytes == 0) return {};
@@ -48,9 +53,11 @@ std::size_t gemm_workspace_bytes(const Tensor& like, i64 M, i64 N, i64 K) {
 }
 
 // Scratch of a batch norm on `like`'s device (the CUDA kernels' partial sums; none on the CPU).
+// `like` channels-last: the CPU's partial sums of its chunks.
 std::size_t batch_norm_workspace_bytes(const Tensor& like, i64 N, i64 C, i64 HW) {
   std::size_t bytes = 0;
-  TALLY_DISPATCH_QUERY("batch_norm", like, ANY, bytes = kk::batch_norm_workspace_bytes(N, C, HW));
+  const bool cl = like.suggest_memory_format() == MemoryFormat::ChannelsLast;
+  TALLY_DISPATCH_QUERY("batch_norm", like, ANY, bytes = kk::batch_norm_workspace_bytes(N, C, HW, cl));
   return bytes;
 }
 
@@ -62,7 +69,8 @@ std::size_t batch_norm_workspace_bytes(const Tensor& like, i64 N, i64 C, i64 HW)
 // and one buffer is not allocated. The decision depends on reference counts only, which a dry
 // run reproduces exactly, so plans stay exact.
 bool reusable(const Tensor& t) {
-  return t.defined() && t.impl_ptr().use_count() == 1 && t.storage().use_count() == 1 && t.is_contiguous() &&
+  return t.defined() && t.impl_ptr().use_count() == 1 && t.storage().use_count() == 1 &&
+         t.is_contiguous(t.suggest_memory_format()) &&
          !(t.is_leaf() && t.requires_grad()) && t.category() == Category::activation;
 }
 // A new handle on `x`'s buffer for an op's output (no history yet).
@@ -137,7 +145,7 @@ struct Conv2dBackward : Node {
   void release() override { saved.release(); }
   void backward(const Tensor& gy, std::vector<GradSlot>& g) override {
     const Tensor &x = saved.t[0], &w = saved.t[1];
-    const Tensor dy = gy.contiguous();
+    const Tensor dy = gy.contiguous(s.channels_last ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous);
     double beta = 0;
     // Each pass carves its own workspace just before it runs and returns it right after.
     if (g[0].needed) {
@@ -182,13 +190,19 @@ Tensor conv2d(const Tensor& x_, const Tensor& w_, const Tensor& b, const Conv2dO
     throw ShapeError(fmt::format("conv2d: weight {} expects {} input channels (groups {}), input is {}", w_.str(),
                                  w_.size(1) * o.groups, o.groups, x_.str()));
   check_matching(op, x_, b, "bias", w_.size(0));
-  const Tensor x = x_.contiguous(), w = w_.contiguous();
-  kernels::Conv2dShape s = conv_shape(x, w, o);
+  // A channels-last input gives a channels-last output where the backend runs the convolution so
+  // (the CPU's oneDNN, no bias); otherwise the convolution runs row-major.
+  kernels::Conv2dShape s = conv_shape(x_, w_, o);
   s.bias = b.defined();
+  if (x_.suggest_memory_format() == MemoryFormat::ChannelsLast)
+    TALLY_DISPATCH_QUERY(op, x_, FLOATING,
+                         s.channels_last = kk::conv2d_takes_channels_last<T>(s));
+  const MemoryFormat format = s.channels_last ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous;
+  const Tensor x = x_.contiguous(format), w = w_.contiguous();
   if (s.P() < 1 || s.Q() < 1)
     throw ShapeError(fmt::format("conv2d: input {} is too small for kernel {}x{} with padding ({}, {}) and dilation ({}, {})",
                                  x.str(), s.R, s.S, s.pad_h, s.pad_w, s.dil_h, s.dil_w));
-  Tensor y = out_like(x, {s.N, s.K, s.P(), s.Q()}, op);
+  Tensor y = out_like(x, {s.N, s.K, s.P(), s.Q()}, op, format);
   {
     std::size_t ws_bytes = 0;
     TALLY_DISPATCH_QUERY(op, x, FLOATING, ws_bytes = kk::conv2d_workspace_bytes<T>(s, kernels::ConvPass::forward));
@@ -367,6 +381,8 @@ struct BatchNormBackward : Node {
   bool has_weight, has_bias;
   const char* name() const override { return relu || has_residual ? "batch_norm_relu" : "batch_norm"; }
   void release() override { saved.release(); running.release(); output.release(); }
+  // Training on the CPU keeps a channels-last x channels-last (x, y, dy and dx alike).
+  bool channels_last() const { return saved.t[0].suggest_memory_format() == MemoryFormat::ChannelsLast; }
   // The fused backward owns its incoming gradient and reuses its buffer: as the residual's gradient
   // (masked in place) when that slot is fresh, else as x's (dx written over it) — so it allocates
   // no more than the unfused ReLU, add and norm did, and with no residual nothing at all for dx.
@@ -374,7 +390,7 @@ struct BatchNormBackward : Node {
     const char* op = "batch_norm";
     const Tensor& x = saved.t[0];
     const Tensor& w = saved.t[1];
-    const Tensor dz = gy.contiguous();
+    const Tensor dz = gy.contiguous(x.suggest_memory_format());
     auto reusable_slot = [](const GradSlot& slot) { return !slot.buffer.defined() && slot.category != Category::gradient; };
     double beta_res = 0;
     Tensor dres;
@@ -408,6 +424,7 @@ struct BatchNormBackward : Node {
           act.y = output.t[0].data<T>();
           act.relu = true;
           act.dresidual = dres.data<T>();
+          act.channels_last = channels_last();
           kk::batch_norm_backward<T>(N, C, HW, dz.data<T>(), x.data<T>(), ptr_or_null<TP>(w), saved.t[2].data<TP>(),
                                      saved.t[3].data<TP>(), static_cast<T*>(nullptr), TP(0), ptr_or_null<TP>(dw),
                                      ptr_or_null<TP>(db), TP(bp), ws_ptr(ws), act);
@@ -419,9 +436,11 @@ struct BatchNormBackward : Node {
       Tensor& dx = grad_target(g[0], x, bdx, op);
       const Tensor ws = workspace(x, batch_norm_workspace_bytes(x, N, C, HW), "batch_norm_backward");
       TALLY_DISPATCH(op, x, FLOATING, {
+        kernels::NormActGrad<T> plain;
+        plain.channels_last = channels_last();
         kk::batch_norm_backward<T>(N, C, HW, dz.data<T>(), x.data<T>(), ptr_or_null<TP>(w), saved.t[2].data<TP>(),
                                    saved.t[3].data<TP>(), dx.data<T>(), TP(bdx), static_cast<TP*>(nullptr),
-                                   static_cast<TP*>(nullptr), TP(0), ws_ptr(ws));
+                                   static_cast<TP*>(nullptr), TP(0), ws_ptr(ws), plain);
       });
       return;
     }
@@ -433,6 +452,7 @@ struct BatchNormBackward : Node {
       act.relu = relu;
       act.dresidual = ptr_or_null<T>(dres);
       act.beta_residual = TP(beta_res);
+      act.channels_last = channels_last();
       kk::batch_norm_backward<T>(N, C, HW, dz.data<T>(), x.data<T>(), ptr_or_null<TP>(w), saved.t[2].data<TP>(),
                                  saved.t[3].data<TP>(), ptr_or_null<T>(dx), TP(bdx), ptr_or_null<TP>(dw),
                                  ptr_or_null<TP>(db), TP(bp), ws_ptr(ws), act);
@@ -442,13 +462,17 @@ struct BatchNormBackward : Node {
     if (training && (relu || has_residual)) return fused_backward(gy, g);
     const Tensor& x = saved.t[0];
     const Tensor& w = saved.t[1];
-    const Tensor dy = gy.contiguous();
+    const Tensor dy = gy.contiguous(x.suggest_memory_format());
     auto [dx, dw, db, bdx, bp] = norm_grad_targets(g, x, w, has_weight, has_bias, C, "batch_norm");
     const Tensor ws = workspace(x, batch_norm_workspace_bytes(x, N, C, HW), "batch_norm_backward");
     if (training) {
-      TALLY_DISPATCH("batch_norm", x, FLOATING, kk::batch_norm_backward<T>(N, C, HW, dy.data<T>(), x.data<T>(), ptr_or_null<TP>(w),
-                                                                           saved.t[2].data<TP>(), saved.t[3].data<TP>(), ptr_or_null<T>(dx),
-                                                                           TP(bdx), ptr_or_null<TP>(dw), ptr_or_null<TP>(db), TP(bp), ws_ptr(ws)));
+      TALLY_DISPATCH("batch_norm", x, FLOATING, {
+        kernels::NormActGrad<T> plain;
+        plain.channels_last = channels_last();
+        kk::batch_norm_backward<T>(N, C, HW, dy.data<T>(), x.data<T>(), ptr_or_null<TP>(w), saved.t[2].data<TP>(),
+                                   saved.t[3].data<TP>(), ptr_or_null<T>(dx), TP(bdx), ptr_or_null<TP>(dw),
+                                   ptr_or_null<TP>(db), TP(bp), ws_ptr(ws), plain);
+      });
     } else {
       TALLY_DISPATCH("batch_norm", x, FLOATING, kk::batch_norm_backward_eval<T>(N, C, HW, dy.data<T>(), x.data<T>(), ptr_or_null<TP>(w),
                                                                                 running.t[0].data<TP>(), running.t[1].data<TP>(), TP(eps),
@@ -490,7 +514,8 @@ BatchNormResult batch_norm_train(const Tensor& x_, const Tensor& x, const Tensor
                                  const Tensor& residual_, const Tensor& residual, bool in_place) {
   const char* op = "batch_norm";
   const i64 N = x.size(0), C = x.size(1), HW = spatial(x);
-  Tensor y = in_place ? alias_for_output(x) : out_like(x, x.shape(), op);
+  const MemoryFormat format = x.suggest_memory_format();
+  Tensor y = in_place ? alias_for_output(x) : out_like(x, x.shape(), op, format);
   // Saved statistics are activations: they live exactly as long as the backward needs them.
   Tensor save_mean = Tensor::empty({C}, param_dtype(x.dtype()), x.device(), Category::activation, "batch_norm_mean");
   Tensor save_invstd = Tensor::empty({C}, param_dtype(x.dtype()), x.device(), Category::activation, "batch_norm_invstd");
@@ -501,6 +526,7 @@ BatchNormResult batch_norm_train(const Tensor& x_, const Tensor& x, const Tensor
       kernels::NormAct<T> act;
       act.residual = ptr_or_null<T>(residual);
       act.relu = opt.relu;
+      act.channels_last = format == MemoryFormat::ChannelsLast;
       kk::batch_norm_forward_train<T>(N, C, HW, x.data<T>(), ptr_or_null<TP>(weight), ptr_or_null<TP>(bias), TP(opt.eps),
                                       TP(opt.momentum), update ? running_mean.data<TP>() : nullptr,
                                       update ? running_var.data<TP>() : nullptr, y.data<T>(), save_mean.data<TP>(),
@@ -542,10 +568,14 @@ BatchNormResult batch_norm_any(const Tensor& x_, const Tensor& weight, const Ten
     throw ShapeError(fmt::format("batch_norm: expected more than 1 value per channel when training, got input {}", x_.str()));
   // y over x: x's handle given up and nothing else holding its buffer, and no backward to keep it.
   const bool in_place = given_up && reusable(x_) && !any_requires_grad({&x_, &weight, &bias, &residual_});
-  const Tensor x = x_.contiguous();
+  // Training on the CPU runs channels-last in place (x, the residual and y in x's layout); the
+  // CUDA kernels and evaluation take row-major tensors.
+  const MemoryFormat format =
+      opt.training && x_.device().is_cpu() ? x_.suggest_memory_format() : MemoryFormat::Contiguous;
+  const Tensor x = x_.contiguous(format);
   if (opt.training)
     return batch_norm_train(x_, x, weight, bias, running_mean, running_var, opt, residual_,
-                            residual_.defined() ? residual_.contiguous() : Tensor(), in_place);
+                            residual_.defined() ? residual_.contiguous(format) : Tensor(), in_place);
   Tensor y = in_place ? alias_for_output(x) : out_like(x, x.shape(), op);
   TALLY_DISPATCH(op, x, FLOATING, kk::batch_norm_forward_eval<T>(N, C, HW, x.data<T>(), ptr_or_null<TP>(weight), ptr_or_null<TP>(bias),
                                                                  running_mean.data<TP>(), running_var.data<TP>(), TP(opt.eps), y.data<T>()));
@@ -647,7 +677,7 @@ struct ReluBackward : Node {
   void release() override { saved.release(); }
   void backward(const Tensor& gy, std::vector<GradSlot>& g) override {
     const Tensor& y = saved.t[0];
-    const Tensor dy = gy.contiguous();
+    const Tensor dy = gy.contiguous(y.suggest_memory_format());
     double beta = 0;
     Tensor& dx = grad_target(g[0], y, beta, "relu");
     TALLY_DISPATCH("relu", y, FLOATING, kk::relu_backward<T>(y.numel(), dy.data<T>(), y.data<T>(), dx.data<T>(), TP(beta)));
@@ -660,7 +690,7 @@ struct LinearCombinationBackward : Node {
   const char* op = "add";
   const char* name() const override { return op; }
   void backward(const Tensor& gy, std::vector<GradSlot>& g) override {
-    const Tensor dy = gy.contiguous();
+    const Tensor dy = dense(gy);
     bool aliased = false;
     for (std::size_t i = 0; i < g.size(); ++i) {
       if (!g[i].needed) continue;
@@ -683,7 +713,7 @@ struct MulBackward : Node {
   const char* name() const override { return "mul"; }
   void release() override { saved.release(); }
   void backward(const Tensor& gy, std::vector<GradSlot>& g) override {
-    const Tensor dy = gy.contiguous();
+    const Tensor dy = gy.contiguous(saved.t[0].suggest_memory_format());
     double beta = 0;
     for (int i = 0; i < 2; ++i) {
       if (!g[i].needed) continue;
@@ -700,8 +730,10 @@ Tensor lincomb(const Tensor& a_, const Tensor& b_, double alpha_b, const char* o
   check_floating(op, a_);
   check_same_device(op, a_, b_);
   check_same_dtype(op, a_, b_);
-  const Tensor a = a_.contiguous(), b = b_.contiguous();
-  Tensor y = in_place ? alias_for_output(a) : out_like(a, a.shape(), op);
+  // In a's memory format (b converted to it when it differs), as the output.
+  const MemoryFormat format = a_.suggest_memory_format();
+  const Tensor a = a_.contiguous(format), b = b_.contiguous(format);
+  Tensor y = in_place ? alias_for_output(a) : out_like(a, a.shape(), op, format);
   TALLY_DISPATCH(op, a, FLOATING, kk::add<T>(a.numel(), a.data<T>(), b.data<T>(), TP(alpha_b), y.data<T>()));
   if (any_requires_grad({&a_, &b_})) {
     auto n = std::make_shared<LinearCombinationBackward>();
@@ -715,8 +747,8 @@ Tensor lincomb(const Tensor& a_, const Tensor& b_, double alpha_b, const char* o
 // relu(x) — in x's own buffer when `in_place` (the caller found it reusable()).
 Tensor relu_into(const Tensor& x_, bool in_place) {
   check_floating("relu", x_);
-  const Tensor x = x_.contiguous();
-  Tensor y = in_place ? alias_for_output(x) : out_like(x, x.shape(), "relu");
+  const Tensor x = dense(x_);
+  Tensor y = in_place ? alias_for_output(x) : out_like(x, x.shape(), "relu", x.suggest_memory_format());
   TALLY_DISPATCH("relu", x, FLOATING, kk::relu_forward<T>(x.numel(), x.data<T>(), y.data<T>()));
   if (any_requires_grad({&x_})) {
     auto n = std::make_shared<ReluBackward>();
@@ -749,8 +781,9 @@ Tensor sub(const Tensor& a, const Tensor& b) { return lincomb(a, b, -1.0, "sub")
 Tensor mul(const Tensor& a_, const Tensor& b_) {
   check_same_shape("mul", a_, b_);
   check_floating("mul", a_);
-  const Tensor a = a_.contiguous(), b = b_.contiguous();
-  Tensor y = out_like(a, a.shape(), "mul");
+  const MemoryFormat format = a_.suggest_memory_format();
+  const Tensor a = a_.contiguous(format), b = b_.contiguous(format);
+  Tensor y = out_like(a, a.shape(), "mul", format);
   TALLY_DISPATCH("mul", a, FLOATING, kk::mul<T>(a.numel(), a.data<T>(), b.data<T>(), y.data<T>()));
   if (any_requires_grad({&a_, &b_})) {
     auto n = std::make_shared<MulBackward>();
@@ -769,9 +802,10 @@ struct CastBackward : Node {
   void backward(const Tensor& gy, std::vector<GradSlot>& g) override {
     if (!g[0].needed) return;
     double beta = 0;
-    Tensor& dx = grad_target(g[0], shape, dtype, device, beta, "cast");
+    const MemoryFormat format = gy.suggest_memory_format();
+    Tensor& dx = grad_target(g[0], shape, dtype, device, beta, "cast", format);
     if (beta == 0) return detail::convert_into(gy, dx);
-    Tensor converted = Tensor::empty(shape, dtype, device, Category::temporary, "cast_grad");
+    Tensor converted = Tensor::empty(shape, dtype, device, Category::temporary, "cast_grad", format);
     detail::convert_into(gy, converted);
     add_into(dx, converted);
   }
@@ -781,7 +815,7 @@ struct CastBackward : Node {
 Tensor cast(const Tensor& x, DType dtype) {
   if (!x.defined()) throw ShapeError("cast: the input is undefined");
   if (x.dtype() == dtype) return x;
-  Tensor y = Tensor::empty(x.shape(), dtype, x.device(), x.category(), "to_dtype");
+  Tensor y = Tensor::empty(x.shape(), dtype, x.device(), x.category(), "to_dtype", x.suggest_memory_format());
   detail::convert_into(x, y);
   if (any_requires_grad({&x})) {
     auto n = std::make_shared<CastBackward>();
@@ -793,8 +827,8 @@ Tensor cast(const Tensor& x, DType dtype) {
 
 Tensor scale(const Tensor& x_, double alpha) {
   check_floating("scale", x_);
-  const Tensor x = x_.contiguous();
-  Tensor y = out_like(x, x.shape(), "scale");
+  const Tensor x = dense(x_);
+  Tensor y = out_like(x, x.shape(), "scale", x.suggest_memory_format());
   TALLY_DISPATCH("scale", x, FLOATING, kk::axpby<T>(x.numel(), TP(alpha), x.data<T>(), TP(0), y.data<T>()));
   if (any_requires_grad({&x_})) {
     auto n = std::make_shared<LinearCombinationBackward>();
@@ -807,8 +841,10 @@ Tensor scale(const Tensor& x_, double alpha) {
 
 void add_into(Tensor& dst, const Tensor& src_) {
   check_same_shape("add_into", dst, src_);
-  if (!dst.is_contiguous()) throw ShapeError(fmt::format("add_into: destination {} must be contiguous", dst.str()));
-  const Tensor src = src_.contiguous();
+  const MemoryFormat format = dst.suggest_memory_format();
+  if (!dst.is_contiguous(format))
+    throw ShapeError(fmt::format("add_into: destination {} must be dense (contiguous or channels_last)", dst.str()));
+  const Tensor src = src_.contiguous(format);
   TALLY_DISPATCH("add_into", dst, FLOATING, kk::axpby<T>(dst.numel(), TP(1), src.data<T>(), TP(1), dst.data<T>()));
 }
 
@@ -874,6 +910,9 @@ Tensor max_pool2d(const Tensor& x_, std::array<i64, 2> kernel, std::array<i64, 2
   Tensor argmax = Tensor::empty(y.shape(), DType::Int32, x.device(), need ? Category::activation : Category::workspace,
                                 "max_pool2d_argmax");
   TALLY_DISPATCH("max_pool2d", x, FLOATING, kk::max_pool2d_forward<T>(s, x.data<T>(), y.data<T>(), argmax.data<std::int32_t>()));
+  // The pooling kernels index NCHW: a channels-last input is pooled row-major and its output given
+  // back channels-last, so that the convolutions after it (ResNet's stem) stay channels-last.
+  if (x_.suggest_memory_format() == MemoryFormat::ChannelsLast) y = y.contiguous(MemoryFormat::ChannelsLast);
   if (need) {
     auto n = std::make_shared<MaxPoolBackward>();
     n->s = s;

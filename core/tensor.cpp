@@ -32,6 +32,24 @@ Shape contiguous_strides(const Shape& shape) {
   return st;
 }
 
+// NHWC strides of a 4-d shape (N, C, H, W).
+Shape channels_last_strides(const Shape& shape) {
+  auto d = [&](std::size_t i) { return std::max<std::int64_t>(shape[i], 1); };
+  return {d(1) * d(2) * d(3), 1, d(3) * d(1), d(1)};
+}
+
+// Strides of `format` for `shape`; ChannelsLast needs 4 dimensions.
+Shape strides_for(const Shape& shape, MemoryFormat format, const char* op) {
+  if (format == MemoryFormat::Contiguous) return contiguous_strides(shape);
+  if (shape.size() != 4)
+    throw ShapeError(fmt::format("{}: channels_last is a layout of 4-d tensors (N, C, H, W), found shape {}", op,
+                                 shape_str(shape)));
+  return channels_last_strides(shape);
+}
+
+// (N, C, H, W) seen as (N, H, W, C): a channels-last tensor's bytes in row-major order.
+Tensor nhwc_view(const Tensor& t) { return t.transpose(1, 2).transpose(2, 3); }
+
 void check_shape_valid(const Shape& shape, const char* op) {
   for (auto d : shape)
     if (d < 0) throw ShapeError(fmt::format("{}: negative dimension in shape {}", op, shape_str(shape)));
@@ -82,13 +100,19 @@ Storage::Storage(std::shared_ptr<Arena> arena, std::size_t bytes, Category categ
 Storage::~Storage() { arena_->free(offset_); }
 
 // ---- Tensor: creation -------------------------------------------------------------------------
-Tensor Tensor::empty(const Shape& shape, DType dtype, Device device, Category category, const std::string& op) {
+const char* memory_format_name(MemoryFormat f) {
+  return f == MemoryFormat::ChannelsLast ? "channels_last" : "contiguous";
+}
+
+Tensor Tensor::empty(const Shape& shape, DType dtype, Device device, Category category, const std::string& op,
+                     MemoryFormat format) {
   check_shape_valid(shape, op.c_str());
+  const Shape strides = strides_for(shape, format, op.c_str());
   auto impl = std::make_shared<TensorImpl>();
   const std::size_t bytes = static_cast<std::size_t>(shape_numel(shape)) * dtype_size(dtype);
   impl->storage = std::make_shared<Storage>(current_arena(device), bytes, category, op);
   impl->shape = shape;
-  impl->strides = contiguous_strides(shape);
+  impl->strides = strides;
   impl->dtype = dtype;
   impl->device = device;
   return Tensor(std::move(impl));
@@ -159,11 +183,19 @@ std::int64_t Tensor::size(std::int64_t d) const {
   return shape()[static_cast<std::size_t>(d < 0 ? d + n : d)];
 }
 
-bool Tensor::is_contiguous() const {
-  const Shape expect = contiguous_strides(shape());
+bool Tensor::is_contiguous() const { return is_contiguous(MemoryFormat::Contiguous); }
+
+bool Tensor::is_contiguous(MemoryFormat format) const {
+  if (format == MemoryFormat::ChannelsLast && dim() != 4) return false;
+  const Shape expect = format == MemoryFormat::Contiguous ? contiguous_strides(shape()) : channels_last_strides(shape());
   for (std::size_t i = 0; i < expect.size(); ++i)
     if (shape()[i] != 1 && strides()[i] != expect[i]) return false;
   return true;
+}
+
+MemoryFormat Tensor::suggest_memory_format() const {
+  return is_contiguous(MemoryFormat::ChannelsLast) && !is_contiguous() ? MemoryFormat::ChannelsLast
+                                                                        : MemoryFormat::Contiguous;
 }
 
 std::string Tensor::str() const {
@@ -242,6 +274,14 @@ Tensor Tensor::contiguous() const {
   return clone(category());
 }
 
+Tensor Tensor::contiguous(MemoryFormat format) const {
+  if (format == MemoryFormat::Contiguous) return contiguous();
+  if (is_contiguous(format)) return *this;
+  Tensor out = empty(shape(), dtype(), device(), category(), "contiguous", format);
+  out.copy_(*this);
+  return out;
+}
+
 Tensor Tensor::to(Device d) const {
   if (d == device()) return *this;
   Tensor out = empty(shape(), dtype(), d, category(), "to");
@@ -259,9 +299,10 @@ void detail::convert_into(const Tensor& src_, Tensor& dst) {
   if (!storage(src_.dtype()) || !storage(dst.dtype()))
     throw Error(fmt::format("to: no conversion from {} to {} (float32, float64 and bfloat16 convert to one another)",
                             dtype_name(src_.dtype()), dtype_name(dst.dtype())));
-  if (src_.shape() != dst.shape() || src_.device() != dst.device() || !dst.is_contiguous())
+  const MemoryFormat format = dst.suggest_memory_format();
+  if (src_.shape() != dst.shape() || src_.device() != dst.device() || !dst.is_contiguous(format))
     throw ShapeError(fmt::format("to: cannot convert {} into {}", src_.str(), dst.str()));
-  const Tensor src = src_.contiguous();
+  const Tensor src = src_.contiguous(format);  // the same layout: the conversion runs over the bytes
   // The source type bound as S (a query: no kernel of its own), then the conversion kernel.
   TALLY_DISPATCH_QUERY("to", src, FLOAT_STORAGE, {
     using S = T;
@@ -272,7 +313,14 @@ void detail::convert_into(const Tensor& src_, Tensor& dst) {
 void Tensor::copy_(const Tensor& src) {
   if (src.shape() != shape() || src.dtype() != dtype())
     throw ShapeError(fmt::format("copy_: destination {} and source {} differ in shape or dtype", str(), src.str()));
-  if (!is_contiguous()) throw ShapeError(fmt::format("copy_: destination {} must be contiguous", str()));
+  if (!is_contiguous()) {
+    // A channels-last destination: the same copy between the two seen as (N, H, W, C), where the
+    // destination is row-major (a dense copy when the source is channels-last too).
+    if (!is_contiguous(MemoryFormat::ChannelsLast))
+      throw ShapeError(fmt::format("copy_: destination {} must be dense (contiguous or channels_last)", str()));
+    Tensor d = nhwc_view(*this);
+    return d.copy_(nhwc_view(src));
+  }
   if (numel() == 0) return;
   const std::size_t bytes = nbytes();
   if (src.device() == device()) {  // one device: a dense copy, or a gather of a strided view
@@ -293,7 +341,8 @@ void Tensor::copy_(const Tensor& src) {
 }
 
 void Tensor::fill_(double value) {
-  if (!is_contiguous()) throw ShapeError(fmt::format("fill_: {} must be contiguous", str()));
+  if (!is_contiguous() && !is_contiguous(MemoryFormat::ChannelsLast))
+    throw ShapeError(fmt::format("fill_: {} must be dense (contiguous or channels_last)", str()));
   if (numel() == 0) return;
   TALLY_DISPATCH("fill_", *this, ALL, kk::fill<T>(numel(), static_cast<T>(value), data<T>()));
 }

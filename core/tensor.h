@@ -28,6 +28,14 @@ using Shape = std::vector<std::int64_t>;
 std::string shape_str(const Shape& s);  // "[2, 3, 4]"
 std::int64_t shape_numel(const Shape& s);
 
+// How a dense 4-d tensor (N, C, H, W) lays out its elements, as torch.memory_format: Contiguous is
+// row-major NCHW; ChannelsLast keeps the shape (N, C, H, W) and stores NHWC (strides H*W*C, 1,
+// W*C, C) — the layout oneDNN's direct convolutions run on without reordering, so that a network
+// whose input is channels-last stays channels-last from convolution to convolution (docs/memory-format.md).
+// Only 4-d tensors have a channels-last layout.
+enum class MemoryFormat { Contiguous, ChannelsLast };
+const char* memory_format_name(MemoryFormat f);  // "contiguous", "channels_last"
+
 class Storage {
  public:
   Storage(std::shared_ptr<Arena> arena, std::size_t bytes, Category category, const std::string& op);
@@ -73,7 +81,8 @@ class Tensor {
 
   // ---- creation (bytes come from the current arena of `device`) ------------------------------
   static Tensor empty(const Shape& shape, DType dtype = DType::Float32, Device device = Device::cpu(),
-                      Category category = Category::activation, const std::string& op = "empty");
+                      Category category = Category::activation, const std::string& op = "empty",
+                      MemoryFormat format = MemoryFormat::Contiguous);
   static Tensor zeros(const Shape& shape, DType dtype = DType::Float32, Device device = Device::cpu(),
                       Category category = Category::activation, const std::string& op = "zeros");
   static Tensor full(const Shape& shape, double value, DType dtype = DType::Float32,
@@ -105,7 +114,12 @@ class Tensor {
   Device device() const { return impl().device; }
   std::int64_t offset() const { return impl().offset; }
   std::size_t nbytes() const { return static_cast<std::size_t>(numel()) * dtype_size(dtype()); }
-  bool is_contiguous() const;
+  bool is_contiguous() const;  // row-major (MemoryFormat::Contiguous)
+  bool is_contiguous(MemoryFormat format) const;
+  // ChannelsLast for a 4-d tensor stored channels-last and not also row-major (where both hold,
+  // e.g. C == 1 or H == W == 1, the layouts are the same bytes: Contiguous); else Contiguous.
+  // Ops that run in either layout give their output this format of their input (torch's rule).
+  MemoryFormat suggest_memory_format() const;
   Category category() const { return impl().storage->category(); }
   const std::shared_ptr<Storage>& storage() const { return impl().storage; }
   std::string str() const;  // "float32[2, 3] on cpu"
@@ -120,13 +134,15 @@ class Tensor {
   Tensor transpose(std::int64_t d0, std::int64_t d1) const;  // view
   Tensor narrow(std::int64_t dim, std::int64_t start, std::int64_t length) const;  // view
   Tensor contiguous() const;           // itself if contiguous, else a dense copy (no autograd)
+  // Itself if dense in `format`, else a copy in it (no autograd); ChannelsLast needs 4 dimensions.
+  Tensor contiguous(MemoryFormat format) const;
   Tensor clone(Category category) const;  // dense copy (no autograd)
   Tensor to(Device device) const;      // copy to another device (same category), or itself
   // A converting copy among float32, float64 and bfloat16 (same category), or itself. An op with a
   // gradient (core/ops.h cast): the output's gradient flows back converted to this dtype.
   Tensor to(DType dtype) const;
-  void copy_(const Tensor& src);       // element-wise copy of same shape, any devices
-  void fill_(double value);
+  void copy_(const Tensor& src);       // element-wise copy of same shape, any devices and layouts
+  void fill_(double value);            // a dense tensor of either memory format
   void zero_() { fill_(0.0); }
 
   // ---- autograd (core/autograd.h) ----------------------------------------------------------

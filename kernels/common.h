@@ -84,10 +84,13 @@ using compute_t = typename Compute<T>::type;
 // What a training batch norm fuses after itself (core/ops.h, batch_norm with relu or a residual):
 // forward y = relu(bn(x) + residual); backward folds ReLU's mask (y > 0) into the norm's gradient
 // and hands the residual its gradient dz = dy * (y > 0). The defaults are the plain batch norm.
+// channels_last: x, y and the residual are stored (N, HW, C) — a channels-last tensor's bytes —
+// instead of (N, C, HW); the CPU runs it (kernels/cpu/norm.cpp), the CUDA kernels refuse it.
 template <class T>
 struct NormAct {
   const T* residual = nullptr;  // (N, C, HW) added before the ReLU, or null
   bool relu = false;
+  bool channels_last = false;
 };
 // In place: dresidual may be dy itself (beta 0: the masked gradient replaces dy), or else dx may
 // be dy itself (beta 0) — a backward that owns its incoming gradient reuses its buffer.
@@ -97,6 +100,7 @@ struct NormActGrad {
   bool relu = false;
   T* dresidual = nullptr;  // (N, C, HW) receives dz (=|+= by beta_residual); null: not needed
   compute_t<T> beta_residual = 0;
+  bool channels_last = false;  // dy, x, y, dx and dresidual stored (N, HW, C), as NormAct's
 };
 
 // The three passes of a convolution; each has its own workspace (conv2d_workspace_bytes).
@@ -114,6 +118,9 @@ struct Conv2dShape {
   // The forward adds a bias. (The CPU's bf16 forward with a bias runs where the bias is added
   // before the one rounding to bf16: the widened route, not oneDNN, which would round twice.)
   bool bias = false;
+  // x, y, dx and dy are channels-last: stored (N, H, W, C) / (N, P, Q, K) rather than NCHW (the
+  // weights stay (K, C/g, R, S)). Only where conv2d_takes_channels_last says so.
+  bool channels_last = false;
   i64 P() const { return (H + 2 * pad_h - dil_h * (R - 1) - 1) / stride_h + 1; }
   i64 Q() const { return (W + 2 * pad_w - dil_w * (S - 1) - 1) / stride_w + 1; }
 };

@@ -111,6 +111,15 @@ const std::vector<std::string>& precision_names() {
   static const std::vector<std::string> names{"fp32", "bf16"};
   return names;
 }
+const std::vector<std::string>& memory_format_names() {
+  static const std::vector<std::string> names{"contiguous", "channels_last"};
+  return names;
+}
+MemoryFormat parse_memory_format(const std::string& name) {
+  if (name == "contiguous") return MemoryFormat::Contiguous;
+  if (name == "channels_last") return MemoryFormat::ChannelsLast;
+  throw Error(fmt::format("--memory-format '{}': expected {}", name, fmt::join(memory_format_names(), "|")));
+}
 const char* precision_name(Precision p) { return p == Precision::bf16 ? "bf16" : "fp32"; }
 Precision parse_precision(const std::string& name) {
   if (name == "fp32") return Precision::fp32;
@@ -145,6 +154,12 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_p
     throw Error(fmt::format("MBP executor: the micro-batch size must be >= 1, found {}", *opt_.micro_batch));
   if (opt_.max_oom_retries < 0) throw Error("MBP executor: max_oom_retries must be >= 0");
   if (!arena_) throw Error("MBP executor: expected an arena to run on, found none");
+  if (opt_.memory_format == MemoryFormat::ChannelsLast && opt_.sample_shape.size() != 3)
+    throw Error(fmt::format("MBP executor: channels_last is a layout of images (C, H, W); the sample shape is {}",
+                            shape_str(opt_.sample_shape)));
+  if (opt_.pipeline && opt_.memory_format != MemoryFormat::Contiguous)
+    throw Error(fmt::format("MBP executor: pipeline stages exchange row-major activations; the memory format must be "
+                            "contiguous, found {}", memory_format_name(opt_.memory_format)));
   if (opt_.precision == Precision::bf16 && dtype_ != DType::Float32)
     throw Error(fmt::format("MBP executor: bf16 mixed precision keeps float32 master weights; the model is {}",
                             dtype_name(dtype_)));
@@ -276,7 +291,7 @@ Tensor Executor::accumulate_loss(Arena& arena, const float* images, const std::i
       fill_inputs(cur, *stager_, images, labels, offset, sizes[i], batch, sample_numel_, activation_dtype_);
     }
     if (!dry) stager_->wait(cur.uploaded);
-    Tensor logits = model_(cur.x);
+    Tensor logits = model_(cur.x.contiguous(opt_.memory_format));
     if (!dry && !targets_checked) {  // every target of the batch, on the host, once the class count is known
       check_cross_entropy_targets(labels, batch, logits.size(1), opt_.loss.ignore_index);
       targets_checked = true;

@@ -78,6 +78,9 @@ enum class Precision { fp32, bf16 };
 const char* precision_name(Precision p);
 Precision parse_precision(const std::string& name);
 const std::vector<std::string>& precision_names();
+// --memory-format: contiguous | channels_last (ExecutorOptions::memory_format).
+MemoryFormat parse_memory_format(const std::string& name);
+const std::vector<std::string>& memory_format_names();
 
 struct ExecutorOptions {
   Shape sample_shape{};                       // one input sample, e.g. {3, 32, 32}
@@ -104,6 +107,12 @@ struct ExecutorOptions {
   // library's default: MBP already runs any batch exactly in whatever fits one sample.
   std::string recompute = "none";
   Precision precision = Precision::fp32;
+  // The memory format each micro-batch's input is given to the model in (core/tensor.h): with
+  // ChannelsLast the input is converted once per micro-batch and the CPU's convolutions and batch
+  // norms then run channels-last from layer to layer, with no reorder around each convolution
+  // (docs/memory-format.md). Values agree with Contiguous to float rounding. Not with pipeline
+  // stages (their messages are row-major).
+  MemoryFormat memory_format = MemoryFormat::Contiguous;
   // Pipeline stages (mbp/pipeline.h): this process runs stage `pipeline->stage` of the model's
   // segments, rank s of `communicator` running stage s (CPU, MPI; no data parallelism besides).
   // The model's other parameters may live anywhere (outside the arena); the optimizer holds this

@@ -391,6 +391,18 @@ bool conv2d_on_onednn(const Conv2dShape& s, ConvPass pass, bool bf16_activations
 }
 
 template <class T>
+bool conv2d_takes_channels_last(Conv2dShape s) {
+  s.channels_last = true;
+  if (s.bias) return false;  // add_bias and conv2d_backward_bias index NCHW
+  for (ConvPass pass : {ConvPass::forward, ConvPass::backward_data, ConvPass::backward_filter})
+    if (!use_onednn<T>(s, pass)) return false;  // float64 never: oneDNN has no float64 convolutions
+  return true;
+}
+template bool conv2d_takes_channels_last<float>(Conv2dShape);
+template bool conv2d_takes_channels_last<double>(Conv2dShape);
+template bool conv2d_takes_channels_last<bf16>(Conv2dShape);
+
+template <class T>
 std::size_t conv2d_workspace_bytes(const Conv2dShape& s, ConvPass pass) {
 #if TALLY_HAVE_ONEDNN
   if (use_onednn<T>(s, pass)) return onednn::conv_workspace_bytes(s, pass, elem_of<T>());

@@ -107,10 +107,10 @@ std::pair<dnnl::reorder, memory::desc> make_reorder(const memory::desc& from, co
   return {dnnl::reorder(pd), pd.scratchpad_desc()};
 }
 
-using Key = std::tuple<i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, int, int, int>;
+using Key = std::tuple<i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, int, int, int, bool>;
 Key key_of(const Conv2dShape& s, ConvPass pass, Elem elem) {
   return {s.N, s.C, s.H, s.W, s.K, s.R, s.S, s.stride_h, s.stride_w, s.pad_h, s.pad_w, s.dil_h, s.dil_w, s.groups,
-          static_cast<int>(pass), omp_get_max_threads(), static_cast<int>(elem)};
+          static_cast<int>(pass), omp_get_max_threads(), static_cast<int>(elem), s.channels_last};
 }
 std::size_t elem_bytes(Elem e) { return e == Elem::bf16 ? 2 : 4; }
 
@@ -149,9 +149,13 @@ std::unique_ptr<Plan> make_plan(const Conv2dShape& s, ConvPass pass, Elem elem) 
   const memory::dims pad_r{(s.P() - 1) * s.stride_h + (s.R - 1) * s.dil_h + 1 - s.H - s.pad_h,
                            (s.Q() - 1) * s.stride_w + (s.S - 1) * s.dil_w + 1 - s.W - s.pad_w};
   const dt a = elem == Elem::bf16 ? dt::bf16 : dt::f32;  // activations, and the weights as read
-  const memory::desc x_user(x_dims, a, tag::nchw), y_user(y_dims, a, tag::nchw);
+  // Channels-last activations are given to the primitive as they are (nhwc, oneDNN's direct
+  // convolutions run on it): no reorder in or out. Row-major ones go to the layout it prefers.
+  const tag act = s.channels_last ? tag::nhwc : tag::nchw;
+  const memory::desc x_user(x_dims, a, act), y_user(y_dims, a, act);
   const memory::desc w_user(w_dims, dt::f32, grouped ? tag::goihw : tag::oihw);  // the master weights
-  const memory::desc x_any(x_dims, a, tag::any), y_any(y_dims, a, tag::any), w_any(w_dims, a, tag::any);
+  const memory::desc x_any(x_dims, a, s.channels_last ? tag::nhwc : tag::any),
+      y_any(y_dims, a, s.channels_last ? tag::nhwc : tag::any), w_any(w_dims, a, tag::any);
   const memory::desc dw_any(w_dims, dt::f32, tag::any);  // weight gradients: float32
   const auto alg = dnnl::algorithm::convolution_direct;
   try {
@@ -214,6 +218,10 @@ void run(Plan& p, const std::vector<void*>& ptrs, bool accumulate, void* workspa
       args[o.arg] = user[i];
       continue;
     }
+    if (o.output && !accumulate && o.prim == o.user) {  // written in place: nothing to reorder or add
+      args[o.arg] = user[i];
+      continue;
+    }
     memory buf(o.prim, engine(), base + o.offset);
     if (!o.output)
       o.to_prim.execute(st, {{DNNL_ARG_FROM, user[i]}, {DNNL_ARG_TO, buf}, {DNNL_ARG_SCRATCHPAD, scratch(o.to_prim_scratch)}});
@@ -222,7 +230,7 @@ void run(Plan& p, const std::vector<void*>& ptrs, bool accumulate, void* workspa
   args[DNNL_ARG_SCRATCHPAD] = scratch(p.scratch);
   p.prim.execute(st, args);
   Operand& out = p.operands.front();
-  if (out.buffered) {
+  if (out.buffered && !(!accumulate && out.prim == out.user)) {
     if (accumulate)
       out.add_to_user.execute(st, {{DNNL_ARG_FROM, args[out.arg]}, {DNNL_ARG_TO, user[0]},
                                    {DNNL_ARG_SCRATCHPAD, scratch(out.add_scratch)}});

@@ -85,6 +85,11 @@ bool have_onednn();
 // oneDNN now (the algorithm is onednn and oneDNN takes the shape and type), rather than on the
 // reference (float32) or the widened float32 fallback (bf16).
 bool conv2d_on_onednn(const Conv2dShape& s, ConvPass pass, bool bf16_activations = false);
+// Whether the three passes of `s` (taken as channels_last) all run channels-last here: on oneDNN
+// (its direct convolutions read and write NHWC without reordering), with no bias. Otherwise core/
+// runs the convolution on row-major tensors.
+template <class T>
+bool conv2d_takes_channels_last(Conv2dShape s);
 // The most workspace one oneDNN pass may take under a memory budget (Conv2dShape's
 // workspace_limit, set by core/ from the arena's budget): budget / 32, at least 64 MiB. A pass
 // over it runs over chunks of samples (conv_onednn.cpp).
@@ -163,7 +168,7 @@ template <class S, class D> void convert(i64 n, const S* x, D* y);
 //   gamma / beta_ may be null (affine = false: gamma = 1, beta = 0).
 //   `workspace` (batch_norm_workspace_bytes, 0 on the CPU) holds the CUDA twin's per-block
 //   partial sums; the CPU ignores it.
-std::size_t batch_norm_workspace_bytes(i64 N, i64 C, i64 HW);
+std::size_t batch_norm_workspace_bytes(i64 N, i64 C, i64 HW, bool channels_last = false);
 // `act` fuses the residual add and the ReLU after it (kernels/common.h): y = relu(bn(x) + residual)
 // in the same pass over x that normalizes.
 template <class T>

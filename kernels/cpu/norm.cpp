@@ -164,6 +164,22 @@ void channel_dy_sums(i64 N, i64 CHW, i64 HW, const T* dyc, const T* yc, const T*
   *sum_dy_xmu = b.total();
 }
 
+// f(A, D) with the fused ReLU's flag and the residual-gradient mode d (0..3, channel_dy_sums') as
+// compile-time constants (std::bool_constant, std::integral_constant): one loop per combination.
+template <class F>
+void with_mask_and_residual(bool relu, int d, F f) {
+  auto with_d = [&](auto a_tag) {
+    switch (d) {
+      case 0: f(a_tag, std::integral_constant<int, 0>{}); break;
+      case 1: f(a_tag, std::integral_constant<int, 1>{}); break;
+      case 2: f(a_tag, std::integral_constant<int, 2>{}); break;
+      default: f(a_tag, std::integral_constant<int, 3>{}); break;
+    }
+  };
+  if (relu) with_d(std::true_type{});
+  else with_d(std::false_type{});
+}
+
 template <class T>
 void channel_dy_sums(const NormActGrad<T>& act, i64 N, i64 CHW, i64 HW, i64 c, const T* dy, const T* x, double mean,
                      double* sum_dy, double* sum_dy_xmu) {
@@ -171,20 +187,10 @@ void channel_dy_sums(const NormActGrad<T>& act, i64 N, i64 CHW, i64 HW, i64 c, c
   const T* y = act.relu ? act.y + o : nullptr;
   T* dr = act.dresidual ? act.dresidual + o : nullptr;
   const int d = !dr ? 0 : dr == dy + o ? 3 : act.beta_residual == P<T>(0) ? 1 : 2;
-  auto run = [&](auto a_tag, auto d_tag) {
+  with_mask_and_residual(act.relu, d, [&](auto a_tag, auto d_tag) {
     channel_dy_sums<decltype(a_tag)::value, decltype(d_tag)::value>(N, CHW, HW, dy + o, y, x + o, mean, dr, sum_dy,
                                                                     sum_dy_xmu);
-  };
-  auto with_d = [&](auto a_tag) {
-    switch (d) {
-      case 0: run(a_tag, std::integral_constant<int, 0>{}); break;
-      case 1: run(a_tag, std::integral_constant<int, 1>{}); break;
-      case 2: run(a_tag, std::integral_constant<int, 2>{}); break;
-      default: run(a_tag, std::integral_constant<int, 3>{}); break;
-    }
-  };
-  if (act.relu) with_d(std::true_type{});
-  else with_d(std::false_type{});
+  });
 }
 
 }  // namespace
@@ -192,15 +198,217 @@ void channel_dy_sums(const NormActGrad<T>& act, i64 N, i64 CHW, i64 HW, i64 c, c
 // ---------------------------------------------------------------------------------------------
 // Batch norm.
 
-std::size_t batch_norm_workspace_bytes(i64, i64, i64) { return 0; }
+// ---- channels-last: x (N, HW, C), rows of C channels --------------------------------------------
+// Per-channel sums run over fixed chunks of rows (the count depends only on the shape), each into
+// its own partial sums in the workspace, which are then added in chunk order: the same bits for
+// any thread count. The per-element formulas are normalize_rows', masked's and DxRows' own, so a
+// channels-last tensor is normalized exactly as its row-major twin (its sums may differ in the
+// last bit of double: they are added in another order).
+namespace {
+
+i64 nhwc_rows_per_chunk(i64 C) { return std::max<i64>(1, (i64{1} << 14) / std::max<i64>(C, 1)); }
+i64 nhwc_chunks(i64 rows, i64 C) {
+  const i64 r = nhwc_rows_per_chunk(C);
+  return (rows + r - 1) / r;
+}
+
+// sums[c] (and, with Two, sums[C + c]) over all rows: f(r, c, &a, &b) adds row r's terms of
+// channel c to a (and b). part: (chunks, 2, C) doubles of the workspace.
+template <bool Two, class F>
+void nhwc_channel_sums(i64 rows, i64 C, double* part, double* sums, F f) {
+  const i64 per = nhwc_rows_per_chunk(C), chunks = nhwc_chunks(rows, C);
+#pragma omp parallel for schedule(static) if (rows * C > kParallelThreshold && chunks > 1)
+  for (i64 k = 0; k < chunks; ++k) {
+    double* a = part + k * 2 * C;
+    double* b = a + C;
+    std::fill(a, a + (Two ? 2 * C : C), 0.0);
+    const i64 r1 = std::min(rows, (k + 1) * per);
+    for (i64 r = k * per; r < r1; ++r) f(r, a, b);
+  }
+  std::fill(sums, sums + (Two ? 2 * C : C), 0.0);
+  for (i64 k = 0; k < chunks; ++k)
+    for (i64 c = 0; c < (Two ? 2 * C : C); ++c) sums[c] += part[k * 2 * C + c];
+}
+
+template <bool R, bool A, class T>
+void nhwc_normalize(i64 rows, i64 C, const T* x, const T* res, T* y, const double* mean, const double* scale,
+                    const double* shift, float* sf, float* bf) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    for (i64 c = 0; c < C; ++c) sf[c] = static_cast<float>(scale[c]), bf[c] = static_cast<float>(shift[c] - mean[c] * scale[c]);
+  }
+#pragma omp parallel for schedule(static) if (rows * C > kParallelThreshold)
+  for (i64 r = 0; r < rows; ++r) {
+    const T* xp = x + r * C;
+    const T* rp = R ? res + r * C : nullptr;
+    T* yp = y + r * C;
+    if constexpr (std::is_same_v<T, bf16>) {
+      for (i64 c = 0; c < C; ++c) {
+        float v = float(bf16(float(xp[c]) * sf[c] + bf[c]));
+        if constexpr (R) v = float(bf16(v + float(rp[c])));
+        if constexpr (A) v = v < 0.f ? 0.f : v;
+        yp[c] = bf16(v);
+      }
+    } else {
+      for (i64 c = 0; c < C; ++c) {
+        T v = static_cast<T>((static_cast<double>(xp[c]) - mean[c]) * scale[c] + shift[c]);
+        if constexpr (R) v = v + rp[c];
+        if constexpr (A) v = v < T(0) ? T(0) : v;
+        yp[c] = v;
+      }
+    }
+  }
+}
+
+template <class T>
+void nhwc_forward_train(i64 N, i64 C, i64 HW, const T* x, const P<T>* gamma, const P<T>* beta_, P<T> eps,
+                        P<T> momentum, P<T>* running_mean, P<T>* running_var, T* y, P<T>* save_mean,
+                        P<T>* save_invstd, void* workspace, const NormAct<T>& act) {
+  using M_ = P<T>;
+  const i64 rows = N * HW;
+  auto* part = static_cast<double*>(workspace);
+  double* stats = part + nhwc_chunks(rows, C) * 2 * C;  // (5, C): sum, ssd, mean, scale, shift
+  double *sum = stats, *ssd = stats + C, *mean = stats + 2 * C, *scale = stats + 3 * C, *shift = stats + 4 * C;
+  float* f = reinterpret_cast<float*>(stats + 7 * C);  // bf16: scale and shift in float32
+  nhwc_channel_sums<false>(rows, C, part, sum, [&](i64 r, double* a, double*) {
+    const T* xp = x + r * C;
+    for (i64 c = 0; c < C; ++c) a[c] += static_cast<double>(xp[c]);
+  });
+  for (i64 c = 0; c < C; ++c) mean[c] = sum[c] / static_cast<double>(rows);
+  nhwc_channel_sums<false>(rows, C, part, ssd, [&](i64 r, double* a, double*) {
+    const T* xp = x + r * C;
+    for (i64 c = 0; c < C; ++c) {
+      const double d = static_cast<double>(xp[c]) - mean[c];
+      a[c] += d * d;
+    }
+  });
+  const double mom = static_cast<double>(momentum);
+  for (i64 c = 0; c < C; ++c) {
+    const double var = ssd[c] / static_cast<double>(rows);  // biased
+    const double invstd = 1.0 / std::sqrt(var + static_cast<double>(eps));
+    scale[c] = invstd * (gamma ? static_cast<double>(gamma[c]) : 1.0);
+    shift[c] = beta_ ? static_cast<double>(beta_[c]) : 0.0;
+    if (save_mean) save_mean[c] = static_cast<M_>(mean[c]);
+    if (save_invstd) save_invstd[c] = static_cast<M_>(invstd);
+    if (running_mean) running_mean[c] = static_cast<M_>((1.0 - mom) * static_cast<double>(running_mean[c]) + mom * mean[c]);
+    if (running_var)
+      running_var[c] = static_cast<M_>((1.0 - mom) * static_cast<double>(running_var[c]) +
+                                       mom * ssd[c] / static_cast<double>(rows - 1));
+  }
+  const T* res = act.residual;
+  if (res && act.relu) nhwc_normalize<true, true>(rows, C, x, res, y, mean, scale, shift, f, f + C);
+  else if (res) nhwc_normalize<true, false>(rows, C, x, res, y, mean, scale, shift, f, f + C);
+  else if (act.relu) nhwc_normalize<false, true>(rows, C, x, res, y, mean, scale, shift, f, f + C);
+  else nhwc_normalize<false, false>(rows, C, x, res, y, mean, scale, shift, f, f + C);
+}
+
+// The backward's sums (dz = dy masked by y > 0 when A; D as channel_dy_sums': 1 stores dz into dr,
+// 2 adds it, 3 stores it over dy) and then dx.
+template <bool A, int D, class T>
+void nhwc_dy_sums(i64 rows, i64 C, const T* dy, const T* y, const T* x, const double* mean, T* dr, double* part,
+                  double* sums) {
+  nhwc_channel_sums<true>(rows, C, part, sums, [&](i64 r, double* a, double* b) {
+    const i64 o = r * C;
+    const T* src = D == 3 ? dr + o : dy + o;
+    const T* yp = A ? y + o : nullptr;
+    const T* xp = x + o;
+    T* drp = D ? dr + o : nullptr;
+    for (i64 c = 0; c < C; ++c) {
+      const T dz = masked<A>(src, yp, c);
+      if constexpr (D == 1 || D == 3) drp[c] = dz;
+      if constexpr (D == 2) drp[c] = T(P<T>(drp[c]) + P<T>(dz));
+      const double d = static_cast<double>(dz);
+      a[c] += d;
+      b[c] += d * (static_cast<double>(xp[c]) - mean[c]);
+    }
+  });
+}
+
+template <bool A, class T>
+void nhwc_dx(i64 rows, i64 C, const T* dy, const T* y, const T* x, T* dx, P<T> beta_dx, const double* mean,
+             const double* invstd, const double* k, const double* mean_dy, const double* mean_dy_xhat, float* a0,
+             float* a1, float* a2) {
+  using M_ = P<T>;
+  if constexpr (std::is_same_v<T, bf16>) {
+    for (i64 c = 0; c < C; ++c) {
+      a1[c] = static_cast<float>(k[c]);
+      a2[c] = static_cast<float>(k[c] * invstd[c] * mean_dy_xhat[c]);
+      a0[c] = static_cast<float>(k[c] * (invstd[c] * mean_dy_xhat[c] * mean[c] - mean_dy[c]));
+    }
+  }
+#pragma omp parallel for schedule(static) if (rows * C > kParallelThreshold)
+  for (i64 r = 0; r < rows; ++r) {
+    const i64 o = r * C;
+    const T* dyp = dy + o;
+    const T* yp = A ? y + o : nullptr;
+    const T* xp = x + o;
+    T* dxp = dx + o;
+    for (i64 c = 0; c < C; ++c) {
+      if constexpr (std::is_same_v<T, bf16>) {
+        const float v = a1[c] * float(masked<A>(dyp, yp, c)) - a2[c] * float(xp[c]) + a0[c];
+        dxp[c] = beta_dx == 0.f ? bf16(v) : bf16(beta_dx * float(dxp[c]) + v);
+      } else {
+        const double xhat = (static_cast<double>(xp[c]) - mean[c]) * invstd[c];
+        const double v = k[c] * (static_cast<double>(masked<A>(dyp, yp, c)) - mean_dy[c] - xhat * mean_dy_xhat[c]);
+        dxp[c] = beta_dx == M_(0) ? static_cast<T>(v) : T(beta_dx * M_(dxp[c]) + static_cast<M_>(v));
+      }
+    }
+  }
+}
+
+template <class T>
+void nhwc_backward(i64 N, i64 C, i64 HW, const T* dy, const T* x, const P<T>* gamma, const P<T>* save_mean,
+                   const P<T>* save_invstd, T* dx, P<T> beta_dx, P<T>* dgamma, P<T>* dbeta, P<T> beta_param,
+                   void* workspace, const NormActGrad<T>& act) {
+  using M_ = P<T>;
+  const i64 rows = N * HW;
+  auto* part = static_cast<double*>(workspace);
+  double* stats = part + nhwc_chunks(rows, C) * 2 * C;
+  // (7, C): sum_dy, sum_dy_xmu, mean, invstd, k, mean_dy, mean_dy_xhat
+  double *sums = stats, *mean = stats + 2 * C, *invstd = stats + 3 * C, *k = stats + 4 * C, *mdy = stats + 5 * C,
+         *mdyx = stats + 6 * C;
+  float* f = reinterpret_cast<float*>(stats + 7 * C);  // bf16: dx's three coefficients in float32
+  for (i64 c = 0; c < C; ++c) mean[c] = static_cast<double>(save_mean[c]), invstd[c] = static_cast<double>(save_invstd[c]);
+  const T* y = act.relu ? act.y : nullptr;
+  T* dr = act.dresidual;
+  const int d = !dr ? 0 : dr == dy ? 3 : act.beta_residual == M_(0) ? 1 : 2;
+  with_mask_and_residual(act.relu, d, [&](auto a_tag, auto d_tag) {
+    nhwc_dy_sums<decltype(a_tag)::value, decltype(d_tag)::value>(rows, C, dy, y, x, mean, dr, part, sums);
+  });
+  for (i64 c = 0; c < C; ++c) {
+    const double sum_dy = sums[c], sum_dy_xhat = sums[C + c] * invstd[c];
+    if (dgamma) store<M_>(dgamma + c, beta_param, sum_dy_xhat);
+    if (dbeta) store<M_>(dbeta + c, beta_param, sum_dy);
+    k[c] = (gamma ? static_cast<double>(gamma[c]) : 1.0) * invstd[c];
+    mdy[c] = sum_dy / static_cast<double>(rows);
+    mdyx[c] = sum_dy_xhat / static_cast<double>(rows);
+  }
+  if (!dx) return;
+  if (act.relu) nhwc_dx<true>(rows, C, dy, y, x, dx, beta_dx, mean, invstd, k, mdy, mdyx, f, f + C, f + 2 * C);
+  else nhwc_dx<false>(rows, C, dy, y, x, dx, beta_dx, mean, invstd, k, mdy, mdyx, f, f + C, f + 2 * C);
+}
+
+}  // namespace
+
+// Row-major: none. Channels-last: the partial sums of its chunks, (chunks, 2, C) doubles, seven
+// per-channel rows of statistics and coefficients, and room for three of float32 (bf16).
+std::size_t batch_norm_workspace_bytes(i64 N, i64 C, i64 HW, bool channels_last) {
+  if (!channels_last || N <= 0 || C <= 0 || HW <= 0) return 0;
+  return static_cast<std::size_t>(nhwc_chunks(N * HW, C) * 2 * C + 9 * C) * sizeof(double);
+}
 
 template <class T>
 void batch_norm_forward_train(i64 N, i64 C, i64 HW, const T* x, const P<T>* gamma, const P<T>* beta_,
                               P<T> eps, P<T> momentum, P<T>* running_mean, P<T>* running_var, T* y,
-                              P<T>* save_mean, P<T>* save_invstd, void* /*workspace: none needed*/, NormAct<T> act) {
+                              P<T>* save_mean, P<T>* save_invstd, void* workspace, NormAct<T> act) {
   using M_ = P<T>;
   const i64 M = N * HW;
   const i64 CHW = C * HW;
+  if (act.channels_last) {
+    if (C > 0 && M > 0)
+      nhwc_forward_train(N, C, HW, x, gamma, beta_, eps, momentum, running_mean, running_var, y, save_mean, save_invstd,
+                         workspace, act);
+    return;
+  }
 #pragma omp parallel for schedule(static) if (N * C * HW > kParallelThreshold && C > 1)
   for (i64 c = 0; c < C; ++c) {
     const double sum = channel_sum(N, CHW, HW, x + c * HW);
@@ -304,10 +512,15 @@ struct DxRows {
 template <class T>
 void batch_norm_backward(i64 N, i64 C, i64 HW, const T* dy, const T* x, const P<T>* gamma,
                          const P<T>* save_mean, const P<T>* save_invstd, T* dx, P<T> beta_dx, P<T>* dgamma,
-                         P<T>* dbeta, P<T> beta_param, void* /*workspace*/, NormActGrad<T> act) {
+                         P<T>* dbeta, P<T> beta_param, void* workspace, NormActGrad<T> act) {
   using M_ = P<T>;
   const i64 M = N * HW;
   const i64 CHW = C * HW;
+  if (act.channels_last) {
+    if (C > 0 && M > 0)
+      nhwc_backward(N, C, HW, dy, x, gamma, save_mean, save_invstd, dx, beta_dx, dgamma, dbeta, beta_param, workspace, act);
+    return;
+  }
 #pragma omp parallel for schedule(static) if (N * C * HW > kParallelThreshold && C > 1)
   for (i64 c = 0; c < C; ++c) {
     const double mean = static_cast<double>(save_mean[c]);

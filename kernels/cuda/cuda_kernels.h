@@ -84,6 +84,11 @@ std::size_t conv2d_workspace_bytes(const Conv2dShape& s, ConvPass pass);
 // (float or bf16: a plan per data type).
 template <class T = float>
 std::string conv2d_plan_description(const Conv2dShape& s);
+// The CUDA convolutions run on row-major (NCHW) tensors: never (core/ converts a channels-last input).
+template <class T>
+bool conv2d_takes_channels_last(const Conv2dShape&) {
+  return false;
+}
 // Prints every new plan's description to stderr (also switched on by TALLY_LOG_CONV=1).
 void set_log_conv_algorithms(bool on);
 // y (N, K, P, Q) = conv(x (N, C, H, W), w (K, C/g, R, S)) + bias (K) ; bias may be null.
@@ -144,7 +149,7 @@ template <class S, class D> void convert(i64 n, const S* x, D* y);
 // statistics and parameter gradients float32, each bf16 output rounded once. The fused residual
 // add and ReLU (NormAct, NormActGrad: kernels/common.h) ride on the normalizing pass and on the
 // backward's partial sums and dx pass, as on the CPU.
-std::size_t batch_norm_workspace_bytes(i64 N, i64 C, i64 HW);
+std::size_t batch_norm_workspace_bytes(i64 N, i64 C, i64 HW, bool channels_last = false);
 template <class T>
 void batch_norm_forward_train(i64 N, i64 C, i64 HW, const T* x, const P<T>* gamma, const P<T>* beta_,
                               P<T> eps, P<T> momentum, P<T>* running_mean, P<T>* running_var, T* y,

@@ -389,7 +389,7 @@ __global__ void group_norm_backward_param_kernel(i64 N, i64 C, i64 HW, i64 G, co
 
 // ---- kernel launchers ----------------------------------------------------------------------------
 
-std::size_t batch_norm_workspace_bytes(i64 N, i64 C, i64 HW) {
+std::size_t batch_norm_workspace_bytes(i64 N, i64 C, i64 HW, bool /*channels_last: refused by the kernels*/) {
   if (N <= 0 || C <= 0 || HW <= 0) return 0;
   return BnWorkspace::doubles(C, batch_norm_chunks(N, C, HW)) * sizeof(double);
 }
@@ -400,6 +400,12 @@ BnWorkspace bn_workspace(void* workspace, i64 N, i64 C, i64 HW, const char* who)
   auto* d = static_cast<double*>(workspace);
   const i64 P = batch_norm_chunks(N, C, HW);
   return {d, d + 2 * C * P};
+}
+// The CUDA kernels index (N, C, HW): a channels-last batch norm is made row-major by core/ first.
+void refuse_channels_last(bool channels_last, const char* who) {
+  if (channels_last)
+    detail::fail(std::string(who) + ": expected x in (N, C, HW) layout, found channels_last (the CUDA batch norm "
+                 "runs on row-major tensors; core/ converts a channels-last input before calling it)");
 }
 unsigned per_channel_blocks(i64 C) { return static_cast<unsigned>((C + kNormThreads - 1) / kNormThreads); }
 
@@ -428,6 +434,7 @@ void batch_norm_forward_train(i64 N, i64 C, i64 HW, const T* x, const P<T>* gamm
                               P<T> momentum, P<T>* running_mean, P<T>* running_var, T* y, P<T>* save_mean,
                               P<T>* save_invstd, void* workspace, NormAct<T> act) {
   if (C <= 0 || N * HW <= 0) return;
+  refuse_channels_last(act.channels_last, "batch_norm_forward_train");
   const BnWorkspace ws = bn_workspace(workspace, N, C, HW, "batch_norm_forward_train");
   const i64 P = batch_norm_chunks(N, C, HW);
   bn_forward_partial_kernel<<<static_cast<unsigned>(C * P), kNormThreads, 0, detail::stream()>>>(N, C, HW, P, x, ws.part);
@@ -455,6 +462,7 @@ void batch_norm_backward(i64 N, i64 C, i64 HW, const T* dy, const T* x, const P<
                          const P<T>* save_invstd, T* dx, P<T> beta_dx, P<T>* dgamma, P<T>* dbeta, P<T> beta_param,
                          void* workspace, NormActGrad<T> act) {
   if (C <= 0 || N * HW <= 0) return;
+  refuse_channels_last(act.channels_last, "batch_norm_backward");
   const BnWorkspace ws = bn_workspace(workspace, N, C, HW, "batch_norm_backward");
   bn_backward_sums(N, C, HW, dy, x, gamma, save_mean, save_invstd, false, 0.0, dgamma, dbeta, beta_param, ws,
                    ws.coef + 3 * C, act);
