@@ -131,10 +131,11 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   oc.name = opt.optimizer;
   oc.momentum = opt.momentum;
   const Setup setup = build_setup(arena, mc, "", oc, format_bytes(limit));
+  const MemoryFormat format = mbp::parse_memory_format(opt.memory_format, dev);
   fmt::print(out, "model {} (norm {}), {} parameters, {} classes | input {} | batch {} | optimizer {} | device {} | "
-                  "precision {}\n",
+                  "precision {} | memory format {}\n",
              opt.model, opt.norm, setup.parameters, mc.num_classes, shape_str(sample), opt.batch_size, opt.optimizer,
-             dev.str(), opt.precision);
+             dev.str(), opt.precision, memory_format_name(format));
   fmt::print(out, "memory limit {} ({} bytes): {} allocated first\n", format_bytes(limit), limit,
              persistent_summary(*arena));
 
@@ -143,7 +144,7 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   eo.micro_batch = opt.micro_batch;
   eo.recompute = opt.recompute;
   eo.precision = precision;
-  eo.memory_format = mbp::parse_memory_format(opt.memory_format);
+  eo.memory_format = format;
   mbp::Executor executor(*setup.model, *setup.optimizer, arena, eo);
   const mbp::Plan& p = plan_step(executor, opt.batch_size, opt.micro_batch);
   const mbp::RecomputeChoice& chosen = executor.recompute_choice();

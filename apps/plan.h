@@ -28,7 +28,7 @@ struct PlanOptions {
   bool layers = true;                        // print the per-layer table
   std::string recompute = "auto";            // auto | none | blocks | blocks+layerK[-layerL] | all (mbp/executor.h)
   std::string precision = "fp32";            // fp32 | bf16 (mbp::Precision)
-  std::string memory_format = "contiguous";  // contiguous | channels_last (ExecutorOptions::memory_format)
+  std::string memory_format = "auto";  // auto | contiguous | channels_last (ExecutorOptions::memory_format)
   // Pipeline stages (mbp/pipeline.h): every stage planned in this process, each on its own limit
   // (--memory-limit: one size, or one per stage), at the micro-batch they all fit.
   int pipeline_stages = 1;

@@ -148,8 +148,9 @@ struct TrainFlags {
                     "fp32 | bf16 (mixed precision: bf16 activations, float32 weights, gradients, optimizer state and loss)")
         ->check(CLI::IsMember(mbp::precision_names()))->capture_default_str();
     cmd->add_option("--memory-format", to.memory_format,
-                    "contiguous | channels_last (the activations' layout: channels_last runs the CPU's convolutions "
-                    "and batch norms on NHWC, with no reorder around each convolution)")
+                    "auto | contiguous | channels_last (the activations' layout: channels_last runs the CPU's "
+                    "convolutions and batch norms on NHWC, with no reorder around each convolution; auto: "
+                    "channels_last on a CPU with oneDNN, else contiguous)")
         ->check(CLI::IsMember(mbp::memory_format_names()))->capture_default_str();
   }
 
@@ -242,8 +243,9 @@ struct PlanFlags {
                     "fp32 | bf16 (mixed precision: bf16 activations, float32 weights, gradients, optimizer state and loss)")
         ->check(CLI::IsMember(mbp::precision_names()))->capture_default_str();
     cmd->add_option("--memory-format", po.memory_format,
-                    "contiguous | channels_last (the activations' layout: channels_last runs the CPU's convolutions "
-                    "and batch norms on NHWC, with no reorder around each convolution)")
+                    "auto | contiguous | channels_last (the activations' layout: channels_last runs the CPU's "
+                    "convolutions and batch norms on NHWC, with no reorder around each convolution; auto: "
+                    "channels_last on a CPU with oneDNN, else contiguous)")
         ->check(CLI::IsMember(mbp::memory_format_names()))->capture_default_str();
     cmd->add_option("--pipeline-stages", po.pipeline_stages, "plan S pipeline stages (memory limits: one, or one per stage)")
         ->check(positive_whole())->capture_default_str();

@@ -294,7 +294,7 @@ void write_summary(const TrainOptions& opt, const TrainResult& result) {
                       {"loss_normalization", opt.loss_normalization},
                       {"recompute", result.recompute},
                       {"precision", opt.precision},
-                      {"memory_format", opt.memory_format},
+                      {"memory_format", result.memory_format},
                       {"data", opt.data},
                       {"world_size", result.world_size},
                       {"pipeline_stages", result.pipeline_stages},
@@ -416,7 +416,8 @@ Setup model_setup(const TrainOptions& opt, const data::Dataset& train_set, const
 }
 
 mbp::ExecutorOptions executor_options(const TrainOptions& opt, const data::Dataset& train_set, const Setup& setup,
-                                      std::shared_ptr<distributed::Communicator> comm, std::ostream& log) {
+                                      Device device, std::shared_ptr<distributed::Communicator> comm,
+                                      std::ostream& log) {
   mbp::ExecutorOptions eo;
   eo.sample_shape = {train_set.channels, train_set.height, train_set.width};
   eo.loss.label_smoothing = opt.label_smoothing;
@@ -427,7 +428,7 @@ mbp::ExecutorOptions executor_options(const TrainOptions& opt, const data::Datas
   eo.communicator = std::move(comm);
   eo.recompute = opt.recompute;
   eo.precision = mbp::parse_precision(opt.precision);
-  eo.memory_format = mbp::parse_memory_format(opt.memory_format);
+  eo.memory_format = mbp::parse_memory_format(opt.memory_format, device, setup.stage.has_value());
   eo.pipeline = setup.stage;
   return eo;
 }
@@ -560,7 +561,7 @@ TrainingRun::TrainingRun(const TrainOptions& options, std::ostream& all_log)
       setup_(model_setup(opt_, split_.train, arena_, options.memory_limit)),
       comm_(distributed::for_device(rank_.world, rank_.dev)),
       schedule_(schedule_options(opt_, steps_)),
-      executor_(*setup_.model, *setup_.optimizer, arena_, executor_options(opt_, split_.train, setup_, comm_, log_)),
+      executor_(*setup_.model, *setup_.optimizer, arena_, executor_options(opt_, split_.train, setup_, rank_.dev, comm_, log_)),
       // A pipeline's stages all see the whole batch (the first its images, the last its labels).
       share_(setup_.stage ? distributed::shard(opt_.batch_size, 1, 0)
                           : distributed::shard(opt_.batch_size, rank_.ranks, rank_.rank)),
@@ -598,10 +599,10 @@ void TrainingRun::print_header(const Setup& setup) const {
   fmt::print(log_, "model {} (norm {}), {} parameters | data {}: {} train / {} test, {}x{}x{}, {} classes\n", opt_.model,
              opt_.norm, setup.parameters, t.name, t.size(), split_.test.size(), t.channels, t.height, t.width,
              t.num_classes);
-  fmt::print(log_, "device {}{} | precision {} | batch {} | {} steps ({} per epoch) | {} lr {} schedule {} | augment {} shuffle {} normalize {}\n",
+  fmt::print(log_, "device {}{} | precision {} | memory format {} | batch {} | {} steps ({} per epoch) | {} lr {} schedule {} | augment {} shuffle {} normalize {}\n",
              dev.str(), dev.is_cuda() ? (opt_.tf32 ? " (TF32 on)" : " (TF32 off)") : (opt_.tf32 ? " (--tf32: no effect on the CPU)" : ""),
              opt_.precision == "bf16" ? "bf16 (bf16 activations, float32 weights, gradients and loss)" : "fp32",
-             opt_.batch_size, steps_.total, per_epoch_, opt_.optimizer, opt_.lr, opt_.schedule,
+             memory_format_name(executor_.memory_format()), opt_.batch_size, steps_.total, per_epoch_, opt_.optimizer, opt_.lr, opt_.schedule,
              augments(opt_) ? "on" : "off", opt_.shuffle ? "on" : "off", opt_.normalize ? "on" : "off");
   fmt::print(log_, "memory limit {}{}: {} allocated before planning\n", format_bytes(arena_->capacity()),
              opt_.memory_limit == "auto" ? " (auto)" : "", persistent_summary(*arena_));
@@ -634,6 +635,7 @@ TrainResult TrainingRun::run() {
   result_.device = rank_.dev.str();
   result_.recompute = executor_.recompute_choice().name;
   result_.precision = opt_.precision;
+  result_.memory_format = memory_format_name(executor_.memory_format());
   result_.memory_limit_bytes = static_cast<std::int64_t>(arena_->capacity());
   const std::int64_t epochs = (steps_.total + per_epoch_ - 1) / per_epoch_;
   if (epoch_end_pending_) end_epoch((meter_.steps - 1) / per_epoch_, epochs);

@@ -48,9 +48,10 @@ struct TrainOptions {
   // fp32 | bf16: bf16 mixed precision (mbp::Precision, mbp/executor.h; docs/precision.md): bf16
   // activations, float32 master weights, gradients, optimizer state and loss. Evaluation too.
   std::string precision = "fp32";
-  // contiguous | channels_last: the layout of the activations (ExecutorOptions::memory_format,
-  // docs/memory-format.md); channels_last skips oneDNN's reorders around every CPU convolution.
-  std::string memory_format = "contiguous";
+  // auto | contiguous | channels_last: the layout of the activations (ExecutorOptions::memory_format,
+  // docs/memory-format.md); channels_last skips oneDNN's reorders around every CPU convolution;
+  // auto: channels_last on a CPU with oneDNN, contiguous on CUDA and for pipeline stages.
+  std::string memory_format = "auto";
   // "exact" (the full batch's mean for any split) or "per-micro-batch" (each micro-batch's mean
   // divided by their number, as the MBP paper's code: differs for uneven splits; for teaching).
   std::string loss_normalization = "exact";
@@ -99,6 +100,7 @@ struct TrainResult {
   double communication_seconds_per_step = 0, seconds_per_step = 0;
   std::string recompute = "none";   // the policy the run used
   std::string precision = "fp32";
+  std::string memory_format = "contiguous";  // the activations' layout the run used (auto resolved)
   int world_size = 1;               // ranks of a data-parallel or pipeline run (mpirun -np N), else 1
   int pipeline_stages = 1;
   std::int64_t parameters = 0;      // elements this rank trains (a pipeline stage's)

@@ -247,7 +247,7 @@ struct RecomputeBackward : Node {
                                    gy.str(), y.str()));
     std::shared_ptr<Node> fn = y.grad_fn();
     y = Tensor();
-    Tensor seed = gy.contiguous();
+    Tensor seed = gy.contiguous(gy.suggest_memory_format());  // dense, in the layout it came in
     gy = Tensor();
     backward_from(std::move(fn), std::move(seed));
     if (g[0].needed && !g[0].buffer.defined()) g[0].buffer = xi.grad();

@@ -875,9 +875,10 @@ struct MaxPoolBackward : Node {
   const char* name() const override { return "max_pool2d"; }
   void release() override { argmax = Tensor(); }
   void backward(const Tensor& gy, std::vector<GradSlot>& g) override {
-    const Tensor dy = gy.contiguous();
+    const MemoryFormat format = s.channels_last ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous;
+    const Tensor dy = gy.contiguous(format);
     double beta = 0;
-    Tensor& dx = grad_target(g[0], in_shape, dtype, device, beta, "max_pool2d");
+    Tensor& dx = grad_target(g[0], in_shape, dtype, device, beta, "max_pool2d", format);
     TALLY_DISPATCH("max_pool2d", dy, FLOATING, kk::max_pool2d_backward<T>(s, dy.data<T>(), argmax.data<std::int32_t>(), dx.data<T>(), TP(beta)));
   }
 };
@@ -902,17 +903,18 @@ struct AvgPoolBackward : Node {
 }  // namespace
 
 Tensor max_pool2d(const Tensor& x_, std::array<i64, 2> kernel, std::array<i64, 2> stride, std::array<i64, 2> padding) {
-  const kernels::Pool2dShape s = pool_shape(x_, kernel, stride, padding, "max_pool2d");
-  const Tensor x = x_.contiguous();
-  Tensor y = out_like(x, {s.N, s.C, s.P(), s.Q()}, "max_pool2d");
+  kernels::Pool2dShape s = pool_shape(x_, kernel, stride, padding, "max_pool2d");
+  // The CPU pools a channels-last input as it is (ResNet's stem: the convolutions after it stay
+  // channels-last); CUDA takes row-major tensors.
+  s.channels_last = x_.device().is_cpu() && x_.suggest_memory_format() == MemoryFormat::ChannelsLast;
+  const MemoryFormat format = s.channels_last ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous;
+  const Tensor x = x_.contiguous(format);
+  Tensor y = out_like(x, {s.N, s.C, s.P(), s.Q()}, "max_pool2d", format);
   const bool need = any_requires_grad({&x_});
-  // The argmax is what backward needs; without grad it is scratch.
+  // The argmax is what backward needs; without grad it is scratch. In y's layout.
   Tensor argmax = Tensor::empty(y.shape(), DType::Int32, x.device(), need ? Category::activation : Category::workspace,
-                                "max_pool2d_argmax");
+                                "max_pool2d_argmax", format);
   TALLY_DISPATCH("max_pool2d", x, FLOATING, kk::max_pool2d_forward<T>(s, x.data<T>(), y.data<T>(), argmax.data<std::int32_t>()));
-  // The pooling kernels index NCHW: a channels-last input is pooled row-major and its output given
-  // back channels-last, so that the convolutions after it (ResNet's stem) stay channels-last.
-  if (x_.suggest_memory_format() == MemoryFormat::ChannelsLast) y = y.contiguous(MemoryFormat::ChannelsLast);
   if (need) {
     auto n = std::make_shared<MaxPoolBackward>();
     n->s = s;

@@ -104,6 +104,12 @@ const char* memory_format_name(MemoryFormat f) {
   return f == MemoryFormat::ChannelsLast ? "channels_last" : "contiguous";
 }
 
+MemoryFormat preferred_memory_format(Device device) {
+  return device.is_cpu() && kernels::cpu::conv_algorithm() == kernels::cpu::ConvAlgorithm::onednn
+             ? MemoryFormat::ChannelsLast
+             : MemoryFormat::Contiguous;
+}
+
 Tensor Tensor::empty(const Shape& shape, DType dtype, Device device, Category category, const std::string& op,
                      MemoryFormat format) {
   check_shape_valid(shape, op.c_str());

@@ -35,6 +35,9 @@ std::int64_t shape_numel(const Shape& s);
 // Only 4-d tensors have a channels-last layout.
 enum class MemoryFormat { Contiguous, ChannelsLast };
 const char* memory_format_name(MemoryFormat f);  // "contiguous", "channels_last"
+// The layout `device`'s convolutions run fastest in, as tally is built and set now: ChannelsLast on
+// a CPU whose convolutions run on oneDNN, else Contiguous (CUDA runs row-major; docs/memory-format.md).
+MemoryFormat preferred_memory_format(Device device);
 
 class Storage {
  public:

@@ -129,6 +129,9 @@ struct Conv2dShape {
 struct Pool2dShape {
   i64 N, C, H, W;
   i64 kh, kw, stride_h, stride_w, pad_h = 0, pad_w = 0;
+  // Max pooling on the CPU: x, y, argmax, dx and dy channels-last, (N, H, W, C) / (N, P, Q, C); the
+  // argmax is still h * W + w. Other pooling kernels, and CUDA, take NCHW only.
+  bool channels_last = false;
   i64 P() const { return (H + 2 * pad_h - kh) / stride_h + 1; }
   i64 Q() const { return (W + 2 * pad_w - kw) / stride_w + 1; }
 };

@@ -112,10 +112,11 @@ const std::vector<std::string>& precision_names() {
   return names;
 }
 const std::vector<std::string>& memory_format_names() {
-  static const std::vector<std::string> names{"contiguous", "channels_last"};
+  static const std::vector<std::string> names{"auto", "contiguous", "channels_last"};
   return names;
 }
-MemoryFormat parse_memory_format(const std::string& name) {
+MemoryFormat parse_memory_format(const std::string& name, Device device, bool pipeline) {
+  if (name == "auto") return pipeline ? MemoryFormat::Contiguous : preferred_memory_format(device);
   if (name == "contiguous") return MemoryFormat::Contiguous;
   if (name == "channels_last") return MemoryFormat::ChannelsLast;
   throw Error(fmt::format("--memory-format '{}': expected {}", name, fmt::join(memory_format_names(), "|")));
@@ -291,7 +292,8 @@ Tensor Executor::accumulate_loss(Arena& arena, const float* images, const std::i
       fill_inputs(cur, *stager_, images, labels, offset, sizes[i], batch, sample_numel_, activation_dtype_);
     }
     if (!dry) stager_->wait(cur.uploaded);
-    Tensor logits = model_(cur.x.contiguous(opt_.memory_format));
+    cur.x = cur.x.contiguous(opt_.memory_format);  // the staged row-major input is freed when converted
+    Tensor logits = model_(cur.x);
     if (!dry && !targets_checked) {  // every target of the batch, on the host, once the class count is known
       check_cross_entropy_targets(labels, batch, logits.size(1), opt_.loss.ignore_index);
       targets_checked = true;

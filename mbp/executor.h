@@ -78,8 +78,9 @@ enum class Precision { fp32, bf16 };
 const char* precision_name(Precision p);
 Precision parse_precision(const std::string& name);
 const std::vector<std::string>& precision_names();
-// --memory-format: contiguous | channels_last (ExecutorOptions::memory_format).
-MemoryFormat parse_memory_format(const std::string& name);
+// --memory-format: auto | contiguous | channels_last (ExecutorOptions::memory_format); auto is
+// preferred_memory_format(device) (core/tensor.h), or contiguous for pipeline stages.
+MemoryFormat parse_memory_format(const std::string& name, Device device, bool pipeline = false);
 const std::vector<std::string>& memory_format_names();
 
 struct ExecutorOptions {
@@ -202,6 +203,7 @@ class Executor {
   Device device() const { return device_; }
   // The dtype of the step's activations: the model's, or bfloat16 under Precision::bf16.
   DType activation_dtype() const { return activation_dtype_; }
+  MemoryFormat memory_format() const { return opt_.memory_format; }
 
   ~Executor();
   Executor(const Executor&) = delete;

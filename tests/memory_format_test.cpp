@@ -306,6 +306,13 @@ TEST_F(MemoryFormatTest, ExecutorRefusesChannelsLastWhereItCannotApply) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("channels_last is a layout of images"), std::string::npos) << e.what();
   }
-  EXPECT_EQ(mbp::parse_memory_format("channels_last"), MF::ChannelsLast);
-  EXPECT_THROW(mbp::parse_memory_format("nhwc"), Error);
+  EXPECT_EQ(mbp::parse_memory_format("channels_last", Device::cpu()), MF::ChannelsLast);
+  EXPECT_EQ(mbp::parse_memory_format("contiguous", Device::cpu()), MF::Contiguous);
+  EXPECT_EQ(mbp::parse_memory_format("auto", Device::cpu()), preferred_memory_format(Device::cpu()));
+  EXPECT_EQ(mbp::parse_memory_format("auto", Device::cpu(), true), MF::Contiguous);  // pipeline stages
+  EXPECT_EQ(mbp::parse_memory_format("auto", Device::cuda(0)), MF::Contiguous);
+  EXPECT_EQ(preferred_memory_format(Device::cpu()), kernels::cpu::conv_algorithm() == kernels::cpu::ConvAlgorithm::onednn
+                                                        ? MF::ChannelsLast
+                                                        : MF::Contiguous);
+  EXPECT_THROW(mbp::parse_memory_format("nhwc", Device::cpu()), Error);
 }

@@ -80,12 +80,45 @@ inline i64 adaptive_end(i64 i, i64 n, i64 out) { return ((i + 1) * n + out - 1) 
 
 }  // namespace
 
+// Channels-last max pooling: every output pixel's C channels at once, the window visited in the
+// row-major kernel's order with its rules (-inf start, a NaN replaces the max), so each channel's
+// result and argmax are the row-major kernel's. y and argmax hold the running max while it runs.
+template <class T>
+void max_pool2d_forward_nhwc(const Pool2dShape& s, const T* x, T* y, std::int32_t* argmax) {
+  using M = cpu::P<T>;
+  const i64 P = s.P(), Q = s.Q(), C = s.C;
+#pragma omp parallel for schedule(static) if (s.N * C * P * Q > 16384)
+  for (i64 np = 0; np < s.N * P; ++np) {
+    const i64 n = np / P, p = np % P;
+    const i64 h0 = std::max<i64>(p * s.stride_h - s.pad_h, 0);
+    const i64 h1 = std::min(p * s.stride_h - s.pad_h + s.kh, s.H);
+    for (i64 q = 0; q < Q; ++q) {
+      const i64 w0 = std::max<i64>(q * s.stride_w - s.pad_w, 0);
+      const i64 w1 = std::min(q * s.stride_w - s.pad_w + s.kw, s.W);
+      T* yp = y + ((n * P + p) * Q + q) * C;
+      std::int32_t* ap = argmax + ((n * P + p) * Q + q) * C;
+      const auto first = static_cast<std::int32_t>((h0 < h1 && w0 < w1) ? h0 * s.W + w0 : -1);
+      for (i64 c = 0; c < C; ++c) yp[c] = T(-std::numeric_limits<M>::infinity()), ap[c] = first;
+      for (i64 h = h0; h < h1; ++h)
+        for (i64 w = w0; w < w1; ++w) {
+          const T* xp = x + ((n * s.H + h) * s.W + w) * C;
+          const auto at = static_cast<std::int32_t>(h * s.W + w);
+          for (i64 c = 0; c < C; ++c) {
+            const M v = M(xp[c]);
+            if (v > M(yp[c]) || std::isnan(v)) yp[c] = xp[c], ap[c] = at;
+          }
+        }
+    }
+  }
+}
+
 template <class T>
 void max_pool2d_forward(const Pool2dShape& s,
                         const T* x,              // (N, C, H, W)
                         T* y,                    // (N, C, P, Q)
                         std::int32_t* argmax) {  // (N, C, P, Q)
   const i64 P = s.P(), Q = s.Q(), HW = s.H * s.W, planes = s.N * s.C;
+  if (s.channels_last) return max_pool2d_forward_nhwc(s, x, y, argmax);
 #pragma omp parallel for schedule(static) if (planes * P * Q > 16384)
   for (i64 pl = 0; pl < planes; ++pl) {
     const T* xp = x + pl * HW;               // (H, W)
@@ -125,6 +158,22 @@ void max_pool2d_backward(const Pool2dShape& s,
                          T* dx,                       // (N, C, H, W)
                          P<T> beta) {
   const i64 PQ = s.P() * s.Q(), HW = s.H * s.W, planes = s.N * s.C;
+  if (s.channels_last) {
+    // Per image: the windows in the same order as the row-major loop, each adding its channels.
+    const i64 C = s.C;
+#pragma omp parallel for schedule(static) if (planes * HW > 16384)
+    for (i64 n = 0; n < s.N; ++n) {
+      const T* dyp = dy + n * PQ * C;                // (P, Q, C)
+      const std::int32_t* ap = argmax + n * PQ * C;  // (P, Q, C)
+      GradPlane<T> image(HW * C, beta, dx + n * HW * C);  // (H, W, C)
+      auto* dxp = image.data();
+      for (i64 i = 0; i < PQ; ++i)
+        for (i64 c = 0; c < C; ++c)
+          if (ap[i * C + c] >= 0) dxp[ap[i * C + c] * C + c] += P<T>(dyp[i * C + c]);
+      image.finish();
+    }
+    return;
+  }
 #pragma omp parallel for schedule(static) if (planes * HW > 16384)
   for (i64 pl = 0; pl < planes; ++pl) {
     const T* dyp = dy + pl * PQ;                // (P, Q)

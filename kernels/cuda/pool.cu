@@ -197,6 +197,9 @@ void max_pool2d_forward(const Pool2dShape& s,
                         T* y,                    // (N, C, P, Q)
                         std::int32_t* argmax) {  // (N, C, P, Q)
   const i64 P = s.P(), Q = s.Q(), total = s.N * s.C * P * Q;
+  if (s.channels_last)
+    detail::fail("max_pool2d_forward: expected NCHW tensors, found channels_last (the CUDA pooling kernels are "
+                 "row-major; core/ converts a channels-last input first)");
   if (P <= 0 || Q <= 0 || total <= 0) return;
   max_pool2d_forward_kernel<<<grid_for(total), kThreads, 0, detail::stream()>>>(s, P, Q, x, y, argmax);
   TALLY_LAUNCH_CHECK("max_pool2d_forward");
@@ -209,6 +212,9 @@ void max_pool2d_backward(const Pool2dShape& s,
                          T* dx,                       // (N, C, H, W)
                          P<T> beta) {
   const i64 total = s.N * s.C * s.H * s.W;
+  if (s.channels_last)
+    detail::fail("max_pool2d_backward: expected NCHW tensors, found channels_last (the CUDA pooling kernels are "
+                 "row-major)");
   if (total <= 0) return;
   max_pool2d_backward_kernel<<<grid_for(total), kThreads, 0, detail::stream()>>>(s, s.P(), s.Q(), dy, argmax, dx,
                                                                                   beta);
