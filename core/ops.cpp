@@ -410,13 +410,18 @@ struct BatchNormBackward : Node {
     }
     // The residual took dz and x needs a buffer of its own: ReLU's mask (y) is dropped before that
     // buffer is taken — one fewer activation-sized buffer at a backward's peak (ResNet-50 224² in
-    // 8 GiB at --recompute all: micro-batches of 342 instead of 293). It costs a second pass that
-    // sums the masked dz again for dx (the same sums, so the same bits).
+    // 8 GiB at --recompute all: micro-batches of 342 instead of 293). The second call takes the
+    // first's channel sums (CPU; CUDA sums the masked dz again: the same bits either way).
     if (dz_taken && relu) {
       GradSlot none;
       std::vector<GradSlot> params = {none, g[1], g[2]};
       auto [unused, dw, db, bdx0, bp] = norm_grad_targets(params, x, w, has_weight, has_bias, C, op);
       g[1] = params[1], g[2] = params[2];
+      // The CPU keeps the first call's channel sums for the second (2C doubles) rather than sum
+      // the same dz and x again; CUDA sums again.
+      const Tensor sums = x.device().is_cpu() ? Tensor::empty({2 * C}, DType::Float64, x.device(), Category::temporary,
+                                                              "batch_norm_backward_sums")
+                                              : Tensor();
       {
         const Tensor ws = workspace(x, batch_norm_workspace_bytes(x, N, C, HW), "batch_norm_backward");
         TALLY_DISPATCH(op, x, FLOATING, {
@@ -425,6 +430,7 @@ struct BatchNormBackward : Node {
           act.relu = true;
           act.dresidual = dres.data<T>();
           act.channels_last = channels_last();
+          act.sums_out = ptr_or_null<double>(sums);
           kk::batch_norm_backward<T>(N, C, HW, dz.data<T>(), x.data<T>(), ptr_or_null<TP>(w), saved.t[2].data<TP>(),
                                      saved.t[3].data<TP>(), static_cast<T*>(nullptr), TP(0), ptr_or_null<TP>(dw),
                                      ptr_or_null<TP>(db), TP(bp), ws_ptr(ws), act);
@@ -438,6 +444,7 @@ struct BatchNormBackward : Node {
       TALLY_DISPATCH(op, x, FLOATING, {
         kernels::NormActGrad<T> plain;
         plain.channels_last = channels_last();
+        plain.sums_in = ptr_or_null<double>(sums);
         kk::batch_norm_backward<T>(N, C, HW, dz.data<T>(), x.data<T>(), ptr_or_null<TP>(w), saved.t[2].data<TP>(),
                                    saved.t[3].data<TP>(), dx.data<T>(), TP(bdx), static_cast<TP*>(nullptr),
                                    static_cast<TP*>(nullptr), TP(0), ws_ptr(ws), plain);

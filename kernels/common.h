@@ -101,6 +101,11 @@ struct NormActGrad {
   T* dresidual = nullptr;  // (N, C, HW) receives dz (=|+= by beta_residual); null: not needed
   compute_t<T> beta_residual = 0;
   bool channels_last = false;  // dy, x, y, dx and dresidual stored (N, HW, C), as NormAct's
+  // The per-channel sums of a backward, sum dz and sum dz * (x - mean), as (2, C) doubles: written
+  // to sums_out when given, and taken from sums_in instead of summed when given (a second call on
+  // the same dz and x, which would sum the same bits again). The CPU's; CUDA sums again.
+  double* sums_out = nullptr;
+  const double* sums_in = nullptr;
 };
 
 // The three passes of a convolution; each has its own workspace (conv2d_workspace_bytes).

@@ -107,14 +107,14 @@ const std::function<bool(DType)> never = [](DType) { return false; };
 
 // One forward and backward of `f` on (x, r) as given, returning the output and the gradients of
 // x, r and the parameters; `format` is the inputs' layout.
-struct Run {
+struct OpRun {
   std::vector<std::vector<double>> all;
   MF out_format = MF::Contiguous;
 };
 
 using OpFn = std::function<Tensor(const Tensor& x, const Tensor& r, const std::vector<Tensor>& params)>;
 
-Run run_op(const OpFn& f, MF format, DType act, std::uint32_t seed, const Shape& xs, const Shape& rs,
+OpRun run_op(const OpFn& f, MF format, DType act, std::uint32_t seed, const Shape& xs, const Shape& rs,
            const std::vector<Shape>& param_shapes) {
   std::mt19937 rng(seed);
   const DType pdt = act == DType::BFloat16 ? DType::Float32 : act;
@@ -126,7 +126,7 @@ Run run_op(const OpFn& f, MF format, DType act, std::uint32_t seed, const Shape&
   for (Tensor& p : params) p.set_requires_grad(true);
   Tensor y = f(x, r, params);
   const Tensor gy = random_tensor(y.shape(), y.dtype(), rng);
-  Run out;
+  OpRun out;
   out.out_format = y.suggest_memory_format();
   // sum(y * gy) as the loss: its gradient is gy, whatever layout y has.
   sum(mul(y.to(DType::Float64), gy.to(DType::Float64))).backward();
@@ -142,8 +142,8 @@ void expect_same_in_both_layouts(const char* what, const OpFn& f, const Shape& x
                                  const std::function<bool(DType)>& keeps_layout) {
   for (DType act : {DType::Float64, DType::Float32, DType::BFloat16}) {
     SCOPED_TRACE(std::string(what) + " " + dtype_name(act));
-    const Run rm = run_op(f, MF::Contiguous, act, 21, xs, rs, ps);
-    const Run cl = run_op(f, MF::ChannelsLast, act, 21, xs, rs, ps);
+    const OpRun rm = run_op(f, MF::Contiguous, act, 21, xs, rs, ps);
+    const OpRun cl = run_op(f, MF::ChannelsLast, act, 21, xs, rs, ps);
     ASSERT_EQ(rm.all.size(), cl.all.size());
     const double tol = act == DType::Float64 ? tol64 : act == DType::Float32 ? tol32 : tol16;
     for (std::size_t i = 0; i < rm.all.size(); ++i) {
@@ -151,7 +151,9 @@ void expect_same_in_both_layouts(const char* what, const OpFn& f, const Shape& x
       EXPECT_LE(w, tol) << "tensor " << i << " (0: output, then gradients)";
     }
     EXPECT_EQ(rm.out_format, MF::Contiguous);
-    if (keeps_layout(act)) EXPECT_EQ(cl.out_format, MF::ChannelsLast) << "the output keeps the input's layout";
+    if (keeps_layout(act)) {
+      EXPECT_EQ(cl.out_format, MF::ChannelsLast) << "the output keeps the input's layout";
+    }
   }
 }
 
@@ -184,6 +186,32 @@ TEST_F(MemoryFormatTest, BatchNormFusedAndPlainAgreeInBothLayouts) {
       // statistics moved in the last bits of double can land on the other side (2^-8 relative).
       expect_same_in_both_layouts(residual ? (relu_after ? "bn+add+relu" : "bn+add") : (relu_after ? "bn+relu" : "bn"),
                                   f, s, s, {{16}, {16}}, 1e-12, 1e-5, 1.0 / 128, always);
+    }
+}
+
+// The channels-last batch norms' AVX-512 copy against their baseline copy: the same loops without
+// contraction, so the same bits — outputs and every gradient.
+TEST_F(MemoryFormatTest, Avx512AndBaselineBatchNormsGiveTheSameBits) {
+  if (!kernels::cpu::set_avx512_kernels(true))
+    GTEST_SKIP() << "this CPU (or this build's compiler) has no AVX-512 copy: only the baseline runs";
+  const Shape s{4, 24, 5, 7};  // 24 channels: a vector and a half of float32
+  for (DType act : {DType::Float64, DType::Float32, DType::BFloat16})
+    for (int variant = 0; variant < 4; ++variant) {
+      SCOPED_TRACE(std::string(dtype_name(act)) + " variant " + std::to_string(variant));
+      const bool residual = variant & 1, relu_after = variant & 2;
+      const OpFn f = [=](const Tensor& x, const Tensor& r, const std::vector<Tensor>& p) {
+        BatchNormOptions o;
+        o.relu = relu_after;
+        return batch_norm(x, p[0], p[1], Tensor(), Tensor(), o, residual ? r : Tensor());
+      };
+      kernels::cpu::set_avx512_kernels(true);
+      const OpRun wide = run_op(f, MF::ChannelsLast, act, 33, s, s, {{24}, {24}});
+      kernels::cpu::set_avx512_kernels(false);
+      EXPECT_FALSE(kernels::cpu::avx512_kernels());
+      const OpRun base = run_op(f, MF::ChannelsLast, act, 33, s, s, {{24}, {24}});
+      kernels::cpu::set_avx512_kernels(true);
+      ASSERT_EQ(wide.all.size(), base.all.size());
+      for (std::size_t i = 0; i < wide.all.size(); ++i) EXPECT_EQ(wide.all[i], base.all[i]) << "tensor " << i;
     }
 }
 

@@ -169,6 +169,12 @@ template <class S, class D> void convert(i64 n, const S* x, D* y);
 //   `workspace` (batch_norm_workspace_bytes, 0 on the CPU) holds the CUDA twin's per-block
 //   partial sums; the CPU ignores it.
 std::size_t batch_norm_workspace_bytes(i64 N, i64 C, i64 HW, bool channels_last = false);
+// The channels-last batch norms run an AVX-512 copy of their loops where the CPU has AVX-512
+// (the same bits as the baseline copy: the same loops, no contraction). TALLY_CPU_ISA=baseline in
+// the environment, or set_avx512_kernels(false), runs the baseline copy; the setter returns
+// whether the AVX-512 copy runs now (false where the CPU or the compiler lacks it).
+bool set_avx512_kernels(bool on);
+bool avx512_kernels();
 // `act` fuses the residual add and the ReLU after it (kernels/common.h): y = relu(bn(x) + residual)
 // in the same pass over x that normalizes.
 template <class T>

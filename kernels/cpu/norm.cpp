@@ -5,9 +5,12 @@
 // dgamma / dbeta; every output element has exactly one writer and every sum is formed in a fixed
 // order, so results do not depend on the thread count.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <type_traits>
 
 #include "kernels/cpu/cpu_kernels.h"
@@ -214,182 +217,74 @@ i64 nhwc_rows_per_chunk(i64 rows, i64 C) {
   return (rows + k - 1) / k;
 }
 
-// sums[c] (and, with Two, sums[C + c]) over all rows: f(r, c, &a, &b) adds row r's terms of
-// channel c to a (and b). part: (chunks, 2, C) doubles of the workspace.
-template <bool Two, class F>
-void nhwc_channel_sums(i64 rows, i64 C, double* part, double* sums, F f) {
-  const i64 per = nhwc_rows_per_chunk(rows, C), chunks = nhwc_chunks(rows, C);
-#pragma omp parallel for schedule(static) if (rows * C > kParallelThreshold && chunks > 1)
-  for (i64 k = 0; k < chunks; ++k) {
-    double* a = part + k * 2 * C;
-    double* b = a + C;
-    std::fill(a, a + (Two ? 2 * C : C), 0.0);
-    const i64 r1 = std::min(rows, (k + 1) * per);
-    for (i64 r = k * per; r < r1; ++r) f(r, a, b);
-  }
-  std::fill(sums, sums + (Two ? 2 * C : C), 0.0);
-  for (i64 k = 0; k < chunks; ++k)
-    for (i64 c = 0; c < (Two ? 2 * C : C); ++c) sums[c] += part[k * 2 * C + c];
-}
+namespace nhwc_base {
+#include "kernels/cpu/norm_nhwc.inc"
+}  // namespace nhwc_base
 
-template <bool R, bool A, class T>
-void nhwc_normalize(i64 rows, i64 C, const T* x, const T* res, T* y, const double* mean, const double* scale,
-                    const double* shift, float* sf, float* bf) {
-  if constexpr (std::is_same_v<T, bf16>) {
-    for (i64 c = 0; c < C; ++c) sf[c] = static_cast<float>(scale[c]), bf[c] = static_cast<float>(shift[c] - mean[c] * scale[c]);
-  }
-#pragma omp parallel for schedule(static) if (rows * C > kParallelThreshold)
-  for (i64 r = 0; r < rows; ++r) {
-    const T* xp = x + r * C;
-    const T* rp = R ? res + r * C : nullptr;
-    T* yp = y + r * C;
-    if constexpr (std::is_same_v<T, bf16>) {
-      for (i64 c = 0; c < C; ++c) {
-        float v = float(bf16(float(xp[c]) * sf[c] + bf[c]));
-        if constexpr (R) v = float(bf16(v + float(rp[c])));
-        if constexpr (A) v = v < 0.f ? 0.f : v;
-        yp[c] = bf16(v);
-      }
-    } else {
-      for (i64 c = 0; c < C; ++c) {
-        T v = static_cast<T>((static_cast<double>(xp[c]) - mean[c]) * scale[c] + shift[c]);
-        if constexpr (R) v = v + rp[c];
-        if constexpr (A) v = v < T(0) ? T(0) : v;
-        yp[c] = v;
-      }
-    }
-  }
+// The same kernels for CPUs with AVX-512 (16 float32 or 8 double lanes where the baseline x86-64
+// build has SSE2's 4 / 2): about 1.4x on ResNet-20's batch norms. GCC only (the fuzz build's clang
+// runs the baseline copy).
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define TALLY_NHWC_AVX512 1
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq")
+namespace nhwc_avx512 {
+#include "kernels/cpu/norm_nhwc.inc"
+}  // namespace nhwc_avx512
+#pragma GCC pop_options
+#else
+#define TALLY_NHWC_AVX512 0
+#endif
+
+bool cpu_has_avx512() {
+#if TALLY_NHWC_AVX512
+  __builtin_cpu_init();
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+#else
+  return false;
+#endif
 }
+// On where the CPU has it, unless TALLY_CPU_ISA=baseline; set_avx512_kernels() changes it.
+std::atomic<bool> g_avx512{[] {
+  const char* isa = std::getenv("TALLY_CPU_ISA");
+  return cpu_has_avx512() && !(isa != nullptr && std::string(isa) == "baseline");
+}()};
+bool nhwc_avx512_runs() { return g_avx512.load(std::memory_order_relaxed); }
 
 template <class T>
 void nhwc_forward_train(i64 N, i64 C, i64 HW, const T* x, const P<T>* gamma, const P<T>* beta_, P<T> eps,
                         P<T> momentum, P<T>* running_mean, P<T>* running_var, T* y, P<T>* save_mean,
                         P<T>* save_invstd, void* workspace, const NormAct<T>& act) {
-  using M_ = P<T>;
-  const i64 rows = N * HW;
-  auto* part = static_cast<double*>(workspace);
-  double* stats = part + nhwc_chunks(rows, C) * 2 * C;  // (5, C): sum, ssd, mean, scale, shift
-  double *sum = stats, *ssd = stats + C, *mean = stats + 2 * C, *scale = stats + 3 * C, *shift = stats + 4 * C;
-  float* f = reinterpret_cast<float*>(stats + 7 * C);  // bf16: scale and shift in float32
-  nhwc_channel_sums<false>(rows, C, part, sum, [&](i64 r, double* a, double*) {
-    const T* xp = x + r * C;
-    for (i64 c = 0; c < C; ++c) a[c] += static_cast<double>(xp[c]);
-  });
-  for (i64 c = 0; c < C; ++c) mean[c] = sum[c] / static_cast<double>(rows);
-  nhwc_channel_sums<false>(rows, C, part, ssd, [&](i64 r, double* a, double*) {
-    const T* xp = x + r * C;
-    for (i64 c = 0; c < C; ++c) {
-      const double d = static_cast<double>(xp[c]) - mean[c];
-      a[c] += d * d;
-    }
-  });
-  const double mom = static_cast<double>(momentum);
-  for (i64 c = 0; c < C; ++c) {
-    const double var = ssd[c] / static_cast<double>(rows);  // biased
-    const double invstd = 1.0 / std::sqrt(var + static_cast<double>(eps));
-    scale[c] = invstd * (gamma ? static_cast<double>(gamma[c]) : 1.0);
-    shift[c] = beta_ ? static_cast<double>(beta_[c]) : 0.0;
-    if (save_mean) save_mean[c] = static_cast<M_>(mean[c]);
-    if (save_invstd) save_invstd[c] = static_cast<M_>(invstd);
-    if (running_mean) running_mean[c] = static_cast<M_>((1.0 - mom) * static_cast<double>(running_mean[c]) + mom * mean[c]);
-    if (running_var)
-      running_var[c] = static_cast<M_>((1.0 - mom) * static_cast<double>(running_var[c]) +
-                                       mom * ssd[c] / static_cast<double>(rows - 1));
-  }
-  const T* res = act.residual;
-  if (res && act.relu) nhwc_normalize<true, true>(rows, C, x, res, y, mean, scale, shift, f, f + C);
-  else if (res) nhwc_normalize<true, false>(rows, C, x, res, y, mean, scale, shift, f, f + C);
-  else if (act.relu) nhwc_normalize<false, true>(rows, C, x, res, y, mean, scale, shift, f, f + C);
-  else nhwc_normalize<false, false>(rows, C, x, res, y, mean, scale, shift, f, f + C);
-}
-
-// The backward's sums (dz = dy masked by y > 0 when A; D as channel_dy_sums': 1 stores dz into dr,
-// 2 adds it, 3 stores it over dy) and then dx.
-template <bool A, int D, class T>
-void nhwc_dy_sums(i64 rows, i64 C, const T* dy, const T* y, const T* x, const double* mean, T* dr, double* part,
-                  double* sums) {
-  nhwc_channel_sums<true>(rows, C, part, sums, [&](i64 r, double* a, double* b) {
-    const i64 o = r * C;
-    const T* src = D == 3 ? dr + o : dy + o;
-    const T* yp = A ? y + o : nullptr;
-    const T* xp = x + o;
-    T* drp = D ? dr + o : nullptr;
-    for (i64 c = 0; c < C; ++c) {
-      const T dz = masked<A>(src, yp, c);
-      if constexpr (D == 1 || D == 3) drp[c] = dz;
-      if constexpr (D == 2) drp[c] = T(P<T>(drp[c]) + P<T>(dz));
-      const double d = static_cast<double>(dz);
-      a[c] += d;
-      b[c] += d * (static_cast<double>(xp[c]) - mean[c]);
-    }
-  });
-}
-
-template <bool A, class T>
-void nhwc_dx(i64 rows, i64 C, const T* dy, const T* y, const T* x, T* dx, P<T> beta_dx, const double* mean,
-             const double* invstd, const double* k, const double* mean_dy, const double* mean_dy_xhat, float* a0,
-             float* a1, float* a2) {
-  using M_ = P<T>;
-  if constexpr (std::is_same_v<T, bf16>) {
-    for (i64 c = 0; c < C; ++c) {
-      a1[c] = static_cast<float>(k[c]);
-      a2[c] = static_cast<float>(k[c] * invstd[c] * mean_dy_xhat[c]);
-      a0[c] = static_cast<float>(k[c] * (invstd[c] * mean_dy_xhat[c] * mean[c] - mean_dy[c]));
-    }
-  }
-#pragma omp parallel for schedule(static) if (rows * C > kParallelThreshold)
-  for (i64 r = 0; r < rows; ++r) {
-    const i64 o = r * C;
-    const T* dyp = dy + o;
-    const T* yp = A ? y + o : nullptr;
-    const T* xp = x + o;
-    T* dxp = dx + o;
-    for (i64 c = 0; c < C; ++c) {
-      if constexpr (std::is_same_v<T, bf16>) {
-        const float v = a1[c] * float(masked<A>(dyp, yp, c)) - a2[c] * float(xp[c]) + a0[c];
-        dxp[c] = beta_dx == 0.f ? bf16(v) : bf16(beta_dx * float(dxp[c]) + v);
-      } else {
-        const double xhat = (static_cast<double>(xp[c]) - mean[c]) * invstd[c];
-        const double v = k[c] * (static_cast<double>(masked<A>(dyp, yp, c)) - mean_dy[c] - xhat * mean_dy_xhat[c]);
-        dxp[c] = beta_dx == M_(0) ? static_cast<T>(v) : T(beta_dx * M_(dxp[c]) + static_cast<M_>(v));
-      }
-    }
-  }
+#if TALLY_NHWC_AVX512
+  if (nhwc_avx512_runs())
+    return nhwc_avx512::nhwc_forward_train(N, C, HW, x, gamma, beta_, eps, momentum, running_mean, running_var, y,
+                                           save_mean, save_invstd, workspace, act);
+#endif
+  nhwc_base::nhwc_forward_train(N, C, HW, x, gamma, beta_, eps, momentum, running_mean, running_var, y, save_mean,
+                                save_invstd, workspace, act);
 }
 
 template <class T>
 void nhwc_backward(i64 N, i64 C, i64 HW, const T* dy, const T* x, const P<T>* gamma, const P<T>* save_mean,
                    const P<T>* save_invstd, T* dx, P<T> beta_dx, P<T>* dgamma, P<T>* dbeta, P<T> beta_param,
                    void* workspace, const NormActGrad<T>& act) {
-  using M_ = P<T>;
-  const i64 rows = N * HW;
-  auto* part = static_cast<double*>(workspace);
-  double* stats = part + nhwc_chunks(rows, C) * 2 * C;
-  // (7, C): sum_dy, sum_dy_xmu, mean, invstd, k, mean_dy, mean_dy_xhat
-  double *sums = stats, *mean = stats + 2 * C, *invstd = stats + 3 * C, *k = stats + 4 * C, *mdy = stats + 5 * C,
-         *mdyx = stats + 6 * C;
-  float* f = reinterpret_cast<float*>(stats + 7 * C);  // bf16: dx's three coefficients in float32
-  for (i64 c = 0; c < C; ++c) mean[c] = static_cast<double>(save_mean[c]), invstd[c] = static_cast<double>(save_invstd[c]);
-  const T* y = act.relu ? act.y : nullptr;
-  T* dr = act.dresidual;
-  const int d = !dr ? 0 : dr == dy ? 3 : act.beta_residual == M_(0) ? 1 : 2;
-  with_mask_and_residual(act.relu, d, [&](auto a_tag, auto d_tag) {
-    nhwc_dy_sums<decltype(a_tag)::value, decltype(d_tag)::value>(rows, C, dy, y, x, mean, dr, part, sums);
-  });
-  for (i64 c = 0; c < C; ++c) {
-    const double sum_dy = sums[c], sum_dy_xhat = sums[C + c] * invstd[c];
-    if (dgamma) store<M_>(dgamma + c, beta_param, sum_dy_xhat);
-    if (dbeta) store<M_>(dbeta + c, beta_param, sum_dy);
-    k[c] = (gamma ? static_cast<double>(gamma[c]) : 1.0) * invstd[c];
-    mdy[c] = sum_dy / static_cast<double>(rows);
-    mdyx[c] = sum_dy_xhat / static_cast<double>(rows);
-  }
-  if (!dx) return;
-  if (act.relu) nhwc_dx<true>(rows, C, dy, y, x, dx, beta_dx, mean, invstd, k, mdy, mdyx, f, f + C, f + 2 * C);
-  else nhwc_dx<false>(rows, C, dy, y, x, dx, beta_dx, mean, invstd, k, mdy, mdyx, f, f + C, f + 2 * C);
+#if TALLY_NHWC_AVX512
+  if (nhwc_avx512_runs())
+    return nhwc_avx512::nhwc_backward(N, C, HW, dy, x, gamma, save_mean, save_invstd, dx, beta_dx, dgamma, dbeta,
+                                      beta_param, workspace, act);
+#endif
+  nhwc_base::nhwc_backward(N, C, HW, dy, x, gamma, save_mean, save_invstd, dx, beta_dx, dgamma, dbeta, beta_param,
+                           workspace, act);
 }
 
 }  // namespace
+
+bool set_avx512_kernels(bool on) {
+  g_avx512 = on && cpu_has_avx512();
+  return g_avx512;
+}
+bool avx512_kernels() { return nhwc_avx512_runs(); }
 
 // Row-major: none. Channels-last: the partial sums of its chunks, (chunks, 2, C) doubles, seven
 // per-channel rows of statistics and coefficients, and room for three of float32 (bf16).
@@ -528,7 +423,9 @@ void batch_norm_backward(i64 N, i64 C, i64 HW, const T* dy, const T* x, const P<
     const double mean = static_cast<double>(save_mean[c]);
     const double invstd = static_cast<double>(save_invstd[c]);
     double sum_dy = 0.0, sum_dy_xmu = 0.0;
-    channel_dy_sums(act, N, CHW, HW, c, dy, x, mean, &sum_dy, &sum_dy_xmu);
+    if (act.sums_in) sum_dy = act.sums_in[c], sum_dy_xmu = act.sums_in[C + c];
+    else channel_dy_sums(act, N, CHW, HW, c, dy, x, mean, &sum_dy, &sum_dy_xmu);
+    if (act.sums_out) act.sums_out[c] = sum_dy, act.sums_out[C + c] = sum_dy_xmu;
     const double sum_dy_xhat = sum_dy_xmu * invstd;
     if (dgamma) store<M_>(dgamma + c, beta_param, sum_dy_xhat);
     if (dbeta) store<M_>(dbeta + c, beta_param, sum_dy);
