@@ -57,7 +57,7 @@ def torch_side(args, hw, classes):
     torch.manual_seed(0)
     model = make_model(args.model, classes).to(dev).train()
     bf16 = args.precision == "bf16"
-    channels_last = bf16 and dev.type == "cuda"
+    channels_last = (bf16 and dev.type == "cuda") or args.torch_channels_last
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
@@ -128,15 +128,25 @@ def main():
                    help="bf16: tally --precision bf16 against PyTorch bf16 autocast (+ channels_last on CUDA)")
     p.add_argument("--threads", type=int, default=0, help="CPU threads for both (0: all cores)")
     p.add_argument("--tally", default=os.path.join(ROOT, "build", "apps", "tally"))
+    p.add_argument("--rounds", type=int, default=1,
+                   help="alternate the two sides this many times (the machine's speed drifts: compare within a "
+                        "round) and print each round and the median ratio")
+    p.add_argument("--torch-channels-last", action="store_true",
+                   help="PyTorch in channels_last on the CPU too (its default there is NCHW)")
     args = p.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     hw = 32 if args.model in ("resnet20", "resnet32", "resnet44", "resnet56", "resnet110") else 224
     classes = 10 if hw == 32 else 1000
-    t_ips, t_peak, k = tally_side(args, hw, classes)
-    p_ips, p_peak, p_kind = torch_side(args, hw, classes)
+    rounds = []
+    for _ in range(max(args.rounds, 1)):
+        t_ips, t_peak, k = tally_side(args, hw, classes)
+        p_ips, p_peak, p_kind = torch_side(args, hw, classes)
+        rounds.append((t_ips, p_ips))
     mib = 1 << 20
     prec = "bf16 (PyTorch: autocast" + (" + channels_last)" if args.device != "cpu" else ")") if args.precision == "bf16" else "float32"
+    if args.torch_channels_last and args.device == "cpu":
+        prec += ", PyTorch channels_last"
     print(f"{args.model} batch {args.batch}, {prec}{' (TF32 on)' if args.tf32 else ''}, {args.device}, {args.steps} timed steps, "
           f"{'cudnn.benchmark on, ' if args.cudnn_benchmark else ''}"
           f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
@@ -145,6 +155,11 @@ def main():
     print(f"{'pytorch':10} {p_ips:10.1f} {p_peak / mib:10.1f}   ({p_kind})")
     ratio_mem = f"{t_peak / p_peak:.2f}" if args.device != "cpu" and p_peak > 0 else "n/a"
     print(f"{'ratio':10} {t_ips / p_ips:10.2f} {ratio_mem:>10}   (tally / pytorch)")
+    if len(rounds) > 1:
+        ratios = sorted(t / q for t, q in rounds)
+        print("rounds (tally, pytorch images/s, ratio): " +
+              "; ".join(f"{t:.1f}, {q:.1f}, {t / q:.2f}" for t, q in rounds))
+        print(f"median ratio {ratios[len(ratios) // 2]:.2f} over {len(rounds)} rounds")
 
 
 if __name__ == "__main__":

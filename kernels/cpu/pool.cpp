@@ -80,34 +80,44 @@ inline i64 adaptive_end(i64 i, i64 n, i64 out) { return ((i + 1) * n + out - 1) 
 
 }  // namespace
 
-// Channels-last max pooling: every output pixel's C channels at once, the window visited in the
-// row-major kernel's order with its rules (-inf start, a NaN replaces the max), so each channel's
-// result and argmax are the row-major kernel's. y and argmax hold the running max while it runs.
+// Channels-last max pooling: every output pixel's channels at once, in blocks of 64 held in float32
+// (P<T>) registers, the window visited in the row-major kernel's order with its rules (-inf start,
+// a NaN replaces the max: the comparison as a select, so the channel loop vectorizes), so each
+// channel's result and argmax are the row-major kernel's.
 template <class T>
 void max_pool2d_forward_nhwc(const Pool2dShape& s, const T* x, T* y, std::int32_t* argmax) {
   using M = cpu::P<T>;
+  constexpr i64 kBlock = 64;
   const i64 P = s.P(), Q = s.Q(), C = s.C;
 #pragma omp parallel for schedule(static) if (s.N * C * P * Q > 16384)
   for (i64 np = 0; np < s.N * P; ++np) {
     const i64 n = np / P, p = np % P;
     const i64 h0 = std::max<i64>(p * s.stride_h - s.pad_h, 0);
     const i64 h1 = std::min(p * s.stride_h - s.pad_h + s.kh, s.H);
+    M best[kBlock];
+    std::int32_t at[kBlock];
     for (i64 q = 0; q < Q; ++q) {
       const i64 w0 = std::max<i64>(q * s.stride_w - s.pad_w, 0);
       const i64 w1 = std::min(q * s.stride_w - s.pad_w + s.kw, s.W);
-      T* yp = y + ((n * P + p) * Q + q) * C;
-      std::int32_t* ap = argmax + ((n * P + p) * Q + q) * C;
       const auto first = static_cast<std::int32_t>((h0 < h1 && w0 < w1) ? h0 * s.W + w0 : -1);
-      for (i64 c = 0; c < C; ++c) yp[c] = T(-std::numeric_limits<M>::infinity()), ap[c] = first;
-      for (i64 h = h0; h < h1; ++h)
-        for (i64 w = w0; w < w1; ++w) {
-          const T* xp = x + ((n * s.H + h) * s.W + w) * C;
-          const auto at = static_cast<std::int32_t>(h * s.W + w);
-          for (i64 c = 0; c < C; ++c) {
-            const M v = M(xp[c]);
-            if (v > M(yp[c]) || std::isnan(v)) yp[c] = xp[c], ap[c] = at;
+      for (i64 c0 = 0; c0 < C; c0 += kBlock) {
+        const i64 cn = std::min(kBlock, C - c0);
+        for (i64 c = 0; c < cn; ++c) best[c] = -std::numeric_limits<M>::infinity(), at[c] = first;
+        for (i64 h = h0; h < h1; ++h)
+          for (i64 w = w0; w < w1; ++w) {
+            const T* xp = x + ((n * s.H + h) * s.W + w) * C + c0;
+            const auto here = static_cast<std::int32_t>(h * s.W + w);
+            for (i64 c = 0; c < cn; ++c) {
+              const M v = M(xp[c]);
+              const bool take = v > best[c] || v != v;  // v != v: NaN
+              best[c] = take ? v : best[c];
+              at[c] = take ? here : at[c];
+            }
           }
-        }
+        T* yp = y + ((n * P + p) * Q + q) * C + c0;
+        std::int32_t* ap = argmax + ((n * P + p) * Q + q) * C + c0;
+        for (i64 c = 0; c < cn; ++c) yp[c] = T(best[c]), ap[c] = at[c];
+      }
     }
   }
 }
