@@ -491,18 +491,40 @@ struct BatchNormBackward : Node {
 
 struct GroupNormBackward : Node {
   Saved<4> saved;  // x, weight, save_mean, save_invstd
+  Saved<1> output;  // fused ReLU: y, whose sign is the mask
   i64 N, C, HW, G;
   bool has_weight, has_bias;
-  const char* name() const override { return "group_norm"; }
-  void release() override { saved.release(); }
+  bool relu = false, has_residual = false;  // fused (group_norm's relu and residual)
+  const char* name() const override { return relu || has_residual ? "group_norm_relu" : "group_norm"; }
+  void release() override { saved.release(); output.release(); }
+  // The incoming gradient is this node's: the residual's gradient is written over it (masked in
+  // place) when that slot is fresh, else dx is, as batch norm's fused backward does.
   void backward(const Tensor& gy, std::vector<GradSlot>& g) override {
+    const char* op = "group_norm";
     const Tensor& x = saved.t[0];
     const Tensor& w = saved.t[1];
     const Tensor dy = gy.contiguous();
-    auto [dx, dw, db, bdx, bp] = norm_grad_targets(g, x, w, has_weight, has_bias, C, "group_norm");
-    TALLY_DISPATCH("group_norm", x, FLOATING, kk::group_norm_backward<T>(N, C, HW, G, dy.data<T>(), x.data<T>(), ptr_or_null<TP>(w),
-                                                                         saved.t[2].data<TP>(), saved.t[3].data<TP>(), ptr_or_null<T>(dx),
-                                                                         TP(bdx), ptr_or_null<TP>(dw), ptr_or_null<TP>(db), TP(bp)));
+    auto fresh = [](const GradSlot& slot) { return !slot.buffer.defined() && slot.category != Category::gradient; };
+    double beta_res = 0;
+    Tensor dres;
+    bool dy_taken = false;
+    if (has_residual && g[3].needed) {
+      if (fresh(g[3])) g[3].buffer = dres = dy, dy_taken = true;
+      else dres = grad_target(g[3], x, beta_res, op);
+    }
+    const bool dx_over_dy = (relu || has_residual) && g[0].needed && !dy_taken && fresh(g[0]);
+    if (dx_over_dy) g[0].buffer = dy;
+    auto [dx, dw, db, bdx, bp] = norm_grad_targets(g, x, w, has_weight, has_bias, C, op, dx_over_dy);
+    TALLY_DISPATCH(op, x, FLOATING, {
+      kernels::NormActGrad<T> act;
+      act.y = relu ? output.t[0].data<T>() : nullptr;
+      act.relu = relu;
+      act.dresidual = ptr_or_null<T>(dres);
+      act.beta_residual = TP(beta_res);
+      kk::group_norm_backward<T>(N, C, HW, G, dy.data<T>(), x.data<T>(), ptr_or_null<TP>(w), saved.t[2].data<TP>(),
+                                 saved.t[3].data<TP>(), ptr_or_null<T>(dx), TP(bdx), ptr_or_null<TP>(dw),
+                                 ptr_or_null<TP>(db), TP(bp), act);
+    });
   }
 };
 }  // namespace
@@ -650,7 +672,8 @@ void batch_norm_update_running(const Tensor& sum, const Tensor& sum_sq, i64 coun
                                                  running_mean.data<T>(), running_var.data<T>()));
 }
 
-Tensor group_norm(const Tensor& x_, i64 groups, const Tensor& weight, const Tensor& bias, double eps) {
+Tensor group_norm(const Tensor& x_, i64 groups, const Tensor& weight, const Tensor& bias, double eps, bool relu,
+                  const Tensor& residual_) {
   const char* op = "group_norm";
   if (!x_.defined() || x_.dim() < 2) throw ShapeError(fmt::format("group_norm: expected input (N, C, ...), found {}", x_.str()));
   check_floating(op, x_);
@@ -659,18 +682,31 @@ Tensor group_norm(const Tensor& x_, i64 groups, const Tensor& weight, const Tens
     throw ShapeError(fmt::format("group_norm: {} groups must divide the {} channels of {}", groups, C, x_.str()));
   check_matching(op, x_, weight, "weight", C);
   check_matching(op, x_, bias, "bias", C);
+  if (residual_.defined()) {
+    check_same_shape("group_norm (residual)", x_, residual_);
+    check_same_device("group_norm (residual)", x_, residual_);
+    check_same_dtype("group_norm (residual)", x_, residual_);
+  }
   const Tensor x = x_.contiguous();
+  const Tensor residual = residual_.defined() ? residual_.contiguous() : Tensor();
   Tensor y = out_like(x, x.shape(), op);
   Tensor save_mean = Tensor::empty({N, groups}, param_dtype(x.dtype()), x.device(), Category::activation, "group_norm_mean");
   Tensor save_invstd = Tensor::empty({N, groups}, param_dtype(x.dtype()), x.device(), Category::activation, "group_norm_invstd");
-  TALLY_DISPATCH(op, x, FLOATING, kk::group_norm_forward<T>(N, C, HW, groups, x.data<T>(), ptr_or_null<TP>(weight), ptr_or_null<TP>(bias),
-                                                            TP(eps), y.data<T>(), save_mean.data<TP>(), save_invstd.data<TP>()));
-  if (any_requires_grad({&x_, &weight, &bias})) {
+  TALLY_DISPATCH(op, x, FLOATING, {
+    kernels::NormAct<T> act;
+    act.residual = ptr_or_null<T>(residual);
+    act.relu = relu;
+    kk::group_norm_forward<T>(N, C, HW, groups, x.data<T>(), ptr_or_null<TP>(weight), ptr_or_null<TP>(bias), TP(eps),
+                              y.data<T>(), save_mean.data<TP>(), save_invstd.data<TP>(), act);
+  });
+  if (any_requires_grad({&x_, &weight, &bias, &residual_})) {
     auto n = std::make_shared<GroupNormBackward>();
     n->saved.t = {x, weight, save_mean, save_invstd};
     n->N = N, n->C = C, n->HW = HW, n->G = groups;
     n->has_weight = weight.defined(), n->has_bias = bias.defined();
-    set_history(y, n, {&x_, &weight, &bias});
+    n->relu = relu, n->has_residual = residual.defined();
+    set_history(y, n, {&x_, &weight, &bias, &residual_});
+    if (relu) n->output.t[0] = y.detach();  // the node must not own a handle that points back at itself
   }
   return y;
 }

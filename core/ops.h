@@ -73,9 +73,12 @@ void batch_norm_add_moments(const Tensor& mean, const Tensor& invstd, double eps
 // running_var takes the unbiased var * count / (count - 1), with `momentum` (no gradient).
 void batch_norm_update_running(const Tensor& sum, const Tensor& sum_sq, std::int64_t count, double momentum,
                                Tensor& running_mean, Tensor& running_var);
-// x (N, C, ...), groups dividing C, weight/bias (C) or undefined.
+// x (N, C, ...), groups dividing C, weight/bias (C) or undefined. With `relu` and/or a `residual`
+// (x's shape), fused as batch_norm's: y = relu(group_norm(x) + residual) in the normalizing pass,
+// ReLU's mask and the residual's gradient inside the norm's backward passes; values and gradients
+// the unfused ops' bit for bit. Row-major (a channels-last x is converted first).
 Tensor group_norm(const Tensor& x, std::int64_t groups, const Tensor& weight = {}, const Tensor& bias = {},
-                  double eps = 1e-5);
+                  double eps = 1e-5, bool relu = false, const Tensor& residual = {});
 
 // ---- work --------------------------------------------------------------------------------------
 // Floating-point operations of the convolutions and matrix products run on this thread, 2 per

@@ -175,6 +175,15 @@ GroupNorm::GroupNorm(std::int64_t groups, std::int64_t c, double eps_) : num_gro
 
 Tensor GroupNorm::forward(const Tensor& x) { return group_norm(x, num_groups, weight, bias, eps); }
 
+Tensor GroupNorm::forward_relu(const Tensor& x, const Tensor& residual) {
+  if (recompute()) {
+    Tensor y = (*this)(x);
+    if (residual.defined()) y = add(std::move(y), residual);
+    return relu(std::move(y));
+  }
+  return observed([&] { return group_norm(x, num_groups, weight, bias, eps, true, residual); });
+}
+
 // ---- pooling ------------------------------------------------------------------------------------
 MaxPool2d::MaxPool2d(std::int64_t k, std::optional<std::int64_t> s, std::int64_t p)
     : kernel_size(k), stride(s.value_or(k)), padding(p) {

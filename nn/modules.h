@@ -95,6 +95,9 @@ class GroupNorm : public Module {
  public:
   GroupNorm(std::int64_t num_groups, std::int64_t num_channels, double eps = 1e-5);
   Tensor forward(const Tensor& x) override;
+  // relu(forward(x) + residual) as one op (core/ops.h group_norm's relu and residual); the unfused
+  // ops when this module is recomputed on its own (its segment keeps x alone).
+  Tensor forward_relu(const Tensor& x, const Tensor& residual = {});
 
   Tensor weight, bias;  // (C)
   std::int64_t num_groups, num_channels;

@@ -87,6 +87,7 @@ BasicBlock::BasicBlock(std::int64_t in_planes, std::int64_t planes, std::int64_t
 
 Tensor norm_relu(Module& norm, Tensor x, const Tensor& residual) {
   if (auto* bn = dynamic_cast<BatchNorm2d*>(&norm)) return bn->forward_relu(std::move(x), residual);
+  if (auto* gn = dynamic_cast<GroupNorm*>(&norm)) return gn->forward_relu(x, residual);
   Tensor y = norm(x);
   if (residual.defined()) y = add(std::move(y), residual);
   return tally::relu(std::move(y));

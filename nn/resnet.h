@@ -49,7 +49,7 @@ Norm parse_norm(const std::string& s);  // "batch" | "group" | "none"; tally::Er
 const char* norm_name(Norm n);
 std::shared_ptr<Module> make_norm(Norm norm, std::int64_t channels);
 // relu(norm(x) + residual) (residual may be undefined): one fused op when `norm` is a BatchNorm2d
-// (BatchNorm2d::forward_relu), the unfused ops for the others (GroupNorm, Identity).
+// or a GroupNorm (their forward_relu), the unfused ops for the others (Identity).
 // x by value: moved in, a gradient-free run may write the result over it.
 Tensor norm_relu(Module& norm, Tensor x, const Tensor& residual = {});
 

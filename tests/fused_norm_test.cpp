@@ -41,36 +41,43 @@ struct Outcome {
 
 // One forward and backward, fused or not. `through`: x and r reach the op through a scale by 1
 // (intermediate tensors: their gradients are fresh), else they are the leaves themselves.
-Outcome run(bool fused, bool residual, DType act, bool through, std::uint32_t seed) {
+// `group`: group norm (3 groups of 2 channels) instead of batch norm; `relu_after`: the ReLU is
+// part of the op (else the residual add alone); `x_grad`: x needs a gradient (else only r, w, b).
+Outcome run(bool fused, bool residual, DType act, bool through, std::uint32_t seed, bool group = false,
+            bool relu_after = true, bool x_grad = true) {
   std::mt19937 rng(seed);
-  const Shape s{3, 5, 4, 6};
+  const Shape s = group ? Shape{3, 6, 4, 5} : Shape{3, 5, 4, 6};
+  const std::int64_t C = s[1];
   const DType pdt = act == DType::BFloat16 ? DType::Float32 : act;
   Tensor x0 = random_tensor(s, act, rng), r0 = random_tensor(s, act, rng);
-  Tensor w = random_tensor({5}, pdt, rng, Category::parameter), b = random_tensor({5}, pdt, rng, Category::parameter);
-  Tensor rm = random_tensor({5}, pdt, rng, Category::parameter);
-  Tensor rv = random_tensor({5}, pdt, rng, Category::parameter).to(DType::Float64);
+  Tensor w = random_tensor({C}, pdt, rng, Category::parameter), b = random_tensor({C}, pdt, rng, Category::parameter);
+  Tensor rm = random_tensor({C}, pdt, rng, Category::parameter);
+  Tensor rv = random_tensor({C}, pdt, rng, Category::parameter).to(DType::Float64);
   {  // a positive running variance
     std::vector<double> v = rv.to_vector<double>();
     for (double& e : v) e = std::abs(e) + 0.5;
-    rv = Tensor::from_vector(v, {5}, Device::cpu(), Category::parameter).to(pdt);
+    rv = Tensor::from_vector(v, {C}, Device::cpu(), Category::parameter).to(pdt);
   }
   const Tensor gy = random_tensor(s, act, rng);
-  for (Tensor* t : {&x0, &r0, &w, &b}) t->set_requires_grad(true);
+  for (Tensor* t : {&r0, &w, &b}) t->set_requires_grad(true);
+  x0.set_requires_grad(x_grad);
   Tensor x = through ? scale(x0, 1.0) : x0, r = through ? scale(r0, 1.0) : r0;
   BatchNormOptions o;
   Tensor y;
-  if (fused) {
+  if (fused && group) {
+    y = group_norm(x, 3, w, b, 1e-5, relu_after, residual ? r : Tensor());
+  } else if (fused) {
     o.relu = true;
     y = batch_norm(x, w, b, rm, rv, o, residual ? r : Tensor());
   } else {
-    y = batch_norm(x, w, b, rm, rv, o);
+    y = group ? group_norm(x, 3, w, b) : batch_norm(x, w, b, rm, rv, o);
     if (residual) y = add(y, r);
-    y = relu(y);
+    if (relu_after) y = relu(y);
   }
   Outcome out;
   out.all = {bytes(y), bytes(rm), bytes(rv)};
   sum(mul(y, gy)).backward();
-  out.all.push_back(bytes(x0.grad()));
+  if (x_grad) out.all.push_back(bytes(x0.grad()));
   out.all.push_back(bytes(w.grad()));
   out.all.push_back(bytes(b.grad()));
   if (residual) out.all.push_back(bytes(r0.grad()));
@@ -96,6 +103,26 @@ TEST_F(FusedBatchNorm, MatchesTheUnfusedOpsBitForBit) {
                                             << (residual ? ", with residual" : ", no residual")
                                             << (through ? ", intermediate inputs" : ", leaf inputs");
       }
+}
+
+// Group norm + residual add + ReLU (and + residual add alone) against the unfused ops, bit for bit,
+// also where x needs no gradient (the residual's gradient written on its own).
+TEST_F(FusedBatchNorm, GroupNormMatchesTheUnfusedOpsBitForBit) {
+  for (DType act : {DType::Float64, DType::Float32, DType::BFloat16})
+    for (int variant = 0; variant < 4; ++variant)
+      for (bool through : {false, true})
+        for (bool x_grad : {true, false}) {
+          const bool residual = variant != 0, relu_after = variant != 2;
+          if (!residual && !relu_after) continue;
+          if (!x_grad && !residual) continue;
+          const Outcome a = run(true, residual, act, through, 9, true, relu_after, x_grad);
+          const Outcome b = run(false, residual, act, through, 9, true, relu_after, x_grad);
+          ASSERT_EQ(a.all.size(), b.all.size());
+          for (std::size_t i = 0; i < a.all.size(); ++i)
+            EXPECT_TRUE(a.all[i] == b.all[i]) << "tensor " << i << " differs: " << dtype_name(act) << ", variant "
+                                              << variant << (through ? ", intermediate inputs" : ", leaf inputs")
+                                              << (x_grad ? "" : ", x without gradient");
+        }
 }
 
 TEST_F(FusedBatchNorm, AGivenUpInputWithoutGradientIsOverwritten) {

@@ -159,6 +159,37 @@ TEST(GpuOps, FusedBatchNormReluMatchesTheCpu) {
   }
 }
 
+// The fused group norm (+ residual add) + ReLU against the CPU's; also with x needing no gradient
+// (the residual's gradient written by its own kernel) and with the residual add alone.
+TEST(GpuOps, FusedGroupNormReluMatchesTheCpu) {
+  REQUIRE_GPU();
+  const auto seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  const std::map<std::string, Tensor> host = {{"x", host_tensor({3, 6, 7, 9}, rng)},
+                                              {"res", host_tensor({3, 6, 7, 9}, rng)},
+                                              {"w", host_tensor({6}, rng, 0.5f, 1.5f)},
+                                              {"b", host_tensor({6}, rng)}};
+  const Tensor probe = host_tensor({3, 6, 7, 9}, rng);
+  for (int variant = 0; variant < 4; ++variant) {
+    const bool residual = variant != 0, relu_after = variant != 2, x_grad = variant != 3;
+    auto run = [&](Device d, std::map<std::string, Tensor>& L) {
+      for (const auto& [k, v] : host) L[k] = leaf(v, d);
+      if (!x_grad) L["x"] = host.at("x").to(d).clone(Category::activation);  // no gradient
+      Tensor y = group_norm(L["x"], 3, L["w"], L["b"], 1e-5, relu_after, residual ? L["res"] : Tensor());
+      sum(mul(y, probe.to(d))).backward();
+      return y;
+    };
+    std::map<std::string, Tensor> lc, lg;
+    const Tensor yc = run(Device::cpu(), lc), yg = run(Device::cuda(), lg);
+    EXPECT_LE(norm_rel_err(yg, yc), 1e-5) << "y, variant " << variant;
+    for (const char* k : {"x", "w", "b", "res"}) {
+      if ((!residual && std::string(k) == "res") || (!x_grad && std::string(k) == "x")) continue;
+      EXPECT_LE(norm_rel_err(lg.at(k).grad(), lc.at(k).grad()), 1e-4) << names("gradient", k) << ", variant " << variant;
+    }
+  }
+}
+
 TEST(GpuOps, BatchNormEvalAndFloat64OnTheGpu) {
   REQUIRE_GPU();
   std::mt19937 rng(fresh_seed());

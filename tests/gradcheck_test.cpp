@@ -142,6 +142,15 @@ TEST(GradCheck, BatchNormFusedWithResidualAndRelu) {
              req(rand64({3}, rng))});
 }
 
+TEST(GradCheck, GroupNormFusedWithResidualAndRelu) {
+  std::mt19937 rng(4);
+  gradcheck([](const std::vector<Tensor>& t) { return group_norm(t[0], 3, t[2], t[3], 1e-5, true, t[1]); },
+            {req(rand64({2, 6, 3, 2}, rng)), req(rand64({2, 6, 3, 2}, rng)), req(rand64({6}, rng)),
+             req(rand64({6}, rng))});
+  gradcheck([](const std::vector<Tensor>& t) { return group_norm(t[0], 2, {}, {}, 1e-5, false, t[1]); },
+            {req(rand64({3, 4, 2, 2}, rng)), req(rand64({3, 4, 2, 2}, rng))});
+}
+
 TEST(GradCheck, GroupNorm) {
   std::mt19937 rng(13);
   for (std::int64_t g : {1, 2, 3, 6}) {

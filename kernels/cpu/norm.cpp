@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <stdexcept>
 #include <string>
 #include <type_traits>
 
@@ -503,8 +504,9 @@ void batch_norm_apply_moments(i64 C, i64 count, T momentum, const double* sum, c
 
 template <class T>
 void group_norm_forward(i64 N, i64 C, i64 HW, i64 G, const T* x, const P<T>* gamma, const P<T>* beta_,
-                        P<T> eps, T* y, P<T>* save_mean, P<T>* save_invstd) {
+                        P<T> eps, T* y, P<T>* save_mean, P<T>* save_invstd, NormAct<T> act) {
   using M_ = P<T>;
+  if (act.channels_last) throw std::invalid_argument("group_norm_forward: channels_last is not supported");
   const i64 Cg = C / G;
   const i64 M = Cg * HW;  // elements per group
   const i64 NG = N * G;
@@ -530,8 +532,17 @@ void group_norm_forward(i64 N, i64 C, i64 HW, i64 G, const T* x, const P<T>* gam
       const double scale = invstd * gm;
       const T* xc = xp + cc * HW;
       T* yc = yp + cc * HW;
+      const T* rc = act.residual ? act.residual + ng * M + cc * HW : nullptr;
+      if (!rc && !act.relu) {
+        for (i64 i = 0; i < HW; ++i) yc[i] = static_cast<T>((static_cast<double>(xc[i]) - mean) * scale + b);
+        continue;
+      }
+      // Fused (NormAct): the residual added to the rounded value as add() adds, then relu()'s ReLU.
       for (i64 i = 0; i < HW; ++i) {
-        yc[i] = static_cast<T>((static_cast<double>(xc[i]) - mean) * scale + b);
+        T v = static_cast<T>((static_cast<double>(xc[i]) - mean) * scale + b);
+        if (rc) v = T(M_(v) + M_(1) * M_(rc[i]));
+        if (act.relu) v = M_(v) < M_(0) ? T(M_(0)) : v;
+        yc[i] = v;
       }
     }
     if (save_mean) save_mean[ng] = static_cast<M_>(mean);
@@ -542,46 +553,21 @@ void group_norm_forward(i64 N, i64 C, i64 HW, i64 G, const T* x, const P<T>* gam
 template <class T>
 void group_norm_backward(i64 N, i64 C, i64 HW, i64 G, const T* dy, const T* x, const P<T>* gamma,
                          const P<T>* save_mean, const P<T>* save_invstd, T* dx, P<T> beta_dx, P<T>* dgamma,
-                         P<T>* dbeta, P<T> beta_param) {
+                         P<T>* dbeta, P<T> beta_param, NormActGrad<T> act) {
   const i64 Cg = C / G;
   const i64 M = Cg * HW;
   const i64 NG = N * G;
   const i64 CHW = C * HW;
   const bool par = N * C * HW > kParallelThreshold;
-
-  // dx: per (n, g), with dxhat = dy * gamma[c]:
-  //   dx = invstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)) over the group.
-  if (dx && M > 0) {
-#pragma omp parallel for schedule(static) if (par && NG > 1)
-    for (i64 ng = 0; ng < NG; ++ng) {
-      const i64 g = ng % G;
-      const double mean = static_cast<double>(save_mean[ng]);
-      const double invstd = static_cast<double>(save_invstd[ng]);
-      const T* xp = x + ng * M;
-      const T* dyp = dy + ng * M;
-      T* dxp = dx + ng * M;
-      double s1 = 0.0, s2 = 0.0;
-      for (i64 cc = 0; cc < Cg; ++cc) {
-        const double gm = gamma ? static_cast<double>(gamma[g * Cg + cc]) : 1.0;
-        for (i64 i = cc * HW; i < (cc + 1) * HW; ++i) {
-          const double dxh = static_cast<double>(dyp[i]) * gm;
-          s1 += dxh;
-          s2 += dxh * (static_cast<double>(xp[i]) - mean) * invstd;
-        }
-      }
-      const double m1 = s1 / static_cast<double>(M);
-      const double m2 = s2 / static_cast<double>(M);
-      for (i64 cc = 0; cc < Cg; ++cc) {
-        const double gm = gamma ? static_cast<double>(gamma[g * Cg + cc]) : 1.0;
-        for (i64 i = cc * HW; i < (cc + 1) * HW; ++i) {
-          const double xhat = (static_cast<double>(xp[i]) - mean) * invstd;
-          const double dxh = static_cast<double>(dyp[i]) * gm;
-          store<T>(dxp + i, beta_dx, invstd * (dxh - m1 - xhat * m2));
-        }
-      }
-    }
-  }
-
+  if (act.channels_last) throw std::invalid_argument("group_norm_backward: channels_last is not supported");
+  // Fused (NormActGrad): dz = dy masked by y > 0 where dy is read; the residual's gradient dz is
+  // written in the dx pass. dgamma and dbeta are summed first (they only read), so that dx or the
+  // residual's gradient may be written over dy.
+  const T* y = act.relu ? act.y : nullptr;
+  auto dz = [&](const T* d, i64 i) {
+    if (y) return masked<true>(d, y + (d - dy), i);
+    return d[i];
+  };
   // dgamma, dbeta: per channel, summed over n and HW.
   if (dgamma || dbeta) {
 #pragma omp parallel for schedule(static) if (par && C > 1)
@@ -594,13 +580,54 @@ void group_norm_backward(i64 N, i64 C, i64 HW, i64 G, const T* dy, const T* x, c
         const T* xp = x + n * CHW + c * HW;
         const T* dyp = dy + n * CHW + c * HW;
         for (i64 i = 0; i < HW; ++i) {
-          const double d = static_cast<double>(dyp[i]);
+          const double d = static_cast<double>(dz(dyp, i));
           sdy += d;
           sdy_xhat += d * (static_cast<double>(xp[i]) - mean) * invstd;
         }
       }
       if (dgamma) store<P<T>>(dgamma + c, beta_param, sdy_xhat);
       if (dbeta) store<P<T>>(dbeta + c, beta_param, sdy);
+    }
+  }
+  T* dr = act.dresidual;
+  if (dr && !dx) {  // the residual's gradient alone
+#pragma omp parallel for schedule(static) if (par)
+    for (i64 i = 0; i < N * CHW; ++i) store<T>(dr + i, act.beta_residual, static_cast<double>(dz(dy, i)));
+  }
+
+  // dx: per (n, g), with dxhat = dy * gamma[c]:
+  //   dx = invstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)) over the group.
+  if (dx && M > 0) {
+#pragma omp parallel for schedule(static) if (par && NG > 1)
+    for (i64 ng = 0; ng < NG; ++ng) {
+      const i64 g = ng % G;
+      const double mean = static_cast<double>(save_mean[ng]);
+      const double invstd = static_cast<double>(save_invstd[ng]);
+      const T* xp = x + ng * M;
+      const T* dyp = dy + ng * M;
+      T* dxp = dx + ng * M;
+      T* drp = dr ? dr + ng * M : nullptr;
+      double s1 = 0.0, s2 = 0.0;
+      for (i64 cc = 0; cc < Cg; ++cc) {
+        const double gm = gamma ? static_cast<double>(gamma[g * Cg + cc]) : 1.0;
+        for (i64 i = cc * HW; i < (cc + 1) * HW; ++i) {
+          const T d = dz(dyp, i);
+          if (drp) store<T>(drp + i, act.beta_residual, static_cast<double>(d));  // may be dy itself: read first
+          const double dxh = static_cast<double>(d) * gm;
+          s1 += dxh;
+          s2 += dxh * (static_cast<double>(xp[i]) - mean) * invstd;
+        }
+      }
+      const double m1 = s1 / static_cast<double>(M);
+      const double m2 = s2 / static_cast<double>(M);
+      for (i64 cc = 0; cc < Cg; ++cc) {
+        const double gm = gamma ? static_cast<double>(gamma[g * Cg + cc]) : 1.0;
+        for (i64 i = cc * HW; i < (cc + 1) * HW; ++i) {
+          const double xhat = (static_cast<double>(xp[i]) - mean) * invstd;
+          const double dxh = static_cast<double>(dz(dyp, i)) * gm;  // dz again: dy may be dz by now
+          store<T>(dxp + i, beta_dx, invstd * (dxh - m1 - xhat * m2));
+        }
+      }
     }
   }
 }
@@ -618,9 +645,10 @@ void group_norm_backward(i64 N, i64 C, i64 HW, i64 G, const T* dy, const T* x, c
                                             const P<T>*, const P<T>*, P<T>, T*, P<T>, P<T>*, P<T>*, \
                                             P<T>, void*);                                           \
   template void group_norm_forward<T>(i64, i64, i64, i64, const T*, const P<T>*, const P<T>*, P<T>, \
-                                      T*, P<T>*, P<T>*);                                            \
+                                      T*, P<T>*, P<T>*, NormAct<T>);                                \
   template void group_norm_backward<T>(i64, i64, i64, i64, const T*, const T*, const P<T>*,          \
-                                       const P<T>*, const P<T>*, T*, P<T>, P<T>*, P<T>*, P<T>);
+                                       const P<T>*, const P<T>*, T*, P<T>, P<T>*, P<T>*, P<T>,       \
+                                       NormActGrad<T>);
 // The moments touch statistics only: float32 (a bf16 norm's statistics are float32) and float64.
 #define TALLY_INSTANTIATE_MOMENTS(T)                                                                  \
   template void batch_norm_accumulate_moments<T>(i64, i64, T, const T*, const T*, double*, double*); \

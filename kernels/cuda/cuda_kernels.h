@@ -173,11 +173,11 @@ void batch_norm_apply_moments(i64 C, i64 count, T momentum, const double* sum, c
                               T* running_var);
 template <class T>
 void group_norm_forward(i64 N, i64 C, i64 HW, i64 G, const T* x, const P<T>* gamma, const P<T>* beta_,
-                        P<T> eps, T* y, P<T>* save_mean, P<T>* save_invstd);
+                        P<T> eps, T* y, P<T>* save_mean, P<T>* save_invstd, NormAct<T> act = {});
 template <class T>
 void group_norm_backward(i64 N, i64 C, i64 HW, i64 G, const T* dy, const T* x, const P<T>* gamma,
                          const P<T>* save_mean, const P<T>* save_invstd, T* dx, P<T> beta_dx, P<T>* dgamma,
-                         P<T>* dbeta, P<T> beta_param);
+                         P<T>* dbeta, P<T> beta_param, NormActGrad<T> act = {});
 
 // ---------------------------------------------------------------------------------------------
 // pool.cu — NCHW pooling, PyTorch semantics (floor mode), as the CPU. The backward kernels

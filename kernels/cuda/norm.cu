@@ -293,7 +293,8 @@ __global__ void bn_apply_moments_kernel(i64 C, double n, double momentum, const 
 template <class T>
 __global__ void group_norm_forward_kernel(i64 N, i64 C, i64 HW, i64 G, const T* __restrict__ x,
                                           const S<T>* __restrict__ gamma, const S<T>* __restrict__ beta_, double eps,
-                                          T* __restrict__ y, S<T>* save_mean, S<T>* save_invstd) {
+                                          T* __restrict__ y, S<T>* save_mean, S<T>* save_invstd,
+                                          const T* __restrict__ residual, bool relu) {
   const i64 Cg = C / G, M = Cg * HW;
   TALLY_BLOCK_LOOP(ng, N * G) {
     const i64 g = ng % G;
@@ -313,7 +314,11 @@ __global__ void group_norm_forward_kernel(i64 N, i64 C, i64 HW, i64 G, const T* 
     for (i64 i = threadIdx.x; i < M; i += blockDim.x) {
       const i64 c = g * Cg + i / HW;
       const double scale = invstd * (gamma ? static_cast<double>(gamma[c]) : 1.0);
-      yp[i] = static_cast<T>((static_cast<double>(xp[i]) - mean) * scale + (beta_ ? static_cast<double>(beta_[c]) : 0.0));
+      T v = static_cast<T>((static_cast<double>(xp[i]) - mean) * scale + (beta_ ? static_cast<double>(beta_[c]) : 0.0));
+      // Fused (NormAct): the residual added to the rounded value as add() adds, then relu()'s ReLU.
+      if (residual) v = static_cast<T>(static_cast<S<T>>(v) + S<T>(1) * static_cast<S<T>>(residual[ng * M + i]));
+      if (relu && static_cast<S<T>>(v) < S<T>(0)) v = static_cast<T>(S<T>(0));
+      yp[i] = v;
     }
     if (threadIdx.x == 0) {
       if (save_mean) save_mean[ng] = static_cast<S<T>>(mean);
@@ -325,20 +330,25 @@ __global__ void group_norm_forward_kernel(i64 N, i64 C, i64 HW, i64 G, const T* 
 // dx per (n, g), with dxhat = dy * gamma[c]:
 //   dx = invstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)) over the group.
 template <class T>
-__global__ void group_norm_backward_dx_kernel(i64 N, i64 C, i64 HW, i64 G, const T* __restrict__ dy,
+__global__ void group_norm_backward_dx_kernel(i64 N, i64 C, i64 HW, i64 G, const T* dy,
                                               const T* __restrict__ x, const S<T>* __restrict__ gamma,
                                               const S<T>* __restrict__ save_mean, const S<T>* __restrict__ save_invstd,
-                                              T* dx, S<T> beta_dx) {
+                                              T* dx, S<T> beta_dx, const T* __restrict__ y, T* dres, S<T> beta_res) {
+  // dy may be dres or dx itself: each element is read, then written, by the one thread that owns it.
   const i64 Cg = C / G, M = Cg * HW;
   TALLY_BLOCK_LOOP(ng, N * G) {
     const i64 g = ng % G;
     const double mean = static_cast<double>(save_mean[ng]), invstd = static_cast<double>(save_invstd[ng]);
     const T* xp = x + ng * M;
     const T* dyp = dy + ng * M;
+    const T* yp = y ? y + ng * M : nullptr;
     T* dxp = dx + ng * M;
+    T* drp = dres ? dres + ng * M : nullptr;
     double a1 = 0, a2 = 0;
     for (i64 i = threadIdx.x; i < M; i += blockDim.x) {
-      const double dxh = static_cast<double>(dyp[i]) * (gamma ? static_cast<double>(gamma[g * Cg + i / HW]) : 1.0);
+      const double d = masked_dy(dyp, yp, i);
+      if (drp) store(drp + i, beta_res, d);
+      const double dxh = d * (gamma ? static_cast<double>(gamma[g * Cg + i / HW]) : 1.0);
       a1 += dxh;
       a2 += dxh * ((static_cast<double>(xp[i]) - mean) * invstd);
     }
@@ -346,7 +356,7 @@ __global__ void group_norm_backward_dx_kernel(i64 N, i64 C, i64 HW, i64 G, const
     const double m2 = block_sum(a2) / static_cast<double>(M);
     for (i64 i = threadIdx.x; i < M; i += blockDim.x) {
       const double xhat = (static_cast<double>(xp[i]) - mean) * invstd;
-      const double dxh = static_cast<double>(dyp[i]) * (gamma ? static_cast<double>(gamma[g * Cg + i / HW]) : 1.0);
+      const double dxh = masked_dy(dyp, yp, i) * (gamma ? static_cast<double>(gamma[g * Cg + i / HW]) : 1.0);
       store(dxp + i, beta_dx, invstd * (dxh - m1 - xhat * m2));
     }
   }
@@ -363,7 +373,7 @@ template <class T>
 __global__ void group_norm_backward_param_kernel(i64 N, i64 C, i64 HW, i64 G, const T* __restrict__ dy,
                                                  const T* __restrict__ x, const S<T>* __restrict__ save_mean,
                                                  const S<T>* __restrict__ save_invstd, S<T>* dgamma, S<T>* dbeta,
-                                                 S<T> beta_param) {
+                                                 S<T> beta_param, const T* __restrict__ y) {
   const i64 Cg = C / G, M = N * HW;
   TALLY_BLOCK_LOOP(c, C) {
     const i64 g = c / Cg;
@@ -371,7 +381,7 @@ __global__ void group_norm_backward_param_kernel(i64 N, i64 C, i64 HW, i64 G, co
     for (i64 m = threadIdx.x; m < M; m += blockDim.x) {
       const i64 n = m / HW;
       const i64 o = channel_offset(m, c, C, HW);
-      const double d = static_cast<double>(dy[o]);
+      const double d = masked_dy(dy, y, o);
       a_dy += d;
       a_dy_xhat += d * ((static_cast<double>(x[o]) - static_cast<double>(save_mean[n * G + g])) *
                         static_cast<double>(save_invstd[n * G + g]));
@@ -383,6 +393,13 @@ __global__ void group_norm_backward_param_kernel(i64 N, i64 C, i64 HW, i64 G, co
       if (dbeta) store(dbeta + c, beta_param, sdy);
     }
   }
+}
+
+// dres (=|+= by beta) dy masked by y > 0 (y null: dy): a fused group norm's residual gradient when
+// its dx is not needed.
+template <class T>
+__global__ void masked_store_kernel(i64 n, const T* __restrict__ dy, const T* __restrict__ y, T* dres, S<T> beta) {
+  TALLY_GRID_LOOP(i, n) store(dres + i, beta, masked_dy(dy, y, i));
 }
 
 }  // namespace
@@ -508,28 +525,36 @@ void batch_norm_apply_moments(i64 C, i64 count, T momentum, const double* sum, c
 
 template <class T>
 void group_norm_forward(i64 N, i64 C, i64 HW, i64 G, const T* x, const P<T>* gamma, const P<T>* beta_, P<T> eps,
-                        T* y, P<T>* save_mean, P<T>* save_invstd) {
+                        T* y, P<T>* save_mean, P<T>* save_invstd, NormAct<T> act) {
   if (N * G <= 0) return;
+  refuse_channels_last(act.channels_last, "group_norm_forward");
   group_norm_forward_kernel<<<blocks_for(N * G), kReduceThreads, 0, detail::stream()>>>(
-      N, C, HW, G, x, gamma, beta_, eps, y, save_mean, save_invstd);
+      N, C, HW, G, x, gamma, beta_, eps, y, save_mean, save_invstd, act.residual, act.relu);
   TALLY_LAUNCH_CHECK("group_norm_forward");
 }
 
 template <class T>
 void group_norm_backward(i64 N, i64 C, i64 HW, i64 G, const T* dy, const T* x, const P<T>* gamma,
                          const P<T>* save_mean, const P<T>* save_invstd, T* dx, P<T> beta_dx, P<T>* dgamma,
-                         P<T>* dbeta, P<T> beta_param) {
+                         P<T>* dbeta, P<T> beta_param, NormActGrad<T> act) {
   if (G <= 0) return;
+  refuse_channels_last(act.channels_last, "group_norm_backward");
   const i64 M = (C / G) * HW;
-  if (dx && M > 0 && N * G > 0) {
-    group_norm_backward_dx_kernel<<<blocks_for(N * G), kReduceThreads, 0, detail::stream()>>>(
-        N, C, HW, G, dy, x, gamma, save_mean, save_invstd, dx, beta_dx);
-    TALLY_LAUNCH_CHECK("group_norm_backward.dx");
-  }
+  const T* y = act.relu ? act.y : nullptr;
+  // dgamma and dbeta first (they only read): dx or the residual's gradient may then be written over dy.
   if ((dgamma || dbeta) && C > 0) {
     group_norm_backward_param_kernel<<<blocks_for(C), kReduceThreads, 0, detail::stream()>>>(
-        N, C, HW, G, dy, x, save_mean, save_invstd, dgamma, dbeta, beta_param);
+        N, C, HW, G, dy, x, save_mean, save_invstd, dgamma, dbeta, beta_param, y);
     TALLY_LAUNCH_CHECK("group_norm_backward.params");
+  }
+  if (dx && M > 0 && N * G > 0) {
+    group_norm_backward_dx_kernel<<<blocks_for(N * G), kReduceThreads, 0, detail::stream()>>>(
+        N, C, HW, G, dy, x, gamma, save_mean, save_invstd, dx, beta_dx, y, act.dresidual, act.beta_residual);
+    TALLY_LAUNCH_CHECK("group_norm_backward.dx");
+  } else if (act.dresidual && N * C * HW > 0) {
+    const i64 n = N * C * HW;
+    masked_store_kernel<<<grid_for(n), kThreads, 0, detail::stream()>>>(n, dy, y, act.dresidual, act.beta_residual);
+    TALLY_LAUNCH_CHECK("group_norm_backward.residual");
   }
 }
 
@@ -544,9 +569,10 @@ void group_norm_backward(i64 N, i64 C, i64 HW, i64 G, const T* dy, const T* x, c
                                             const P<T>*, const P<T>*, P<T>, T*, P<T>, P<T>*, P<T>*,    \
                                             P<T>, void*);                                              \
   template void group_norm_forward<T>(i64, i64, i64, i64, const T*, const P<T>*, const P<T>*, P<T>,    \
-                                      T*, P<T>*, P<T>*);                                               \
+                                      T*, P<T>*, P<T>*, NormAct<T>);                                   \
   template void group_norm_backward<T>(i64, i64, i64, i64, const T*, const T*, const P<T>*,             \
-                                       const P<T>*, const P<T>*, T*, P<T>, P<T>*, P<T>*, P<T>);
+                                       const P<T>*, const P<T>*, T*, P<T>, P<T>*, P<T>*, P<T>,          \
+                                       NormActGrad<T>);
 // The moments touch statistics only: float32 (a bf16 norm's statistics are float32).
 #define TALLY_INSTANTIATE_MOMENTS(T)                                                                  \
   template void batch_norm_accumulate_moments<T>(i64, i64, T, const T*, const T*, double*, double*); \
