@@ -16,7 +16,8 @@
 #        sanitize  compute-sanitizer: memcheck on every binary (the 1 PiB cudaMalloc test
 #                  excluded), racecheck and synccheck on tally's own kernels only        (~3-6 min)
 #        train     `make train`'s recipe on the GPU (ResNet-20 on Fashion-MNIST, packed by
-#                  `pack`, batch 512 in 32 MiB, 2 epochs)                                (~1 min)
+#                  `pack`, batch 512 in 32 MiB, 2 epochs), then 40 steps of the MBP demo
+#                  with the convolutions through cuDNN's graph API                       (~1 min)
 #        resnet50  `tally plan --device cuda` for ResNet-50 224x224 batch 4096 in 8 GiB,
 #                  3 steps of it, and 3 steps of native batch m (the plan's micro-batch);
 #                  then a few steps of batch 4096 in 8 GiB with --recompute all and of
@@ -346,6 +347,14 @@ step_train() {
   note "$(printf '%-44s rc=%-3s %s' "tally train cuda" "$last_rc" "$(grep -E 'test accuracy|peak' "$log" | tail -2 | tr '\n' ' ')")"
   [[ -f $run/summary.json ]] && cp "$run/summary.json" "$logs/train-summary.json"
   [[ -f $run/memory.svg ]] && cp "$run/memory.svg" "$logs/train-memory.svg"
+  # The convolutions through cuDNN's graph (backend) API instead of the legacy one: the same MBP
+  # demo, its plan exact (the peak line), its loss printed beside the legacy run's.
+  local glog=$logs/train-graph-api.log
+  rm -rf "$run-graph"
+  run_logged "tally train (cuda, graph API)" "$glog" "$bundle/run" env TALLY_CUDNN_CONV_API=graph \
+    "$bundle/bin/tally" train --model resnet20 --data synthetic --steps 40 --batch-size 256 --memory-limit 48MiB \
+    --device cuda --out "$run-graph" --no-progress --no-eval
+  note "$(printf '%-44s rc=%-3s %s' "tally train cuda graph API" "$last_rc" "$(grep -E 'train loss|peak' "$glog" | tail -2 | tr '\n' ' ')")"
   publish
 }
 

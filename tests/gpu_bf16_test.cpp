@@ -447,6 +447,23 @@ TEST(GpuBf16Kernels, ConvolutionMatchesTheCpu) {
   }
 }
 
+// The same through cuDNN's graph (backend) API.
+TEST(GpuBf16Kernels, ConvolutionThroughTheGraphApiMatchesTheCpu) {
+  REQUIRE_GPU();
+  struct UseGraph {
+    kg::CudnnConvApi before = kg::cudnn_conv_api();
+    UseGraph() { kg::set_cudnn_conv_api(kg::CudnnConvApi::graph); }
+    ~UseGraph() { kg::set_cudnn_conv_api(before); }
+  } use_graph;
+  for (const ConvCase& c : conv_cases()) {
+    SCOPED_TRACE(c.name);
+    const std::string plan = kg::conv2d_plan_description<bf16>(c.s);
+    EXPECT_EQ(plan.rfind("bf16 conv2d", 0), 0u) << plan;
+    EXPECT_NE(plan.find("through the graph API"), std::string::npos) << plan;
+    check_conv(c.s);
+  }
+}
+
 // The bf16 weight copy and weight gradient live in the workspace: a call without one says so.
 TEST(GpuBf16Kernels, ConvolutionWithoutItsWorkspaceIsAClearError) {
   REQUIRE_GPU();

@@ -377,6 +377,29 @@ TEST(GpuKernels, ConvolutionMatchesTheCpu) {
   }
 }
 
+// The graph (backend) API's convolutions on every test shape, each pass against the CPU as the
+// legacy path's are (check_conv: beta 0 and 1, workspaces within the limit, deterministic), and
+// the choice cached: the workspace the dry run reads is the one the step uses.
+TEST(GpuKernels, ConvolutionThroughTheGraphApiMatchesTheCpu) {
+  REQUIRE_GPU();
+  struct UseGraph {
+    kg::CudnnConvApi before = kg::cudnn_conv_api();
+    UseGraph() { kg::set_cudnn_conv_api(kg::CudnnConvApi::graph); }
+    ~UseGraph() { kg::set_cudnn_conv_api(before); }
+  } use_graph;
+  for (const ConvCase& c : conv_cases()) {
+    SCOPED_TRACE(c.name);
+    const std::string plan = kg::conv2d_plan_description(c.s);
+    EXPECT_NE(plan.find("through the graph API"), std::string::npos) << plan;
+    std::size_t before[3];
+    for (int i = 0; i < 3; ++i) before[i] = kg::conv2d_workspace_bytes<float>(c.s, static_cast<kernels::ConvPass>(i));
+    check_conv(c.s, c.bias, kMathTol);
+    for (int i = 0; i < 3; ++i)
+      EXPECT_EQ(kg::conv2d_workspace_bytes<float>(c.s, static_cast<kernels::ConvPass>(i)), before[i])
+          << "the cached choice must not change";
+  }
+}
+
 // A limit between two candidates' workspaces: the choice under the larger limit no longer fits,
 // so the best one that does must be picked (and compute the same convolution); at a limit of 0
 // only workspace-free algorithms remain, or a clear error.

@@ -43,6 +43,7 @@
 #include <string>
 #include <tuple>
 #include <type_traits>
+#include <vector>
 
 #include "kernels/cuda/context.h"
 #include "kernels/cuda/cuda_kernels.h"
@@ -328,6 +329,13 @@ bool choose_among(cudnnHandle_t h, const Plan& p, cudnnConvolutionDescriptor_t c
   return false;
 }
 
+CudnnConvApi conv_api_from_env() {
+  const char* v = std::getenv("TALLY_CUDNN_CONV_API");
+  return v != nullptr && std::string(v) == "graph" ? CudnnConvApi::graph : CudnnConvApi::legacy;
+}
+std::atomic<CudnnConvApi> g_conv_api{conv_api_from_env()};
+bool use_graph_api() { return g_conv_api.load() == CudnnConvApi::graph; }
+
 bool log_conv_from_env() {
   const char* v = std::getenv("TALLY_LOG_CONV");
   return v != nullptr && v[0] != '\0' && v[0] != '0';
@@ -375,6 +383,277 @@ const Plan& plan_for(const Conv2dShape& s, bool bf16) {
   return *it->second;
 }
 
+// ---- the graph (backend) API ---------------------------------------------------------------------
+// The same three passes through cudnn_graph.h (no frontend library): per pass and beta one
+// operation graph holding one convolution node; its engine configurations come from heuristics
+// mode A (host-side, the same list every time for a shape, device and cuDNN), and the first that
+//   * is deterministic (no CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC) when deterministic() is on,
+//   * for float32 data, uses no tensor cores (TENSOR_CORE, DOWN_CONVERT_INPUTS: TF32) unless
+//     allow_tf32() is on,
+//   * finalizes into an execution plan whose workspace is at most the shape's workspace_limit
+// is the pass's plan, cached for the process (a dry run chooses and sizes as the real step does).
+// If no deterministic one fits, the first other one that does is taken with a warning (as the
+// legacy path does). alpha = 1; beta is the op's own attribute, so a pass has a plan per beta
+// (0: write, 1: accumulate), and its workspace is the larger of the two. bf16 as the legacy path:
+// the bf16 weight copy (or weight gradient) at the start of the workspace.
+// Selected with set_cudnn_conv_api(CudnnConvApi::graph) or TALLY_CUDNN_CONV_API=graph; the
+// legacy API stays the default until the graph path has passed its gpu tests on a GPU.
+
+// One backend descriptor, owned.
+class BackendDescriptor {
+ public:
+  explicit BackendDescriptor(cudnnBackendDescriptorType_t type) {
+    TALLY_CUDNN_CHECK(cudnnBackendCreateDescriptor(type, &d_));
+  }
+  ~BackendDescriptor() {
+    if (d_) (void)cudnnBackendDestroyDescriptor(d_);
+  }
+  BackendDescriptor(const BackendDescriptor&) = delete;
+  BackendDescriptor& operator=(const BackendDescriptor&) = delete;
+  cudnnBackendDescriptor_t get() const { return d_; }
+  cudnnBackendDescriptor_t* address() { return &d_; }
+
+ private:
+  cudnnBackendDescriptor_t d_ = nullptr;
+};
+using Backend = std::unique_ptr<BackendDescriptor>;
+
+Backend backend(cudnnBackendDescriptorType_t type) { return std::make_unique<BackendDescriptor>(type); }
+
+void set_attr(const Backend& d, cudnnBackendAttributeName_t name, cudnnBackendAttributeType_t type, std::int64_t n,
+              const void* values) {
+  TALLY_CUDNN_CHECK(cudnnBackendSetAttribute(d->get(), name, type, n, values));
+}
+void set_desc(const Backend& d, cudnnBackendAttributeName_t name, const Backend& value) {
+  cudnnBackendDescriptor_t v = value->get();
+  set_attr(d, name, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &v);
+}
+
+// Unique ids of the operands in a variant pack.
+constexpr std::int64_t kUidX = 'x', kUidW = 'w', kUidY = 'y';
+
+Backend tensor_desc(std::int64_t uid, cudnnDataType_t type, std::int64_t a, std::int64_t b, std::int64_t c,
+                    std::int64_t d) {
+  auto t = backend(CUDNN_BACKEND_TENSOR_DESCRIPTOR);
+  const std::int64_t dims[4] = {a, b, c, d}, strides[4] = {b * c * d, c * d, d, 1}, alignment = 16;
+  set_attr(t, CUDNN_ATTR_TENSOR_DATA_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &type);
+  set_attr(t, CUDNN_ATTR_TENSOR_DIMENSIONS, CUDNN_TYPE_INT64, 4, dims);
+  set_attr(t, CUDNN_ATTR_TENSOR_STRIDES, CUDNN_TYPE_INT64, 4, strides);
+  set_attr(t, CUDNN_ATTR_TENSOR_UNIQUE_ID, CUDNN_TYPE_INT64, 1, &uid);
+  set_attr(t, CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, CUDNN_TYPE_INT64, 1, &alignment);
+  TALLY_CUDNN_CHECK(cudnnBackendFinalize(t->get()));
+  return t;
+}
+
+Backend conv_desc(const Conv2dShape& s) {
+  auto c = backend(CUDNN_BACKEND_CONVOLUTION_DESCRIPTOR);
+  const cudnnDataType_t compute = CUDNN_DATA_FLOAT;
+  const cudnnConvolutionMode_t mode = CUDNN_CROSS_CORRELATION;
+  const std::int64_t dims = 2, pad[2] = {s.pad_h, s.pad_w}, stride[2] = {s.stride_h, s.stride_w},
+                     dilation[2] = {s.dil_h, s.dil_w};
+  // PyTorch's output size rounds down: the right/bottom padding that makes the sizes agree.
+  const std::int64_t post[2] = {(s.P() - 1) * s.stride_h + (s.R - 1) * s.dil_h + 1 - s.H - s.pad_h,
+                                (s.Q() - 1) * s.stride_w + (s.S - 1) * s.dil_w + 1 - s.W - s.pad_w};
+  set_attr(c, CUDNN_ATTR_CONVOLUTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &compute);
+  set_attr(c, CUDNN_ATTR_CONVOLUTION_CONV_MODE, CUDNN_TYPE_CONVOLUTION_MODE, 1, &mode);
+  set_attr(c, CUDNN_ATTR_CONVOLUTION_SPATIAL_DIMS, CUDNN_TYPE_INT64, 1, &dims);
+  set_attr(c, CUDNN_ATTR_CONVOLUTION_PRE_PADDINGS, CUDNN_TYPE_INT64, 2, pad);
+  set_attr(c, CUDNN_ATTR_CONVOLUTION_POST_PADDINGS, CUDNN_TYPE_INT64, 2, post);
+  set_attr(c, CUDNN_ATTR_CONVOLUTION_FILTER_STRIDES, CUDNN_TYPE_INT64, 2, stride);
+  set_attr(c, CUDNN_ATTR_CONVOLUTION_DILATIONS, CUDNN_TYPE_INT64, 2, dilation);
+  TALLY_CUDNN_CHECK(cudnnBackendFinalize(c->get()));
+  return c;
+}
+
+// One pass's chosen execution plan, with everything it was built from kept alive.
+struct GraphPlan {
+  std::vector<Backend> parts;  // tensors, convolution, operation, graph, heuristics, configurations
+  Backend plan;
+  std::size_t workspace = 0;
+  std::string description;
+};
+
+// The engine of a configuration: its global index and numerical notes.
+struct EngineInfo {
+  std::int64_t index = -1;
+  bool nondeterministic = false, tensor_core = false;
+};
+EngineInfo engine_info(const Backend& config) {
+  EngineInfo info;
+  auto engine = backend(CUDNN_BACKEND_ENGINE_DESCRIPTOR);
+  std::int64_t n = 0;
+  if (cudnnBackendGetAttribute(config->get(), CUDNN_ATTR_ENGINECFG_ENGINE, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &n,
+                               engine->address()) != CUDNN_STATUS_SUCCESS)
+    return info;
+  (void)cudnnBackendGetAttribute(engine->get(), CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &n, &info.index);
+  cudnnBackendNumericalNote_t notes[CUDNN_NUMERICAL_NOTE_TYPE_COUNT];
+  std::int64_t count = 0;
+  if (cudnnBackendGetAttribute(engine->get(), CUDNN_ATTR_ENGINE_NUMERICAL_NOTE, CUDNN_TYPE_NUMERICAL_NOTE,
+                               CUDNN_NUMERICAL_NOTE_TYPE_COUNT, &count, notes) == CUDNN_STATUS_SUCCESS)
+    for (std::int64_t i = 0; i < count; ++i) {
+      info.nondeterministic |= notes[i] == CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC;
+      info.tensor_core |= notes[i] == CUDNN_NUMERICAL_NOTE_TENSOR_CORE || notes[i] == CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS;
+    }
+  return info;
+}
+
+const char* pass_name(ConvPass pass) {
+  return pass == ConvPass::forward ? "forward" : pass == ConvPass::backward_data ? "backward data" : "backward filter";
+}
+
+std::unique_ptr<GraphPlan> make_graph_plan(const Conv2dShape& s, bool bf16, ConvPass pass, float beta) {
+  cudnnHandle_t h = detail::cudnn();
+  auto g = std::make_unique<GraphPlan>();
+  const cudnnDataType_t data = bf16 ? CUDNN_DATA_BFLOAT16 : CUDNN_DATA_FLOAT;
+  // The weight gradient of a float32 pass is float32; of a bf16 pass, bf16 (added into float32 after).
+  auto x = tensor_desc(kUidX, data, s.N, s.C, s.H, s.W);
+  auto w = tensor_desc(kUidW, data, s.K, s.C / s.groups, s.R, s.S);
+  auto y = tensor_desc(kUidY, data, s.N, s.K, s.P(), s.Q());
+  auto conv = conv_desc(s);
+  const float alpha = 1.f;
+  Backend op;
+  switch (pass) {
+    case ConvPass::forward:
+      op = backend(CUDNN_BACKEND_OPERATION_CONVOLUTION_FORWARD_DESCRIPTOR);
+      set_desc(op, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_X, x);
+      set_desc(op, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_W, w);
+      set_desc(op, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_Y, y);
+      set_desc(op, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_CONV_DESC, conv);
+      set_attr(op, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_ALPHA, CUDNN_TYPE_FLOAT, 1, &alpha);
+      set_attr(op, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_BETA, CUDNN_TYPE_FLOAT, 1, &beta);
+      break;
+    case ConvPass::backward_data:
+      op = backend(CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_DATA_DESCRIPTOR);
+      set_desc(op, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DX, x);
+      set_desc(op, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_W, w);
+      set_desc(op, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DY, y);
+      set_desc(op, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_CONV_DESC, conv);
+      set_attr(op, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_ALPHA, CUDNN_TYPE_FLOAT, 1, &alpha);
+      set_attr(op, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_BETA, CUDNN_TYPE_FLOAT, 1, &beta);
+      break;
+    case ConvPass::backward_filter:
+      op = backend(CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_FILTER_DESCRIPTOR);
+      set_desc(op, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_X, x);
+      set_desc(op, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DW, w);
+      set_desc(op, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DY, y);
+      set_desc(op, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_CONV_DESC, conv);
+      set_attr(op, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_ALPHA, CUDNN_TYPE_FLOAT, 1, &alpha);
+      set_attr(op, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_BETA, CUDNN_TYPE_FLOAT, 1, &beta);
+      break;
+  }
+  TALLY_CUDNN_CHECK(cudnnBackendFinalize(op->get()));
+  auto graph = backend(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR);
+  set_desc(graph, CUDNN_ATTR_OPERATIONGRAPH_OPS, op);
+  set_attr(graph, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &h);
+  TALLY_CUDNN_CHECK(cudnnBackendFinalize(graph->get()));
+  auto heur = backend(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR);
+  const cudnnBackendHeurMode_t mode = CUDNN_HEUR_MODE_A;
+  set_desc(heur, CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, graph);
+  set_attr(heur, CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &mode);
+  TALLY_CUDNN_CHECK(cudnnBackendFinalize(heur->get()));
+  std::int64_t count = 0;
+  TALLY_CUDNN_CHECK(cudnnBackendGetAttribute(heur->get(), CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR,
+                                            0, &count, nullptr));
+  std::vector<Backend> configs;
+  std::vector<cudnnBackendDescriptor_t> raw;
+  for (std::int64_t i = 0; i < count; ++i) {
+    configs.push_back(backend(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR));
+    raw.push_back(configs.back()->get());
+  }
+  std::int64_t got = 0;
+  if (count > 0)
+    TALLY_CUDNN_CHECK(cudnnBackendGetAttribute(heur->get(), CUDNN_ATTR_ENGINEHEUR_RESULTS,
+                                              CUDNN_TYPE_BACKEND_DESCRIPTOR, count, &got, raw.data()));
+  const bool tc_allowed = tensor_ops_allowed(bf16);
+  std::string seen;
+  auto try_configs = [&](bool require_deterministic) -> bool {
+    for (std::int64_t i = 0; i < got; ++i) {
+      const EngineInfo info = engine_info(configs[static_cast<std::size_t>(i)]);
+      std::string note;
+      bool ok = false;
+      if (require_deterministic && info.nondeterministic) {
+        note = "not deterministic";
+      } else if (!tc_allowed && info.tensor_core) {
+        note = "tensor cores (TF32)";
+      } else {
+        auto plan = backend(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
+        set_attr(plan, CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &h);
+        set_desc(plan, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, configs[static_cast<std::size_t>(i)]);
+        const cudnnStatus_t st = cudnnBackendFinalize(plan->get());
+        std::int64_t ws = 0, n = 0;
+        if (st != CUDNN_STATUS_SUCCESS) {
+          note = std::string("plan: ") + cudnnGetErrorString(st);
+        } else if (cudnnBackendGetAttribute(plan->get(), CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1,
+                                            &n, &ws) != CUDNN_STATUS_SUCCESS || ws < 0) {
+          note = "no workspace size";
+        } else if (static_cast<std::size_t>(ws) > s.workspace_limit) {
+          note = std::to_string(ws) + " B > limit";
+        } else {
+          note = std::to_string(ws) + " B";
+          g->plan = std::move(plan);
+          g->workspace = static_cast<std::size_t>(ws);
+          ok = true;
+        }
+      }
+      seen += (seen.empty() ? "" : ", ") + std::string("engine ") + std::to_string(info.index) + " " + note;
+      if (ok) {
+        g->description = std::string(pass_name(pass)) + " (graph API, beta " + std::to_string(static_cast<int>(beta)) +
+                         ") engine " + std::to_string(info.index) + " (" + std::to_string(g->workspace) +
+                         " B, rank " + std::to_string(i) + " of heuristics mode A; candidates: " + seen + ")";
+        return true;
+      }
+    }
+    return false;
+  };
+  if (!try_configs(deterministic())) {
+    if (!deterministic() || !try_configs(false)) no_algorithm(pass_name(pass), s, bf16, seen);
+    g->description += " -- NOT deterministic: no deterministic engine fits";
+    std::fprintf(stderr, "tally: warning: conv2d %s of %s (graph API): no deterministic cuDNN engine fits the workspace "
+                 "limit of %zu bytes; using one that is not deterministic\n", pass_name(pass), shape_text(s).c_str(),
+                 s.workspace_limit);
+  }
+  for (Backend* part : {&x, &w, &y, &conv, &op, &graph, &heur}) g->parts.push_back(std::move(*part));
+  for (Backend& c : configs) g->parts.push_back(std::move(c));
+  if (g_log_conv) std::fprintf(stderr, "%s conv2d %s: %s\n", bf16 ? "bf16" : "float32", shape_text(s).c_str(),
+                               g->description.c_str());
+  return g;
+}
+
+// The cached graph plan of a shape, dtype, pass and beta (0 or 1).
+const GraphPlan& graph_plan(const Conv2dShape& s, bool bf16, ConvPass pass, float beta) {
+  if (beta != 0.f && beta != 1.f)
+    detail::fail("conv2d " + std::string(pass_name(pass)) + " (graph API): beta must be 0 or 1, found " +
+                 std::to_string(beta));
+  using Key = std::tuple<PlanKey, int, bool>;
+  static std::mutex mu;
+  static auto* cache = new std::map<Key, std::unique_ptr<GraphPlan>>;  // never destroyed, as the handles
+  const Key key{key_of(s, bf16), static_cast<int>(pass), beta == 1.f};
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = cache->find(key);
+  if (it == cache->end()) it = cache->emplace(key, make_graph_plan(s, bf16, pass, beta)).first;
+  return *it->second;
+}
+
+// cuDNN's workspace of a pass through the graph API: the larger of its two plans' (beta 0 and 1;
+// the forward and a bf16 weight gradient always write).
+std::size_t graph_workspace(const Conv2dShape& s, bool bf16, ConvPass pass) {
+  const std::size_t write = graph_plan(s, bf16, pass, 0.f).workspace;
+  if (pass == ConvPass::forward || (bf16 && pass == ConvPass::backward_filter)) return write;
+  return std::max(write, graph_plan(s, bf16, pass, 1.f).workspace);
+}
+
+// Runs a plan on (x, w, y) — for the backward passes dx, dw, dy in the same slots.
+void graph_execute(const GraphPlan& g, const void* x, const void* w, const void* y, void* workspace) {
+  auto pack = backend(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR);
+  const std::int64_t uids[3] = {kUidX, kUidW, kUidY};
+  void* ptrs[3] = {const_cast<void*>(x), const_cast<void*>(w), const_cast<void*>(y)};
+  set_attr(pack, CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, 3, uids);
+  set_attr(pack, CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, 3, ptrs);
+  set_attr(pack, CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &workspace);
+  TALLY_CUDNN_CHECK(cudnnBackendFinalize(pack->get()));
+  TALLY_CUDNN_CHECK(cudnnBackendExecute(detail::cudnn(), g.plan->get(), pack->get()));
+}
+
 // A bf16 pass's workspace: the bf16 weight (or weight-gradient) buffer, then cuDNN's part.
 struct Bf16Workspace {
   bf16* weight;  // (K, C/g, R, S)
@@ -412,12 +691,16 @@ template <class T>
 std::size_t conv2d_workspace_bytes(const Conv2dShape& s, ConvPass pass) {
   if (empty_output(s) || s.C <= 0) return 0;
 #if TALLY_HAVE_CUDNN
-  const Plan& p = plan_for(s, is_bf16<T>);
   std::size_t cudnn_bytes = 0;
-  switch (pass) {
-    case ConvPass::forward: cudnn_bytes = p.fwd_ws; break;
-    case ConvPass::backward_data: cudnn_bytes = p.bwd_data_ws; break;
-    case ConvPass::backward_filter: cudnn_bytes = p.bwd_filter_ws; break;
+  if (use_graph_api()) {
+    cudnn_bytes = graph_workspace(s, is_bf16<T>, pass);
+  } else {
+    const Plan& p = plan_for(s, is_bf16<T>);
+    switch (pass) {
+      case ConvPass::forward: cudnn_bytes = p.fwd_ws; break;
+      case ConvPass::backward_data: cudnn_bytes = p.bwd_data_ws; break;
+      case ConvPass::backward_filter: cudnn_bytes = p.bwd_filter_ws; break;
+    }
   }
   return is_bf16<T> ? bf16_weight_bytes(s) + cudnn_bytes : cudnn_bytes;
 #else
@@ -430,9 +713,30 @@ template <class T>
 std::string conv2d_plan_description(const Conv2dShape& s) {
   if (empty_output(s) || s.C <= 0) return "conv2d: empty, no cuDNN call";
 #if TALLY_HAVE_CUDNN
+  if (use_graph_api()) {
+    std::string d = std::string(is_bf16<T> ? "bf16 " : "") + "conv2d " + shape_text(s) + " through the graph API:";
+    for (ConvPass pass : {ConvPass::forward, ConvPass::backward_data, ConvPass::backward_filter})
+      d += "\n  " + graph_plan(s, is_bf16<T>, pass, 0.f).description;
+    return d;
+  }
   return plan_for(s, is_bf16<T>).description;
 #else
   no_cudnn();
+#endif
+}
+
+void set_cudnn_conv_api(CudnnConvApi api) {
+#if TALLY_HAVE_CUDNN
+  g_conv_api = api;
+#else
+  (void)api;
+#endif
+}
+CudnnConvApi cudnn_conv_api() {
+#if TALLY_HAVE_CUDNN
+  return g_conv_api.load();
+#else
+  return CudnnConvApi::legacy;
 #endif
 }
 
@@ -453,17 +757,22 @@ void conv2d_forward(const Conv2dShape& s,
                     void* workspace) {
   if (empty_output(s)) return;
 #if TALLY_HAVE_CUDNN
-  const Plan& p = plan_for(s, is_bf16<T>);
+  const bool graph = use_graph_api();
+  const Plan* p = graph ? nullptr : &plan_for(s, is_bf16<T>);
+  const std::size_t cudnn_ws = graph ? graph_workspace(s, is_bf16<T>, ConvPass::forward) : p->fwd_ws;
   const float one = 1.f, zero = 0.f;
   const void* wk = w;
   void* ws = workspace;
   if constexpr (is_bf16<T>) {
-    const Bf16Workspace parts = split_workspace(s, workspace, p.fwd_ws, "forward");
+    const Bf16Workspace parts = split_workspace(s, workspace, cudnn_ws, "forward");
     wk = bf16_weights(s, w, parts);
     ws = parts.cudnn;
   }
-  TALLY_CUDNN_CHECK(cudnnConvolutionForward(detail::cudnn(), &one, p.x, x, p.w, wk, p.fwd_conv, p.fwd_algo, ws,
-                                            p.fwd_ws, &zero, p.y, y));
+  if (graph)
+    graph_execute(graph_plan(s, is_bf16<T>, ConvPass::forward, 0.f), x, wk, y, ws);
+  else
+    TALLY_CUDNN_CHECK(cudnnConvolutionForward(detail::cudnn(), &one, p->x, x, p->w, wk, p->fwd_conv, p->fwd_algo, ws,
+                                              p->fwd_ws, &zero, p->y, y));
   if (bias != nullptr) {
     const i64 PQ = s.P() * s.Q(), total = s.N * s.K * PQ;
     add_channel_bias_kernel<<<detail::grid_for(total), detail::kThreads, 0, detail::stream()>>>(total, s.K, PQ, bias,
@@ -492,17 +801,22 @@ void conv2d_backward_data(const Conv2dShape& s,
     return;
   }
 #if TALLY_HAVE_CUDNN
-  const Plan& p = plan_for(s, is_bf16<T>);
+  const bool graph = use_graph_api();
+  const Plan* p = graph ? nullptr : &plan_for(s, is_bf16<T>);
+  const std::size_t cudnn_ws = graph ? graph_workspace(s, is_bf16<T>, ConvPass::backward_data) : p->bwd_data_ws;
   const float one = 1.f, b = static_cast<float>(beta);
   const void* wk = w;
   void* ws = workspace;
   if constexpr (is_bf16<T>) {
-    const Bf16Workspace parts = split_workspace(s, workspace, p.bwd_data_ws, "backward data");
+    const Bf16Workspace parts = split_workspace(s, workspace, cudnn_ws, "backward data");
     wk = bf16_weights(s, w, parts);
     ws = parts.cudnn;
   }
-  TALLY_CUDNN_CHECK(cudnnConvolutionBackwardData(detail::cudnn(), &one, p.w, wk, p.y, dy, p.bwd_data_conv,
-                                                 p.bwd_data_algo, ws, p.bwd_data_ws, &b, p.x, dx));
+  if (graph)
+    graph_execute(graph_plan(s, is_bf16<T>, ConvPass::backward_data, b), dx, wk, dy, ws);
+  else
+    TALLY_CUDNN_CHECK(cudnnConvolutionBackwardData(detail::cudnn(), &one, p->w, wk, p->y, dy, p->bwd_data_conv,
+                                                   p->bwd_data_algo, ws, p->bwd_data_ws, &b, p->x, dx));
 #else
   (void)dy, (void)w, (void)workspace;
   no_cudnn();
@@ -524,22 +838,30 @@ void conv2d_backward_filter(const Conv2dShape& s,
     return;
   }
 #if TALLY_HAVE_CUDNN
-  const Plan& p = plan_for(s, is_bf16<T>);
+  const bool graph = use_graph_api();
+  const Plan* p = graph ? nullptr : &plan_for(s, is_bf16<T>);
   const float one = 1.f, b = static_cast<float>(beta);
   if constexpr (is_bf16<T>) {
     // cuDNN writes the bf16 gradient into the workspace (beta = 0); it is added into dw in float32.
-    const Bf16Workspace parts = split_workspace(s, workspace, p.bwd_filter_ws, "backward filter");
+    const std::size_t cudnn_ws = graph ? graph_workspace(s, true, ConvPass::backward_filter) : p->bwd_filter_ws;
+    const Bf16Workspace parts = split_workspace(s, workspace, cudnn_ws, "backward filter");
     const float zero = 0.f;
-    TALLY_CUDNN_CHECK(cudnnConvolutionBackwardFilter(detail::cudnn(), &one, p.x, x, p.y, dy, p.bwd_filter_conv,
-                                                     p.bwd_filter_algo, parts.cudnn, p.bwd_filter_ws, &zero, p.w,
-                                                     parts.weight));
+    if (graph)
+      graph_execute(graph_plan(s, true, ConvPass::backward_filter, 0.f), x, parts.weight, dy, parts.cudnn);
+    else
+      TALLY_CUDNN_CHECK(cudnnConvolutionBackwardFilter(detail::cudnn(), &one, p->x, x, p->y, dy, p->bwd_filter_conv,
+                                                       p->bwd_filter_algo, parts.cudnn, p->bwd_filter_ws, &zero, p->w,
+                                                       parts.weight));
     const i64 n = weight_count(s);
     add_weight_gradient_kernel<<<detail::grid_for(n), detail::kThreads, 0, detail::stream()>>>(n, parts.weight, b, dw);
     TALLY_LAUNCH_CHECK("conv2d_backward_filter.add_weight_gradient");
   } else {
     // beta = 1 accumulates straight into the persistent gradient buffer (cuDNN's own scaling).
-    TALLY_CUDNN_CHECK(cudnnConvolutionBackwardFilter(detail::cudnn(), &one, p.x, x, p.y, dy, p.bwd_filter_conv,
-                                                     p.bwd_filter_algo, workspace, p.bwd_filter_ws, &b, p.w, dw));
+    if (graph)
+      graph_execute(graph_plan(s, false, ConvPass::backward_filter, b), x, dw, dy, workspace);
+    else
+      TALLY_CUDNN_CHECK(cudnnConvolutionBackwardFilter(detail::cudnn(), &one, p->x, x, p->y, dy, p->bwd_filter_conv,
+                                                       p->bwd_filter_algo, workspace, p->bwd_filter_ws, &b, p->w, dw));
   }
 #else
   (void)x, (void)dy, (void)workspace;

@@ -91,6 +91,14 @@ bool conv2d_takes_channels_last(const Conv2dShape&) {
 }
 // Prints every new plan's description to stderr (also switched on by TALLY_LOG_CONV=1).
 void set_log_conv_algorithms(bool on);
+// The cuDNN API the convolutions go through (kernels/cuda/conv.cu): legacy (cudnnConvolution*,
+// the default) or graph (the backend API of cudnn_graph.h: one operation graph per pass, engines
+// from heuristics mode A under the same rules). TALLY_CUDNN_CONV_API=graph in the environment
+// selects it at start. Change it only between steps: a plan's dry run and its real step must
+// choose alike.
+enum class CudnnConvApi { legacy, graph };
+void set_cudnn_conv_api(CudnnConvApi api);
+CudnnConvApi cudnn_conv_api();
 // y (N, K, P, Q) = conv(x (N, C, H, W), w (K, C/g, R, S)) + bias (K) ; bias may be null.
 // bf16 with a bias: the bias is added to the output cuDNN has rounded to bf16, and the sum is
 // rounded again (the CPU sums in float32 first and rounds once).
