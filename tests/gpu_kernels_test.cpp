@@ -17,6 +17,7 @@ TEST(GpuKernels, NeedTheCudaBackend) { GTEST_SKIP() << "CPU-only build: " << tal
 
 #else
 
+#include <array>
 #include <cstring>
 #include <fmt/format.h>
 #include <utility>
@@ -397,6 +398,27 @@ TEST(GpuKernels, ConvolutionThroughTheGraphApiMatchesTheCpu) {
     for (int i = 0; i < 3; ++i)
       EXPECT_EQ(kg::conv2d_workspace_bytes<float>(c.s, static_cast<kernels::ConvPass>(i)), before[i])
           << "the cached choice must not change";
+    // And against the legacy API directly, every pass on the same inputs.
+    std::mt19937 rng(fresh_seed());
+    const auto& s = c.s;
+    const i64 nx = s.N * s.C * s.H * s.W, nw = s.K * (s.C / s.groups) * s.R * s.S, ny = s.N * s.K * s.P() * s.Q();
+    Buf<float> x = dev(uniform(nx, rng)), w = dev(uniform(nw, rng)), dy = dev(uniform(ny, rng));
+    auto run = [&](kg::CudnnConvApi api) {
+      kg::set_cudnn_conv_api(api);
+      using kernels::ConvPass;
+      const auto ws_f = scratch(kg::conv2d_workspace_bytes<float>(s, ConvPass::forward));
+      const auto ws_d = scratch(kg::conv2d_workspace_bytes<float>(s, ConvPass::backward_data));
+      const auto ws_w = scratch(kg::conv2d_workspace_bytes<float>(s, ConvPass::backward_filter));
+      Buf<float> y = dev(nans(ny)), dx = dev(nans(nx)), dw = dev(nans(nw));
+      kg::conv2d_forward<float>(s, P(x), P(w), nullptr, P(y), ws_ptr(ws_f));
+      kg::conv2d_backward_data<float>(s, P(dy), P(w), P(dx), 0.f, ws_ptr(ws_d));
+      kg::conv2d_backward_filter<float>(s, P(x), P(dy), P(dw), 0.f, ws_ptr(ws_w));
+      return std::array<std::vector<float>, 3>{host(y), host(dx), host(dw)};
+    };
+    const auto legacy = run(kg::CudnnConvApi::legacy), graph = run(kg::CudnnConvApi::graph);
+    EXPECT_CLOSE(graph[0], legacy[0], kMathTol) << "forward: graph API against legacy";
+    EXPECT_CLOSE(graph[1], legacy[1], kMathTol) << "backward data: graph API against legacy";
+    EXPECT_CLOSE(graph[2], legacy[2], kMathTol) << "backward filter: graph API against legacy";
   }
 }
 
