@@ -254,6 +254,47 @@ void BM_Optimizer(benchmark::State& st) {
                                               benchmark::Counter::kIsIterationInvariantRate);
 }
 
+// The CPU's channels-last fused batch norm + residual add + ReLU (what every ResNet block ends with),
+// forward or backward (the residual's gradient written over dy, dx fresh), in float32 or bf16:
+// x, y, r, dy, dx of (N, H, W, C). Bytes: forward reads x (twice: statistics, then normalizing)
+// and r, writes y; backward reads dy, y, x twice and writes the residual's gradient and dx.
+template <class T, bool backward>
+void BM_NormNhwc(benchmark::State& st) {
+  const i64 N = st.range(0), C = st.range(1), HW = st.range(2) * st.range(2);
+  const std::size_t n = static_cast<std::size_t>(N * C * HW);
+  std::mt19937 rng(5);
+  std::normal_distribution<float> d(0.2f, 1.f);
+  auto fill = [&](std::size_t count) {
+    std::vector<T> v(count);
+    for (auto& e : v) e = T(d(rng));
+    return v;
+  };
+  std::vector<T> x = fill(n), r = fill(n), y(n), dy = fill(n), dx(n);
+  std::vector<float> gamma(static_cast<std::size_t>(C), 1.f), beta(static_cast<std::size_t>(C), 0.f),
+      mean(static_cast<std::size_t>(C)), invstd(static_cast<std::size_t>(C)), dg(static_cast<std::size_t>(C)),
+      db(static_cast<std::size_t>(C));
+  std::vector<double> ws(kc::batch_norm_workspace_bytes(N, C, HW, true) / sizeof(double) + 1);
+  tally::kernels::NormAct<T> act;
+  act.residual = r.data(), act.relu = true, act.channels_last = true;
+  kc::batch_norm_forward_train<T>(N, C, HW, x.data(), gamma.data(), beta.data(), 1e-5f, 0.1f, nullptr, nullptr,
+                                  y.data(), mean.data(), invstd.data(), ws.data(), act);
+  for (auto _ : st) {
+    if constexpr (!backward) {
+      kc::batch_norm_forward_train<T>(N, C, HW, x.data(), gamma.data(), beta.data(), 1e-5f, 0.1f, nullptr, nullptr,
+                                      y.data(), mean.data(), invstd.data(), ws.data(), act);
+    } else {
+      tally::kernels::NormActGrad<T> g;
+      g.y = y.data(), g.relu = true, g.dresidual = dy.data(), g.channels_last = true;  // dz over dy
+      kc::batch_norm_backward<T>(N, C, HW, dy.data(), x.data(), gamma.data(), mean.data(), invstd.data(), dx.data(),
+                                 0.f, dg.data(), db.data(), 0.f, ws.data(), g);
+    }
+    benchmark::ClobberMemory();
+  }
+  const double bytes = (backward ? 6.0 : 4.0) * static_cast<double>(n) * sizeof(T);
+  st.counters["bytes/s"] = benchmark::Counter(bytes, benchmark::Counter::kIsIterationInvariantRate);
+  st.counters["avx512"] = kc::avx512_kernels() ? 1 : 0;
+}
+
 // Shapes: ResNet-20 (3x32x32) and ResNet-50 (224x224) layers at modest batch sizes.
 template <class B>
 void register_all(const std::string& dev) {
@@ -288,6 +329,12 @@ void register_all(const std::string& dev) {
 
 int main(int argc, char** argv) {
   register_all<Cpu>("cpu");
+  for (const auto& a : std::vector<std::vector<std::int64_t>>{{128, 16, 32}, {16, 256, 56}}) {
+    benchmark::RegisterBenchmark("batch_norm_relu_nhwc_fwd/cpu/float32", BM_NormNhwc<float, false>)->Args(a);
+    benchmark::RegisterBenchmark("batch_norm_relu_nhwc_bwd/cpu/float32", BM_NormNhwc<float, true>)->Args(a);
+    benchmark::RegisterBenchmark("batch_norm_relu_nhwc_fwd/cpu/bf16", BM_NormNhwc<tally::kernels::bf16, false>)->Args(a);
+    benchmark::RegisterBenchmark("batch_norm_relu_nhwc_bwd/cpu/bf16", BM_NormNhwc<tally::kernels::bf16, true>)->Args(a);
+  }
 #if TALLY_HAVE_CUDA
   if (tally::cuda_device_count() > 0) register_all<Cuda>("cuda");
   else std::fprintf(stderr, "no GPU present: CUDA kernel benchmarks skipped\n");
