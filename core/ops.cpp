@@ -370,6 +370,27 @@ NormGrads norm_grad_targets(std::vector<GradSlot>& g, const Tensor& x, const Ten
   return r;
 }
 
+// A fused norm's backward owns its incoming gradient dz and reuses its buffer: as the residual's
+// gradient (dz written over itself, masked) when that slot is fresh, else as x's (dx written over
+// it) — so the fused op allocates no more than the unfused ReLU, add and norm did.
+struct TakenGradient {
+  Tensor dres;          // the residual's gradient buffer (dz itself, or its slot's own), or undefined
+  double beta_res = 0;  // 1 when dres is the slot's existing buffer (accumulate)
+  bool dz_taken = false;    // the residual took dz
+  bool dx_over_dz = false;  // dx is written over dz (g[0].buffer is dz, beta 0)
+};
+TakenGradient take_incoming_gradient(std::vector<GradSlot>& g, const Tensor& x, const Tensor& dz, bool has_residual,
+                                     const char* op) {
+  auto fresh = [](const GradSlot& slot) { return !slot.buffer.defined() && slot.category != Category::gradient; };
+  TakenGradient t;
+  if (has_residual && g[3].needed) {
+    if (fresh(g[3])) g[3].buffer = t.dres = dz, t.dz_taken = true;
+    else t.dres = grad_target(g[3], x, t.beta_res, op);
+  }
+  if (g[0].needed && !t.dz_taken && fresh(g[0])) g[0].buffer = dz, t.dx_over_dz = true;
+  return t;
+}
+
 struct BatchNormBackward : Node {
   Saved<4> saved;  // x, weight (may be undefined), save_mean, save_invstd  — or running stats in eval
   Saved<2> running;  // eval: running_mean, running_var
@@ -383,31 +404,13 @@ struct BatchNormBackward : Node {
   void release() override { saved.release(); running.release(); output.release(); }
   // Training on the CPU keeps a channels-last x channels-last (x, y, dy and dx alike).
   bool channels_last() const { return saved.t[0].suggest_memory_format() == MemoryFormat::ChannelsLast; }
-  // The fused backward owns its incoming gradient and reuses its buffer: as the residual's gradient
-  // (masked in place) when that slot is fresh, else as x's (dx written over it) — so it allocates
-  // no more than the unfused ReLU, add and norm did, and with no residual nothing at all for dx.
+  // The fused backward (take_incoming_gradient: with no residual nothing at all is allocated for dx).
   void fused_backward(const Tensor& gy, std::vector<GradSlot>& g) {
     const char* op = "batch_norm";
     const Tensor& x = saved.t[0];
     const Tensor& w = saved.t[1];
     const Tensor dz = gy.contiguous(x.suggest_memory_format());
-    auto reusable_slot = [](const GradSlot& slot) { return !slot.buffer.defined() && slot.category != Category::gradient; };
-    double beta_res = 0;
-    Tensor dres;
-    bool dz_taken = false;
-    if (has_residual && g[3].needed) {
-      if (reusable_slot(g[3])) {
-        g[3].buffer = dres = dz;
-        dz_taken = true;
-      } else {
-        dres = grad_target(g[3], x, beta_res, op);
-      }
-    }
-    bool dx_over_dz = false;
-    if (g[0].needed && !dz_taken && reusable_slot(g[0])) {
-      g[0].buffer = dz;  // dx written over dz (beta 0)
-      dx_over_dz = true;
-    }
+    const auto [dres, beta_res, dz_taken, dx_over_dz] = take_incoming_gradient(g, x, dz, has_residual, op);
     // The residual took dz and x needs a buffer of its own: ReLU's mask (y) is dropped before that
     // buffer is taken — one fewer activation-sized buffer at a backward's peak (ResNet-50 224² in
     // 8 GiB at --recompute all: micro-batches of 342 instead of 293). The second call takes the
@@ -497,24 +500,18 @@ struct GroupNormBackward : Node {
   bool relu = false, has_residual = false;  // fused (group_norm's relu and residual)
   const char* name() const override { return relu || has_residual ? "group_norm_relu" : "group_norm"; }
   void release() override { saved.release(); output.release(); }
-  // The incoming gradient is this node's: the residual's gradient is written over it (masked in
-  // place) when that slot is fresh, else dx is, as batch norm's fused backward does.
+  // Fused (relu or a residual): the incoming gradient is taken as batch norm's fused backward takes
+  // it (take_incoming_gradient); dgamma and dbeta are summed before anything is written over it.
   void backward(const Tensor& gy, std::vector<GradSlot>& g) override {
     const char* op = "group_norm";
     const Tensor& x = saved.t[0];
     const Tensor& w = saved.t[1];
     const Tensor dy = gy.contiguous();
-    auto fresh = [](const GradSlot& slot) { return !slot.buffer.defined() && slot.category != Category::gradient; };
-    double beta_res = 0;
-    Tensor dres;
-    bool dy_taken = false;
-    if (has_residual && g[3].needed) {
-      if (fresh(g[3])) g[3].buffer = dres = dy, dy_taken = true;
-      else dres = grad_target(g[3], x, beta_res, op);
-    }
-    const bool dx_over_dy = (relu || has_residual) && g[0].needed && !dy_taken && fresh(g[0]);
-    if (dx_over_dy) g[0].buffer = dy;
-    auto [dx, dw, db, bdx, bp] = norm_grad_targets(g, x, w, has_weight, has_bias, C, op, dx_over_dy);
+    TakenGradient taken;
+    if (relu || has_residual) taken = take_incoming_gradient(g, x, dy, has_residual, op);
+    const Tensor dres = taken.dres;
+    const double beta_res = taken.beta_res;
+    auto [dx, dw, db, bdx, bp] = norm_grad_targets(g, x, w, has_weight, has_bias, C, op, taken.dx_over_dz);
     TALLY_DISPATCH(op, x, FLOATING, {
       kernels::NormActGrad<T> act;
       act.y = relu ? output.t[0].data<T>() : nullptr;

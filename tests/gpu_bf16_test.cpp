@@ -450,11 +450,7 @@ TEST(GpuBf16Kernels, ConvolutionMatchesTheCpu) {
 // The same through cuDNN's graph (backend) API.
 TEST(GpuBf16Kernels, ConvolutionThroughTheGraphApiMatchesTheCpu) {
   REQUIRE_GPU();
-  struct UseGraph {
-    kg::CudnnConvApi before = kg::cudnn_conv_api();
-    UseGraph() { kg::set_cudnn_conv_api(kg::CudnnConvApi::graph); }
-    ~UseGraph() { kg::set_cudnn_conv_api(before); }
-  } use_graph;
+  const UseCudnnGraphApi use_graph;
   for (const ConvCase& c : conv_cases()) {
     SCOPED_TRACE(c.name);
     const std::string plan = kg::conv2d_plan_description<bf16>(c.s);

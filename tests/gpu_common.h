@@ -17,6 +17,7 @@
 #include "core/device.h"
 #include "core/memory.h"
 #include "core/tensor.h"
+#include "kernels/cuda/cuda_kernels.h"
 
 namespace tally::test {
 
@@ -84,6 +85,15 @@ inline double norm_rel_err(const Tensor& got, const Tensor& want) {
   }
   return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
 }
+
+// For a scope, the GPU convolutions through cuDNN's graph API (the API before, after).
+struct UseCudnnGraphApi {
+  kernels::cuda::CudnnConvApi before = kernels::cuda::cudnn_conv_api();
+  UseCudnnGraphApi() { kernels::cuda::set_cudnn_conv_api(kernels::cuda::CudnnConvApi::graph); }
+  ~UseCudnnGraphApi() { kernels::cuda::set_cudnn_conv_api(before); }
+  UseCudnnGraphApi(const UseCudnnGraphApi&) = delete;
+  UseCudnnGraphApi& operator=(const UseCudnnGraphApi&) = delete;
+};
 
 }  // namespace tally::test
 

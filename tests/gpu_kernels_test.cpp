@@ -383,11 +383,7 @@ TEST(GpuKernels, ConvolutionMatchesTheCpu) {
 // the choice cached: the workspace the dry run reads is the one the step uses.
 TEST(GpuKernels, ConvolutionThroughTheGraphApiMatchesTheCpu) {
   REQUIRE_GPU();
-  struct UseGraph {
-    kg::CudnnConvApi before = kg::cudnn_conv_api();
-    UseGraph() { kg::set_cudnn_conv_api(kg::CudnnConvApi::graph); }
-    ~UseGraph() { kg::set_cudnn_conv_api(before); }
-  } use_graph;
+  const UseCudnnGraphApi use_graph;
   for (const ConvCase& c : conv_cases()) {
     SCOPED_TRACE(c.name);
     const std::string plan = kg::conv2d_plan_description(c.s);

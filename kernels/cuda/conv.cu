@@ -510,37 +510,37 @@ std::unique_ptr<GraphPlan> make_graph_plan(const Conv2dShape& s, bool bf16, Conv
   auto w = tensor_desc(kUidW, data, s.K, s.C / s.groups, s.R, s.S);
   auto y = tensor_desc(kUidY, data, s.N, s.K, s.P(), s.Q());
   auto conv = conv_desc(s);
+  // The pass's operation and the names of its attributes: x (or dx), w (or dw), y (or dy), the
+  // convolution, alpha and beta.
+  struct OpNames {
+    cudnnBackendDescriptorType_t type;
+    cudnnBackendAttributeName_t x, w, y, conv, alpha, beta;
+  };
+  static constexpr OpNames kNames[3] = {
+      {CUDNN_BACKEND_OPERATION_CONVOLUTION_FORWARD_DESCRIPTOR, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_X,
+       CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_W, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_Y,
+       CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_CONV_DESC, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_ALPHA,
+       CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_BETA},
+      {CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_DATA_DESCRIPTOR, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DX,
+       CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_W, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DY,
+       CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_CONV_DESC, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_ALPHA,
+       CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_BETA},
+      {CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_FILTER_DESCRIPTOR, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_X,
+       CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DW, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DY,
+       CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_CONV_DESC, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_ALPHA,
+       CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_BETA},
+  };
+  static_assert(static_cast<int>(ConvPass::forward) == 0 && static_cast<int>(ConvPass::backward_data) == 1 &&
+                static_cast<int>(ConvPass::backward_filter) == 2);
+  const OpNames& names = kNames[static_cast<int>(pass)];
   const float alpha = 1.f;
-  Backend op;
-  switch (pass) {
-    case ConvPass::forward:
-      op = backend(CUDNN_BACKEND_OPERATION_CONVOLUTION_FORWARD_DESCRIPTOR);
-      set_desc(op, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_X, x);
-      set_desc(op, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_W, w);
-      set_desc(op, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_Y, y);
-      set_desc(op, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_CONV_DESC, conv);
-      set_attr(op, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_ALPHA, CUDNN_TYPE_FLOAT, 1, &alpha);
-      set_attr(op, CUDNN_ATTR_OPERATION_CONVOLUTION_FORWARD_BETA, CUDNN_TYPE_FLOAT, 1, &beta);
-      break;
-    case ConvPass::backward_data:
-      op = backend(CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_DATA_DESCRIPTOR);
-      set_desc(op, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DX, x);
-      set_desc(op, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_W, w);
-      set_desc(op, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_DY, y);
-      set_desc(op, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_CONV_DESC, conv);
-      set_attr(op, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_ALPHA, CUDNN_TYPE_FLOAT, 1, &alpha);
-      set_attr(op, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_DATA_BETA, CUDNN_TYPE_FLOAT, 1, &beta);
-      break;
-    case ConvPass::backward_filter:
-      op = backend(CUDNN_BACKEND_OPERATION_CONVOLUTION_BACKWARD_FILTER_DESCRIPTOR);
-      set_desc(op, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_X, x);
-      set_desc(op, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DW, w);
-      set_desc(op, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_DY, y);
-      set_desc(op, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_CONV_DESC, conv);
-      set_attr(op, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_ALPHA, CUDNN_TYPE_FLOAT, 1, &alpha);
-      set_attr(op, CUDNN_ATTR_OPERATION_CONVOLUTION_BWD_FILTER_BETA, CUDNN_TYPE_FLOAT, 1, &beta);
-      break;
-  }
+  Backend op = backend(names.type);
+  set_desc(op, names.x, x);
+  set_desc(op, names.w, w);
+  set_desc(op, names.y, y);
+  set_desc(op, names.conv, conv);
+  set_attr(op, names.alpha, CUDNN_TYPE_FLOAT, 1, &alpha);
+  set_attr(op, names.beta, CUDNN_TYPE_FLOAT, 1, &beta);
   TALLY_CUDNN_CHECK(cudnnBackendFinalize(op->get()));
   auto graph = backend(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR);
   set_desc(graph, CUDNN_ATTR_OPERATIONGRAPH_OPS, op);
