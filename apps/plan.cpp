@@ -75,6 +75,7 @@ mbp::Plan plan_stages(const PlanOptions& opt, const nn::ModelConfig& mc, const S
     eo.micro_batch = opt.micro_batch;
     eo.recompute = opt.recompute;
     eo.precision = precision;
+    eo.memory_format = mbp::parse_memory_format(opt.memory_format, dev, true);  // channels_last: the executor refuses it
     eo.pipeline = st.setup.stage;
     st.executor = std::make_unique<mbp::Executor>(*st.setup.model, *st.setup.optimizer, st.arena, eo);
     const mbp::Plan& p = plan_step(*st.executor, opt.batch_size, opt.micro_batch);  // an error names the stage

@@ -391,6 +391,19 @@ TakenGradient take_incoming_gradient(std::vector<GradSlot>& g, const Tensor& x, 
   return t;
 }
 
+// What a fused norm's backward kernel is told of the fused ops: ReLU's mask (y, when relu), where
+// the residual's gradient goes (dres, =|+= by beta_res), and the layout.
+template <class T>
+kernels::NormActGrad<T> fused_grad(bool relu, const Tensor& y, const Tensor& dres, double beta_res, bool channels_last) {
+  kernels::NormActGrad<T> act;
+  act.y = relu ? y.data<T>() : nullptr;
+  act.relu = relu;
+  act.dresidual = ptr_or_null<T>(dres);
+  act.beta_residual = static_cast<kernels::compute_t<T>>(beta_res);
+  act.channels_last = channels_last;
+  return act;
+}
+
 struct BatchNormBackward : Node {
   Saved<4> saved;  // x, weight (may be undefined), save_mean, save_invstd  — or running stats in eval
   Saved<2> running;  // eval: running_mean, running_var
@@ -428,11 +441,7 @@ struct BatchNormBackward : Node {
       {
         const Tensor ws = workspace(x, batch_norm_workspace_bytes(x, N, C, HW), "batch_norm_backward");
         TALLY_DISPATCH(op, x, FLOATING, {
-          kernels::NormActGrad<T> act;
-          act.y = output.t[0].data<T>();
-          act.relu = true;
-          act.dresidual = dres.data<T>();
-          act.channels_last = channels_last();
+          kernels::NormActGrad<T> act = fused_grad<T>(true, output.t[0], dres, beta_res, channels_last());
           act.sums_out = ptr_or_null<double>(sums);
           kk::batch_norm_backward<T>(N, C, HW, dz.data<T>(), x.data<T>(), ptr_or_null<TP>(w), saved.t[2].data<TP>(),
                                      saved.t[3].data<TP>(), static_cast<T*>(nullptr), TP(0), ptr_or_null<TP>(dw),
@@ -457,12 +466,7 @@ struct BatchNormBackward : Node {
     auto [dx, dw, db, bdx, bp] = norm_grad_targets(g, x, w, has_weight, has_bias, C, op, dx_over_dz);
     const Tensor ws = workspace(x, batch_norm_workspace_bytes(x, N, C, HW), "batch_norm_backward");
     TALLY_DISPATCH(op, x, FLOATING, {
-      kernels::NormActGrad<T> act;
-      act.y = relu ? output.t[0].data<T>() : nullptr;
-      act.relu = relu;
-      act.dresidual = ptr_or_null<T>(dres);
-      act.beta_residual = TP(beta_res);
-      act.channels_last = channels_last();
+      const kernels::NormActGrad<T> act = fused_grad<T>(relu, output.t[0], dres, beta_res, channels_last());
       kk::batch_norm_backward<T>(N, C, HW, dz.data<T>(), x.data<T>(), ptr_or_null<TP>(w), saved.t[2].data<TP>(),
                                  saved.t[3].data<TP>(), ptr_or_null<T>(dx), TP(bdx), ptr_or_null<TP>(dw),
                                  ptr_or_null<TP>(db), TP(bp), ws_ptr(ws), act);
@@ -513,11 +517,7 @@ struct GroupNormBackward : Node {
     const double beta_res = taken.beta_res;
     auto [dx, dw, db, bdx, bp] = norm_grad_targets(g, x, w, has_weight, has_bias, C, op, taken.dx_over_dz);
     TALLY_DISPATCH(op, x, FLOATING, {
-      kernels::NormActGrad<T> act;
-      act.y = relu ? output.t[0].data<T>() : nullptr;
-      act.relu = relu;
-      act.dresidual = ptr_or_null<T>(dres);
-      act.beta_residual = TP(beta_res);
+      const kernels::NormActGrad<T> act = fused_grad<T>(relu, output.t[0], dres, beta_res, false);
       kk::group_norm_backward<T>(N, C, HW, G, dy.data<T>(), x.data<T>(), ptr_or_null<TP>(w), saved.t[2].data<TP>(),
                                  saved.t[3].data<TP>(), ptr_or_null<T>(dx), TP(bdx), ptr_or_null<TP>(dw),
                                  ptr_or_null<TP>(db), TP(bp), act);
