@@ -26,14 +26,14 @@
 #include "core/ops.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "mbp/executor.h"
+#include "tests/gpu_common.h"
 #include "tests/model_common.h"
 
 using namespace tally;
 using kernels::bf16;
+using test::fresh_seed;
 
 namespace {
-
-std::uint32_t fresh_seed() { return std::random_device{}(); }
 
 // n normal values times `scale`, each one a bf16 value (so float32 and bf16 tensors hold the same).
 std::vector<float> bf16_values(std::int64_t n, std::mt19937& rng, float scale = 1.f) {
@@ -403,14 +403,23 @@ TEST(MixedPrecisionAccuracy, Bf16KernelsAreAsAccurateAsBf16RoundingAllows) {
     return g;
   };
   const auto truth = gradients(f64), got = gradients(bf16_kernels), rounded = gradients(rounded_f32);
+  // Measured: e / er between 0.9 and 1.1 for nearly every layer of nearly every draw (batch norm's
+  // scale invariance makes both large for the layers before one: 0.04 to 0.2, as large in the
+  // emulation as in the kernels). The two paths sum in different orders, so now and then a few
+  // sums round to different bf16 values and the network amplifies the difference — either way
+  // round: one draw in about 50 has a layer at 1.5 (TALLY_TEST_SEED=1082006489: the last layer
+  // 0.034 against 0.022) and others have the kernels closer. So each layer is held to twice the
+  // rounding's error, and the layers together to 1.1 times theirs.
   std::string table;
+  double sum_e = 0, sum_er = 0;
   for (std::size_t l = 0; l < truth.size(); ++l) {
     const double e = test::rel_error(got[l], truth[l]), er = test::rel_error(rounded[l], truth[l]);
     table += fmt::format(" {:.4f}/{:.4f}", e, er);
-    // Measured: e / er between 0.9 and 1.1 (batch norm's scale invariance makes both large for
-    // the layers before one: 0.04 to 0.2, as large in the emulation as in the kernels).
-    EXPECT_LE(e, 1.25 * er + 0.005) << "layer " << l << ": bf16 kernels " << e << ", bf16 rounding alone " << er;
+    sum_e += e;
+    sum_er += er;
+    EXPECT_LE(e, 2.0 * er + 0.005) << "layer " << l << ": bf16 kernels " << e << ", bf16 rounding alone " << er;
   }
+  EXPECT_LE(sum_e, 1.1 * sum_er) << "all layers: bf16 kernels " << sum_e << ", bf16 rounding alone " << sum_er;
   std::cout << "per-layer relative gradient error against float64, bf16 kernels / rounding alone:" << table << "\n";
 }
 
