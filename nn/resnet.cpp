@@ -93,6 +93,23 @@ Tensor norm_relu(Module& norm, Tensor x, const Tensor& residual) {
   return tally::relu(std::move(y));
 }
 
+namespace {
+// Mixed precision keeps a network's first and last layers in its master weights' precision
+// (docs/precision.md, "The first and last layers"). With bf16 activations the stem's convolution,
+// norm and ReLU run on the input widened back to float32, and hand the next layer their output in
+// the activations' dtype; the classifier takes the pooled features widened and gives float32
+// logits to the float32 loss. The stem's sums run over few products (9 for one 3x3 channel, 147
+// for a 7x7 RGB stem), so its bf16 weights and outputs are the least averaged rounding of the
+// network, and the logits decide the loss: rounding either tips make train's warm-up into loss
+// spikes (bench/RESULTS.md, "bf16: the first and last layers in float32"). With float32 or
+// float64 activations both conversions return the tensor itself.
+Tensor stem_in_master_precision(Conv2d& conv, Module& norm, const Tensor& x) {
+  return norm_relu(norm, conv(x.to(conv.weight.dtype()))).to(x.dtype());
+}
+
+Tensor classify(Linear& fc, const Tensor& features) { return fc(features.to(fc.weight.dtype())); }
+}  // namespace
+
 // The blocks' forwards hold one intermediate at a time: each step's input handle is dropped as the
 // next is assigned (a tensor no backward saved is freed there, e.g. in a recomputed segment's
 // first, gradient-free run). The norm, the residual add and the ReLU are one op (norm_relu) — or,
@@ -183,20 +200,18 @@ std::vector<Module::Segment> ResNet::segments() {
                  }});
   add_block_segments(out, {{"layer1", layer1.get()}, {"layer2", layer2.get()}, {"layer3", layer3.get()},
                            {"layer4", layer4.get()}});
-  out.push_back({"head", {avgpool.get(), fc.get()}, [this](const Tensor& x) { return (*fc)(flatten((*avgpool)(x), 1)); }});
+  out.push_back({"head", {avgpool.get(), fc.get()}, [this](const Tensor& x) { return classify(*fc, flatten((*avgpool)(x), 1)); }});
   return out;
 }
 
 Tensor ResNet::stem(const Tensor& x) {
-  Tensor y = (*conv1)(x);
-  y = norm_relu(*bn1, std::move(y));
-  return (*maxpool)(y);
+  return (*maxpool)(stem_in_master_precision(*conv1, *bn1, x));
 }
 
 Tensor ResNet::forward(const Tensor& x) {
   Tensor y = run_segment(recompute_stem, [this](const Tensor& t) { return stem(t); }, x);
   y = (*layer4)((*layer3)((*layer2)((*layer1)(y))));
-  return (*fc)(flatten((*avgpool)(y), 1));
+  return classify(*fc, flatten((*avgpool)(y), 1));
 }
 
 // ---- CIFAR ResNet -------------------------------------------------------------------------------
@@ -221,18 +236,18 @@ Module::RecomputeParts CifarResNet::recompute_parts() {
 }
 
 Tensor CifarResNet::forward(const Tensor& x) {
-  Tensor y = norm_relu(*bn1, (*conv1)(x));
+  Tensor y = stem_in_master_precision(*conv1, *bn1, x);
   y = (*layer3)((*layer2)((*layer1)(y)));
-  return (*fc)(flatten((*avgpool)(y), 1));
+  return classify(*fc, flatten((*avgpool)(y), 1));
 }
 
 std::vector<Module::Segment> CifarResNet::segments() {
   std::vector<Segment> out;
   out.push_back({"stem", {conv1.get(), bn1.get(), relu.get()}, [this](const Tensor& x) {
-                   return norm_relu(*bn1, (*conv1)(x));
+                   return stem_in_master_precision(*conv1, *bn1, x);
                  }});
   add_block_segments(out, {{"layer1", layer1.get()}, {"layer2", layer2.get()}, {"layer3", layer3.get()}});
-  out.push_back({"head", {avgpool.get(), fc.get()}, [this](const Tensor& x) { return (*fc)(flatten((*avgpool)(x), 1)); }});
+  out.push_back({"head", {avgpool.get(), fc.get()}, [this](const Tensor& x) { return classify(*fc, flatten((*avgpool)(x), 1)); }});
   return out;
 }
 
@@ -270,21 +285,24 @@ Module::RecomputeParts ResNet9::recompute_parts() {
   return parts;
 }
 
+// The prep unit is the stem: in the master weights' precision, as the other families' stems.
+Tensor ResNet9::prep_in_master_precision(const Tensor& x) { return (*prep)(x.to(fc->weight.dtype())).to(x.dtype()); }
+
 Tensor ResNet9::forward(const Tensor& x) {
-  Tensor y = (*layer1)((*prep)(x));
+  Tensor y = (*layer1)(prep_in_master_precision(x));
   y = add(y, (*res1)(y));
   y = (*layer3)((*layer2)(y));
   y = add(y, (*res3)(y));
   // Global max pool: one window over whatever spatial size is left (4x4 for 32x32 inputs).
   const std::int64_t h = y.size(2), w = y.size(3);
   y = flatten(max_pool2d(y, {h, w}, {h, w}), 1);
-  return scale((*fc)(y), 0.125);
+  return scale(classify(*fc, y), 0.125);
 }
 
 std::vector<Module::Segment> ResNet9::segments() {
   auto unit = [](Sequential* m) { return [m](const Tensor& x) { return (*m)(x); }; };
   auto residual_unit = [](Sequential* m) { return [m](const Tensor& x) { return add(x, (*m)(x)); }; };
-  return {{"prep", {prep.get()}, unit(prep.get())},
+  return {{"prep", {prep.get()}, [this](const Tensor& x) { return prep_in_master_precision(x); }},
           {"layer1", {layer1.get()}, unit(layer1.get())},
           {"res1", {res1.get()}, residual_unit(res1.get())},
           {"layer2", {layer2.get()}, unit(layer2.get())},
@@ -292,7 +310,7 @@ std::vector<Module::Segment> ResNet9::segments() {
           {"res3", {res3.get()}, residual_unit(res3.get())},
           {"head", {fc.get()}, [this](const Tensor& x) {
              const std::int64_t h = x.size(2), w = x.size(3);
-             return scale((*fc)(flatten(max_pool2d(x, {h, w}, {h, w}), 1)), 0.125);
+             return scale(classify(*fc, flatten(max_pool2d(x, {h, w}, {h, w}), 1)), 0.125);
            }}};
 }
 
