@@ -479,6 +479,48 @@ TEST_F(MixedPrecision, PlansAreExactAndFitNearlyTwiceTheMicroBatch) {
       << "fp32 micro-batch " << m_fp32 << ", bf16 " << m_bf16;
 }
 
+// The stem and the classifier run in the master weights' precision (docs/precision.md, "The first
+// and last layers"): from a bf16 input, the stem's output is its float32 computation on the
+// widened input rounded once to bf16, and the logits are the float32 classifier's on the widened
+// features — bit for bit, through the segments (pipeline stages, recomputation) and the whole
+// forward alike; every family.
+TEST_F(MixedPrecision, TheStemAndTheClassifierRunInFloat32) {
+  std::mt19937 rng(fresh_seed());
+  for (const char* name : {"resnet20", "resnet18", "resnet9"}) {
+    SCOPED_TRACE(name);
+    auto m = test::model(name, "batch");
+    const Tensor x = make(bf16_values(2 * 3 * 32 * 32, rng), {2, 3, 32, 32}, DType::BFloat16);
+    auto segments = m->segments();
+    ASSERT_GE(segments.size(), 3u);
+    const Tensor stem = segments.front().forward(x);
+    const Tensor stem32 = segments.front().forward(x.to(DType::Float32));
+    EXPECT_EQ(stem.dtype(), DType::BFloat16);
+    EXPECT_EQ(stem32.dtype(), DType::Float32);
+    EXPECT_EQ(stem.to(DType::Float32).to_vector<float>(), stem32.to(DType::BFloat16).to(DType::Float32).to_vector<float>());
+    Tensor h = stem;
+    for (std::size_t i = 1; i + 1 < segments.size(); ++i) h = segments[i].forward(h);
+    EXPECT_EQ(h.dtype(), DType::BFloat16);
+    // The head pools in bf16 (one rounding of each pooled feature), then the classifier computes
+    // in float32 on the widened features.
+    const Tensor logits = segments.back().forward(h);
+    Tensor want;
+    if (auto* r9 = dynamic_cast<nn::ResNet9*>(m.get())) {
+      const Tensor pooled = flatten(max_pool2d(h, {h.size(2), h.size(3)}, {h.size(2), h.size(3)}), 1);
+      want = scale(linear(pooled.to(DType::Float32), r9->fc->weight, {}), 0.125);
+    } else {
+      auto* fc = dynamic_cast<nn::Linear*>(m->named_children().back().second.get());
+      ASSERT_NE(fc, nullptr);
+      want = linear(flatten(adaptive_avg_pool2d(h, {1, 1}), 1).to(DType::Float32), fc->weight, fc->bias);
+    }
+    EXPECT_EQ(logits.dtype(), DType::Float32);
+    EXPECT_EQ(logits.to_vector<float>(), want.to_vector<float>());
+    const Tensor y = (*m)(x);
+    EXPECT_EQ(y.dtype(), DType::Float32);
+    EXPECT_EQ(y.to_vector<float>(), logits.to_vector<float>());
+    for (float v : y.to_vector<float>()) ASSERT_TRUE(std::isfinite(v));
+  }
+}
+
 TEST_F(MixedPrecision, NeedsAFloat32ModelAndANamedPrecision) {
   auto m = test::model("resnet20", "none", 1, DType::Float64);
   auto opt = test::sgd(*m);
