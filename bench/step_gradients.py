@@ -12,6 +12,13 @@ by PyTorch (kaiming_normal_ fan_out convolutions, --seed), or read from --weight
 step with lr 1, no momentum and no weight decay (g = w0 - w1). PyTorch runs float64 (the
 reference), float32 and bf16 autocast (loss in float32); tally runs fp32 and bf16. Printed: the
 norm-wise relative error ||g - g64|| / ||g64|| of every parameter's gradient, and their mean.
+
+--sources adds three float64 columns that round to bfloat16 at one place each — "W": the
+convolution and linear weights, as a bf16 forward sees them (the gradient taken at the rounded
+weights); "A": every stored activation (the input, each convolution, norm, ReLU, residual sum,
+pooled features and logits); "G": the gradient of each of those activations, flowing back — so
+that the bf16 error can be traced to what bf16 storage rounds. All three at once is PyTorch's bf16
+column to within the order of the sums.
 """
 import argparse
 import json
@@ -47,6 +54,58 @@ def torch_grads(state, x, y, mode):
     return {k: p.grad.double() for k, p in m.named_parameters()}
 
 
+def round_bf16(t):
+    return t.to(torch.bfloat16).to(t.dtype)
+
+
+class RoundValue(torch.autograd.Function):
+    """Rounds in the forward, passes the gradient through (a bf16 activation's value)."""
+    @staticmethod
+    def forward(ctx, x):
+        return round_bf16(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g
+
+
+class RoundGradient(torch.autograd.Function):
+    """Passes the value through, rounds the gradient flowing back (a bf16 activation gradient)."""
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return round_bf16(g)
+
+
+def emulated_grads(state, x, y, where):
+    """float64 gradients with bf16 rounding at `where` (a set of "W", "A", "G"); see --sources."""
+    m = CifarResNet(20, 10, "batch", in_channels=1).double()
+    m.load_state_dict(state)
+    m.train()
+    if "W" in where:
+        with torch.no_grad():
+            for mod in m.modules():
+                if isinstance(mod, (nn.Conv2d, nn.Linear)):
+                    mod.weight.copy_(round_bf16(mod.weight))
+
+    def store(t):
+        if "A" in where:
+            t = RoundValue.apply(t)
+        return RoundGradient.apply(t) if "G" in where else t
+
+    stored = (nn.Conv2d, nn.BatchNorm2d, nn.ReLU, nn.Linear, nn.AdaptiveAvgPool2d, type(m.layer1[0]))
+    for mod in m.modules():
+        if isinstance(mod, stored):
+            if isinstance(mod, nn.ReLU):
+                mod.inplace = False
+            mod.register_forward_hook(lambda mod, inp, out: store(out))
+    F.cross_entropy(m(store(x.double())), y).backward()
+    return {k: p.grad.double() for k, p in m.named_parameters()}
+
+
 def read_f32(path):
     b = open(path, "rb").read()
     n = struct.unpack("<Q", b[:8])[0]
@@ -77,6 +136,7 @@ def main():
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--tally", default=os.path.join(ROOT, "build", "apps", "tally"))
     p.add_argument("--dir", default="/usr/share/datasets/fashion-mnist")
+    p.add_argument("--sources", action="store_true", help="add float64 columns rounding weights, activations or gradients alone")
     p.add_argument("--weights", help="start from these weights (safetensors, torchvision names) instead of an init")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
@@ -96,6 +156,9 @@ def main():
     x, y = xtr[:args.batch], ytr[:args.batch]
     ref = torch_grads(state, x, y, "f64")
     cols = {"torch f32": torch_grads(state, x, y, "f32"), "torch bf16": torch_grads(state, x, y, "bf16")}
+    if args.sources:
+        for where in ("W", "A", "G", "WAG"):
+            cols[f"f64 bf16 {where}"] = emulated_grads(state, x, y, set(where))
     with tempfile.TemporaryDirectory() as tmp:
         init = os.path.join(tmp, "w0.safetensors")
         with open(init, "wb") as f:
@@ -105,14 +168,14 @@ def main():
     names = list(cols)
     start = args.weights or f"PyTorch's init, seed {args.seed}"
     print(f"gradient error against float64, one step from {start}, batch {args.batch}")
-    print(f"{'parameter':36}" + "".join(f"{c:>12}" for c in names))
+    print(f"{'parameter':36}" + "".join(f"{c:>13}" for c in names))
     total = dict.fromkeys(names, 0.0)
     for k, g in ref.items():
         row = {c: ((cols[c][k] - g).norm() / g.norm()).item() for c in names}
         for c in names:
             total[c] += row[c]
-        print(f"{k:36}" + "".join(f"{row[c]:12.4f}" for c in names))
-    print(f"{'mean':36}" + "".join(f"{total[c] / len(ref):12.4f}" for c in names))
+        print(f"{k:36}" + "".join(f"{row[c]:13.4f}" for c in names))
+    print(f"{'mean':36}" + "".join(f"{total[c] / len(ref):13.4f}" for c in names))
 
 
 if __name__ == "__main__":
