@@ -451,11 +451,12 @@ TEST_F(MixedPrecision, ResNet20LossIsCloseToFloat64AndMicroBatchesAddUp) {
 }
 
 // Several SGD steps (momentum 0.9, the same batches): a bf16 run follows the float64 run — whole,
-// and in micro-batches of 6 (group norm: the split changes no sample's activations) — its loss
+// and in the micro-batches a 5 MiB budget plans (group norm: the split changes no sample's
+// activations) — its loss
 // every step within 1% of float64's, and the parameters' distance from float64's within a bound
 // of bf16's size of float64's change from the init (one step's gradients are 4-20% off in bf16: docs/precision.md);
 // every step planned exactly.
-// Measured 0.16-0.21 over 12 draws: the one-step gradient error of
+// Measured 0.15-0.21 over 18 draws: the one-step gradient error of
 // 4-20% carried through 4 steps of momentum.
 constexpr double kStepsBound = 0.35;
 TEST_F(MixedPrecision, SgdStepsFollowFloat64WholeAndThroughMicroBatches) {
@@ -466,16 +467,19 @@ TEST_F(MixedPrecision, SgdStepsFollowFloat64WholeAndThroughMicroBatches) {
   struct Run {
     std::vector<double> losses;
     std::vector<std::vector<double>> params;
+    std::int64_t micro_batch = 0;
   };
-  auto run = [&](DType dtype, mbp::Precision precision, std::optional<std::int64_t> micro) {
+  // The run in `budget` bytes: the planner takes the largest micro-batch that fits.
+  auto run = [&](DType dtype, mbp::Precision precision, std::size_t budget) {
+    configure_arena(Device::cpu(), budget);
     auto m = test::model("resnet20", "group", 7, dtype);
     auto opt = test::sgd(*m, 0.05);
     mbp::ExecutorOptions eo;
     eo.sample_shape = sample;
     eo.precision = precision;
-    eo.micro_batch = micro;
     mbp::Executor ex(*m, *opt, eo);
     Run r;
+    r.micro_batch = ex.plan(B).micro_batch;
     for (std::int64_t step = 0; step < steps; ++step) {
       const test::Data d = test::make_data(B, sample, seed + static_cast<std::uint32_t>(step));
       const mbp::StepResult res = ex.step(d.images.data(), d.labels.data(), B);
@@ -486,10 +490,13 @@ TEST_F(MixedPrecision, SgdStepsFollowFloat64WholeAndThroughMicroBatches) {
     return r;
   };
   const auto init = test::values<double>(*test::model("resnet20", "group", 7, DType::Float64));
-  const Run ref = run(DType::Float64, mbp::Precision::fp32, std::nullopt);
-  for (const std::optional<std::int64_t> micro : {std::optional<std::int64_t>{}, std::optional<std::int64_t>{6}}) {
-    SCOPED_TRACE(micro ? "micro-batches of 6" : "whole batch");
-    const Run got = run(DType::Float32, mbp::Precision::bf16, micro);
+  const Run ref = run(DType::Float64, mbp::Precision::fp32, kDefaultCpuArenaBytes);
+  ASSERT_EQ(ref.micro_batch, B);
+  for (const std::size_t budget : {kDefaultCpuArenaBytes, parse_size("5MiB")}) {
+    const Run got = run(DType::Float32, mbp::Precision::bf16, budget);
+    const std::string split = fmt::format("micro-batches of {} in {} bytes", got.micro_batch, budget);
+    SCOPED_TRACE(split);
+    if (budget != kDefaultCpuArenaBytes) EXPECT_LT(got.micro_batch, B / 2) << "the small budget should split the batch";
     for (std::int64_t step = 0; step < steps; ++step)
       EXPECT_NEAR(got.losses[step], ref.losses[step], 1e-2 * std::abs(ref.losses[step])) << "step " << step;
     double diff = 0, change = 0;
@@ -502,7 +509,7 @@ TEST_F(MixedPrecision, SgdStepsFollowFloat64WholeAndThroughMicroBatches) {
     const double e = std::sqrt(diff / change);
     ASSERT_TRUE(std::isfinite(e));
     EXPECT_LE(e, kStepsBound) << "bf16's parameters off float64's by " << e << " of float64's change from the init";
-    std::cout << (micro ? "micro-batches of 6" : "whole batch") << ": after " << steps
+    std::cout << split << ": after " << steps
               << " steps, the parameters off float64 by " << e << " of its change; losses (bf16/float64)";
     for (std::int64_t step = 0; step < steps; ++step) std::cout << " " << got.losses[step] << "/" << ref.losses[step];
     std::cout << "\n";
