@@ -17,8 +17,9 @@ norm-wise relative error ||g - g64|| / ||g64|| of every parameter's gradient, an
 convolution and linear weights, as a bf16 forward sees them (the gradient taken at the rounded
 weights); "A": every stored activation (the input, each convolution, norm, ReLU, residual sum,
 pooled features and logits); "G": the gradient of each of those activations, flowing back — so
-that the bf16 error can be traced to what bf16 storage rounds. All three at once is PyTorch's bf16
-column to within the order of the sums.
+that the bf16 error can be traced to what bf16 storage rounds. All three at once comes close to
+PyTorch's bf16 column (0.156 against 0.159 at seed 0's init; autocast also rounds its weight
+gradients to bf16).
 """
 import argparse
 import json

@@ -452,12 +452,10 @@ TEST_F(MixedPrecision, ResNet20LossIsCloseToFloat64AndMicroBatchesAddUp) {
 
 // Several SGD steps (momentum 0.9, the same batches): a bf16 run follows the float64 run — whole,
 // and in the micro-batches a 5 MiB budget plans (group norm: the split changes no sample's
-// activations) — its loss
-// every step within 1% of float64's, and the parameters' distance from float64's within a bound
-// of bf16's size of float64's change from the init (one step's gradients are 4-20% off in bf16: docs/precision.md);
-// every step planned exactly.
-// Measured 0.15-0.21 over 18 draws: the one-step gradient error of
-// 4-20% carried through 4 steps of momentum.
+// activations) — its loss every step within 1% of float64's, and its parameters' distance from
+// float64's within kStepsBound of float64's change from the init; every step planned exactly.
+// Measured 0.15-0.21 over 18 draws: one step's gradients are 4-20% off in bf16
+// (docs/precision.md), carried through 4 steps of momentum.
 constexpr double kStepsBound = 0.35;
 TEST_F(MixedPrecision, SgdStepsFollowFloat64WholeAndThroughMicroBatches) {
   const std::int64_t B = 24, steps = 4;
