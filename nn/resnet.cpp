@@ -103,8 +103,13 @@ namespace {
 // network, and the logits decide the loss: rounding either tips make train's warm-up into loss
 // spikes (bench/RESULTS.md, "bf16: the first and last layers in float32"). With float32 or
 // float64 activations both conversions return the tensor itself.
+template <class F>
+Tensor in_master_precision(DType master, const Tensor& x, F&& f) {  // f(x widened), back in x's dtype
+  return f(x.to(master)).to(x.dtype());
+}
+
 Tensor stem_in_master_precision(Conv2d& conv, Module& norm, const Tensor& x) {
-  return norm_relu(norm, conv(x.to(conv.weight.dtype()))).to(x.dtype());
+  return in_master_precision(conv.weight.dtype(), x, [&](const Tensor& t) { return norm_relu(norm, conv(t)); });
 }
 
 Tensor classify(Linear& fc, const Tensor& features) { return fc(features.to(fc.weight.dtype())); }
@@ -285,11 +290,8 @@ Module::RecomputeParts ResNet9::recompute_parts() {
   return parts;
 }
 
-// The prep unit is the stem: in the master weights' precision, as the other families' stems.
-Tensor ResNet9::prep_in_master_precision(const Tensor& x) { return (*prep)(x.to(fc->weight.dtype())).to(x.dtype()); }
-
 Tensor ResNet9::forward(const Tensor& x) {
-  Tensor y = (*layer1)(prep_in_master_precision(x));
+  Tensor y = (*layer1)(in_master_precision(fc->weight.dtype(), x, *prep));  // prep is the stem
   y = add(y, (*res1)(y));
   y = (*layer3)((*layer2)(y));
   y = add(y, (*res3)(y));
@@ -302,7 +304,7 @@ Tensor ResNet9::forward(const Tensor& x) {
 std::vector<Module::Segment> ResNet9::segments() {
   auto unit = [](Sequential* m) { return [m](const Tensor& x) { return (*m)(x); }; };
   auto residual_unit = [](Sequential* m) { return [m](const Tensor& x) { return add(x, (*m)(x)); }; };
-  return {{"prep", {prep.get()}, [this](const Tensor& x) { return prep_in_master_precision(x); }},
+  return {{"prep", {prep.get()}, [this](const Tensor& x) { return in_master_precision(fc->weight.dtype(), x, *prep); }},
           {"layer1", {layer1.get()}, unit(layer1.get())},
           {"res1", {res1.get()}, residual_unit(res1.get())},
           {"layer2", {layer2.get()}, unit(layer2.get())},

@@ -128,9 +128,6 @@ class ResNet9 : public Module {
 
   std::shared_ptr<Sequential> prep, layer1, res1, layer2, layer3, res3;
   std::shared_ptr<Linear> fc;
-
- private:
-  Tensor prep_in_master_precision(const Tensor& x);
 };
 
 struct ModelConfig {
