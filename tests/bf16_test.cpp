@@ -494,7 +494,9 @@ TEST_F(MixedPrecision, SgdStepsFollowFloat64WholeAndThroughMicroBatches) {
     const Run got = run(DType::Float32, mbp::Precision::bf16, budget);
     const std::string split = fmt::format("micro-batches of {} in {} bytes", got.micro_batch, budget);
     SCOPED_TRACE(split);
-    if (budget != kDefaultCpuArenaBytes) EXPECT_LT(got.micro_batch, B / 2) << "the small budget should split the batch";
+    if (budget != kDefaultCpuArenaBytes) {
+      EXPECT_LT(got.micro_batch, B / 2) << "the small budget should split the batch";
+    }
     for (std::int64_t step = 0; step < steps; ++step)
       EXPECT_NEAR(got.losses[step], ref.losses[step], 1e-2 * std::abs(ref.losses[step])) << "step " << step;
     double diff = 0, change = 0;
