@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # A build without the CUDA backend still compiles, links and trains: the CUDA branches of
 # core/dispatch.h and core/device.cpp are `if constexpr` and must leave no reference to the CUDA
-# kernels behind. Usage: cpu_only_build.sh SOURCE_DIR BUILD_DIR
+# kernels behind. Built without optimization (CMAKE_BUILD_TYPE None: no -O flags): the check is
+# what gets instantiated and linked, which -O0 tests at least as strictly (no dead code is dropped
+# before the link), and it compiles in about 70% of a Release build's time. Usage:
+# cpu_only_build.sh SOURCE_DIR BUILD_DIR
 set -euo pipefail
 src=$1
 build=$2/cpu-only
-cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=Release -DTALLY_CUDA=OFF -DTALLY_BUILD_TESTS=OFF \
+cmake -S "$src" -B "$build" -DCMAKE_BUILD_TYPE=None -DTALLY_CUDA=OFF -DTALLY_BUILD_TESTS=OFF \
   -DTALLY_BUILD_BENCH=OFF > "$build.configure.log" 2>&1 || { cat "$build.configure.log"; exit 1; }
 cmake --build "$build" -j 2 --target tally > "$build.build.log" 2>&1 || { tail -50 "$build.build.log"; exit 1; }
 version=$("$build/apps/tally" --version)
