@@ -308,6 +308,31 @@ TEST(BFloat16Ops, CrossEntropyOfBf16LogitsIsFloat32) {
   }
 }
 
+// sum and mean round once: factor * (the sum in double) to bf16, as the CUDA kernel does. A sum
+// rounded to bf16 before the factor is applied gives another result in about one draw in four of
+// these, so a kernel that rounds twice fails within the first few draws.
+TEST(BFloat16Ops, SumAndMeanRoundOnce) {
+  const std::uint32_t seed = fresh_seed();
+  SCOPED_TRACE(fmt::format("seed {}", seed));
+  std::mt19937 rng(seed);
+  int draws = 0;
+  for (std::int64_t n : {55, 40000}) {  // one block of the CPU's reduction and three
+    for (int draw = 0; draw < 100; ++draw, ++draws) {
+      const std::vector<float> v = bf16_values(n, rng);
+      std::vector<bf16> x(v.size());
+      double exact = 0;  // bf16 values have 8 significant bits: these sums are exact in double
+      for (std::size_t i = 0; i < v.size(); ++i) x[i] = bf16(v[i]), exact += v[i];
+      const double factor = 1.0 / static_cast<double>(n);
+      bf16 got{};
+      kernels::cpu::sum_to<bf16>(n, x.data(), static_cast<float>(factor), &got);
+      // The kernel multiplies by the float32 factor, the parameter type of a bf16 kernel.
+      const float want = static_cast<float>(bf16(exact * static_cast<double>(static_cast<float>(factor))));
+      ASSERT_EQ(static_cast<float>(got), want) << "n " << n << ", draw " << draw << ": sum " << exact;
+    }
+  }
+  EXPECT_EQ(draws, 200);
+}
+
 // Mixed precision keeps parameters float32: a bf16 parameter, or a float64 one, is an error that
 // names what was expected; a bf16 step of ops without kernels on a device says so.
 TEST(BFloat16Ops, Bf16ActivationsTakeFloat32ParametersAndSaySo) {

@@ -239,14 +239,17 @@ void sum_rows(i64 rows, i64 cols, const T* dy, P<T>* db, P<T> beta) {
   }
 }
 
+namespace {
+// The sum of x in double: fixed blocks of kReduceBlock (each summed in order), then the blocks in
+// order — the same result at any thread count.
 template <class T>
-T sum_all(i64 n, const T* x) {
-  if (n <= 0) return T(0);
+double sum_in_double(i64 n, const T* x) {
+  if (n <= 0) return 0.0;
   const i64 nblocks = (n + kReduceBlock - 1) / kReduceBlock;
   if (nblocks == 1) {
     double s = 0.0;
     for (i64 i = 0; i < n; ++i) s += static_cast<double>(x[i]);
-    return static_cast<T>(s);
+    return s;
   }
   std::vector<double> partial(static_cast<std::size_t>(nblocks), 0.0);
 #pragma omp parallel for schedule(static)
@@ -258,12 +261,20 @@ T sum_all(i64 n, const T* x) {
   }
   double s = 0.0;
   for (double p : partial) s += p;
-  return static_cast<T>(s);
+  return s;
 }
+}  // namespace
 
 template <class T>
+T sum_all(i64 n, const T* x) {
+  return static_cast<T>(sum_in_double(n, x));
+}
+
+// factor * sum, rounded to T once (as the CUDA kernel does): rounding the sum to T first and then
+// the product would round a bf16 mean twice.
+template <class T>
 void sum_to(i64 n, const T* x, P<T> factor, T* y) {
-  y[0] = static_cast<T>(static_cast<double>(sum_all<T>(n, x)) * static_cast<double>(factor));
+  y[0] = static_cast<T>(sum_in_double(n, x) * static_cast<double>(factor));
 }
 
 template <class T>
