@@ -24,6 +24,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/files.h"
 
 namespace tally::safetensors {
 
@@ -334,19 +335,6 @@ void read_exact(std::FILE* f, void* dst, std::size_t n, std::uint64_t offset,
                          offset + got, n - got));
 }
 
-void write_all(int fd, const void* src, std::size_t n, const std::string& tmp) {
-  const auto* p = static_cast<const char*>(src);
-  while (n > 0) {
-    const ssize_t w = ::write(fd, p, n);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      throw Error(fmt::format("safetensors: cannot write '{}': {}", tmp, errno_str(errno)));
-    }
-    p += w;
-    n -= static_cast<std::size_t>(w);
-  }
-}
-
 // The serialized header (padded) for file; validates every entry.
 std::string build_header(const File& file, const std::string& path) {
   std::string h = "{";
@@ -518,9 +506,9 @@ void write(const std::string& path, const File& file) {
   const std::uint64_t n = header.size();
   unsigned char prefix[8];
   std::memcpy(prefix, &n, 8);
-  write_all(fd, prefix, 8, tmp);
-  write_all(fd, header.data(), header.size(), tmp);
-  for (const auto& [name, e] : file.tensors) write_all(fd, e.data.data(), e.data.size(), tmp);
+  write_all(fd, prefix, 8, "safetensors", tmp);
+  write_all(fd, header.data(), header.size(), "safetensors", tmp);
+  for (const auto& [name, e] : file.tensors) write_all(fd, e.data.data(), e.data.size(), "safetensors", tmp);
 
   if (::fsync(fd) != 0)
     throw Error(fmt::format("safetensors: cannot write '{}': fsync of '{}' failed: {}", path, tmp,
@@ -537,14 +525,7 @@ void write(const std::string& path, const File& file) {
                             path, tmp, ec.message()));
   guard.committed = true;
 
-  // Make the rename itself durable (best effort: some file systems refuse fsync on directories).
-  std::filesystem::path dir = std::filesystem::path(path).parent_path();
-  if (dir.empty()) dir = ".";
-  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    ::fsync(dfd);
-    ::close(dfd);
-  }
+  sync_folder(std::filesystem::path(path).parent_path());  // the rename itself durable
 }
 
 std::vector<float> as_f32(const Entry& entry) { return typed_view<float>(entry, "F32"); }

@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/files.h"
 #include "nn/state_dict.h"
 
 namespace tally::mbp {
@@ -52,30 +53,15 @@ std::span<const std::byte> as_bytes(const std::string& s) {
 void write_durably(const fs::path& path, std::span<const std::byte> bytes) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
   if (fd < 0) throw Error(fmt::format("checkpoint: cannot create '{}': {}", path.string(), std::strerror(errno)));
-  const auto* p = reinterpret_cast<const char*>(bytes.data());
-  std::size_t n = bytes.size();
-  while (n > 0) {
-    const ssize_t w = ::write(fd, p, n);
-    if (w < 0 && errno == EINTR) continue;
-    if (w < 0) {
-      const int err = errno;
-      ::close(fd);
-      throw Error(fmt::format("checkpoint: cannot write '{}': {}", path.string(), std::strerror(err)));
-    }
-    p += w;
-    n -= static_cast<std::size_t>(w);
+  try {
+    write_all(fd, bytes.data(), bytes.size(), "checkpoint", path);
+  } catch (...) {
+    ::close(fd);
+    throw;
   }
   if (::fsync(fd) != 0 || ::close(fd) != 0)
     throw Error(fmt::format("checkpoint: cannot write '{}': fsync or close failed: {}", path.string(),
                             std::strerror(errno)));
-}
-
-// Makes a folder's entries durable (best effort: some file systems refuse fsync on folders).
-void sync_folder(const fs::path& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return;
-  ::fsync(fd);
-  ::close(fd);
 }
 
 std::vector<std::byte> read_bytes(const fs::path& path) {

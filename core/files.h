@@ -1,0 +1,20 @@
+// core/files.h — durable writes, shared by the safetensors writer and training checkpoints.
+//
+// A file that must survive a crash is written whole, fsynced, and renamed into place; the rename
+// becomes durable when its folder is fsynced. These are the two steps both writers take.
+#pragma once
+#include <cstddef>
+#include <filesystem>
+#include <string_view>
+
+namespace tally {
+
+// Writes n bytes at src to the open descriptor fd, retrying short writes and EINTR. On failure a
+// tally::Error "<what>: cannot write '<path>': <reason>".
+void write_all(int fd, const void* src, std::size_t n, std::string_view what, const std::filesystem::path& path);
+
+// Makes a folder's entries (a rename into it, a new file) durable. Best effort: some file systems
+// refuse fsync on folders, and a failure here loses nothing that was not already at risk.
+void sync_folder(const std::filesystem::path& dir);
+
+}  // namespace tally
