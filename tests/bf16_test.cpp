@@ -449,12 +449,19 @@ TEST(MixedPrecisionAccuracy, Bf16KernelsAreAsAccurateAsBf16RoundingAllows) {
   std::cout << "per-layer relative gradient error against float64, bf16 kernels / rounding alone:" << table << "\n";
 }
 
-// A bf16 ResNet-20 step: its loss close to float64's, and micro-batches adding up to the whole
-// batch's gradients (group norm: a sample's activations do not depend on the split).
+// A bf16 ResNet-20 step: its loss within 0.3% of float64's, and micro-batches of 6 adding up to
+// the whole batch's loss and gradients. With group norm each sample's forward is the same bit for bit however the batch is
+// split, but the float32 classifier's GEMM sums in an order that depends on its rows (24 or 6):
+// its 1e-7-relative differences in the features' gradient flip a bf16 rounding in about 2 draws
+// of 100, and from there the backward's roundings part ways. Measured over 200 draws: 1e-6 worst
+// per-tensor error, 2.5e-3-4.2e-3 in those 4 draws; bound 2e-2. A lost or doubled micro-batch, or
+// a wrong loss divisor, is an error of 25% or more.
 TEST_F(MixedPrecision, ResNet20LossIsCloseToFloat64AndMicroBatchesAddUp) {
   const std::int64_t B = 24;
   const Shape sample{3, 16, 16};
-  const test::Data d = test::make_data(B, sample, fresh_seed());
+  const std::uint32_t seed = fresh_seed();
+  SCOPED_TRACE(fmt::format("seed {}", seed));
+  const test::Data d = test::make_data(B, sample, seed);
   auto m = test::model("resnet20", "group", 5);
   auto opt = test::sgd(*m);
   double loss_full = 0, loss_micro = 0;
@@ -468,7 +475,7 @@ TEST_F(MixedPrecision, ResNet20LossIsCloseToFloat64AndMicroBatchesAddUp) {
   for (std::size_t i = 0; i < g_full.size(); ++i) {
     const double e = test::rel_error(g_micro[i], g_full[i]);
     worst = std::max(worst, e);
-    EXPECT_LE(e, 1e-4) << "parameter " << i << ": micro-batches of 6 against the whole batch, both bf16";
+    EXPECT_LE(e, 2e-2) << "parameter " << i << ": micro-batches of 6 against the whole batch, both bf16";
   }
   std::cout << "bf16 loss " << loss_full << ", float64 " << ref_loss
             << "; micro-batches of 6 against the whole batch: worst per-tensor relative gradient error " << worst
