@@ -128,6 +128,9 @@ class ResNet9 : public Module {
 
   std::shared_ptr<Sequential> prep, layer1, res1, layer2, layer3, res3;
   std::shared_ptr<Linear> fc;
+
+ private:
+  Tensor stem(const Tensor& x);  // prep, in the master weights' precision
 };
 
 struct ModelConfig {
