@@ -118,6 +118,12 @@ Tensor stem_in_master_precision(Conv2d& conv, Module& norm, const Tensor& x) {
 }
 
 Tensor classify(Linear& fc, const Tensor& features) { return fc(features.to(fc.weight.dtype())); }
+
+// The ResNets' head — global average pool, flatten, classifier — and its segment.
+Tensor pool_and_classify(Module& avgpool, Linear& fc, const Tensor& x) { return classify(fc, flatten(avgpool(x), 1)); }
+Module::Segment head_segment(Module* avgpool, Linear* fc) {
+  return {"head", {avgpool, fc}, [avgpool, fc](const Tensor& x) { return pool_and_classify(*avgpool, *fc, x); }};
+}
 }  // namespace
 
 // The blocks' forwards hold one intermediate at a time: each step's input handle is dropped as the
@@ -210,7 +216,7 @@ std::vector<Module::Segment> ResNet::segments() {
                  }});
   add_block_segments(out, {{"layer1", layer1.get()}, {"layer2", layer2.get()}, {"layer3", layer3.get()},
                            {"layer4", layer4.get()}});
-  out.push_back({"head", {avgpool.get(), fc.get()}, [this](const Tensor& x) { return classify(*fc, flatten((*avgpool)(x), 1)); }});
+  out.push_back(head_segment(avgpool.get(), fc.get()));
   return out;
 }
 
@@ -221,7 +227,7 @@ Tensor ResNet::stem(const Tensor& x) {
 Tensor ResNet::forward(const Tensor& x) {
   Tensor y = run_segment(recompute_stem, [this](const Tensor& t) { return stem(t); }, x);
   y = (*layer4)((*layer3)((*layer2)((*layer1)(y))));
-  return classify(*fc, flatten((*avgpool)(y), 1));
+  return pool_and_classify(*avgpool, *fc, y);
 }
 
 // ---- CIFAR ResNet -------------------------------------------------------------------------------
@@ -248,7 +254,7 @@ Module::RecomputeParts CifarResNet::recompute_parts() {
 Tensor CifarResNet::forward(const Tensor& x) {
   Tensor y = stem_in_master_precision(*conv1, *bn1, x);
   y = (*layer3)((*layer2)((*layer1)(y)));
-  return classify(*fc, flatten((*avgpool)(y), 1));
+  return pool_and_classify(*avgpool, *fc, y);
 }
 
 std::vector<Module::Segment> CifarResNet::segments() {
@@ -257,7 +263,7 @@ std::vector<Module::Segment> CifarResNet::segments() {
                    return stem_in_master_precision(*conv1, *bn1, x);
                  }});
   add_block_segments(out, {{"layer1", layer1.get()}, {"layer2", layer2.get()}, {"layer3", layer3.get()}});
-  out.push_back({"head", {avgpool.get(), fc.get()}, [this](const Tensor& x) { return classify(*fc, flatten((*avgpool)(x), 1)); }});
+  out.push_back(head_segment(avgpool.get(), fc.get()));
   return out;
 }
 
