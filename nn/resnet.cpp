@@ -101,7 +101,7 @@ namespace {
 // for one 3x3 channel, 147 for a 7x7 RGB stem), so its bf16 weights and outputs are the least
 // averaged rounding of the network, and the logits decide the loss: rounding either tips make
 // train's warm-up into loss spikes (bench/RESULTS.md, "bf16: the first and last layers in
-// float32"). With float32 or float64 activations the stem is the plain (fused) conv-norm-ReLU.
+// float32"). With float32 or float64 activations the stem is the plain conv-norm-ReLU.
 //
 // widened_stem: the stem on activations of another dtype than the master weights'. The norm's
 // float32 output is rounded to x's dtype before the ReLU (in place), not after: the same values
@@ -112,6 +112,7 @@ namespace {
 Tensor widened_stem(Module& conv, Module& norm, DType master, const Tensor& x) {
   return tally::relu(norm(conv(x.to(master))).to(x.dtype()));
 }
+
 Tensor stem_in_master_precision(Conv2d& conv, Module& norm, const Tensor& x) {
   const DType master = conv.weight.dtype();
   return x.dtype() == master ? norm_relu(norm, conv(x)) : widened_stem(conv, norm, master, x);
