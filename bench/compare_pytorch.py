@@ -21,6 +21,11 @@ during training (an upper bound that includes allocator caching), and the ratio 
 PyTorch runs the forward under torch.autocast(device, torch.bfloat16) with the loss in float32 — the
 mode a PyTorch user picks — and on CUDA also in channels_last (the memory format its bf16
 convolutions want; tally's CUDA activations stay NCHW).
+--tally-conv-api legacy,graph: the tally side once per cuDNN convolution API
+(TALLY_CUDNN_CONV_API, docs/gpu.md), a row each, against the one PyTorch run.
+--torch-profile FILE: no timing and no tally side; PyTorch's profiler over --steps steps after the
+warm-up, its table of ops by GPU time (CPU time on the CPU) written to FILE and printed — the
+PyTorch half of the GPU check's profile step, beside `tally train --profile`.
 ResNet-20 comes from tests/gen_model_fixtures.py (the same definition the fixtures use);
 ResNet-18/50 from torchvision.
 """
@@ -82,6 +87,8 @@ def torch_side(args, hw, classes):
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     for _ in range(args.warmup):
         step()
+    if args.torch_profile:
+        return profile_steps(args, dev, step)
     if dev.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -98,7 +105,37 @@ def torch_side(args, hw, classes):
     return args.batch * args.steps / dt, peak, peak_kind
 
 
-def tally_side(args, hw, classes):
+def profile_steps(args, dev, step):
+    """--torch-profile: args.steps steps under torch.profiler; the table of ops by (self) GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(args.steps):
+            step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+    avg = prof.key_averages()
+    table = None
+    # The sort key's name changed across PyTorch versions (cuda_* before 2.4, device_* since).
+    keys = ["self_device_time_total", "self_cuda_time_total"] if dev.type == "cuda" else ["self_cpu_time_total"]
+    for key in keys:
+        try:
+            table = avg.table(sort_by=key, row_limit=40, max_name_column_width=60)
+            break
+        except (AttributeError, KeyError, ValueError):
+            continue
+    if table is None:
+        table = avg.table(row_limit=40)
+    head = (f"PyTorch {torch.__version__} profile: {args.model} batch {args.batch}, precision {args.precision}"
+            f"{' (TF32 on)' if args.tf32 else ''}{', cudnn.benchmark on' if args.cudnn_benchmark else ''}, "
+            f"{args.steps} steps after {args.warmup} warm-up\n")
+    with open(args.torch_profile, "w") as f:
+        f.write(head + table + "\n")
+    print(head + table)
+    return None
+
+
+def tally_side(args, hw, classes, conv_api=None):
     data = "synthetic" if hw == 32 else f"synthetic:3x{hw}x{hw}"
     with tempfile.TemporaryDirectory() as out:
         cmd = [args.tally, "train", "--model", args.model, "--data", data, "--num-classes", str(classes),
@@ -109,7 +146,10 @@ def tally_side(args, hw, classes):
             cmd += ["--threads", str(args.threads)]
         if args.tf32:
             cmd += ["--tf32"]
-        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+        env = dict(os.environ)
+        if conv_api:
+            env["TALLY_CUDNN_CONV_API"] = conv_api
+        subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
         with open(os.path.join(out, "summary.json")) as f:
             s = json.load(f)
     return s["images_per_second"], s["peak_bytes"], s["micro_batches_per_step"]
@@ -133,16 +173,27 @@ def main():
                         "round) and print each round and the median ratio")
     p.add_argument("--torch-channels-last", action="store_true",
                    help="PyTorch in channels_last on the CPU too (its default there is NCHW)")
+    p.add_argument("--tally-conv-api", default="",
+                   help="comma-separated cuDNN convolution APIs (legacy, graph): the tally side once per API, a row each")
+    p.add_argument("--torch-profile", default="", metavar="FILE",
+                   help="profile --steps PyTorch steps (no timing, no tally side) and write the op table to FILE")
     args = p.parse_args()
+    apis = [a for a in args.tally_conv_api.split(",") if a] or [None]
+    for a in apis:
+        if a not in (None, "legacy", "graph"):
+            p.error(f"--tally-conv-api: expected legacy and/or graph, got '{a}'")
     if args.threads:
         torch.set_num_threads(args.threads)
     hw = 32 if args.model in ("resnet20", "resnet32", "resnet44", "resnet56", "resnet110") else 224
     classes = 10 if hw == 32 else 1000
+    if args.torch_profile:
+        torch_side(args, hw, classes)
+        return
     rounds = []
     for _ in range(max(args.rounds, 1)):
-        t_ips, t_peak, k = tally_side(args, hw, classes)
+        tallies = [(a, *tally_side(args, hw, classes, a)) for a in apis]
         p_ips, p_peak, p_kind = torch_side(args, hw, classes)
-        rounds.append((t_ips, p_ips))
+        rounds.append((tallies[0][1], p_ips))
     mib = 1 << 20
     prec = "bf16 (PyTorch: autocast" + (" + channels_last)" if args.device != "cpu" else ")") if args.precision == "bf16" else "float32"
     if args.torch_channels_last and args.device == "cpu":
@@ -150,11 +201,15 @@ def main():
     print(f"{args.model} batch {args.batch}, {prec}{' (TF32 on)' if args.tf32 else ''}, {args.device}, {args.steps} timed steps, "
           f"{'cudnn.benchmark on, ' if args.cudnn_benchmark else ''}"
           f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
-    print(f"{'':10} {'images/s':>10} {'peak MiB':>10}")
-    print(f"{'tally':10} {t_ips:10.1f} {t_peak / mib:10.1f}   (arena step peak; {k} micro-batch(es))")
-    print(f"{'pytorch':10} {p_ips:10.1f} {p_peak / mib:10.1f}   ({p_kind})")
-    ratio_mem = f"{t_peak / p_peak:.2f}" if args.device != "cpu" and p_peak > 0 else "n/a"
-    print(f"{'ratio':10} {t_ips / p_ips:10.2f} {ratio_mem:>10}   (tally / pytorch)")
+    print(f"{'':12} {'images/s':>10} {'peak MiB':>10}")
+    for a, t_ips, t_peak, k in tallies:
+        name = f"tally-{a}" if a else "tally"
+        print(f"{name:12} {t_ips:10.1f} {t_peak / mib:10.1f}   (arena step peak; {k} micro-batch(es))")
+    print(f"{'pytorch':12} {p_ips:10.1f} {p_peak / mib:10.1f}   ({p_kind})")
+    for a, t_ips, t_peak, k in tallies:
+        ratio_mem = f"{t_peak / p_peak:.2f}" if args.device != "cpu" and p_peak > 0 else "n/a"
+        name = f"ratio-{a}" if a else "ratio"
+        print(f"{name:12} {t_ips / p_ips:10.2f} {ratio_mem:>10}   (tally / pytorch)")
     if len(rounds) > 1:
         ratios = sorted(t / q for t, q in rounds)
         print("rounds (tally, pytorch images/s, ratio): " +

@@ -9,25 +9,34 @@
 #                                      which must travel with the tracked tree in 60 MiB; `run`
 #                                      unpacks it on arrival. Over the limit it fails, naming the
 #                                      largest parts.
-#   scripts/gpu-check.sh run STEP...   on the GPU machine, from the repository root, .gpu-bundle/
-#                                      carried along. Steps, each well under 10 minutes:
-#        env       nvidia-smi, the CUDA/cuBLAS/cuDNN versions loaded, `tally --version`  (~10 s)
-#        tests     the three GPU test binaries (cuDNN's choices logged)                 (~1 min)
-#        sanitize  compute-sanitizer: memcheck on every binary (the 1 PiB cudaMalloc test
-#                  excluded), racecheck and synccheck on tally's own kernels only        (~3-6 min)
+#   scripts/gpu-check.sh run [STEP...]  on the GPU machine, from the repository root, .gpu-bundle/
+#                                      carried along. The whole run stops starting commands after
+#                                      RUN_SECONDS (default 540: one call of 9 minutes); each command
+#                                      has its own cap. With no steps: all of them, in this order
+#                                      (most important first, so a run cut short has done those):
+#        env       nvidia-smi, the CUDA/cuBLAS/cuDNN versions loaded, `tally --version`,
+#                  the PyTorch there                                                    (~10 s)
+#        tests     every gpu test once (cuDNN's choices logged); the convolution, ResNet-20
+#                  step and recomputation tests again through cuDNN's graph API; resume.cuda
+#                  (tests/resume_test.sh cuda)                                          (~2 min)
 #        train     `make train`'s recipe on the GPU (ResNet-20 on Fashion-MNIST, packed by
-#                  `pack`, batch 512 in 32 MiB, 2 epochs), then 40 steps of the MBP demo
-#                  with the convolutions through cuDNN's graph API                       (~1 min)
-#        resnet50  `tally plan --device cuda` for ResNet-50 224x224 batch 4096 in 8 GiB,
-#                  3 steps of it, and 3 steps of native batch m (the plan's micro-batch);
-#                  then a few steps of batch 4096 in 8 GiB with --recompute all and of
-#                  3x1024x1024 batch 2 in 1 GiB (auto recomputation), exact peaks reported (~4 min)
-#        compare   bench/compare_pytorch.py with the PyTorch there: ResNet-20 batch 128 and
-#                  ResNet-50 batch 256, TF32 off and on and bf16 (PyTorch: autocast +
-#                  channels_last); ResNet-50 also against PyTorch with cudnn.benchmark   (~5 min)
-#        profile   `tally train --profile`: GPU time per op of ResNet-50 (batch 256) and
-#                  ResNet-20 (batch 128) training steps                                 (~1 min)
-#        bench     bench_train on the GPU                                              (~2 min)
+#                  `pack`, batch 512 in 32 MiB, 2 epochs) in float32 and bf16, then 40 steps
+#                  of an MBP demo with the convolutions through cuDNN's graph API       (~1 min)
+#        resnet50  `tally plan --device cuda` for ResNet-50 224x224 batch 4096 in 8 GiB and
+#                  2 steps of it, float32 and bf16; 2 steps with --recompute all; 3 steps of
+#                  3x1024x1024 batch 2 in 1 GiB (auto recomputation), exact peaks        (~1.5 min)
+#        compare   bench/compare_pytorch.py, ResNet-50 batch 256: float32, TF32 and bf16 (PyTorch:
+#                  autocast + channels_last + cudnn.benchmark), tally through the legacy and the
+#                  graph convolution API against one PyTorch run each                   (~2 min)
+#        profile   the same three precisions, both sides: `tally train --profile` and PyTorch's
+#                  profiler (compare_pytorch.py --torch-profile), a few steps each      (~1 min)
+#        sanitize  compute-sanitizer runs of scripts/gpu-sanitize.list, in its order, while
+#                  the run's time lasts                                                 (the rest)
+#        bench     bench_train on the GPU (not in the default run)                      (~2 min)
+#   scripts/gpu-check.sh rehearse [STEP...]  here, after `pack`: the same invocation without a GPU,
+#                                      so that a path, a library or a missing file fails here and
+#                                      not on the GPU machine; a command that fails only because
+#                                      no GPU is present counts as passed, any other failure fails.
 #   scripts/gpu-check.sh build-deps    here: download the Debian packages a build on the GPU
 #                                      machine needs into .gpu-debs/ (git-ignored).
 #   scripts/gpu-check.sh build-there   on the GPU machine, .gpu-debs/ carried: unpack them into a
@@ -41,7 +50,7 @@
 # everything passed.
 #
 # Environment: JOBS (build parallelism, default: all cores), BUILD_DIR (default build-gpu), ARCH
-# (CUDA architectures, default 90), STEP_TIMEOUT (seconds per binary, default 420).
+# (CUDA architectures, default 90), RUN_SECONDS (the whole run's deadline, default 540), LOGS, OUT.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -49,6 +58,8 @@ cd "$here"
 bundle=.gpu-bundle
 debs=.gpu-debs
 tests=(gpu_test gpu_kernels_test gpu_ops_test gpu_bf16_test)
+# The GPU check's order, most important first: a run cut at its deadline has done these.
+all_steps=(env tests train resnet50 compare profile sanitize)
 programs=("${tests[@]/#/tests/}" apps/tally bench/bench_kernels bench/bench_train)
 # The GPU machine takes 64 MiB of working tree in all: the tracked files travel with the bundle.
 # The bundle and the tracked tree together stay under 60 MiB, a margin for untracked notes.
@@ -123,24 +134,6 @@ RUN
   chmod +x "$bundle/run"
 }
 
-# Sanitizer runs: tool, binary, gtest filter, extra sanitizer options. memcheck everywhere (the
-# kernel tests use exact-size buffers, so it sees out-of-bounds accesses; the op tests run inside
-# one arena allocation, where it sees API misuse and accesses outside the arena) except the test
-# whose 1 PiB cudaMalloc fails on purpose and the whole-ResNet steps (time); racecheck and
-# synccheck only on tally's own kernels (--kernel-name), not inside cuBLAS or cuDNN.
-write_sanitize_list() {
-  cat >"$bundle/sanitize.list" <<'LIST'
-memcheck gpu_kernels_test *:-GpuKernels.ConvolutionEveryCudnnAlgorithm*
-memcheck gpu_test *:-Gpu.ReservingMoreThanTheDeviceHasIsAClearError
-memcheck gpu_ops_test GpuOps.EveryOp*:GpuOps.BasicBlock*:GpuOps.Tensors*:GpuOps.CrossEntropy*:Optimizer.*
-racecheck gpu_kernels_test GpuKernels.*:-GpuKernels.ConvolutionEveryCudnnAlgorithm* --kernel-name kns=tally
-synccheck gpu_kernels_test GpuKernels.*:-GpuKernels.ConvolutionEveryCudnnAlgorithm* --kernel-name kns=tally
-memcheck gpu_bf16_test GpuBf16Kernels.*:GpuBf16Ops.EveryOp*
-racecheck gpu_bf16_test GpuBf16Kernels.* --kernel-name kns=tally
-synccheck gpu_bf16_test GpuBf16Kernels.* --kernel-name kns=tally
-LIST
-}
-
 # The bundle's size, measured and explained. What travels is one xz archive: the programs carry
 # their CUDA kernels for one architecture and compress about 4x; OpenBLAS (36 MB) about 5x; the
 # data set is packed as raw IDX (54 MB), which xz takes to 27 MB against the 30 MB of Debian's
@@ -161,7 +154,6 @@ pack_from() {  # BUILD_DIR ARCH [unpacked]: "unpacked" (build-there) leaves the 
       gzip -dc "$f" >"$bundle/data/fashion-mnist/$(basename "$f" .gz)"
     done
   fi
-  write_sanitize_list
   {
     echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet HEAD -- . 2>/dev/null || echo ' (+ local changes)')"
     echo "built  $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -n), CUDA architectures $arch, $(grep -m1 CMAKE_BUILD_TYPE: "$build/CMakeCache.txt")"
@@ -257,6 +249,9 @@ logs=${LOGS:-/tmp/tally-gpu-logs}
 out=${OUT:-$bundle/out}
 summary=""
 status=0
+rehearsal=0          # 1: `rehearse`, on a machine without a GPU (see the top of this file)
+deadline=0           # seconds since the epoch after which no command starts
+reserve=15           # seconds kept back at the end for packing the logs and the summary
 
 note() { echo "$*" | tee -a "$summary"; }
 publish() {  # the logs so far, where they come back from
@@ -266,23 +261,50 @@ publish() {  # the logs so far, where they come back from
 }
 
 unpack_if_needed() {
+  if ((rehearsal)); then  # a copy elsewhere: the archive stays as it is, ready to travel
+    local copy=${REHEARSAL_DIR:-/tmp/tally-gpu-rehearsal}
+    [[ -f $bundle/bundle.tar.xz ]] || { echo "gpu-check: no $bundle/bundle.tar.xz: run 'scripts/gpu-check.sh pack' first" >&2; exit 2; }
+    rm -rf "$copy" && mkdir -p "$copy"
+    tar -C "$copy" -xJf "$bundle/bundle.tar.xz"
+    bundle=$copy
+    out=${OUT:-$copy/out}
+  fi
   if [[ ! -x $bundle/run && -f $bundle/bundle.tar.xz ]]; then
     tar -C "$bundle" -xJf "$bundle/bundle.tar.xz" && rm -f "$bundle/bundle.tar.xz"
   fi
   [[ -x $bundle/run ]] || { echo "gpu-check: no $bundle/run: run 'scripts/gpu-check.sh pack' here first and carry $bundle" >&2; exit 2; }
+  bundle=$(cd "$bundle" && pwd)
 }
 
-# run_logged NAME LOG CMD...: runs CMD (under the step timeout) into LOG, records its exit status.
+# run_logged NAME LOG CAP CMD...: runs CMD into LOG for at most CAP seconds, and never past the
+# whole run's deadline; records its exit status in last_rc. A command that no longer has time to
+# start is not started (last_rc 125, noted). In a rehearsal, a command that failed only because no
+# GPU is present counts as passed (last_rc 0, noted as skipped); any other failure still fails.
 run_logged() {
-  local name=$1 log=$2 rc=0
-  shift 2
-  echo "==== $(date -u +%H:%M:%S) $*" >>"$log"
-  timeout --kill-after=10 "${STEP_TIMEOUT:-420}" "$@" </dev/null >>"$log" 2>&1 || rc=$?
-  echo "==== exit $rc after $SECONDS s of the step" >>"$log"
+  local name=$1 log=$2 cap=$3 rc=0
+  shift 3
+  local left=$((deadline - $(date +%s) - reserve))
+  ((cap < left)) || cap=$left
+  if ((cap < 5)); then
+    note "$(printf '%-44s NOT RUN: the run is out of time' "$name")"
+    last_rc=125
+    status=1
+    return 0
+  fi
+  local mark
+  mark=$(wc -l <"$log" 2>/dev/null || echo 0)
+  echo "==== $(date -u +%H:%M:%S) (at most ${cap}s) $*" >>"$log"
+  local t0=$SECONDS
+  timeout --kill-after=10 "$cap" "$@" </dev/null >>"$log" 2>&1 || rc=$?
+  echo "==== exit $rc after $((SECONDS - t0)) s" >>"$log"
+  if ((rc != 0 && rehearsal)) && tail -n +"$((mark + 1))" "$log" | grep -qE 'no GPU (is )?present|skipped: no GPU|Torch not compiled with CUDA|Found no NVIDIA driver'; then
+    echo "==== rehearsal: failed for want of a GPU only (counted as passed here)" >>"$log"
+    rc=0
+  fi
   last_rc=$rc
   publish
   ((rc == 0)) || status=1
-  [[ $rc == 124 || $rc == 137 ]] && note "$(printf '%-44s TIMED OUT' "$name")"
+  [[ $rc == 124 || $rc == 137 ]] && note "$(printf '%-44s TIMED OUT after %ss' "$name" "$cap")"
   return 0
 }
 
@@ -291,24 +313,148 @@ step_env() {
   {
     nvidia-smi 2>&1 || echo "nvidia-smi: not available"
     echo
+    nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv 2>&1 || true
     "$bundle/run" "$bundle/bin/tally" --version 2>&1
     cat "$bundle/BUILD_INFO"
+    "${PYTHON:-python3}" -c 'import torch, torchvision; print("torch", torch.__version__, "CUDA", torch.version.cuda, "cuDNN",
+torch.backends.cudnn.version(), "torchvision", torchvision.__version__)' 2>&1 || echo "python3 torch: not available"
   } >"$log"
   note "$(grep -m1 -o 'GPU: .*' "$log" || echo 'GPU: none detected')"
 }
 
+# gtest_line LOG: the gtest summary lines of the last run in LOG, on one line.
+gtest_line() {
+  local s
+  s=$(tail -n 400 "$1" | grep -E '^\[ +(PASSED|FAILED|SKIPPED) +\] [0-9]+ tests?' | tr -s ' \n' ' ' || true)
+  echo "${s:-no gtest summary}"
+}
+
 step_tests() {
-  local t line
+  local t
+  # Every gpu test once, cuDNN's choices logged.
   for t in "${tests[@]}"; do
     local log=$logs/$t.log
     : >"$log"
-    TALLY_LOG_CONV=1 run_logged "$t" "$log" "$bundle/run" "$bundle/bin/$t" --gtest_color=no
-    line=$(grep -E '^\[ +(PASSED|FAILED|SKIPPED) +\] [0-9]+ tests?' "$log" | tr -s ' \n' ' ' || true)
+    TALLY_LOG_CONV=1 run_logged "$t" "$log" 150 "$bundle/run" "$bundle/bin/$t" --gtest_color=no
+    local line
+    line=$(gtest_line "$log")
     if grep -q 'no GPU present' "$log"; then  # a check that skipped for want of a GPU checked nothing
       line="$line(skipped: no GPU present)"
-      status=1
+      ((rehearsal)) || status=1
     fi
-    note "$(printf '%-44s rc=%-3s %s' "$t" "$last_rc" "${line:-no gtest summary}")"
+    note "$(printf '%-44s rc=%-3s %s' "$t" "$last_rc" "$line")"
+  done
+  # The convolution tests (and the whole ResNet-20 steps) through cuDNN's graph API.
+  local filter='*Convolution*:*ResNet20*:*Recomputed*:-*EveryCudnnAlgorithm*'
+  for t in gpu_kernels_test gpu_bf16_test gpu_ops_test; do
+    local glog=$logs/$t-graph-api.log
+    : >"$glog"
+    TALLY_CUDNN_CONV_API=graph run_logged "$t (graph API)" "$glog" 120 "$bundle/run" "$bundle/bin/$t" \
+      --gtest_color=no --gtest_filter="$filter"
+    note "$(printf '%-44s rc=%-3s %s' "$t graph API" "$last_rc" "$(gtest_line "$glog")")"
+  done
+  # Killed runs resume bit for bit on the GPU (tests/resume_test.sh cuda; exit 77: no GPU).
+  local rlog=$logs/resume-cuda.log
+  : >"$rlog"
+  run_logged "resume.cuda" "$rlog" 150 "$bundle/run" bash tests/resume_test.sh cuda "$bundle/bin/tally"
+  note "$(printf '%-44s rc=%-3s %s' "resume.cuda" "$last_rc" \
+    "$(grep -c '^ok:' "$rlog") ok, $(grep -c '^FAIL' "$rlog") failed$(grep -q 'skipped: no GPU' "$rlog" && echo ' (skipped: no GPU)')")"
+}
+
+# The memory lines of a tally run (predicted and measured peaks), for the summary.
+peak_line() { grep -E 'peak|test accuracy' "$1" | tail -2 | tr -s ' ' | tr '\n' ' ' | cut -c1-160; }
+
+step_train() {
+  local run=/tmp/tally-gpu-train p
+  # make train's recipe (the Makefile's train target) on the GPU, float32 then bf16.
+  for p in fp32 bf16; do
+    local log=$logs/train-$p.log
+    : >"$log"
+    rm -rf "$run-$p"
+    local data=(--data synthetic --epochs 1)  # no data set packed: the synthetic data, one epoch
+    [[ -d $bundle/data/fashion-mnist ]] && data=(--data "fashion-mnist:$bundle/data/fashion-mnist" --epochs 2)
+    run_logged "tally train (make train recipe, $p)" "$log" 120 "$bundle/run" "$bundle/bin/tally" train --model resnet20 \
+      "${data[@]}" --batch-size 512 --memory-limit 32MiB --lr 0.4 --warmup-epochs 0.5 --schedule cosine \
+      --precision "$p" --device cuda --out "$run-$p" --no-progress
+    note "$(printf '%-44s rc=%-3s %s' "tally train cuda $p" "$last_rc" "$(peak_line "$log")")"
+    [[ -f $run-$p/summary.json ]] && cp "$run-$p/summary.json" "$logs/train-$p-summary.json"
+    [[ -f $run-$p/memory.svg ]] && cp "$run-$p/memory.svg" "$logs/train-$p-memory.svg"
+  done
+  # The convolutions through cuDNN's graph (backend) API: an MBP demo, its plan exact.
+  local glog=$logs/train-graph-api.log
+  : >"$glog"
+  rm -rf "$run-graph"
+  run_logged "tally train (cuda, graph API)" "$glog" 60 "$bundle/run" env TALLY_CUDNN_CONV_API=graph \
+    "$bundle/bin/tally" train --model resnet20 --data synthetic --steps 40 --batch-size 256 --memory-limit 48MiB \
+    --device cuda --out "$run-graph" --no-progress --no-eval
+  note "$(printf '%-44s rc=%-3s %s' "tally train cuda graph API" "$last_rc" "$(peak_line "$glog")")"
+}
+
+step_resnet50() {
+  local log=$logs/resnet50.log run=/tmp/tally-gpu-resnet50 name args
+  : >"$log"
+  # The plan and 2 steps of batch 4096 in 8 GiB, float32 and bf16; 2 steps with every level
+  # recomputed; 3x1024x1024 batch 2 in 1 GiB, where not one sample fits without recomputation.
+  for name in fp32 bf16 all 1024; do
+    case $name in
+      fp32) args=(--data synthetic:3x224x224 --batch-size 4096 --memory-limit 8GiB --steps 2) ;;
+      bf16) args=(--data synthetic:3x224x224 --batch-size 4096 --memory-limit 8GiB --steps 2 --precision bf16) ;;
+      all) args=(--data synthetic:3x224x224 --batch-size 4096 --memory-limit 8GiB --steps 2 --recompute all) ;;
+      1024) args=(--data synthetic:3x1024x1024 --batch-size 2 --memory-limit 1GiB --steps 3 --recompute auto) ;;
+    esac
+    if [[ $name == fp32 || $name == bf16 ]]; then
+      local prec=()
+      [[ $name == bf16 ]] && prec=(--precision bf16)
+      run_logged "tally plan resnet50 $name" "$log" 60 "$bundle/run" "$bundle/bin/tally" plan --model resnet50 \
+        --input 3x224x224 --batch-size 4096 --memory-limit 8GiB --device cuda "${prec[@]}"
+      note "$(printf '%-44s rc=%-3s %s' "tally plan cuda resnet50 $name" "$last_rc" "$(grep 'plan:' "$log" | tail -1)")"
+    fi
+    rm -rf "$run-$name"
+    run_logged "tally train resnet50 $name" "$log" 90 "$bundle/run" "$bundle/bin/tally" train --model resnet50 \
+      "${args[@]}" --lr 0.1 --schedule constant --no-augment --no-eval --device cuda --out "$run-$name" --no-progress
+    [[ -f $run-$name/summary.json ]] && cp "$run-$name/summary.json" "$logs/resnet50-$name-summary.json"
+    note "$(printf '%-44s rc=%-3s %s' "train resnet50 $name ${args[1]#synthetic:} B=${args[3]}" "$last_rc" \
+      "$(grep -E '^ *recompute:' "$log" | tail -1 | cut -c1-50) $(grep -E '^memory:|img/s' "$log" | tail -1 | cut -c1-110)")"
+  done
+}
+
+# The three-precision table (bench/RESULTS.md): ResNet-50 batch 256, tally through each cuDNN
+# convolution API against one PyTorch run — float32 (TF32 off on both sides), TF32 (on for both),
+# bf16 (tally --precision bf16 against PyTorch autocast + channels_last + cudnn.benchmark).
+step_compare() {
+  local log=$logs/compare.log row extra
+  : >"$log"
+  for row in "fp32" "tf32 --tf32" "bf16 --precision bf16 --cudnn-benchmark"; do
+    read -r row extra <<<"$row"
+    # shellcheck disable=SC2086  # $extra is a list of flags
+    run_logged "compare_pytorch resnet50 256 $row" "$log" 150 "$bundle/run" "${PYTHON:-python3}" bench/compare_pytorch.py \
+      --model resnet50 --batch 256 --steps 10 --warmup 3 --device cuda --tally "$bundle/bin/tally" \
+      --tally-conv-api legacy,graph $extra
+    note "$(printf '%-44s rc=%-3s %s' "compare resnet50 256 $row" "$last_rc" \
+      "$(tail -n 8 "$log" | grep -E '^(tally|pytorch|ratio)' | tr -s ' ' | cut -d' ' -f1-3 | tr '\n' ';')")"
+  done
+}
+
+# Where the time goes, both sides, the same three precisions: `tally train --profile` (GPU time
+# per op, steps 2 onward) and PyTorch's profiler (bench/compare_pytorch.py --torch-profile).
+step_profile() {
+  local log=$logs/profile.log row extra run=/tmp/tally-gpu-profile
+  : >"$log"
+  for row in "fp32" "tf32 --tf32" "bf16 --precision bf16"; do
+    read -r row extra <<<"$row"
+    rm -rf "$run-$row"
+    # shellcheck disable=SC2086  # $extra is a list of flags
+    run_logged "tally train --profile resnet50 $row" "$log" 60 "$bundle/run" "$bundle/bin/tally" train \
+      --model resnet50 --data synthetic:3x224x224 --num-classes 1000 --batch-size 256 --steps 6 --lr 0.01 \
+      --schedule constant --no-augment --no-eval --device cuda --no-progress --profile --out "$run-$row" $extra
+    [[ -f $run-$row/profile.txt ]] && cp "$run-$row/profile.txt" "$logs/profile-tally-$row.txt"
+    local bench=""
+    [[ $row == bf16 ]] && bench=--cudnn-benchmark
+    # shellcheck disable=SC2086
+    run_logged "torch profile resnet50 $row" "$log" 60 "$bundle/run" "${PYTHON:-python3}" bench/compare_pytorch.py \
+      --model resnet50 --batch 256 --steps 3 --warmup 3 --device cuda --torch-profile "$logs/profile-torch-$row.txt" \
+      $extra $bench
+    note "$(printf '%-44s rc=%-3s' "profiles resnet50 $row (tally, torch)" "$last_rc")"
   done
 }
 
@@ -316,123 +462,34 @@ step_sanitize() {
   local cs
   cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1 || true)
   if [[ -z $cs ]]; then
-    note "compute-sanitizer: not found, skipped"
-    status=1
-    return
+    if ((rehearsal)); then
+      cs=compute-sanitizer-missing-here
+      note "compute-sanitizer: not found (rehearsal: the runs below are listed, not run)"
+    else
+      note "compute-sanitizer: not found, skipped"
+      status=1
+      return
+    fi
   fi
   local tool bin filter extra
   while read -r tool bin filter extra; do
     [[ -z $tool || $tool == \#* ]] && continue
-    local log=$logs/$tool.log
-    run_logged "$tool $bin" "$log" "$bundle/run" "$cs" --tool "$tool" --error-exitcode 97 --print-limit 20 $extra \
+    local log=$logs/sanitize-$tool-$bin.log
+    if [[ $cs == compute-sanitizer-missing-here ]]; then
+      [[ -x $bundle/bin/$bin ]] || { note "sanitize: no $bundle/bin/$bin"; status=1; }
+      continue
+    fi
+    run_logged "$tool $bin" "$log" 120 "$bundle/run" "$cs" --tool "$tool" --error-exitcode 97 --print-limit 20 $extra \
       "$bundle/bin/$bin" --gtest_color=no --gtest_filter="$filter"
     local errs
     errs=$(grep -E 'ERROR SUMMARY: [0-9]+|RACECHECK SUMMARY' "$log" | tail -1 || true)
     note "$(printf '%-44s rc=%-3s %s' "$tool $bin" "$last_rc" "${errs:-no sanitizer summary}")"
-  done <"$bundle/sanitize.list"
-}
-
-step_train() {
-  local log=$logs/train.log run=/tmp/tally-gpu-train
-  rm -rf "$run"
-  if [[ -d $bundle/data/fashion-mnist ]]; then  # the Makefile's train target, on the GPU
-    run_logged "tally train (cuda, make train recipe)" "$log" "$bundle/run" "$bundle/bin/tally" train --model resnet20 \
-      --data "fashion-mnist:$bundle/data/fashion-mnist" --epochs 2 --batch-size 512 --memory-limit 32MiB --lr 0.4 \
-      --warmup-epochs 0.5 --schedule cosine --device cuda --out "$run" --no-progress
-  else  # no data set packed: the synthetic MBP demo (batch 256 in 48 MiB)
-    run_logged "tally train (cuda, synthetic demo)" "$log" "$bundle/run" "$bundle/bin/tally" train --model resnet20 \
-      --data synthetic --epochs 5 --batch-size 256 --memory-limit 48MiB --lr 0.1 --schedule onecycle --device cuda \
-      --out "$run" --no-progress
-  fi
-  note "$(printf '%-44s rc=%-3s %s' "tally train cuda" "$last_rc" "$(grep -E 'test accuracy|peak' "$log" | tail -2 | tr '\n' ' ')")"
-  [[ -f $run/summary.json ]] && cp "$run/summary.json" "$logs/train-summary.json"
-  [[ -f $run/memory.svg ]] && cp "$run/memory.svg" "$logs/train-memory.svg"
-  # The convolutions through cuDNN's graph (backend) API instead of the legacy one: the same MBP
-  # demo, its plan exact (the peak line), its loss printed beside the legacy run's.
-  local glog=$logs/train-graph-api.log
-  rm -rf "$run-graph"
-  run_logged "tally train (cuda, graph API)" "$glog" "$bundle/run" env TALLY_CUDNN_CONV_API=graph \
-    "$bundle/bin/tally" train --model resnet20 --data synthetic --steps 40 --batch-size 256 --memory-limit 48MiB \
-    --device cuda --out "$run-graph" --no-progress --no-eval
-  note "$(printf '%-44s rc=%-3s %s' "tally train cuda graph API" "$last_rc" "$(grep -E 'train loss|peak' "$glog" | tail -2 | tr '\n' ' ')")"
-  publish
-}
-
-step_resnet50() {
-  local log=$logs/resnet50.log run=/tmp/tally-gpu-resnet50
-  run_logged "tally plan (cuda, resnet50)" "$log" "$bundle/run" "$bundle/bin/tally" plan --model resnet50 \
-    --input 3x224x224 --batch-size 4096 --memory-limit 8GiB --device cuda
-  note "$(printf '%-44s rc=%-3s %s' "tally plan cuda resnet50" "$last_rc" "$(grep 'plan:' "$log" | tail -1)")"
-  rm -rf "$run"
-  run_logged "tally train resnet50 4096 in 8GiB" "$log" "$bundle/run" "$bundle/bin/tally" train --model resnet50 \
-    --data synthetic:3x224x224 --batch-size 4096 --memory-limit 8GiB --steps 4 --lr 0.1 --schedule constant \
-    --no-augment --device cuda --out "$run" --no-progress
-  note "$(printf '%-44s rc=%-3s %s' "train resnet50 B=4096 8GiB" "$last_rc" "$(grep -E '^memory:|img/s' "$log" | tail -1)")"
-  [[ -f $run/summary.json ]] && cp "$run/summary.json" "$logs/resnet50-mbp-summary.json"
-  [[ -f $run/memory.svg ]] && cp "$run/memory.svg" "$logs/resnet50-memory.svg"
-  local m
-  m=$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["micro_batch"])' "$run/summary.json" 2>/dev/null || echo 0)
-  if [[ $m -gt 0 ]]; then
-    rm -rf "$run-native"
-    run_logged "tally train resnet50 native m" "$log" "$bundle/run" "$bundle/bin/tally" train --model resnet50 \
-      --data synthetic:3x224x224 --batch-size "$m" --memory-limit 8GiB --steps 24 --lr 0.1 --schedule constant \
-      --no-augment --device cuda --out "$run-native" --no-progress
-    [[ -f $run-native/summary.json ]] && cp "$run-native/summary.json" "$logs/resnet50-native-summary.json"
-    note "$(printf '%-44s rc=%-3s %s' "train resnet50 native B=$m" "$last_rc" \
-      "$(python3 -c 'import json,sys; a=json.load(open(sys.argv[1])); b=json.load(open(sys.argv[2])); print(f"mbp {a[\"images_per_second\"]:.1f} img/s, native {b[\"images_per_second\"]:.1f} img/s, overhead {100*(1-a[\"images_per_second\"]/b[\"images_per_second\"]):.1f}%")' "$run/summary.json" "$run-native/summary.json" 2>/dev/null)")"
-  fi
-  # Recomputation on the device: batch 4096 in 8 GiB with every level recomputed, and 1024x1024
-  # samples in 1 GiB, where not even one sample fits without it (auto picks the level).
-  local name args
-  for name in all 1024; do
-    case $name in
-      all) args=(--data synthetic:3x224x224 --batch-size 4096 --memory-limit 8GiB --recompute all) ;;
-      1024) args=(--data synthetic:3x1024x1024 --batch-size 2 --memory-limit 1GiB --recompute auto) ;;
-    esac
-    rm -rf "$run-$name"
-    run_logged "tally train resnet50 ${args[*]}" "$log" "$bundle/run" "$bundle/bin/tally" train --model resnet50 \
-      "${args[@]}" --steps 3 --lr 0.1 --schedule constant --no-augment --no-eval --device cuda --out "$run-$name" \
-      --no-progress
-    [[ -f $run-$name/summary.json ]] && cp "$run-$name/summary.json" "$logs/resnet50-$name-summary.json"
-    note "$(printf '%-44s rc=%-3s %s' "train resnet50 ${args[1]#synthetic:} B=${args[3]} ${args[5]}" "$last_rc" \
-      "$(grep -E '^ *recompute:' "$log" | tail -1 | cut -c1-60) $(grep -E '^memory:' "$log" | tail -1)")"
-  done
-  publish
-}
-
-step_compare() {
-  local log=$logs/compare.log m b extra
-  # The three precisions of the GPU table: float32 (TF32 off on both sides), TF32, and bf16 — tally
-  # --precision bf16 against PyTorch's bf16 autocast + channels_last (+ cudnn.benchmark).
-  local configs=("resnet20 128" "resnet20 128 --tf32" "resnet20 128 --precision bf16"
-                 "resnet50 256" "resnet50 256 --tf32" "resnet50 256 --cudnn-benchmark"
-                 "resnet50 256 --tf32 --cudnn-benchmark" "resnet50 256 --precision bf16 --cudnn-benchmark")
-  for m in "${configs[@]}"; do
-    read -r m b extra <<<"$m"
-    # shellcheck disable=SC2086  # $extra is a list of flags
-    run_logged "compare_pytorch $m $extra" "$log" "$bundle/run" python3 bench/compare_pytorch.py --model "$m" \
-      --batch "$b" --device cuda --tally "$bundle/bin/tally" $extra
-    note "$(printf '%-44s rc=%-3s %s' "compare_pytorch $m $b ${extra:-fp32}" "$last_rc" "$(grep -A3 -E '^ +images/s' "$log" | tail -3 | tr -s ' ' | tr '\n' ';')")"
-  done
-}
-
-step_profile() {
-  local log=$logs/profile.log m d b k extra
-  # Each precision of the comparison table: float32, TF32 and bf16.
-  for m in "resnet50 synthetic:3x224x224 256 1000" "resnet50 synthetic:3x224x224 256 1000 --tf32" \
-           "resnet50 synthetic:3x224x224 256 1000 --precision bf16" "resnet20 synthetic 128 10"; do
-    read -r m d b k extra <<<"$m"
-    # shellcheck disable=SC2086  # $extra is a list of flags
-    run_logged "tally train --profile $m $extra" "$log" "$bundle/run" "$bundle/bin/tally" train --model "$m" --data "$d" \
-      --num-classes "$k" --batch-size "$b" --steps 12 --lr 0.01 --schedule constant --no-augment --device cuda \
-      --no-progress --profile $extra
-  done
-  note "$(printf '%-44s rc=%-3s' "profiles" "$last_rc")"
+  done <scripts/gpu-sanitize.list
 }
 
 step_bench() {
   local log=$logs/bench.log
-  run_logged "bench_train (cuda)" "$log" "$bundle/run" "$bundle/bin/bench_train" --benchmark_filter='cuda' \
+  run_logged "bench_train (cuda)" "$log" 120 "$bundle/run" "$bundle/bin/bench_train" --benchmark_filter='cuda' \
     --benchmark_min_time=1 --benchmark_counters_tabular=true
   note "$(printf '%-44s rc=%-3s' "bench_train cuda" "$last_rc")"
 }
@@ -441,21 +498,27 @@ run() {
   unpack_if_needed
   mkdir -p "$logs" "$out"
   summary=$logs/summary.txt
+  deadline=$(($(date +%s) + ${RUN_SECONDS:-540}))
   {
-    echo "== gpu-check $(date -u +%Y-%m-%dT%H:%M:%SZ): $*"
+    echo "== gpu-check $(date -u +%Y-%m-%dT%H:%M:%SZ): $*$( ((rehearsal)) && echo ' (rehearsal, no GPU)')"
     head -1 "$bundle/BUILD_INFO" 2>/dev/null || true
+    echo "whole run: at most ${RUN_SECONDS:-540}s"
   } >>"$summary"
   local s
   for s in "$@"; do
-    SECONDS=0
     case $s in
-      env | tests | sanitize | train | resnet50 | compare | profile | bench) "step_$s" ;;
-      *) echo "gpu-check: unknown step '$s': expected env, tests, sanitize, train, resnet50, compare, profile or bench" >&2; exit 2 ;;
+      env | tests | sanitize | train | resnet50 | compare | profile | bench) ;;
+      *) echo "gpu-check: unknown step '$s': expected env, tests, train, resnet50, compare, profile, sanitize or bench" >&2; exit 2 ;;
     esac
-    note "-- step $s: ${SECONDS}s"
+  done
+  local t0
+  for s in "$@"; do
+    t0=$SECONDS
+    "step_$s" || { note "gpu-check: step $s ended early (exit $?)"; status=1; }
+    note "-- step $s: $((SECONDS - t0))s"
     publish
   done
-  note "result: $([[ $status == 0 ]] && echo PASS || echo FAIL)"
+  note "result: $([[ $status == 0 ]] && echo PASS || echo FAIL) after ${SECONDS}s"
   return $status
 }
 
@@ -465,11 +528,17 @@ case ${1:-} in
   build-there) build_there ;;
   run)
     shift
-    (($#)) || set -- env tests sanitize
+    (($#)) || set -- "${all_steps[@]}"
+    run "$@"
+    ;;
+  rehearse)
+    shift
+    (($#)) || set -- "${all_steps[@]}"
+    rehearsal=1
     run "$@"
     ;;
   *)
-    echo "usage: scripts/gpu-check.sh pack | run STEP... | build-deps | build-there   (see the top of this file)" >&2
+    echo "usage: scripts/gpu-check.sh pack | run [STEP...] | rehearse [STEP...] | build-deps | build-there   (see the top of this file)" >&2
     exit 2
     ;;
 esac
