@@ -354,6 +354,7 @@ std::vector<ConvCase> conv_cases() {
       {"3x3 same, odd sizes, bias", conv_shape(3, 5, 7, 9, 4, 3, 3, 1, 1, 1, 1, true)},
       {"1x1 stride 1", conv_shape(2, 8, 5, 5, 6, 1, 1, 1, 0, 1, 1, false)},
       {"1x1 stride 2 (projection shortcut)", conv_shape(3, 16, 9, 9, 32, 1, 1, 2, 0, 1, 1, false)},
+      {"1x1 stride 2, even input", conv_shape(2, 8, 10, 10, 16, 1, 1, 2, 0, 1, 1, false)},
       {"3x3 stride 2, bias", conv_shape(3, 4, 9, 7, 8, 3, 3, 2, 1, 1, 1, true)},
       {"groups 2, bias", conv_shape(2, 6, 8, 8, 4, 3, 3, 1, 1, 1, 2, true)},
       {"depthwise", conv_shape(2, 5, 7, 9, 5, 3, 3, 1, 1, 1, 5, false)},

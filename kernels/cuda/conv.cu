@@ -451,9 +451,11 @@ Backend conv_desc(const Conv2dShape& s) {
   const cudnnConvolutionMode_t mode = CUDNN_CROSS_CORRELATION;
   const std::int64_t dims = 2, pad[2] = {s.pad_h, s.pad_w}, stride[2] = {s.stride_h, s.stride_w},
                      dilation[2] = {s.dil_h, s.dil_w};
-  // PyTorch's output size rounds down: the right/bottom padding that makes the sizes agree.
-  const std::int64_t post[2] = {(s.P() - 1) * s.stride_h + (s.R - 1) * s.dil_h + 1 - s.H - s.pad_h,
-                                (s.Q() - 1) * s.stride_w + (s.S - 1) * s.dil_w + 1 - s.W - s.pad_w};
+  // Symmetric padding, as PyTorch's cuDNN graph path sets it: cuDNN rounds the output size down
+  // as PyTorch does. (A post-padding that made the sizes agree exactly went negative where the
+  // last rows are not reached — a 1x1 stride-2 convolution of an even input — and cuDNN refused
+  // the descriptor with CUDNN_STATUS_BAD_PARAM: every downsampling shortcut, on an H100.)
+  const std::int64_t post[2] = {s.pad_h, s.pad_w};
   set_attr(c, CUDNN_ATTR_CONVOLUTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &compute);
   set_attr(c, CUDNN_ATTR_CONVOLUTION_CONV_MODE, CUDNN_TYPE_CONVOLUTION_MODE, 1, &mode);
   set_attr(c, CUDNN_ATTR_CONVOLUTION_SPATIAL_DIMS, CUDNN_TYPE_INT64, 1, &dims);
