@@ -296,7 +296,9 @@ bool set_avx512_kernels(bool on) {
 bool avx512_kernels() { return nhwc_avx512_runs(); }
 
 // Row-major: none. Channels-last: the partial sums of its chunks, (chunks, 2, C) doubles, seven
-// per-channel rows of statistics and coefficients, and room for three of float32 (bf16).
+// per-channel rows of statistics and coefficients, and room for rows of float32 (a bf16
+// forward's scale and shift; the backward's dx coefficients were float32 once, and the size is
+// kept so that plans stay as they were).
 std::size_t batch_norm_workspace_bytes(i64 N, i64 C, i64 HW, bool channels_last) {
   if (!channels_last || N <= 0 || C <= 0 || HW <= 0) return 0;
   return static_cast<std::size_t>(nhwc_chunks(N * HW, C) * 2 * C + 9 * C) * sizeof(double);
@@ -385,19 +387,11 @@ struct DxRows {
       T* dxp = dxc + n * CHW;
       const T* dyp = In ? dxp : dyc + n * CHW;
       const T* yp = A ? yc + n * CHW : nullptr;
-      // Two loops rather than a test of beta per element: each vectorizes.
-      if constexpr (std::is_same_v<T, bf16>) {
-        // For a bf16 dx, float32 math: dx = a1 dz - a2 x + a0 with the channel's constants
-        // (k (dz - mean_dz - (x - mean) invstd mean_dz_xhat) expanded).
-        const float a1 = static_cast<float>(k), a2 = static_cast<float>(k * invstd * mean_dy_xhat);
-        const float a0 = static_cast<float>(k * (invstd * mean_dy_xhat * mean - mean_dy));
-        if (beta_dx == 0.f) {
-          for (i64 i = 0; i < HW; ++i) dxp[i] = bf16(a1 * float(masked<A>(dyp, yp, i)) - a2 * float(xp[i]) + a0);
-        } else {
-          for (i64 i = 0; i < HW; ++i)
-            dxp[i] = bf16(beta_dx * float(dxp[i]) + (a1 * float(masked<A>(dyp, yp, i)) - a2 * float(xp[i]) + a0));
-        }
-      } else if (beta_dx == M_(0)) {
+      // Two loops rather than a test of beta per element: each vectorizes. In double for a bf16 dx
+      // too, as the CUDA kernel computes it: the three terms cancel (with few values per channel,
+      // to a small part of each), and float32 math here once parted from the GPU's double by 3
+      // bf16 ulps (2 values per channel, on an H100).
+      if (beta_dx == M_(0)) {
         for (i64 i = 0; i < HW; ++i) {
           const double xhat = (static_cast<double>(xp[i]) - mean) * invstd;
           dxp[i] = static_cast<T>(k * (static_cast<double>(masked<A>(dyp, yp, i)) - mean_dy - xhat * mean_dy_xhat));
