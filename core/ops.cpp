@@ -153,7 +153,8 @@ struct Conv2dBackward : Node {
       std::size_t ws_bytes = 0;
       TALLY_DISPATCH_QUERY("conv2d", x, FLOATING, ws_bytes = kk::conv2d_workspace_bytes<T>(s, kernels::ConvPass::backward_data));
       const Tensor ws = workspace(x, ws_bytes, "conv2d_backward_data");
-      TALLY_DISPATCH("conv2d", x, FLOATING, kk::conv2d_backward_data<T>(s, dy.data<T>(), w.data<TP>(), dx.data<T>(), TP(beta), ws_ptr(ws)));
+      // Timed apart from the filter pass (`tally train --profile` shows where a backward's time goes).
+      TALLY_DISPATCH("conv2d input gradient", x, FLOATING, kk::conv2d_backward_data<T>(s, dy.data<T>(), w.data<TP>(), dx.data<T>(), TP(beta), ws_ptr(ws)));
       count_backward(conv_multiply_adds(s));
     }
     if (g[1].needed) {
@@ -161,7 +162,7 @@ struct Conv2dBackward : Node {
       std::size_t ws_bytes = 0;
       TALLY_DISPATCH_QUERY("conv2d", x, FLOATING, ws_bytes = kk::conv2d_workspace_bytes<T>(s, kernels::ConvPass::backward_filter));
       const Tensor ws = workspace(x, ws_bytes, "conv2d_backward_filter");
-      TALLY_DISPATCH("conv2d", x, FLOATING, kk::conv2d_backward_filter<T>(s, x.data<T>(), dy.data<T>(), dw.data<TP>(), TP(beta), ws_ptr(ws)));
+      TALLY_DISPATCH("conv2d weight gradient", x, FLOATING, kk::conv2d_backward_filter<T>(s, x.data<T>(), dy.data<T>(), dw.data<TP>(), TP(beta), ws_ptr(ws)));
       count_backward(conv_multiply_adds(s));
     }
     if (has_bias && g[2].needed) {
