@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 
 #include <fmt/format.h>
@@ -35,6 +36,8 @@ Arena::Arena(Device device, std::size_t capacity, bool reserve)
       capacity_(capacity / kAlignment * kAlignment),
       budget_(capacity_),
       t0_(std::chrono::steady_clock::now()) {
+  const char* poison = std::getenv("TALLY_ARENA_POISON");
+  poison_freed_ = poison != nullptr && std::strcmp(poison, "1") == 0;
   if (capacity_ == 0)
     throw Error(fmt::format("arena on {}: capacity {} bytes is below the {}-byte alignment",
                             device.str(), capacity, kAlignment));
@@ -164,6 +167,7 @@ void Arena::free(std::size_t offset) {
     s->frees++;
   }
   if (tracing_) record(false, offset, n);
+  if (poison_freed_ && base_ && device_.is_cpu()) std::memset(static_cast<char*>(base_) + offset, 0xFF, n.size);
   n.used = false;
   n.requested = 0;
   n.op.clear();

@@ -175,6 +175,13 @@ class Arena {
     fail_action_ = std::move(action);
   }
 
+  // A debugging aid: a freed block of a host arena is filled with 0xFF bytes (a NaN in every
+  // floating type), so that a read of a tensor after its memory was handed back shows at once.
+  // On from the start where the environment has TALLY_ARENA_POISON=1; device arenas are left as
+  // they are.
+  void set_poison_freed(bool on) { poison_freed_ = on; }
+  bool poison_freed() const { return poison_freed_; }
+
   // The live allocation that starts at `offset` (for tests and diagnostics).
   struct LiveInfo {
     std::size_t requested, rounded;
@@ -212,6 +219,7 @@ class Arena {
   std::uint64_t fail_countdown_ = 0;
   std::function<void()> fail_action_;  // at_allocation's, else the countdown throws
   std::size_t high_water_ = 0;
+  bool poison_freed_ = false;
 };
 
 // Parses a size such as "48MiB", "2GiB", "512KiB", "1.5GB", "4096" (bytes); throws tally::Error

@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <map>
 #include <random>
 
@@ -166,6 +168,30 @@ TEST(Arena, SameSequenceSameOffsetsAndPeak) {
   };
   Arena a(Device::cpu(), 256 << 20), b(Device::cpu(), 256 << 20);
   EXPECT_EQ(run(a), run(b));
+}
+
+// set_poison_freed (TALLY_ARENA_POISON=1): a freed host block reads as 0xFF bytes — NaN as a
+// float — so a tensor read after its memory was handed back cannot pass for a number; off, the
+// bytes stay as they were written. Both arenas lay blocks out identically.
+TEST(Arena, PoisonedFreesReadAsNaN) {
+  for (bool poison : {false, true}) {
+    SCOPED_TRACE(poison ? "poison on" : "poison off");
+    Arena a(Device::cpu(), 1 << 20);
+    a.set_poison_freed(poison);
+    EXPECT_EQ(a.poison_freed(), poison);
+    const Block keep = a.allocate(256, Category::activation, "keep");
+    const Block b = a.allocate(1000, Category::activation, "freed");
+    std::memset(keep.ptr, 0x11, 256);
+    std::memset(b.ptr, 0x22, 1000);
+    a.free(b.offset);
+    const auto* bytes = static_cast<const unsigned char*>(b.ptr);
+    EXPECT_EQ(std::count(bytes, bytes + 1000, poison ? 0xFF : 0x22), 1000);
+    float f;
+    std::memcpy(&f, b.ptr, sizeof f);
+    EXPECT_EQ(std::isnan(f), poison);
+    const auto* kept = static_cast<const unsigned char*>(keep.ptr);
+    EXPECT_EQ(std::count(kept, kept + 256, 0x11), 256) << "a live neighbour is never touched";
+  }
 }
 
 // Tail last: a sequence laid out in a large arena, reaching at most offset H, lays out
