@@ -130,31 +130,37 @@ TEST(GpuOps, FusedBatchNormReluMatchesTheCpu) {
   const auto seed = fresh_seed();
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   std::mt19937 rng(seed);
-  const std::map<std::string, Tensor> host = {{"x", host_tensor({3, 6, 7, 9}, rng)},
-                                              {"res", host_tensor({3, 6, 7, 9}, rng)},
-                                              {"w", host_tensor({6}, rng, 0.5f, 1.5f)},
-                                              {"b", host_tensor({6}, rng)}};
-  const Tensor probe = host_tensor({3, 6, 7, 9}, rng);
-  for (bool residual : {false, true}) {
-    auto run = [&](Device d, std::map<std::string, Tensor>& L, Tensor& rm, Tensor& rv) {
-      for (const auto& [k, v] : host) L[k] = leaf(v, d);
-      rm = Tensor::zeros({6}, DType::Float32, d, Category::parameter);
-      rv = Tensor::full({6}, 1.0, DType::Float32, d, Category::parameter);
-      BatchNormOptions fused;
-      fused.relu = true;
-      Tensor y = batch_norm(L["x"], L["w"], L["b"], rm, rv, fused, residual ? L["res"] : Tensor());
-      sum(mul(y, probe.to(d))).backward();
-      return y;
-    };
-    std::map<std::string, Tensor> lc, lg;
-    Tensor rmc, rvc, rmg, rvg;
-    const Tensor yc = run(Device::cpu(), lc, rmc, rvc), yg = run(Device::cuda(), lg, rmg, rvg);
-    EXPECT_LE(norm_rel_err(yg, yc), 1e-5) << "y, residual " << residual;
-    EXPECT_LE(norm_rel_err(rmg, rmc), 1e-5) << "running_mean";
-    EXPECT_LE(norm_rel_err(rvg, rvc), 1e-5) << "running_var";
-    for (const char* k : {"x", "w", "b", "res"}) {
-      if (!residual && std::string(k) == "res") continue;
-      EXPECT_LE(norm_rel_err(lg.at(k).grad(), lc.at(k).grad()), 1e-4) << names("gradient", k) << ", residual " << residual;
+  // The second shape is ResNet-20's first stage, where a channel's sums span two blocks (P = 2):
+  // ResNet-20's GPU gradients parted from the CPU's from there back, on an H100.
+  for (const auto& shape : std::vector<std::vector<i64>>{{3, 6, 7, 9}, {8, 16, 32, 32}}) {
+    const i64 C = shape[1];
+    SCOPED_TRACE(testing::Message() << "N " << shape[0] << " C " << C << " H " << shape[2] << " W " << shape[3]);
+    const std::map<std::string, Tensor> host = {{"x", host_tensor(shape, rng)},
+                                                {"res", host_tensor(shape, rng)},
+                                                {"w", host_tensor({C}, rng, 0.5f, 1.5f)},
+                                                {"b", host_tensor({C}, rng)}};
+    const Tensor probe = host_tensor(shape, rng);
+    for (bool residual : {false, true}) {
+      auto run = [&](Device d, std::map<std::string, Tensor>& L, Tensor& rm, Tensor& rv) {
+        for (const auto& [k, v] : host) L[k] = leaf(v, d);
+        rm = Tensor::zeros({C}, DType::Float32, d, Category::parameter);
+        rv = Tensor::full({C}, 1.0, DType::Float32, d, Category::parameter);
+        BatchNormOptions fused;
+        fused.relu = true;
+        Tensor y = batch_norm(L["x"], L["w"], L["b"], rm, rv, fused, residual ? L["res"] : Tensor());
+        sum(mul(y, probe.to(d))).backward();
+        return y;
+      };
+      std::map<std::string, Tensor> lc, lg;
+      Tensor rmc, rvc, rmg, rvg;
+      const Tensor yc = run(Device::cpu(), lc, rmc, rvc), yg = run(Device::cuda(), lg, rmg, rvg);
+      EXPECT_LE(norm_rel_err(yg, yc), 1e-5) << "y, residual " << residual;
+      EXPECT_LE(norm_rel_err(rmg, rmc), 1e-5) << "running_mean";
+      EXPECT_LE(norm_rel_err(rvg, rvc), 1e-5) << "running_var";
+      for (const char* k : {"x", "w", "b", "res"}) {
+        if (!residual && std::string(k) == "res") continue;
+        EXPECT_LE(norm_rel_err(lg.at(k).grad(), lc.at(k).grad()), 1e-4) << names("gradient", k) << ", residual " << residual;
+      }
     }
   }
 }
@@ -211,16 +217,22 @@ TEST(GpuOps, BatchNormEvalAndFloat64OnTheGpu) {
 
 TEST(GpuOps, BasicBlockForwardBackwardMatchesTheCpu) {
   REQUIRE_GPU();
+  // A projection shortcut (1x1 stride-2 conv + norm) at odd sizes, then ResNet-20's own blocks at
+  // its first stage's size (8x16x32x32: the identity block, and the block entering stage 2).
+  struct Case { i64 N, H, W, out, stride; };
+  for (const Case c : {Case{3, 9, 11, 32, 2}, Case{8, 32, 32, 16, 1}, Case{8, 32, 32, 32, 2}})
   for (nn::Norm norm : {nn::Norm::Batch, nn::Norm::Group}) {
     const auto seed = fresh_seed();
-    SCOPED_TRACE(testing::Message() << "norm " << nn::norm_name(norm) << " seed " << seed);
+    SCOPED_TRACE(testing::Message() << "norm " << nn::norm_name(norm) << " input " << c.N << "x16x" << c.H << "x"
+                                    << c.W << " -> " << c.out << " stride " << c.stride << " seed " << seed);
     nn::manual_seed(seed);
-    nn::BasicBlock cpu(16, 32, 2, norm);  // projection shortcut: 1x1 stride-2 conv + norm
+    nn::BasicBlock cpu(16, c.out, c.stride, norm);
     nn::manual_seed(seed);
-    nn::BasicBlock gpu(16, 32, 2, norm);
+    nn::BasicBlock gpu(16, c.out, c.stride, norm);
     gpu.to(Device::cuda());
     std::mt19937 rng(seed);
-    const Tensor x = host_tensor({3, 16, 9, 11}, rng), r = host_tensor({3, 32, 5, 6}, rng);
+    const i64 P = (c.H - 1) / c.stride + 1, Q = (c.W - 1) / c.stride + 1;
+    const Tensor x = host_tensor({c.N, 16, c.H, c.W}, rng), r = host_tensor({c.N, c.out, P, Q}, rng);
     Tensor xc = leaf(x, Device::cpu()), xg = leaf(x, Device::cuda());
     const Tensor yc = cpu(xc), yg = gpu(xg);
     EXPECT_LE(norm_rel_err(yg, yc), 1e-4) << "output";
