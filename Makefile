@@ -1,7 +1,7 @@
 # tally — the two commands:
 #   make train   set up (Debian packages), build Release, run the main job
 #   make test    set up, build, run the test suite (ctest) and print its summary
-# Also: make build, make bench, make fuzz, make fuzz-merge, make clean. BUILD_DIR, BUILD_TYPE, CMAKE_ARGS may be overridden.
+# Also: make build, make test-isa, make bench, make fuzz, make fuzz-merge, make clean. BUILD_DIR, BUILD_TYPE, CMAKE_ARGS may be overridden.
 
 BUILD_DIR  ?= build
 BUILD_TYPE ?= Release
@@ -15,7 +15,7 @@ DEB_PACKAGES := cmake g++ make pkg-config googletest libgtest-dev libgmock-dev l
                 libopenblas-dev libcli11-dev nlohmann-json3-dev libfmt-dev zlib1g-dev dataset-fashion-mnist \
                 libopenmpi-dev openmpi-bin libdnnl-dev
 
-.PHONY: train test build bench bootstrap configure clean fuzz fuzz-bootstrap fuzz-merge fuzz-build
+.PHONY: train test test-isa build bench bootstrap configure clean fuzz fuzz-bootstrap fuzz-merge fuzz-build
 
 # Installs the Debian packages of $(1) that are missing (as root), or names the command to run.
 define install_missing
@@ -61,6 +61,14 @@ train: build
 test: build
 	@cd $(BUILD_DIR) && OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} OMP_WAIT_POLICY=$${OMP_WAIT_POLICY:-passive} \
 	  ctest --output-on-failure -j $(JOBS) --timeout 300
+
+# The plan, MBP, recomputation and mixed-precision tests as an AVX2 and an AVX-512 processor would
+# run them (oneDNN capped; docs/testing.md, "Plans on every processor").
+ISA_TESTS := ^cli\.|Mbp\.|PlannerExact|Recompute\.|MixedPrecision|^recompute|^plan
+test-isa: build
+	@cd $(BUILD_DIR) && for isa in AVX2 AVX512_CORE; do echo "== ONEDNN_MAX_CPU_ISA=$$isa"; \
+	  ONEDNN_MAX_CPU_ISA=$$isa OMP_NUM_THREADS=$${OMP_NUM_THREADS:-2} OMP_WAIT_POLICY=passive \
+	  ctest -j $(JOBS) --timeout 300 -R '$(ISA_TESTS)' -E 'Gpu|gpu' || exit 1; done
 
 bench: build
 	@for b in $(BUILD_DIR)/bench/bench_*; do echo "== $$b"; $$b --benchmark_min_time=0.2 || exit 1; done

@@ -573,8 +573,12 @@ TEST_F(MixedPrecision, PlansAreExactAndFitNearlyTwiceTheMicroBatch) {
     }
     std::cout << mbp::precision_name(p) << ": " << plan.summary() << "\n";
   }
-  EXPECT_GE(static_cast<double>(m_bf16), 1.8 * static_cast<double>(m_fp32))
-      << "fp32 micro-batch " << m_fp32 << ", bf16 " << m_bf16;
+  // Where oneDNN runs bf16 convolutions (AVX-512 and AMX), their two-byte workspaces too: 1.8x.
+  // Elsewhere (AVX2) they take the widened float32 route, whose scratch is float32: 1.5x (1.6x
+  // measured under ONEDNN_MAX_CPU_ISA=AVX2, 8 against 5).
+  const double bound = expect_onednn_bf16() ? 1.8 : 1.5;
+  EXPECT_GE(static_cast<double>(m_bf16), bound * static_cast<double>(m_fp32))
+      << "fp32 micro-batch " << m_fp32 << ", bf16 " << m_bf16 << " (bound " << bound << "x)";
 }
 
 // The stem and the classifier run in the master weights' precision (docs/precision.md, "The first

@@ -307,6 +307,8 @@ TEST_P(PlannerExact, PredictedPeakEqualsMeasuredPeak) {
   std::cout << c.name << ": " << p.summary() << " (" << p.probes << " dry runs)\n";
 }
 
+// Budgets that split the batch on every instruction set oneDNN may run (ResNet-18's smallest
+// step needs 174 MiB under AVX2, whose scratchpads are larger than AVX-512's: 150 MiB failed there).
 INSTANTIATE_TEST_SUITE_P(
     Models, PlannerExact,
     ::testing::Values(ExactCase{"resnet20", "batch", {3, 32, 32}, 64, "12MiB", {}, "resnet20_batch_12MiB"},
@@ -315,7 +317,7 @@ INSTANTIATE_TEST_SUITE_P(
                       ExactCase{"resnet20", "batch", {3, 32, 32}, 40, "8GiB", 40, "resnet20_batch_full"},
                       ExactCase{"resnet32", "batch", {3, 16, 16}, 33, "8MiB", {}, "resnet32_batch_8MiB"},
                       ExactCase{"resnet9", "batch", {3, 32, 32}, 24, "120MiB", {}, "resnet9_120MiB"},
-                      ExactCase{"resnet18", "batch", {3, 32, 32}, 48, "150MiB", {}, "resnet18_150MiB"}),
+                      ExactCase{"resnet18", "batch", {3, 32, 32}, 48, "200MiB", {}, "resnet18_200MiB"}),
     [](const auto& info) { return info.param.name; });
 
 // Convolutions whose oneDNN buffers would exceed the workspace limit (budget / 32, at least
