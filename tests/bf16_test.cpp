@@ -434,7 +434,10 @@ TEST(MixedPrecisionAccuracy, Bf16KernelsAreAsAccurateAsBf16RoundingAllows) {
   // sums round to different bf16 values and the network amplifies the difference — either way
   // round: one draw in about 50 has a layer at 1.5 (TALLY_TEST_SEED=1082006489: the last layer
   // 0.034 against 0.022) and others have the kernels closer. So each layer is held to twice the
-  // rounding's error, and the layers together to 1.1 times theirs.
+  // rounding's error, and the layers together to 1.2 times theirs: over seeds 1-150 the sum's
+  // ratio had median 1.000, 99th percentile 1.084 and maximum 1.094, and one draw in a few hundred
+  // goes further (TALLY_TEST_SEED=548461427: 1.145, with the kernels before and after the bf16
+  // batch norm's dx moved to double alike — 1.1 failed a clean run).
   std::string table;
   double sum_e = 0, sum_er = 0;
   for (std::size_t l = 0; l < truth.size(); ++l) {
@@ -444,7 +447,7 @@ TEST(MixedPrecisionAccuracy, Bf16KernelsAreAsAccurateAsBf16RoundingAllows) {
     sum_er += er;
     EXPECT_LE(e, 2.0 * er + 0.005) << "layer " << l << ": bf16 kernels " << e << ", bf16 rounding alone " << er;
   }
-  EXPECT_LE(sum_e, 1.1 * sum_er) << "all layers: bf16 kernels " << sum_e << ", bf16 rounding alone " << sum_er;
+  EXPECT_LE(sum_e, 1.2 * sum_er) << "all layers: bf16 kernels " << sum_e << ", bf16 rounding alone " << sum_er;
   std::cout << "per-layer relative gradient error against float64, bf16 kernels / rounding alone:" << table << "\n";
 }
 
