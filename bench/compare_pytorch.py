@@ -189,11 +189,23 @@ def main():
     if args.torch_profile:
         torch_side(args, hw, classes)
         return
+    # A tally side that fails is a row saying so (and a non-zero exit at the end), not the loss of
+    # the other rows: on an H100 the graph API's failure once took the legacy and PyTorch numbers with it.
+    failed = []
+
+    def one_tally(a):
+        try:
+            return (a, *tally_side(args, hw, classes, a))
+        except subprocess.CalledProcessError as e:
+            failed.append(a or "tally")
+            return (a, None, None, f"exit {e.returncode}")
+
     rounds = []
     for _ in range(max(args.rounds, 1)):
-        tallies = [(a, *tally_side(args, hw, classes, a)) for a in apis]
+        tallies = [one_tally(a) for a in apis]
         p_ips, p_peak, p_kind = torch_side(args, hw, classes)
-        rounds.append((tallies[0][1], p_ips))
+        if tallies[0][1] is not None:
+            rounds.append((tallies[0][1], p_ips))
     mib = 1 << 20
     prec = "bf16 (PyTorch: autocast" + (" + channels_last)" if args.device != "cpu" else ")") if args.precision == "bf16" else "float32"
     if args.torch_channels_last and args.device == "cpu":
@@ -204,9 +216,14 @@ def main():
     print(f"{'':12} {'images/s':>10} {'peak MiB':>10}")
     for a, t_ips, t_peak, k in tallies:
         name = f"tally-{a}" if a else "tally"
+        if t_ips is None:
+            print(f"{name:12} {'failed':>10} {'':>10}   ({k}; its error is above)")
+            continue
         print(f"{name:12} {t_ips:10.1f} {t_peak / mib:10.1f}   (arena step peak; {k} micro-batch(es))")
     print(f"{'pytorch':12} {p_ips:10.1f} {p_peak / mib:10.1f}   ({p_kind})")
     for a, t_ips, t_peak, k in tallies:
+        if t_ips is None:
+            continue
         ratio_mem = f"{t_peak / p_peak:.2f}" if args.device != "cpu" and p_peak > 0 else "n/a"
         name = f"ratio-{a}" if a else "ratio"
         print(f"{name:12} {t_ips / p_ips:10.2f} {ratio_mem:>10}   (tally / pytorch)")
@@ -215,6 +232,8 @@ def main():
         print("rounds (tally, pytorch images/s, ratio): " +
               "; ".join(f"{t:.1f}, {q:.1f}, {t / q:.2f}" for t, q in rounds))
         print(f"median ratio {ratios[len(ratios) // 2]:.2f} over {len(rounds)} rounds")
+    if failed:
+        sys.exit(f"compare_pytorch: the tally side failed for {', '.join(failed)}")
 
 
 if __name__ == "__main__":
