@@ -109,25 +109,27 @@ case $case_name in
   kinds | kinds_bf16 | kinds_adamw)
     # Every kind of run resumes: bf16 mixed precision; AdamW with group norm and recomputation.
     # (Two ctest entries: together they took 97-140 s of a 240 s limit; the bf16 half alone still
-    # took 85 s beside the suite's -O0 build. Half the batch — still two micro-batches, the kill
-    # inside the first — halves the work; the epoch boundary is kill_points' to cross.)
+    # took 85 s beside the suite's -O0 build, and 75 s at half the batch. Half the batch — still two
+    # micro-batches, the kill inside the first — and 8 steps, the kill after the checkpoint of step
+    # 5: the epoch boundary is kill_points' to cross.)
     base=()
     for ((i = 0; i < ${#ARGS[@]}; ++i)); do
       case ${ARGS[i]} in
         --batch-size) base+=(--batch-size 500); ((++i)) ;;
         --micro-batch) base+=(--micro-batch 250); ((++i)) ;;
+        --steps) base+=(--steps 8); ((++i)) ;;
         *) base+=("${ARGS[i]}") ;;
       esac
     done
     if [[ $case_name != kinds_adamw ]]; then
       ARGS=("${base[@]}" --precision bf16)
       reference
-      kill_and_resume bf16_inside_a_step in-step:12:40
+      kill_and_resume bf16_inside_a_step in-step:7:40
     fi
     if [[ $case_name != kinds_bf16 ]]; then
       ARGS=("${base[@]}" --optimizer adamw --lr 0.002 --norm group --recompute blocks)
       reference ref_adamw
-      kill_and_resume adamw_group_norm_recompute after-step:11
+      kill_and_resume adamw_group_norm_recompute after-step:7
     fi
     ;;
   signals)
