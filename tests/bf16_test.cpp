@@ -13,6 +13,7 @@
 // (oneDNN's emulated bf16) and =AVX2 (no bf16 in oneDNN: the fallback takes over).
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cmath>
 #include <cstdlib>
 #include <functional>
@@ -293,6 +294,57 @@ TEST(BFloat16Ops, GemmsNormsPoolsElementwiseAndTheLossMatchFloat32) {
 
 // bf16 logits give a float32 loss (the logits converted first, as autocast runs the loss in
 // float32) and a bf16 gradient.
+// The batch norm's bf16 input gradient is its float64 computation from the same bf16 inputs and
+// saved statistics, rounded once: within one bf16 rounding of it, element by element, also where
+// the three terms of dx cancel (two values per channel, a mean far from zero) — row-major and
+// channels-last. (A float32 form that subtracted terms the size of x's mean once parted from
+// the GPU's double by 3 bf16 ulps at N 2 C 16 HW 1, on an H100.)
+TEST(BFloat16Ops, BatchNormInputGradientIsItsFloat64ComputationRoundedOnce) {
+  namespace kc = kernels::cpu;
+  using kernels::bf16;
+  using kernels::i64;
+  for (const auto& [N, C, HW] : std::vector<std::array<i64, 3>>{{2, 16, 1}, {3, 5, 63}, {8, 16, 64}, {2, 7, 3}})
+    for (bool channels_last : {false, true})
+      for (int draw = 0; draw < 8; ++draw) {
+        const auto seed = fresh_seed();
+        SCOPED_TRACE(fmt::format("N {} C {} HW {} channels_last {} seed {}", N, C, HW, channels_last, seed));
+        std::mt19937 rng(seed);
+        const i64 n = N * C * HW;
+        std::uniform_real_distribution<float> ux(2.f, 6.f), ud(-1.f, 1.f), ug(0.5f, 1.5f);
+        std::vector<bf16> x(n), dy(n), dx(n, bf16(std::nanf("")));
+        std::vector<double> xd(n), dyd(n), dxd(n);
+        for (i64 i = 0; i < n; ++i) x[i] = bf16(ux(rng)), dy[i] = bf16(ud(rng)), xd[i] = float(x[i]), dyd[i] = float(dy[i]);
+        std::vector<float> gamma(C), mean(C), invstd(C);
+        std::vector<double> gammad(C), meand(C), invstdd(C);
+        for (i64 c = 0; c < C; ++c) {  // the statistics of x, as a forward would have saved them
+          double s = 0, s2 = 0;
+          for (i64 m = 0; m < N * HW; ++m) {
+            const i64 o = channels_last ? m * C + c : (m / HW * C + c) * HW + m % HW;
+            s += xd[o], s2 += xd[o] * xd[o];
+          }
+          const double mu = s / static_cast<double>(N * HW), var = s2 / static_cast<double>(N * HW) - mu * mu;
+          gamma[c] = ug(rng), mean[c] = static_cast<float>(mu), invstd[c] = static_cast<float>(1.0 / std::sqrt(var + 1e-5));
+          gammad[c] = gamma[c], meand[c] = mean[c], invstdd[c] = invstd[c];
+        }
+        kernels::NormActGrad<bf16> act;
+        act.channels_last = channels_last;
+        kernels::NormActGrad<double> actd;
+        actd.channels_last = channels_last;
+        std::vector<unsigned char> ws(kc::batch_norm_workspace_bytes(N, C, HW, channels_last) + 64);
+        kc::batch_norm_backward<bf16>(N, C, HW, dy.data(), x.data(), gamma.data(), mean.data(), invstd.data(), dx.data(),
+                                      0.f, nullptr, nullptr, 0.f, ws.data(), act);
+        kc::batch_norm_backward<double>(N, C, HW, dyd.data(), xd.data(), gammad.data(), meand.data(), invstdd.data(),
+                                        dxd.data(), 0.0, nullptr, nullptr, 0.0, ws.data(), actd);
+        double top = 0;
+        for (double v : dxd) top = std::max(top, std::abs(v));
+        for (i64 i = 0; i < n; ++i) {
+          const double want = static_cast<double>(static_cast<float>(bf16(dxd[i])));  // rounded once
+          ASSERT_LE(std::abs(float(dx[i]) - want), std::ldexp(std::abs(want), -8) + std::ldexp(top, -12))
+              << "element " << i << ": got " << float(dx[i]) << ", float64 rounded once " << want;
+        }
+      }
+}
+
 TEST(BFloat16Ops, CrossEntropyOfBf16LogitsIsFloat32) {
   const std::vector<std::int64_t> t{3, 0, 6, 6, 1, 2, 5, 4};
   for (double smoothing : {0.0, 0.1}) {
