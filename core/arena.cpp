@@ -36,8 +36,11 @@ Arena::Arena(Device device, std::size_t capacity, bool reserve)
       capacity_(capacity / kAlignment * kAlignment),
       budget_(capacity_),
       t0_(std::chrono::steady_clock::now()) {
-  const char* poison = std::getenv("TALLY_ARENA_POISON");
-  poison_freed_ = poison != nullptr && std::strcmp(poison, "1") == 0;
+  static const bool poison_from_env = [] {  // read once: the planner makes many virtual clones
+    const char* v = std::getenv("TALLY_ARENA_POISON");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  poison_freed_ = poison_from_env;
   if (capacity_ == 0)
     throw Error(fmt::format("arena on {}: capacity {} bytes is below the {}-byte alignment",
                             device.str(), capacity, kAlignment));
