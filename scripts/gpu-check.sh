@@ -254,6 +254,7 @@ deadline=0           # seconds since the epoch after which no command starts
 reserve=15           # seconds kept back at the end for packing the logs and the summary
 
 note() { echo "$*" | tee -a "$summary"; }
+result() { note "$(printf '%-44s rc=%-3s %s' "$1" "$last_rc" "${2:-}")"; }  # NAME [TEXT]: a summary row
 publish() {  # the logs so far, where they come back from
   mkdir -p "$out"
   tar -C "$logs" -czf "$out/logs.tar.gz.tmp" . && mv "$out/logs.tar.gz.tmp" "$out/logs.tar.gz"
@@ -342,7 +343,7 @@ step_tests() {
       line="$line(skipped: no GPU present)"
       ((rehearsal)) || status=1
     fi
-    note "$(printf '%-44s rc=%-3s %s' "$t" "$last_rc" "$line")"
+    result "$t" "$line"
   done
   # The convolution tests (and the whole ResNet-20 steps) through cuDNN's graph API.
   local filter='*Convolution*:*ResNet20*:*Recomputed*:-*EveryCudnnAlgorithm*'
@@ -351,14 +352,14 @@ step_tests() {
     : >"$glog"
     TALLY_CUDNN_CONV_API=graph run_logged "$t (graph API)" "$glog" 120 "$bundle/run" "$bundle/bin/$t" \
       --gtest_color=no --gtest_filter="$filter"
-    note "$(printf '%-44s rc=%-3s %s' "$t graph API" "$last_rc" "$(gtest_line "$glog")")"
+    result "$t graph API" "$(gtest_line "$glog")"
   done
   # Killed runs resume bit for bit on the GPU (tests/resume_test.sh cuda; exit 77: no GPU).
   local rlog=$logs/resume-cuda.log
   : >"$rlog"
   run_logged "resume.cuda" "$rlog" 150 "$bundle/run" bash tests/resume_test.sh cuda "$bundle/bin/tally"
-  note "$(printf '%-44s rc=%-3s %s' "resume.cuda" "$last_rc" \
-    "$(grep -c '^ok:' "$rlog") ok, $(grep -c '^FAIL' "$rlog") failed$(grep -q 'skipped: no GPU' "$rlog" && echo ' (skipped: no GPU)')")"
+  result "resume.cuda" \
+    "$(grep -c '^ok:' "$rlog") ok, $(grep -c '^FAIL' "$rlog") failed$(grep -q 'skipped: no GPU' "$rlog" && echo ' (skipped: no GPU)')"
 }
 
 # The memory lines of a tally run (predicted and measured peaks), for the summary.
@@ -376,7 +377,7 @@ step_train() {
     run_logged "tally train (make train recipe, $p)" "$log" 120 "$bundle/run" "$bundle/bin/tally" train --model resnet20 \
       "${data[@]}" --batch-size 512 --memory-limit 32MiB --lr 0.4 --warmup-epochs 0.5 --schedule cosine \
       --precision "$p" --device cuda --out "$run-$p" --no-progress
-    note "$(printf '%-44s rc=%-3s %s' "tally train cuda $p" "$last_rc" "$(peak_line "$log")")"
+    result "tally train cuda $p" "$(peak_line "$log")"
     [[ -f $run-$p/summary.json ]] && cp "$run-$p/summary.json" "$logs/train-$p-summary.json"
     [[ -f $run-$p/memory.svg ]] && cp "$run-$p/memory.svg" "$logs/train-$p-memory.svg"
   done
@@ -387,7 +388,7 @@ step_train() {
   run_logged "tally train (cuda, graph API)" "$glog" 60 "$bundle/run" env TALLY_CUDNN_CONV_API=graph \
     "$bundle/bin/tally" train --model resnet20 --data synthetic --steps 40 --batch-size 256 --memory-limit 48MiB \
     --device cuda --out "$run-graph" --no-progress --no-eval
-  note "$(printf '%-44s rc=%-3s %s' "tally train cuda graph API" "$last_rc" "$(peak_line "$glog")")"
+  result "tally train cuda graph API" "$(peak_line "$glog")"
 }
 
 step_resnet50() {
@@ -408,14 +409,14 @@ step_resnet50() {
       [[ $name == bf16 ]] && prec=(--precision bf16)
       run_logged "tally plan resnet50 $name" "$log" 60 "$bundle/run" "$bundle/bin/tally" plan --model resnet50 \
         --input 3x224x224 --batch-size 4096 --memory-limit 8GiB --device cuda "${prec[@]}"
-      note "$(printf '%-44s rc=%-3s %s' "tally plan cuda resnet50 $name" "$last_rc" "$(grep 'plan:' "$log" | tail -1)")"
+      result "tally plan cuda resnet50 $name" "$(grep 'plan:' "$log" | tail -1)"
     fi
     rm -rf "$run-$name"
     run_logged "tally train resnet50 $name" "$log" 90 "$bundle/run" "$bundle/bin/tally" train --model resnet50 \
       "${args[@]}" --lr 0.1 --schedule constant --no-augment --no-eval --device cuda --out "$run-$name" --no-progress
     [[ -f $run-$name/summary.json ]] && cp "$run-$name/summary.json" "$logs/resnet50-$name-summary.json"
-    note "$(printf '%-44s rc=%-3s %s' "train resnet50 $name ${args[1]#synthetic:} B=${args[3]}" "$last_rc" \
-      "$(grep -E '^ *recompute:' "$log" | tail -1 | cut -c1-50) $(grep -E '^memory:|img/s' "$log" | tail -1 | cut -c1-110)")"
+    result "train resnet50 $name ${args[1]#synthetic:} B=${args[3]}" \
+      "$(grep -E '^ *recompute:' "$log" | tail -1 | cut -c1-50) $(grep -E '^memory:|img/s' "$log" | tail -1 | cut -c1-110)"
   done
 }
 
@@ -431,8 +432,8 @@ step_compare() {
     run_logged "compare_pytorch resnet50 256 $row" "$log" 150 "$bundle/run" "${PYTHON:-python3}" bench/compare_pytorch.py \
       --model resnet50 --batch 256 --steps 8 --warmup 2 --device cuda --tally "$bundle/bin/tally" \
       --tally-conv-api legacy,graph $extra
-    note "$(printf '%-44s rc=%-3s %s' "compare resnet50 256 $row" "$last_rc" \
-      "$(tail -n 8 "$log" | grep -E '^(tally|pytorch|ratio)' | tr -s ' ' | cut -d' ' -f1-3 | tr '\n' ';')")"
+    result "compare resnet50 256 $row" \
+      "$(tail -n 8 "$log" | grep -E '^(tally|pytorch|ratio)' | tr -s ' ' | cut -d' ' -f1-3 | tr '\n' ';')"
   done
 }
 
@@ -455,37 +456,35 @@ step_profile() {
     run_logged "torch profile resnet50 $row" "$log" 60 "$bundle/run" "${PYTHON:-python3}" bench/compare_pytorch.py \
       --model resnet50 --batch 256 --steps 2 --warmup 2 --device cuda --torch-profile "$logs/profile-torch-$row.txt" \
       $extra $bench
-    note "$(printf '%-44s rc=%-3s' "profiles resnet50 $row (tally, torch)" "$last_rc")"
+    result "profiles resnet50 $row (tally, torch)"
   done
 }
 
 step_sanitize() {
-  local cs
+  local cs list_only=0
   cs=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1 || true)
   if [[ -z $cs ]]; then
-    if ((rehearsal)); then
-      cs=compute-sanitizer-missing-here
-      note "compute-sanitizer: not found (rehearsal: the runs below are listed, not run)"
-    else
+    if ((!rehearsal)); then
       note "compute-sanitizer: not found, skipped"
       status=1
       return
     fi
+    list_only=1
+    note "compute-sanitizer: not found (rehearsal: the runs below are listed, not run)"
   fi
-  local tool bin filter extra
+  local tool bin filter extra errs
   while read -r tool bin filter extra; do
     [[ -z $tool || $tool == \#* ]] && continue
-    local log=$logs/sanitize-$tool-$bin.log
-    if [[ $cs == compute-sanitizer-missing-here ]]; then
+    if ((list_only)); then
       [[ -x $bundle/bin/$bin ]] || { note "sanitize: no $bundle/bin/$bin"; status=1; }
       continue
     fi
+    local log=$logs/sanitize-$tool-$bin.log
     run_logged "$tool $bin" "$log" 120 "$bundle/run" "$cs" --tool "$tool" --error-exitcode 97 --print-limit 20 $extra \
       "$bundle/bin/$bin" --gtest_color=no --gtest_filter="$filter"
-    local errs
     ((last_rc == 125)) && continue  # not run: out of time (noted)
     errs=$(grep -E 'ERROR SUMMARY: [0-9]+|RACECHECK SUMMARY' "$log" | tail -1 || true)
-    note "$(printf '%-44s rc=%-3s %s' "$tool $bin" "$last_rc" "${errs:-no sanitizer summary}")"
+    result "$tool $bin" "${errs:-no sanitizer summary}"
   done <scripts/gpu-sanitize.list
 }
 
@@ -493,7 +492,7 @@ step_bench() {
   local log=$logs/bench.log
   run_logged "bench_train (cuda)" "$log" 120 "$bundle/run" "$bundle/bin/bench_train" --benchmark_filter='cuda' \
     --benchmark_min_time=1 --benchmark_counters_tabular=true
-  note "$(printf '%-44s rc=%-3s' "bench_train cuda" "$last_rc")"
+  result "bench_train cuda"
 }
 
 run() {
