@@ -437,6 +437,7 @@ void check_conv(const kernels::Conv2dShape& s) {
 
 TEST(GpuBf16Kernels, ConvolutionMatchesTheCpu) {
   REQUIRE_GPU();
+  const UseCudnnConvApi use_legacy(kernels::cuda::CudnnConvApi::legacy);  // the graph API: below
   for (const ConvCase& c : conv_cases()) {
     SCOPED_TRACE(c.name);
     const std::size_t before = kg::conv2d_workspace_bytes<bf16>(c.s, kernels::ConvPass::forward);
@@ -451,7 +452,7 @@ TEST(GpuBf16Kernels, ConvolutionMatchesTheCpu) {
 // The same through cuDNN's graph (backend) API.
 TEST(GpuBf16Kernels, ConvolutionThroughTheGraphApiMatchesTheCpu) {
   REQUIRE_GPU();
-  const UseCudnnGraphApi use_graph;
+  const UseCudnnConvApi use_graph(kernels::cuda::CudnnConvApi::graph);
   for (const ConvCase& c : conv_cases()) {
     SCOPED_TRACE(c.name);
     const std::string plan = kg::conv2d_plan_description<bf16>(c.s);

@@ -89,13 +89,13 @@ inline double norm_rel_err(const Tensor& got, const Tensor& want) {
   return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
 }
 
-// For a scope, the GPU convolutions through cuDNN's graph API (the API before, after).
-struct UseCudnnGraphApi {
+// For a scope, the GPU convolutions through one cuDNN API (the API before, after).
+struct UseCudnnConvApi {
   kernels::cuda::CudnnConvApi before = kernels::cuda::cudnn_conv_api();
-  UseCudnnGraphApi() { kernels::cuda::set_cudnn_conv_api(kernels::cuda::CudnnConvApi::graph); }
-  ~UseCudnnGraphApi() { kernels::cuda::set_cudnn_conv_api(before); }
-  UseCudnnGraphApi(const UseCudnnGraphApi&) = delete;
-  UseCudnnGraphApi& operator=(const UseCudnnGraphApi&) = delete;
+  explicit UseCudnnConvApi(kernels::cuda::CudnnConvApi api) { kernels::cuda::set_cudnn_conv_api(api); }
+  ~UseCudnnConvApi() { kernels::cuda::set_cudnn_conv_api(before); }
+  UseCudnnConvApi(const UseCudnnConvApi&) = delete;
+  UseCudnnConvApi& operator=(const UseCudnnConvApi&) = delete;
 };
 
 }  // namespace tally::test

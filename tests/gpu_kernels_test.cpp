@@ -375,6 +375,7 @@ void check_conv(const tally::kernels::Conv2dShape& s, bool bias, double tol) {
 
 TEST(GpuKernels, ConvolutionMatchesTheCpu) {
   REQUIRE_GPU();
+  const UseCudnnConvApi use_legacy(kernels::cuda::CudnnConvApi::legacy);  // the graph API: below
   for (const ConvCase& c : conv_cases()) {
     SCOPED_TRACE(c.name);
     const std::size_t before = kg::conv2d_workspace_bytes<float>(c.s, kernels::ConvPass::forward);
@@ -389,7 +390,7 @@ TEST(GpuKernels, ConvolutionMatchesTheCpu) {
 // the choice cached: the workspace the dry run reads is the one the step uses.
 TEST(GpuKernels, ConvolutionThroughTheGraphApiMatchesTheCpu) {
   REQUIRE_GPU();
-  const UseCudnnGraphApi use_graph;
+  const UseCudnnConvApi use_graph(kernels::cuda::CudnnConvApi::graph);
   for (const ConvCase& c : conv_cases()) {
     SCOPED_TRACE(c.name);
     const std::string plan = kg::conv2d_plan_description(c.s);

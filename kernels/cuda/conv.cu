@@ -25,7 +25,10 @@
 // bf16 (mixed precision: bf16 activations, float32 master weights): x, y, dx and dy are
 // CUDNN_DATA_BFLOAT16 and the convolution's compute type is CUDNN_DATA_FLOAT (cuDNN's
 // PSEUDO_BFLOAT16 configuration: bf16 products summed in float32). The TF32 rule does not apply
-// (bf16 operands lose nothing on tensor cores), so a bf16 plan takes tensor-op algorithms. cuDNN
+// (bf16 operands lose nothing on tensor cores), so a bf16 plan takes tensor-op algorithms; but not
+// the FFT and Winograd algorithms, which transform bf16 data into a domain where it is rounded to
+// bf16 again (a 5x5 backward data through WINOGRAD_NONFUSED was 7 bf16 ulps off the float32 sum
+// on an H100, 2026-11-26; float32 keeps them: their error there is of float32 size). cuDNN
 // takes the weights in the data's type: each forward and backward data first rounds the float32
 // weights into a bf16 copy at the start of its workspace (the CPU's oneDNN rounds them as it
 // reorders them). The backward filter has cuDNN write a bf16 weight gradient there, which a kernel
@@ -193,8 +196,9 @@ std::string shape_text(const Conv2dShape& s) {
                " (candidates: " + tried + "): raise the memory budget, or allow more");
 }
 
-// The parts of one pass that differ: its algorithm type, heuristics, workspace query and which of
-// its algorithms are not deterministic (for the enum-order fallback, where cuDNN reports nothing).
+// The parts of one pass that differ: its algorithm type, heuristics, workspace query, which of its
+// algorithms are not deterministic (for the enum-order fallback, where cuDNN reports nothing) and
+// which compute in a transformed domain (FFT, Winograd: refused for bf16, below).
 struct FwdPass {
   using Algo = cudnnConvolutionFwdAlgo_t;
   using Perf = cudnnConvolutionFwdAlgoPerf_t;
@@ -207,6 +211,10 @@ struct FwdPass {
     return cudnnGetConvolutionForwardWorkspaceSize(h, p.x, p.w, c, p.y, a, b);
   }
   static bool nondeterministic(Algo) { return false; }
+  static bool transformed(Algo a) {
+    return a == CUDNN_CONVOLUTION_FWD_ALGO_FFT || a == CUDNN_CONVOLUTION_FWD_ALGO_FFT_TILING ||
+           a == CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD || a == CUDNN_CONVOLUTION_FWD_ALGO_WINOGRAD_NONFUSED;
+  }
 };
 struct BwdDataPass {
   using Algo = cudnnConvolutionBwdDataAlgo_t;
@@ -220,6 +228,10 @@ struct BwdDataPass {
     return cudnnGetConvolutionBackwardDataWorkspaceSize(h, p.w, p.y, c, p.x, a, b);
   }
   static bool nondeterministic(Algo a) { return a == CUDNN_CONVOLUTION_BWD_DATA_ALGO_0; }
+  static bool transformed(Algo a) {
+    return a == CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT || a == CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT_TILING ||
+           a == CUDNN_CONVOLUTION_BWD_DATA_ALGO_WINOGRAD || a == CUDNN_CONVOLUTION_BWD_DATA_ALGO_WINOGRAD_NONFUSED;
+  }
 };
 struct BwdFilterPass {
   using Algo = cudnnConvolutionBwdFilterAlgo_t;
@@ -234,6 +246,10 @@ struct BwdFilterPass {
   }
   static bool nondeterministic(Algo a) {
     return a == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_0 || a == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_3;
+  }
+  static bool transformed(Algo a) {
+    return a == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT || a == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT_TILING ||
+           a == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_WINOGRAD_NONFUSED;
   }
 };
 
@@ -300,6 +316,7 @@ bool choose_among(cudnnHandle_t h, const Plan& p, cudnnConvolutionDescriptor_t c
     if (c.status != CUDNN_STATUS_SUCCESS) note = cudnnGetErrorString(c.status);
     else if (require_deterministic && c.determinism != CUDNN_DETERMINISTIC) note = "not deterministic";
     else if (!tensor_ops_allowed(p.bf16) && is_tensor_op(c.mathType)) note = "tensor-op math";
+    else if (p.bf16 && Pass::transformed(c.algo)) note = "FFT/Winograd on bf16";
     else ok = fits(c.algo, c.mathType, &note);
     seen += (seen.empty() ? "" : ", ") + std::to_string(static_cast<int>(c.algo)) + " " + note;
     if (ok) {
@@ -316,6 +333,7 @@ bool choose_among(cudnnHandle_t h, const Plan& p, cudnnConvolutionDescriptor_t c
     std::string note;
     bool ok = false;
     if (require_deterministic && Pass::nondeterministic(algo)) note = "not deterministic";
+    else if (p.bf16 && Pass::transformed(algo)) note = "FFT/Winograd on bf16";
     else ok = fits(algo, tensor_ops_allowed(p.bf16) ? CUDNN_DEFAULT_MATH : CUDNN_FMA_MATH, &note);
     seen += (seen.empty() ? "" : ", ") + std::to_string(a) + " (unranked) " + note;
     if (ok) {
@@ -331,10 +349,20 @@ bool choose_among(cudnnHandle_t h, const Plan& p, cudnnConvolutionDescriptor_t c
 
 CudnnConvApi conv_api_from_env() {
   const char* v = std::getenv("TALLY_CUDNN_CONV_API");
-  return v != nullptr && std::string(v) == "graph" ? CudnnConvApi::graph : CudnnConvApi::legacy;
+  const std::string api = v != nullptr ? v : "";
+  if (api == "graph") return CudnnConvApi::graph;
+  if (api == "legacy") return CudnnConvApi::legacy;
+  if (!api.empty() && api != "auto")
+    std::fprintf(stderr, "tally: warning: TALLY_CUDNN_CONV_API=%s: expected legacy, graph or auto; using auto\n",
+                 api.c_str());
+  return CudnnConvApi::automatic;
 }
 std::atomic<CudnnConvApi> g_conv_api{conv_api_from_env()};
-bool use_graph_api() { return g_conv_api.load() == CudnnConvApi::graph; }
+// Automatic: the graph API for bf16, the legacy API for float32 (cuda_kernels.h says why).
+bool use_graph_api(bool bf16) {
+  const CudnnConvApi api = g_conv_api.load();
+  return api == CudnnConvApi::graph || (api == CudnnConvApi::automatic && bf16);
+}
 
 bool log_conv_from_env() {
   const char* v = std::getenv("TALLY_LOG_CONV");
@@ -386,18 +414,19 @@ const Plan& plan_for(const Conv2dShape& s, bool bf16) {
 // ---- the graph (backend) API ---------------------------------------------------------------------
 // The same three passes through cudnn_graph.h (no frontend library): per pass and beta one
 // operation graph holding one convolution node; its engine configurations come from heuristics
-// mode A (host-side, the same list every time for a shape, device and cuDNN), and the first that
+// mode A and then the fallback mode (host-side, the same list every time for a shape, device and
+// cuDNN), and the first that
 //   * is deterministic (no CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC) when deterministic() is on,
 //   * for float32 data, uses no tensor cores (TENSOR_CORE, DOWN_CONVERT_INPUTS: TF32) unless
-//     allow_tf32() is on,
+//     allow_tf32() is on; for bf16, no FFT or Winograd (as the legacy path),
 //   * finalizes into an execution plan whose workspace is at most the shape's workspace_limit
 // is the pass's plan, cached for the process (a dry run chooses and sizes as the real step does).
 // If no deterministic one fits, the first other one that does is taken with a warning (as the
 // legacy path does). alpha = 1; beta is the op's own attribute, so a pass has a plan per beta
 // (0: write, 1: accumulate), and its workspace is the larger of the two. bf16 as the legacy path:
 // the bf16 weight copy (or weight gradient) at the start of the workspace.
-// Selected with set_cudnn_conv_api(CudnnConvApi::graph) or TALLY_CUDNN_CONV_API=graph; the
-// legacy API stays the default until the graph path has passed its gpu tests on a GPU.
+// Selected with set_cudnn_conv_api(CudnnConvApi::graph) or TALLY_CUDNN_CONV_API=graph, and by
+// default for bf16 (cuda_kernels.h: CudnnConvApi).
 
 // One backend descriptor, owned.
 class BackendDescriptor {
@@ -478,7 +507,7 @@ struct GraphPlan {
 // The engine of a configuration: its global index and numerical notes.
 struct EngineInfo {
   std::int64_t index = -1;
-  bool nondeterministic = false, tensor_core = false;
+  bool nondeterministic = false, tensor_core = false, transformed = false;  // transformed: FFT or Winograd
 };
 EngineInfo engine_info(const Backend& config) {
   EngineInfo info;
@@ -495,6 +524,10 @@ EngineInfo engine_info(const Backend& config) {
     for (std::int64_t i = 0; i < count; ++i) {
       info.nondeterministic |= notes[i] == CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC;
       info.tensor_core |= notes[i] == CUDNN_NUMERICAL_NOTE_TENSOR_CORE || notes[i] == CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS;
+      info.transformed |= notes[i] == CUDNN_NUMERICAL_NOTE_FFT || notes[i] == CUDNN_NUMERICAL_NOTE_WINOGRAD ||
+                          notes[i] == CUDNN_NUMERICAL_NOTE_WINOGRAD_TILE_4x4 ||
+                          notes[i] == CUDNN_NUMERICAL_NOTE_WINOGRAD_TILE_6x6 ||
+                          notes[i] == CUDNN_NUMERICAL_NOTE_WINOGRAD_TILE_13x13;
     }
   return info;
 }
@@ -548,24 +581,36 @@ std::unique_ptr<GraphPlan> make_graph_plan(const Conv2dShape& s, bool bf16, Conv
   set_desc(graph, CUDNN_ATTR_OPERATIONGRAPH_OPS, op);
   set_attr(graph, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &h);
   TALLY_CUDNN_CHECK(cudnnBackendFinalize(graph->get()));
-  auto heur = backend(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR);
-  const cudnnBackendHeurMode_t mode = CUDNN_HEUR_MODE_A;
-  set_desc(heur, CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, graph);
-  set_attr(heur, CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &mode);
-  TALLY_CUDNN_CHECK(cudnnBackendFinalize(heur->get()));
-  std::int64_t count = 0;
-  TALLY_CUDNN_CHECK(cudnnBackendGetAttribute(heur->get(), CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR,
-                                            0, &count, nullptr));
-  std::vector<Backend> configs;
-  std::vector<cudnnBackendDescriptor_t> raw;
-  for (std::int64_t i = 0; i < count; ++i) {
-    configs.push_back(backend(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR));
-    raw.push_back(configs.back()->get());
+  // Heuristics mode A's list, then the fallback mode's (cuDNN's own advice when A offers nothing
+  // usable: for float32 without TF32 A can list tensor-core engines alone, as for the weight
+  // gradient of ResNet-50's 1x1 stride-2 projections at batch 64 on an H100).
+  std::vector<Backend> heurs, configs;
+  std::vector<const char*> config_mode;
+  for (const auto& [mode, label] : {std::pair{CUDNN_HEUR_MODE_A, "mode A"}, std::pair{CUDNN_HEUR_MODE_FALLBACK, "fallback mode"}}) {
+    auto heur = backend(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR);
+    set_desc(heur, CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, graph);
+    set_attr(heur, CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &mode);
+    TALLY_CUDNN_CHECK(cudnnBackendFinalize(heur->get()));
+    std::int64_t count = 0;
+    TALLY_CUDNN_CHECK(cudnnBackendGetAttribute(heur->get(), CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR,
+                                              0, &count, nullptr));
+    std::vector<Backend> mine;
+    std::vector<cudnnBackendDescriptor_t> raw;
+    for (std::int64_t i = 0; i < count; ++i) {
+      mine.push_back(backend(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR));
+      raw.push_back(mine.back()->get());
+    }
+    std::int64_t got = 0;
+    if (count > 0)
+      TALLY_CUDNN_CHECK(cudnnBackendGetAttribute(heur->get(), CUDNN_ATTR_ENGINEHEUR_RESULTS,
+                                                CUDNN_TYPE_BACKEND_DESCRIPTOR, count, &got, raw.data()));
+    for (std::int64_t i = 0; i < got; ++i) {
+      configs.push_back(std::move(mine[static_cast<std::size_t>(i)]));
+      config_mode.push_back(label);
+    }
+    heurs.push_back(std::move(heur));
   }
-  std::int64_t got = 0;
-  if (count > 0)
-    TALLY_CUDNN_CHECK(cudnnBackendGetAttribute(heur->get(), CUDNN_ATTR_ENGINEHEUR_RESULTS,
-                                              CUDNN_TYPE_BACKEND_DESCRIPTOR, count, &got, raw.data()));
+  const auto got = static_cast<std::int64_t>(configs.size());
   const bool tc_allowed = tensor_ops_allowed(bf16);
   std::string seen;
   auto try_configs = [&](bool require_deterministic) -> bool {
@@ -577,6 +622,8 @@ std::unique_ptr<GraphPlan> make_graph_plan(const Conv2dShape& s, bool bf16, Conv
         note = "not deterministic";
       } else if (!tc_allowed && info.tensor_core) {
         note = "tensor cores (TF32)";
+      } else if (bf16 && info.transformed) {
+        note = "FFT/Winograd on bf16";
       } else {
         auto plan = backend(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
         set_attr(plan, CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &h);
@@ -601,7 +648,8 @@ std::unique_ptr<GraphPlan> make_graph_plan(const Conv2dShape& s, bool bf16, Conv
       if (ok) {
         g->description = std::string(pass_name(pass)) + " (graph API, beta " + std::to_string(static_cast<int>(beta)) +
                          ") engine " + std::to_string(info.index) + " (" + std::to_string(g->workspace) +
-                         " B, rank " + std::to_string(i) + " of heuristics mode A; candidates: " + seen + ")";
+                         " B, rank " + std::to_string(i) + " of heuristics " + config_mode[static_cast<std::size_t>(i)] +
+                         "; candidates: " + seen + ")";
         return true;
       }
     }
@@ -614,7 +662,8 @@ std::unique_ptr<GraphPlan> make_graph_plan(const Conv2dShape& s, bool bf16, Conv
                  "limit of %zu bytes; using one that is not deterministic\n", pass_name(pass), shape_text(s).c_str(),
                  s.workspace_limit);
   }
-  for (Backend* part : {&x, &w, &y, &conv, &op, &graph, &heur}) g->parts.push_back(std::move(*part));
+  for (Backend* part : {&x, &w, &y, &conv, &op, &graph}) g->parts.push_back(std::move(*part));
+  for (Backend& hd : heurs) g->parts.push_back(std::move(hd));
   for (Backend& c : configs) g->parts.push_back(std::move(c));
   if (g_log_conv) std::fprintf(stderr, "%s conv2d %s: %s\n", bf16 ? "bf16" : "float32", shape_text(s).c_str(),
                                g->description.c_str());
@@ -694,7 +743,7 @@ std::size_t conv2d_workspace_bytes(const Conv2dShape& s, ConvPass pass) {
   if (empty_output(s) || s.C <= 0) return 0;
 #if TALLY_HAVE_CUDNN
   std::size_t cudnn_bytes = 0;
-  if (use_graph_api()) {
+  if (use_graph_api(is_bf16<T>)) {
     cudnn_bytes = graph_workspace(s, is_bf16<T>, pass);
   } else {
     const Plan& p = plan_for(s, is_bf16<T>);
@@ -715,7 +764,7 @@ template <class T>
 std::string conv2d_plan_description(const Conv2dShape& s) {
   if (empty_output(s) || s.C <= 0) return "conv2d: empty, no cuDNN call";
 #if TALLY_HAVE_CUDNN
-  if (use_graph_api()) {
+  if (use_graph_api(is_bf16<T>)) {
     std::string d = std::string(is_bf16<T> ? "bf16 " : "") + "conv2d " + shape_text(s) + " through the graph API:";
     for (ConvPass pass : {ConvPass::forward, ConvPass::backward_data, ConvPass::backward_filter})
       d += "\n  " + graph_plan(s, is_bf16<T>, pass, 0.f).description;
@@ -738,7 +787,7 @@ CudnnConvApi cudnn_conv_api() {
 #if TALLY_HAVE_CUDNN
   return g_conv_api.load();
 #else
-  return CudnnConvApi::legacy;
+  return CudnnConvApi::automatic;
 #endif
 }
 
@@ -759,7 +808,7 @@ void conv2d_forward(const Conv2dShape& s,
                     void* workspace) {
   if (empty_output(s)) return;
 #if TALLY_HAVE_CUDNN
-  const bool graph = use_graph_api();
+  const bool graph = use_graph_api(is_bf16<T>);
   const Plan* p = graph ? nullptr : &plan_for(s, is_bf16<T>);
   const std::size_t cudnn_ws = graph ? graph_workspace(s, is_bf16<T>, ConvPass::forward) : p->fwd_ws;
   const float one = 1.f, zero = 0.f;
@@ -803,7 +852,7 @@ void conv2d_backward_data(const Conv2dShape& s,
     return;
   }
 #if TALLY_HAVE_CUDNN
-  const bool graph = use_graph_api();
+  const bool graph = use_graph_api(is_bf16<T>);
   const Plan* p = graph ? nullptr : &plan_for(s, is_bf16<T>);
   const std::size_t cudnn_ws = graph ? graph_workspace(s, is_bf16<T>, ConvPass::backward_data) : p->bwd_data_ws;
   const float one = 1.f, b = static_cast<float>(beta);
@@ -840,7 +889,7 @@ void conv2d_backward_filter(const Conv2dShape& s,
     return;
   }
 #if TALLY_HAVE_CUDNN
-  const bool graph = use_graph_api();
+  const bool graph = use_graph_api(is_bf16<T>);
   const Plan* p = graph ? nullptr : &plan_for(s, is_bf16<T>);
   const float one = 1.f, b = static_cast<float>(beta);
   if constexpr (is_bf16<T>) {
