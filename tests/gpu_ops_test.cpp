@@ -49,6 +49,14 @@ Tensor leaf(const Tensor& host, Device device) {
 
 std::string names(const char* what, const std::string& name) { return fmt::format("{} of {}", what, name); }
 
+// Sets every batch norm bias of a ResNet (bn1, layerI.J.bnK, the projections' downsample.1) to v.
+void set_norm_biases(nn::Module& model, double v) {
+  for (auto& [name, p] : model.named_parameters())
+    if ((name.find("bn") != std::string::npos || name.find("downsample.1") != std::string::npos) &&
+        name.ends_with(".bias"))
+      p.fill_(v);
+}
+
 }  // namespace
 
 // ---- every op -----------------------------------------------------------------------------------
@@ -257,10 +265,23 @@ TEST(GpuOps, BasicBlockForwardBackwardMatchesTheCpu) {
 // each other directly, the two float32 runs differ by up to 1e-3 after one step: rounding in the
 // first step's update is amplified by the second step's gradient — lr times the curvature of a
 // freshly initialized network with batch norm over 8 samples — on both sides alike.)
-TEST(GpuOps, ResNet20TrainingStepsMatchTheCpu) {
-  REQUIRE_GPU();
+//
+// `bn_bias`: every batch norm's bias starts there (all three models alike). At 0, the default
+// initialization, a pre-activation lies within float32 rounding of a ReLU's kink now and then, and
+// where float32 and float64 take different branches there, one element's gradient is in a
+// channel's sum on one side and not on the other: that batch norm's bias gradient is 1e-3 to 8e-3
+// off float64 in one channel (its weight gradient is not: the element's x-hat is about 0), and
+// every gradient before it follows. On an H100 (2026-11-26) this failed 6 of 9 fresh seeds at
+// bias 0 — the same seed failing alike every time, one channel off — and none of 10 at bias 3,
+// where almost no pre-activation lies near the kink. (In each failing run the CPU's float32 took
+// float64's branch: its convolutions rounded closer to float64's than cuDNN's did; the op and
+// block tests above hold the GPU to 1e-4 of the CPU on random data.)
+// The floor of 1e-4: with every activation well above 0, the weight gradient of the 1x1 stride-2
+// projection sums 2,048 products of a positive input and a gradient of zero mean per weight; cuDNN's
+// float32 order leaves 3-5e-5 of it there (4 of those 10 runs), the CPU's blocked sums 1e-6.
+static void resnet20_steps_match_the_cpu(double bn_bias) {
   const auto seed = fresh_seed();
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  SCOPED_TRACE(testing::Message() << "seed " << seed << ", batch norm biases " << bn_bias);
   nn::manual_seed(seed);
   auto ref = nn::make_model({"resnet20"});
   ref->to(DType::Float64);
@@ -269,19 +290,30 @@ TEST(GpuOps, ResNet20TrainingStepsMatchTheCpu) {
   nn::manual_seed(seed);
   auto gpu = nn::make_model({"resnet20"});
   gpu->to(Device::cuda());
+  for (auto* model : {ref.get(), cpu.get(), gpu.get()}) set_norm_biases(*model, bn_bias);
   std::vector<Tensor> initial;
   for (const Tensor& p : cpu->parameters()) initial.push_back(p.clone(Category::temporary));
   const optim::SGDOptions so{.lr = 0.05, .momentum = 0.9, .weight_decay = 5e-4};
   optim::SGD opt_r(ref->parameters(), so), opt_c(cpu->parameters(), so), opt_g(gpu->parameters(), so);
-  // err(gpu) <= 4 err(cpu), with a floor for quantities both get right to float32 rounding.
+  // err(gpu) <= 4 err(cpu), with a floor (above). A failing vector of at most 64 entries (a norm's
+  // weight or bias) names its channels that are off.
   auto like_cpu = [](const Tensor& g, const Tensor& c, const Tensor& r64, const std::string& what) {
     const Tensor r = r64.to(DType::Float32);
     const double ec = norm_rel_err(c, r), eg = norm_rel_err(g, r);
-    EXPECT_LE(eg, std::max(4 * ec, 1e-5)) << what << ": GPU error " << eg << ", CPU error " << ec;
-    return std::max(ec, eg);
+    EXPECT_LE(eg, std::max(4 * ec, 1e-4)) << what << ": GPU error " << eg << ", CPU error " << ec;
+    if (eg > std::max(4 * ec, 1e-4) && r.dim() == 1 && r.numel() <= 64) {
+      const auto vg = g.to(Device::cpu()).to_vector<float>(), vc = c.to_vector<float>();
+      const auto vr = r64.to_vector<double>();
+      std::string off;
+      for (std::size_t k = 0; k < vr.size(); ++k)
+        if (std::abs(vg[k] - vr[k]) > 4 * std::abs(vc[k] - vr[k]) + 1e-6 * std::abs(vr[k]))
+          off += fmt::format(" [{}] gpu {:.9g} cpu {:.9g} float64 {:.9g};", k, vg[k], vc[k], vr[k]);
+      ADD_FAILURE() << what << ": channels off:" << off;
+    }
+    return ec;
   };
   std::mt19937 rng(seed);
-  double worst = 0;
+  double worst = 0;  // the CPU's own error at step 0
   for (int step = 0; step < 2; ++step) {
     SCOPED_TRACE(testing::Message() << "step " << step);
     const Tensor x = host_tensor({8, 3, 32, 32}, rng);
@@ -296,15 +328,17 @@ TEST(GpuOps, ResNet20TrainingStepsMatchTheCpu) {
     lc.backward();
     lg.backward();
     const auto pr = ref->named_parameters(), pc = cpu->named_parameters(), pg = gpu->named_parameters();
-    for (std::size_t i = 0; i < pc.size(); ++i)
-      worst = std::max(worst, like_cpu(pg[i].second.grad(), pc[i].second.grad(), pr[i].second.grad(),
-                                       names("gradient", pc[i].first)));
+    for (std::size_t i = 0; i < pc.size(); ++i) {
+      const double ec = like_cpu(pg[i].second.grad(), pc[i].second.grad(), pr[i].second.grad(),
+                                 names("gradient", pc[i].first));
+      if (step == 0) worst = std::max(worst, ec);
+    }
     for (auto* o : {&opt_r, &opt_c, &opt_g}) {
       o->step();
       o->zero_grad();
     }
   }
-  EXPECT_LT(worst, 5e-2) << "even the CPU's float32 run is far from float64: the test says nothing";
+  EXPECT_LT(worst, 1e-3) << "even the CPU's float32 step is far from float64: the test says nothing";
   // Parameters moved by the same updates (compared as updates: the parameters themselves barely
   // move and would hide a wrong step), running statistics followed.
   const auto pr = ref->named_parameters(), pc = cpu->named_parameters(), pg = gpu->named_parameters();
@@ -322,6 +356,78 @@ TEST(GpuOps, ResNet20TrainingStepsMatchTheCpu) {
       EXPECT_EQ(bg[i].second.item(), bc[i].second.item()) << bc[i].first;
     }
   }
+}
+
+TEST(GpuOps, ResNet20TrainingStepsMatchTheCpu) {
+  REQUIRE_GPU();
+  resnet20_steps_match_the_cpu(3.0);
+}
+
+// ResNet-20's segments (stem, nine blocks, head) one at a time, each on the input and the upstream
+// gradient the CPU's float32 step gives it, in float32 on the GPU and on the CPU and in float64 on
+// the CPU: each segment's input gradient and parameter gradients on the GPU must be within the
+// CPU's float32 error of float64 (the criterion, its floor and the batch norm biases away from
+// the ReLU's kink of ResNet20TrainingStepsMatchTheCpu). Where the
+// whole step parts from the CPU, this names the one segment whose backward does it; where the
+// whole step fails and this passes, the fault is in how segments share memory, not in an op.
+TEST(GpuOps, ResNet20SegmentsOneByOneMatchTheCpu) {
+  REQUIRE_GPU();
+  const auto seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  nn::manual_seed(seed);
+  auto ref = nn::make_model({"resnet20"});
+  ref->to(DType::Float64);
+  nn::manual_seed(seed);
+  auto cpu = nn::make_model({"resnet20"});
+  nn::manual_seed(seed);
+  auto gpu = nn::make_model({"resnet20"});
+  gpu->to(Device::cuda());
+  for (auto* model : {ref.get(), cpu.get(), gpu.get()}) set_norm_biases(*model, 3.0);
+  auto sr = ref->segments(), sc = cpu->segments(), sg = gpu->segments();
+  ASSERT_EQ(sc.size(), 11u);
+  std::mt19937 rng(seed);
+  const Tensor x = host_tensor({8, 3, 32, 32}, rng);
+  std::vector<i64> labels(8);
+  for (auto& l : labels) l = static_cast<i64>(rng() % 10);
+  const Tensor y = Tensor::from_vector(labels, {8});
+  // The CPU's float32 forward, segment by segment: the input each segment is given.
+  std::vector<Tensor> inputs{x};
+  for (std::size_t s = 0; s + 1 < sc.size(); ++s) inputs.push_back(sc[s].forward(inputs[s]).detach());
+  // Backward from the head: segment s's input gradient on each side from the same input and the
+  // same upstream gradient (the CPU's float32 one, or the loss for the head).
+  Tensor upstream;
+  double worst = 0;
+  for (std::size_t s = sc.size(); s-- > 0;) {
+    SCOPED_TRACE(testing::Message() << "segment " << sc[s].name);
+    auto run = [&](nn::Module::Segment& seg, Device d, DType t) {
+      Tensor in = leaf(inputs[s].to(t), d);
+      Tensor out = seg.forward(in);
+      if (s + 1 == sc.size()) {
+        cross_entropy(out, y.to(d)).backward();
+      } else {
+        sum(mul(out, upstream.to(t).to(d))).backward();
+      }
+      return in.grad();
+    };
+    const Tensor gr = run(sr[s], Device::cpu(), DType::Float64), gc = run(sc[s], Device::cpu(), DType::Float32),
+                 gg = run(sg[s], Device::cuda(), DType::Float32);
+    auto like_cpu = [&](const Tensor& g, const Tensor& c, const Tensor& r64, const std::string& what) {
+      const Tensor r = r64.to(DType::Float32);
+      const double ec = norm_rel_err(c, r), eg = norm_rel_err(g, r);
+      EXPECT_LE(eg, std::max(4 * ec, 1e-4)) << what << ": GPU error " << eg << ", CPU error " << ec;
+      worst = std::max(worst, ec);
+    };
+    like_cpu(gg, gc, gr, "input gradient");
+    for (std::size_t m = 0; m < sc[s].modules.size(); ++m) {
+      const auto pr = sr[s].modules[m]->named_parameters(), pc = sc[s].modules[m]->named_parameters(),
+                 pg = sg[s].modules[m]->named_parameters();
+      for (std::size_t i = 0; i < pc.size(); ++i)
+        like_cpu(pg[i].second.grad(), pc[i].second.grad(), pr[i].second.grad(),
+                 fmt::format("gradient of module {} {}", m, pc[i].first));
+    }
+    upstream = gc;
+  }
+  EXPECT_LT(worst, 5e-2) << "even the CPU's float32 run is far from float64: the test says nothing";
 }
 
 // ---- arena accounting ---------------------------------------------------------------------------
