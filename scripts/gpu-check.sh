@@ -17,7 +17,7 @@
 #        env       nvidia-smi, the CUDA/cuBLAS/cuDNN versions loaded, `tally --version`,
 #                  the PyTorch there                                                    (~10 s)
 #        tests     every gpu test once (cuDNN's choices logged); the convolution, ResNet-20
-#                  step and recomputation tests again through cuDNN's graph API; resume.cuda
+#                  step and recomputation tests again through each cuDNN API forced; resume.cuda
 #                  (tests/resume_test.sh cuda)                                          (~2 min)
 #        train     `make train`'s recipe on the GPU (ResNet-20 on Fashion-MNIST, packed by
 #                  `pack`, batch 512 in 32 MiB, 2 epochs) in float32 and bf16, then 40 steps
@@ -33,6 +33,8 @@
 #        sanitize  compute-sanitizer runs of scripts/gpu-sanitize.list, in its order, while
 #                  the run's time lasts                                                 (the rest)
 #        bench     bench_train on the GPU (not in the default run)                      (~2 min)
+#        repeat    the tests of REPEAT_FILTER (default GpuOps.ResNet20*) REPEAT times (default 10)
+#                  with fresh seeds, then each seed of REPEAT_SEEDS twice (not in the default run)
 #   scripts/gpu-check.sh rehearse [STEP...]  here, after `pack`: the same invocation without a GPU,
 #                                      so that a path, a library or a missing file fails here and
 #                                      not on the GPU machine; a command that fails only because
@@ -345,14 +347,17 @@ step_tests() {
     fi
     result "$t" "$line"
   done
-  # The convolution tests (and the whole ResNet-20 steps) through cuDNN's graph API.
-  local filter='*Convolution*:*ResNet20*:*Recomputed*:-*EveryCudnnAlgorithm*'
-  for t in gpu_kernels_test gpu_bf16_test gpu_ops_test; do
-    local glog=$logs/$t-graph-api.log
-    : >"$glog"
-    TALLY_CUDNN_CONV_API=graph run_logged "$t (graph API)" "$glog" 120 "$bundle/run" "$bundle/bin/$t" \
-      --gtest_color=no --gtest_filter="$filter"
-    result "$t graph API" "$(gtest_line "$glog")"
+  # The convolution tests and the whole ResNet-20 steps through each cuDNN API forced (by default
+  # float32 goes through the legacy API and bf16 through the graph API).
+  local filter='*Convolution*:*ResNet20*:*Recomputed*:-*EveryCudnnAlgorithm*' api
+  for api in graph legacy; do
+    for t in gpu_kernels_test gpu_bf16_test gpu_ops_test; do
+      local glog=$logs/$t-$api-api.log
+      : >"$glog"
+      TALLY_CUDNN_CONV_API=$api run_logged "$t ($api API)" "$glog" 120 "$bundle/run" "$bundle/bin/$t" \
+        --gtest_color=no --gtest_filter="$filter"
+      result "$t $api API" "$(gtest_line "$glog")"
+    done
   done
   # Killed runs resume bit for bit on the GPU (tests/resume_test.sh cuda; exit 77: no GPU).
   local rlog=$logs/resume-cuda.log
@@ -488,6 +493,22 @@ step_sanitize() {
   done <scripts/gpu-sanitize.list
 }
 
+# Tests whose outcome depends on their fresh random inputs, many times: REPEAT_FILTER (default the
+# whole-ResNet-20 step tests) REPEAT times (default 10) with fresh seeds, then each seed in
+# REPEAT_SEEDS (default none) twice, to tell a failure that follows the data from one that does not.
+step_repeat() {
+  local log=$logs/repeat.log filter=${REPEAT_FILTER:-GpuOps.ResNet20*} seed
+  : >"$log"
+  run_logged "gpu_ops_test x${REPEAT:-10}" "$log" 120 "$bundle/run" "$bundle/bin/gpu_ops_test" --gtest_color=no \
+    --gtest_filter="$filter" --gtest_repeat="${REPEAT:-10}"
+  result "repeat $filter x${REPEAT:-10}" "$(grep -c '^\[       OK \]' "$log") passed, $(grep -c '^\[  FAILED  \] .*ms)$' "$log") failed"
+  for seed in ${REPEAT_SEEDS:-}; do
+    TALLY_TEST_SEED=$seed run_logged "gpu_ops_test seed $seed" "$log" 60 "$bundle/run" "$bundle/bin/gpu_ops_test" \
+      --gtest_color=no --gtest_filter="$filter" --gtest_repeat=2
+    result "repeat $filter seed $seed x2" "rc $last_rc"
+  done
+}
+
 step_bench() {
   local log=$logs/bench.log
   run_logged "bench_train (cuda)" "$log" 120 "$bundle/run" "$bundle/bin/bench_train" --benchmark_filter='cuda' \
@@ -508,8 +529,8 @@ run() {
   local s
   for s in "$@"; do
     case $s in
-      env | tests | sanitize | train | resnet50 | compare | profile | bench) ;;
-      *) echo "gpu-check: unknown step '$s': expected env, tests, train, resnet50, compare, profile, sanitize or bench" >&2; exit 2 ;;
+      env | tests | sanitize | train | resnet50 | compare | profile | bench | repeat) ;;
+      *) echo "gpu-check: unknown step '$s': expected env, tests, train, resnet50, compare, profile, sanitize, bench or repeat" >&2; exit 2 ;;
     esac
   done
   local t0
