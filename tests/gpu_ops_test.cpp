@@ -271,14 +271,14 @@ TEST(GpuOps, BasicBlockForwardBackwardMatchesTheCpu) {
 // where float32 and float64 take different branches there, one element's gradient is in a
 // channel's sum on one side and not on the other: that batch norm's bias gradient is 1e-3 to 8e-3
 // off float64 in one channel (its weight gradient is not: the element's x-hat is about 0), and
-// every gradient before it follows. On an H100 (2026-11-26) this failed 6 of 9 fresh seeds at
-// bias 0 — the same seed failing alike every time, one channel off — and none of 10 at bias 3,
+// every gradient before it follows. On an H100 (2026-11-26) this failed 8 of 11 fresh seeds at
+// bias 0 — the same seed failing alike every time, one channel off — and none of 13 at bias 3,
 // where almost no pre-activation lies near the kink. (In each failing run the CPU's float32 took
 // float64's branch: its convolutions rounded closer to float64's than cuDNN's did; the op and
 // block tests above hold the GPU to 1e-4 of the CPU on random data.)
 // The floor of 1e-4: with every activation well above 0, the weight gradient of the 1x1 stride-2
 // projection sums 2,048 products of a positive input and a gradient of zero mean per weight; cuDNN's
-// float32 order leaves 3-5e-5 of it there (4 of those 10 runs), the CPU's blocked sums 1e-6.
+// float32 order leaves 3-5e-5 of it there (4 of those 13 seeds), the CPU's blocked sums 1e-6.
 static void resnet20_steps_match_the_cpu(double bn_bias) {
   const auto seed = fresh_seed();
   SCOPED_TRACE(testing::Message() << "seed " << seed << ", batch norm biases " << bn_bias);
