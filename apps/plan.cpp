@@ -45,7 +45,7 @@ mbp::Plan plan_stages(const PlanOptions& opt, const nn::ModelConfig& mc, const S
   oc.momentum = opt.momentum;
   PipelineConfig pc = pipeline_config(S, opt.pipeline_split, opt.pipeline_schedule, sample, opt.precision,
                                       opt.batch_size, opt.memory_limit);
-  DryRunGuard dry;
+  const DryRun dry;  // each stage on a virtual arena of its own (build_setup scopes it)
   struct Stage {
     std::shared_ptr<Arena> arena;
     Setup setup;
@@ -57,7 +57,7 @@ mbp::Plan plan_stages(const PlanOptions& opt, const nn::ModelConfig& mc, const S
   for (int s = 0; s < S; ++s) {
     Stage& st = stages[static_cast<std::size_t>(s)];
     const std::size_t limit = static_cast<std::size_t>(pc.limits[static_cast<std::size_t>(s)]);
-    st.arena = Arena::make_virtual(dev, limit);
+    st.arena = dry.virtual_arena(dev, limit);
     pc.stage = s;
     st.setup = build_setup(st.arena, mc, "", oc, format_bytes(limit), &pc);
     if (s == 0) {
@@ -126,8 +126,8 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   const std::size_t limit = parse_memory_limit(opt.memory_limit, dev);
 
   // Everything lives on a virtual arena of the budget's size: offsets only, no memory, no compute.
-  const auto arena = Arena::make_virtual(dev, limit);
-  DryRunGuard dry;
+  const DryRun dry;
+  const auto arena = dry.virtual_arena(dev, limit);
   OptimizerConfig oc;
   oc.name = opt.optimizer;
   oc.momentum = opt.momentum;

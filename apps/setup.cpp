@@ -171,8 +171,7 @@ Setup build_setup(const std::shared_ptr<Arena>& arena, const nn::ModelConfig& mo
   if (pipeline && pipeline->stages > 1) {
     if (!dev.is_cpu()) throw Error(fmt::format("--pipeline-stages: stages run on the CPU (MPI ranks), found {}", dev.str()));
     // The whole model, built where the budget does not count it; then this stage's part moves in.
-    s.host = arena->is_virtual() ? Arena::make_virtual(dev, default_arena_capacity(dev))
-                                 : std::make_shared<Arena>(dev, default_arena_capacity(dev));
+    s.host = arena_like(*arena, dev, default_arena_capacity(dev));
     {
       ArenaScope on_host(s.host);
       s.model = nn::make_model(model);

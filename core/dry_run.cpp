@@ -1,6 +1,8 @@
 // core/dry_run.cpp — the per-thread dry-run switch; see core/dry_run.h.
 #include "core/dry_run.h"
 
+#include "core/error.h"
+
 namespace tally {
 namespace {
 thread_local bool tl_dry = false;
@@ -9,5 +11,24 @@ thread_local bool tl_dry = false;
 bool is_dry_run() { return tl_dry; }
 DryRunGuard::DryRunGuard() : previous_(tl_dry) { tl_dry = true; }
 DryRunGuard::~DryRunGuard() { tl_dry = previous_; }
+
+DryRun::DryRun() = default;
+DryRun::DryRun(const Arena& real, std::optional<std::size_t> capacity)
+    : arena_(capacity && *capacity > real.capacity() ? real.virtual_clone(*capacity) : real.virtual_clone()) {
+  scope_.emplace(arena_);
+}
+DryRun::DryRun(Device device, std::size_t capacity) : arena_(Arena::make_virtual(device, capacity)) {
+  scope_.emplace(arena_);
+}
+DryRun::~DryRun() = default;
+
+Arena& DryRun::arena() const { return *arena_ptr(); }
+const std::shared_ptr<Arena>& DryRun::arena_ptr() const {
+  if (!arena_) throw Error("DryRun: this dry run was made without an arena (DryRun dry; use virtual_arena())");
+  return arena_;
+}
+std::shared_ptr<Arena> DryRun::virtual_arena(Device device, std::size_t capacity) const {
+  return Arena::make_virtual(device, capacity);
+}
 
 }  // namespace tally

@@ -17,7 +17,17 @@
 //     gradient seed, the images of a micro-batch, a check that memory is real), or talk to other
 //     ranks (collectives). Without it every planner probe would, e.g., advance SGD's step count.
 // Only core/ reads is_dry_run() itself (allocation paths that must behave alike in both runs).
+//
+// Who starts one: a DryRun (below) — the one object above core/ that turns the switch on, makes a
+// virtual arena current and hands out virtual arenas (the planner's probes, a pipeline stage's
+// input shape, the layer table, `tally plan`). The switch and the current arena are the two
+// ambient contexts an op reads (core/memory.h: ops allocate from the current arena).
 #pragma once
+#include <cstddef>
+#include <memory>
+#include <optional>
+
+#include "core/memory.h"
 
 namespace tally {
 
@@ -26,6 +36,7 @@ bool is_dry_run();
 // The guard for host-side work (above): true in a dry run.
 inline bool skip_host_work() { return is_dry_run(); }
 
+// The switch alone, for its scope (core/ and tests; above core/, a DryRun).
 class DryRunGuard {
  public:
   DryRunGuard();
@@ -35,6 +46,36 @@ class DryRunGuard {
 
  private:
   bool previous_;
+};
+
+// A dry run for the object's lifetime: the switch on and, unless made with no arena, a virtual
+// arena made current for its device on this thread (ggml's gallocr "reserve" is the model:
+// measuring is a call on an allocator, not a mode spread over the code).
+//   DryRun dry(real);            a virtual clone of `real` in its exact state: what the next
+//                                allocations would do there (capacity: real's, or `capacity`
+//                                if given and larger — how much a step *would* need);
+//   DryRun dry(device, bytes);   a fresh virtual arena of that capacity;
+//   DryRun dry;                  the switch only: for a caller that builds on virtual arenas
+//                                of its own (virtual_arena()) and scopes them itself.
+class DryRun {
+ public:
+  DryRun();
+  explicit DryRun(const Arena& real, std::optional<std::size_t> capacity = std::nullopt);
+  DryRun(Device device, std::size_t capacity);
+  ~DryRun();
+  DryRun(const DryRun&) = delete;
+  DryRun& operator=(const DryRun&) = delete;
+
+  // The run's current arena (an Error for a DryRun made with no arena).
+  Arena& arena() const;
+  const std::shared_ptr<Arena>& arena_ptr() const;
+  // A new virtual arena of `capacity` bytes on `device`, not made current.
+  std::shared_ptr<Arena> virtual_arena(Device device, std::size_t capacity) const;
+
+ private:
+  DryRunGuard guard_;
+  std::shared_ptr<Arena> arena_;
+  std::optional<ArenaScope> scope_;
 };
 
 }  // namespace tally

@@ -83,6 +83,12 @@ const std::shared_ptr<Arena>& current_arena(Device device) {
   return default_arena(device);
 }
 
+std::shared_ptr<Arena> arena_like(const Arena& like, Device device, std::size_t capacity) {
+  return like.is_virtual() ? Arena::make_virtual(device, capacity) : std::make_shared<Arena>(device, capacity);
+}
+
+void mark_trace(Device device, std::string label) { current_arena(device)->mark(std::move(label)); }
+
 ArenaScope::ArenaScope(std::shared_ptr<Arena> arena) : arena_(std::move(arena)) {
   auto& slot = override_slot(arena_->device());
   previous_ = slot;

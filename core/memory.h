@@ -22,6 +22,9 @@ std::size_t cuda_arena_margin(std::size_t device_total_bytes);
 
 // The arena new allocations on `device` come from on this thread.
 const std::shared_ptr<Arena>& current_arena(Device device);
+// A labelled instant in the trace of that arena (Arena::mark): where a step's phases begin, in a
+// real run and in the planner's dry run alike.
+void mark_trace(Device device, std::string label);
 // The default arena of `device` (created on first use).
 const std::shared_ptr<Arena>& default_arena(Device device);
 // Replaces the default arena of `device` by a fresh one of `capacity` bytes. Tensors still
@@ -31,6 +34,9 @@ void configure_arena(Device device, std::size_t capacity);
 // reservation is free for an arena the caller builds itself (a later default_arena() creates a
 // fresh one). Returns whether it did.
 bool release_default_arena(Device device);
+// A new arena of `capacity` bytes on `device` that is virtual when `like` is: the arena a setup
+// builds beside the budget it was given, in a dry run as in a real one.
+std::shared_ptr<Arena> arena_like(const Arena& like, Device device, std::size_t capacity);
 // Default capacity for `device` when none was configured.
 std::size_t default_arena_capacity(Device device);
 

@@ -140,9 +140,7 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_p
       dtype_(first_parameter(model).dtype()),
       activation_dtype_(opt_.precision == Precision::bf16 ? DType::BFloat16 : dtype_),
       arena_(std::move(arena)),
-      planner_(arena_, [this](Arena& arena, const std::vector<std::int64_t>& sizes) {
-        run_step(arena, nullptr, nullptr, sizes, nullptr);
-      }),
+      planner_(arena_, [this](const std::vector<std::int64_t>& sizes) { run_step(nullptr, nullptr, sizes, nullptr); }),
       states_(nn::step_states(model)),
       stager_(std::make_unique<InputStager>(device_)) {
   if (opt_.sample_shape.empty())
@@ -226,9 +224,7 @@ void Executor::set_up_stage(nn::Module& model) {
   // The stage's input per sample: a gradient-free dry run of the segments before it.
   stage_sample_shape_ = opt_.sample_shape;
   if (st.first() > 0) {
-    const auto scratch = Arena::make_virtual(device_, std::size_t(1) << 46);
-    ArenaScope in_scratch(scratch);
-    DryRunGuard dry;
+    const DryRun dry(device_, std::size_t(1) << 46);
     NoGradGuard no_grad;
     const bool training = model.is_training();
     model.eval();
@@ -243,13 +239,13 @@ Executor::~Executor() = default;
 
 
 double Executor::accumulate(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes) {
-  const Tensor total = accumulate_loss(*arena_, images, labels, sizes);
+  const Tensor total = accumulate_loss(images, labels, sizes);
   for (nn::StepState* s : states_) s->discard();  // no optimizer step follows: nothing to apply
   return total.defined() && !skip_host_work() ? total.item() : 0.0;
 }
 
-Tensor Executor::accumulate_loss(Arena& arena, const float* images, const std::int64_t* labels,
-                                 const std::vector<std::int64_t>& sizes, std::optional<double> given_divisor) {
+Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes,
+                                 std::optional<double> given_divisor) {
   const bool dry = skip_host_work();
   if (!dry && (images == nullptr || labels == nullptr)) throw Error("MBP executor: no input data");
   const std::int64_t batch = checked_batch(sizes);
@@ -278,7 +274,7 @@ Tensor Executor::accumulate_loss(Arena& arena, const float* images, const std::i
     fill_inputs(next, *stager_, images, labels, 0, sizes[0], batch, sample_numel_, activation_dtype_);
   }
   for (std::size_t i = 0; i < k; ++i) {
-    arena.mark(fmt::format("micro-batch {}/{} ({} samples)", i + 1, k, sizes[i]));
+    mark_trace(device_, fmt::format("micro-batch {}/{} ({} samples)", i + 1, k, sizes[i]));
     Inputs cur;
     if (prefetch) {
       cur = std::move(next);
@@ -318,23 +314,23 @@ Tensor Executor::accumulate_loss(Arena& arena, const float* images, const std::i
   return total;
 }
 
-void Executor::run_step(Arena& arena, const float* images, const std::int64_t* labels,
-                        const std::vector<std::int64_t>& sizes, double* loss) {
+void Executor::run_step(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes,
+                        double* loss) {
   struct EndStep {  // a step that fails leaves no state gathering (after apply(), a no-op)
     const std::vector<nn::StepState*>& states;
     ~EndStep() {
       for (nn::StepState* s : states) s->discard();
     }
   } end_step{states_};
-  Tensor total = opt_.pipeline ? accumulate_stage(arena, images, labels, sizes)
-                               : accumulate_loss(arena, images, labels, sizes, global_divisor_);
+  Tensor total = opt_.pipeline ? accumulate_stage(images, labels, sizes)
+                               : accumulate_loss(images, labels, sizes, global_divisor_);
   if (distributed()) {
     const auto t0 = std::chrono::steady_clock::now();
-    reduce_across_ranks(arena, total);
+    reduce_across_ranks(total);
     if (!skip_host_work())
       communication_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
-  arena.mark("optimizer step");
+  mark_trace(device_, "optimizer step");
   for (nn::StepState* s : states_) s->apply();
   NoGradGuard ng;
   optimizer_.step();
@@ -343,10 +339,10 @@ void Executor::run_step(Arena& arena, const float* images, const std::int64_t* l
   if (loss) *loss = skip_host_work() || !total.defined() ? 0.0 : total.item();
 }
 
-void Executor::reduce_across_ranks(Arena& arena, Tensor& loss) {
+void Executor::reduce_across_ranks(Tensor& loss) {
   distributed::Communicator& comm = *opt_.communicator;
   const bool dry = skip_host_work();
-  arena.mark("all-reduce");
+  mark_trace(device_, "all-reduce");
   // What is summed: every gradient, flattened, then the step's loss (one more element of the last
   // bucket); and the step states' tensors (BatchNorm's moments), float64.
   std::vector<Tensor> flat;
@@ -442,7 +438,7 @@ StepResult Executor::step(const float* images, const std::int64_t* labels, std::
     const Plan& p = plan(batch);
     arena_->reset_peak();
     try {
-      run_step(*arena_, images, labels, p.sizes, &r.loss);
+      run_step(images, labels, p.sizes, &r.loss);
       if (opt_.pipeline) communication_seconds_ = trace_.idle_seconds;  // waiting for the other stages
       if (agrees_across_stages()) opt_.communicator->all_reduce_sum(&r.loss, 1);  // the last stage's, to every rank
       r.micro_batch = p.micro_batch;
@@ -488,9 +484,7 @@ Tensor Executor::run_stage(Tensor x) {
 
 // One step of a pipeline stage under way: what its forwards and backwards share.
 struct Executor::StageRun {
-  StageRun(Arena& a, const float* i, const std::int64_t* l, const std::vector<std::int64_t>& s)
-      : arena(a), images(i), labels(l), sizes(s) {}
-  Arena& arena;
+  StageRun(const float* i, const std::int64_t* l, const std::vector<std::int64_t>& s) : images(i), labels(l), sizes(s) {}
   const float* images;
   const std::int64_t* labels;
   const std::vector<std::int64_t>& sizes;
@@ -526,10 +520,10 @@ struct Executor::StageRun {
   }
 };
 
-Tensor Executor::accumulate_stage(Arena& arena, const float* images, const std::int64_t* labels,
+Tensor Executor::accumulate_stage(const float* images, const std::int64_t* labels,
                                   const std::vector<std::int64_t>& sizes) {
   const PipelineStage& st = *opt_.pipeline;
-  StageRun r(arena, images, labels, sizes);
+  StageRun r(images, labels, sizes);
   r.dry = skip_host_work(), r.first = st.stage == 0, r.last = st.stage + 1 == st.stages;
   r.batch = checked_batch(sizes);
   for (std::int64_t n : sizes) r.offsets.push_back(r.offsets.back() + n);
@@ -570,7 +564,7 @@ void Executor::stage_forward(StageRun& r, std::size_t i) {
   distributed::Communicator& comm = *opt_.communicator;
   const int stage = opt_.pipeline->stage;
   const std::int64_t n = r.sizes[i];
-  r.arena.mark(fmt::format("micro-batch {}/{} ({} samples) forward", i + 1, r.sizes.size(), n));
+  mark_trace(device_, fmt::format("micro-batch {}/{} ({} samples) forward", i + 1, r.sizes.size(), n));
   Tensor x;
   if (r.first) {
     x = Tensor::empty(batch_shape(n, opt_.sample_shape), activation_dtype_, device_, Category::input, "input");
@@ -609,7 +603,7 @@ void Executor::stage_forward(StageRun& r, std::size_t i) {
 
 void Executor::stage_backward(StageRun& r, std::size_t i) {
   distributed::Communicator& comm = *opt_.communicator;
-  r.arena.mark(fmt::format("micro-batch {}/{} backward", i + 1, r.sizes.size()));
+  mark_trace(device_, fmt::format("micro-batch {}/{} backward", i + 1, r.sizes.size()));
   StageRun::InFlight f = std::move(r.in_flight.front());
   r.in_flight.pop_front();
   Tensor g = Tensor::empty(f.out.shape(), f.out.dtype(), device_, Category::temporary, "stage_output_grad");

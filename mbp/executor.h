@@ -52,6 +52,7 @@
 #include "nn/module.h"
 #include "mbp/pipeline.h"
 #include "mbp/planner.h"
+#include "mbp/recompute.h"
 #include "optim/optimizer.h"
 
 namespace tally::mbp {
@@ -96,7 +97,7 @@ struct ExecutorOptions {
   std::size_t bucket_bytes = std::size_t(8) << 20;
   // Called with a line of text when a step is retried after running out of memory.
   std::function<void(const std::string&)> log{};
-  // Recomputation (nn/recompute.h) the executor may use to fit the budget (mbp/recompute.cpp):
+  // Recomputation (nn/recompute.h) the executor may use to fit the budget (mbp/executor_plan.cpp):
   //   "none" (the default): it changes nothing — the model recomputes what its modules are marked
   //     to (nothing, unless a caller marked some); a budget too small for one sample is an error
   //     that also states what recomputing everything would need;
@@ -122,21 +123,6 @@ struct ExecutorOptions {
   // exact plan makes a bug, not an event.
   std::optional<PipelineStage> pipeline{};
 };
-
-// The recomputation a plan runs with (Executor::recompute_choice).
-struct RecomputeChoice {
-  int level = 0;            // on the model's ladder (0: none)
-  std::string name;         // "none", "blocks", "blocks + layer1", ..., "all"; "as marked" for hand-set segments
-  std::string description;  // "16 segments: the stem and every residual block but the last"
-  std::string why;          // auto: why this level
-  // "blocks (16 segments: ...), as ... — re-runs 12.3 GFLOP of forward per step: +34% of ..."
-  std::string summary(const Plan& plan) const;
-};
-
-// The recomputation policies by name (auto, none, blocks, all; and levels blocks+layerK[-layerL]),
-// and a check of a value: throws an Error naming --recompute and the allowed values.
-const std::vector<std::string>& recompute_policy_names();
-void check_recompute_policy(const std::string& value);
 
 struct StepResult {
   double loss = 0;                 // the full batch's mean loss
@@ -227,8 +213,7 @@ class Executor {
   int top_level();
   // A pipeline stage's micro-batches in the schedule's order; the loss on the last stage.
   struct StageRun;
-  Tensor accumulate_stage(Arena& arena, const float* images, const std::int64_t* labels,
-                          const std::vector<std::int64_t>& sizes);
+  Tensor accumulate_stage(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes);
   void stage_forward(StageRun& r, std::size_t i);
   void stage_backward(StageRun& r, std::size_t i);
   void send_back(StageRun& r, const Tensor& x);
@@ -239,16 +224,16 @@ class Executor {
   // The stage's segments on x.
   Tensor run_stage(Tensor x);
   // accumulate() with the loss left where it was computed (undefined in a dry run: no values).
-  // `divisor`: the loss divisor D when it was counted elsewhere (over every rank's samples).
-  // `arena`: the one the step runs on — arena_ in a real step, the planner's virtual clone of it in
-  // a dry run (ops allocate through the ArenaScope that makes it current).
-  Tensor accumulate_loss(Arena& arena, const float* images, const std::int64_t* labels,
-                         const std::vector<std::int64_t>& sizes, std::optional<double> divisor = std::nullopt);
-  // The allocation sequence of a step; real data when images != nullptr, else a dry run.
-  void run_step(Arena& arena, const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes,
-                double* loss);
+  // `divisor`: the loss divisor D when it was counted elsewhere (over every rank's samples). Runs
+  // on the current arena: arena_ in a real step (step() makes it current), the planner's virtual
+  // clone of it in a dry run (the planner's DryRun makes that current).
+  Tensor accumulate_loss(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes,
+                         std::optional<double> divisor = std::nullopt);
+  // The allocation sequence of a step, on the current arena; real data when images != nullptr,
+  // else a dry run.
+  void run_step(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes, double* loss);
   // Sums the gradients, the step's loss and the BatchNorm moments over the ranks (step 6 above).
-  void reduce_across_ranks(Arena& arena, Tensor& loss);
+  void reduce_across_ranks(Tensor& loss);
 
   nn::Module& model_;
   optim::Optimizer& optimizer_;

@@ -111,9 +111,7 @@ std::vector<SegmentCost> segment_costs(nn::Module& model, const Shape& sample_sh
   }
   // The activations: a training forward of two samples through every segment in turn on a virtual
   // arena with room to spare (dry: nothing computed), what each keeps counted as it runs.
-  const auto arena = Arena::make_virtual(Device::cpu(), std::size_t(1) << 46);
-  ArenaScope scope(arena);
-  DryRunGuard dry;
+  const DryRun dry(Device::cpu(), std::size_t(1) << 46);
   EnableGradGuard grad;
   const std::vector<nn::StepState*> states = nn::step_states(model);
   for (nn::StepState* s : states) s->begin_step();
@@ -130,11 +128,11 @@ std::vector<SegmentCost> segment_costs(nn::Module& model, const Shape& sample_sh
   Tensor x = Tensor::empty(shape, activation_dtype, model.parameters().front().device(), Category::input, "input");
   const FlopCount flops_before = flop_count();
   for (std::size_t i = 0; i < segments.size(); ++i) {
-    const std::int64_t before = arena->stats().total.current;
+    const std::int64_t before = dry.arena().stats().total.current;
     const double work_before = flop_count().forward;
     Tensor y = segments[i].forward(i == 0 ? x : kept.back());
     kept.push_back(y);
-    costs[i].activation_bytes = (arena->stats().total.current - before) / kSamples;
+    costs[i].activation_bytes = (dry.arena().stats().total.current - before) / kSamples;
     costs[i].flops = (flop_count().forward - work_before) / kSamples;
   }
   flop_count() = flops_before;  // a measurement, not work of the caller's

@@ -11,9 +11,7 @@
 
 namespace tally::mbp {
 
-std::shared_ptr<Arena> unbounded_clone(const Arena& a) {
-  return a.virtual_clone(std::max<std::size_t>(a.capacity(), std::size_t(1) << 40) * 64);
-}
+std::size_t unbounded_capacity(const Arena& a) { return std::max<std::size_t>(a.capacity(), std::size_t(1) << 40) * 64; }
 
 std::vector<std::int64_t> balanced_sizes(std::int64_t batch, std::int64_t k) {
   if (batch < 1 || k < 1 || k > batch)
@@ -106,9 +104,6 @@ Planner::Planner(std::shared_ptr<Arena> arena, StepFn step) : arena_(std::move(a
 Planner::Probe Planner::probe(const std::vector<std::int64_t>& sizes, bool detailed,
                               std::optional<std::size_t> capacity) {
   ++probes_;
-  auto v = capacity && *capacity > arena_->capacity() ? arena_->virtual_clone(*capacity) : arena_->virtual_clone();
-  v->reset_peak();
-  v->set_tracing(detailed);
   Probe p;
   const FlopCount before = flop_count();
   flop_count() = {};
@@ -116,10 +111,13 @@ Planner::Probe Planner::probe(const std::vector<std::int64_t>& sizes, bool detai
     FlopCount saved;
     ~Restore() { flop_count() = saved; }
   } restore{before};
+  std::shared_ptr<Arena> v;  // the dry run's arena, read after it ends
   try {
-    DryRunGuard dry;
-    ArenaScope scope(v);
-    step_(*v, sizes);
+    DryRun dry(*arena_, capacity);
+    v = dry.arena_ptr();
+    v->reset_peak();
+    v->set_tracing(detailed);
+    step_(sizes);
   } catch (const OutOfMemory&) {
     return p;
   } catch (const ShapeError& e) {
@@ -136,7 +134,7 @@ Planner::Probe Planner::probe(const std::vector<std::int64_t>& sizes, bool detai
 
 void Planner::throw_too_small(std::int64_t batch, std::int64_t m, const std::string& why) {
   // Measure what the split would need on a clone with room to spare.
-  const Probe need = probe(split_for(batch, m), true, unbounded_clone(*arena_)->capacity());
+  const Probe need = probe(split_for(batch, m), true, unbounded_capacity(*arena_));
   if (!need.error.empty()) throw Error(fmt::format("micro-batches of {} cannot run: {}", m, need.error));
   const std::string needs =
       need.fits ? fmt::format("needs a memory limit of at least {} ({} bytes); live at its peak: {}",

@@ -40,9 +40,9 @@
 
 namespace tally::mbp {
 
-// A virtual clone of `a` with room to spare (64x its capacity, at least 64 TiB of offsets):
-// what a step would need is measured on it whatever the budget.
-std::shared_ptr<Arena> unbounded_clone(const Arena& a);
+// The capacity of a virtual clone of `a` with room to spare (64x its capacity, at least 64 TiB of
+// offsets): what a step would need is measured on it whatever the budget (DryRun(a, this)).
+std::size_t unbounded_capacity(const Arena& a);
 
 // k micro-batch sizes that split `batch` samples as evenly as possible, larger ones first.
 std::vector<std::int64_t> balanced_sizes(std::int64_t batch, std::int64_t micro_batches);
@@ -69,9 +69,9 @@ struct Plan {
   std::string summary() const;
 };
 
-// Runs one training step's allocations for these micro-batch sizes on `arena`; the planner calls
-// it under a DryRunGuard with a virtual clone of its arena, made current (ArenaScope) as well.
-using StepFn = std::function<void(Arena& arena, const std::vector<std::int64_t>& sizes)>;
+// Runs one training step's allocations for these micro-batch sizes on the current arena; the
+// planner calls it inside a DryRun on a virtual clone of its arena (core/dry_run.h).
+using StepFn = std::function<void(const std::vector<std::int64_t>& sizes)>;
 
 class Planner {
  public:

@@ -104,11 +104,9 @@ std::vector<LayerRow> layer_table(nn::Module& model, const Arena& arena, const S
   index(model, "", 0, info);
   if (arena.device() != dev)
     throw Error(fmt::format("layer_table: the arena is on {} but the model is on {}", arena.device().str(), dev.str()));
-  auto v = mbp::unbounded_clone(arena);
-  Observer obs(info, *v);
+  const DryRun dry(arena, mbp::unbounded_capacity(arena));
+  Observer obs(info, dry.arena());
   {
-    DryRunGuard dry;
-    ArenaScope scope(v);
     nn::ForwardObserverScope watch(&obs);
     Shape xs{batch};
     xs.insert(xs.end(), sample_shape.begin(), sample_shape.end());
