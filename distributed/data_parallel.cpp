@@ -8,6 +8,7 @@
 
 #include <fmt/format.h>
 
+#include "core/dry_run.h"
 #include "core/error.h"
 
 namespace tally::distributed {
@@ -107,6 +108,72 @@ void check_same_text(const std::string& text, Communicator& comm, const std::str
   throw Error(fmt::format("the ranks were started with different {}: rank 0 has '{}', rank {} has '{}' ({} of {} "
                           "ranks differ from rank 0); every rank must run the same command",
                           what, a, r, b, std::count(differs.begin(), differs.end(), 1.0), comm.size()));
+}
+
+void all_reduce_gradients(Communicator& comm, const std::vector<Tensor>& parameters, Tensor& loss,
+                          std::size_t bucket_bytes, const std::function<void()>& reserve_states) {
+  // What is summed: every gradient, flattened, then the step's loss.
+  std::vector<Tensor> flat;
+  std::int64_t n = 0;
+  for (const Tensor& p : parameters) {
+    flat.push_back(p.grad().view({-1}));
+    n += flat.back().numel();
+  }
+  flat.push_back(loss.view({1}));
+  n += 1;
+  const DType dtype = loss.dtype();
+  const auto per_bucket = static_cast<std::int64_t>(bucket_bytes / dtype_size(dtype));
+  Tensor bucket = Tensor::empty({std::min(n, per_bucket)}, dtype, loss.device(), Category::temporary, "gradient_bucket");
+  if (reserve_states) reserve_states();  // both buffers before the first collective
+  // Fill a bucket, sum it over the ranks, copy the sums back.
+  std::vector<std::pair<Tensor, std::int64_t>> pieces;  // (a piece of a flat tensor, its offset in the bucket)
+  std::int64_t used = 0;
+  auto flush = [&] {
+    Tensor filled = bucket.narrow(0, 0, used);
+    comm.all_reduce_sum(filled);
+    for (auto& [piece, at] : pieces) piece.copy_(bucket.narrow(0, at, piece.numel()));
+    pieces.clear();
+    used = 0;
+  };
+  for (const Tensor& t : flat) {
+    for (std::int64_t start = 0; start < t.numel();) {
+      const std::int64_t len = std::min(t.numel() - start, bucket.numel() - used);
+      Tensor piece = t.narrow(0, start, len);
+      bucket.narrow(0, used, len).copy_(piece);
+      pieces.emplace_back(piece, used);
+      used += len;
+      start += len;
+      if (used == bucket.numel()) flush();
+    }
+  }
+  if (used > 0) flush();
+}
+
+StateReduction::StateReduction(Communicator& comm, const std::vector<nn::StepState*>& states)
+    : comm_(comm), states_(states) {
+  for (nn::StepState* s : states_)
+    for (Tensor& t : s->reducible()) {
+      count_ += t.numel();
+      tensors_.push_back(std::move(t));
+    }
+}
+
+void StateReduction::reserve() {
+  if (count_ > 0 && !buffer_.defined())
+    buffer_ = Tensor::empty({count_}, DType::Float64, tensors_.front().device(), Category::temporary, "batch_norm_moments");
+}
+
+void StateReduction::run(std::int64_t local_batch, std::int64_t global_batch) {
+  reserve();
+  if (buffer_.defined()) {
+    std::int64_t at = 0;
+    for (const Tensor& t : tensors_) buffer_.narrow(0, at, t.numel()).copy_(t), at += t.numel();
+    comm_.all_reduce_sum(buffer_);
+    at = 0;
+    for (Tensor& t : tensors_) t.copy_(buffer_.narrow(0, at, t.numel())), at += t.numel();
+  }
+  if (!skip_host_work())
+    for (nn::StepState* s : states_) s->scale_to_global(local_batch, global_batch);
 }
 
 }  // namespace tally::distributed

@@ -13,6 +13,7 @@
 #include "core/autograd.h"
 #include "core/dry_run.h"
 #include "core/memory.h"
+#include "mbp/data_parallel.h"
 #include "mbp/pipeline.h"
 
 namespace tally::mbp {
@@ -176,6 +177,9 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_p
     throw Error(fmt::format("MBP executor: the arena is on {} but the model's parameters are on {}",
                             arena_->device().str(), device_.str()));
   if (opt_.pipeline) set_up_stage(model);
+  if (distributed())
+    parts_.push_back(std::make_unique<DataParallel>(opt_.communicator, model.parameters(), states_, opt_.bucket_bytes,
+                                                    opt_.loss));
   const std::vector<Tensor> trained =
       opt_.pipeline ? nn::parameters_of(stage_modules(segments_, opt_.pipeline->bounds, opt_.pipeline->stage))
                     : model.parameters();
@@ -309,6 +313,7 @@ Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels
     logits = Tensor();
     loss.backward();
     add_into(total, loss);
+    for (const auto& part : parts_) part->after_micro_batch(i, k);
     offset += sizes[i];
   }
   return total;
@@ -322,14 +327,11 @@ void Executor::run_step(const float* images, const std::int64_t* labels, const s
       for (nn::StepState* s : states) s->discard();
     }
   } end_step{states_};
-  Tensor total = opt_.pipeline ? accumulate_stage(images, labels, sizes)
-                               : accumulate_loss(images, labels, sizes, global_divisor_);
-  if (distributed()) {
-    const auto t0 = std::chrono::steady_clock::now();
-    reduce_across_ranks(total);
-    if (!skip_host_work())
-      communication_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  }
+  std::optional<double> divisor;  // counted by a part (over every rank), else over this batch
+  for (const auto& part : parts_)
+    if (const auto d = part->divisor()) divisor = d;
+  Tensor total = opt_.pipeline ? accumulate_stage(images, labels, sizes) : accumulate_loss(images, labels, sizes, divisor);
+  for (const auto& part : parts_) part->before_optimizer_step(total);
   mark_trace(device_, "optimizer step");
   for (nn::StepState* s : states_) s->apply();
   NoGradGuard ng;
@@ -337,70 +339,6 @@ void Executor::run_step(const float* images, const std::int64_t* labels, const s
   optimizer_.zero_grad();
   // The step's one wait for the device: the loss value (a pipeline's: on its last stage).
   if (loss) *loss = skip_host_work() || !total.defined() ? 0.0 : total.item();
-}
-
-void Executor::reduce_across_ranks(Tensor& loss) {
-  distributed::Communicator& comm = *opt_.communicator;
-  const bool dry = skip_host_work();
-  mark_trace(device_, "all-reduce");
-  // What is summed: every gradient, flattened, then the step's loss (one more element of the last
-  // bucket); and the step states' tensors (BatchNorm's moments), float64.
-  std::vector<Tensor> flat;
-  std::int64_t n = 0;
-  for (const Tensor& p : model_.parameters()) {
-    flat.push_back(p.grad().view({-1}));
-    n += flat.back().numel();
-  }
-  flat.push_back(loss.view({1}));
-  n += 1;
-  std::vector<Tensor> states;
-  std::int64_t moment_count = 0;
-  for (nn::StepState* s : states_)
-    for (Tensor& t : s->reducible()) {
-      moment_count += t.numel();
-      states.push_back(std::move(t));
-    }
-  // Both buffers before the first collective (see step 6 in executor.h).
-  const auto per_bucket = static_cast<std::int64_t>(opt_.bucket_bytes / dtype_size(dtype_));
-  Tensor bucket = Tensor::empty({std::min(n, per_bucket)}, dtype_, device_, Category::temporary, "gradient_bucket");
-  Tensor moments;
-  if (moment_count > 0)
-    moments = Tensor::empty({moment_count}, DType::Float64, device_, Category::temporary, "batch_norm_moments");
-
-  // Gradients and loss: fill a bucket, sum it over the ranks, copy the sums back.
-  std::vector<std::pair<Tensor, std::int64_t>> pieces;  // (a piece of a flat tensor, its offset in the bucket)
-  std::int64_t used = 0;
-  auto flush = [&] {
-    Tensor filled = bucket.narrow(0, 0, used);
-    comm.all_reduce_sum(filled);
-    for (auto& [piece, at] : pieces) piece.copy_(bucket.narrow(0, at, piece.numel()));
-    pieces.clear();
-    used = 0;
-  };
-  for (const Tensor& t : flat) {
-    for (std::int64_t start = 0; start < t.numel();) {
-      const std::int64_t len = std::min(t.numel() - start, bucket.numel() - used);
-      Tensor piece = t.narrow(0, start, len);
-      bucket.narrow(0, used, len).copy_(piece);
-      pieces.emplace_back(piece, used);
-      used += len;
-      start += len;
-      if (used == bucket.numel()) flush();
-    }
-  }
-  if (used > 0) flush();
-
-  // The step states' tensors: one buffer, one collective; then each scales what it counted per
-  // local sample to the global batch.
-  if (moments.defined()) {
-    std::int64_t at = 0;
-    for (const Tensor& t : states) moments.narrow(0, at, t.numel()).copy_(t), at += t.numel();
-    comm.all_reduce_sum(moments);
-    at = 0;
-    for (Tensor& t : states) t.copy_(moments.narrow(0, at, t.numel())), at += t.numel();
-  }
-  if (!dry)
-    for (nn::StepState* s : states_) s->scale_to_global(local_batch_, global_batch_);
 }
 
 void Executor::discard_partial_step() {
@@ -418,28 +356,15 @@ StepResult Executor::step(const float* images, const std::int64_t* labels, std::
   }
   ArenaScope scope(arena_);
   StepResult r;
-  global_divisor_.reset();
   communication_seconds_ = 0;
-  if (distributed()) {
-    const auto t0 = std::chrono::steady_clock::now();
-    // D and the batch size over every rank, before any micro-batch (and outside the retry loop:
-    // a retry on this rank must not repeat a collective the others do not).
-    double sums[2] = {cross_entropy_divisor(labels, batch, opt_.loss), static_cast<double>(batch)};
-    opt_.communicator->all_reduce_sum(sums, 2);
-    if (!(sums[0] > 0))
-      throw Error(fmt::format("MBP executor: the global batch of {} has no counted target (all ignore_index {} or "
-                              "zero class weight), so its mean loss is undefined", sums[1], opt_.loss.ignore_index));
-    global_divisor_ = sums[0];
-    local_batch_ = batch;
-    global_batch_ = static_cast<std::int64_t>(sums[1]);
-    communication_seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  }
+  for (const auto& part : parts_) part->begin_step(labels, batch);
   for (;;) {
     const Plan& p = plan(batch);
     arena_->reset_peak();
     try {
       run_step(images, labels, p.sizes, &r.loss);
       if (opt_.pipeline) communication_seconds_ = trace_.idle_seconds;  // waiting for the other stages
+      for (const auto& part : parts_) communication_seconds_ += part->communication_seconds();
       if (agrees_across_stages()) opt_.communicator->all_reduce_sum(&r.loss, 1);  // the last stage's, to every rank
       r.micro_batch = p.micro_batch;
       r.micro_batches = p.micro_batches;

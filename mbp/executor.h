@@ -17,15 +17,10 @@
 //      are updated once per step from the moments of all micro-batches (nn/modules.h).
 //   5. One optimizer step, then the gradients are zeroed; then the step's loss is read — on CUDA
 //      the one time a step waits for the device.
-//   6. Data parallelism (an MPI or NCCL communicator; docs/distributed.md): the batch
-//      given to step() is this rank's share of the global batch. The divisor D and the global
-//      batch size are summed over the ranks before the first micro-batch, so each rank's
-//      gradients are its part of the global batch's mean-loss gradient; after the last
-//      micro-batch the gradients (and the step's loss) are summed over the ranks once, in
-//      buckets of at most bucket_bytes, and the BatchNorm moments once, in one buffer — both
-//      allocated in the arena before the first collective, so the planner counts them and an
-//      out-of-memory retry never leaves another rank inside a collective. Every rank then takes
-//      the same optimizer step. Each rank plans its own micro-batches for its own arena.
+//   6. Data parallelism (an MPI or NCCL communicator; docs/distributed.md): the batch given to
+//      step() is this rank's share of the global batch; a part of the step (mbp/data_parallel.h)
+//      sums the divisor before the first micro-batch and the gradients and moments after the
+//      last, at the step's extension points (mbp/step_part.h).
 //   7. Pipeline stages (ExecutorOptions::pipeline; mbp/pipeline.h): the step runs one stage of the
 //      model's segments, its micro-batches in the schedule's order (1F1B or GPipe), activations and
 //      their gradients exchanged with the neighbouring stages' ranks; the last stage counts D and
@@ -53,6 +48,7 @@
 #include "mbp/pipeline.h"
 #include "mbp/planner.h"
 #include "mbp/recompute.h"
+#include "mbp/step_part.h"
 #include "optim/optimizer.h"
 
 namespace tally::mbp {
@@ -232,8 +228,6 @@ class Executor {
   // The allocation sequence of a step, on the current arena; real data when images != nullptr,
   // else a dry run.
   void run_step(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes, double* loss);
-  // Sums the gradients, the step's loss and the BatchNorm moments over the ranks (step 6 above).
-  void reduce_across_ranks(Tensor& loss);
 
   nn::Module& model_;
   optim::Optimizer& optimizer_;
@@ -246,9 +240,8 @@ class Executor {
   std::vector<nn::StepState*> states_;  // the model's state across micro-batches (nn/module.h)
   std::int64_t sample_numel_ = 1;
   std::int64_t limit_ = INT64_MAX;
-  // The step under way, for data parallelism: D over every rank, this rank's and the global batch.
-  std::optional<double> global_divisor_;
-  std::int64_t local_batch_ = 0, global_batch_ = 0;
+  // What modes add to the step at its extension points (mbp/step_part.h): data parallelism.
+  std::vector<std::unique_ptr<StepPart>> parts_;
   double communication_seconds_ = 0;  // of the step under way
   int total_retries_ = 0;
   std::unique_ptr<InputStager> stager_;  // the step's inputs onto the device (core/staging.h)

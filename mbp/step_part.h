@@ -1,0 +1,34 @@
+// mbp/step_part.h — what a mode adds to the plain step (mbp/executor.h), at named points instead
+// of branches inside it. The executor calls every part it holds, in order, at each point; a dry
+// run of the step (the planner's) calls them too, so what a part allocates is planned. Today's
+// part: data parallelism (mbp/data_parallel.h). Pipeline stages are a step of their own
+// (mbp/pipeline_executor.h), not a part: their micro-batches run in another order.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+
+#include "core/tensor.h"
+
+namespace tally::mbp {
+
+class StepPart {
+ public:
+  virtual ~StepPart() = default;
+  // Once per step, before its plan and its first micro-batch, outside the out-of-memory retry (a
+  // retry must not repeat what other ranks do once); real steps only. `labels` and `batch`: this
+  // process's share of the batch.
+  virtual void begin_step(const std::int64_t* /*labels*/, std::int64_t /*batch*/) {}
+  // The loss divisor D the step's micro-batches divide by, when this part counts it (the whole
+  // batch's, over every rank); unset: the executor counts this process's batch.
+  virtual std::optional<double> divisor() const { return std::nullopt; }
+  // After micro-batch `index` (of `count`) has run its backward: its gradients are accumulated.
+  virtual void after_micro_batch(std::size_t /*index*/, std::size_t /*count*/) {}
+  // After the last micro-batch, before the step states apply and the optimizer steps; `loss` is the
+  // step's loss, summed where it was computed (undefined in a dry run of a stage without it).
+  virtual void before_optimizer_step(Tensor& /*loss*/) {}
+  // Host seconds of the last step spent communicating (StepResult::communication_seconds).
+  virtual double communication_seconds() const { return 0; }
+};
+
+}  // namespace tally::mbp
