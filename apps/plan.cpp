@@ -12,6 +12,7 @@
 #include "apps/setup.h"
 #include "core/dry_run.h"
 #include "core/memory.h"
+#include "mbp/pipeline_executor.h"
 #include "nn/resnet.h"
 #include "mbp/executor.h"
 #include "mbp/report/layer_table.h"
@@ -77,7 +78,7 @@ mbp::Plan plan_stages(const PlanOptions& opt, const nn::ModelConfig& mc, const S
     eo.precision = precision;
     eo.memory_format = mbp::parse_memory_format(opt.memory_format, dev, true);  // channels_last: the executor refuses it
     eo.pipeline = st.setup.stage;
-    st.executor = std::make_unique<mbp::Executor>(*st.setup.model, *st.setup.optimizer, st.arena, eo);
+    st.executor = make_executor(*st.setup.model, *st.setup.optimizer, st.arena, eo);
     const mbp::Plan& p = plan_step(*st.executor, opt.batch_size, opt.micro_batch);  // an error names the stage
     if (p.micro_batch < m) m = p.micro_batch, tightest = s;
   }
@@ -85,7 +86,7 @@ mbp::Plan plan_stages(const PlanOptions& opt, const nn::ModelConfig& mc, const S
   for (int s = 0; s < S; ++s) {
     Stage& st = stages[static_cast<std::size_t>(s)];
     const mbp::PipelineStage& ps = *st.setup.stage;
-    const mbp::Plan p = st.executor->plan_agreed(opt.batch_size, m);
+    const mbp::Plan p = mbp::as_stage(*st.executor, "tally plan --pipeline-stages").plan_agreed(opt.batch_size, m);
     fmt::print(out, "\nstage {} (rank {}): {} | {} parameters\n", s, s,
                mbp::segment_range(st.setup.segments, ps.first(), ps.last()), st.setup.stage_parameters);
     fmt::print(out, "  memory limit {}: {}\n", format_bytes(st.arena->capacity()), persistent_summary(*st.arena));
@@ -146,7 +147,8 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   eo.recompute = opt.recompute;
   eo.precision = precision;
   eo.memory_format = format;
-  mbp::Executor executor(*setup.model, *setup.optimizer, arena, eo);
+  const std::unique_ptr<mbp::Executor> built = make_executor(*setup.model, *setup.optimizer, arena, eo);
+  mbp::Executor& executor = *built;
   const mbp::Plan& p = plan_step(executor, opt.batch_size, opt.micro_batch);
   const mbp::RecomputeChoice& chosen = executor.recompute_choice();
   const std::string recompute = chosen.summary(p);

@@ -9,6 +9,7 @@
 
 #include "core/error.h"
 #include "core/memory.h"
+#include "mbp/pipeline_executor.h"
 #include "nn/state_dict.h"
 
 namespace tally::app {
@@ -241,6 +242,13 @@ std::string persistent_summary(const Arena& arena) {
                      format_bytes(static_cast<std::size_t>(s[Category::parameter].current)),
                      format_bytes(static_cast<std::size_t>(s[Category::gradient].current)),
                      format_bytes(static_cast<std::size_t>(s[Category::optimizer_state].current)));
+}
+
+std::unique_ptr<mbp::Executor> make_executor(nn::Module& model, optim::Optimizer& optimizer,
+                                             std::shared_ptr<Arena> arena, mbp::ExecutorOptions options) {
+  if (options.pipeline)
+    return std::make_unique<mbp::PipelineExecutor>(model, optimizer, std::move(arena), std::move(options));
+  return std::make_unique<mbp::Executor>(model, optimizer, std::move(arena), std::move(options));
 }
 
 const mbp::Plan& plan_step(mbp::Executor& executor, std::int64_t batch, std::optional<std::int64_t> micro_batch) {

@@ -28,6 +28,7 @@
 #include "nn/resnet.h"
 #include "mbp/checkpoint.h"
 #include "mbp/executor.h"
+#include "mbp/pipeline_executor.h"
 #include "mbp/report/schedule.h"
 #include "mbp/report/timeline.h"
 #include "optim/optimizer.h"
@@ -132,7 +133,7 @@ Eval evaluate(nn::Module& model, const data::Dataset& ds, bool normalize, Device
 
 // A pipeline's evaluation: every rank runs its stage on every batch of the test set (batches of at
 // most the planned micro-batch, as above), the last stage counts; the counts go to every rank.
-Eval evaluate_stages(mbp::Executor& executor, nn::Module& model, const data::Dataset& ds, bool normalize,
+Eval evaluate_stages(mbp::PipelineExecutor& executor, nn::Module& model, const data::Dataset& ds, bool normalize,
                      distributed::Communicator& comm, std::int64_t max_batch) {
   NoGradGuard ng;
   model.eval();
@@ -145,7 +146,7 @@ Eval evaluate_stages(mbp::Executor& executor, nn::Module& model, const data::Dat
   lo.shuffle = false, lo.augment = false, lo.normalize = normalize, lo.drop_last = false;
   data::Loader loader(ds, lo);
   loader.start_epoch(0);
-  const bool first = executor.pipeline()->stage == 0;
+  const bool first = executor.stage().stage == 0;
   double sums[2] = {0, 0};  // loss, correct
   while (auto b = loader.next()) {
     Tensor x;
@@ -506,7 +507,7 @@ class TrainingRun {
   Setup setup_;
   std::shared_ptr<distributed::Communicator> comm_;
   optim::LRSchedule schedule_;
-  mbp::Executor executor_;
+  std::unique_ptr<mbp::Executor> executor_;  // make_executor: the plain step or a pipeline stage's
   distributed::Shard share_;  // this rank's share of every global batch (drop_last: always full)
   TrainResult result_;
   Eval eval_;
@@ -561,7 +562,8 @@ TrainingRun::TrainingRun(const TrainOptions& options, std::ostream& all_log)
       setup_(model_setup(opt_, split_.train, arena_, options.memory_limit)),
       comm_(distributed::for_device(rank_.world, rank_.dev)),
       schedule_(schedule_options(opt_, steps_)),
-      executor_(*setup_.model, *setup_.optimizer, arena_, executor_options(opt_, split_.train, setup_, rank_.dev, comm_, log_)),
+      executor_(make_executor(*setup_.model, *setup_.optimizer, arena_,
+                              executor_options(opt_, split_.train, setup_, rank_.dev, comm_, log_))),
       // A pipeline's stages all see the whole batch (the first its images, the last its labels).
       share_(setup_.stage ? distributed::shard(opt_.batch_size, 1, 0)
                           : distributed::shard(opt_.batch_size, rank_.ranks, rank_.rank)),
@@ -588,7 +590,7 @@ TrainingRun::TrainingRun(const TrainOptions& options, std::ostream& all_log)
     fmt::print(log_, "data parallel: {} ranks over {} ({}), rank 0 takes {} of the {} samples of a step, each rank "
                      "plans its own micro-batches\n",
                rank_.ranks, comm_->backend(), options_.memory_limit, share_.size, opt_.batch_size);
-  print_plan(plan_step(executor_, share_.size, opt_.micro_batch));
+  print_plan(plan_step(*executor_, share_.size, opt_.micro_batch));
   log_.flush();  // the plan is on screen before the first (possibly long) step
 }
 
@@ -602,7 +604,7 @@ void TrainingRun::print_header(const Setup& setup) const {
   fmt::print(log_, "device {}{} | precision {} | memory format {} | batch {} | {} steps ({} per epoch) | {} lr {} schedule {} | augment {} shuffle {} normalize {}\n",
              dev.str(), dev.is_cuda() ? (opt_.tf32 ? " (TF32 on)" : " (TF32 off)") : (opt_.tf32 ? " (--tf32: no effect on the CPU)" : ""),
              opt_.precision == "bf16" ? "bf16 (bf16 activations, float32 weights, gradients and loss)" : "fp32",
-             memory_format_name(executor_.memory_format()), opt_.batch_size, steps_.total, per_epoch_, opt_.optimizer, opt_.lr, opt_.schedule,
+             memory_format_name(executor_->memory_format()), opt_.batch_size, steps_.total, per_epoch_, opt_.optimizer, opt_.lr, opt_.schedule,
              augments(opt_) ? "on" : "off", opt_.shuffle ? "on" : "off", opt_.normalize ? "on" : "off");
   fmt::print(log_, "memory limit {}{}: {} allocated before planning\n", format_bytes(arena_->capacity()),
              opt_.memory_limit == "auto" ? " (auto)" : "", persistent_summary(*arena_));
@@ -610,7 +612,7 @@ void TrainingRun::print_header(const Setup& setup) const {
 
 void TrainingRun::print_plan(const mbp::Plan& plan) const {
   fmt::print(log_, "plan: {}\n", plan.summary());
-  fmt::print(log_, "      recompute: {}\n", executor_.recompute_choice().summary(plan));
+  fmt::print(log_, "      recompute: {}\n", executor_->recompute_choice().summary(plan));
   fmt::print(log_, "      live at the peak: {}\n", plan.at_peak.str());
   fmt::print(log_, "      {} ({} dry runs, {:.0f} ms)\n",
              opt_.micro_batch ? fmt::format("--micro-batch {} checked", *opt_.micro_batch)
@@ -633,9 +635,9 @@ void TrainingRun::open_metrics() {
 TrainResult TrainingRun::run() {
   open_metrics();
   result_.device = rank_.dev.str();
-  result_.recompute = executor_.recompute_choice().name;
+  result_.recompute = executor_->recompute_choice().name;
   result_.precision = opt_.precision;
-  result_.memory_format = memory_format_name(executor_.memory_format());
+  result_.memory_format = memory_format_name(executor_->memory_format());
   result_.memory_limit_bytes = static_cast<std::int64_t>(arena_->capacity());
   const std::int64_t epochs = (steps_.total + per_epoch_ - 1) / per_epoch_;
   if (epoch_end_pending_) end_epoch((meter_.steps - 1) / per_epoch_, epochs);
@@ -672,7 +674,7 @@ void TrainingRun::train_epoch(std::int64_t epoch, std::int64_t epochs) {
     if (trace) arena_->set_tracing(true);
     if (inject_oom_ && inject_oom_->first == step) arena_->fail_allocation_after(inject_oom_->second);
     if (kill_.at("in-step", step + 1)) arena_->at_allocation(kill_.allocation, kill_self);
-    const mbp::StepResult r = executor_.step(b->images.data() + share_.offset * sample_numel,
+    const mbp::StepResult r = executor_->step(b->images.data() + share_.offset * sample_numel,
                                              b->labels.data() + share_.offset, share_.size);
     arena_->fail_allocation_after(0);
     last_loss_ = r.loss;
@@ -705,9 +707,10 @@ void TrainingRun::train_epoch(std::int64_t epoch, std::int64_t epochs) {
 void TrainingRun::end_epoch(std::int64_t epoch, std::int64_t epochs) {
   profiler_.pause();  // the profile is of training steps
   if (setup_.stage && opt_.evaluate)
-    eval_ = evaluate_stages(executor_, *setup_.model, split_.test, opt_.normalize, *comm_, result_.micro_batch);
+    eval_ = evaluate_stages(mbp::as_stage(*executor_, "a pipeline's evaluation"), *setup_.model, split_.test,
+                            opt_.normalize, *comm_, result_.micro_batch);
   else if (rank_.rank == 0 && opt_.evaluate)
-    eval_ = evaluate(*setup_.model, split_.test, opt_.normalize, rank_.dev, executor_.activation_dtype(),
+    eval_ = evaluate(*setup_.model, split_.test, opt_.normalize, rank_.dev, executor_->activation_dtype(),
                      result_.micro_batch);
   profiler_.resume();
   result_.train_loss = epoch_steps_ > 0 ? epoch_loss_ / static_cast<double>(epoch_steps_) : last_loss_;
@@ -765,7 +768,7 @@ nlohmann::json TrainingRun::checkpoint_state(const std::vector<double>& limits) 
 // Every rank's micro-batch limit to rank 0 (a collective), which writes the checkpoint.
 void TrainingRun::write_checkpoint() {
   std::vector<double> limits(static_cast<std::size_t>(rank_.ranks), 0.0);
-  const std::int64_t mine = executor_.micro_batch_limit();
+  const std::int64_t mine = executor_->micro_batch_limit();
   limits[static_cast<std::size_t>(rank_.rank)] = mine == INT64_MAX ? 0.0 : static_cast<double>(mine);
   if (rank_.ranks > 1) rank_.world->all_reduce_sum(limits.data(), limits.size());
   last_checkpoint_ = std::chrono::steady_clock::now();
@@ -810,7 +813,7 @@ void TrainingRun::restore() {
     if (limits.size() != static_cast<std::size_t>(ranks))
       throw FormatError(fmt::format("{}: expected {} micro-batch limits, found {}", where, ranks, limits.size()));
     const double mine = limits[static_cast<std::size_t>(rank_.rank)];
-    if (mine >= 1) executor_.set_micro_batch_limit(static_cast<std::int64_t>(mine));
+    if (mine >= 1) executor_->set_micro_batch_limit(static_cast<std::int64_t>(mine));
     const nlohmann::json& m = s.at("meter");
     result_.peak_bytes = m.at("peak_bytes").get<std::int64_t>();
     result_.predicted_peak_bytes = m.at("predicted_peak_bytes").get<std::int64_t>();
@@ -836,15 +839,15 @@ void TrainingRun::restore() {
   result_.checkpoint = dir->string();
   fmt::print(log_, "resumed from {}: {} of {} steps done (epoch {}, step {} of {}){}\n", dir->string(), st.step,
              steps_.total, (st.step - (epoch_end_pending_ ? 1 : 0)) / per_epoch_ + 1, epoch_steps_, per_epoch_,
-             executor_.micro_batch_limit() == INT64_MAX
+             executor_->micro_batch_limit() == INT64_MAX
                  ? ""
-                 : fmt::format(", micro-batches of at most {} after out-of-memory retries", executor_.micro_batch_limit()));
+                 : fmt::format(", micro-batches of at most {} after out-of-memory retries", executor_->micro_batch_limit()));
 }
 
 // A pipeline's traced step: every stage's timeline to rank 0 (a collective), which draws them into
 // pipeline.svg, with the bubble the schedule implies for k micro-batches on S equal stages.
 void TrainingRun::write_schedule(std::int64_t step, const mbp::StepResult& r) {
-  const mbp::PipelineTrace& mine = executor_.pipeline_trace();
+  const mbp::PipelineTrace& mine = mbp::as_stage(*executor_, "the pipeline's schedule").trace();
   const auto S = static_cast<std::size_t>(rank_.ranks);
   const std::size_t slots = 2 * static_cast<std::size_t>(r.micro_batches), per_rank = 2 + 4 * slots;
   std::vector<double> all(S * per_rank, 0.0);

@@ -14,18 +14,11 @@
 #include "core/dry_run.h"
 #include "core/memory.h"
 #include "mbp/data_parallel.h"
-#include "mbp/pipeline.h"
+#include "mbp/step_inputs.h"
 
 namespace tally::mbp {
 
-namespace {
-
-// The input tensors of one micro-batch (category input), allocated in the arena, and the ticket of
-// their upload (core/staging.h: the device waits for it before the forward).
-struct Inputs {
-  Tensor x, y;
-  std::size_t uploaded = 0;
-};
+namespace detail {
 
 // n samples of `sample` shape: {n, sample...}.
 Shape batch_shape(std::int64_t n, const Shape& sample) {
@@ -52,13 +45,6 @@ double batch_divisor(const std::int64_t* labels, std::int64_t batch, const Cross
     throw Error(fmt::format("MBP executor: the batch of {} has no counted target (all ignore_index {} or zero class "
                             "weight), so its mean loss is undefined", batch, loss.ignore_index));
   return divisor;
-}
-
-Inputs allocate_inputs(std::int64_t n, const Shape& sample_shape, DType dtype, Device device) {
-  Inputs in;
-  in.x = Tensor::empty(batch_shape(n, sample_shape), dtype, device, Category::input, "input");
-  in.y = Tensor::empty({n}, DType::Int64, device, Category::input, "labels");
-  return in;
 }
 
 // The bytes of staging one step of `batch` samples takes: all images, then all labels.
@@ -90,6 +76,26 @@ std::size_t stage_labels(Tensor& y, InputStager& stager, const std::int64_t* lab
   const std::size_t label_offset =
       static_cast<std::size_t>(batch * sample_numel) * dtype_size(dtype) + offset * sizeof(std::int64_t);
   return stager.stage(y, labels + offset, static_cast<std::size_t>(n) * sizeof(std::int64_t), label_offset);
+}
+
+}  // namespace detail
+
+namespace {
+
+using namespace detail;
+
+// The input tensors of one micro-batch (category input), allocated in the arena, and the ticket of
+// their upload (core/staging.h: the device waits for it before the forward).
+struct Inputs {
+  Tensor x, y;
+  std::size_t uploaded = 0;
+};
+
+Inputs allocate_inputs(std::int64_t n, const Shape& sample_shape, DType dtype, Device device) {
+  Inputs in;
+  in.x = Tensor::empty(batch_shape(n, sample_shape), dtype, device, Category::input, "input");
+  in.y = Tensor::empty({n}, DType::Int64, device, Category::input, "labels");
+  return in;
 }
 
 // Both, for one micro-batch of the whole model.
@@ -134,6 +140,14 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, ExecutorOptio
 
 Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_ptr<Arena> arena,
                    ExecutorOptions options)
+    : Executor(model, optimizer, std::move(arena), std::move(options), false) {}
+
+Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_ptr<Arena> arena,
+                   ExecutorOptions options, ForStage)
+    : Executor(model, optimizer, std::move(arena), std::move(options), true) {}
+
+Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_ptr<Arena> arena,
+                   ExecutorOptions options, bool stage)
     : model_(model),
       optimizer_(optimizer),
       opt_(std::move(options)),
@@ -144,6 +158,9 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_p
       planner_(arena_, [this](const std::vector<std::int64_t>& sizes) { run_step(nullptr, nullptr, sizes, nullptr); }),
       states_(nn::step_states(model)),
       stager_(std::make_unique<InputStager>(device_)) {
+  if (opt_.pipeline && !stage)
+    throw Error("MBP executor: a pipeline stage (ExecutorOptions::pipeline) runs in a PipelineExecutor "
+                "(mbp/pipeline_executor.h)");
   if (opt_.sample_shape.empty())
     throw Error("MBP executor: the sample shape is empty (expected e.g. {3, 32, 32})");
   for (std::int64_t d : opt_.sample_shape) {
@@ -157,13 +174,13 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_p
   if (opt_.memory_format == MemoryFormat::ChannelsLast && opt_.sample_shape.size() != 3)
     throw Error(fmt::format("MBP executor: channels_last is a layout of images (C, H, W); the sample shape is {}",
                             shape_str(opt_.sample_shape)));
-  if (opt_.pipeline && opt_.memory_format != MemoryFormat::Contiguous)
-    throw Error(fmt::format("MBP executor: pipeline stages exchange row-major activations; the memory format must be "
-                            "contiguous, found {}", memory_format_name(opt_.memory_format)));
   if (opt_.precision == Precision::bf16 && dtype_ != DType::Float32)
     throw Error(fmt::format("MBP executor: bf16 mixed precision keeps float32 master weights; the model is {}",
                             dtype_name(dtype_)));
-  if (distributed()) {
+  // Data parallelism: any communicator but the local one (an MPI or NCCL world of one too); a
+  // pipeline stage's communicator carries its messages instead.
+  const bool data_parallel = !stage && opt_.communicator && opt_.communicator->backend() != "local";
+  if (data_parallel) {
     if (!opt_.communicator->serves(device_))
       throw Error(fmt::format("MBP executor: the {} communicator cannot carry tensors on {}",
                               opt_.communicator->backend(), device_.str()));
@@ -176,13 +193,14 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_p
   if (arena_->device() != device_)
     throw Error(fmt::format("MBP executor: the arena is on {} but the model's parameters are on {}",
                             arena_->device().str(), device_.str()));
-  if (opt_.pipeline) set_up_stage(model);
-  if (distributed())
+  if (stage) return;  // the stage checks its own parameters and sets its step states
+  if (data_parallel)
     parts_.push_back(std::make_unique<DataParallel>(opt_.communicator, model.parameters(), states_, opt_.bucket_bytes,
                                                     opt_.loss));
-  const std::vector<Tensor> trained =
-      opt_.pipeline ? nn::parameters_of(stage_modules(segments_, opt_.pipeline->bounds, opt_.pipeline->stage))
-                    : model.parameters();
+  check_trained(model, model.parameters());
+}
+
+void Executor::check_trained(const nn::Module& model, const std::vector<Tensor>& trained) const {
   if (trained.empty()) throw Error("MBP executor: the model (or its pipeline stage) has no parameters");
   for (const auto& [name, p] : model.named_parameters()) {
     const TensorImpl* impl = &p.impl();  // (clang 16 cannot capture a structured binding)
@@ -194,48 +212,6 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_p
     if (p.storage()->arena() != arena_ || p.grad().storage()->arena() != arena_)
       throw Error(fmt::format("MBP executor: parameter {} (or its gradient) lives in another arena than the one the "
                               "executor runs on; build the model inside an ArenaScope of that arena", name));
-  }
-}
-
-void Executor::set_up_stage(nn::Module& model) {
-  const PipelineStage& st = *opt_.pipeline;
-  segments_ = model.segments();
-  if (segments_.empty()) throw Error("MBP executor: a pipeline stage needs a model that offers segments (Module::segments)");
-  if (st.stages < 1 || st.stage < 0 || st.stage >= st.stages || st.bounds.size() != static_cast<std::size_t>(st.stages) + 1 ||
-      st.bounds.front() != 0 || st.bounds.back() != segments_.size() ||
-      !std::is_sorted(st.bounds.begin(), st.bounds.end()) ||
-      std::adjacent_find(st.bounds.begin(), st.bounds.end()) != st.bounds.end())
-    throw Error(fmt::format("MBP executor: pipeline stage {} of {} with bounds [{}]: expected S + 1 increasing segment "
-                            "indices from 0 to {}", st.stage, st.stages, fmt::join(st.bounds, ", "), segments_.size()));
-  if (!opt_.communicator) opt_.communicator = distributed::local();
-  if (opt_.communicator->size() > 1 && opt_.communicator->size() != st.stages)
-    throw Error(fmt::format("MBP executor: a pipeline of {} stages runs on as many ranks, found {} (pipeline stages "
-                            "and data parallelism together are not supported)", st.stages, opt_.communicator->size()));
-  if (opt_.communicator->size() > 1 && opt_.communicator->rank() != st.stage)
-    throw Error(fmt::format("MBP executor: rank {} must run stage {}, found stage {}", opt_.communicator->rank(),
-                            opt_.communicator->rank(), st.stage));
-  if (!device_.is_cpu())
-    throw Error(fmt::format("MBP executor: pipeline stages run on the CPU (MPI ranks); the model is on {}", device_.str()));
-  if (opt_.normalization != LossNormalization::exact)
-    throw Error("MBP executor: a pipeline uses the exact loss normalization");
-  if (opt_.recompute != "none" && opt_.recompute != "auto" && opt_.recompute != "blocks")
-    throw Error(fmt::format("--recompute {}: a pipeline stage recomputes its residual blocks at most (none|blocks|auto)",
-                            opt_.recompute));
-  check_segments_cover(model, segments_);
-  states_ = nn::step_states_of(stage_modules(segments_, st.bounds, st.stage));
-  planner_.set_repeats(st.schedule == PipelineSchedule::gpipe ? std::size_t(1) << 40
-                                                              : static_cast<std::size_t>(st.stages) + 1);
-  // The stage's input per sample: a gradient-free dry run of the segments before it.
-  stage_sample_shape_ = opt_.sample_shape;
-  if (st.first() > 0) {
-    const DryRun dry(device_, std::size_t(1) << 46);
-    NoGradGuard no_grad;
-    const bool training = model.is_training();
-    model.eval();
-    Tensor y = Tensor::empty(batch_shape(1, opt_.sample_shape), activation_dtype_, device_, Category::input, "input");
-    for (std::size_t i = 0; i < st.first(); ++i) y = segments_[i].forward(y);
-    model.train(training);
-    stage_sample_shape_.assign(y.shape().begin() + 1, y.shape().end());
   }
 }
 
@@ -327,10 +303,7 @@ void Executor::run_step(const float* images, const std::int64_t* labels, const s
       for (nn::StepState* s : states) s->discard();
     }
   } end_step{states_};
-  std::optional<double> divisor;  // counted by a part (over every rank), else over this batch
-  for (const auto& part : parts_)
-    if (const auto d = part->divisor()) divisor = d;
-  Tensor total = opt_.pipeline ? accumulate_stage(images, labels, sizes) : accumulate_loss(images, labels, sizes, divisor);
+  Tensor total = run_micro_batches(images, labels, sizes);
   for (const auto& part : parts_) part->before_optimizer_step(total);
   mark_trace(device_, "optimizer step");
   for (nn::StepState* s : states_) s->apply();
@@ -341,45 +314,43 @@ void Executor::run_step(const float* images, const std::int64_t* labels, const s
   if (loss) *loss = skip_host_work() || !total.defined() ? 0.0 : total.item();
 }
 
+Tensor Executor::run_micro_batches(const float* images, const std::int64_t* labels,
+                                   const std::vector<std::int64_t>& sizes) {
+  std::optional<double> divisor;  // counted by a part (over every rank), else over this batch
+  for (const auto& part : parts_)
+    if (const auto d = part->divisor()) divisor = d;
+  return accumulate_loss(images, labels, sizes, divisor);
+}
+
+void Executor::check_step_data(const float* images, const std::int64_t* labels) const {
+  if (images == nullptr || labels == nullptr) throw Error("MBP executor: step needs images and labels");
+}
+
 void Executor::discard_partial_step() {
   optimizer_.zero_grad();
   for (nn::StepState* s : states_) s->discard();
 }
 
 StepResult Executor::step(const float* images, const std::int64_t* labels, std::int64_t batch) {
-  if (opt_.pipeline) {  // the images on the first stage, the labels on the last
-    if ((opt_.pipeline->stage == 0 && images == nullptr) || (opt_.pipeline->stage + 1 == opt_.pipeline->stages && labels == nullptr))
-      throw Error(fmt::format("MBP executor: pipeline stage {} of {} needs {}", opt_.pipeline->stage, opt_.pipeline->stages,
-                              images == nullptr ? "the images" : "the labels"));
-  } else if (images == nullptr || labels == nullptr) {
-    throw Error("MBP executor: step needs images and labels");
-  }
+  check_step_data(images, labels);
   ArenaScope scope(arena_);
   StepResult r;
-  communication_seconds_ = 0;
   for (const auto& part : parts_) part->begin_step(labels, batch);
   for (;;) {
     const Plan& p = plan(batch);
     arena_->reset_peak();
     try {
       run_step(images, labels, p.sizes, &r.loss);
-      if (opt_.pipeline) communication_seconds_ = trace_.idle_seconds;  // waiting for the other stages
-      for (const auto& part : parts_) communication_seconds_ += part->communication_seconds();
-      if (agrees_across_stages()) opt_.communicator->all_reduce_sum(&r.loss, 1);  // the last stage's, to every rank
+      for (const auto& part : parts_) r.communication_seconds += part->communication_seconds();
       r.micro_batch = p.micro_batch;
       r.micro_batches = p.micro_batches;
       r.predicted_peak = p.predicted_peak;
       r.peak = static_cast<std::size_t>(arena_->stats().total.peak);
-      r.communication_seconds = communication_seconds_;
+      finish_step(r);
       return r;
     } catch (const OutOfMemory& e) {
       discard_partial_step();
-      if (opt_.pipeline && opt_.pipeline->stages > 1)
-        throw OutOfMemory(fmt::format("training step of batch {} on pipeline stage {} of {} ran out of memory with "
-                                      "micro-batches of {} (predicted peak {}); a pipeline does not retry: {}", batch,
-                                      opt_.pipeline->stage, opt_.pipeline->stages, p.micro_batch,
-                                      format_bytes(p.predicted_peak), e.what()),
-                          e.requested());
+      before_retry(e, batch, p);
       if (p.micro_batch == 1 || r.oom_retries >= opt_.max_oom_retries)
         throw OutOfMemory(fmt::format("training step of batch {} ran out of memory with micro-batches of {} after {} "
                                       "retries; nothing was updated. {}", batch, p.micro_batch, r.oom_retries, e.what()),
@@ -396,171 +367,6 @@ StepResult Executor::step(const float* images, const std::int64_t* labels, std::
       throw;
     }
   }
-}
-
-// ---- pipeline stages (mbp/pipeline.h) ------------------------------------------------------------
-
-Shape Executor::stage_input_shape(std::int64_t n) const { return batch_shape(n, stage_sample_shape_); }
-
-Tensor Executor::run_stage(Tensor x) {
-  for (std::size_t s = opt_.pipeline->first(); s < opt_.pipeline->last(); ++s) x = segments_[s].forward(x);
-  return x;
-}
-
-// One step of a pipeline stage under way: what its forwards and backwards share.
-struct Executor::StageRun {
-  StageRun(const float* i, const std::int64_t* l, const std::vector<std::int64_t>& s) : images(i), labels(l), sizes(s) {}
-  const float* images;
-  const std::int64_t* labels;
-  const std::vector<std::int64_t>& sizes;
-  std::vector<std::int64_t> offsets{0};
-  std::int64_t batch = 0;
-  double divisor = 1.0;
-  bool dry = false, first = false, last = false, targets_checked = false;
-  Tensor total;  // the loss, summed (the last stage)
-  // A micro-batch between its forward and its backward: its input (a leaf whose gradient goes
-  // back) and its output (sent on, kept for backward) with the ticket of that send.
-  struct InFlight {
-    Tensor x, out;
-    std::size_t sent = 0;
-  };
-  std::deque<InFlight> in_flight;
-  // The gradient last sent back, kept until that send is done (waited for before the next one).
-  Tensor sent_back;
-  std::size_t sent_back_ticket = 0;
-  // The step's timeline and its waits (a real step's: a dry run neither waits nor takes time).
-  std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
-  PipelineTrace trace;
-  double since() const { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); }
-  // Runs a wait (a receive, or a send to be taken), counted as idle; a receive an operation starts
-  // with moves the operation's start to its end, so the picture shows the wait as a gap.
-  double op_start = 0;
-  template <class F>
-  void waiting(F&& f, bool starts_op = false) {
-    const double a = since();
-    f();
-    const double b = since();
-    trace.idle_seconds += b - a;
-    if (starts_op) op_start = b;
-  }
-};
-
-Tensor Executor::accumulate_stage(const float* images, const std::int64_t* labels,
-                                  const std::vector<std::int64_t>& sizes) {
-  const PipelineStage& st = *opt_.pipeline;
-  StageRun r(images, labels, sizes);
-  r.dry = skip_host_work(), r.first = st.stage == 0, r.last = st.stage + 1 == st.stages;
-  r.batch = checked_batch(sizes);
-  for (std::int64_t n : sizes) r.offsets.push_back(r.offsets.back() + n);
-  if (r.last && !r.dry) r.divisor = batch_divisor(labels, r.batch, opt_.loss);  // on the stage that has the targets
-  for (nn::StepState* s : states_) s->begin_step();
-  if (!r.dry && (r.first || r.last)) stager_->begin_step(staging_bytes(r.batch, sample_numel_, activation_dtype_));
-  EnableGradGuard grad_on;
-  if (r.last) r.total = Tensor::zeros({}, dtype_, device_, Category::temporary, "step_loss");
-  const auto k = static_cast<std::int64_t>(sizes.size());
-  for (const PipelineOp& op : pipeline_order(st.schedule, st.stage, st.stages, k)) {
-    r.op_start = r.since();
-    if (op.forward)
-      stage_forward(r, static_cast<std::size_t>(op.index));
-    else
-      stage_backward(r, static_cast<std::size_t>(op.index));
-    r.trace.events.push_back({op.forward, op.index, r.op_start, r.since()});
-  }
-  r.waiting([&] { opt_.communicator->wait_send(r.sent_back_ticket); });
-  if (!r.dry) {
-    r.trace.seconds = r.since();
-    trace_ = std::move(r.trace);
-  }
-  return r.total;
-}
-
-// Sends the gradient of a micro-batch's input back to the stage before (after the last one sent
-// is taken: one such buffer lives at a time).
-void Executor::send_back(StageRun& r, const Tensor& x) {
-  if (r.first) return;
-  distributed::Communicator& comm = *opt_.communicator;
-  r.waiting([&] { comm.wait_send(r.sent_back_ticket); });
-  r.sent_back = Tensor();
-  r.sent_back = x.grad();
-  r.sent_back_ticket = comm.send(r.sent_back, opt_.pipeline->stage - 1);
-}
-
-void Executor::stage_forward(StageRun& r, std::size_t i) {
-  distributed::Communicator& comm = *opt_.communicator;
-  const int stage = opt_.pipeline->stage;
-  const std::int64_t n = r.sizes[i];
-  mark_trace(device_, fmt::format("micro-batch {}/{} ({} samples) forward", i + 1, r.sizes.size(), n));
-  Tensor x;
-  if (r.first) {
-    x = Tensor::empty(batch_shape(n, opt_.sample_shape), activation_dtype_, device_, Category::input, "input");
-    if (!r.dry) stager_->wait(stage_images(x, *stager_, r.images, r.offsets[i], n, sample_numel_, activation_dtype_));
-  } else {
-    x = Tensor::empty(stage_input_shape(n), activation_dtype_, device_, Category::input, "stage_input");
-    r.waiting([&] { comm.recv(x, stage - 1); }, true);
-    x.impl().grad_category = Category::temporary;
-    x.set_requires_grad(true);
-  }
-  Tensor out = run_stage(x);
-  if (!r.last) {
-    const std::size_t ticket = comm.send(out, stage + 1);
-    r.in_flight.push_back({std::move(x), std::move(out), ticket});
-    return;
-  }
-  // The last stage: the loss with the whole batch's divisor, and its backward at once.
-  Tensor y = Tensor::empty({n}, DType::Int64, device_, Category::input, "labels");
-  if (!r.dry) {
-    stager_->wait(stage_labels(y, *stager_, r.labels, r.offsets[i], n, r.batch, sample_numel_, activation_dtype_));
-    if (!r.targets_checked) {
-      check_cross_entropy_targets(r.labels, r.batch, out.size(1), opt_.loss.ignore_index);
-      r.targets_checked = true;
-    }
-  }
-  CrossEntropyOptions co = opt_.loss;
-  co.divisor = r.divisor;
-  co.targets_checked = !r.dry;
-  Tensor loss = cross_entropy(out, y, co);
-  out = Tensor();
-  y = Tensor();
-  loss.backward();
-  add_into(r.total, loss);
-  send_back(r, x);
-}
-
-void Executor::stage_backward(StageRun& r, std::size_t i) {
-  distributed::Communicator& comm = *opt_.communicator;
-  mark_trace(device_, fmt::format("micro-batch {}/{} backward", i + 1, r.sizes.size()));
-  StageRun::InFlight f = std::move(r.in_flight.front());
-  r.in_flight.pop_front();
-  Tensor g = Tensor::empty(f.out.shape(), f.out.dtype(), device_, Category::temporary, "stage_output_grad");
-  r.waiting(
-      [&] {
-        comm.recv(g, opt_.pipeline->stage + 1);
-        comm.wait_send(f.sent);  // the next stage has it: it sent this gradient back
-      },
-      true);
-  run_backward(f.out, g);
-  f.out = Tensor();
-  g = Tensor();
-  send_back(r, f.x);
-}
-
-Tensor Executor::forward_through_stages(const Tensor& x, std::int64_t n) {
-  if (!opt_.pipeline) throw Error("MBP executor: forward_through_stages is for a pipeline stage");
-  const PipelineStage& st = *opt_.pipeline;
-  distributed::Communicator& comm = *opt_.communicator;
-  ArenaScope scope(arena_);
-  Tensor y = x;
-  if (st.stage > 0) {
-    y = Tensor::empty(stage_input_shape(n), activation_dtype_, device_, Category::input, "stage_input");
-    comm.recv(y, st.stage - 1);
-  } else if (!y.defined() || y.size(0) != n) {
-    throw Error(fmt::format("forward_through_stages: stage 0 expected {} samples, found {}", n,
-                            y.defined() ? y.str() : std::string("none")));
-  }
-  y = run_stage(std::move(y));
-  if (st.stage + 1 == st.stages) return y;
-  comm.wait_send(comm.send(y, st.stage + 1));
-  return {};
 }
 
 void Executor::set_micro_batch_limit(std::int64_t limit) {

@@ -21,10 +21,8 @@
 //      step() is this rank's share of the global batch; a part of the step (mbp/data_parallel.h)
 //      sums the divisor before the first micro-batch and the gradients and moments after the
 //      last, at the step's extension points (mbp/step_part.h).
-//   7. Pipeline stages (ExecutorOptions::pipeline; mbp/pipeline.h): the step runs one stage of the
-//      model's segments, its micro-batches in the schedule's order (1F1B or GPipe), activations and
-//      their gradients exchanged with the neighbouring stages' ranks; the last stage counts D and
-//      the loss; every stage steps its own optimizer. The micro-batch is agreed across the stages.
+//   7. Pipeline stages (ExecutorOptions::pipeline) are a step of their own that shares these
+//      pieces: mbp/pipeline_executor.h.
 // The planner dry-runs exactly this code (run_micro_batches), so the predicted peak is the real
 // step's peak. If the real step still runs out of memory, the partial step is discarded —
 // gradients zeroed, BatchNorm moments dropped; parameters, optimizer state and running
@@ -112,11 +110,8 @@ struct ExecutorOptions {
   // stages (their messages are row-major).
   MemoryFormat memory_format = MemoryFormat::Contiguous;
   // Pipeline stages (mbp/pipeline.h): this process runs stage `pipeline->stage` of the model's
-  // segments, rank s of `communicator` running stage s (CPU, MPI; no data parallelism besides).
-  // The model's other parameters may live anywhere (outside the arena); the optimizer holds this
-  // stage's. Recomputation: none, blocks or auto (the blocks of the stage). An out-of-memory step
-  // is not retried (the ranks would wait on each other's messages): it ends the run, which the
-  // exact plan makes a bug, not an event.
+  // segments, rank s of `communicator` running stage s, in a PipelineExecutor
+  // (mbp/pipeline_executor.h, which says what differs).
   std::optional<PipelineStage> pipeline{};
 };
 
@@ -137,18 +132,15 @@ class Executor {
  public:
   // Runs on `arena`, the budget of the plan: the model's parameters and gradient buffers must live
   // in it, and they and the optimizer's state must exist already (the planner counts them). The
-  // model's device and dtype are those of its first parameter.
+  // model's device and dtype are those of its first parameter. Not for a pipeline stage
+  // (ExecutorOptions::pipeline): that is a PipelineExecutor (mbp/pipeline_executor.h).
   Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_ptr<Arena> arena, ExecutorOptions options);
   // Convenience: on the arena the model's parameters live in (the budget they were built in).
   Executor(nn::Module& model, optim::Optimizer& optimizer, ExecutorOptions options);
 
   // The plan for a batch of `batch` samples under the current limit (cached), at the
   // recomputation the policy (ExecutorOptions::recompute) chooses, set on the model.
-  const Plan& plan(std::int64_t batch);
-  // A pipeline: the plan of every stage has the same micro-batch, the smallest of the largest that
-  // fits each stage (plan() agrees on it over the communicator, a collective); plan_agreed(batch,
-  // m) is the plan of this stage at exactly m, at the recomputation plan() chose.
-  const Plan& plan_agreed(std::int64_t batch, std::int64_t micro_batch);
+  virtual const Plan& plan(std::int64_t batch);
   // The recomputation of the last plan().
   const RecomputeChoice& recompute_choice() const { return choice_; }
   // The plan of `batch` at level `level` of the model's recomputation ladder, with micro-batches
@@ -166,14 +158,8 @@ class Executor {
   // run). The step's building block; public for tests of gradient equivalence.
   double accumulate(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes);
 
-  // A pipeline's no-grad forward of n samples through every stage, for evaluation (every rank
-  // calls it for every batch): stage 0 takes `x`, the others receive their input; the logits on
-  // the last stage, an undefined tensor on the others.
-  Tensor forward_through_stages(const Tensor& x, std::int64_t n);
+  const ExecutorOptions& options() const { return opt_; }
   const std::optional<PipelineStage>& pipeline() const { return opt_.pipeline; }
-  // A pipeline stage's last real step: what it ran when, and how long it waited.
-  const PipelineTrace& pipeline_trace() const { return trace_; }
-
   // Upper limit on m after out-of-memory retries (INT64_MAX if none happened).
   std::int64_t micro_batch_limit() const { return limit_; }
   // Restores a limit saved with a checkpoint (mbp/checkpoint.h): m is planned below it from the
@@ -187,47 +173,37 @@ class Executor {
   DType activation_dtype() const { return activation_dtype_; }
   MemoryFormat memory_format() const { return opt_.memory_format; }
 
-  ~Executor();
+  virtual ~Executor();
   Executor(const Executor&) = delete;
   Executor& operator=(const Executor&) = delete;
 
- private:
-  void discard_partial_step();
+ protected:
+  // The base of a pipeline stage's executor: the general checks; the stage sets up its own
+  // trained parameters (check_trained) and step states.
+  struct ForStage {};
+  Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_ptr<Arena> arena, ExecutorOptions options,
+           ForStage);
+  // Each of `trained` (a parameter of `model`) has a gradient buffer, and both live in the arena.
+  void check_trained(const nn::Module& model, const std::vector<Tensor>& trained) const;
+
+  // The points where a step of another kind differs (a pipeline stage, mbp/pipeline_executor.h):
+  // the host data a step needs,
+  virtual void check_step_data(const float* images, const std::int64_t* labels) const;
+  // the micro-batches' forwards and backwards, returning the step's loss where it was computed
+  // (the plain step: accumulate_loss),
+  virtual Tensor run_micro_batches(const float* images, const std::int64_t* labels,
+                                   const std::vector<std::int64_t>& sizes);
+  // what a real step's result adds once it has run,
+  virtual void finish_step(StepResult& /*r*/) {}
+  // whether an out-of-memory step may be retried with smaller micro-batches (throws if not),
+  virtual void before_retry(const OutOfMemory& /*e*/, std::int64_t /*batch*/, const Plan& /*p*/) {}
+  // and the highest level of the recomputation ladder the executor uses.
+  virtual int top_level();
+
+  // plan() for the policy (ExecutorOptions::recompute): the planner's plan at the level it chooses.
+  const Plan& plan_by_policy(std::int64_t batch);
   // plan() for the model's recomputation as it is now (its state is part of the plan's key).
   const Plan& plan_as_set(std::int64_t batch, std::optional<std::int64_t> micro_batch);
-  const Plan& plan_auto(std::int64_t batch);
-  [[noreturn]] void throw_none_too_small(const OutOfMemory& without, std::int64_t batch);
-  // Collectives run with any communicator but the local one (an MPI or NCCL world of one too).
-  bool distributed() const { return opt_.communicator && opt_.communicator->backend() != "local" && !opt_.pipeline; }
-  // The micro-batch every stage of a pipeline of several ranks runs.
-  bool agrees_across_stages() const {
-    return opt_.pipeline && opt_.communicator && opt_.communicator->size() > 1;
-  }
-  const Plan& plan_here(std::int64_t batch);       // this rank's plan alone
-  const Plan& plan_by_policy(std::int64_t batch);  // plan_here before a stage's words
-  // The highest level of the recomputation ladder this executor uses (a pipeline: blocks).
-  int top_level();
-  // A pipeline stage's micro-batches in the schedule's order; the loss on the last stage.
-  struct StageRun;
-  Tensor accumulate_stage(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes);
-  void stage_forward(StageRun& r, std::size_t i);
-  void stage_backward(StageRun& r, std::size_t i);
-  void send_back(StageRun& r, const Tensor& x);
-  // The pipeline part of the constructor: the stage's checks, segments, step states, input shape.
-  void set_up_stage(nn::Module& model);
-  // One micro-batch's input of a stage: n samples of the stage's input shape.
-  Shape stage_input_shape(std::int64_t n) const;
-  // The stage's segments on x.
-  Tensor run_stage(Tensor x);
-  // accumulate() with the loss left where it was computed (undefined in a dry run: no values).
-  // `divisor`: the loss divisor D when it was counted elsewhere (over every rank's samples). Runs
-  // on the current arena: arena_ in a real step (step() makes it current), the planner's virtual
-  // clone of it in a dry run (the planner's DryRun makes that current).
-  Tensor accumulate_loss(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes,
-                         std::optional<double> divisor = std::nullopt);
-  // The allocation sequence of a step, on the current arena; real data when images != nullptr,
-  // else a dry run.
-  void run_step(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes, double* loss);
 
   nn::Module& model_;
   optim::Optimizer& optimizer_;
@@ -240,18 +216,29 @@ class Executor {
   std::vector<nn::StepState*> states_;  // the model's state across micro-batches (nn/module.h)
   std::int64_t sample_numel_ = 1;
   std::int64_t limit_ = INT64_MAX;
-  // What modes add to the step at its extension points (mbp/step_part.h): data parallelism.
-  std::vector<std::unique_ptr<StepPart>> parts_;
-  double communication_seconds_ = 0;  // of the step under way
-  int total_retries_ = 0;
   std::unique_ptr<InputStager> stager_;  // the step's inputs onto the device (core/staging.h)
   RecomputeChoice choice_;
+
+ private:
+  Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_ptr<Arena> arena, ExecutorOptions options,
+           bool stage);
+  void discard_partial_step();
+  const Plan& plan_auto(std::int64_t batch);
+  [[noreturn]] void throw_none_too_small(const OutOfMemory& without, std::int64_t batch);
+  // accumulate() with the loss left where it was computed (undefined in a dry run: no values).
+  // `divisor`: the loss divisor D when it was counted elsewhere (over every rank's samples). Runs
+  // on the current arena: arena_ in a real step (step() makes it current), the planner's virtual
+  // clone of it in a dry run (the planner's DryRun makes that current).
+  Tensor accumulate_loss(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes,
+                         std::optional<double> divisor = std::nullopt);
+  // The allocation sequence of a step, on the current arena; real data when images != nullptr,
+  // else a dry run.
+  void run_step(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes, double* loss);
+
+  int total_retries_ = 0;
   std::map<std::int64_t, RecomputeChoice> auto_choices_;  // recompute "auto": the choice per batch size
-  // A pipeline: this stage's segments, its input's shape per sample, the micro-batch agreed per batch.
-  std::vector<nn::Module::Segment> segments_;
-  Shape stage_sample_shape_;
-  std::map<std::int64_t, std::int64_t> agreed_;
-  PipelineTrace trace_;
+  // What modes add to the step at its extension points (mbp/step_part.h): data parallelism.
+  std::vector<std::unique_ptr<StepPart>> parts_;
 };
 
 }  // namespace tally::mbp

@@ -1,6 +1,7 @@
 // mbp/executor_plan.cpp — the executor's plans (mbp/executor.h): the recomputation policy applied
 // (ExecutorOptions::recompute; "auto" climbs the model's ladder to the first level on which the
-// plan fits), the micro-batch a pipeline's stages agree on, and the planner (mbp/planner.h) asked.
+// plan fits) and the planner (mbp/planner.h) asked. A pipeline stage's agreement on the
+// micro-batch is its own (mbp/pipeline_executor.cpp).
 //
 // Why "auto" takes the first level on which the plan fits: once one sample fits, MBP already
 // runs any batch exactly, and every level of recomputation costs step time; whoever wants larger
@@ -17,50 +18,9 @@
 
 namespace tally::mbp {
 
-const Plan& Executor::plan(std::int64_t batch) {
-  const Plan* planned = nullptr;
-  try {
-    planned = &plan_here(batch);
-  } catch (const OutOfMemory& e) {
-    if (!opt_.pipeline || opt_.pipeline->stages == 1) throw;
-    const PipelineStage& st = *opt_.pipeline;
-    throw OutOfMemory(fmt::format("pipeline stage {} of {} ({}), memory limit {}: {}", st.stage, st.stages,
-                                  segment_range(segments_, st.first(), st.last()), format_bytes(arena_->capacity()),
-                                  e.what()),
-                      e.requested());
-  }
-  const Plan& mine = *planned;
-  if (!agrees_across_stages()) return mine;
-  // Every stage runs the same micro-batches: the smallest of the stages' largest (each rank fills
-  // its own slot of a sum). Agreed once per batch size, in the same order on every rank.
-  auto it = agreed_.find(batch);
-  if (it == agreed_.end()) {
-    distributed::Communicator& comm = *opt_.communicator;
-    std::vector<double> largest(static_cast<std::size_t>(comm.size()), 0.0);
-    largest[static_cast<std::size_t>(comm.rank())] = static_cast<double>(mine.micro_batch);
-    comm.all_reduce_sum(largest.data(), largest.size());
-    it = agreed_.emplace(batch, static_cast<std::int64_t>(*std::min_element(largest.begin(), largest.end()))).first;
-  }
-  if (it->second == mine.micro_batch) return mine;
-  return plan_as_set(batch, it->second);
-}
+const Plan& Executor::plan(std::int64_t batch) { return plan_by_policy(batch); }
 
-const Plan& Executor::plan_agreed(std::int64_t batch, std::int64_t micro_batch) {
-  (void)plan_here(batch);  // the recomputation of this batch, set on the model
-  return plan_as_set(batch, micro_batch);
-}
-
-int Executor::top_level() {
-  const int all = nn::recompute_levels(model_) - 1;
-  return opt_.pipeline ? std::min(1, all) : all;  // a stage's segments are blocks: no stage around them
-}
-
-const Plan& Executor::plan_here(std::int64_t batch) {
-  const Plan& p = plan_by_policy(batch);
-  if (opt_.pipeline && opt_.pipeline->stages > 1 && choice_.level > 0)  // the ladder's words are the model's
-    choice_.description = "this stage's residual blocks, the model's last excepted, and the stem where the stage has it";
-  return p;
-}
+int Executor::top_level() { return nn::recompute_levels(model_) - 1; }
 
 const Plan& Executor::plan_by_policy(std::int64_t batch) {
   const std::string& policy = opt_.recompute;

@@ -4,7 +4,7 @@
 # host-side work in dry runs (is_dry_run() read in core/ only), and the MBP step free of backend
 # code (mbp/ and apps/ include no kernels/ header), recomputation owned by mbp/ (no forget() in
 # apps/), the ambient arena set in few places (mbp/ makes one current only through a DryRun and
-# the executor's entry points in mbp/executor*.cpp, and reads none; dry runs and virtual arenas
+# the executors' entry points in mbp/*executor*.cpp, and reads none; dry runs and virtual arenas
 # are made through core/dry_run.h's DryRun above core/), and functions short enough to read (at
 # most 80 lines in apps/, mbp/ and core/autograd.cpp).
 # Usage: structure_check.sh SOURCE_DIR
@@ -29,8 +29,8 @@ found=$(grep -rn 'forget()' apps 2>/dev/null)
 [[ -z "$found" ]] || fail "apps/ never makes the planner forget: its plans are keyed by the model's recomputation state:" "$found"
 found=$(grep -rnE 'current_arena|default_arena' mbp 2>/dev/null)
 [[ -z "$found" ]] || fail "mbp/ reads no arena scope (a trace label is core/memory.h's mark_trace):" "$found"
-found=$(grep -rnE '^[^/]*ArenaScope' mbp 2>/dev/null | grep -vE '^mbp/executor[a-z_]*\.cpp:')
-[[ -z "$found" ]] || fail "mbp/ makes an arena current only in the executor's entry points (mbp/executor*.cpp) and through a DryRun:" "$found"
+found=$(grep -rnE '^[^/]*ArenaScope' mbp 2>/dev/null | grep -vE '^mbp/([a-z]+_)?executor[a-z_]*\.cpp:')
+[[ -z "$found" ]] || fail "mbp/ makes an arena current only in the executors' entry points (mbp/*executor*.cpp) and through a DryRun:" "$found"
 found=$(grep -rnE '^[^/]*(DryRunGuard|make_virtual|virtual_clone)' nn optim data distributed mbp apps examples 2>/dev/null)
 [[ -z "$found" ]] || fail "dry runs and virtual arenas above core/ come from one object, DryRun (core/dry_run.h):" "$found"
 # No function of apps/, mbp/ or core/autograd.cpp longer than 80 lines (signature to closing brace,

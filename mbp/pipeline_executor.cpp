@@ -1,0 +1,312 @@
+// mbp/pipeline_executor.cpp — the step of one pipeline stage; see mbp/pipeline_executor.h.
+#include "mbp/pipeline_executor.h"
+
+#include <algorithm>
+#include <chrono>
+#include <deque>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "core/autograd.h"
+#include "core/dry_run.h"
+#include "core/memory.h"
+#include "mbp/step_inputs.h"
+#include "nn/recompute.h"
+
+namespace tally::mbp {
+
+using namespace detail;
+
+PipelineExecutor::PipelineExecutor(nn::Module& model, optim::Optimizer& optimizer, std::shared_ptr<Arena> arena,
+                                   ExecutorOptions options)
+    : Executor(model, optimizer, std::move(arena), std::move(options), ForStage{}) {
+  if (!opt_.pipeline) throw Error("PipelineExecutor: expected ExecutorOptions::pipeline, found none");
+  if (opt_.memory_format != MemoryFormat::Contiguous)
+    throw Error(fmt::format("MBP executor: pipeline stages exchange row-major activations; the memory format must be "
+                            "contiguous, found {}", memory_format_name(opt_.memory_format)));
+  set_up(model);
+  check_trained(model, nn::parameters_of(stage_modules(segments_, opt_.pipeline->bounds, opt_.pipeline->stage)));
+}
+
+bool PipelineExecutor::agrees_across_stages() const { return opt_.communicator && opt_.communicator->size() > 1; }
+
+void PipelineExecutor::set_up(nn::Module& model) {
+  const PipelineStage& st = *opt_.pipeline;
+  segments_ = model.segments();
+  if (segments_.empty()) throw Error("MBP executor: a pipeline stage needs a model that offers segments (Module::segments)");
+  if (st.stages < 1 || st.stage < 0 || st.stage >= st.stages || st.bounds.size() != static_cast<std::size_t>(st.stages) + 1 ||
+      st.bounds.front() != 0 || st.bounds.back() != segments_.size() ||
+      !std::is_sorted(st.bounds.begin(), st.bounds.end()) ||
+      std::adjacent_find(st.bounds.begin(), st.bounds.end()) != st.bounds.end())
+    throw Error(fmt::format("MBP executor: pipeline stage {} of {} with bounds [{}]: expected S + 1 increasing segment "
+                            "indices from 0 to {}", st.stage, st.stages, fmt::join(st.bounds, ", "), segments_.size()));
+  if (!opt_.communicator) opt_.communicator = distributed::local();
+  if (opt_.communicator->size() > 1 && opt_.communicator->size() != st.stages)
+    throw Error(fmt::format("MBP executor: a pipeline of {} stages runs on as many ranks, found {} (pipeline stages "
+                            "and data parallelism together are not supported)", st.stages, opt_.communicator->size()));
+  if (opt_.communicator->size() > 1 && opt_.communicator->rank() != st.stage)
+    throw Error(fmt::format("MBP executor: rank {} must run stage {}, found stage {}", opt_.communicator->rank(),
+                            opt_.communicator->rank(), st.stage));
+  if (!device_.is_cpu())
+    throw Error(fmt::format("MBP executor: pipeline stages run on the CPU (MPI ranks); the model is on {}", device_.str()));
+  if (opt_.normalization != LossNormalization::exact)
+    throw Error("MBP executor: a pipeline uses the exact loss normalization");
+  if (opt_.recompute != "none" && opt_.recompute != "auto" && opt_.recompute != "blocks")
+    throw Error(fmt::format("--recompute {}: a pipeline stage recomputes its residual blocks at most (none|blocks|auto)",
+                            opt_.recompute));
+  check_segments_cover(model, segments_);
+  states_ = nn::step_states_of(stage_modules(segments_, st.bounds, st.stage));
+  planner_.set_repeats(st.schedule == PipelineSchedule::gpipe ? std::size_t(1) << 40
+                                                              : static_cast<std::size_t>(st.stages) + 1);
+  // The stage's input per sample: a gradient-free dry run of the segments before it.
+  sample_shape_ = opt_.sample_shape;
+  if (st.first() > 0) {
+    const DryRun dry(device_, std::size_t(1) << 46);
+    NoGradGuard no_grad;
+    const bool training = model.is_training();
+    model.eval();
+    Tensor y = Tensor::empty(batch_shape(1, opt_.sample_shape), activation_dtype_, device_, Category::input, "input");
+    for (std::size_t i = 0; i < st.first(); ++i) y = segments_[i].forward(y);
+    model.train(training);
+    sample_shape_.assign(y.shape().begin() + 1, y.shape().end());
+  }
+}
+
+
+Shape PipelineExecutor::input_shape(std::int64_t n) const { return batch_shape(n, sample_shape_); }
+
+Tensor PipelineExecutor::run_segments(Tensor x) {
+  for (std::size_t s = opt_.pipeline->first(); s < opt_.pipeline->last(); ++s) x = segments_[s].forward(x);
+  return x;
+}
+
+// One step of a pipeline stage under way: what its forwards and backwards share.
+struct PipelineExecutor::Run {
+  Run(const float* i, const std::int64_t* l, const std::vector<std::int64_t>& s) : images(i), labels(l), sizes(s) {}
+  const float* images;
+  const std::int64_t* labels;
+  const std::vector<std::int64_t>& sizes;
+  std::vector<std::int64_t> offsets{0};
+  std::int64_t batch = 0;
+  double divisor = 1.0;
+  bool dry = false, first = false, last = false, targets_checked = false;
+  Tensor total;  // the loss, summed (the last stage)
+  // A micro-batch between its forward and its backward: its input (a leaf whose gradient goes
+  // back) and its output (sent on, kept for backward) with the ticket of that send.
+  struct InFlight {
+    Tensor x, out;
+    std::size_t sent = 0;
+  };
+  std::deque<InFlight> in_flight;
+  // The gradient last sent back, kept until that send is done (waited for before the next one).
+  Tensor sent_back;
+  std::size_t sent_back_ticket = 0;
+  // The step's timeline and its waits (a real step's: a dry run neither waits nor takes time).
+  std::chrono::steady_clock::time_point t0 = std::chrono::steady_clock::now();
+  PipelineTrace trace;
+  double since() const { return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(); }
+  // Runs a wait (a receive, or a send to be taken), counted as idle; a receive an operation starts
+  // with moves the operation's start to its end, so the picture shows the wait as a gap.
+  double op_start = 0;
+  template <class F>
+  void waiting(F&& f, bool starts_op = false) {
+    const double a = since();
+    f();
+    const double b = since();
+    trace.idle_seconds += b - a;
+    if (starts_op) op_start = b;
+  }
+};
+
+Tensor PipelineExecutor::run_micro_batches(const float* images, const std::int64_t* labels,
+                                           const std::vector<std::int64_t>& sizes) {
+  const PipelineStage& st = *opt_.pipeline;
+  Run r(images, labels, sizes);
+  r.dry = skip_host_work(), r.first = st.stage == 0, r.last = st.stage + 1 == st.stages;
+  r.batch = checked_batch(sizes);
+  for (std::int64_t n : sizes) r.offsets.push_back(r.offsets.back() + n);
+  if (r.last && !r.dry) r.divisor = batch_divisor(labels, r.batch, opt_.loss);  // on the stage that has the targets
+  for (nn::StepState* s : states_) s->begin_step();
+  if (!r.dry && (r.first || r.last)) stager_->begin_step(staging_bytes(r.batch, sample_numel_, activation_dtype_));
+  EnableGradGuard grad_on;
+  if (r.last) r.total = Tensor::zeros({}, dtype_, device_, Category::temporary, "step_loss");
+  const auto k = static_cast<std::int64_t>(sizes.size());
+  for (const PipelineOp& op : pipeline_order(st.schedule, st.stage, st.stages, k)) {
+    r.op_start = r.since();
+    if (op.forward)
+      forward(r, static_cast<std::size_t>(op.index));
+    else
+      backward(r, static_cast<std::size_t>(op.index));
+    r.trace.events.push_back({op.forward, op.index, r.op_start, r.since()});
+  }
+  r.waiting([&] { opt_.communicator->wait_send(r.sent_back_ticket); });
+  if (!r.dry) {
+    r.trace.seconds = r.since();
+    trace_ = std::move(r.trace);
+  }
+  return r.total;
+}
+
+// Sends the gradient of a micro-batch's input back to the stage before (after the last one sent
+// is taken: one such buffer lives at a time).
+void PipelineExecutor::send_back(Run& r, const Tensor& x) {
+  if (r.first) return;
+  distributed::Communicator& comm = *opt_.communicator;
+  r.waiting([&] { comm.wait_send(r.sent_back_ticket); });
+  r.sent_back = Tensor();
+  r.sent_back = x.grad();
+  r.sent_back_ticket = comm.send(r.sent_back, opt_.pipeline->stage - 1);
+}
+
+void PipelineExecutor::forward(Run& r, std::size_t i) {
+  distributed::Communicator& comm = *opt_.communicator;
+  const int stage = opt_.pipeline->stage;
+  const std::int64_t n = r.sizes[i];
+  mark_trace(device_, fmt::format("micro-batch {}/{} ({} samples) forward", i + 1, r.sizes.size(), n));
+  Tensor x;
+  if (r.first) {
+    x = Tensor::empty(batch_shape(n, opt_.sample_shape), activation_dtype_, device_, Category::input, "input");
+    if (!r.dry) stager_->wait(stage_images(x, *stager_, r.images, r.offsets[i], n, sample_numel_, activation_dtype_));
+  } else {
+    x = Tensor::empty(input_shape(n), activation_dtype_, device_, Category::input, "stage_input");
+    r.waiting([&] { comm.recv(x, stage - 1); }, true);
+    x.impl().grad_category = Category::temporary;
+    x.set_requires_grad(true);
+  }
+  Tensor out = run_segments(x);
+  if (!r.last) {
+    const std::size_t ticket = comm.send(out, stage + 1);
+    r.in_flight.push_back({std::move(x), std::move(out), ticket});
+    return;
+  }
+  // The last stage: the loss with the whole batch's divisor, and its backward at once.
+  Tensor y = Tensor::empty({n}, DType::Int64, device_, Category::input, "labels");
+  if (!r.dry) {
+    stager_->wait(stage_labels(y, *stager_, r.labels, r.offsets[i], n, r.batch, sample_numel_, activation_dtype_));
+    if (!r.targets_checked) {
+      check_cross_entropy_targets(r.labels, r.batch, out.size(1), opt_.loss.ignore_index);
+      r.targets_checked = true;
+    }
+  }
+  CrossEntropyOptions co = opt_.loss;
+  co.divisor = r.divisor;
+  co.targets_checked = !r.dry;
+  Tensor loss = cross_entropy(out, y, co);
+  out = Tensor();
+  y = Tensor();
+  loss.backward();
+  add_into(r.total, loss);
+  send_back(r, x);
+}
+
+void PipelineExecutor::backward(Run& r, std::size_t i) {
+  distributed::Communicator& comm = *opt_.communicator;
+  mark_trace(device_, fmt::format("micro-batch {}/{} backward", i + 1, r.sizes.size()));
+  Run::InFlight f = std::move(r.in_flight.front());
+  r.in_flight.pop_front();
+  Tensor g = Tensor::empty(f.out.shape(), f.out.dtype(), device_, Category::temporary, "stage_output_grad");
+  r.waiting(
+      [&] {
+        comm.recv(g, opt_.pipeline->stage + 1);
+        comm.wait_send(f.sent);  // the next stage has it: it sent this gradient back
+      },
+      true);
+  run_backward(f.out, g);
+  f.out = Tensor();
+  g = Tensor();
+  send_back(r, f.x);
+}
+
+Tensor PipelineExecutor::forward_through_stages(const Tensor& x, std::int64_t n) {
+  const PipelineStage& st = *opt_.pipeline;
+  distributed::Communicator& comm = *opt_.communicator;
+  ArenaScope scope(arena_);
+  Tensor y = x;
+  if (st.stage > 0) {
+    y = Tensor::empty(input_shape(n), activation_dtype_, device_, Category::input, "stage_input");
+    comm.recv(y, st.stage - 1);
+  } else if (!y.defined() || y.size(0) != n) {
+    throw Error(fmt::format("forward_through_stages: stage 0 expected {} samples, found {}", n,
+                            y.defined() ? y.str() : std::string("none")));
+  }
+  y = run_segments(std::move(y));
+  if (st.stage + 1 == st.stages) return y;
+  comm.wait_send(comm.send(y, st.stage + 1));
+  return {};
+}
+
+
+const Plan& PipelineExecutor::plan(std::int64_t batch) {
+  const Plan* planned = nullptr;
+  try {
+    planned = &plan_alone(batch);
+  } catch (const OutOfMemory& e) {
+    if (opt_.pipeline->stages == 1) throw;
+    const PipelineStage& st = *opt_.pipeline;
+    throw OutOfMemory(fmt::format("pipeline stage {} of {} ({}), memory limit {}: {}", st.stage, st.stages,
+                                  segment_range(segments_, st.first(), st.last()), format_bytes(arena_->capacity()),
+                                  e.what()),
+                      e.requested());
+  }
+  const Plan& mine = *planned;
+  if (!agrees_across_stages()) return mine;
+  // Every stage runs the same micro-batches: the smallest of the stages' largest (each rank fills
+  // its own slot of a sum). Agreed once per batch size, in the same order on every rank.
+  auto it = agreed_.find(batch);
+  if (it == agreed_.end()) {
+    distributed::Communicator& comm = *opt_.communicator;
+    std::vector<double> largest(static_cast<std::size_t>(comm.size()), 0.0);
+    largest[static_cast<std::size_t>(comm.rank())] = static_cast<double>(mine.micro_batch);
+    comm.all_reduce_sum(largest.data(), largest.size());
+    it = agreed_.emplace(batch, static_cast<std::int64_t>(*std::min_element(largest.begin(), largest.end()))).first;
+  }
+  if (it->second == mine.micro_batch) return mine;
+  return plan_as_set(batch, it->second);
+}
+
+const Plan& PipelineExecutor::plan_agreed(std::int64_t batch, std::int64_t micro_batch) {
+  (void)plan_alone(batch);  // the recomputation of this batch, set on the model
+  return plan_as_set(batch, micro_batch);
+}
+
+const Plan& PipelineExecutor::plan_alone(std::int64_t batch) {
+  const Plan& p = plan_by_policy(batch);
+  if (opt_.pipeline->stages > 1 && choice_.level > 0)  // the ladder's words are the model's
+    choice_.description = "this stage's residual blocks, the model's last excepted, and the stem where the stage has it";
+  return p;
+}
+
+int PipelineExecutor::top_level() {
+  const int all = nn::recompute_levels(model_) - 1;
+  return std::min(1, all);  // a stage's segments are blocks: no stage around them
+}
+
+void PipelineExecutor::check_step_data(const float* images, const std::int64_t* labels) const {
+  const PipelineStage& st = *opt_.pipeline;  // the images on the first stage, the labels on the last
+  if ((st.stage == 0 && images == nullptr) || (st.stage + 1 == st.stages && labels == nullptr))
+    throw Error(fmt::format("MBP executor: pipeline stage {} of {} needs {}", st.stage, st.stages,
+                            images == nullptr ? "the images" : "the labels"));
+}
+
+void PipelineExecutor::finish_step(StepResult& r) {
+  r.communication_seconds = trace_.idle_seconds;  // waiting for the other stages
+  if (agrees_across_stages()) opt_.communicator->all_reduce_sum(&r.loss, 1);  // the last stage's, to every rank
+}
+
+void PipelineExecutor::before_retry(const OutOfMemory& e, std::int64_t batch, const Plan& p) {
+  const PipelineStage& st = *opt_.pipeline;
+  if (st.stages > 1)
+    throw OutOfMemory(fmt::format("training step of batch {} on pipeline stage {} of {} ran out of memory with "
+                                  "micro-batches of {} (predicted peak {}); a pipeline does not retry: {}", batch,
+                                  st.stage, st.stages, p.micro_batch, format_bytes(p.predicted_peak), e.what()),
+                      e.requested());
+}
+
+PipelineExecutor& as_stage(Executor& executor, const char* what) {
+  auto* stage = dynamic_cast<PipelineExecutor*>(&executor);
+  if (!stage) throw Error(fmt::format("{}: expected the executor of a pipeline stage, found a plain one", what));
+  return *stage;
+}
+
+}  // namespace tally::mbp

@@ -1,0 +1,32 @@
+// mbp/step_inputs.h — the pieces of a step's input handling that the plain step (mbp/executor.cpp)
+// and a pipeline stage's (mbp/pipeline_executor.cpp) share: batch shapes, the micro-batch sizes
+// checked, the loss divisor, and the host batch staged onto the device (core/staging.h) in one
+// layout — all images, then all labels.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "core/ops.h"
+#include "core/staging.h"
+#include "core/tensor.h"
+
+namespace tally::mbp::detail {
+
+// n samples of `sample` shape: {n, sample...}.
+Shape batch_shape(std::int64_t n, const Shape& sample);
+// The sum of the micro-batch sizes, each checked (>= 1, at least one).
+std::int64_t checked_batch(const std::vector<std::int64_t>& sizes);
+// The loss divisor D of a whole batch, counted on the host; an Error when it counts no target.
+double batch_divisor(const std::int64_t* labels, std::int64_t batch, const CrossEntropyOptions& loss);
+// The bytes of staging one step of `batch` samples takes: all images, then all labels.
+std::size_t staging_bytes(std::int64_t batch, std::int64_t sample_numel, DType dtype);
+// Stages images [offset, offset + n) of the host batch into `x` (converted to the activations'
+// dtype), at their place in the step's staging layout; returns the upload's ticket.
+std::size_t stage_images(Tensor& x, InputStager& stager, const float* images, std::int64_t offset, std::int64_t n,
+                         std::int64_t sample_numel, DType dtype);
+// The labels [offset, offset + n) into `y`, after the images in the staging layout.
+std::size_t stage_labels(Tensor& y, InputStager& stager, const std::int64_t* labels, std::int64_t offset, std::int64_t n,
+                         std::int64_t batch, std::int64_t sample_numel, DType dtype);
+
+}  // namespace tally::mbp::detail
