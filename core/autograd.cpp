@@ -77,6 +77,14 @@ thread_local bool tl_in_backward = false;
 
 bool in_backward() { return tl_in_backward; }
 
+namespace {
+thread_local GradientReadyHook tl_gradient_ready;
+}  // namespace
+GradientReadyScope::GradientReadyScope(GradientReadyHook hook) : previous_(std::move(tl_gradient_ready)) {
+  tl_gradient_ready = std::move(hook);
+}
+GradientReadyScope::~GradientReadyScope() { tl_gradient_ready = std::move(previous_); }
+
 void run_backward(const Tensor& root) {
   if (root.numel() != 1)
     throw ShapeError(fmt::format("backward: expected a scalar (one-element) tensor, found {}", root.str()));
@@ -106,8 +114,9 @@ void run_backward(const Tensor& root, const Tensor& seed) {
 }
 
 namespace {
-// For every node reachable from `root`, how many edges lead to it.
-std::unordered_map<Node*, int> count_dependencies(Node* root) {
+// For every node reachable from `root`, how many edges lead to it; with `leaves`, also for every
+// leaf.
+std::unordered_map<Node*, int> count_dependencies(Node* root, std::unordered_map<TensorImpl*, int>* leaves = nullptr) {
   std::unordered_map<Node*, int> dependencies;
   std::vector<Node*> stack{root};
   dependencies[root] = 0;
@@ -116,6 +125,7 @@ std::unordered_map<Node*, int> count_dependencies(Node* root) {
     Node* n = stack.back();
     stack.pop_back();
     for (const Edge& e : n->next) {
+      if (e.leaf && leaves) ++(*leaves)[e.leaf.get()];
       if (!e.node) continue;
       dependencies[e.node.get()]++;
       if (!seen[e.node.get()]) {
@@ -150,7 +160,9 @@ std::vector<GradSlot> slots_of(const Node& node, const std::unordered_map<Node*,
 }  // namespace
 
 void backward_from(std::shared_ptr<Node> root_fn, Tensor seed) {
-  std::unordered_map<Node*, int> dependencies = count_dependencies(root_fn.get());
+  const GradientReadyHook ready_hook = tl_gradient_ready;  // this backward's (a recomputation's nested one sees it too)
+  std::unordered_map<TensorImpl*, int> leaf_writers;     // counted only for a hook
+  std::unordered_map<Node*, int> dependencies = count_dependencies(root_fn.get(), ready_hook ? &leaf_writers : nullptr);
   auto later_first = [](const std::shared_ptr<Node>& a, const std::shared_ptr<Node>& b) {
     return a->sequence < b->sequence;
   };
@@ -191,6 +203,7 @@ void backward_from(std::shared_ptr<Node> root_fn, Tensor seed) {
         if (!e.leaf->grad) e.leaf->grad = b.impl_ptr();
         else if (e.leaf->grad != b.impl_ptr()) { Tensor g(e.leaf->grad); add_into(g, b); }
       }
+      if (e.leaf && ready_hook && --leaf_writers[e.leaf.get()] == 0) ready_hook(e.leaf.get());
       if (!e.node) continue;
       if (b.defined()) {
         auto it = grads.find(e.node.get());

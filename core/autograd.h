@@ -103,6 +103,23 @@ Tensor& grad_target(GradSlot& slot, const Tensor& like, double& beta, const char
 Tensor& grad_target(GradSlot& slot, const Shape& shape, DType dtype, Device device, double& beta, const char* op,
                     MemoryFormat format = MemoryFormat::Contiguous);
 
+// A leaf's gradient is complete for a backward when every node of that backward's tape that
+// writes into it has run: the hook in scope on this thread is called then, once per leaf and
+// backward, in backward order (the order an overlapped reduction or a copy to host memory wants),
+// with the leaf's gradient buffer — in dry runs too. A recomputed segment's backward is a backward
+// of its own: a leaf used only inside it is reported from there. No hook in scope: nothing counted.
+using GradientReadyHook = std::function<void(TensorImpl* leaf)>;
+class GradientReadyScope {
+ public:
+  explicit GradientReadyScope(GradientReadyHook hook);
+  ~GradientReadyScope();
+  GradientReadyScope(const GradientReadyScope&) = delete;
+  GradientReadyScope& operator=(const GradientReadyScope&) = delete;
+
+ private:
+  GradientReadyHook previous_;
+};
+
 void run_backward(const Tensor& root);
 // Backward from `root` of any shape, with `seed` (root's shape) as its gradient.
 void run_backward(const Tensor& root, const Tensor& seed);

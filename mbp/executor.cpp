@@ -244,6 +244,7 @@ Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels
   EnableGradGuard grad_on;  // the step records its tape even if the caller is in a NoGradGuard
   // The loss of the step, summed where it is computed: read once, after the optimizer step.
   Tensor total = Tensor::zeros({}, dtype_, device_, Category::temporary, "step_loss");
+  const GradientReadyHook gradient_ready = gradient_ready_hook();
   const bool prefetch = stager_->overlaps();  // next inputs allocated and uploaded before the current micro-batch computes
   const auto k = sizes.size();
   std::int64_t offset = 0;
@@ -287,7 +288,7 @@ Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels
     co.targets_checked = !dry;
     Tensor loss = cross_entropy(logits, cur.y, co);
     logits = Tensor();
-    loss.backward();
+    backward_watched(loss, gradient_ready);
     add_into(total, loss);
     for (const auto& part : parts_) part->after_micro_batch(i, k);
     offset += sizes[i];
@@ -324,6 +325,31 @@ Tensor Executor::run_micro_batches(const float* images, const std::int64_t* labe
 
 void Executor::check_step_data(const float* images, const std::int64_t* labels) const {
   if (images == nullptr || labels == nullptr) throw Error("MBP executor: step needs images and labels");
+}
+
+// The parts that want each parameter's gradient as it completes, told through the engine's hook
+// (none: no hook, and the engine counts nothing).
+GradientReadyHook Executor::gradient_ready_hook() const {
+  if (std::none_of(parts_.begin(), parts_.end(), [](const auto& p) { return p->wants_gradient_ready(); })) return {};
+  return [this](TensorImpl* leaf) {
+    const auto it = trained_.find(leaf);
+    if (it == trained_.end()) return;  // not a parameter (an input that requires grad)
+    for (const auto& part : parts_)
+      if (part->wants_gradient_ready()) part->gradient_ready(it->second);
+  };
+}
+
+void Executor::backward_watched(Tensor& loss, const GradientReadyHook& hook) {
+  if (!hook) return loss.backward();
+  const GradientReadyScope watch(hook);
+  loss.backward();
+}
+
+void Executor::add_part(std::unique_ptr<StepPart> part) {
+  if (!part) throw Error("MBP executor: add_part expected a part, found none");
+  if (trained_.empty())
+    for (const Tensor& p : model_.parameters()) trained_.emplace(p.impl_ptr().get(), p);
+  parts_.push_back(std::move(part));
 }
 
 void Executor::discard_partial_step() {

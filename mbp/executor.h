@@ -37,6 +37,7 @@
 #include <string>
 #include <vector>
 
+#include "core/autograd.h"
 #include "core/ops.h"
 #include "core/staging.h"
 #include "core/tensor.h"
@@ -158,6 +159,11 @@ class Executor {
   // run). The step's building block; public for tests of gradient equivalence.
   double accumulate(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes);
 
+  // Adds a part to the step (mbp/step_part.h), called after the executor's own (data parallelism)
+  // at each extension point, in the order added; between steps only (a plan made before does not
+  // count what the part allocates: call it before the first plan).
+  void add_part(std::unique_ptr<StepPart> part);
+
   const ExecutorOptions& options() const { return opt_; }
   const std::optional<PipelineStage>& pipeline() const { return opt_.pipeline; }
   // Upper limit on m after out-of-memory retries (INT64_MAX if none happened).
@@ -234,11 +240,16 @@ class Executor {
   // The allocation sequence of a step, on the current arena; real data when images != nullptr,
   // else a dry run.
   void run_step(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes, double* loss);
+  // The hook that tells the parts each parameter's gradient as it completes (empty: no part wants it),
+  // and a backward under it.
+  GradientReadyHook gradient_ready_hook() const;
+  static void backward_watched(Tensor& loss, const GradientReadyHook& hook);
 
   int total_retries_ = 0;
   std::map<std::int64_t, RecomputeChoice> auto_choices_;  // recompute "auto": the choice per batch size
   // What modes add to the step at its extension points (mbp/step_part.h): data parallelism.
   std::vector<std::unique_ptr<StepPart>> parts_;
+  std::map<const TensorImpl*, Tensor> trained_;  // the parameters by their impl, for gradient_ready (add_part)
 };
 
 }  // namespace tally::mbp

@@ -1,7 +1,7 @@
 // mbp/step_part.h — what a mode adds to the plain step (mbp/executor.h), at named points instead
 // of branches inside it. The executor calls every part it holds, in order, at each point; a dry
 // run of the step (the planner's) calls them too, so what a part allocates is planned. Today's
-// part: data parallelism (mbp/data_parallel.h). Pipeline stages are a step of their own
+// part: data parallelism (mbp/data_parallel.h); a caller adds its own with Executor::add_part. Pipeline stages are a step of their own
 // (mbp/pipeline_executor.h), not a part: their micro-batches run in another order.
 #pragma once
 #include <cstddef>
@@ -22,6 +22,12 @@ class StepPart {
   // The loss divisor D the step's micro-batches divide by, when this part counts it (the whole
   // batch's, over every rank); unset: the executor counts this process's batch.
   virtual std::optional<double> divisor() const { return std::nullopt; }
+  // During a micro-batch's backward, when `parameter`'s gradient for it is complete (every node
+  // that writes into it has run), in backward order — what an overlapped reduction or a copy to
+  // host memory needs. Called only for a part whose wants_gradient_ready() is true (the engine
+  // then counts each leaf's writers; core/autograd.h: GradientReadyScope).
+  virtual bool wants_gradient_ready() const { return false; }
+  virtual void gradient_ready(const Tensor& /*parameter*/) {}
   // After micro-batch `index` (of `count`) has run its backward: its gradients are accumulated.
   virtual void after_micro_batch(std::size_t /*index*/, std::size_t /*count*/) {}
   // After the last micro-batch, before the step states apply and the optimizer steps; `loss` is the

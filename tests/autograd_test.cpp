@@ -97,11 +97,11 @@ TEST(Autograd, DryRunAllocatesExactlyLikeTheRealRun) {
   Tensor y = Tensor::from_vector(std::vector<std::int64_t>{1, 2, 3}, {3});
   arena->reset_peak();
   // dry run first, on a virtual clone of the arena in its current state
-  auto virt = arena->virtual_clone();
-  virt->set_tracing(true);
+  std::shared_ptr<Arena> virt;
   {
-    ArenaScope vs(virt);
-    DryRunGuard dry;
+    const DryRun dry(*arena);
+    virt = dry.arena_ptr();
+    virt->set_tracing(true);
     Tensor l = net.loss(x, y);
     l.backward();
   }
@@ -132,6 +132,51 @@ TEST(Autograd, GradientsAccumulateIntoPersistentBuffers) {
   for (std::size_t i = 0; i < g1.size(); ++i) EXPECT_FLOAT_EQ(g2[i], 2 * g1[i]);
   w.zero_grad();
   for (float v : w.grad().to_vector<float>()) EXPECT_EQ(v, 0.f);
+}
+
+// The gradient-ready hook (core/autograd.h): each leaf reported once per backward, when the last
+// node writing into it has run — a leaf used by two nodes after the second, a leaf used twice by
+// one node after that node — in backward order, its gradient then final; no hook, no reports.
+TEST(Autograd, GradientReadyReportsEachLeafOnceWhenItsGradientIsComplete) {
+  std::mt19937 rng(11);
+  std::vector<Tensor> leaves;
+  for (int i = 0; i < 3; ++i) {
+    leaves.push_back(randn({4}, rng, Category::parameter));
+    leaves.back().set_requires_grad(true);
+    leaves.back().allocate_grad();
+  }
+  const Tensor &a = leaves[0], &b = leaves[1], &c = leaves[2];
+  const Tensor x = randn({4}, rng, Category::input);
+  auto loss = [&] {
+    const Tensor p = mul(a, x), q = mul(a, b), r = mul(c, c);  // a in two nodes, c twice in one
+    return sum(add(add(p, q), r));
+  };
+  std::vector<int> order;
+  std::vector<std::vector<float>> at_report(3);
+  {
+    const GradientReadyScope watch([&](TensorImpl* leaf) {
+      for (int i = 0; i < 3; ++i)
+        if (leaves[static_cast<std::size_t>(i)].impl_ptr().get() == leaf) {
+          order.push_back(i);
+          at_report[static_cast<std::size_t>(i)] = leaves[static_cast<std::size_t>(i)].grad().to_vector<float>();
+        }
+    });
+    loss().backward();
+  }
+  EXPECT_EQ(order, (std::vector<int>{2, 1, 0})) << "c's node runs first, then q's (b, and a's first use), then p's";
+  for (int i = 0; i < 3; ++i)
+    EXPECT_EQ(at_report[static_cast<std::size_t>(i)], leaves[static_cast<std::size_t>(i)].grad().to_vector<float>())
+        << "leaf " << i << " reported before its gradient was complete";
+  const auto ga = a.grad().to_vector<float>(), gb = b.grad().to_vector<float>(), gc = c.grad().to_vector<float>();
+  const auto va = a.to_vector<float>(), vb = b.to_vector<float>(), vc = c.to_vector<float>(), vx = x.to_vector<float>();
+  for (std::size_t k = 0; k < 4; ++k) {
+    EXPECT_FLOAT_EQ(ga[k], vx[k] + vb[k]);
+    EXPECT_FLOAT_EQ(gb[k], va[k]);
+    EXPECT_FLOAT_EQ(gc[k], 2 * vc[k]);
+  }
+  order.clear();
+  loss().backward();  // no hook in scope
+  EXPECT_TRUE(order.empty());
 }
 
 // to(DType) is an op with a gradient: the gradient flows back converted to the input's dtype

@@ -471,11 +471,11 @@ TEST(GpuOps, DryRunPeakOfAResNet20StepEqualsTheRealStepToTheByte) {
       return e;
     };
     arena->reset_peak();
-    auto virt = arena->virtual_clone();
-    virt->set_tracing(true);
+    std::shared_ptr<Arena> virt;
     {
-      ArenaScope vs(virt);
-      DryRunGuard dry;
+      const DryRun dry(*arena);
+      virt = dry.arena_ptr();
+      virt->set_tracing(true);
       step();
     }
     arena->set_tracing(true);

@@ -18,6 +18,8 @@
 #include <random>
 #include <sstream>
 
+#include <map>
+
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -25,6 +27,7 @@
 #include "kernels/cpu/cpu_kernels.h"
 #include "apps/trainer.h"
 #include "core/autograd.h"
+#include "core/dry_run.h"
 #include "core/memory.h"
 #include "core/ops.h"
 #include "nn/init.h"
@@ -406,6 +409,64 @@ TEST_F(Mbp, InjectedOutOfMemoryRetriesTheStepAndLosesNothing) {
   EXPECT_TRUE(bitwise_equal(values<float>(*run, true), values<float>(*ref, true))) << "running statistics differ";
   for (auto* bn : nn::batch_norm_layers(*run)) EXPECT_EQ(bn->num_batches_tracked.to_vector<std::int64_t>()[0], 2);
   (void)buffers_before;
+}
+
+// A part added to the step (mbp/step_part.h) is called at its points: begin_step once per real step,
+// every parameter's gradient_ready once per micro-batch, after_micro_batch after each,
+// before_optimizer_step once with the step's loss — and in the planner's dry runs too, which it
+// can tell by skip_host_work().
+namespace {
+struct RecordingPart : mbp::StepPart {
+  int begins = 0, ends = 0, dry_calls = 0;
+  std::vector<std::size_t> after;                       // indices of after_micro_batch calls
+  std::vector<std::map<const TensorImpl*, int>> ready;  // per micro-batch: times each parameter was reported
+  void begin_step(const std::int64_t*, std::int64_t) override { ++begins, ready.clear(), after.clear(); }
+  bool wants_gradient_ready() const override { return true; }
+  void gradient_ready(const Tensor& p) override {
+    if (skip_host_work()) return (void)++dry_calls;
+    if (ready.size() == after.size()) ready.emplace_back();
+    ++ready.back()[&p.impl()];
+  }
+  void after_micro_batch(std::size_t i, std::size_t) override {
+    if (!skip_host_work()) after.push_back(i);
+  }
+  void before_optimizer_step(Tensor& loss) override {
+    if (skip_host_work()) return;
+    ++ends;
+    EXPECT_TRUE(loss.defined());
+  }
+};
+}  // namespace
+
+TEST_F(Mbp, PartsAreCalledAtEveryExtensionPointOfTheStep) {
+  const std::int64_t B = 10;
+  const Shape sample{3, 16, 16};
+  auto m = model("resnet20", "batch", 2);
+  auto opt = sgd(*m);
+  mbp::ExecutorOptions eo;
+  eo.sample_shape = sample;
+  eo.micro_batch = 4;
+  mbp::Executor ex(*m, *opt, eo);
+  auto owned = std::make_unique<RecordingPart>();
+  RecordingPart& part = *owned;
+  ex.add_part(std::move(owned));
+  EXPECT_THROW(ex.add_part(nullptr), Error);
+  const Data d = make_data(B, sample, 4);
+  const mbp::StepResult r = ex.step(d.images.data(), d.labels.data(), B);
+  ASSERT_EQ(r.micro_batches, 3);
+  EXPECT_EQ(part.begins, 1);
+  EXPECT_EQ(part.ends, 1);
+  EXPECT_EQ(part.after, (std::vector<std::size_t>{0, 1, 2}));
+  EXPECT_GT(part.dry_calls, 0) << "the planner's dry runs reach the parts too";
+  ASSERT_EQ(part.ready.size(), 3u);
+  const auto params = m->parameters();
+  for (const auto& per_micro_batch : part.ready) {
+    EXPECT_EQ(per_micro_batch.size(), params.size());
+    for (const Tensor& p : params) {
+      const auto it = per_micro_batch.find(&p.impl());
+      EXPECT_EQ(it == per_micro_batch.end() ? 0 : it->second, 1);
+    }
+  }
 }
 
 // When retries are exhausted the step fails with an error, and the training state is exactly

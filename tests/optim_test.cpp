@@ -363,7 +363,7 @@ TEST(Optimizer, DryRunStepChangesNothing) {
     else opt = std::make_unique<SGD>(std::vector<Tensor>{a}, SGDOptions{.lr = 0.1, .momentum = 0.9});
     const ArenaStats s0 = current_arena(Device::cpu())->stats();
     {
-      DryRunGuard dry;
+      const DryRun dry;  // the switch alone, on the real arena: nothing may be allocated or changed
       opt->step();
       opt->step();
       opt->zero_grad();
@@ -389,8 +389,7 @@ TEST(Optimizer, BuiltInADryRunOnAVirtualArena) {
   Tensor a = parameter({1, 2}, {2});
   std::unique_ptr<AdamW> opt;
   {
-    ArenaScope scope(current_arena(Device::cpu())->virtual_clone());
-    DryRunGuard dry;
+    const DryRun dry(*current_arena(Device::cpu()));
     opt = std::make_unique<AdamW>(std::vector<Tensor>{a}, AdamWOptions{});
     EXPECT_EQ(opt->state_bytes(), 2 * a.nbytes());
     opt->step();  // nothing to compute, nothing to complain about

@@ -35,7 +35,7 @@ class Recompute : public ::testing::Test {
   void SetUp() override { configure_arena(Device::cpu(), kDefaultCpuArenaBytes); }
 };
 
-// A model, its optimizer and an executor in `arena` (a virtual one: call under a DryRunGuard).
+// A model, its optimizer and an executor in `arena` (a virtual one: call inside a DryRun).
 struct Planned {
   std::shared_ptr<nn::Module> model;
   std::unique_ptr<optim::SGD> optimizer;
@@ -202,8 +202,8 @@ TEST_F(Recompute, TheLevelsOfAResNet) {
 // re-runs. The recomputation issue's targets: all >= 4x fewer activation bytes than none at the
 // one-sample peak, and micro-batches >= 3x the 96 planned without recomputation.
 TEST_F(Recompute, ResNet50PlansByLevel) {
-  const auto arena = Arena::make_virtual(Device::cpu(), std::size_t(8) << 30);
-  DryRunGuard dry;
+  const DryRun dry;
+  const auto arena = dry.virtual_arena(Device::cpu(), std::size_t(8) << 30);
   nn::ModelConfig mc;
   mc.name = "resnet50";
   mc.num_classes = 1000;
@@ -248,7 +248,7 @@ TEST_F(Recompute, ResNet50PlansByLevel) {
 // too-small error that says what --recompute all would fit; a named level is set as asked; a
 // plan at another level leaves the model's recomputation as it was.
 TEST_F(Recompute, TheExecutorClimbsTheLadderOnAuto) {
-  DryRunGuard dry;
+  const DryRun dry;
   nn::ModelConfig mc;
   mc.name = "resnet20";
   mc.in_channels = 1;
@@ -256,7 +256,7 @@ TEST_F(Recompute, TheExecutorClimbsTheLadderOnAuto) {
   std::size_t none_peak = 0, all_peak = 0;
   int levels = 0;
   {
-    const auto big = Arena::make_virtual(Device::cpu(), std::size_t(1) << 30);
+    const auto big = dry.virtual_arena(Device::cpu(), std::size_t(1) << 30);
     const Planned p = planned(big, mc, sample, "none");
     levels = nn::recompute_levels(*p.model);
     none_peak = p.executor->plan(1).predicted_peak;
@@ -267,7 +267,7 @@ TEST_F(Recompute, TheExecutorClimbsTheLadderOnAuto) {
   ASSERT_EQ(levels, 4);
   ASSERT_LT(all_peak, none_peak);
   const std::size_t budget = (all_peak + (none_peak - all_peak) / 2) / 4096 * 4096;
-  const auto arena = [&] { return Arena::make_virtual(Device::cpu(), budget); };  // one per model
+  const auto arena = [&] { return dry.virtual_arena(Device::cpu(), budget); };  // one per model
 
   const Planned a = planned(arena(), mc, sample, "auto");
   const mbp::Plan& plan = a.executor->plan(1);

@@ -85,9 +85,8 @@ TEST(Tensor, MismatchErrorsNameTheOpAndBothOperands) {
 }
 
 TEST(Tensor, DryRunAllocatesButHasNoData) {
-  auto v = Arena::make_virtual(Device::cpu(), 1 << 20);
-  ArenaScope scope(v);
-  DryRunGuard dry;
+  const DryRun dry(Device::cpu(), 1 << 20);
+  const auto& v = dry.arena_ptr();
   Tensor t = Tensor::empty({4, 4});
   EXPECT_EQ(t.raw_data(), nullptr);
   EXPECT_EQ(v->stats().total.current, 256);
@@ -139,7 +138,7 @@ TEST(Dispatch, ADryRunChecksTheDtypeButRunsNoKernel) {
   Tensor x = Tensor::from_vector(v, {3, 4});
   Tensor y = Tensor::full({3, 4}, 5.0);
   {
-    DryRunGuard dry;
+    const DryRun dry;  // the switch alone, on the real arena
     x.fill_(7.0);
     y.copy_(x);
     y.copy_(x.transpose(0, 1).contiguous().view({3, 4}));
@@ -149,7 +148,7 @@ TEST(Dispatch, ADryRunChecksTheDtypeButRunsNoKernel) {
   Tensor b = Tensor::empty({2}, DType::Float16);  // a dtype with a name and no kernels
   for (bool dry_run : {false, true}) {
     SCOPED_TRACE(dry_run ? "dry run" : "real run");
-    std::optional<DryRunGuard> guard;
+    std::optional<DryRun> guard;
     if (dry_run) guard.emplace();
     try {
       b.fill_(1.0);
@@ -251,9 +250,8 @@ TEST(BFloat16, TensorsConvertFillGatherAndCountTwoBytes) {
   EXPECT_EQ(filled.narrow(0, 1, 1).item(), 2.5);
   EXPECT_THROW(b.to(DType::Int64), Error);
   {
-    auto virt = Arena::make_virtual(Device::cpu(), 1 << 20);
-    ArenaScope scope(virt);
-    DryRunGuard dry;
+    const DryRun dry(Device::cpu(), 1 << 20);
+    const auto& virt = dry.arena_ptr();
     const Tensor x = Tensor::empty({10, 10});
     const auto before = virt->stats().total.current;
     const Tensor y = x.to(DType::BFloat16);
