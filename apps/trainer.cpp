@@ -1,4 +1,7 @@
-// apps/trainer.cpp — the training loop of `tally train`; see apps/trainer.h.
+// apps/trainer.cpp — the training loop of `tally train` (apps/trainer.h): the options checked, the
+// rank set up, the run built, its epochs and steps, and the boundaries between steps. Evaluation,
+// checkpoints and reports are in apps/evaluation.cpp, apps/train_checkpoint.cpp and
+// apps/train_report.cpp (apps/training_run.h holds what they share).
 #include "apps/trainer.h"
 
 #include <omp.h>
@@ -16,6 +19,7 @@
 
 #include "apps/run_state.h"
 #include "apps/setup.h"
+#include "apps/training_run.h"
 #include "core/autograd.h"
 #include "core/memory.h"
 #include "core/ops.h"
@@ -50,116 +54,11 @@ Device choose_device(const std::string& d) {
   throw Error(fmt::format("--device '{}' is not allowed: expected one of cpu, cuda, cuda:N, auto", d));
 }
 
-// Rolling progress line: step, loss, images/s, arena peak.
-class Progress {
- public:
-  Progress(std::ostream& os, bool on, std::int64_t total, std::int64_t epoch, std::int64_t epochs)
-      : os_(os), on_(on), total_(total), epoch_(epoch), epochs_(epochs), tty_(isatty(STDOUT_FILENO)) {}
-  void update(std::int64_t step, double loss, double ips, std::int64_t peak, bool last) {
-    if (!on_) return;
-    if (!tty_ && !last && step % std::max<std::int64_t>(1, total_ / 10) != 0) return;
-    const int width = 24;
-    const int filled = total_ > 0 ? static_cast<int>(width * step / total_) : width;
-    fmt::print(os_, "{}epoch {}/{} [{}{}] {}/{} loss {:.4f} | {:.1f} img/s | peak {}{}", tty_ ? "\r" : "",
-               epoch_ + 1, epochs_, std::string(filled, '#'), std::string(width - filled, '.'), step, total_, loss, ips,
-               format_bytes(static_cast<std::size_t>(peak)), tty_ && !last ? "" : "\n");
-    os_.flush();
-  }
 
- private:
-  std::ostream& os_;
-  bool on_;
-  std::int64_t total_, epoch_, epochs_;
-  bool tty_;
-};
 
-struct Eval {
-  double loss = 0, accuracy = 0;
-};
 
-// One batch of evaluation: its summed loss and its correct predictions, added to `sums`.
-void count_batch(const Tensor& logits, const data::Batch& b, Device dev, double sums[2]) {
-  Tensor y = Tensor::from_vector(b.labels, {b.size}, dev, Category::input);
-  CrossEntropyOptions co;
-  co.reduction = Reduction::Sum;
-  sums[0] += cross_entropy(logits, y, co).item();
-  const auto l = logits.to(DType::Float32).to_vector<float>();
-  const std::int64_t C = logits.size(1);
-  for (std::int64_t i = 0; i < b.size; ++i) {
-    const float* row = l.data() + i * C;
-    sums[1] += static_cast<double>(std::max_element(row, row + C) - row == b.labels[static_cast<std::size_t>(i)]);
-  }
-}
 
-Eval evaluate_with(nn::Module& model, const data::Dataset& ds, bool normalize, Device dev, DType act, std::int64_t B) {
-  NoGradGuard ng;
-  model.eval();
-  struct Train {  // back to training mode however this ends
-    nn::Module& m;
-    ~Train() { m.train(); }
-  } back{model};
-  double sums[2] = {0, 0};  // loss, correct
-  const std::int64_t n = ds.size();
-  data::LoaderOptions lo;
-  lo.batch_size = B;
-  lo.shuffle = false;
-  lo.augment = false;
-  lo.normalize = normalize;
-  lo.drop_last = false;
-  data::Loader loader(ds, lo);
-  loader.start_epoch(0);
-  while (auto b = loader.next()) {
-    // In the training steps' precision: bf16 activations under --precision bf16.
-    Tensor x = Tensor::from_vector(b->images, {b->size, ds.channels, ds.height, ds.width}, dev, Category::input).to(act);
-    count_batch(model(x), *b, dev, sums);
-  }
-  return {sums[0] / static_cast<double>(n), sums[1] / static_cast<double>(n)};
-}
 
-// Evaluation runs in the same arena as training, in batches of at most the planned micro-batch
-// (a no-grad forward keeps less than a training step of the same size); should it still run
-// out of memory, the batch halves.
-Eval evaluate(nn::Module& model, const data::Dataset& ds, bool normalize, Device dev, DType act, std::int64_t max_batch) {
-  std::int64_t B = std::max<std::int64_t>(1, std::min<std::int64_t>(256, max_batch));
-  for (;;) {
-    try {
-      return evaluate_with(model, ds, normalize, dev, act, B);
-    } catch (const OutOfMemory&) {
-      if (B == 1) throw;
-      B /= 2;
-    }
-  }
-}
-
-// A pipeline's evaluation: every rank runs its stage on every batch of the test set (batches of at
-// most the planned micro-batch, as above), the last stage counts; the counts go to every rank.
-Eval evaluate_stages(mbp::PipelineExecutor& executor, nn::Module& model, const data::Dataset& ds, bool normalize,
-                     distributed::Communicator& comm, std::int64_t max_batch) {
-  NoGradGuard ng;
-  model.eval();
-  struct Train {
-    nn::Module& m;
-    ~Train() { m.train(); }
-  } back{model};
-  data::LoaderOptions lo;
-  lo.batch_size = std::max<std::int64_t>(1, std::min<std::int64_t>(256, max_batch));
-  lo.shuffle = false, lo.augment = false, lo.normalize = normalize, lo.drop_last = false;
-  data::Loader loader(ds, lo);
-  loader.start_epoch(0);
-  const bool first = executor.stage().stage == 0;
-  double sums[2] = {0, 0};  // loss, correct
-  while (auto b = loader.next()) {
-    Tensor x;
-    if (first)
-      x = Tensor::from_vector(b->images, {b->size, ds.channels, ds.height, ds.width}, executor.device(), Category::input)
-              .to(executor.activation_dtype());
-    const Tensor logits = executor.forward_through_stages(x, b->size);
-    if (logits.defined()) count_batch(logits, *b, executor.device(), sums);  // the last stage
-  }
-  comm.all_reduce_sum(sums, 2);
-  const auto n = static_cast<double>(ds.size());
-  return {sums[0] / n, sums[1] / n};
-}
 
 // Every option, checked before any work: a bad value is an Error naming the flag, the value found
 // and what is allowed. Returns the device the run uses.
@@ -249,72 +148,7 @@ void write_timeline(const TrainOptions& opt, Arena& arena, Device dev, std::int6
   arena.clear_trace();
 }
 
-// Every rank's memory plan and peaks, known to all (a sum where each rank fills its own row).
-std::vector<RankResult> gather_ranks(distributed::Communicator& comm, const TrainResult& mine) {
-  constexpr std::size_t kFields = 8;
-  std::vector<double> rows(kFields * static_cast<std::size_t>(comm.size()), 0.0);
-  double* row = rows.data() + kFields * static_cast<std::size_t>(comm.rank());
-  row[0] = static_cast<double>(mine.memory_limit_bytes), row[1] = static_cast<double>(mine.micro_batch);
-  row[2] = static_cast<double>(mine.micro_batches_per_step), row[3] = static_cast<double>(mine.predicted_peak_bytes);
-  row[4] = static_cast<double>(mine.peak_bytes);
-  row[5] = static_cast<double>(mine.parameters);
-  row[6] = mine.seconds_per_step, row[7] = mine.communication_seconds_per_step;
-  comm.all_reduce_sum(rows.data(), rows.size());  // byte counts < 2^53: exact in a double
-  std::vector<RankResult> out;
-  for (int r = 0; r < comm.size(); ++r) {
-    const double* v = rows.data() + kFields * static_cast<std::size_t>(r);
-    RankResult rr;
-    rr.rank = r;
-    rr.parameters = static_cast<std::int64_t>(v[5]);
-    rr.memory_limit_bytes = static_cast<std::int64_t>(v[0]), rr.micro_batch = static_cast<std::int64_t>(v[1]);
-    rr.micro_batches_per_step = static_cast<std::int64_t>(v[2]), rr.predicted_peak_bytes = static_cast<std::int64_t>(v[3]);
-    rr.peak_bytes = static_cast<std::int64_t>(v[4]);
-    rr.seconds_per_step = v[6], rr.communication_seconds_per_step = v[7];
-    out.push_back(rr);
-  }
-  return out;
-}
 
-void write_summary(const TrainOptions& opt, const TrainResult& result) {
-  const nlohmann::json none;  // null: the test set was not evaluated (--no-eval)
-  nlohmann::json j = {{"test_accuracy", opt.evaluate ? nlohmann::json(result.test_accuracy) : none},
-                      {"test_loss", opt.evaluate ? nlohmann::json(result.test_loss) : none},
-                      {"train_loss", result.train_loss},
-                      {"images_per_second", result.images_per_second},
-                      {"peak_bytes", result.peak_bytes},
-                      {"predicted_peak_bytes", result.predicted_peak_bytes},
-                      {"memory_limit_bytes", result.memory_limit_bytes},
-                      {"micro_batch", result.micro_batch},
-                      {"micro_batches_per_step", result.micro_batches_per_step},
-                      {"oom_retries", result.oom_retries},
-                      {"steps", result.steps},
-                      {"device", result.device},
-                      {"model", opt.model},
-                      {"norm", opt.norm},
-                      {"batch_size", opt.batch_size},
-                      {"loss_normalization", opt.loss_normalization},
-                      {"recompute", result.recompute},
-                      {"precision", opt.precision},
-                      {"memory_format", result.memory_format},
-                      {"data", opt.data},
-                      {"world_size", result.world_size},
-                      {"pipeline_stages", result.pipeline_stages},
-                      {"communication_seconds_per_step", result.communication_seconds_per_step}};
-  nlohmann::json ranks = nlohmann::json::array();
-  for (const RankResult& r : result.ranks)
-    ranks.push_back({{"rank", r.rank},
-                     {"segments", r.segments},
-                     {"parameters", r.parameters},
-                     {"memory_limit_bytes", r.memory_limit_bytes},
-                     {"micro_batch", r.micro_batch},
-                     {"micro_batches_per_step", r.micro_batches_per_step},
-                     {"predicted_peak_bytes", r.predicted_peak_bytes},
-                     {"peak_bytes", r.peak_bytes},
-                     {"seconds_per_step", r.seconds_per_step},
-                     {"communication_seconds_per_step", r.communication_seconds_per_step}});
-  j["ranks"] = ranks;
-  write_text(std::filesystem::path(opt.out) / "summary.json", j.dump(2) + "\n");
-}
 
 }  // namespace
 
@@ -335,16 +169,6 @@ DataInfo describe_data(const TrainOptions& opt) {
 
 namespace {
 
-// This process's part of the run: its rank, its options (its own --memory-limit of a list, the
-// run folder and progress on rank 0 only), its device and where it speaks.
-struct RankSetup {
-  std::shared_ptr<distributed::Communicator> world;
-  int rank = 0, ranks = 1;
-  TrainOptions opt;
-  Device dev;
-  std::ofstream silent;  // the log of ranks other than 0
-  std::ostream* log = nullptr;
-};
 
 void set_up_rank(RankSetup& r, const TrainOptions& options, std::ostream& all_log) {
   // The ranks: this process alone, or one of mpirun's (docs/distributed.md).
@@ -388,12 +212,6 @@ data::LoaderOptions loader_options(const TrainOptions& opt, bool augment) {
   return lo;
 }
 
-// Crop + flip for CIFAR and synthetic images, not for the 28x28 grey ones, unless --augment says.
-bool augments(const TrainOptions& opt) {
-  const bool grey_28 = opt.data.rfind("mnist", 0) == 0 || opt.data.rfind("fashion-mnist", 0) == 0;
-  return opt.augment.value_or(!grey_28);
-}
-
 // The model and optimizer of the options, every persistent byte in `arena`.
 // `all_limits`: --memory-limit as given (one size, or one per rank), for a pipeline's cut.
 Setup model_setup(const TrainOptions& opt, const data::Dataset& train_set, const std::shared_ptr<Arena>& arena,
@@ -434,97 +252,7 @@ mbp::ExecutorOptions executor_options(const TrainOptions& opt, const data::Datas
   return eo;
 }
 
-// The steps' measurements: the steady-state rate (steps after the first this process ran: the
-// first warms caches up), the collectives' share, the peaks against the predictions, into the
-// run's result. `steps` counts the run's steps (a resumed run's from its checkpoint on).
-struct StepMeter {
-  double steady_seconds = 0, first_seconds = 0, steady_communication = 0;
-  std::int64_t steady_images = 0, first_images = 0, steps = 0, measured = 0, mismatches = 0;
 
-  // A step of `images` that took `seconds`; returns the images per second to show.
-  double add(const mbp::StepResult& r, std::int64_t images, double seconds, TrainResult& result) {
-    if (measured > 0) {
-      steady_seconds += seconds;
-      steady_images += images;
-      steady_communication += r.communication_seconds;
-    } else {
-      first_seconds = seconds;
-      first_images = images;
-    }
-    ++steps, ++measured;
-    result.peak_bytes = std::max(result.peak_bytes, static_cast<std::int64_t>(r.peak));
-    result.predicted_peak_bytes = std::max(result.predicted_peak_bytes, static_cast<std::int64_t>(r.predicted_peak));
-    result.micro_batch = r.micro_batch;
-    result.micro_batches_per_step = r.micro_batches;
-    result.oom_retries += r.oom_retries;
-    if (r.peak != r.predicted_peak && r.oom_retries == 0) ++mismatches;
-    return steady_seconds > 0 ? static_cast<double>(steady_images) / steady_seconds
-                              : static_cast<double>(images) / seconds;
-  }
-  // Steps after the first; a run of one step has only the first to report.
-  double images_per_second() const {
-    return steady_seconds > 0  ? static_cast<double>(steady_images) / steady_seconds
-           : first_seconds > 0 ? static_cast<double>(first_images) / first_seconds
-                               : 0;
-  }
-};
-
-// One `tally train` run on this rank: everything before the first step is built by the
-// constructor (ranks, device, data, the budget with the model and optimizer inside it, the
-// executor and its plan, printed; a resumed run's state from its checkpoint); run() trains the
-// epochs and reports. Between two steps (step_boundary) it writes the checkpoints that are due and
-// stops when a signal asked it to.
-class TrainingRun {
- public:
-  TrainingRun(const TrainOptions& options, std::ostream& all_log);
-  TrainResult run();
-
- private:
-  void print_header(const Setup& setup) const;
-  void print_plan(const mbp::Plan& plan) const;
-  void open_metrics();
-  void train_epoch(std::int64_t epoch, std::int64_t epochs);
-  void end_epoch(std::int64_t epoch, std::int64_t epochs);
-  bool step_boundary();  // true: stop here
-  void write_checkpoint();
-  nlohmann::json checkpoint_state(const std::vector<double>& limits) const;
-  void restore();
-  void report_stop() const;
-  void write_schedule(std::int64_t step, const mbp::StepResult& r);
-  void finish();
-
-  const TrainOptions& options_;
-  RankSetup rank_;
-  const TrainOptions& opt_;  // rank_.opt
-  std::ostream& log_;
-  Profiler profiler_;  // --profile: time per op over the steps after the first
-  data::Split split_;
-  data::Loader loader_;
-  std::int64_t per_epoch_;
-  RunSteps steps_;
-  std::shared_ptr<Arena> arena_;
-  ArenaScope in_budget_;  // every tensor of the run (evaluation too) comes from the budget
-  Setup setup_;
-  std::shared_ptr<distributed::Communicator> comm_;
-  optim::LRSchedule schedule_;
-  std::unique_ptr<mbp::Executor> executor_;  // make_executor: the plain step or a pipeline stage's
-  distributed::Shard share_;  // this rank's share of every global batch (drop_last: always full)
-  TrainResult result_;
-  Eval eval_;
-  StepMeter meter_;
-  double last_loss_ = 0;                // of the last step run
-  double epoch_loss_ = 0;               // the losses of this epoch's steps so far, summed
-  std::int64_t epoch_steps_ = 0;
-  bool epoch_end_pending_ = false;      // resumed right after an epoch's last step, before its evaluation
-  std::ofstream metrics_;
-  std::string metrics_text_;            // metrics.csv so far, kept with every checkpoint
-  CheckpointEvery every_;
-  std::optional<StopSignals> signals_;  // with a run folder: a signal stops the run at a step boundary
-  KillPoint kill_;                      // tests (apps/run_state.h)
-  std::optional<std::pair<std::int64_t, std::uint64_t>> inject_oom_;  // tests: TrainOptions::inject_oom, or TALLY_TEST_OOM
-  std::chrono::steady_clock::time_point last_checkpoint_ = std::chrono::steady_clock::now();
-  int stopped_ = 0;                     // the signal that stopped the run
-};
 
 optim::ScheduleOptions schedule_options(const TrainOptions& opt, const RunSteps& steps) {
   optim::ScheduleOptions sched;
@@ -548,39 +276,41 @@ const RankSetup& rank_setup(RankSetup& r, const TrainOptions& options, std::ostr
   return r;
 }
 
+}  // namespace
+
 TrainingRun::TrainingRun(const TrainOptions& options, std::ostream& all_log)
-    : options_(options),
-      opt_(rank_setup(rank_, options, all_log).opt),
+    : run_options_(options),
+      rank_options_(rank_setup(rank_, options, all_log).opt),
       log_(*rank_.log),
-      profiler_(rank_.dev, opt_.profile),
-      split_(load_data(opt_)),
-      loader_(split_.train, loader_options(opt_, augments(opt_))),
-      per_epoch_(checked_per_epoch(loader_, opt_, split_.train)),
-      steps_(run_steps(opt_, per_epoch_)),
-      arena_(make_arena(opt_, rank_.dev)),
+      profiler_(rank_.dev, rank_options_.profile),
+      split_(load_data(rank_options_)),
+      loader_(split_.train, loader_options(rank_options_, augments(rank_options_))),
+      per_epoch_(checked_per_epoch(loader_, rank_options_, split_.train)),
+      steps_(run_steps(rank_options_, per_epoch_)),
+      arena_(make_arena(rank_options_, rank_.dev)),
       in_budget_(arena_),
-      setup_(model_setup(opt_, split_.train, arena_, options.memory_limit)),
+      setup_(model_setup(rank_options_, split_.train, arena_, options.memory_limit)),
       comm_(distributed::for_device(rank_.world, rank_.dev)),
-      schedule_(schedule_options(opt_, steps_)),
+      schedule_(schedule_options(rank_options_, steps_)),
       executor_(make_executor(*setup_.model, *setup_.optimizer, arena_,
-                              executor_options(opt_, split_.train, setup_, rank_.dev, comm_, log_))),
+                              executor_options(rank_options_, split_.train, setup_, rank_.dev, comm_, log_))),
       // A pipeline's stages all see the whole batch (the first its images, the last its labels).
-      share_(setup_.stage ? distributed::shard(opt_.batch_size, 1, 0)
-                          : distributed::shard(opt_.batch_size, rank_.ranks, rank_.rank)),
-      every_(parse_checkpoint_every(opt_.checkpoint_every)),
+      share_(setup_.stage ? distributed::shard(rank_options_.batch_size, 1, 0)
+                          : distributed::shard(rank_options_.batch_size, rank_.ranks, rank_.rank)),
+      every_(parse_checkpoint_every(rank_options_.checkpoint_every)),
       kill_(kill_point_from_environment()),
-      inject_oom_(opt_.inject_oom ? opt_.inject_oom : oom_injection_from_environment()) {
+      inject_oom_(rank_options_.inject_oom ? rank_options_.inject_oom : oom_injection_from_environment()) {
   // Every rank takes the same decision; a pipeline writes no checkpoints, so a signal just ends it.
-  if (!options_.out.empty() && !setup_.stage) signals_.emplace(rank_.ranks == 1);
+  if (!run_options_.out.empty() && !setup_.stage) signals_.emplace(rank_.ranks == 1);
   print_header(setup_);
-  if (!opt_.resume.empty()) restore();
+  if (!rank_options_.resume.empty()) restore();
   // Every rank starts from rank 0's weights (a pipeline's stages: the same seed built the same model).
   if (!setup_.stage) distributed::broadcast_parameters(*setup_.model, *comm_);
   if (setup_.stage) {
     const mbp::PipelineStage& st = *setup_.stage;
     fmt::print(log_, "pipeline: {} stages over {} ({}), schedule {}, cut {}\n", st.stages, comm_->backend(),
-               options_.memory_limit, mbp::pipeline_schedule_name(st.schedule),
-               cut_description(opt_.pipeline_split));
+               run_options_.memory_limit, mbp::pipeline_schedule_name(st.schedule),
+               cut_description(rank_options_.pipeline_split));
     for (int s = 0; s < st.stages; ++s) {
       const auto ss = static_cast<std::size_t>(s);
       fmt::print(log_, "  stage {} (rank {}): {}\n", s, s, mbp::segment_range(setup_.segments, st.bounds[ss], st.bounds[ss + 1]));
@@ -589,54 +319,19 @@ TrainingRun::TrainingRun(const TrainOptions& options, std::ostream& all_log)
   } else if (rank_.ranks > 1)
     fmt::print(log_, "data parallel: {} ranks over {} ({}), rank 0 takes {} of the {} samples of a step, each rank "
                      "plans its own micro-batches\n",
-               rank_.ranks, comm_->backend(), options_.memory_limit, share_.size, opt_.batch_size);
-  print_plan(plan_step(*executor_, share_.size, opt_.micro_batch));
+               rank_.ranks, comm_->backend(), run_options_.memory_limit, share_.size, rank_options_.batch_size);
+  print_plan(plan_step(*executor_, share_.size, rank_options_.micro_batch));
   log_.flush();  // the plan is on screen before the first (possibly long) step
 }
 
-void TrainingRun::print_header(const Setup& setup) const {
-  const data::Dataset& t = split_.train;
-  const Device dev = rank_.dev;
-  fmt::print(log_, "{}\n", build_info());
-  fmt::print(log_, "model {} (norm {}), {} parameters | data {}: {} train / {} test, {}x{}x{}, {} classes\n", opt_.model,
-             opt_.norm, setup.parameters, t.name, t.size(), split_.test.size(), t.channels, t.height, t.width,
-             t.num_classes);
-  fmt::print(log_, "device {}{} | precision {} | memory format {} | batch {} | {} steps ({} per epoch) | {} lr {} schedule {} | augment {} shuffle {} normalize {}\n",
-             dev.str(), dev.is_cuda() ? (opt_.tf32 ? " (TF32 on)" : " (TF32 off)") : (opt_.tf32 ? " (--tf32: no effect on the CPU)" : ""),
-             opt_.precision == "bf16" ? "bf16 (bf16 activations, float32 weights, gradients and loss)" : "fp32",
-             memory_format_name(executor_->memory_format()), opt_.batch_size, steps_.total, per_epoch_, opt_.optimizer, opt_.lr, opt_.schedule,
-             augments(opt_) ? "on" : "off", opt_.shuffle ? "on" : "off", opt_.normalize ? "on" : "off");
-  fmt::print(log_, "memory limit {}{}: {} allocated before planning\n", format_bytes(arena_->capacity()),
-             opt_.memory_limit == "auto" ? " (auto)" : "", persistent_summary(*arena_));
-}
 
-void TrainingRun::print_plan(const mbp::Plan& plan) const {
-  fmt::print(log_, "plan: {}\n", plan.summary());
-  fmt::print(log_, "      recompute: {}\n", executor_->recompute_choice().summary(plan));
-  fmt::print(log_, "      live at the peak: {}\n", plan.at_peak.str());
-  fmt::print(log_, "      {} ({} dry runs, {:.0f} ms)\n",
-             opt_.micro_batch ? fmt::format("--micro-batch {} checked", *opt_.micro_batch)
-                              : std::string("largest micro-batch that fits, found"),
-             plan.probes, plan.seconds * 1000.0);
-  if (opt_.loss_normalization != "exact")
-    fmt::print(log_, "      loss normalization per-micro-batch: each micro-batch's mean / {} (not the full batch's "
-                     "mean when the micro-batches differ in size)\n", plan.micro_batches);
-}
 
-void TrainingRun::open_metrics() {
-  if (opt_.out.empty()) return;
-  // A resumed run starts from the rows of its checkpoint: rows written after it are dropped.
-  if (metrics_text_.empty())
-    metrics_text_ = "step,epoch,loss,lr,images_per_second,peak_bytes,predicted_peak_bytes,micro_batch,micro_batches\n";
-  metrics_.open(std::filesystem::path(opt_.out) / "metrics.csv", std::ios::trunc);
-  metrics_ << metrics_text_ << std::flush;
-}
 
 TrainResult TrainingRun::run() {
   open_metrics();
   result_.device = rank_.dev.str();
   result_.recompute = executor_->recompute_choice().name;
-  result_.precision = opt_.precision;
+  result_.precision = rank_options_.precision;
   result_.memory_format = memory_format_name(executor_->memory_format());
   result_.memory_limit_bytes = static_cast<std::int64_t>(arena_->capacity());
   const std::int64_t epochs = (steps_.total + per_epoch_ - 1) / per_epoch_;
@@ -661,7 +356,7 @@ void TrainingRun::train_epoch(std::int64_t epoch, std::int64_t epochs) {
   loader_.start_epoch(epoch, first_batch);
   if (first_batch == 0) epoch_loss_ = 0, epoch_steps_ = 0;
   const std::int64_t in_epoch = std::min(per_epoch_, steps_.total - epoch * per_epoch_);
-  Progress bar(log_, opt_.progress, in_epoch, epoch, epochs);
+  Progress bar(log_, rank_options_.progress, in_epoch, epoch, epochs);
   while (meter_.steps < steps_.total && epoch_steps_ < in_epoch) {
     const std::int64_t step = meter_.steps;
     // A step's time runs from asking for its batch (a loader that cannot keep up counts) to the
@@ -670,7 +365,7 @@ void TrainingRun::train_epoch(std::int64_t epoch, std::int64_t epochs) {
     std::optional<data::Batch> b = loader_.next();
     if (!b) break;
     setup_.optimizer->set_lr(schedule_.lr_at(step));
-    const bool trace = step == traced_step && !opt_.out.empty();
+    const bool trace = step == traced_step && !rank_options_.out.empty();
     if (trace) arena_->set_tracing(true);
     if (inject_oom_ && inject_oom_->first == step) arena_->fail_allocation_after(inject_oom_->second);
     if (kill_.at("in-step", step + 1)) arena_->at_allocation(kill_.allocation, kill_self);
@@ -683,9 +378,9 @@ void TrainingRun::train_epoch(std::int64_t epoch, std::int64_t epochs) {
     const auto t1 = clock::now();
     if (trace) {
       arena_->set_tracing(false);
-      write_timeline(opt_, *arena_, rank_.dev, step, r, b->size);
+      write_timeline(rank_options_, *arena_, rank_.dev, step, r, b->size);
     }
-    if (setup_.stage && step == traced_step && !options_.out.empty()) write_schedule(step, r);
+    if (setup_.stage && step == traced_step && !run_options_.out.empty()) write_schedule(step, r);
     const double ips = meter_.add(r, b->size, std::chrono::duration<double>(t1 - t0).count(), result_);
     profiler_.step_done(meter_.measured == 1);
     ++epoch_steps_;
@@ -706,15 +401,15 @@ void TrainingRun::train_epoch(std::int64_t epoch, std::int64_t epochs) {
 // The end of an epoch: the test set (rank 0) and the epoch's line.
 void TrainingRun::end_epoch(std::int64_t epoch, std::int64_t epochs) {
   profiler_.pause();  // the profile is of training steps
-  if (setup_.stage && opt_.evaluate)
+  if (setup_.stage && rank_options_.evaluate)
     eval_ = evaluate_stages(mbp::as_stage(*executor_, "a pipeline's evaluation"), *setup_.model, split_.test,
-                            opt_.normalize, *comm_, result_.micro_batch);
-  else if (rank_.rank == 0 && opt_.evaluate)
-    eval_ = evaluate(*setup_.model, split_.test, opt_.normalize, rank_.dev, executor_->activation_dtype(),
+                            rank_options_.normalize, *comm_, result_.micro_batch);
+  else if (rank_.rank == 0 && rank_options_.evaluate)
+    eval_ = evaluate(*setup_.model, split_.test, rank_options_.normalize, rank_.dev, executor_->activation_dtype(),
                      result_.micro_batch);
   profiler_.resume();
   result_.train_loss = epoch_steps_ > 0 ? epoch_loss_ / static_cast<double>(epoch_steps_) : last_loss_;
-  if (opt_.evaluate)
+  if (rank_options_.evaluate)
     fmt::print(log_, "epoch {}/{}: train loss {:.4f} | test loss {:.4f} | test accuracy {:.2f}%\n", epoch + 1, epochs,
                result_.train_loss, eval_.loss, 100.0 * eval_.accuracy);
   else
@@ -738,231 +433,19 @@ bool TrainingRun::step_boundary() {
     if (flags[0] > 0 && !stop) stop = SIGUSR1;  // another rank received it
     due = flags[1] > 0;
   }
-  if (stop && !options_.out.empty()) due = true;
+  if (stop && !run_options_.out.empty()) due = true;
   if (due) write_checkpoint();
   if (kill_.at("after-step", done)) kill_self();
   stopped_ = stop;
   return stop != 0;
 }
 
-nlohmann::json TrainingRun::checkpoint_state(const std::vector<double>& limits) const {
-  nlohmann::json options = nlohmann::json::object();
-  for (const auto& [name, value] : option_values(options_)) options[name] = value;
-  return {{"options", options},
-          {"threads", omp_get_max_threads()},
-          {"world_size", rank_.ranks},
-          {"micro_batch_limits", limits},  // per rank; 0: no out-of-memory retry lowered it
-          {"steps_per_epoch", per_epoch_},
-          {"total_steps", steps_.total},
-          {"epoch_loss", epoch_loss_},
-          {"epoch_steps", epoch_steps_},
-          {"last_loss", last_loss_},
-          {"train_loss", result_.train_loss},
-          {"eval", {{"loss", eval_.loss}, {"accuracy", eval_.accuracy}}},
-          {"meter", {{"peak_bytes", result_.peak_bytes}, {"predicted_peak_bytes", result_.predicted_peak_bytes},
-                     {"oom_retries", result_.oom_retries}, {"mismatches", meter_.mismatches},
-                     {"micro_batch", result_.micro_batch}, {"micro_batches_per_step", result_.micro_batches_per_step}}},
-          {"lr", setup_.optimizer->lr()}};
-}
 
-// Every rank's micro-batch limit to rank 0 (a collective), which writes the checkpoint.
-void TrainingRun::write_checkpoint() {
-  std::vector<double> limits(static_cast<std::size_t>(rank_.ranks), 0.0);
-  const std::int64_t mine = executor_->micro_batch_limit();
-  limits[static_cast<std::size_t>(rank_.rank)] = mine == INT64_MAX ? 0.0 : static_cast<double>(mine);
-  if (rank_.ranks > 1) rank_.world->all_reduce_sum(limits.data(), limits.size());
-  last_checkpoint_ = std::chrono::steady_clock::now();
-  if (rank_.rank != 0 || opt_.out.empty()) return;
-  mbp::TrainingState st;
-  st.step = meter_.steps;
-  st.state = checkpoint_state(limits).dump();
-  st.files["metrics.csv"] = metrics_text_;
-  const auto t0 = std::chrono::steady_clock::now();
-  std::function<void()> halfway;
-  if (kill_.at("in-checkpoint", meter_.steps)) halfway = kill_self;
-  const auto path = mbp::save_training_state(opt_.out, *setup_.model, *setup_.optimizer, st, halfway);
-  result_.checkpoint = path.string();
-  fmt::print(log_, "{}checkpoint: step {} -> {} ({:.0f} ms)\n", opt_.progress ? "\n" : "", st.step, path.string(),
-               1000.0 * std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-}
 
-// A resumed run: the newest checkpoint of the run folder into the model, the optimizer, the
-// executor's micro-batch limit and the run's counters, after checking that it belongs to this run.
-void TrainingRun::restore() {
-  const auto dir = mbp::latest_checkpoint(opt_.resume);
-  if (!dir) throw Error(fmt::format("--resume {}: no checkpoint in it", opt_.resume));
-  const mbp::TrainingState st = mbp::load_training_state(*dir, *setup_.model, *setup_.optimizer);
-  const std::string where = fmt::format("{}/state.json", dir->string());
-  try {
-    const nlohmann::json s = nlohmann::json::parse(st.state);
-    const int ranks = s.at("world_size").get<int>(), threads = s.at("threads").get<int>();
-    if (ranks != rank_.ranks)
-      throw Error(fmt::format("--resume {}: the run was started on {} rank{} and resumes on as many (mpirun -np {}), "
-                              "found {}", opt_.resume, ranks, ranks == 1 ? "" : "s", ranks, rank_.ranks));
-    if (rank_.dev.is_cpu() && threads != omp_get_max_threads())
-      throw Error(fmt::format("--resume {}: the run used {} CPU threads and this process has {}; a CPU run resumes bit "
-                              "for bit only with as many (give --threads {})", opt_.resume, threads,
-                              omp_get_max_threads(), threads));
-    if (s.at("steps_per_epoch").get<std::int64_t>() != per_epoch_ || s.at("total_steps").get<std::int64_t>() != steps_.total)
-      throw Error(fmt::format("--resume {}: the run had {} steps of which {} per epoch, this one has {} and {} (has "
-                              "the data set changed?)", opt_.resume, s.at("total_steps").dump(),
-                              s.at("steps_per_epoch").dump(), steps_.total, per_epoch_));
-    if (st.step > steps_.total)
-      throw FormatError(fmt::format("{}: expected a step <= {}, found {}", where, steps_.total, st.step));
-    const auto limits = s.at("micro_batch_limits").get<std::vector<double>>();
-    if (limits.size() != static_cast<std::size_t>(ranks))
-      throw FormatError(fmt::format("{}: expected {} micro-batch limits, found {}", where, ranks, limits.size()));
-    const double mine = limits[static_cast<std::size_t>(rank_.rank)];
-    if (mine >= 1) executor_->set_micro_batch_limit(static_cast<std::int64_t>(mine));
-    const nlohmann::json& m = s.at("meter");
-    result_.peak_bytes = m.at("peak_bytes").get<std::int64_t>();
-    result_.predicted_peak_bytes = m.at("predicted_peak_bytes").get<std::int64_t>();
-    result_.oom_retries = m.at("oom_retries").get<std::int64_t>();
-    result_.micro_batch = m.at("micro_batch").get<std::int64_t>();
-    result_.micro_batches_per_step = m.at("micro_batches_per_step").get<std::int64_t>();
-    meter_.mismatches = m.at("mismatches").get<std::int64_t>();
-    meter_.steps = st.step;
-    epoch_loss_ = s.at("epoch_loss").get<double>(), epoch_steps_ = s.at("epoch_steps").get<std::int64_t>();
-    last_loss_ = s.at("last_loss").get<double>(), result_.train_loss = s.at("train_loss").get<double>();
-    eval_ = {s.at("eval").at("loss").get<double>(), s.at("eval").at("accuracy").get<double>()};
-  } catch (const nlohmann::json::exception& e) {
-    throw FormatError(fmt::format("{}: {}", where, e.what()));
-  }
-  // Steps into the epoch of the last step done (all of them when it ended the epoch).
-  const std::int64_t into_epoch = st.step == 0 ? 0 : st.step - (st.step - 1) / per_epoch_ * per_epoch_;
-  if (epoch_steps_ != into_epoch)
-    throw FormatError(fmt::format("{}: expected {} steps into the epoch at step {}, found {}", where, into_epoch, st.step,
-                                  epoch_steps_));
-  if (const auto it = st.files.find("metrics.csv"); it != st.files.end()) metrics_text_ = it->second;
-  epoch_end_pending_ = st.step > 0 && (st.step % per_epoch_ == 0 || st.step == steps_.total);
-  result_.resumed_from = st.step;
-  result_.checkpoint = dir->string();
-  fmt::print(log_, "resumed from {}: {} of {} steps done (epoch {}, step {} of {}){}\n", dir->string(), st.step,
-             steps_.total, (st.step - (epoch_end_pending_ ? 1 : 0)) / per_epoch_ + 1, epoch_steps_, per_epoch_,
-             executor_->micro_batch_limit() == INT64_MAX
-                 ? ""
-                 : fmt::format(", micro-batches of at most {} after out-of-memory retries", executor_->micro_batch_limit()));
-}
 
-// A pipeline's traced step: every stage's timeline to rank 0 (a collective), which draws them into
-// pipeline.svg, with the bubble the schedule implies for k micro-batches on S equal stages.
-void TrainingRun::write_schedule(std::int64_t step, const mbp::StepResult& r) {
-  const mbp::PipelineTrace& mine = mbp::as_stage(*executor_, "the pipeline's schedule").trace();
-  const auto S = static_cast<std::size_t>(rank_.ranks);
-  const std::size_t slots = 2 * static_cast<std::size_t>(r.micro_batches), per_rank = 2 + 4 * slots;
-  std::vector<double> all(S * per_rank, 0.0);
-  double* row = all.data() + per_rank * static_cast<std::size_t>(rank_.rank);
-  row[0] = mine.seconds, row[1] = mine.idle_seconds;
-  for (std::size_t i = 0; i < std::min(slots, mine.events.size()); ++i) {
-    const mbp::PipelineEvent& e = mine.events[i];
-    double* ev = row + 2 + 4 * i;
-    ev[0] = e.forward ? 1 : 2, ev[1] = static_cast<double>(e.index), ev[2] = e.start, ev[3] = e.end;
-  }
-  rank_.world->all_reduce_sum(all.data(), all.size());
-  if (rank_.rank != 0) return;
-  std::vector<mbp::PipelineTrace> traces(S);
-  for (std::size_t s = 0; s < S; ++s) {
-    const double* v = all.data() + per_rank * s;
-    traces[s].seconds = v[0], traces[s].idle_seconds = v[1];
-    for (std::size_t i = 0; i < slots; ++i) {
-      const double* ev = v + 2 + 4 * i;
-      if (ev[0] == 0) break;
-      traces[s].events.push_back({ev[0] == 1, static_cast<std::int64_t>(ev[1]), ev[2], ev[3]});
-    }
-  }
-  const double k = static_cast<double>(r.micro_batches), stages = static_cast<double>(S);
-  const std::string title = fmt::format(
-      "{} in {} stages ({}), step {}: {} micro-batches of {}; equal stages would wait {:.0f}% ((S-1)/(k+S-1))",
-      opt_.model, S, mbp::pipeline_schedule_name(setup_.stage->schedule), step + 1, r.micro_batches, r.micro_batch,
-      100.0 * (stages - 1) / (k + stages - 1));
-  write_text(std::filesystem::path(opt_.out) / "pipeline.svg", report::pipeline_svg(traces, title));
-}
 
-void TrainingRun::report_stop() const {
-  const std::string how = rank_.ranks > 1 ? fmt::format("mpirun -np {} tally train", rank_.ranks) : "tally train";
-  fmt::print(log_, "\nstopped by {} after step {} of {}: {}\n", StopSignals::name(stopped_), meter_.steps,
-             steps_.total,
-             options_.out.empty() ? std::string("no run folder (--out), so no checkpoint")
-                                  : fmt::format("checkpoint {} written; continue with: {} --resume {}",
-                                                result_.checkpoint, how, options_.out));
-  log_.flush();
-}
 
-// The result, the ranks' agreement, the memory and profile reports, and the files.
-void TrainingRun::finish() {
-  const StepMeter& meter = meter_;
-  const std::int64_t step = meter.steps;
-  const int ranks = rank_.ranks;
-  result_.test_accuracy = eval_.accuracy;
-  result_.test_loss = eval_.loss;
-  result_.images_per_second = meter.images_per_second();
-  result_.steps = step;
-  result_.world_size = ranks;
-  if (meter.measured > 1) {
-    result_.communication_seconds_per_step = meter.steady_communication / static_cast<double>(meter.measured - 1);
-    result_.seconds_per_step = meter.steady_seconds / static_cast<double>(meter.measured - 1);
-  }
-  result_.parameters = setup_.stage_parameters;
-  result_.ranks = gather_ranks(*rank_.world, result_);
-  if (setup_.stage) {
-    // Every stage's parameters and buffers to every rank, through host memory: rank 0 saves them all.
-    const mbp::PipelineStage& st = *setup_.stage;
-    result_.pipeline_stages = st.stages;
-    mbp::gather_stages(*setup_.model, setup_.segments, st.bounds, *comm_);
-    for (RankResult& rr : result_.ranks) {
-      const auto s = static_cast<std::size_t>(rr.rank);
-      rr.segments = mbp::segment_range(setup_.segments, st.bounds[s], st.bounds[s + 1]);
-    }
-    fmt::print(log_, "pipeline: {} stages, the parameters of every stage gathered on rank 0\n", st.stages);
-    for (const RankResult& rr : result_.ranks)
-      fmt::print(log_, "stage {} ({}): {} parameters, memory limit {}, micro-batches of {} x {} per step, peak {} bytes, "
-                       "predicted {}{}\n",
-                 rr.rank, rr.segments, rr.parameters, format_bytes(static_cast<std::size_t>(rr.memory_limit_bytes)),
-                 rr.micro_batch, rr.micro_batches_per_step, rr.peak_bytes, rr.predicted_peak_bytes,
-                 rr.seconds_per_step > 0
-                     ? fmt::format(", waits {:.1f} of {:.1f} ms per step ({:.1f}%)", 1000.0 * rr.communication_seconds_per_step,
-                                   1000.0 * rr.seconds_per_step, 100.0 * rr.communication_seconds_per_step / rr.seconds_per_step)
-                     : std::string());
-  } else if (!distributed::parameters_identical(*setup_.model, *comm_)) {
-    throw Error(fmt::format("after {} steps the ranks' parameters differ; a data-parallel run must keep them identical",
-                            step));
-  }
-  if (ranks > 1 && !setup_.stage) {
-    fmt::print(log_, "parameters bit-identical on all {} ranks | collectives {:.1f} ms per step ({:.1f}% of the step, "
-                     "rank 0, steps after the first)\n",
-               ranks, 1000.0 * result_.communication_seconds_per_step,
-               meter.steady_seconds > 0 ? 100.0 * meter.steady_communication / meter.steady_seconds : 0.0);
-    for (const RankResult& rr : result_.ranks)
-      fmt::print(log_, "rank {}: memory limit {}, micro-batches of {} x {} per step, peak {} bytes, predicted {}\n",
-                 rr.rank, format_bytes(static_cast<std::size_t>(rr.memory_limit_bytes)), rr.micro_batch,
-                 rr.micro_batches_per_step, rr.peak_bytes, rr.predicted_peak_bytes);
-  }
-  fmt::print(log_, "memory: measured step peak {} ({} bytes), predicted {} ({} bytes){}, limit {}; {} out-of-memory "
-             "retries\n",
-             format_bytes(static_cast<std::size_t>(result_.peak_bytes)), result_.peak_bytes,
-             format_bytes(static_cast<std::size_t>(result_.predicted_peak_bytes)), result_.predicted_peak_bytes,
-             meter.mismatches == 0 ? " — exact" : fmt::format(" — {} steps differed", meter.mismatches),
-             format_bytes(arena_->capacity()), result_.oom_retries);
-  if (profiler_.on()) {
-    const std::string report = profiler_.report(fmt::format(
-        "over steps 2..{} ({:.1f} ms of wall time per step, data included)", step,
-        meter.steady_images > 0 ? 1000.0 * meter.steady_seconds / static_cast<double>(meter.measured - 1) : 0.0));
-    fmt::print(log_, "{}", report);
-    if (!opt_.out.empty()) write_text(std::filesystem::path(opt_.out) / "profile.txt", report);
-    profiler_.pause();
-  }
-  if (!opt_.save.empty()) {
-    nn::save_state_dict(*setup_.model, opt_.save);
-    fmt::print(log_, "saved {}\n", opt_.save);
-  }
-  if (!opt_.out.empty()) {
-    write_summary(opt_, result_);
-    fmt::print(log_, "wrote {0}/metrics.csv, {0}/summary.json, {0}/memory_trace.json{1} and {0}/memory.svg\n", opt_.out,
-               setup_.stage && steps_.total > 1 ? fmt::format(", {}/pipeline.svg", opt_.out) : std::string());
-  }
-}
 
-}  // namespace
 
 TrainResult train(const TrainOptions& options, std::ostream& all_log) {
   if (options.resume.empty()) return TrainingRun(options, all_log).run();

@@ -1,0 +1,264 @@
+// apps/train_report.cpp — what a run tells: the header and the plan, metrics.csv, the pipeline's
+// schedule picture, the stop line, and the end (the ranks gathered, summary.json, the pictures).
+#include <omp.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <ostream>
+
+#include <fmt/format.h>
+#include <fmt/ostream.h>
+#include <nlohmann/json.hpp>
+
+#include "apps/run_state.h"
+#include "apps/setup.h"
+#include "apps/trainer.h"
+#include "apps/training_run.h"
+#include "core/autograd.h"
+#include "core/memory.h"
+#include "core/ops.h"
+#include "core/profiler.h"
+#include "data/data.h"
+#include "distributed/communicator.h"
+#include "distributed/data_parallel.h"
+#include "mbp/checkpoint.h"
+#include "mbp/executor.h"
+#include "mbp/pipeline_executor.h"
+#include "mbp/report/schedule.h"
+#include "mbp/report/timeline.h"
+#include "nn/init.h"
+#include "nn/resnet.h"
+#include "nn/state_dict.h"
+#include "optim/optimizer.h"
+#include "optim/schedule.h"
+
+namespace tally::app {
+
+// Every rank's memory plan and peaks, known to all (a sum where each rank fills its own row).
+std::vector<RankResult> gather_ranks(distributed::Communicator& comm, const TrainResult& mine) {
+  constexpr std::size_t kFields = 8;
+  std::vector<double> rows(kFields * static_cast<std::size_t>(comm.size()), 0.0);
+  double* row = rows.data() + kFields * static_cast<std::size_t>(comm.rank());
+  row[0] = static_cast<double>(mine.memory_limit_bytes), row[1] = static_cast<double>(mine.micro_batch);
+  row[2] = static_cast<double>(mine.micro_batches_per_step), row[3] = static_cast<double>(mine.predicted_peak_bytes);
+  row[4] = static_cast<double>(mine.peak_bytes);
+  row[5] = static_cast<double>(mine.parameters);
+  row[6] = mine.seconds_per_step, row[7] = mine.communication_seconds_per_step;
+  comm.all_reduce_sum(rows.data(), rows.size());  // byte counts < 2^53: exact in a double
+  std::vector<RankResult> out;
+  for (int r = 0; r < comm.size(); ++r) {
+    const double* v = rows.data() + kFields * static_cast<std::size_t>(r);
+    RankResult rr;
+    rr.rank = r;
+    rr.parameters = static_cast<std::int64_t>(v[5]);
+    rr.memory_limit_bytes = static_cast<std::int64_t>(v[0]), rr.micro_batch = static_cast<std::int64_t>(v[1]);
+    rr.micro_batches_per_step = static_cast<std::int64_t>(v[2]), rr.predicted_peak_bytes = static_cast<std::int64_t>(v[3]);
+    rr.peak_bytes = static_cast<std::int64_t>(v[4]);
+    rr.seconds_per_step = v[6], rr.communication_seconds_per_step = v[7];
+    out.push_back(rr);
+  }
+  return out;
+}
+
+void write_summary(const TrainOptions& opt, const TrainResult& result) {
+  const nlohmann::json none;  // null: the test set was not evaluated (--no-eval)
+  nlohmann::json j = {{"test_accuracy", opt.evaluate ? nlohmann::json(result.test_accuracy) : none},
+                      {"test_loss", opt.evaluate ? nlohmann::json(result.test_loss) : none},
+                      {"train_loss", result.train_loss},
+                      {"images_per_second", result.images_per_second},
+                      {"peak_bytes", result.peak_bytes},
+                      {"predicted_peak_bytes", result.predicted_peak_bytes},
+                      {"memory_limit_bytes", result.memory_limit_bytes},
+                      {"micro_batch", result.micro_batch},
+                      {"micro_batches_per_step", result.micro_batches_per_step},
+                      {"oom_retries", result.oom_retries},
+                      {"steps", result.steps},
+                      {"device", result.device},
+                      {"model", opt.model},
+                      {"norm", opt.norm},
+                      {"batch_size", opt.batch_size},
+                      {"loss_normalization", opt.loss_normalization},
+                      {"recompute", result.recompute},
+                      {"precision", opt.precision},
+                      {"memory_format", result.memory_format},
+                      {"data", opt.data},
+                      {"world_size", result.world_size},
+                      {"pipeline_stages", result.pipeline_stages},
+                      {"communication_seconds_per_step", result.communication_seconds_per_step}};
+  nlohmann::json ranks = nlohmann::json::array();
+  for (const RankResult& r : result.ranks)
+    ranks.push_back({{"rank", r.rank},
+                     {"segments", r.segments},
+                     {"parameters", r.parameters},
+                     {"memory_limit_bytes", r.memory_limit_bytes},
+                     {"micro_batch", r.micro_batch},
+                     {"micro_batches_per_step", r.micro_batches_per_step},
+                     {"predicted_peak_bytes", r.predicted_peak_bytes},
+                     {"peak_bytes", r.peak_bytes},
+                     {"seconds_per_step", r.seconds_per_step},
+                     {"communication_seconds_per_step", r.communication_seconds_per_step}});
+  j["ranks"] = ranks;
+  write_text(std::filesystem::path(opt.out) / "summary.json", j.dump(2) + "\n");
+}
+
+void TrainingRun::print_header(const Setup& setup) const {
+  const data::Dataset& t = split_.train;
+  const Device dev = rank_.dev;
+  fmt::print(log_, "{}\n", build_info());
+  fmt::print(log_, "model {} (norm {}), {} parameters | data {}: {} train / {} test, {}x{}x{}, {} classes\n", rank_options_.model,
+             rank_options_.norm, setup.parameters, t.name, t.size(), split_.test.size(), t.channels, t.height, t.width,
+             t.num_classes);
+  fmt::print(log_, "device {}{} | precision {} | memory format {} | batch {} | {} steps ({} per epoch) | {} lr {} schedule {} | augment {} shuffle {} normalize {}\n",
+             dev.str(), dev.is_cuda() ? (rank_options_.tf32 ? " (TF32 on)" : " (TF32 off)") : (rank_options_.tf32 ? " (--tf32: no effect on the CPU)" : ""),
+             rank_options_.precision == "bf16" ? "bf16 (bf16 activations, float32 weights, gradients and loss)" : "fp32",
+             memory_format_name(executor_->memory_format()), rank_options_.batch_size, steps_.total, per_epoch_, rank_options_.optimizer, rank_options_.lr, rank_options_.schedule,
+             augments(rank_options_) ? "on" : "off", rank_options_.shuffle ? "on" : "off", rank_options_.normalize ? "on" : "off");
+  fmt::print(log_, "memory limit {}{}: {} allocated before planning\n", format_bytes(arena_->capacity()),
+             rank_options_.memory_limit == "auto" ? " (auto)" : "", persistent_summary(*arena_));
+}
+
+void TrainingRun::print_plan(const mbp::Plan& plan) const {
+  fmt::print(log_, "plan: {}\n", plan.summary());
+  fmt::print(log_, "      recompute: {}\n", executor_->recompute_choice().summary(plan));
+  fmt::print(log_, "      live at the peak: {}\n", plan.at_peak.str());
+  fmt::print(log_, "      {} ({} dry runs, {:.0f} ms)\n",
+             rank_options_.micro_batch ? fmt::format("--micro-batch {} checked", *rank_options_.micro_batch)
+                              : std::string("largest micro-batch that fits, found"),
+             plan.probes, plan.seconds * 1000.0);
+  if (rank_options_.loss_normalization != "exact")
+    fmt::print(log_, "      loss normalization per-micro-batch: each micro-batch's mean / {} (not the full batch's "
+                     "mean when the micro-batches differ in size)\n", plan.micro_batches);
+}
+
+void TrainingRun::open_metrics() {
+  if (rank_options_.out.empty()) return;
+  // A resumed run starts from the rows of its checkpoint: rows written after it are dropped.
+  if (metrics_text_.empty())
+    metrics_text_ = "step,epoch,loss,lr,images_per_second,peak_bytes,predicted_peak_bytes,micro_batch,micro_batches\n";
+  metrics_.open(std::filesystem::path(rank_options_.out) / "metrics.csv", std::ios::trunc);
+  metrics_ << metrics_text_ << std::flush;
+}
+
+// A pipeline's traced step: every stage's timeline to rank 0 (a collective), which draws them into
+// pipeline.svg, with the bubble the schedule implies for k micro-batches on S equal stages.
+void TrainingRun::write_schedule(std::int64_t step, const mbp::StepResult& r) {
+  const mbp::PipelineTrace& mine = mbp::as_stage(*executor_, "the pipeline's schedule").trace();
+  const auto S = static_cast<std::size_t>(rank_.ranks);
+  const std::size_t slots = 2 * static_cast<std::size_t>(r.micro_batches), per_rank = 2 + 4 * slots;
+  std::vector<double> all(S * per_rank, 0.0);
+  double* row = all.data() + per_rank * static_cast<std::size_t>(rank_.rank);
+  row[0] = mine.seconds, row[1] = mine.idle_seconds;
+  for (std::size_t i = 0; i < std::min(slots, mine.events.size()); ++i) {
+    const mbp::PipelineEvent& e = mine.events[i];
+    double* ev = row + 2 + 4 * i;
+    ev[0] = e.forward ? 1 : 2, ev[1] = static_cast<double>(e.index), ev[2] = e.start, ev[3] = e.end;
+  }
+  rank_.world->all_reduce_sum(all.data(), all.size());
+  if (rank_.rank != 0) return;
+  std::vector<mbp::PipelineTrace> traces(S);
+  for (std::size_t s = 0; s < S; ++s) {
+    const double* v = all.data() + per_rank * s;
+    traces[s].seconds = v[0], traces[s].idle_seconds = v[1];
+    for (std::size_t i = 0; i < slots; ++i) {
+      const double* ev = v + 2 + 4 * i;
+      if (ev[0] == 0) break;
+      traces[s].events.push_back({ev[0] == 1, static_cast<std::int64_t>(ev[1]), ev[2], ev[3]});
+    }
+  }
+  const double k = static_cast<double>(r.micro_batches), stages = static_cast<double>(S);
+  const std::string title = fmt::format(
+      "{} in {} stages ({}), step {}: {} micro-batches of {}; equal stages would wait {:.0f}% ((S-1)/(k+S-1))",
+      rank_options_.model, S, mbp::pipeline_schedule_name(setup_.stage->schedule), step + 1, r.micro_batches, r.micro_batch,
+      100.0 * (stages - 1) / (k + stages - 1));
+  write_text(std::filesystem::path(rank_options_.out) / "pipeline.svg", report::pipeline_svg(traces, title));
+}
+
+void TrainingRun::report_stop() const {
+  const std::string how = rank_.ranks > 1 ? fmt::format("mpirun -np {} tally train", rank_.ranks) : "tally train";
+  fmt::print(log_, "\nstopped by {} after step {} of {}: {}\n", StopSignals::name(stopped_), meter_.steps,
+             steps_.total,
+             run_options_.out.empty() ? std::string("no run folder (--out), so no checkpoint")
+                                  : fmt::format("checkpoint {} written; continue with: {} --resume {}",
+                                                result_.checkpoint, how, run_options_.out));
+  log_.flush();
+}
+
+// The result, the ranks' agreement, the memory and profile reports, and the files.
+void TrainingRun::finish() {
+  const StepMeter& meter = meter_;
+  const std::int64_t step = meter.steps;
+  const int ranks = rank_.ranks;
+  result_.test_accuracy = eval_.accuracy;
+  result_.test_loss = eval_.loss;
+  result_.images_per_second = meter.images_per_second();
+  result_.steps = step;
+  result_.world_size = ranks;
+  if (meter.measured > 1) {
+    result_.communication_seconds_per_step = meter.steady_communication / static_cast<double>(meter.measured - 1);
+    result_.seconds_per_step = meter.steady_seconds / static_cast<double>(meter.measured - 1);
+  }
+  result_.parameters = setup_.stage_parameters;
+  result_.ranks = gather_ranks(*rank_.world, result_);
+  if (setup_.stage) {
+    // Every stage's parameters and buffers to every rank, through host memory: rank 0 saves them all.
+    const mbp::PipelineStage& st = *setup_.stage;
+    result_.pipeline_stages = st.stages;
+    mbp::gather_stages(*setup_.model, setup_.segments, st.bounds, *comm_);
+    for (RankResult& rr : result_.ranks) {
+      const auto s = static_cast<std::size_t>(rr.rank);
+      rr.segments = mbp::segment_range(setup_.segments, st.bounds[s], st.bounds[s + 1]);
+    }
+    fmt::print(log_, "pipeline: {} stages, the parameters of every stage gathered on rank 0\n", st.stages);
+    for (const RankResult& rr : result_.ranks)
+      fmt::print(log_, "stage {} ({}): {} parameters, memory limit {}, micro-batches of {} x {} per step, peak {} bytes, "
+                       "predicted {}{}\n",
+                 rr.rank, rr.segments, rr.parameters, format_bytes(static_cast<std::size_t>(rr.memory_limit_bytes)),
+                 rr.micro_batch, rr.micro_batches_per_step, rr.peak_bytes, rr.predicted_peak_bytes,
+                 rr.seconds_per_step > 0
+                     ? fmt::format(", waits {:.1f} of {:.1f} ms per step ({:.1f}%)", 1000.0 * rr.communication_seconds_per_step,
+                                   1000.0 * rr.seconds_per_step, 100.0 * rr.communication_seconds_per_step / rr.seconds_per_step)
+                     : std::string());
+  } else if (!distributed::parameters_identical(*setup_.model, *comm_)) {
+    throw Error(fmt::format("after {} steps the ranks' parameters differ; a data-parallel run must keep them identical",
+                            step));
+  }
+  if (ranks > 1 && !setup_.stage) {
+    fmt::print(log_, "parameters bit-identical on all {} ranks | collectives {:.1f} ms per step ({:.1f}% of the step, "
+                     "rank 0, steps after the first)\n",
+               ranks, 1000.0 * result_.communication_seconds_per_step,
+               meter.steady_seconds > 0 ? 100.0 * meter.steady_communication / meter.steady_seconds : 0.0);
+    for (const RankResult& rr : result_.ranks)
+      fmt::print(log_, "rank {}: memory limit {}, micro-batches of {} x {} per step, peak {} bytes, predicted {}\n",
+                 rr.rank, format_bytes(static_cast<std::size_t>(rr.memory_limit_bytes)), rr.micro_batch,
+                 rr.micro_batches_per_step, rr.peak_bytes, rr.predicted_peak_bytes);
+  }
+  fmt::print(log_, "memory: measured step peak {} ({} bytes), predicted {} ({} bytes){}, limit {}; {} out-of-memory "
+             "retries\n",
+             format_bytes(static_cast<std::size_t>(result_.peak_bytes)), result_.peak_bytes,
+             format_bytes(static_cast<std::size_t>(result_.predicted_peak_bytes)), result_.predicted_peak_bytes,
+             meter.mismatches == 0 ? " — exact" : fmt::format(" — {} steps differed", meter.mismatches),
+             format_bytes(arena_->capacity()), result_.oom_retries);
+  if (profiler_.on()) {
+    const std::string report = profiler_.report(fmt::format(
+        "over steps 2..{} ({:.1f} ms of wall time per step, data included)", step,
+        meter.steady_images > 0 ? 1000.0 * meter.steady_seconds / static_cast<double>(meter.measured - 1) : 0.0));
+    fmt::print(log_, "{}", report);
+    if (!rank_options_.out.empty()) write_text(std::filesystem::path(rank_options_.out) / "profile.txt", report);
+    profiler_.pause();
+  }
+  if (!rank_options_.save.empty()) {
+    nn::save_state_dict(*setup_.model, rank_options_.save);
+    fmt::print(log_, "saved {}\n", rank_options_.save);
+  }
+  if (!rank_options_.out.empty()) {
+    write_summary(rank_options_, result_);
+    fmt::print(log_, "wrote {0}/metrics.csv, {0}/summary.json, {0}/memory_trace.json{1} and {0}/memory.svg\n", rank_options_.out,
+               setup_.stage && steps_.total > 1 ? fmt::format(", {}/pipeline.svg", rank_options_.out) : std::string());
+  }
+}
+
+}  // namespace tally::app

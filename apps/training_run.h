@@ -1,0 +1,186 @@
+// apps/training_run.h — what the files of `tally train`'s run share (apps/trainer.cpp: the loop;
+// apps/evaluation.cpp; apps/train_checkpoint.cpp; apps/train_report.cpp): this rank's setup, the
+// step meter, the evaluation's result, the progress line and the run itself. Not installed.
+#pragma once
+#include <omp.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <ostream>
+
+#include <fmt/format.h>
+#include <fmt/ostream.h>
+#include <nlohmann/json.hpp>
+
+#include "apps/run_state.h"
+#include "apps/setup.h"
+#include "apps/trainer.h"
+#include "core/autograd.h"
+#include "core/memory.h"
+#include "core/ops.h"
+#include "core/profiler.h"
+#include "data/data.h"
+#include "distributed/communicator.h"
+#include "distributed/data_parallel.h"
+#include "mbp/checkpoint.h"
+#include "mbp/executor.h"
+#include "mbp/pipeline_executor.h"
+#include "mbp/report/schedule.h"
+#include "mbp/report/timeline.h"
+#include "nn/init.h"
+#include "nn/resnet.h"
+#include "nn/state_dict.h"
+#include "optim/optimizer.h"
+#include "optim/schedule.h"
+
+namespace tally::app {
+
+// This process's part of the run: its rank, its options (its own --memory-limit of a list, the
+// run folder and progress on rank 0 only), its device and where it speaks.
+struct RankSetup {
+  std::shared_ptr<distributed::Communicator> world;
+  int rank = 0, ranks = 1;
+  TrainOptions opt;
+  Device dev;
+  std::ofstream silent;  // the log of ranks other than 0
+  std::ostream* log = nullptr;
+};
+
+// Crop + flip for CIFAR and synthetic images, not for the 28x28 grey ones, unless --augment says.
+inline bool augments(const TrainOptions& opt) {
+  const bool grey_28 = opt.data.rfind("mnist", 0) == 0 || opt.data.rfind("fashion-mnist", 0) == 0;
+  return opt.augment.value_or(!grey_28);
+}
+
+// The steps' measurements: the steady-state rate (steps after the first this process ran: the
+// first warms caches up), the collectives' share, the peaks against the predictions, into the
+// run's result. `steps` counts the run's steps (a resumed run's from its checkpoint on).
+struct StepMeter {
+  double steady_seconds = 0, first_seconds = 0, steady_communication = 0;
+  std::int64_t steady_images = 0, first_images = 0, steps = 0, measured = 0, mismatches = 0;
+
+  // A step of `images` that took `seconds`; returns the images per second to show.
+  double add(const mbp::StepResult& r, std::int64_t images, double seconds, TrainResult& result) {
+    if (measured > 0) {
+      steady_seconds += seconds;
+      steady_images += images;
+      steady_communication += r.communication_seconds;
+    } else {
+      first_seconds = seconds;
+      first_images = images;
+    }
+    ++steps, ++measured;
+    result.peak_bytes = std::max(result.peak_bytes, static_cast<std::int64_t>(r.peak));
+    result.predicted_peak_bytes = std::max(result.predicted_peak_bytes, static_cast<std::int64_t>(r.predicted_peak));
+    result.micro_batch = r.micro_batch;
+    result.micro_batches_per_step = r.micro_batches;
+    result.oom_retries += r.oom_retries;
+    if (r.peak != r.predicted_peak && r.oom_retries == 0) ++mismatches;
+    return steady_seconds > 0 ? static_cast<double>(steady_images) / steady_seconds
+                              : static_cast<double>(images) / seconds;
+  }
+  // Steps after the first; a run of one step has only the first to report.
+  double images_per_second() const {
+    return steady_seconds > 0  ? static_cast<double>(steady_images) / steady_seconds
+           : first_seconds > 0 ? static_cast<double>(first_images) / first_seconds
+                               : 0;
+  }
+};
+
+// Rolling progress line: step, loss, images/s, arena peak.
+class Progress {
+ public:
+  Progress(std::ostream& os, bool on, std::int64_t total, std::int64_t epoch, std::int64_t epochs)
+      : os_(os), on_(on), total_(total), epoch_(epoch), epochs_(epochs), tty_(isatty(STDOUT_FILENO)) {}
+  void update(std::int64_t step, double loss, double ips, std::int64_t peak, bool last) {
+    if (!on_) return;
+    if (!tty_ && !last && step % std::max<std::int64_t>(1, total_ / 10) != 0) return;
+    const int width = 24;
+    const int filled = total_ > 0 ? static_cast<int>(width * step / total_) : width;
+    fmt::print(os_, "{}epoch {}/{} [{}{}] {}/{} loss {:.4f} | {:.1f} img/s | peak {}{}", tty_ ? "\r" : "",
+               epoch_ + 1, epochs_, std::string(filled, '#'), std::string(width - filled, '.'), step, total_, loss, ips,
+               format_bytes(static_cast<std::size_t>(peak)), tty_ && !last ? "" : "\n");
+    os_.flush();
+  }
+
+ private:
+  std::ostream& os_;
+  bool on_;
+  std::int64_t total_, epoch_, epochs_;
+  bool tty_;
+};
+
+struct Eval {
+  double loss = 0, accuracy = 0;
+};
+// The test set's mean loss and accuracy (apps/evaluation.cpp): in batches of at most `max_batch`
+// in the activations' dtype `act`; a pipeline's, every rank running its stage on every batch.
+Eval evaluate(nn::Module& model, const data::Dataset& ds, bool normalize, Device dev, DType act, std::int64_t max_batch);
+Eval evaluate_stages(mbp::PipelineExecutor& executor, nn::Module& model, const data::Dataset& ds, bool normalize,
+                     distributed::Communicator& comm, std::int64_t max_batch);
+// Every rank's result on rank 0 (a collective), and the run's summary.json (apps/train_report.cpp).
+std::vector<RankResult> gather_ranks(distributed::Communicator& comm, const TrainResult& mine);
+void write_summary(const TrainOptions& opt, const TrainResult& result);
+
+// One `tally train` run on this rank: everything before the first step is built by the
+// constructor (ranks, device, data, the budget with the model and optimizer inside it, the
+// executor and its plan, printed; a resumed run's state from its checkpoint); run() trains the
+// epochs and reports. Between two steps (step_boundary) it writes the checkpoints that are due and
+// stops when a signal asked it to.
+class TrainingRun {
+ public:
+  TrainingRun(const TrainOptions& options, std::ostream& all_log);
+  TrainResult run();
+
+ private:
+  void print_header(const Setup& setup) const;
+  void print_plan(const mbp::Plan& plan) const;
+  void open_metrics();
+  void train_epoch(std::int64_t epoch, std::int64_t epochs);
+  void end_epoch(std::int64_t epoch, std::int64_t epochs);
+  bool step_boundary();  // true: stop here
+  void write_checkpoint();
+  nlohmann::json checkpoint_state(const std::vector<double>& limits) const;
+  void restore();
+  void report_stop() const;
+  void write_schedule(std::int64_t step, const mbp::StepResult& r);
+  void finish();
+
+  const TrainOptions& run_options_;   // the run's, as given: the same on every rank (state.json, checks)
+  RankSetup rank_;
+  const TrainOptions& rank_options_;  // this rank's (rank_.opt): its --memory-limit of a list, output on rank 0 only
+  std::ostream& log_;
+  Profiler profiler_;  // --profile: time per op over the steps after the first
+  data::Split split_;
+  data::Loader loader_;
+  std::int64_t per_epoch_;
+  RunSteps steps_;
+  std::shared_ptr<Arena> arena_;
+  ArenaScope in_budget_;  // every tensor of the run (evaluation too) comes from the budget
+  Setup setup_;
+  std::shared_ptr<distributed::Communicator> comm_;
+  optim::LRSchedule schedule_;
+  std::unique_ptr<mbp::Executor> executor_;  // make_executor: the plain step or a pipeline stage's
+  distributed::Shard share_;  // this rank's share of every global batch (drop_last: always full)
+  TrainResult result_;
+  Eval eval_;
+  StepMeter meter_;
+  double last_loss_ = 0;                // of the last step run
+  double epoch_loss_ = 0;               // the losses of this epoch's steps so far, summed
+  std::int64_t epoch_steps_ = 0;
+  bool epoch_end_pending_ = false;      // resumed right after an epoch's last step, before its evaluation
+  std::ofstream metrics_;
+  std::string metrics_text_;            // metrics.csv so far, kept with every checkpoint
+  CheckpointEvery every_;
+  std::optional<StopSignals> signals_;  // with a run folder: a signal stops the run at a step boundary
+  KillPoint kill_;                      // tests (apps/run_state.h)
+  std::optional<std::pair<std::int64_t, std::uint64_t>> inject_oom_;  // tests: TrainOptions::inject_oom, or TALLY_TEST_OOM
+  std::chrono::steady_clock::time_point last_checkpoint_ = std::chrono::steady_clock::now();
+  int stopped_ = 0;                     // the signal that stopped the run
+};
+
+}  // namespace tally::app
