@@ -101,10 +101,11 @@ void synchronize(Device device) {
   }
 }
 
+bool cpu_convolutions_use_onednn() { return kernels::cpu::conv_algorithm() == kernels::cpu::ConvAlgorithm::onednn; }
+
 std::string build_info() {
   std::string s = fmt::format("tally {}", TALLY_VERSION);
-  s += kernels::cpu::conv_algorithm() == kernels::cpu::ConvAlgorithm::onednn ? " | CPU conv: oneDNN"
-                                                                              : " | CPU conv: im2col reference";
+  s += cpu_convolutions_use_onednn() ? " | CPU conv: oneDNN" : " | CPU conv: im2col reference";
   s += TALLY_HAVE_MPI ? (TALLY_HAVE_NCCL ? " | MPI, NCCL" : " | MPI") : "";
   if constexpr (kHaveCudaBackend) {
     s += fmt::format(" | CUDA {} (sm {})", TALLY_CUDA_VERSION, TALLY_CUDA_ARCHITECTURES);

@@ -66,6 +66,10 @@ void set_allow_tf32(bool on);
 // wait for on the CPU, whose kernels return when done.
 void synchronize(Device device);
 
+// Whether the CPU's convolutions run on oneDNN (else the im2col reference): the CPU then prefers
+// channels-last activations (core/tensor.h: preferred_memory_format).
+bool cpu_convolutions_use_onednn();
+
 // One line on how this build was configured and what the machine has, e.g.
 // "tally 0.1.0 | CUDA 13.0.88 (sm 80 90), cuDNN 9.19.0 | GPU: none detected".
 std::string build_info();

@@ -105,9 +105,7 @@ const char* memory_format_name(MemoryFormat f) {
 }
 
 MemoryFormat preferred_memory_format(Device device) {
-  return device.is_cpu() && kernels::cpu::conv_algorithm() == kernels::cpu::ConvAlgorithm::onednn
-             ? MemoryFormat::ChannelsLast
-             : MemoryFormat::Contiguous;
+  return device.is_cpu() && cpu_convolutions_use_onednn() ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous;
 }
 
 Tensor Tensor::empty(const Shape& shape, DType dtype, Device device, Category category, const std::string& op,

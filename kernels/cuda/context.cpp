@@ -49,7 +49,8 @@ std::array<std::atomic<DeviceContext*>, kMaxDevices> g_contexts{};
 // "…/tally/kernels/cuda/conv.cu" -> "kernels/cuda/conv.cu": messages name files as the
 // repository does.
 const char* repo_path(const char* file) {
-  for (const char* dir : {"/kernels/", "/core/", "/optim/", "/layers/", "/tests/"}) {
+  for (const char* dir : {"/kernels/", "/core/", "/nn/", "/optim/", "/data/", "/distributed/", "/mbp/", "/apps/",
+                          "/tests/", "/bench/"}) {
     const char* p = std::strstr(file, dir);
     if (p) return p + 1;
   }
