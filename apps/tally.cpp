@@ -53,6 +53,22 @@ CLI::Validator number(const app::NumberRule& rule, const std::string& what) {
 CLI::Validator non_negative() { return number(app::kNonNegative, "NUMBER >= 0"); }
 CLI::Validator positive_whole() { return number(app::kPositiveWhole, "INTEGER >= 1"); }
 
+// The step's options that `train` (and `sweep`) and `plan` take with one meaning: registered here,
+// once, into the command's own fields.
+void add_step_options(CLI::App* cmd, std::string& recompute, std::string& precision, std::string& memory_format) {
+  cmd->add_option("--recompute", recompute,
+                  "auto (the least recomputation with which one sample fits) | none | blocks (the residual blocks and the stem: about one more forward) | all (the stages around the blocks too: the least memory, about two more forwards)")
+      ->check(recompute_validator())->capture_default_str();
+  cmd->add_option("--precision", precision,
+                  "fp32 | bf16 (mixed precision: bf16 activations, float32 weights, gradients, optimizer state and loss)")
+      ->check(CLI::IsMember(mbp::precision_names()))->capture_default_str();
+  cmd->add_option("--memory-format", memory_format,
+                  "auto | contiguous | channels_last (the activations' layout: channels_last runs the CPU's "
+                  "convolutions and batch norms on NHWC, with no reorder around each convolution; auto: "
+                  "channels_last on a CPU with oneDNN, else contiguous)")
+      ->check(CLI::IsMember(mbp::memory_format_names()))->capture_default_str();
+}
+
 // The options of `tally train`, registered on `cmd` (also for `tally sweep`, which sets the batch
 // size, the output files and the weights per run itself: `sweep` leaves those flags out).
 struct TrainFlags {
@@ -141,17 +157,7 @@ struct TrainFlags {
         ->check(CLI::IsMember(app::loss_normalization_names()))->capture_default_str();
     cmd->add_option("--micro-batch", micro, "samples per micro-batch: M or auto (the largest that fits)")
         ->capture_default_str();
-    cmd->add_option("--recompute", to.recompute,
-                    "auto (the least recomputation with which one sample fits) | none | blocks (the residual blocks and the stem: about one more forward) | all (the stages around the blocks too: the least memory, about two more forwards)")
-        ->check(recompute_validator())->capture_default_str();
-    cmd->add_option("--precision", to.precision,
-                    "fp32 | bf16 (mixed precision: bf16 activations, float32 weights, gradients, optimizer state and loss)")
-        ->check(CLI::IsMember(mbp::precision_names()))->capture_default_str();
-    cmd->add_option("--memory-format", to.memory_format,
-                    "auto | contiguous | channels_last (the activations' layout: channels_last runs the CPU's "
-                    "convolutions and batch norms on NHWC, with no reorder around each convolution; auto: "
-                    "channels_last on a CPU with oneDNN, else contiguous)")
-        ->check(CLI::IsMember(mbp::memory_format_names()))->capture_default_str();
+    add_step_options(cmd, to.recompute, to.precision, to.memory_format);
   }
 
   // After parsing: the flags that fill optional fields.
@@ -236,17 +242,7 @@ struct PlanFlags {
     cmd->add_option("--optimizer", po.optimizer, app::choices(app::optimizer_names()))->check(CLI::IsMember(app::optimizer_names()))->capture_default_str();
     cmd->add_option("--momentum", po.momentum, "SGD momentum (0: no momentum buffer)")->check(non_negative())->capture_default_str();
     cmd->add_option("--device", po.device, "cpu|cuda|cuda:N")->capture_default_str();
-    cmd->add_option("--recompute", po.recompute,
-                    "auto (the least recomputation with which one sample fits) | none | blocks (the residual blocks and the stem: about one more forward) | all (the stages around the blocks too: the least memory, about two more forwards)")
-        ->check(recompute_validator())->capture_default_str();
-    cmd->add_option("--precision", po.precision,
-                    "fp32 | bf16 (mixed precision: bf16 activations, float32 weights, gradients, optimizer state and loss)")
-        ->check(CLI::IsMember(mbp::precision_names()))->capture_default_str();
-    cmd->add_option("--memory-format", po.memory_format,
-                    "auto | contiguous | channels_last (the activations' layout: channels_last runs the CPU's "
-                    "convolutions and batch norms on NHWC, with no reorder around each convolution; auto: "
-                    "channels_last on a CPU with oneDNN, else contiguous)")
-        ->check(CLI::IsMember(mbp::memory_format_names()))->capture_default_str();
+    add_step_options(cmd, po.recompute, po.precision, po.memory_format);
     cmd->add_option("--pipeline-stages", po.pipeline_stages, "plan S pipeline stages (memory limits: one, or one per stage)")
         ->check(positive_whole())->capture_default_str();
     cmd->add_option("--pipeline-split", po.pipeline_split, "memory (default) | work | where stages 2..S begin, by segment name");
