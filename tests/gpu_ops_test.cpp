@@ -260,6 +260,44 @@ TEST(GpuOps, BasicBlockForwardBackwardMatchesTheCpu) {
   }
 }
 
+// ResNet-20 three times from one seed — float64 and float32 on the CPU, float32 on the GPU — with
+// every batch norm bias at `bn_bias` (resnet20_steps_match_the_cpu says why).
+struct ResNet20s {
+  std::shared_ptr<nn::Module> ref, cpu, gpu;
+};
+static ResNet20s resnet20_three_ways(std::uint32_t seed, double bn_bias) {
+  ResNet20s m;
+  nn::manual_seed(seed);
+  m.ref = nn::make_model({"resnet20"});
+  m.ref->to(DType::Float64);
+  nn::manual_seed(seed);
+  m.cpu = nn::make_model({"resnet20"});
+  nn::manual_seed(seed);
+  m.gpu = nn::make_model({"resnet20"});
+  m.gpu->to(Device::cuda());
+  for (auto* model : {m.ref.get(), m.cpu.get(), m.gpu.get()}) set_norm_biases(*model, bn_bias);
+  return m;
+}
+
+// The criterion of the ResNet-20 comparisons: the GPU's error against float64 `r64` at most 4x the
+// CPU's, with a floor of 1e-4 (resnet20_steps_match_the_cpu says why). A failing vector of at most 64 entries (a norm's weight or bias)
+// names its channels that are off. Returns the CPU's error.
+static double expect_like_cpu(const Tensor& g, const Tensor& c, const Tensor& r64, const std::string& what) {
+  const Tensor r = r64.to(DType::Float32);
+  const double ec = norm_rel_err(c, r), eg = norm_rel_err(g, r);
+  EXPECT_LE(eg, std::max(4 * ec, 1e-4)) << what << ": GPU error " << eg << ", CPU error " << ec;
+  if (eg > std::max(4 * ec, 1e-4) && r.dim() == 1 && r.numel() <= 64) {
+    const auto vg = g.to(Device::cpu()).to_vector<float>(), vc = c.to_vector<float>();
+    const auto vr = r64.to_vector<double>();
+    std::string off;
+    for (std::size_t k = 0; k < vr.size(); ++k)
+      if (std::abs(vg[k] - vr[k]) > 4 * std::abs(vc[k] - vr[k]) + 1e-6 * std::abs(vr[k]))
+        off += fmt::format(" [{}] gpu {:.9g} cpu {:.9g} float64 {:.9g};", k, vg[k], vc[k], vr[k]);
+    ADD_FAILURE() << what << ": channels off:" << off;
+  }
+  return ec;
+}
+
 // Two SGD steps of ResNet-20 in float32 on the GPU and on the CPU, both measured against the same
 // steps in float64 on the CPU: the GPU's error must be of the CPU's float32 size. (Compared with
 // each other directly, the two float32 runs differ by up to 1e-3 after one step: rounding in the
@@ -282,36 +320,12 @@ TEST(GpuOps, BasicBlockForwardBackwardMatchesTheCpu) {
 static void resnet20_steps_match_the_cpu(double bn_bias) {
   const auto seed = fresh_seed();
   SCOPED_TRACE(testing::Message() << "seed " << seed << ", batch norm biases " << bn_bias);
-  nn::manual_seed(seed);
-  auto ref = nn::make_model({"resnet20"});
-  ref->to(DType::Float64);
-  nn::manual_seed(seed);
-  auto cpu = nn::make_model({"resnet20"});
-  nn::manual_seed(seed);
-  auto gpu = nn::make_model({"resnet20"});
-  gpu->to(Device::cuda());
-  for (auto* model : {ref.get(), cpu.get(), gpu.get()}) set_norm_biases(*model, bn_bias);
+  const ResNet20s models = resnet20_three_ways(seed, bn_bias);
+  const auto &ref = models.ref, &cpu = models.cpu, &gpu = models.gpu;
   std::vector<Tensor> initial;
   for (const Tensor& p : cpu->parameters()) initial.push_back(p.clone(Category::temporary));
   const optim::SGDOptions so{.lr = 0.05, .momentum = 0.9, .weight_decay = 5e-4};
   optim::SGD opt_r(ref->parameters(), so), opt_c(cpu->parameters(), so), opt_g(gpu->parameters(), so);
-  // err(gpu) <= 4 err(cpu), with a floor (above). A failing vector of at most 64 entries (a norm's
-  // weight or bias) names its channels that are off.
-  auto like_cpu = [](const Tensor& g, const Tensor& c, const Tensor& r64, const std::string& what) {
-    const Tensor r = r64.to(DType::Float32);
-    const double ec = norm_rel_err(c, r), eg = norm_rel_err(g, r);
-    EXPECT_LE(eg, std::max(4 * ec, 1e-4)) << what << ": GPU error " << eg << ", CPU error " << ec;
-    if (eg > std::max(4 * ec, 1e-4) && r.dim() == 1 && r.numel() <= 64) {
-      const auto vg = g.to(Device::cpu()).to_vector<float>(), vc = c.to_vector<float>();
-      const auto vr = r64.to_vector<double>();
-      std::string off;
-      for (std::size_t k = 0; k < vr.size(); ++k)
-        if (std::abs(vg[k] - vr[k]) > 4 * std::abs(vc[k] - vr[k]) + 1e-6 * std::abs(vr[k]))
-          off += fmt::format(" [{}] gpu {:.9g} cpu {:.9g} float64 {:.9g};", k, vg[k], vc[k], vr[k]);
-      ADD_FAILURE() << what << ": channels off:" << off;
-    }
-    return ec;
-  };
   std::mt19937 rng(seed);
   double worst = 0;  // the CPU's own error at step 0
   for (int step = 0; step < 2; ++step) {
@@ -323,13 +337,13 @@ static void resnet20_steps_match_the_cpu(double bn_bias) {
     Tensor lr = cross_entropy((*ref)(x.to(DType::Float64)), y);
     Tensor lc = cross_entropy((*cpu)(x), y);
     Tensor lg = cross_entropy((*gpu)(x.to(Device::cuda())), y.to(Device::cuda()));
-    like_cpu(lg, lc, lr, "loss");
+    expect_like_cpu(lg, lc, lr, "loss");
     lr.backward();
     lc.backward();
     lg.backward();
     const auto pr = ref->named_parameters(), pc = cpu->named_parameters(), pg = gpu->named_parameters();
     for (std::size_t i = 0; i < pc.size(); ++i) {
-      const double ec = like_cpu(pg[i].second.grad(), pc[i].second.grad(), pr[i].second.grad(),
+      const double ec = expect_like_cpu(pg[i].second.grad(), pc[i].second.grad(), pr[i].second.grad(),
                                  names("gradient", pc[i].first));
       if (step == 0) worst = std::max(worst, ec);
     }
@@ -346,12 +360,12 @@ static void resnet20_steps_match_the_cpu(double bn_bias) {
     const Tensor ur = sub(pr[i].second.detach(), initial[i].to(DType::Float64));
     const Tensor uc = sub(pc[i].second.detach(), initial[i]);
     const Tensor ug = sub(pg[i].second.detach(), initial[i].to(Device::cuda()));
-    like_cpu(ug, uc, ur, names("update", pc[i].first));
+    expect_like_cpu(ug, uc, ur, names("update", pc[i].first));
   }
   const auto br = ref->named_buffers(), bc = cpu->named_buffers(), bg = gpu->named_buffers();
   for (std::size_t i = 0; i < bc.size(); ++i) {
     if (bc[i].second.dtype() == DType::Float32) {
-      like_cpu(bg[i].second, bc[i].second, br[i].second, bc[i].first);
+      expect_like_cpu(bg[i].second, bc[i].second, br[i].second, bc[i].first);
     } else {
       EXPECT_EQ(bg[i].second.item(), bc[i].second.item()) << bc[i].first;
     }
@@ -374,16 +388,8 @@ TEST(GpuOps, ResNet20SegmentsOneByOneMatchTheCpu) {
   REQUIRE_GPU();
   const auto seed = fresh_seed();
   SCOPED_TRACE(testing::Message() << "seed " << seed);
-  nn::manual_seed(seed);
-  auto ref = nn::make_model({"resnet20"});
-  ref->to(DType::Float64);
-  nn::manual_seed(seed);
-  auto cpu = nn::make_model({"resnet20"});
-  nn::manual_seed(seed);
-  auto gpu = nn::make_model({"resnet20"});
-  gpu->to(Device::cuda());
-  for (auto* model : {ref.get(), cpu.get(), gpu.get()}) set_norm_biases(*model, 3.0);
-  auto sr = ref->segments(), sc = cpu->segments(), sg = gpu->segments();
+  const ResNet20s models = resnet20_three_ways(seed, 3.0);
+  auto sr = models.ref->segments(), sc = models.cpu->segments(), sg = models.gpu->segments();
   ASSERT_EQ(sc.size(), 11u);
   std::mt19937 rng(seed);
   const Tensor x = host_tensor({8, 3, 32, 32}, rng);
@@ -412,10 +418,7 @@ TEST(GpuOps, ResNet20SegmentsOneByOneMatchTheCpu) {
     const Tensor gr = run(sr[s], Device::cpu(), DType::Float64), gc = run(sc[s], Device::cpu(), DType::Float32),
                  gg = run(sg[s], Device::cuda(), DType::Float32);
     auto like_cpu = [&](const Tensor& g, const Tensor& c, const Tensor& r64, const std::string& what) {
-      const Tensor r = r64.to(DType::Float32);
-      const double ec = norm_rel_err(c, r), eg = norm_rel_err(g, r);
-      EXPECT_LE(eg, std::max(4 * ec, 1e-4)) << what << ": GPU error " << eg << ", CPU error " << ec;
-      worst = std::max(worst, ec);
+      worst = std::max(worst, expect_like_cpu(g, c, r64, what));
     };
     like_cpu(gg, gc, gr, "input gradient");
     for (std::size_t m = 0; m < sc[s].modules.size(); ++m) {
