@@ -1,40 +1,8 @@
 // apps/train_checkpoint.cpp — a run's training-state checkpoints: what one holds, writing it, and
 // restoring a run from it (`tally train --resume`; apps/run_state.h has the files' format).
 #include <omp.h>
-#include <unistd.h>
 
-#include <chrono>
-#include <cmath>
-#include <filesystem>
-#include <fstream>
-#include <optional>
-#include <ostream>
-
-#include <fmt/format.h>
-#include <fmt/ostream.h>
-#include <nlohmann/json.hpp>
-
-#include "apps/run_state.h"
-#include "apps/setup.h"
-#include "apps/trainer.h"
 #include "apps/training_run.h"
-#include "core/autograd.h"
-#include "core/memory.h"
-#include "core/ops.h"
-#include "core/profiler.h"
-#include "data/data.h"
-#include "distributed/communicator.h"
-#include "distributed/data_parallel.h"
-#include "mbp/checkpoint.h"
-#include "mbp/executor.h"
-#include "mbp/pipeline_executor.h"
-#include "mbp/report/schedule.h"
-#include "mbp/report/timeline.h"
-#include "nn/init.h"
-#include "nn/resnet.h"
-#include "nn/state_dict.h"
-#include "optim/optimizer.h"
-#include "optim/schedule.h"
 
 namespace tally::app {
 

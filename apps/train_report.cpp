@@ -1,40 +1,6 @@
 // apps/train_report.cpp — what a run tells: the header and the plan, metrics.csv, the pipeline's
 // schedule picture, the stop line, and the end (the ranks gathered, summary.json, the pictures).
-#include <omp.h>
-#include <unistd.h>
-
-#include <chrono>
-#include <cmath>
-#include <filesystem>
-#include <fstream>
-#include <optional>
-#include <ostream>
-
-#include <fmt/format.h>
-#include <fmt/ostream.h>
-#include <nlohmann/json.hpp>
-
-#include "apps/run_state.h"
-#include "apps/setup.h"
-#include "apps/trainer.h"
 #include "apps/training_run.h"
-#include "core/autograd.h"
-#include "core/memory.h"
-#include "core/ops.h"
-#include "core/profiler.h"
-#include "data/data.h"
-#include "distributed/communicator.h"
-#include "distributed/data_parallel.h"
-#include "mbp/checkpoint.h"
-#include "mbp/executor.h"
-#include "mbp/pipeline_executor.h"
-#include "mbp/report/schedule.h"
-#include "mbp/report/timeline.h"
-#include "nn/init.h"
-#include "nn/resnet.h"
-#include "nn/state_dict.h"
-#include "optim/optimizer.h"
-#include "optim/schedule.h"
 
 namespace tally::app {
 

@@ -2,7 +2,6 @@
 // apps/evaluation.cpp; apps/train_checkpoint.cpp; apps/train_report.cpp): this rank's setup, the
 // step meter, the evaluation's result, the progress line and the run itself. Not installed.
 #pragma once
-#include <omp.h>
 #include <unistd.h>
 
 #include <chrono>

@@ -2,9 +2,7 @@
 #include "mbp/executor.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
-#include <deque>
 
 #include <fmt/ranges.h>
 
