@@ -38,14 +38,13 @@ Shape parse_input(const std::string& s) {
 // `tally plan --pipeline-stages S`: every stage on its own virtual arena, each planned alone, then
 // all at the smallest of their micro-batches (what the ranks of a run agree on).
 mbp::Plan plan_stages(const PlanOptions& opt, const nn::ModelConfig& mc, const Shape& sample, Device dev,
-                      mbp::Precision precision, std::ostream& out) {
+                      std::ostream& out) {
   const int S = opt.pipeline_stages;
   if (!dev.is_cpu()) throw Error(fmt::format("--pipeline-stages: stages run on the CPU, found --device {}", opt.device));
   OptimizerConfig oc;
-  oc.name = opt.optimizer;
+  oc.kind = opt.optimizer;
   oc.momentum = opt.momentum;
-  PipelineConfig pc = pipeline_config(S, opt.pipeline_split, opt.pipeline_schedule, sample, opt.precision,
-                                      opt.batch_size, opt.memory_limit);
+  PipelineConfig pc = pipeline_config(opt, sample, opt.batch_size, opt.memory_limit);
   const DryRun dry;  // each stage on a virtual arena of its own (build_setup scopes it)
   struct Stage {
     std::shared_ptr<Arena> arena;
@@ -65,18 +64,13 @@ mbp::Plan plan_stages(const PlanOptions& opt, const nn::ModelConfig& mc, const S
       std::vector<std::string> names;
       for (const auto& seg : st.setup.segments) names.push_back(seg.name);
       fmt::print(out, "model {} (norm {}), {} parameters, {} classes | input {} | batch {} | optimizer {} | precision {}\n",
-                 opt.model, opt.norm, st.setup.parameters, mc.num_classes, shape_str(sample), opt.batch_size,
-                 opt.optimizer, opt.precision);
+                 opt.model, name_of(opt.norm), st.setup.parameters, mc.num_classes, shape_str(sample), opt.batch_size,
+                 name_of(opt.optimizer), name_of(opt.precision));
       fmt::print(out, "segments (cut points of --pipeline-split): {}\n", fmt::join(names, ", "));
-      fmt::print(out, "pipeline: {} stages, schedule {}, cut {}\n", S, opt.pipeline_schedule,
+      fmt::print(out, "pipeline: {} stages, schedule {}, cut {}\n", S, name_of(opt.pipeline_schedule),
                  cut_description(opt.pipeline_split));
     }
-    mbp::ExecutorOptions eo;
-    eo.sample_shape = sample;
-    eo.micro_batch = opt.micro_batch;
-    eo.recompute = opt.recompute;
-    eo.precision = precision;
-    eo.memory_format = mbp::parse_memory_format(opt.memory_format, dev, true);  // channels_last: the executor refuses it
+    mbp::ExecutorOptions eo = executor_options(opt, sample, dev, true);  // channels_last: the executor refuses it
     eo.pipeline = st.setup.stage;
     st.executor = make_executor(*st.setup.model, *st.setup.optimizer, st.arena, eo);
     const mbp::Plan& p = plan_step(*st.executor, opt.batch_size, opt.micro_batch);  // an error names the stage
@@ -105,9 +99,7 @@ mbp::Plan plan_stages(const PlanOptions& opt, const nn::ModelConfig& mc, const S
 }  // namespace
 
 mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
-  check_model_options(opt.model, opt.norm, opt.optimizer, opt.batch_size, opt.micro_batch);
-  mbp::check_recompute_policy(opt.recompute);
-  const mbp::Precision precision = mbp::parse_precision(opt.precision);
+  check_step_options(opt);
   const Shape sample = parse_input(opt.input);
   const Device dev = parse_device(opt.device);
   if (dev.is_cuda() && !cuda_available())
@@ -115,38 +107,27 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
                             opt.device));
   nn::ModelConfig mc;
   mc.name = opt.model;
-  mc.norm = nn::parse_norm(opt.norm);
+  mc.norm = opt.norm;
   mc.in_channels = sample[0];
   mc.num_classes = opt.num_classes.value_or(sample[1] >= 64 ? 1000 : 10);
-  check_number("--num-classes", kPositiveWhole, static_cast<double>(mc.num_classes));
-  check_number("--momentum", kNonNegative, opt.momentum);
-  check_number("--pipeline-stages", kPositiveWhole, opt.pipeline_stages);
-  if (opt.pipeline_stages > 1) return plan_stages(opt, mc, sample, dev, precision, out);
-  if (!opt.pipeline_split.empty())
-    throw Error(fmt::format("--pipeline-split {}: there is one stage (give --pipeline-stages)", opt.pipeline_split));
+  if (opt.pipeline_stages > 1) return plan_stages(opt, mc, sample, dev, out);
   const std::size_t limit = parse_memory_limit(opt.memory_limit, dev);
 
   // Everything lives on a virtual arena of the budget's size: offsets only, no memory, no compute.
   const DryRun dry;
   const auto arena = dry.virtual_arena(dev, limit);
   OptimizerConfig oc;
-  oc.name = opt.optimizer;
+  oc.kind = opt.optimizer;
   oc.momentum = opt.momentum;
   const Setup setup = build_setup(arena, mc, "", oc, format_bytes(limit));
-  const MemoryFormat format = mbp::parse_memory_format(opt.memory_format, dev);
+  const mbp::ExecutorOptions eo = executor_options(opt, sample, dev, false);
   fmt::print(out, "model {} (norm {}), {} parameters, {} classes | input {} | batch {} | optimizer {} | device {} | "
                   "precision {} | memory format {}\n",
-             opt.model, opt.norm, setup.parameters, mc.num_classes, shape_str(sample), opt.batch_size, opt.optimizer,
-             dev.str(), opt.precision, memory_format_name(format));
+             opt.model, name_of(opt.norm), setup.parameters, mc.num_classes, shape_str(sample), opt.batch_size,
+             name_of(opt.optimizer), dev.str(), name_of(opt.precision), memory_format_name(eo.memory_format));
   fmt::print(out, "memory limit {} ({} bytes): {} allocated first\n", format_bytes(limit), limit,
              persistent_summary(*arena));
 
-  mbp::ExecutorOptions eo;
-  eo.sample_shape = sample;
-  eo.micro_batch = opt.micro_batch;
-  eo.recompute = opt.recompute;
-  eo.precision = precision;
-  eo.memory_format = format;
   const std::unique_ptr<mbp::Executor> built = make_executor(*setup.model, *setup.optimizer, arena, eo);
   mbp::Executor& executor = *built;
   const mbp::Plan& p = plan_step(executor, opt.batch_size, opt.micro_batch);

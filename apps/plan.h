@@ -10,30 +10,21 @@
 #include <optional>
 #include <string>
 
+#include "apps/options.h"
 #include "mbp/planner.h"
 
 namespace tally::app {
 
-struct PlanOptions {
-  std::string model = "resnet50";
-  std::string norm = "batch";
-  std::string input = "3x224x224";           // C x H x W of one sample
-  std::optional<std::int64_t> num_classes;   // default: 1000 for inputs of 64 pixels and more, else 10
-  std::int64_t batch_size = 256;
-  std::string memory_limit = "auto";
-  std::optional<std::int64_t> micro_batch;   // check this m instead of searching
-  std::string optimizer = "sgd";
-  double momentum = 0.9;                     // SGD momentum (0: no momentum buffer)
-  std::string device = "cpu";
-  bool layers = true;                        // print the per-layer table
-  std::string recompute = "auto";            // auto | none | blocks | blocks+layerK[-layerL] | all (mbp/executor.h)
-  std::string precision = "fp32";            // fp32 | bf16 (mbp::Precision)
-  std::string memory_format = "auto";  // auto | contiguous | channels_last (ExecutorOptions::memory_format)
-  // Pipeline stages (mbp/pipeline.h): every stage planned in this process, each on its own limit
-  // (--memory-limit: one size, or one per stage), at the micro-batch they all fit.
-  int pipeline_stages = 1;
-  std::string pipeline_split;
-  std::string pipeline_schedule = "1f1b";
+// The options of `tally plan`: a step's (apps/options.h), with plan's defaults, and one sample's
+// shape instead of a data set.
+struct PlanOptions : StepOptions {
+  PlanOptions() {
+    model = "resnet50";
+    batch_size = 256;
+    device = "cpu";
+  }
+  std::string input = "3x224x224";  // C x H x W of one sample
+  bool layers = true;               // print the per-layer table
 };
 
 // Prints the table and the plan to `out`; returns the plan. Bad options and budgets that cannot

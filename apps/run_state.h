@@ -1,7 +1,6 @@
 // apps/run_state.h — what a resumable `tally train` needs beside the tensors of a checkpoint
-// (mbp/checkpoint.h; docs/checkpoints.md): the run's options as text (saved with every
-// checkpoint, compared on resume and across the ranks), --checkpoint-every, the stop signals,
-// and the kill points the resumption tests use.
+// (mbp/checkpoint.h; docs/checkpoints.md): the run's saved options (as text: apps/options.h),
+// --checkpoint-every, the stop signals, and the kill points the resumption tests use.
 #pragma once
 #include <csignal>
 #include <cstdint>
@@ -15,25 +14,9 @@
 
 namespace tally::app {
 
-// Every option of a run as (flag name without "--", value as text), in the command line's order:
-// the one list the checkpoint's options, the ranks' agreement and the resume check are made of.
-// A flag and its "--no-" form share a name ("augment": on|off|default, "shuffle", "eval", ...).
-std::vector<std::pair<std::string, std::string>> option_values(const TrainOptions& o);
-// The inverse, for the values a checkpoint saved; FormatError naming `where` and the option when
-// one is missing or does not parse.
-TrainOptions options_from_values(const std::map<std::string, std::string>& values, const std::string& where);
-
-// The options a resumed run may change (they do not change its results): out (the run folder is
-// where it is now), save, checkpoint-every, progress, profile, and threads (a CPU run must resume
-// with the thread count it ran with — the resume checks the count itself, however it was set).
-const std::vector<std::string>& options_changeable_on_resume();
-
 // The options of run_dir's run, as saved with its newest checkpoint, with `resume` and `out` set
 // to run_dir; tally::Error if run_dir has no checkpoint.
 TrainOptions resume_options(const std::string& run_dir);
-// Throws one tally::Error listing every option (of `names`, or of all when empty) that differs
-// between the run's saved options and `given` — both values named — except the changeable ones.
-void check_resume_options(const TrainOptions& saved, const TrainOptions& given, const std::vector<std::string>& names);
 
 // --checkpoint-every: "" (off), "N" (every N steps) or a time "90s", "10m", "2h" (at the first step
 // boundary after that long since the last checkpoint); anything else is an Error naming the flag.

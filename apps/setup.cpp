@@ -25,26 +25,10 @@ std::optional<std::int64_t> parse_positive_integer(const std::string& s) {
   }
 }
 
-std::optional<std::int64_t> parse_micro_batch(const std::string& s) {
-  if (s == "auto") return std::nullopt;
-  const auto v = parse_positive_integer(s);
-  if (!v) throw Error(fmt::format("--micro-batch '{}': expected a positive integer or auto", s));
-  return v;
-}
-
-void check_choice(const std::string& flag, const std::string& value, const std::vector<std::string>& allowed) {
-  if (std::find(allowed.begin(), allowed.end(), value) != allowed.end()) return;
-  throw Error(fmt::format("{} '{}' is not allowed: expected one of {}", flag, value, fmt::join(allowed, ", ")));
-}
-
-const std::vector<std::string>& norm_names() {
-  static const std::vector<std::string> v{"batch", "group", "none"};
-  return v;
-}
-
-const std::vector<std::string>& optimizer_names() {
-  static const std::vector<std::string> v{"sgd", "adamw"};
-  return v;
+std::string rule_text(const NumberRule& rule) {
+  if (rule.whole) return rule.min >= 1 ? "a positive whole number" : "a non-negative whole number";
+  if (rule.max) return fmt::format("a number in [{}, {}]", rule.min, *rule.max);
+  return rule.min > 0 ? "a positive number" : "a non-negative number";
 }
 
 std::string number_error(const NumberRule& rule, const std::string& value) {
@@ -55,15 +39,10 @@ std::string number_error(const NumberRule& rule, const std::string& value) {
   } catch (const std::exception&) {
     used = 0;
   }
-  const bool ok = used > 0 && used == value.size() && v >= rule.min && (!rule.max || v <= *rule.max) &&
-                  (!rule.whole || v == std::floor(v));
+  const bool ok = used > 0 && used == value.size() && std::isfinite(v) && v >= rule.min &&
+                  (!rule.max || v <= *rule.max) && (!rule.whole || v == std::floor(v));
   if (ok) return "";
-  const char* kind = rule.whole ? (rule.min >= 1 ? "a positive whole number" : "a non-negative whole number")
-                     : rule.max  ? nullptr
-                     : rule.min > 0 ? "a positive number"
-                                    : "a non-negative number";
-  if (!kind) return fmt::format("must be a number in [{}, {}], found {}", rule.min, *rule.max, value);
-  return fmt::format("must be {}, found {}", kind, value);
+  return fmt::format("must be {}, found {}", rule_text(rule), value.empty() ? "an empty value" : value);
 }
 
 void check_number(const std::string& flag, const NumberRule& rule, double value) {
@@ -71,22 +50,6 @@ void check_number(const std::string& flag, const NumberRule& rule, double value)
   if (!error.empty()) throw Error(fmt::format("{}: {}", flag, error));
 }
 
-const std::vector<std::string>& loss_normalization_names() {
-  static const std::vector<std::string> v{"exact", "per-micro-batch"};
-  return v;
-}
-
-void check_model_options(const std::string& model, const std::string& norm, const std::string& optimizer,
-                         std::int64_t batch_size, std::optional<std::int64_t> micro_batch) {
-  check_choice("--model", model, nn::model_names());
-  check_choice("--norm", norm, norm_names());
-  check_choice("--optimizer", optimizer, optimizer_names());
-  check_number("--batch-size", kPositiveWhole, static_cast<double>(batch_size));
-  if (micro_batch && (*micro_batch < 1 || *micro_batch > batch_size))
-    throw Error(fmt::format("--micro-batch must be between 1 and --batch-size {}, found {}", batch_size, *micro_batch));
-}
-
-std::string choices(const std::vector<std::string>& names) { return fmt::format("{}", fmt::join(names, "|")); }
 
 std::vector<std::string> split_list(const std::string& text) {
   std::vector<std::string> items;
@@ -125,7 +88,7 @@ std::size_t parse_memory_limit(const std::string& text, Device dev) {
 namespace {
 
 std::unique_ptr<optim::Optimizer> make_optimizer(std::vector<Tensor> params, const OptimizerConfig& optimizer) {
-  if (optimizer.name == "sgd") {
+  if (optimizer.kind == OptimizerKind::sgd) {
     optim::SGDOptions so;
     so.lr = optimizer.lr, so.momentum = optimizer.momentum, so.weight_decay = optimizer.weight_decay;
     so.nesterov = optimizer.nesterov;
@@ -138,21 +101,21 @@ std::unique_ptr<optim::Optimizer> make_optimizer(std::vector<Tensor> params, con
 
 // The model's copies of its optimizer state per parameter (for the pipeline's cut).
 int state_per_parameter(const OptimizerConfig& optimizer) {
-  if (optimizer.name == "adamw") return 2;
+  if (optimizer.kind == OptimizerKind::adamw) return 2;
   return optimizer.momentum > 0 ? 1 : 0;
 }
 
 }  // namespace
 
-PipelineConfig pipeline_config(int stages, const std::string& split, const std::string& schedule,
-                               const Shape& sample_shape, const std::string& precision, std::int64_t batch,
+PipelineConfig pipeline_config(const StepOptions& options, const Shape& sample_shape, std::int64_t batch,
                                const std::string& memory_limits) {
+  const int stages = options.pipeline_stages;
   PipelineConfig pc;
   pc.stages = stages;
-  pc.split = split;
-  pc.schedule = mbp::parse_pipeline_schedule(schedule);
+  pc.split = options.pipeline_split;
+  pc.schedule = options.pipeline_schedule;
   pc.sample_shape = sample_shape;
-  pc.activation_dtype = mbp::parse_precision(precision) == mbp::Precision::bf16 ? DType::BFloat16 : DType::Float32;
+  pc.activation_dtype = options.precision == mbp::Precision::bf16 ? DType::BFloat16 : DType::Float32;
   pc.batch = batch;
   const std::vector<std::string> limits = split_list(memory_limits);
   if (limits.size() != 1 && limits.size() != static_cast<std::size_t>(stages))
@@ -166,7 +129,6 @@ PipelineConfig pipeline_config(int stages, const std::string& split, const std::
 
 Setup build_setup(const std::shared_ptr<Arena>& arena, const nn::ModelConfig& model, const std::string& init,
                   const OptimizerConfig& optimizer, const std::string& limit_text, const PipelineConfig* pipeline) {
-  check_choice("--optimizer", optimizer.name, optimizer_names());
   const Device dev = arena->device();
   Setup s;
   if (pipeline && pipeline->stages > 1) {
@@ -199,7 +161,7 @@ Setup build_setup(const std::shared_ptr<Arena>& arena, const nn::ModelConfig& mo
       s.optimizer = make_optimizer(std::move(params), optimizer);
     } catch (const OutOfMemory& e) {
       throw OutOfMemory(fmt::format("--memory-limit {}: pipeline stage {}'s {} optimizer state does not fit ({})",
-                                    limit_text, st.stage, optimizer.name, e.what()),
+                                    limit_text, st.stage, name_of(optimizer.kind), e.what()),
                         e.requested());
     }
   } else {
@@ -212,7 +174,7 @@ Setup build_setup(const std::shared_ptr<Arena>& arena, const nn::ModelConfig& mo
       s.optimizer = make_optimizer(s.model->parameters(), optimizer);
     } catch (const OutOfMemory& e) {
       throw OutOfMemory(fmt::format("--memory-limit {}: the {} model's parameters, gradients and {} state do not fit "
-                                    "({})", limit_text, model.name, optimizer.name, e.what()),
+                                    "({})", limit_text, model.name, name_of(optimizer.kind), e.what()),
                         e.requested());
     }
   }

@@ -6,8 +6,7 @@
 //
 //   --memory-limit  ->  Arena  ->  build_setup (model, optimizer)  ->  mbp::Executor  ->  Planner
 //
-// Option checks that both commands share live here too, so a flag's allowed values are written
-// in one place (the model names come from nn::model_names()).
+// The options themselves, their flags and rules, are apps/options.h's table.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -18,6 +17,7 @@
 #include <vector>
 
 #include "core/arena.h"
+#include "apps/options.h"
 #include "core/device.h"
 #include "nn/module.h"
 #include "nn/resnet.h"
@@ -28,22 +28,6 @@ namespace tally::app {
 
 // "12" -> 12; anything but a whole positive number (a sign, a suffix, empty) -> nullopt.
 std::optional<std::int64_t> parse_positive_integer(const std::string& s);
-// --micro-batch: "auto" (nullopt) or a positive integer; anything else is an error naming the flag.
-std::optional<std::int64_t> parse_micro_batch(const std::string& s);
-
-// Throws an Error naming `flag`, the value found and the allowed values unless `value` is one of them.
-void check_choice(const std::string& flag, const std::string& value, const std::vector<std::string>& allowed);
-// The values of --norm, --optimizer and --loss-normalization, for checks and for the command
-// line's help (--model: nn::model_names(); --schedule: optim::schedule_names(); --recompute:
-// mbp::check_recompute_policy): each list is written here once and used by both.
-const std::vector<std::string>& norm_names();
-const std::vector<std::string>& optimizer_names();
-const std::vector<std::string>& loss_normalization_names();
-// The checks `tally train` and `tally plan` share: --model, --norm, --optimizer among their
-// names, --batch-size >= 1, --micro-batch (when given) between 1 and --batch-size.
-void check_model_options(const std::string& model, const std::string& norm, const std::string& optimizer,
-                         std::int64_t batch_size, std::optional<std::int64_t> micro_batch);
-std::string choices(const std::vector<std::string>& names);  // "a|b|c"
 
 // The rule of a number option: the smallest value it takes, the largest if any, and whether it
 // must be whole. One rule per flag, used by the command line's validators (apps/tally.cpp) and by
@@ -58,7 +42,9 @@ inline const NumberRule kNonNegative{0, std::nullopt, false};
 inline const NumberRule kPositiveWhole{1, std::nullopt, true};
 inline const NumberRule kNonNegativeWhole{0, std::nullopt, true};
 inline const NumberRule kFraction{0, 1, false};
-// "" when the text `value` is a number that keeps `rule`, else what it must be ("must be a
+// What a value of `rule` must be: "a positive whole number", "a number in [0, 1]".
+std::string rule_text(const NumberRule& rule);
+// "" when the text `value` is a finite number that keeps `rule`, else what it must be ("must be a
 // non-negative number, found -1").
 std::string number_error(const NumberRule& rule, const std::string& value);
 // Throws an Error "<flag>: must be ..., found <value>" unless `value` keeps `rule`.
@@ -75,7 +61,7 @@ void write_text(const std::filesystem::path& path, const std::string& text);
 std::size_t parse_memory_limit(const std::string& text, Device dev);
 
 struct OptimizerConfig {
-  std::string name = "sgd";  // sgd | adamw
+  OptimizerKind kind = OptimizerKind::sgd;
   double lr = 0.1, momentum = 0.9, weight_decay = 5e-4;
   bool nesterov = false;
 };
@@ -94,11 +80,11 @@ struct PipelineConfig {
   std::int64_t batch = 1;            // the batch the micro-batches split
 };
 
-// The pipeline of `stages` stages (stage 0; the caller sets its own) for batches of `batch` samples of
-// `sample_shape`, from the options' text: --pipeline-split, --pipeline-schedule, --precision (the
-// activations' dtype) and --memory-limit (one size, or one per stage; an Error otherwise).
-PipelineConfig pipeline_config(int stages, const std::string& split, const std::string& schedule,
-                               const Shape& sample_shape, const std::string& precision, std::int64_t batch,
+// The pipeline of options.pipeline_stages stages (stage 0; the caller sets its own) for batches of
+// `batch` samples of `sample_shape`: --pipeline-split, --pipeline-schedule, --precision (the
+// activations' dtype); `memory_limits`: --memory-limit as given (one size, or one per stage; an Error
+// otherwise).
+PipelineConfig pipeline_config(const StepOptions& options, const Shape& sample_shape, std::int64_t batch,
                                const std::string& memory_limits);
 
 struct Setup {

@@ -46,11 +46,9 @@ std::vector<std::int64_t> parse_batch_sizes(const std::string& list) {
   return sizes;
 }
 
-double scaled_lr(double lr, std::int64_t b, std::int64_t b0, const std::string& rule) {
+double scaled_lr(double lr, std::int64_t b, std::int64_t b0, LrScaling rule) {
   const double r = static_cast<double>(b) / static_cast<double>(b0);
-  if (rule == "linear") return lr * r;
-  if (rule == "sqrt") return lr * std::sqrt(r);
-  throw Error(fmt::format("--lr-scaling '{}' is not allowed: expected one of linear, sqrt", rule));
+  return rule == LrScaling::sqrt ? lr * std::sqrt(r) : lr * r;
 }
 
 namespace {
@@ -68,9 +66,10 @@ std::string budget_text(const TrainOptions& t) {
 std::string csv(const std::vector<SweepRow>& rows) {
   std::string s = kHeader;
   for (const SweepRow& r : rows)
-    s += fmt::format("{},{},{},{},{:.6g},{:.6f},{:.6f},{:.2f},{},{},{:.2f}\n", r.batch_size, r.micro_batch,
-                     r.micro_batches_per_step, r.steps, r.lr, r.train_loss, r.test_accuracy, r.images_per_second,
-                     r.predicted_peak_bytes, r.peak_bytes, r.wall_seconds);
+    s += fmt::format("{},{},{},{},{:.6g},{:.6f},{},{:.2f},{},{},{:.2f}\n", r.batch_size, r.micro_batch,
+                     r.micro_batches_per_step, r.steps, r.lr, r.train_loss,
+                     r.test_accuracy ? fmt::format("{:.6f}", *r.test_accuracy) : "",  // empty: --no-eval
+                     r.images_per_second, r.predicted_peak_bytes, r.peak_bytes, r.wall_seconds);
   return s;
 }
 
@@ -89,18 +88,11 @@ struct Prepared {
 
 PlanOptions plan_options(const SweepOptions& opt, const DataInfo& data, const std::string& device, std::int64_t b) {
   PlanOptions po;
-  po.model = opt.train.model;
-  po.norm = opt.train.norm;
+  static_cast<StepOptions&>(po) = opt.train;  // the step's options are the runs'
   po.input = fmt::format("{}x{}x{}", data.channels, data.height, data.width);
   po.num_classes = data.num_classes;
   po.batch_size = b;
-  po.memory_limit = opt.train.memory_limit;
   if (opt.train.micro_batch) po.micro_batch = std::min(*opt.train.micro_batch, b);
-  po.optimizer = opt.train.optimizer;
-  po.recompute = opt.train.recompute;
-  po.precision = opt.train.precision;
-  po.memory_format = opt.train.memory_format;
-  po.momentum = opt.train.momentum;
   po.device = device;
   po.layers = false;
   return po;
@@ -114,7 +106,6 @@ Prepared prepare(const SweepOptions& opt) {
                             "another folder", opt.train.out, opt.train.out));
   if (distributed::launched_by_mpi())
     throw Error("tally sweep runs in one process; under mpirun, run `tally train` once per batch size instead");
-  check_choice("--lr-scaling", opt.lr_scaling, {"linear", "sqrt"});
   Prepared p;
   p.sizes = parse_batch_sizes(opt.batch_sizes);
   TrainOptions largest = opt.train;  // --batch-size is the sweep's list: --micro-batch is checked against its largest
@@ -151,7 +142,8 @@ Prepared prepare(const SweepOptions& opt) {
 
 nlohmann::json row_json(const SweepRow& r, std::int64_t limit_bytes) {
   return {{"batch_size", r.batch_size}, {"micro_batch", r.micro_batch}, {"micro_batches_per_step", r.micro_batches_per_step},
-          {"steps", r.steps}, {"lr", r.lr}, {"train_loss", r.train_loss}, {"test_accuracy", r.test_accuracy},
+          {"steps", r.steps}, {"lr", r.lr}, {"train_loss", r.train_loss},
+          {"test_accuracy", r.test_accuracy ? nlohmann::json(*r.test_accuracy) : nlohmann::json(nullptr)},
           {"images_per_second", r.images_per_second}, {"predicted_peak_bytes", r.predicted_peak_bytes},
           {"peak_bytes", r.peak_bytes}, {"wall_seconds", r.wall_seconds}, {"memory_limit_bytes", limit_bytes}};
 }
@@ -167,7 +159,8 @@ std::optional<SweepRow> finished_row(const std::filesystem::path& dir, std::int6
     SweepRow r;
     r.batch_size = j.at("batch_size"), r.micro_batch = j.at("micro_batch");
     r.micro_batches_per_step = j.at("micro_batches_per_step"), r.steps = j.at("steps"), r.lr = j.at("lr");
-    r.train_loss = j.at("train_loss"), r.test_accuracy = j.at("test_accuracy");
+    r.train_loss = j.at("train_loss");
+    if (!j.at("test_accuracy").is_null()) r.test_accuracy = j.at("test_accuracy").get<double>();
     r.images_per_second = j.at("images_per_second"), r.predicted_peak_bytes = j.at("predicted_peak_bytes");
     r.peak_bytes = j.at("peak_bytes"), r.wall_seconds = j.at("wall_seconds");
     *limit_bytes = j.at("memory_limit_bytes");
@@ -178,10 +171,11 @@ std::optional<SweepRow> finished_row(const std::filesystem::path& dir, std::int6
 }
 
 // One run of the sweep (its log in its folder's train.log, appended to when it resumes), as a row.
-SweepRow run_one(const TrainOptions& t, std::int64_t* limit_bytes, int* stop_signal) {
+// The run's progress bar goes to the sweep's log.
+SweepRow run_one(const TrainOptions& t, std::ostream& log, std::int64_t* limit_bytes, int* stop_signal) {
   std::ofstream run_log(std::filesystem::path(t.out) / "train.log", t.resume.empty() ? std::ios::trunc : std::ios::app);
   const auto t0 = std::chrono::steady_clock::now();
-  const TrainResult r = train(t, run_log);
+  const TrainResult r = train(t, run_log, &log);
   *stop_signal = r.stop_signal;
   SweepRow row;
   row.batch_size = t.batch_size;
@@ -190,7 +184,7 @@ SweepRow run_one(const TrainOptions& t, std::int64_t* limit_bytes, int* stop_sig
   row.steps = r.steps;
   row.lr = t.lr;
   row.train_loss = r.train_loss;
-  row.test_accuracy = r.test_accuracy;
+  if (t.evaluate) row.test_accuracy = r.test_accuracy;
   row.images_per_second = r.images_per_second;
   row.predicted_peak_bytes = r.predicted_peak_bytes;
   row.peak_bytes = r.peak_bytes;
@@ -203,7 +197,7 @@ SweepRow run_one(const TrainOptions& t, std::int64_t* limit_bytes, int* stop_sig
 void write_sweep_json(const SweepOptions& opt) {
   nlohmann::json options = nlohmann::json::object();
   for (const auto& [name, value] : option_values(opt.train)) options[name] = value;
-  const nlohmann::json j = {{"batch_sizes", opt.batch_sizes}, {"lr_scaling", opt.lr_scaling},
+  const nlohmann::json j = {{"batch_sizes", opt.batch_sizes}, {"lr_scaling", name_of(opt.lr_scaling)},
                             {"warmup_given", opt.warmup_given}, {"options", options}};
   write_text(std::filesystem::path(opt.train.out) / "sweep.json", j.dump(1) + "\n");
 }
@@ -217,13 +211,13 @@ std::vector<SweepRow> sweep(const SweepOptions& opt, std::ostream& log, int* sto
   std::filesystem::create_directories(out);
   if (opt.resume.empty()) write_sweep_json(opt);
   fmt::print(log, "sweep: {} on {} ({}), {} batch sizes, lr {} at batch {} scaled {}, memory limit {}, {} per run\n",
-             opt.train.model, opt.train.data, p.device, sizes.size(), opt.train.lr, sizes.front(), opt.lr_scaling,
+             opt.train.model, opt.train.data, p.device, sizes.size(), opt.train.lr, sizes.front(), name_of(opt.lr_scaling),
              opt.train.memory_limit,
              budget_text(opt.train));
   for (const std::string& note : p.notes) fmt::print(log, "sweep: {}\n", note);
   const std::string title = fmt::format("{} on {}: {} per batch size, lr {} at batch {} ({} scaling)",
                                         opt.train.model, opt.train.data, budget_text(opt.train), opt.train.lr,
-                                        sizes.front(), opt.lr_scaling);
+                                        sizes.front(), name_of(opt.lr_scaling));
   std::vector<SweepRow> rows;
   std::int64_t limit_bytes = 0;
   for (std::size_t i = 0; i < sizes.size(); ++i) {
@@ -235,7 +229,6 @@ std::vector<SweepRow> sweep(const SweepOptions& opt, std::ostream& log, int* sto
     t.warmup_epochs = p.warmups[i];
     t.out = (out / fmt::format("b{}", b)).string();
     t.save.clear();
-    t.progress = false;
     std::filesystem::create_directories(t.out);
     std::optional<SweepRow> done = opt.resume.empty() ? std::nullopt : finished_row(t.out, &limit_bytes);
     if (done) {
@@ -250,7 +243,7 @@ std::vector<SweepRow> sweep(const SweepOptions& opt, std::ostream& log, int* sto
                t.resume.empty() ? "" : " | resumed from its checkpoint");
     log.flush();
     int stopped = 0;
-    SweepRow one = run_one(t, &limit_bytes, &stopped);
+    SweepRow one = run_one(t, log, &limit_bytes, &stopped);
     if (stopped) {
       fmt::print(log, "      stopped by {} (the run's checkpoint is in {}); continue the sweep with: tally sweep "
                       "--resume {}\n", StopSignals::name(stopped), t.out, out.string());
@@ -258,8 +251,10 @@ std::vector<SweepRow> sweep(const SweepOptions& opt, std::ostream& log, int* sto
       return rows;
     }
     const SweepRow& row = rows.emplace_back(one);
-    fmt::print(log, "      {} steps | test accuracy {:.2f}% | {:.1f} img/s | peak {} bytes, predicted {}{} | {:.0f} s\n",
-               row.steps, 100.0 * row.test_accuracy, row.images_per_second, row.peak_bytes, row.predicted_peak_bytes,
+    fmt::print(log, "      {} steps | test accuracy {} | {:.1f} img/s | peak {} bytes, predicted {}{} | {:.0f} s\n",
+               row.steps,
+               row.test_accuracy ? fmt::format("{:.2f}%", 100.0 * *row.test_accuracy) : "not measured (--no-eval)",
+               row.images_per_second, row.peak_bytes, row.predicted_peak_bytes,
                row.peak_bytes == row.predicted_peak_bytes ? " (exact)" : "", row.wall_seconds);
     log.flush();
     // Written after every run, so an interrupted sweep leaves what it measured.
@@ -283,7 +278,12 @@ SweepOptions sweep_resume_options(const std::string& dir) {
     for (const auto& [key, value] : j.at("options").items()) values[key] = value.get<std::string>();
     o.train = options_from_values(values, file.string());
     o.batch_sizes = j.at("batch_sizes").get<std::string>();
-    o.lr_scaling = j.at("lr_scaling").get<std::string>();
+    const std::string scaling = j.at("lr_scaling").get<std::string>();
+    const std::optional<LrScaling> rule = enum_from<LrScaling>(scaling);
+    if (!rule)
+      throw FormatError(fmt::format("{}: expected \"lr_scaling\" to be one of {}, found {}", file.string(),
+                                    names_list(LrScaling{}), scaling));
+    o.lr_scaling = *rule;
     o.warmup_given = j.at("warmup_given").get<bool>();
   } catch (const nlohmann::json::exception& e) {
     throw FormatError(fmt::format("{}: expected a sweep's options, found: {}", file.string(), e.what()));
@@ -291,20 +291,6 @@ SweepOptions sweep_resume_options(const std::string& dir) {
   o.train.out = dir;
   o.resume = dir;
   return o;
-}
-
-void check_sweep_resume(const SweepOptions& saved, const SweepOptions& given, const std::vector<std::string>& names) {
-  auto named = [&](const char* n) { return names.empty() || std::find(names.begin(), names.end(), n) != names.end(); };
-  std::string differences;
-  if (named("batch-sizes") && saved.batch_sizes != given.batch_sizes)
-    differences += fmt::format("\n  --batch-sizes: the sweep has {}, given {}", saved.batch_sizes, given.batch_sizes);
-  if (named("lr-scaling") && saved.lr_scaling != given.lr_scaling)
-    differences += fmt::format("\n  --lr-scaling: the sweep has {}, given {}", saved.lr_scaling, given.lr_scaling);
-  if (!differences.empty())
-    throw Error(fmt::format("--resume {}: a resumed sweep keeps its options:{}", given.resume, differences));
-  TrainOptions t = given.train;
-  t.resume = given.resume;
-  check_resume_options(saved.train, t, names);
 }
 
 // ---- the picture ---------------------------------------------------------------------------------------
@@ -354,14 +340,23 @@ std::string sweep_svg(const std::vector<SweepRow>& rows, std::int64_t memory_lim
     return p;
   };
   double amin = 1, amax = 0, imax = 0;
+  bool measured = false;  // the test accuracy (not with --no-eval)
   for (const SweepRow& row : r) {
-    amin = std::min(amin, row.test_accuracy);
-    amax = std::max(amax, row.test_accuracy);
+    if (row.test_accuracy) {
+      measured = true;
+      amin = std::min(amin, *row.test_accuracy);
+      amax = std::max(amax, *row.test_accuracy);
+    }
     imax = std::max(imax, row.images_per_second);
   }
-  const double alo = std::max(0.0, std::floor((amin - 0.02) * 50) / 50), ahi = std::min(1.0, std::ceil((amax + 0.01) * 50) / 50);
-  s += panel(top1, "test accuracy (%)", "#4e79a7", [](const SweepRow& row) { return row.test_accuracy; }, alo,
-             ahi > alo ? ahi : alo + 0.02, [](double v) { return fmt::format("{:.1f}", 100 * v); });
+  if (measured) {
+    const double alo = std::max(0.0, std::floor((amin - 0.02) * 50) / 50), ahi = std::min(1.0, std::ceil((amax + 0.01) * 50) / 50);
+    s += panel(top1, "test accuracy (%)", "#4e79a7", [](const SweepRow& row) { return row.test_accuracy.value_or(0); },
+               alo, ahi > alo ? ahi : alo + 0.02, [](double v) { return fmt::format("{:.1f}", 100 * v); });
+  } else {
+    s += fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">test accuracy not measured (--no-eval)</text>\n",
+                     left + pw / 2, top1 + ph / 2);
+  }
   s += panel(top2, "training images/s", "#f28e2b", [](const SweepRow& row) { return row.images_per_second; }, 0.0,
              imax > 0 ? imax * 1.1 : 1.0, [](double v) { return fmt::format("{:.0f}", v); });
   for (const SweepRow& row : r)

@@ -10,10 +10,12 @@
 // error. Results go to --out: sweep.csv (a row per batch size), sweep.svg (test accuracy and
 // images/s against batch size on a log axis, the batches that needed micro-batches marked, the
 // memory limit stated) and one folder per run (b<B>/: the run's log, metrics, summary, memory
-// timeline). A line per run shows progress.
+// timeline). A line per run shows the sweep's progress, and the running run's progress bar the
+// run's (--no-progress: the lines only); --no-eval skips the test set (timing sweeps: no accuracy).
 #pragma once
 #include <cstdint>
 #include <iosfwd>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -22,9 +24,11 @@
 namespace tally::app {
 
 struct SweepOptions {
-  TrainOptions train;                 // batch_size, out, save and init are set per run
+  // A warm-up of half an epoch by default: linear scaling comes with one (Goyal et al. 2017).
+  SweepOptions() { train.warmup_epochs = 0.5; }
+  TrainOptions train;  // batch_size, out, save and init are set per run
   std::string batch_sizes = "128,256,512,1024";
-  std::string lr_scaling = "linear";  // linear | sqrt
+  LrScaling lr_scaling = LrScaling::linear;
   // Whether train.warmup_epochs is the user's. The sweep's default (half an epoch, which linear
   // scaling wants) adapts to a run shorter than that: it warms up over half the run's steps. A
   // warm-up the user gave that does not fit a run is an error.
@@ -37,7 +41,8 @@ struct SweepOptions {
 
 struct SweepRow {
   std::int64_t batch_size = 0, micro_batch = 0, micro_batches_per_step = 0, steps = 0;
-  double lr = 0, train_loss = 0, test_accuracy = 0, images_per_second = 0;
+  double lr = 0, train_loss = 0, images_per_second = 0;
+  std::optional<double> test_accuracy;  // none with --no-eval
   std::int64_t predicted_peak_bytes = 0, peak_bytes = 0;
   double wall_seconds = 0;
 };
@@ -46,8 +51,8 @@ struct SweepRow {
 // size is an Error naming the item.
 std::vector<std::int64_t> parse_batch_sizes(const std::string& list);
 
-// The learning rate of batch b when `lr` is that of b0 ("linear": lr*b/b0, "sqrt": lr*sqrt(b/b0)).
-double scaled_lr(double lr, std::int64_t b, std::int64_t b0, const std::string& rule);
+// The learning rate of batch b when `lr` is that of b0 (linear: lr*b/b0, sqrt: lr*sqrt(b/b0)).
+double scaled_lr(double lr, std::int64_t b, std::int64_t b0, LrScaling rule);
 
 // Every run of the sweep. When a run is stopped by a signal (apps/trainer.h), the sweep stops after
 // it and sets *stop_signal (when given) to the signal; the rows are those finished.
@@ -56,9 +61,6 @@ std::vector<SweepRow> sweep(const SweepOptions& opt, std::ostream& log, int* sto
 // The options of the sweep in folder `dir` (its sweep.json), with resume = out = dir; tally::Error
 // if there is none.
 SweepOptions sweep_resume_options(const std::string& dir);
-// Throws one tally::Error listing every option of `names` (all when empty) that differs between
-// the sweep's saved options and `given` (apps/run_state.h: the few that may change are skipped).
-void check_sweep_resume(const SweepOptions& saved, const SweepOptions& given, const std::vector<std::string>& names);
 
 // The picture of a sweep: accuracy and images/s against batch size (log axis).
 std::string sweep_svg(const std::vector<SweepRow>& rows, std::int64_t memory_limit_bytes, const std::string& title);

@@ -45,11 +45,11 @@ void write_summary(const TrainOptions& opt, const TrainResult& result) {
                       {"steps", result.steps},
                       {"device", result.device},
                       {"model", opt.model},
-                      {"norm", opt.norm},
+                      {"norm", name_of(opt.norm)},
                       {"batch_size", opt.batch_size},
-                      {"loss_normalization", opt.loss_normalization},
+                      {"loss_normalization", name_of(opt.loss_normalization)},
                       {"recompute", result.recompute},
-                      {"precision", opt.precision},
+                      {"precision", name_of(opt.precision)},
                       {"memory_format", result.memory_format},
                       {"data", opt.data},
                       {"world_size", result.world_size},
@@ -76,12 +76,12 @@ void TrainingRun::print_header(const Setup& setup) const {
   const Device dev = rank_.dev;
   fmt::print(log_, "{}\n", build_info());
   fmt::print(log_, "model {} (norm {}), {} parameters | data {}: {} train / {} test, {}x{}x{}, {} classes\n", rank_options_.model,
-             rank_options_.norm, setup.parameters, t.name, t.size(), split_.test.size(), t.channels, t.height, t.width,
+             name_of(rank_options_.norm), setup.parameters, t.name, t.size(), split_.test.size(), t.channels, t.height, t.width,
              t.num_classes);
   fmt::print(log_, "device {}{} | precision {} | memory format {} | batch {} | {} steps ({} per epoch) | {} lr {} schedule {} | augment {} shuffle {} normalize {}\n",
              dev.str(), dev.is_cuda() ? (rank_options_.tf32 ? " (TF32 on)" : " (TF32 off)") : (rank_options_.tf32 ? " (--tf32: no effect on the CPU)" : ""),
-             rank_options_.precision == "bf16" ? "bf16 (bf16 activations, float32 weights, gradients and loss)" : "fp32",
-             memory_format_name(executor_->memory_format()), rank_options_.batch_size, steps_.total, per_epoch_, rank_options_.optimizer, rank_options_.lr, rank_options_.schedule,
+             rank_options_.precision == mbp::Precision::bf16 ? "bf16 (bf16 activations, float32 weights, gradients and loss)" : "fp32",
+             memory_format_name(executor_->memory_format()), rank_options_.batch_size, steps_.total, per_epoch_, name_of(rank_options_.optimizer), rank_options_.lr, rank_options_.schedule,
              augments(rank_options_) ? "on" : "off", rank_options_.shuffle ? "on" : "off", rank_options_.normalize ? "on" : "off");
   fmt::print(log_, "memory limit {}{}: {} allocated before planning\n", format_bytes(arena_->capacity()),
              rank_options_.memory_limit == "auto" ? " (auto)" : "", persistent_summary(*arena_));
@@ -95,7 +95,7 @@ void TrainingRun::print_plan(const mbp::Plan& plan) const {
              rank_options_.micro_batch ? fmt::format("--micro-batch {} checked", *rank_options_.micro_batch)
                               : std::string("largest micro-batch that fits, found"),
              plan.probes, plan.seconds * 1000.0);
-  if (rank_options_.loss_normalization != "exact")
+  if (rank_options_.loss_normalization != mbp::LossNormalization::exact)
     fmt::print(log_, "      loss normalization per-micro-batch: each micro-batch's mean / {} (not the full batch's "
                      "mean when the micro-batches differ in size)\n", plan.micro_batches);
 }

@@ -7,6 +7,7 @@
 #include <omp.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <filesystem>
@@ -15,6 +16,7 @@
 
 #include <fmt/format.h>
 #include <fmt/ostream.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "apps/run_state.h"
@@ -63,25 +65,17 @@ Device choose_device(const std::string& d) {
 // Every option, checked before any work: a bad value is an Error naming the flag, the value found
 // and what is allowed. Returns the device the run uses.
 Device validate(const TrainOptions& opt) {
-  check_model_options(opt.model, opt.norm, opt.optimizer, opt.batch_size, opt.micro_batch);
-  check_choice("--schedule", opt.schedule, optim::schedule_names());
-  check_choice("--loss-normalization", opt.loss_normalization, loss_normalization_names());
-  mbp::check_recompute_policy(opt.recompute);
-  check_choice("--precision", opt.precision, mbp::precision_names());
-  check_choice("--memory-format", opt.memory_format, mbp::memory_format_names());
+  check_step_options(opt);
+  const std::vector<std::string>& schedules = optim::schedule_names();
+  if (std::find(schedules.begin(), schedules.end(), opt.schedule) == schedules.end())
+    throw Error(fmt::format("--schedule: expected one of {}, found {}", fmt::join(schedules, ", "), opt.schedule));
   if (!opt.steps) check_number("--epochs", kPositiveWhole, static_cast<double>(opt.epochs));
   if (opt.steps) check_number("--steps", kPositiveWhole, static_cast<double>(*opt.steps));
-  if (opt.num_classes) check_number("--num-classes", kPositiveWhole, static_cast<double>(*opt.num_classes));
   check_number("--lr", kNonNegative, opt.lr);
-  check_number("--momentum", kNonNegative, opt.momentum);
   check_number("--weight-decay", kNonNegative, opt.weight_decay);
   check_number("--warmup-epochs", kNonNegative, opt.warmup_epochs);
   check_number("--label-smoothing", kFraction, opt.label_smoothing);
   check_number("--threads", kNonNegativeWhole, opt.threads);
-  check_number("--pipeline-stages", kPositiveWhole, opt.pipeline_stages);
-  check_choice("--pipeline-schedule", opt.pipeline_schedule, mbp::pipeline_schedule_names());
-  if (opt.pipeline_stages == 1 && !opt.pipeline_split.empty())
-    throw Error(fmt::format("--pipeline-split {}: there is one stage (give --pipeline-stages)", opt.pipeline_split));
   if (opt.pipeline_stages > 1) {
     if (opt.device != "cpu" && opt.device != "auto")
       throw Error(fmt::format("--pipeline-stages {} with --device {}: pipeline stages run on the CPU, one MPI rank each "
@@ -90,7 +84,7 @@ Device validate(const TrainOptions& opt) {
     if (!opt.checkpoint_every.empty() || !opt.resume.empty())
       throw Error(fmt::format("--pipeline-stages {} with {}: a pipeline run writes no training-state checkpoints yet",
                               opt.pipeline_stages, opt.resume.empty() ? "--checkpoint-every" : "--resume"));
-    if (opt.loss_normalization != "exact")
+    if (opt.loss_normalization != mbp::LossNormalization::exact)
       throw Error("--loss-normalization per-micro-batch is for one process; a pipeline uses exact");
   }
   const Device dev = opt.pipeline_stages > 1 ? Device::cpu() : choose_device(opt.device);
@@ -140,7 +134,7 @@ void write_timeline(const TrainOptions& opt, Arena& arena, Device dev, std::int6
   const std::filesystem::path dir(opt.out);
   write_text(dir / "memory_trace.json", arena.trace_json());
   report::TimelineOptions to;
-  to.title = fmt::format("{} (norm {}) on {}: step {}, batch {} as {} micro-batches of <= {}", opt.model, opt.norm,
+  to.title = fmt::format("{} (norm {}) on {}: step {}, batch {} as {} micro-batches of <= {}", opt.model, name_of(opt.norm),
                          dev.str(), step + 1, batch, r.micro_batches, r.micro_batch);
   to.budget = arena.capacity();
   to.predicted_peak = r.predicted_peak;
@@ -189,7 +183,7 @@ void set_up_rank(RankSetup& r, const TrainOptions& options, std::ostream& all_lo
                             r.opt.pipeline_stages, r.opt.pipeline_stages, r.ranks, r.ranks == 1 ? "" : "s",
                             r.ranks > r.opt.pipeline_stages ? " (pipeline stages and data parallelism together are not "
                                                               "supported)" : ""));
-  if (r.ranks > 1 && r.opt.loss_normalization != "exact")
+  if (r.ranks > 1 && r.opt.loss_normalization != mbp::LossNormalization::exact)
     throw Error("--loss-normalization per-micro-batch is for one process; data parallelism uses exact");
   if (r.ranks > 1 && r.dev.is_cuda() && (r.opt.device == "auto" || r.opt.device == "cuda"))
     r.dev = Device::cuda(distributed::local_rank());  // each rank of a machine on its own GPU
@@ -221,15 +215,14 @@ Setup model_setup(const TrainOptions& opt, const data::Dataset& train_set, const
   mc.name = opt.model;
   mc.in_channels = train_set.channels;
   mc.num_classes = train_set.num_classes;
-  mc.norm = nn::parse_norm(opt.norm);
+  mc.norm = opt.norm;
   OptimizerConfig oc;
-  oc.name = opt.optimizer;
+  oc.kind = opt.optimizer;
   oc.lr = opt.lr, oc.momentum = opt.momentum, oc.weight_decay = opt.weight_decay, oc.nesterov = opt.nesterov;
   const std::string init = opt.resume.empty() ? opt.init : "";  // resumed: the checkpoint's weights
   if (opt.pipeline_stages == 1) return build_setup(arena, mc, init, oc, format_bytes(arena->capacity()));
-  PipelineConfig pc = pipeline_config(opt.pipeline_stages, opt.pipeline_split, opt.pipeline_schedule,
-                                      {train_set.channels, train_set.height, train_set.width}, opt.precision,
-                                      opt.batch_size, all_limits);
+  PipelineConfig pc = pipeline_config(opt, {train_set.channels, train_set.height, train_set.width}, opt.batch_size,
+                                      all_limits);
   pc.stage = distributed::process_world()->rank();
   return build_setup(arena, mc, init, oc, format_bytes(arena->capacity()), &pc);
 }
@@ -237,17 +230,12 @@ Setup model_setup(const TrainOptions& opt, const data::Dataset& train_set, const
 mbp::ExecutorOptions executor_options(const TrainOptions& opt, const data::Dataset& train_set, const Setup& setup,
                                       Device device, std::shared_ptr<distributed::Communicator> comm,
                                       std::ostream& log) {
-  mbp::ExecutorOptions eo;
-  eo.sample_shape = {train_set.channels, train_set.height, train_set.width};
+  mbp::ExecutorOptions eo = app::executor_options(opt, {train_set.channels, train_set.height, train_set.width}, device,
+                                                  setup.stage.has_value());
   eo.loss.label_smoothing = opt.label_smoothing;
-  eo.micro_batch = opt.micro_batch;
-  eo.normalization = opt.loss_normalization == "exact" ? mbp::LossNormalization::exact
-                                                       : mbp::LossNormalization::per_micro_batch;
+  eo.normalization = opt.loss_normalization;
   eo.log = [&log](const std::string& line) { fmt::print(log, "\n{}\n", line); };
   eo.communicator = std::move(comm);
-  eo.recompute = opt.recompute;
-  eo.precision = mbp::parse_precision(opt.precision);
-  eo.memory_format = mbp::parse_memory_format(opt.memory_format, device, setup.stage.has_value());
   eo.pipeline = setup.stage;
   return eo;
 }
@@ -278,10 +266,11 @@ const RankSetup& rank_setup(RankSetup& r, const TrainOptions& options, std::ostr
 
 }  // namespace
 
-TrainingRun::TrainingRun(const TrainOptions& options, std::ostream& all_log)
+TrainingRun::TrainingRun(const TrainOptions& options, std::ostream& all_log, std::ostream* progress)
     : run_options_(options),
       rank_options_(rank_setup(rank_, options, all_log).opt),
       log_(*rank_.log),
+      progress_(progress ? *progress : log_),
       profiler_(rank_.dev, rank_options_.profile),
       split_(load_data(rank_options_)),
       loader_(split_.train, loader_options(rank_options_, augments(rank_options_))),
@@ -331,7 +320,7 @@ TrainResult TrainingRun::run() {
   open_metrics();
   result_.device = rank_.dev.str();
   result_.recompute = executor_->recompute_choice().name;
-  result_.precision = rank_options_.precision;
+  result_.precision = name_of(rank_options_.precision);
   result_.memory_format = memory_format_name(executor_->memory_format());
   result_.memory_limit_bytes = static_cast<std::int64_t>(arena_->capacity());
   const std::int64_t epochs = (steps_.total + per_epoch_ - 1) / per_epoch_;
@@ -356,7 +345,7 @@ void TrainingRun::train_epoch(std::int64_t epoch, std::int64_t epochs) {
   loader_.start_epoch(epoch, first_batch);
   if (first_batch == 0) epoch_loss_ = 0, epoch_steps_ = 0;
   const std::int64_t in_epoch = std::min(per_epoch_, steps_.total - epoch * per_epoch_);
-  Progress bar(log_, rank_options_.progress, in_epoch, epoch, epochs);
+  Progress bar(progress_, rank_options_.progress, in_epoch, epoch, epochs);
   while (meter_.steps < steps_.total && epoch_steps_ < in_epoch) {
     const std::int64_t step = meter_.steps;
     // A step's time runs from asking for its batch (a loader that cannot keep up counts) to the
@@ -447,15 +436,15 @@ bool TrainingRun::step_boundary() {
 
 
 
-TrainResult train(const TrainOptions& options, std::ostream& all_log) {
-  if (options.resume.empty()) return TrainingRun(options, all_log).run();
+TrainResult train(const TrainOptions& options, std::ostream& all_log, std::ostream* progress) {
+  if (options.resume.empty()) return TrainingRun(options, all_log, progress).run();
   TrainOptions o = options;  // a resumed run: the saved options, but for the few that may change
   std::error_code ec;
   if (o.out.empty()) o.out = o.resume;
   if (!std::filesystem::equivalent(o.out, o.resume, ec))
     throw Error(fmt::format("--out {} with --resume {}: a resumed run continues in its own run folder", o.out, o.resume));
   check_resume_options(resume_options(o.resume), o, {});
-  return TrainingRun(o, all_log).run();
+  return TrainingRun(o, all_log, progress).run();
 }
 
 }  // namespace tally::app

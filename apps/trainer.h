@@ -12,65 +12,41 @@
 #include <utility>
 #include <vector>
 
+#include "apps/options.h"
+
 namespace tally::app {
 
-struct TrainOptions {
-  std::string model = "resnet20";
-  std::string norm = "batch";
-  std::string data = "synthetic";
-  std::optional<std::int64_t> num_classes;  // synthetic data only (default: as `tally plan`)
+// The options of `tally train` (apps/options.h holds their flags, help and rules): the step's
+// (StepOptions: model, batch, budget, micro-batch, recomputation, precision, pipeline) and the run's.
+struct TrainOptions : StepOptions {
+  std::string data = "synthetic";  // synthetic[:CxHxW] | mnist:DIR | fashion-mnist[:DIR] | cifar10:DIR | cifar100:DIR
   std::int64_t epochs = 2;
   std::optional<std::int64_t> steps;  // overrides epochs when set
-  std::int64_t batch_size = 128;
-  std::string optimizer = "sgd";
-  double lr = 0.1, momentum = 0.9, weight_decay = 5e-4;
+  double lr = 0.1, weight_decay = 5e-4;
   bool nesterov = false;
-  std::string schedule = "cosine";
+  std::string schedule = "cosine";  // optim::schedule_names()
   double warmup_epochs = 0;
   double label_smoothing = 0;
   std::optional<bool> augment;  // default: on, except for MNIST and Fashion-MNIST
   bool shuffle = true, normalize = true;
   std::uint64_t seed = 0;
-  std::string device = "auto";
   int threads = 0;  // 0: leave the default
   bool tf32 = false;  // CUDA: float32 GEMMs and convolutions may use TF32 tensor cores
   bool profile = false;  // time per op over the steps after the first (GPU time on CUDA, host time on the CPU; profile.txt)
   std::string init, save, out;
   bool progress = true;  // progress bar on stdout
   bool evaluate = true;  // the test set after every epoch (off: training steps only, e.g. for timing)
-  // Arena capacity: a size ("48MiB", "2GiB") or "auto", or under mpirun a comma list with one
-  // per rank ("48MiB,24MiB"); (CPU: 8 GiB of address space; CUDA:
-  // free device memory less a margin of max(1 GiB, 1/32 of the device)).
-  std::string memory_limit = "auto";
-  std::optional<std::int64_t> micro_batch;  // unset: the largest that fits ("auto")
-  // auto | none | blocks | all | a level: recomputation (ExecutorOptions::recompute, mbp/executor.h).
-  std::string recompute = "auto";
-  // fp32 | bf16: bf16 mixed precision (mbp::Precision, mbp/executor.h; docs/precision.md): bf16
-  // activations, float32 master weights, gradients, optimizer state and loss. Evaluation too.
-  std::string precision = "fp32";
-  // auto | contiguous | channels_last: the layout of the activations (ExecutorOptions::memory_format,
-  // docs/memory-format.md); channels_last skips oneDNN's reorders around every CPU convolution;
-  // auto: channels_last on a CPU with oneDNN, contiguous on CUDA and for pipeline stages.
-  std::string memory_format = "auto";
-  // "exact" (the full batch's mean for any split) or "per-micro-batch" (each micro-batch's mean
-  // divided by their number, as the MBP paper's code: differs for uneven splits; for teaching).
-  std::string loss_normalization = "exact";
+  // exact (the full batch's mean for any split) or per_micro_batch (each micro-batch's mean divided
+  // by their number, as the MBP paper's code: differs for uneven splits; for teaching).
+  mbp::LossNormalization loss_normalization = mbp::LossNormalization::exact;
   // Training-state checkpoints into --out (docs/checkpoints.md; apps/run_state.h): "" (none), "N"
   // (every N steps) or a time ("90s", "10m", "2h"). With --out, a run also writes one when it is
   // stopped by a signal (SIGINT or SIGTERM in one process, SIGUSR1 under mpirun) and at its end.
   std::string checkpoint_every;
   // A run folder to continue from its newest checkpoint, bit for bit as if never interrupted. The
-  // options must be the run's (resume_options(dir) gives them; apps/run_state.h lists the few that
-  // may change); the weights come from the checkpoint, not from --init.
+  // options must be the run's (resume_options(dir) gives them; options_changeable_on_resume() lists
+  // the few that may change); the weights come from the checkpoint, not from --init.
   std::string resume;
-  // Pipeline stages (mbp/pipeline.h; docs/distributed.md): 1 (the whole model on every rank), or S
-  // with mpirun -np S: rank s runs stage s, a contiguous part of the model's segments (stem, residual
-  // blocks, head), on its own --memory-limit. --pipeline-split names the segments where stages 2..S
-  // begin ("layer3.0"); empty: the cut that makes the largest stage smallest. Schedule: 1f1b | gpipe.
-  // CPU only; not with checkpoints or data parallelism (errors that say so).
-  int pipeline_stages = 1;
-  std::string pipeline_split;
-  std::string pipeline_schedule = "1f1b";
   // Tests: fail the n-th arena allocation of this (0-based) step once, to exercise recovery.
   std::optional<std::pair<std::int64_t, std::uint64_t>> inject_oom;
 };
@@ -112,8 +88,9 @@ struct TrainResult {
   std::int64_t resumed_from = -1;   // the step a resumed run continued after, else -1
 };
 
-// Validates every option first (a bad value is a tally::Error listing the allowed values).
-TrainResult train(const TrainOptions& opt, std::ostream& log);
+// Validates every option first (a bad value is a tally::Error listing the allowed values). The
+// progress bar (TrainOptions::progress) goes to `progress` when given, else to `log`.
+TrainResult train(const TrainOptions& opt, std::ostream& log, std::ostream* progress = nullptr);
 
 // The checks train() starts with, on their own: every option (not the data set's files); returns
 // the device the run would use.

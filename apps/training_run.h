@@ -132,7 +132,7 @@ void write_summary(const TrainOptions& opt, const TrainResult& result);
 // stops when a signal asked it to.
 class TrainingRun {
  public:
-  TrainingRun(const TrainOptions& options, std::ostream& all_log);
+  TrainingRun(const TrainOptions& options, std::ostream& all_log, std::ostream* progress);
   TrainResult run();
 
  private:
@@ -153,6 +153,7 @@ class TrainingRun {
   RankSetup rank_;
   const TrainOptions& rank_options_;  // this rank's (rank_.opt): its --memory-limit of a list, output on rank 0 only
   std::ostream& log_;
+  std::ostream& progress_;  // the progress bar's stream: log_, or the caller's (tally sweep: the terminal)
   Profiler profiler_;  // --profile: time per op over the steps after the first
   data::Split split_;
   data::Loader loader_;

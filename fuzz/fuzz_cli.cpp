@@ -1,6 +1,6 @@
 // fuzz/fuzz_cli.cpp — libFuzzer harness for the command-line value parsers: parse_size
-// (core/arena.h), parse_device (core/device.h), parse_positive_integer, parse_micro_batch and
-// parse_memory_limit with its comma list per rank (apps/setup.h), parse_batch_sizes
+// (core/arena.h), parse_device (core/device.h), parse_positive_integer and parse_memory_limit with
+// its comma list per rank (apps/setup.h), every option's reading from text (apps/options.h), parse_batch_sizes
 // (apps/sweep.h), parse_checkpoint_every (apps/run_state.h), parse_pipeline_split (mbp/pipeline.h)
 // against ResNet-20's segments.
 //
@@ -11,9 +11,11 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <stdexcept>
 #include <string>
 
+#include "apps/options.h"
 #include "apps/run_state.h"
 #include "apps/setup.h"
 #include "apps/sweep.h"
@@ -63,9 +65,16 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
         require(!v || *v >= 1, "parse_positive_integer returned a value below 1");
         break;
       }
-      case 3: {
-        const auto v = app::parse_micro_batch(s);
-        require(!v || *v >= 1, "parse_micro_batch returned a value below 1");
+      case 3: {  // an option's value as text (apps/options.h): "name=value" into a run's saved options
+        const std::size_t eq = s.find('=');
+        std::map<std::string, std::string> values;
+        for (const auto& [name, value] : app::option_values(app::TrainOptions{})) values[name] = value;
+        values[s.substr(0, eq)] = eq == std::string::npos ? "" : s.substr(eq + 1);
+        const app::TrainOptions o = app::options_from_values(values, "fuzz");
+        std::map<std::string, std::string> again;
+        for (const auto& [name, value] : app::option_values(o)) again[name] = value;
+        require(app::option_values(app::options_from_values(again, "fuzz")) == app::option_values(o),
+                "an option's text did not read back as itself");
         break;
       }
       case 4:  // --memory-limit: one size per rank, as the trainer reads it

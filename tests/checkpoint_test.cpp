@@ -221,7 +221,7 @@ TEST(CheckpointManifest, BadFieldsAreFormatErrors) {
 TEST(RunState, OptionsSurviveTheirTextForm) {
   app::TrainOptions o;
   o.model = "resnet32", o.lr = 0.1 + 0.2, o.weight_decay = 1e-4 / 3, o.steps = 77, o.augment = false;
-  o.micro_batch = 12, o.seed = 18446744073709551615ull, o.precision = "bf16", o.checkpoint_every = "10m";
+  o.micro_batch = 12, o.seed = 18446744073709551615ull, o.precision = mbp::Precision::bf16, o.checkpoint_every = "10m";
   o.evaluate = false, o.num_classes = 100, o.warmup_epochs = 0.5;
   std::map<std::string, std::string> values;
   for (const auto& [k, v] : app::option_values(o)) values[k] = v;

@@ -5,8 +5,9 @@
 # code (mbp/ and apps/ include no kernels/ header), recomputation owned by mbp/ (no forget() in
 # apps/), the ambient arena set in few places (mbp/ makes one current only through a DryRun and
 # the executors' entry points in mbp/*executor*.cpp, and reads none; dry runs and virtual arenas
-# are made through core/dry_run.h's DryRun above core/), and functions short enough to read (at
-# most 80 lines in apps/, mbp/ and core/autograd.cpp).
+# are made through core/dry_run.h's DryRun above core/), every command-line option registered from
+# apps/options.cpp's table, and functions short enough to read (at most 80 lines in apps/, mbp/
+# and core/autograd.cpp).
 # Usage: structure_check.sh SOURCE_DIR
 set -uo pipefail
 cd "$1" || exit 2
@@ -33,6 +34,8 @@ found=$(grep -rnE '^[^/]*ArenaScope' mbp 2>/dev/null | grep -vE '^mbp/([a-z]+_)?
 [[ -z "$found" ]] || fail "mbp/ makes an arena current only in the executors' entry points (mbp/*executor*.cpp) and through a DryRun:" "$found"
 found=$(grep -rnE '^[^/]*(DryRunGuard|make_virtual|virtual_clone)' nn optim data distributed mbp apps examples 2>/dev/null)
 [[ -z "$found" ]] || fail "dry runs and virtual arenas above core/ come from one object, DryRun (core/dry_run.h):" "$found"
+found=$(grep -rnE '(->|\.)add_(option|flag)' apps 2>/dev/null | grep -v '^apps/options.cpp:' | grep -v '"--version"')
+[[ -z "$found" ]] || fail "every option of train, sweep and plan is registered from the one table (apps/options.cpp):" "$found"
 # No function of apps/, mbp/ or core/autograd.cpp longer than 80 lines (signature to closing brace,
 # lambdas and comments included): functions at column 0, as the code is formatted.
 found=$(for f in apps/*.cpp mbp/*.cpp mbp/report/*.cpp core/autograd.cpp; do

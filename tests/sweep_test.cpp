@@ -37,10 +37,9 @@ TEST(Sweep, BatchSizeListsAreParsedOrRejectedByName) {
 }
 
 TEST(Sweep, LearningRateScalesLinearlyOrBySquareRoot) {
-  EXPECT_DOUBLE_EQ(scaled_lr(0.1, 512, 128, "linear"), 0.4);
-  EXPECT_DOUBLE_EQ(scaled_lr(0.1, 512, 128, "sqrt"), 0.2);
-  EXPECT_DOUBLE_EQ(scaled_lr(0.1, 64, 128, "linear"), 0.05);
-  EXPECT_NE(error_of([] { scaled_lr(0.1, 2, 1, "cubic"); }).find("linear, sqrt"), std::string::npos);
+  EXPECT_DOUBLE_EQ(scaled_lr(0.1, 512, 128, LrScaling::linear), 0.4);
+  EXPECT_DOUBLE_EQ(scaled_lr(0.1, 512, 128, LrScaling::sqrt), 0.2);
+  EXPECT_DOUBLE_EQ(scaled_lr(0.1, 64, 128, LrScaling::linear), 0.05);
 }
 
 SweepOptions small(const std::string& dir) {
@@ -76,9 +75,6 @@ TEST(Sweep, BadInputsFailBeforeAnyTraining) {
   o.train.warmup_epochs = 2;
   o.warmup_given = true;  // the user's warm-up is kept, and is an error when it does not fit
   EXPECT_NE(error_of([&] { sweep(o, log); }).find("warm-up"), std::string::npos);
-  o = small(dir.string());
-  o.lr_scaling = "cubic";
-  EXPECT_NE(error_of([&] { sweep(o, log); }).find("--lr-scaling"), std::string::npos);
   o = small("");
   EXPECT_NE(error_of([&] { sweep(o, log); }).find("--out"), std::string::npos);
   o = small(dir.string());
@@ -122,6 +118,37 @@ TEST(Sweep, ASmallSweepWritesItsTableAndPicture) {
   EXPECT_NE(svg.find("batch 64: "), std::string::npos);
   for (const char* f : {"b16/summary.json", "b64/summary.json", "b64/train.log", "b64/memory.svg"})
     EXPECT_TRUE(std::filesystem::exists(dir / f)) << f;
+  // Each run's progress bar in the sweep's log, its other lines in its own train.log.
+  EXPECT_NE(log.str().find("epoch 1/1 ["), std::string::npos);
+}
+
+// --no-eval (timing sweeps): no test set, so no accuracy in the table, the picture or the log;
+// --no-progress: the sweep's lines only.
+TEST(Sweep, WithoutEvaluationNoAccuracyIsReported) {
+  const auto dir = std::filesystem::temp_directory_path() / "tally_sweep_no_eval";
+  std::filesystem::remove_all(dir);
+  std::ostringstream log;
+  SweepOptions o = small(dir.string());
+  o.batch_sizes = "16";
+  o.train.evaluate = false;
+  o.train.progress = false;
+  const auto rows = sweep(o, log);
+  SCOPED_TRACE(log.str());
+  ASSERT_EQ(rows.size(), 1u);
+  EXPECT_FALSE(rows[0].test_accuracy.has_value());
+  EXPECT_NE(log.str().find("test accuracy not measured (--no-eval)"), std::string::npos);
+  EXPECT_EQ(log.str().find("epoch 1/1 ["), std::string::npos);
+  std::ifstream csv(dir / "sweep.csv");
+  std::string header, line;
+  std::getline(csv, header);
+  std::getline(csv, line);
+  EXPECT_NE(line.find(",,"), std::string::npos) << "the test_accuracy field should be empty: " << line;
+  std::ifstream svg_file(dir / "sweep.svg");
+  const std::string svg((std::istreambuf_iterator<char>(svg_file)), std::istreambuf_iterator<char>());
+  EXPECT_NE(svg.find("test accuracy not measured (--no-eval)"), std::string::npos);
+  std::ifstream row_file(dir / "b16" / "sweep_row.json");
+  const std::string row((std::istreambuf_iterator<char>(row_file)), std::istreambuf_iterator<char>());
+  EXPECT_NE(row.find("\"test_accuracy\": null"), std::string::npos) << row;
 }
 
 }  // namespace
