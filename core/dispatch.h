@@ -122,7 +122,7 @@ namespace tally::detail {
 #define TALLY_DISPATCH_QUERY(op, t, set, ...) TALLY_DISPATCH_IMPL_(false, op, t, set, __VA_ARGS__)
 
 namespace tally::detail {
-// The profiler's timer of a kernel dispatch (kernels/cpu/cpu_kernels.h, kernels/cuda/context.h);
+// The profiler's timer of a kernel dispatch (the backend contract's OpTimer, kernels/backend.inc);
 // nothing for a query.
 template <class OpTimer, bool timed>
 struct Timer {

@@ -1,9 +1,15 @@
-// core/profiler.cpp — the Profiler of core/profiler.h over the backends' identical profiler
-// functions (kernels/cpu/cpu_kernels.h, kernels/cuda/context.h).
+// core/profiler.cpp — the Profiler of core/profiler.h over the backends' profiler functions (the
+// backend contract, kernels/backend.inc), and the table both print.
 #include "core/profiler.h"
 
+#include <algorithm>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+
 #include "kernels/cpu/cpu_kernels.h"
-#include "kernels/cuda/context.h"
+#include "kernels/cuda/cuda_kernels.h"
 
 namespace tally {
 
@@ -33,10 +39,32 @@ void Profiler::step_done(bool restart) const {
   });
 }
 
-std::string Profiler::report(const std::string& what) const {
-  std::string out;
-  TALLY_ON_PROFILER(out = kp::profile_report((device_.is_cpu() ? "host time per op " : "GPU time per op ") + what));
+namespace {
+
+// The table, largest first: op, calls, total ms, mean us, share of the time of all ops.
+std::string format_profile(const std::string& title, const std::string& what, const kernels::ProfileTable& table) {
+  std::vector<std::pair<std::string, kernels::ProfileRow>> rows(table.begin(), table.end());
+  std::sort(rows.begin(), rows.end(), [](const auto& a, const auto& b) { return a.second.ms > b.second.ms; });
+  double total = 0;
+  for (const auto& r : rows) total += r.second.ms;
+  std::string out =
+      fmt::format("{}\n{:<34} {:>8} {:>11} {:>10} {:>7}\n", title, what, "calls", "total ms", "mean us", "share");
+  for (const auto& [name, r] : rows)
+    out += fmt::format("{:<34} {:>8} {:>11.2f} {:>10.1f} {:>6.1f}%\n", name, r.calls, r.ms,
+                       r.calls ? 1000.0 * r.ms / static_cast<double>(r.calls) : 0.0,
+                       total > 0 ? 100.0 * r.ms / total : 0.0);
+  out += fmt::format("{:<34} {:>8} {:>11.2f}\n", "all ops", "", total);
   return out;
+}
+
+}  // namespace
+
+std::string Profiler::report(const std::string& what) const {
+  kernels::ProfileTable table;
+  TALLY_ON_PROFILER(table = kp::profile_table());
+  if (!on_) return "";
+  return device_.is_cpu() ? format_profile("host time per op " + what, "op (host time of its kernels)", table)
+                          : format_profile("GPU time per op " + what, "op (GPU time between its events)", table);
 }
 
 #undef TALLY_ON_PROFILER

@@ -20,6 +20,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <map>
+#include <string>
 
 #if defined(__CUDACC__)
 #define TALLY_HOST_DEVICE __host__ __device__
@@ -154,4 +156,11 @@ inline AdamWFactors adamw_factors(double lr, double beta1, double beta2, double 
   return {lr / (1.0 - std::pow(beta1, t)), std::sqrt(1.0 - std::pow(beta2, t)), 1.0 - lr * weight_decay,
           1.0 - beta1, 1.0 - beta2};
 }
+
+// Time per op (kernels/backend.inc's profile functions): calls and milliseconds per op name.
+struct ProfileRow {
+  std::int64_t calls = 0;
+  double ms = 0;
+};
+using ProfileTable = std::map<std::string, ProfileRow>;
 }  // namespace tally::kernels

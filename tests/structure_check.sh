@@ -6,7 +6,8 @@
 # apps/), the ambient arena set in few places (mbp/ makes one current only through a DryRun and
 # the executors' entry points in mbp/*executor*.cpp, and reads none; dry runs and virtual arenas
 # are made through core/dry_run.h's DryRun above core/), every command-line option registered from
-# apps/options.cpp's table, and functions short enough to read (at most 80 lines in apps/, mbp/
+# apps/options.cpp's table, no kernel declared in both backends' headers (kernels/backend.inc declares
+# them once), and functions short enough to read (at most 80 lines in apps/, mbp/
 # and core/autograd.cpp).
 # Usage: structure_check.sh SOURCE_DIR
 set -uo pipefail
@@ -36,6 +37,9 @@ found=$(grep -rnE '^[^/]*(DryRunGuard|make_virtual|virtual_clone)' nn optim data
 [[ -z "$found" ]] || fail "dry runs and virtual arenas above core/ come from one object, DryRun (core/dry_run.h):" "$found"
 found=$(grep -rnE '(->|\.)add_(option|flag)' apps 2>/dev/null | grep -v '^apps/options.cpp:' | grep -v '"--version"')
 [[ -z "$found" ]] || fail "every option of train, sweep and plan is registered from the one table (apps/options.cpp):" "$found"
+names_of() { grep -vE '^[[:space:]]*//' "$1" | grep -oE '\b[a-z_][a-z_0-9]*\(' | sort -u; }
+found=$(comm -12 <(names_of kernels/cpu/cpu_kernels.h) <(names_of kernels/cuda/cuda_kernels.h))
+[[ -z "$found" ]] || fail "a kernel declared in both backends' headers (declare it once, in kernels/backend.inc):" "$found"
 # No function of apps/, mbp/ or core/autograd.cpp longer than 80 lines (signature to closing brace,
 # lambdas and comments included): functions at column 0, as the code is formatted.
 found=$(for f in apps/*.cpp mbp/*.cpp mbp/report/*.cpp core/autograd.cpp; do

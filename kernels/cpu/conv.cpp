@@ -22,6 +22,7 @@
 #include <type_traits>
 
 #include "kernels/cpu/cpu_kernels.h"
+#include "kernels/instantiate.h"
 #if TALLY_HAVE_ONEDNN
 #include "kernels/cpu/onednn.h"
 #endif
@@ -391,16 +392,17 @@ bool conv2d_on_onednn(const Conv2dShape& s, ConvPass pass, bool bf16_activations
 }
 
 template <class T>
-bool conv2d_takes_channels_last(Conv2dShape s) {
+bool conv2d_takes_channels_last(const Conv2dShape& shape) {
+  Conv2dShape s = shape;
   s.channels_last = true;
   if (s.bias) return false;  // add_bias and conv2d_backward_bias index NCHW
   for (ConvPass pass : {ConvPass::forward, ConvPass::backward_data, ConvPass::backward_filter})
     if (!use_onednn<T>(s, pass)) return false;  // float64 never: oneDNN has no float64 convolutions
   return true;
 }
-template bool conv2d_takes_channels_last<float>(Conv2dShape);
-template bool conv2d_takes_channels_last<double>(Conv2dShape);
-template bool conv2d_takes_channels_last<bf16>(Conv2dShape);
+template bool conv2d_takes_channels_last<float>(const Conv2dShape&);
+template bool conv2d_takes_channels_last<double>(const Conv2dShape&);
+template bool conv2d_takes_channels_last<bf16>(const Conv2dShape&);
 
 template <class T>
 std::size_t conv2d_workspace_bytes(const Conv2dShape& s, ConvPass pass) {
@@ -475,16 +477,8 @@ void conv2d_backward_bias(const Conv2dShape& s,
   }
 }
 
-#define TALLY_INSTANTIATE_CONV(T)                                                                      \
-  template std::size_t conv2d_workspace_bytes<T>(const Conv2dShape&, ConvPass);                        \
-  template void conv2d_forward<T>(const Conv2dShape&, const T*, const P<T>*, const P<T>*, T*, void*);  \
-  template void conv2d_backward_data<T>(const Conv2dShape&, const T*, const P<T>*, T*, P<T>, void*);   \
-  template void conv2d_backward_filter<T>(const Conv2dShape&, const T*, const T*, P<T>*, P<T>, void*); \
-  template void conv2d_backward_bias<T>(const Conv2dShape&, const T*, P<T>*, P<T>);
-
 TALLY_INSTANTIATE_CONV(float)
 TALLY_INSTANTIATE_CONV(double)
 TALLY_INSTANTIATE_CONV(bf16)
-#undef TALLY_INSTANTIATE_CONV
 
 }  // namespace tally::kernels::cpu

@@ -7,6 +7,7 @@
 #include <type_traits>
 
 #include "kernels/cpu/cpu_kernels.h"
+#include "kernels/instantiate.h"
 
 namespace tally::kernels::cpu {
 
@@ -105,13 +106,9 @@ void gemm(bool trans_a, bool trans_b, i64 M, i64 N, i64 K, P<T> alpha,
 template std::size_t gemm_workspace_bytes<float>(std::size_t, i64, i64, i64);
 template std::size_t gemm_workspace_bytes<double>(std::size_t, i64, i64, i64);
 template std::size_t gemm_workspace_bytes<bf16>(std::size_t, i64, i64, i64);
-template void gemm<float, float>(bool, bool, i64, i64, i64, float, const float*, i64, const float*, i64,
-                                 float, float*, i64, void*, std::size_t);
-template void gemm<double, double>(bool, bool, i64, i64, i64, double, const double*, i64, const double*,
-                                   i64, double, double*, i64, void*, std::size_t);
-template void gemm<bf16, bf16>(bool, bool, i64, i64, i64, float, const bf16*, i64, const bf16*, i64, float,
-                               bf16*, i64, void*, std::size_t);
-template void gemm<bf16, float>(bool, bool, i64, i64, i64, float, const bf16*, i64, const bf16*, i64, float,
-                                float*, i64, void*, std::size_t);
+TALLY_INSTANTIATE_GEMM(float, float)
+TALLY_INSTANTIATE_GEMM(double, double)
+TALLY_INSTANTIATE_GEMM(bf16, bf16)
+TALLY_INSTANTIATE_GEMM(bf16, float)
 
 }  // namespace tally::kernels::cpu

@@ -9,6 +9,7 @@
 #include <cmath>
 
 #include "kernels/cpu/cpu_kernels.h"
+#include "kernels/instantiate.h"
 
 namespace tally::kernels::cpu {
 namespace {
@@ -129,15 +130,7 @@ void cross_entropy_backward(i64 N, i64 C, const T* logits, const i64* targets,
 
 // ---------------------------------------------------------------------------------------------
 // Explicit instantiations.
-#define TALLY_INSTANTIATE_LOSS(T)                                                            \
-  template i64 cross_entropy_forward<T>(i64, i64, const T*, const i64*, const T*, i64, T, T*, \
-                                        T*, bool);                                           \
-  template void cross_entropy_reduce<T>(i64, const T*, const T*, T, T*, T*);                 \
-  template void cross_entropy_backward<T>(i64, i64, const T*, const i64*, const T*, i64, T,   \
-                                          const T*, T*, T);
-
 TALLY_INSTANTIATE_LOSS(float)
 TALLY_INSTANTIATE_LOSS(double)
-#undef TALLY_INSTANTIATE_LOSS
 
 }  // namespace tally::kernels::cpu

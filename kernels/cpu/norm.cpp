@@ -15,6 +15,7 @@
 #include <type_traits>
 
 #include "kernels/cpu/cpu_kernels.h"
+#include "kernels/instantiate.h"
 
 namespace tally::kernels::cpu {
 namespace {
@@ -636,32 +637,10 @@ void group_norm_backward(i64 N, i64 C, i64 HW, i64 G, const T* dy, const T* x, c
 
 // ---------------------------------------------------------------------------------------------
 // Explicit instantiations.
-#define TALLY_INSTANTIATE_NORM(T)                                                                   \
-  template void batch_norm_forward_train<T>(i64, i64, i64, const T*, const P<T>*, const P<T>*, P<T>, P<T>, \
-                                            P<T>*, P<T>*, T*, P<T>*, P<T>*, void*, NormAct<T>);     \
-  template void batch_norm_forward_eval<T>(i64, i64, i64, const T*, const P<T>*, const P<T>*,        \
-                                           const P<T>*, const P<T>*, P<T>, T*);                     \
-  template void batch_norm_backward<T>(i64, i64, i64, const T*, const T*, const P<T>*, const P<T>*,  \
-                                       const P<T>*, T*, P<T>, P<T>*, P<T>*, P<T>, void*, NormActGrad<T>); \
-  template void batch_norm_backward_eval<T>(i64, i64, i64, const T*, const T*, const P<T>*,          \
-                                            const P<T>*, const P<T>*, P<T>, T*, P<T>, P<T>*, P<T>*, \
-                                            P<T>, void*);                                           \
-  template void group_norm_forward<T>(i64, i64, i64, i64, const T*, const P<T>*, const P<T>*, P<T>, \
-                                      T*, P<T>*, P<T>*, NormAct<T>);                                \
-  template void group_norm_backward<T>(i64, i64, i64, i64, const T*, const T*, const P<T>*,          \
-                                       const P<T>*, const P<T>*, T*, P<T>, P<T>*, P<T>*, P<T>,       \
-                                       NormActGrad<T>);
-// The moments touch statistics only: float32 (a bf16 norm's statistics are float32) and float64.
-#define TALLY_INSTANTIATE_MOMENTS(T)                                                                  \
-  template void batch_norm_accumulate_moments<T>(i64, i64, T, const T*, const T*, double*, double*); \
-  template void batch_norm_apply_moments<T>(i64, i64, T, const double*, const double*, T*, T*);
-
 TALLY_INSTANTIATE_NORM(float)
 TALLY_INSTANTIATE_NORM(double)
 TALLY_INSTANTIATE_NORM(bf16)
 TALLY_INSTANTIATE_MOMENTS(float)
 TALLY_INSTANTIATE_MOMENTS(double)
-#undef TALLY_INSTANTIATE_NORM
-#undef TALLY_INSTANTIATE_MOMENTS
 
 }  // namespace tally::kernels::cpu

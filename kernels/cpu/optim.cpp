@@ -16,6 +16,7 @@
 #include <cmath>
 
 #include "kernels/cpu/cpu_kernels.h"
+#include "kernels/instantiate.h"
 
 namespace tally::kernels::cpu {
 namespace {
@@ -71,13 +72,7 @@ void adamw_update(i64 n, T* param, const T* grad, T* m, T* v, T lr, T beta1, T b
 
 // ---------------------------------------------------------------------------------------------
 // Explicit instantiations.
-template void sgd_update<float>(i64, float*, const float*, float*, float, float, float, float, bool,
-                                bool);
-template void sgd_update<double>(i64, double*, const double*, double*, double, double, double,
-                                 double, bool, bool);
-template void adamw_update<float>(i64, float*, const float*, float*, float*, float, float, float,
-                                  float, float, i64);
-template void adamw_update<double>(i64, double*, const double*, double*, double*, double, double,
-                                   double, double, double, i64);
+TALLY_INSTANTIATE_OPTIM(float)
+TALLY_INSTANTIATE_OPTIM(double)
 
 }  // namespace tally::kernels::cpu

@@ -18,7 +18,7 @@
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/cuda_kernels.h"
 
-#include "kernels/cpu/cpu_kernels.h"
+#include "kernels/cuda/cuda_kernels.h"
 
 namespace tally::kernels::cuda {
 namespace {
@@ -383,7 +383,7 @@ struct ProfileState {
   };
   std::mutex mu;
   std::vector<Pending> pending;  // recorded, not yet read
-  std::map<std::string, cpu::ProfileRow> table;
+  ProfileTable table;
 };
 ProfileState& profile_state() {
   static auto* p = new ProfileState;  // never destroyed, as the contexts (its events outlive the runtime)
@@ -399,16 +399,18 @@ OpTimer::OpTimer(const char* op, bool backward) {
   ProfileState& p = profile_state();
   std::lock_guard<std::mutex> lock(p.mu);
   p.pending.push_back({std::string(op) + (backward ? " (backward)" : ""), Event::record_timed(compute_stream()), {}});
-  slot_ = static_cast<int>(p.pending.size()) - 1;
+  op_ = op;
+  backward_ = backward;
+  mark_ = static_cast<std::int64_t>(p.pending.size()) - 1;  // the slot of its events
 }
 
 OpTimer::~OpTimer() {
-  if (slot_ < 0) return;
+  if (op_ == nullptr) return;
   ProfileState& p = profile_state();
   std::lock_guard<std::mutex> lock(p.mu);
-  if (static_cast<std::size_t>(slot_) >= p.pending.size()) return;  // the table was reset meanwhile
+  if (static_cast<std::size_t>(mark_) >= p.pending.size()) return;  // the table was reset meanwhile
   try {
-    p.pending[static_cast<std::size_t>(slot_)].stop = Event::record_timed(compute_stream());
+    p.pending[static_cast<std::size_t>(mark_)].stop = Event::record_timed(compute_stream());
   } catch (const Error&) {
     // No stop event: the op goes uncounted (a destructor does not throw); the failure that
     // caused it surfaces at the next checked call.
@@ -436,11 +438,11 @@ void profile_collect() {
   p.pending.resize(kept);
 }
 
-std::string profile_report(const std::string& title) {
+ProfileTable profile_table() {
   profile_collect();
   ProfileState& p = profile_state();
   std::lock_guard<std::mutex> lock(p.mu);
-  return cpu::format_profile(title, "op (GPU time between its events)", p.table);
+  return p.table;
 }
 
 void profile_reset() {

@@ -137,28 +137,7 @@ void compute_wait(const Event& e);
 // Work enqueued on the copy stream from now on waits for `e` (no host wait).
 void copy_wait(const Event& e);
 
-// ---- per-op GPU time ----------------------------------------------------------------------------
-// The CUDA half of core/profiler.h, with the same functions as the CPU's (kernels/cpu/cpu_kernels.h).
-// With profiling on (set_profiling(true), or TALLY_PROFILE=1 in the environment), every op
-// dispatched to CUDA (core/dispatch.h) records a pair of timed events on the compute stream around
-// its launches; profile_collect() — called where the stream is known to be idle, e.g. after a
-// training step's one wait — adds their elapsed times to a table per op name (forward and
-// backward apart) without waiting itself; profile_report() prints the table, largest first.
-void set_profiling(bool on);
-bool profiling();
-class OpTimer {
- public:
-  OpTimer(const char* op, bool backward);
-  ~OpTimer();
-  OpTimer(const OpTimer&) = delete;
-  OpTimer& operator=(const OpTimer&) = delete;
-
- private:
-  int slot_ = -1;
-};
-void profile_collect();
-// The table so far: op, calls, total ms, mean us, share of the time of all ops; `title` on top.
-std::string profile_report(const std::string& title);
-void profile_reset();
+// The per-op GPU time (set_profiling, OpTimer, profile_collect, ...) is the backend contract's:
+// kernels/backend.inc, declared through kernels/cuda/cuda_kernels.h.
 
 }  // namespace tally::kernels::cuda

@@ -50,6 +50,7 @@
 
 #include "kernels/cuda/context.h"
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/instantiate.h"
 #include "kernels/cuda/launch.cuh"
 
 namespace tally::kernels::cuda {
@@ -932,16 +933,9 @@ void conv2d_backward_bias(const Conv2dShape& s,
   TALLY_LAUNCH_CHECK("conv2d_backward_bias");
 }
 
-#define TALLY_INSTANTIATE_CONV(T)                                                                         \
-  template std::size_t conv2d_workspace_bytes<T>(const Conv2dShape&, ConvPass);                           \
-  template std::string conv2d_plan_description<T>(const Conv2dShape&);                                    \
-  template void conv2d_forward<T>(const Conv2dShape&, const T*, const P<T>*, const P<T>*, T*, void*);     \
-  template void conv2d_backward_data<T>(const Conv2dShape&, const T*, const P<T>*, T*, P<T>, void*);      \
-  template void conv2d_backward_filter<T>(const Conv2dShape&, const T*, const T*, P<T>*, P<T>, void*);    \
-  template void conv2d_backward_bias<T>(const Conv2dShape&, const T*, P<T>*, P<T>);
-
 TALLY_INSTANTIATE_CONV(float)
 TALLY_INSTANTIATE_CONV(bf16)
-#undef TALLY_INSTANTIATE_CONV
+template std::string conv2d_plan_description<float>(const Conv2dShape&);
+template std::string conv2d_plan_description<bf16>(const Conv2dShape&);
 
 }  // namespace tally::kernels::cuda

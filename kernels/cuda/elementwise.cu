@@ -2,6 +2,7 @@
 // on the GPU; the CUDA twin of kernels/cpu/elementwise.cpp (same functions, same order, same
 // formulas). See kernels/cuda/cuda_kernels.h for the contract and kernels/common.h for `beta`.
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/instantiate.h"
 #include "kernels/cuda/launch.cuh"
 
 namespace tally::kernels::cuda {
@@ -303,44 +304,15 @@ void convert(i64 n, const S* x, D* y) {
 // ---------------------------------------------------------------------------------------------
 // Explicit instantiations: float and bf16 for every function; the memory-only ones also for the
 // other element types core/ moves around (tensor fills and copies of any dtype).
-#define TALLY_INSTANTIATE_ELEMENTWISE(T)                                    \
-  template void add<T>(i64, const T*, const T*, P<T>, T*);                  \
-  template void axpby<T>(i64, P<T>, const T*, P<T>, T*);                    \
-  template void mul<T>(i64, const T*, const T*, T*);                        \
-  template void mul_backward<T>(i64, const T*, const T*, T*, P<T>);         \
-  template void relu_forward<T>(i64, const T*, T*);                         \
-  template void relu_backward<T>(i64, const T*, const T*, T*, P<T>);        \
-  template void add_bias_rows<T>(i64, i64, const T*, const P<T>*, T*);      \
-  template void sum_rows<T>(i64, i64, const T*, P<T>*, P<T>);               \
-  template T sum_all<T>(i64, const T*);                                     \
-  template void sum_to<T>(i64, const T*, P<T>, T*);                         \
-  template void broadcast_scalar<T>(i64, const T*, P<T>, T*, P<T>);         \
-  template void fill_product<T>(i64, const T*, const T*, T*);
-
 TALLY_INSTANTIATE_ELEMENTWISE(float)
 TALLY_INSTANTIATE_ELEMENTWISE(bf16)
-#undef TALLY_INSTANTIATE_ELEMENTWISE
-
-#define TALLY_INSTANTIATE_MEMORY(T)                    \
-  template void fill<T>(i64, T, T*);                   \
-  template void copy<T>(i64, const T*, T*);            \
-  template void strided_copy<T>(int, const i64*, const i64*, const T*, T*);
-
 TALLY_INSTANTIATE_MEMORY(float)
 TALLY_INSTANTIATE_MEMORY(double)
 TALLY_INSTANTIATE_MEMORY(std::int32_t)
 TALLY_INSTANTIATE_MEMORY(std::int64_t)
 TALLY_INSTANTIATE_MEMORY(bf16)
-#undef TALLY_INSTANTIATE_MEMORY
-
-// Every pair of the floating storage types (core/dispatch.h's FLOAT_STORAGE set).
-#define TALLY_INSTANTIATE_CONVERT(S)                      \
-  template void convert<S, float>(i64, const S*, float*);   \
-  template void convert<S, double>(i64, const S*, double*); \
-  template void convert<S, bf16>(i64, const S*, bf16*);
 TALLY_INSTANTIATE_CONVERT(float)
 TALLY_INSTANTIATE_CONVERT(double)
 TALLY_INSTANTIATE_CONVERT(bf16)
-#undef TALLY_INSTANTIATE_CONVERT
 
 }  // namespace tally::kernels::cuda

@@ -23,6 +23,7 @@
 
 #include "kernels/cuda/context.h"
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/instantiate.h"
 #include "kernels/cuda/launch.cuh"
 
 namespace tally::kernels::cuda {
@@ -85,12 +86,9 @@ void gemm(bool trans_a, bool trans_b, i64 M, i64 N, i64 K, P<T> alpha,
                                   ldc_, compute, CUBLAS_GEMM_DEFAULT));
 }
 
-template void gemm<float, float>(bool, bool, i64, i64, i64, float, const float*, i64, const float*, i64, float,
-                                 float*, i64, void*, std::size_t);
-template void gemm<bf16, bf16>(bool, bool, i64, i64, i64, float, const bf16*, i64, const bf16*, i64, float, bf16*,
-                               i64, void*, std::size_t);
-template void gemm<bf16, float>(bool, bool, i64, i64, i64, float, const bf16*, i64, const bf16*, i64, float, float*,
-                                i64, void*, std::size_t);
+TALLY_INSTANTIATE_GEMM(float, float)
+TALLY_INSTANTIATE_GEMM(bf16, bf16)
+TALLY_INSTANTIATE_GEMM(bf16, float)
 
 std::size_t gemm_workspace_bytes(std::size_t budget) {
   int dev = 0, major = 0;

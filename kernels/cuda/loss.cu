@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/instantiate.h"
 #include "kernels/cuda/launch.cuh"
 
 namespace tally::kernels::cuda {
@@ -173,13 +174,6 @@ void cross_entropy_backward(i64 N, i64 C, const T* logits, const i64* targets, c
   TALLY_LAUNCH_CHECK("cross_entropy_backward");
 }
 
-#define TALLY_INSTANTIATE_LOSS(T)                                                                        \
-  template i64 cross_entropy_forward<T>(i64, i64, const T*, const i64*, const T*, i64, T, T*, T*, bool); \
-  template void cross_entropy_reduce<T>(i64, const T*, const T*, T, T*, T*);                              \
-  template void cross_entropy_backward<T>(i64, i64, const T*, const i64*, const T*, i64, T, const T*, T*, \
-                                          T);
-
 TALLY_INSTANTIATE_LOSS(float)
-#undef TALLY_INSTANTIATE_LOSS
 
 }  // namespace tally::kernels::cuda

@@ -20,6 +20,7 @@
 // running and saved statistics and dgamma/dbeta are float32 (S below: compute_t<T>, the CPU's
 // P<T>); each bf16 element stored is rounded once, from double.
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/instantiate.h"
 #include "kernels/cuda/launch.cuh"
 
 namespace tally::kernels::cuda {
@@ -558,30 +559,8 @@ void group_norm_backward(i64 N, i64 C, i64 HW, i64 G, const T* dy, const T* x, c
   }
 }
 
-#define TALLY_INSTANTIATE_NORM(T)                                                                      \
-  template void batch_norm_forward_train<T>(i64, i64, i64, const T*, const P<T>*, const P<T>*, P<T>, P<T>, \
-                                            P<T>*, P<T>*, T*, P<T>*, P<T>*, void*, NormAct<T>);        \
-  template void batch_norm_forward_eval<T>(i64, i64, i64, const T*, const P<T>*, const P<T>*,           \
-                                           const P<T>*, const P<T>*, P<T>, T*);                        \
-  template void batch_norm_backward<T>(i64, i64, i64, const T*, const T*, const P<T>*, const P<T>*,     \
-                                       const P<T>*, T*, P<T>, P<T>*, P<T>*, P<T>, void*, NormActGrad<T>); \
-  template void batch_norm_backward_eval<T>(i64, i64, i64, const T*, const T*, const P<T>*,             \
-                                            const P<T>*, const P<T>*, P<T>, T*, P<T>, P<T>*, P<T>*,    \
-                                            P<T>, void*);                                              \
-  template void group_norm_forward<T>(i64, i64, i64, i64, const T*, const P<T>*, const P<T>*, P<T>,    \
-                                      T*, P<T>*, P<T>*, NormAct<T>);                                   \
-  template void group_norm_backward<T>(i64, i64, i64, i64, const T*, const T*, const P<T>*,             \
-                                       const P<T>*, const P<T>*, T*, P<T>, P<T>*, P<T>*, P<T>,          \
-                                       NormActGrad<T>);
-// The moments touch statistics only: float32 (a bf16 norm's statistics are float32).
-#define TALLY_INSTANTIATE_MOMENTS(T)                                                                  \
-  template void batch_norm_accumulate_moments<T>(i64, i64, T, const T*, const T*, double*, double*); \
-  template void batch_norm_apply_moments<T>(i64, i64, T, const double*, const double*, T*, T*);
-
 TALLY_INSTANTIATE_NORM(float)
 TALLY_INSTANTIATE_NORM(bf16)
 TALLY_INSTANTIATE_MOMENTS(float)
-#undef TALLY_INSTANTIATE_NORM
-#undef TALLY_INSTANTIATE_MOMENTS
 
 }  // namespace tally::kernels::cuda

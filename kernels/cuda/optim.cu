@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/instantiate.h"
 #include "kernels/cuda/launch.cuh"
 
 namespace tally::kernels::cuda {
@@ -79,7 +80,6 @@ void adamw_update(i64 n, T* param, const T* grad, T* m, T* v, T lr, T beta1, T b
   TALLY_LAUNCH_CHECK("adamw_update");
 }
 
-template void sgd_update<float>(i64, float*, const float*, float*, float, float, float, float, bool, bool);
-template void adamw_update<float>(i64, float*, const float*, float*, float*, float, float, float, float, float, i64);
+TALLY_INSTANTIATE_OPTIM(float)
 
 }  // namespace tally::kernels::cuda

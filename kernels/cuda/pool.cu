@@ -9,6 +9,7 @@
 // bf16: the same, each window's comparisons and each gradient's sum in float32 (compute_t<T>, the
 // CPU's P<T>), rounded once to bf16 as the CPU's float32 gradient plane is.
 #include "kernels/cuda/cuda_kernels.h"
+#include "kernels/instantiate.h"
 #include "kernels/cuda/launch.cuh"
 
 namespace tally::kernels::cuda {
@@ -265,16 +266,7 @@ void adaptive_avg_pool2d_backward(i64 N, i64 C, i64 H, i64 W, i64 OH, i64 OW,
   TALLY_LAUNCH_CHECK("adaptive_avg_pool2d_backward");
 }
 
-#define TALLY_INSTANTIATE_POOL(T)                                                                    \
-  template void max_pool2d_forward<T>(const Pool2dShape&, const T*, T*, std::int32_t*);              \
-  template void max_pool2d_backward<T>(const Pool2dShape&, const T*, const std::int32_t*, T*, P<T>); \
-  template void avg_pool2d_forward<T>(const Pool2dShape&, bool, const T*, T*);                       \
-  template void avg_pool2d_backward<T>(const Pool2dShape&, bool, const T*, T*, P<T>);                \
-  template void adaptive_avg_pool2d_forward<T>(i64, i64, i64, i64, i64, i64, const T*, T*);          \
-  template void adaptive_avg_pool2d_backward<T>(i64, i64, i64, i64, i64, i64, const T*, T*, P<T>);
-
 TALLY_INSTANTIATE_POOL(float)
 TALLY_INSTANTIATE_POOL(bf16)
-#undef TALLY_INSTANTIATE_POOL
 
 }  // namespace tally::kernels::cuda
