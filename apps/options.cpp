@@ -442,8 +442,14 @@ void register_options(CLI::App& cli, const Targets& t, unsigned command) {
     switch (o.form) {
       case Form::value: {
         const std::string flag = "--" + o.name;
-        CLI::Option* opt =
-            cli.add_option_function<std::string>(flag, [set, flag](const std::string& v) { set(flag, v); }, help);
+        // An empty value is never a choice: the default is the flag left out ("--resume ''" would
+        // otherwise start a fresh run, "--save ''" save nothing).
+        auto set_given = [set, flag](const std::string& v) {
+          if (v.empty())
+            throw CLI::ValidationError(flag, "expected a value, found an empty one (leave the flag out for its default)");
+          set(flag, v);
+        };
+        CLI::Option* opt = cli.add_option_function<std::string>(flag, set_given, help);
         opt->type_name(o.field.type);
         if (o.show_default) opt->default_str(o.field.text(t, o.name));
         break;

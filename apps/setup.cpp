@@ -1,7 +1,12 @@
 // apps/setup.cpp — see apps/setup.h.
 #include "apps/setup.h"
 
+#include <fcntl.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <cmath>
 #include <fstream>
 
@@ -75,6 +80,47 @@ void write_text(const std::filesystem::path& path, const std::string& text) {
   std::error_code ec;
   std::filesystem::rename(tmp, path, ec);
   if (ec) throw Error(fmt::format("cannot write {}: {}", path.string(), ec.message()));
+}
+
+namespace {
+
+// Creates `probe` and removes it: "" or the system's reason it could not.
+std::string try_create(const std::filesystem::path& probe) {
+  const int fd = ::open(probe.c_str(), O_WRONLY | O_CREAT | O_EXCL, 0600);
+  if (fd < 0) return std::strerror(errno);
+  ::close(fd);
+  ::unlink(probe.c_str());
+  return "";
+}
+
+std::filesystem::path probe_in(const std::filesystem::path& dir) {
+  return dir / fmt::format(".tally-write-check-{}", ::getpid());
+}
+
+}  // namespace
+
+void check_writable_file(const std::string& flag, const std::string& path) {
+  const std::filesystem::path p(path);
+  std::error_code ec;
+  const auto status = std::filesystem::status(p, ec);
+  if (std::filesystem::exists(status) && !std::filesystem::is_regular_file(status))
+    throw Error(fmt::format("{} {}: expected a file to write, found {}", flag, path,
+                            std::filesystem::is_directory(status) ? "a folder" : "no regular file (a FIFO or a device)"));
+  const std::filesystem::path dir = p.has_parent_path() ? p.parent_path() : std::filesystem::path(".");
+  if (!std::filesystem::is_directory(dir, ec))
+    throw Error(fmt::format("{} {}: expected its folder {} to exist, found none", flag, path, dir.string()));
+  const std::string why = try_create(probe_in(dir));
+  if (!why.empty()) throw Error(fmt::format("{} {}: cannot create a file in {}: {}", flag, path, dir.string(), why));
+}
+
+void check_writable_folder(const std::string& flag, const std::string& dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) throw Error(fmt::format("{} {}: cannot create the folder: {}", flag, dir, ec.message()));
+  if (!std::filesystem::is_directory(dir, ec))
+    throw Error(fmt::format("{} {}: expected a folder, found a file", flag, dir));
+  const std::string why = try_create(probe_in(dir));
+  if (!why.empty()) throw Error(fmt::format("{} {}: cannot create files in it: {}", flag, dir, why));
 }
 
 std::size_t parse_memory_limit(const std::string& text, Device dev) {

@@ -57,6 +57,14 @@ std::vector<std::string> split_list(const std::string& text);
 // path when it cannot.
 void write_text(const std::filesystem::path& path, const std::string& text);
 
+// Whether a run can write where its flag says, tried before the run (as root too: permission bits
+// prove nothing, so a file is created and removed): `path` a file this process can create (its
+// folder must exist), `dir` a folder it can create files in (made when missing). An Error naming
+// the flag, the path and the system's reason otherwise; a path that exists and is no regular file
+// (a folder, a FIFO, a device) is an error too.
+void check_writable_file(const std::string& flag, const std::string& path);
+void check_writable_folder(const std::string& flag, const std::string& dir);
+
 // --memory-limit: a size ("48MiB", "2GiB") or "auto" (core/memory.h's default capacity for the device).
 std::size_t parse_memory_limit(const std::string& text, Device dev);
 

@@ -44,6 +44,9 @@ int fail(const std::exception& e) {
 }
 
 int main(int argc, char** argv) {
+  // Line by line into a file or a pipe too: a run's log (its checkpoints above all) is there when
+  // the run is killed.
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   CLI::App app{"tally — deep learning with micro-batch processing and exact memory accounting"};
   app.require_subcommand(0, 1);
   bool version = false;
@@ -81,9 +84,13 @@ int main(int argc, char** argv) {
     return 1;
   }
   try {
-    if (version || app.get_subcommands().empty()) {
+    if (version) {
       fmt::print("{}\n", build_info());
       return 0;
+    }
+    if (app.get_subcommands().empty()) {
+      fmt::print(stderr, "{}\ntally: expected a command (train, sweep or plan) or --version, found none\n", app.help());
+      return 2;
     }
     // A run stopped by a signal has written its checkpoint and said how to resume: 128 + signal,
     // the shell's status for a process ended by that signal.

@@ -23,6 +23,7 @@
 #include "apps/setup.h"
 #include "apps/training_run.h"
 #include "core/autograd.h"
+#include "core/machine.h"
 #include "core/memory.h"
 #include "core/ops.h"
 #include "core/profiler.h"
@@ -62,6 +63,25 @@ Device choose_device(const std::string& d) {
 
 
 
+// What the run writes at its end, checked before it starts: --out a folder this process can write
+// that holds no earlier run (its checkpoints: --resume; its finished files), --save a file it can
+// create. The weights of a long run are never lost to a typo.
+void check_run_folder(const TrainOptions& opt) {
+  if (!opt.resume.empty()) return;  // a resumed run continues in its own folder
+  std::error_code ec;
+  if (!opt.out.empty() && std::filesystem::is_directory(opt.out, ec)) {
+    if (const auto old = mbp::latest_checkpoint(opt.out))
+      throw Error(fmt::format("--out {}: it holds {} of an earlier run; continue that run with --resume {}, or choose "
+                              "another folder", opt.out, old->filename().string(), opt.out));
+    for (const char* finished : {"summary.json", "metrics.csv"})
+      if (std::filesystem::exists(std::filesystem::path(opt.out) / finished, ec))
+        throw Error(fmt::format("--out {}: it holds the {} of an earlier run, which this run would overwrite; choose "
+                                "another folder (or remove that run)", opt.out, finished));
+  }
+  if (!opt.out.empty()) check_writable_folder("--out", opt.out);
+  if (!opt.save.empty()) check_writable_file("--save", opt.save);
+}
+
 // Every option, checked before any work: a bad value is an Error naming the flag, the value found
 // and what is allowed. Returns the device the run uses.
 Device validate(const TrainOptions& opt) {
@@ -94,11 +114,11 @@ Device validate(const TrainOptions& opt) {
     throw Error(fmt::format("--init {}: no such file", opt.init));
   if (parse_checkpoint_every(opt.checkpoint_every).on() && opt.out.empty())
     throw Error(fmt::format("--checkpoint-every {}: checkpoints go into the run folder; give --out", opt.checkpoint_every));
-  std::error_code ec;
-  if (opt.resume.empty() && !opt.out.empty() && std::filesystem::is_directory(opt.out, ec))
-    if (const auto old = mbp::latest_checkpoint(opt.out))
-      throw Error(fmt::format("--out {}: it holds {} of an earlier run; continue that run with --resume {}, or choose "
-                              "another folder", opt.out, old->filename().string(), opt.out));
+  const int hardware = hardware_threads();
+  if (hardware > 0 && opt.threads > hardware)
+    throw Error(fmt::format("--threads {}: this machine runs {} hardware threads; give at most {} (0: the default)",
+                            opt.threads, hardware, hardware));
+  check_run_folder(opt);
   return dev;
 }
 

@@ -192,13 +192,20 @@ std::optional<fs::path> latest_checkpoint(const fs::path& run_dir) {
   if (!fs::is_directory(run_dir, ec))
     throw Error(fmt::format("'{}' is not a folder (expected a run folder with checkpoint-<step>/ in it)",
                             run_dir.string()));
-  std::optional<std::int64_t> best;
+  // The newest folder with a manifest (tally writes it last, into a folder renamed into place when
+  // complete): a newer one without it (an empty checkpoint-99/ made by hand, a copy cut short) does
+  // not hide it. With no manifest anywhere, the newest, whose reading says what it lacks.
+  std::optional<std::int64_t> newest, newest_complete;
   for (const auto& entry : fs::directory_iterator(run_dir)) {
     const auto step = step_of(entry.path().filename().string());
-    if (step && entry.is_directory() && (!best || *step > *best)) best = step;
+    if (!step || !entry.is_directory()) continue;
+    if (!newest || *step > *newest) newest = step;
+    if (fs::exists(entry.path() / kManifest, ec) && (!newest_complete || *step > *newest_complete))
+      newest_complete = step;
   }
-  if (!best) return std::nullopt;
-  return run_dir / fmt::format("{}{}", kPrefix, *best);
+  const std::optional<std::int64_t> chosen = newest_complete ? newest_complete : newest;
+  if (!chosen) return std::nullopt;
+  return run_dir / fmt::format("{}{}", kPrefix, *chosen);
 }
 
 namespace {

@@ -48,8 +48,9 @@ std::filesystem::path save_training_state(const std::filesystem::path& run_dir, 
                                           const optim::Optimizer& optimizer, const TrainingState& state,
                                           const std::function<void()>& after_tensors = {});
 
-// The newest complete checkpoint folder of run_dir (the highest step), nullopt if there is none;
-// tally::Error if run_dir is not a folder.
+// The newest complete checkpoint folder of run_dir (the highest step whose folder holds its
+// manifest; an empty or cut-short newer folder does not hide it), else the newest folder (its
+// reading names what it lacks), nullopt if there is none; tally::Error if run_dir is not a folder.
 std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& run_dir);
 
 // The step and the caller's state from a checkpoint folder's manifest alone (no tensors read or

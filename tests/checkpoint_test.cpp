@@ -187,6 +187,13 @@ TEST_F(Checkpoint, ANewCheckpointReplacesTheOldOneOnlyWhenComplete) {
   EXPECT_EQ(mbp::latest_checkpoint(dir), dir / "checkpoint-10");
   EXPECT_FALSE(fs::exists(dir / "checkpoint-5"));
   EXPECT_FALSE(fs::exists(dir / ".checkpoint-10.tmp"));
+  // An empty newer folder (made by hand, a copy cut short) does not hide the complete one; alone, it
+  // is the one whose reading fails.
+  fs::create_directories(dir / "checkpoint-99");
+  EXPECT_EQ(mbp::latest_checkpoint(dir), dir / "checkpoint-10");
+  fs::create_directories(dir / "only_empty" / "checkpoint-3");
+  EXPECT_EQ(mbp::latest_checkpoint(dir / "only_empty"), dir / "only_empty" / "checkpoint-3");
+  fs::remove(dir / "checkpoint-99");
   // A folder without one; a path that is no folder.
   fs::create_directories(dir / "empty");
   EXPECT_EQ(mbp::latest_checkpoint(dir / "empty"), std::nullopt);

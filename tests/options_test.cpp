@@ -96,12 +96,19 @@ TEST(Options, BadValuesAreRefusedInTallysWords) {
       {{"--batch-size", "2.5"}, "--batch-size: must be a positive whole number, found 2.5"},
       {{"--micro-batch", "lots"}, "--micro-batch: must be a positive whole number or auto, found lots"},
       {{"--label-smoothing", "2"}, "--label-smoothing: must be a number in [0, 1], found 2"},
-      {{"--precision", ""}, "--precision: expected one of fp32, bf16, found an empty value"},
   };
   for (const Case& c : train_cases) {
     TrainOptions t;
     EXPECT_NE(parse(t, c.args).find(c.message), std::string::npos) << c.args[0] << " " << c.args[1] << ": "
                                                                      << parse(t, c.args);
+  }
+  // An empty value is refused whatever the flag: it would otherwise mean "the default" silently
+  // (--resume '' a fresh run, --save '' no weights).
+  for (const char* flag : {"--resume", "--save", "--out", "--init", "--pipeline-split", "--checkpoint-every",
+                           "--precision", "--data", "--memory-limit"}) {
+    TrainOptions t;
+    EXPECT_EQ(parse(t, {flag, ""}),
+              std::string(flag) + ": expected a value, found an empty one (leave the flag out for its default)");
   }
   SweepOptions s;
   EXPECT_EQ(parse(s, {"--lr-scaling", "cubic"}), "--lr-scaling: expected one of linear, sqrt, found cubic");

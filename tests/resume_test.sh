@@ -80,6 +80,8 @@ kill_and_resume() {
   run "$out" TALLY_TEST_SIGKILL="$point"
   local rc=$?
   [[ $rc -eq 137 ]] || { fail "$name: expected the run to be killed (exit 137), found exit $rc"; tail -5 "$out.log"; return; }
+  # Its log is a file, written line by line: the checkpoint it wrote before the kill is in it.
+  grep -q "checkpoint: step 5 ->" "$out.log" || fail "$name: the killed run's log lacks its checkpoint of step 5"
   resume "$out" || { fail "$name: resume failed"; tail -5 "$out.log"; return; }
   same "$out" "$work/$ref" "$name (SIGKILL $point)"
 }

@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <sstream>
 
 #include "apps/trainer.h"
@@ -138,4 +139,43 @@ TEST(Train, BadOptionValuesListTheAllowedValues) {
   o = {};
   o.micro_batch = 600;
   expect_error(o, "--micro-batch must be between 1 and --batch-size 128, found 600");
+  o = {};
+  o.threads = 100000;  // libgomp crashed or hung on it
+  expect_error(o, "--threads 100000: this machine runs");
+}
+
+// What a run writes at its end is checked before it starts: the trained weights are never lost to
+// a --save that cannot be written, and a finished run's files are never overwritten.
+TEST(Train, WhatARunWritesAtItsEndIsCheckedFirst) {
+  const auto dir = std::filesystem::temp_directory_path() / "tally_train_writes";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir / "finished");
+  std::ofstream(dir / "finished" / "summary.json") << "{}\n";
+  std::ostringstream log;
+  auto expect_error = [&](app::TrainOptions o, const std::string& needle) {
+    o.progress = false, o.steps = 1, o.device = "cpu", o.memory_limit = "64MiB";
+    try {
+      app::train(o, log);
+      ADD_FAILURE() << "expected an error mentioning " << needle;
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(needle), std::string::npos) << e.what();
+    }
+  };
+  app::TrainOptions o;
+  o.save = "/proc/tally.safetensors";  // as root too: /proc takes no new files
+  expect_error(o, "--save /proc/tally.safetensors: cannot create a file in /proc");
+  o = {};
+  o.save = (dir / "missing" / "w.safetensors").string();
+  expect_error(o, "/missing to exist, found none");
+  o = {};
+  o.save = dir.string();
+  expect_error(o, "expected a file to write, found a folder");
+  o = {};
+  o.out = (dir / "finished").string();
+  expect_error(o, "holds the summary.json of an earlier run");
+  EXPECT_TRUE(std::filesystem::exists(dir / "finished" / "summary.json"));
+  o = {};
+  o.out = "/proc/tally_run";
+  expect_error(o, "--out /proc/tally_run: cannot create the folder");
+  EXPECT_EQ(log.str().find("step 1"), std::string::npos) << "a run started: " << log.str();
 }
