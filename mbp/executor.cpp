@@ -364,7 +364,7 @@ StepResult Executor::step(const float* images, const std::int64_t* labels, std::
     const Plan& p = plan(batch);
     arena_->reset_peak();
     try {
-      run_step(images, labels, p.sizes, &r.loss);
+      run_step(images, labels, p.sizes(), &r.loss);
       for (const auto& part : parts_) r.communication_seconds += part->communication_seconds();
       r.micro_batch = p.micro_batch;
       r.micro_batches = p.micro_batches;

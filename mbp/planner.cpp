@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <numeric>
 
 #include <fmt/format.h>
 
@@ -19,6 +20,28 @@ std::vector<std::int64_t> balanced_sizes(std::int64_t batch, std::int64_t k) {
                             k, batch));
   std::vector<std::int64_t> s(static_cast<std::size_t>(k), batch / k);
   for (std::int64_t i = 0; i < batch % k; ++i) ++s[static_cast<std::size_t>(i)];
+  return s;
+}
+
+Split Split::of(std::int64_t batch, std::int64_t m) {
+  if (batch < 1 || m < 1)
+    throw Error(fmt::format("Split: expected a batch and a micro-batch size >= 1, found {} and {}", batch, m));
+  const std::int64_t k = batch / m + (batch % m != 0);
+  const std::int64_t base = batch / k, rem = batch % k;
+  if (rem == 0) return {base, k, 0};
+  return {base + 1, rem, k - rem};
+}
+
+std::vector<std::int64_t> Split::sizes() const {
+  std::vector<std::int64_t> s(static_cast<std::size_t>(n_large), large);
+  s.insert(s.end(), static_cast<std::size_t>(n_small), small());
+  return s;
+}
+
+std::vector<std::int64_t> Split::shortened(std::size_t keep) const {
+  const auto cut = [keep](std::int64_t n) { return static_cast<std::size_t>(std::min<std::uint64_t>(n, keep)); };
+  std::vector<std::int64_t> s(cut(n_large), large);
+  s.insert(s.end(), cut(n_small), small());
   return s;
 }
 
@@ -42,31 +65,15 @@ std::string Plan::summary() const {
   if (micro_batches == 1) {
     split = "1 micro-batch (the whole batch)";
   } else {
-    const std::int64_t large = sizes.front(), small = sizes.back();
-    const auto n_large = std::count(sizes.begin(), sizes.end(), large);
-    split = large == small ? fmt::format("{} micro-batches of {}", micro_batches, large)
-                           : fmt::format("{} micro-batches ({} of {}, {} of {})", micro_batches, n_large, large,
-                                         micro_batches - n_large, small);
+    const Split& s = this->split;
+    split = s.n_small == 0 ? fmt::format("{} micro-batches of {}", micro_batches, s.large)
+                           : fmt::format("{} micro-batches ({} of {}, {} of {})", micro_batches, s.n_large, s.large,
+                                         s.n_small, s.small());
   }
   return fmt::format("batch {} = {} | predicted peak {} of {} ({:.1f}%)", batch_size, split,
                      format_bytes(predicted_peak), format_bytes(budget),
                      100.0 * static_cast<double>(predicted_peak) / static_cast<double>(budget));
 }
-
-namespace {
-
-// Each run of equal sizes shortened to at most `keep` (see the header).
-std::vector<std::int64_t> compressed(const std::vector<std::int64_t>& sizes, std::size_t keep) {
-  std::vector<std::int64_t> out;
-  std::size_t run = 0;
-  for (std::size_t i = 0; i < sizes.size(); ++i) {
-    run = i > 0 && sizes[i] == sizes[i - 1] ? run + 1 : 1;
-    if (run <= keep) out.push_back(sizes[i]);
-  }
-  return out;
-}
-
-}  // namespace
 
 void Planner::set_repeats(std::size_t repeats) {
   if (repeats < 2) throw Error(fmt::format("Planner: expected at least 2 repeats, found {}", repeats));
@@ -75,10 +82,6 @@ void Planner::set_repeats(std::size_t repeats) {
 }
 
 namespace {
-
-std::vector<std::int64_t> split_for(std::int64_t batch, std::int64_t m) {
-  return balanced_sizes(batch, (batch + m - 1) / m);
-}
 
 // What is live per category at the first moment the trace reaches its highest total.
 Breakdown live_at_peak(const Arena& a) {
@@ -134,7 +137,7 @@ Planner::Probe Planner::probe(const std::vector<std::int64_t>& sizes, bool detai
 
 void Planner::throw_too_small(std::int64_t batch, std::int64_t m, const std::string& why) {
   // Measure what the split would need on a clone with room to spare.
-  const Probe need = probe(split_for(batch, m), true, unbounded_capacity(*arena_));
+  const Probe need = probe(Split::of(batch, m).shortened(repeats_), true, unbounded_capacity(*arena_));
   if (!need.error.empty()) throw Error(fmt::format("micro-batches of {} cannot run: {}", m, need.error));
   const std::string needs =
       need.fits ? fmt::format("needs a memory limit of at least {} ({} bytes); live at its peak: {}",
@@ -167,7 +170,7 @@ const Plan& Planner::plan(std::int64_t batch, std::optional<std::int64_t> micro_
     std::int64_t lo = 0, hi = 0;  // lo: largest size known to fit (0: none yet); hi (> 0): fails
     std::string cannot_run;
     for (std::int64_t next = 1;; next = std::min(next * 2, hi_limit)) {
-      const Probe p = probe(compressed(split_for(batch, next), repeats_), false);
+      const Probe p = probe(Split::of(batch, next).shortened(repeats_), false);
       if (p.fits) {
         lo = next;
         if (next == hi_limit) break;
@@ -186,17 +189,20 @@ const Plan& Planner::plan(std::int64_t batch, std::optional<std::int64_t> micro_
     // Bisect (lo fits, hi does not).
     while (hi > 0 && hi - lo > 1) {
       const std::int64_t mid = lo + (hi - lo) / 2;
-      (probe(compressed(split_for(batch, mid), repeats_), false).fits ? lo : hi) = mid;
+      (probe(Split::of(batch, mid).shortened(repeats_), false).fits ? lo : hi) = mid;
     }
     m = lo;
   }
-  // Verify the exact split with a full, traced dry run. A compressed probe that fit should not
-  // differ, but if it ever does, step down until the full split fits.
+  // Verify the exact split with a traced dry run (every micro-batch up to kVerifyAll of them, else
+  // the shortened split). A shortened probe that fit should not differ, but if it ever does, step
+  // down until the verified split fits.
   Probe full;
-  std::vector<std::int64_t> sizes;
+  Split split;
+  std::vector<std::int64_t> verified;
   for (;;) {
-    sizes = split_for(batch, m);
-    full = probe(sizes, true);
+    split = Split::of(batch, m);
+    verified = split.count() <= kVerifyAll ? split.sizes() : split.shortened(repeats_);
+    full = probe(verified, true);
     if (full.fits) break;
     if (!full.error.empty()) throw Error(fmt::format("micro-batches of {} cannot run: {}", m, full.error));
     if (micro_batch) throw_too_small(batch, m, fmt::format("the fixed micro-batch of {} does not fit", m));
@@ -205,13 +211,17 @@ const Plan& Planner::plan(std::int64_t batch, std::optional<std::int64_t> micro_
   }
   Plan p;
   p.batch_size = batch;
-  p.sizes = sizes;
-  p.micro_batches = static_cast<std::int64_t>(sizes.size());
-  p.micro_batch = sizes.front();
+  p.split = split;
+  p.micro_batches = split.count();
+  p.micro_batch = split.large;
   p.predicted_peak = full.peak;
   p.budget = arena_->capacity();
   p.at_peak = full.at_peak;
   p.flops = full.flops;
+  if (const std::int64_t ran = std::accumulate(verified.begin(), verified.end(), std::int64_t(0)); ran != batch) {
+    const double scale = static_cast<double>(batch) / static_cast<double>(ran);  // work is per sample
+    p.flops.forward *= scale, p.flops.recompute *= scale, p.flops.backward *= scale;
+  }
   p.probes = probes_ - probes0;
   p.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   return cache_.emplace(key, std::move(p)).first->second;

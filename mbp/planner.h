@@ -11,10 +11,13 @@
 //   * A batch of B samples through micro-batches of at most m becomes k = ceil(B / m) balanced
 //     micro-batches (sizes differ by at most one, larger first). The search gallops m = 1, 2, 4,
 //     ... until a split fails (or m reaches B), then bisects between the last fit and the first
-//     failure. Search probes run a compressed split (each run of equal sizes shortened to two:
-//     after a micro-batch everything but the persistent state is freed, so further repetitions
-//     replay the same allocations); the chosen plan is then verified by a full dry run of its
-//     exact split, which gives the predicted peak and what is live at that moment.
+//     failure. Search probes run a shortened split (each run of equal sizes cut to two: after a
+//     micro-batch everything but the persistent state is freed, so further repetitions replay the
+//     same allocations); the chosen plan is then verified by a traced dry run of its exact split
+//     (of up to kVerifyAll micro-batches; beyond, of its shortened split, so that planning takes
+//     the same time and memory at any batch size), which gives the predicted peak and what is live
+//     at that moment. Its work (FlopCount) is counted on the micro-batches it ran and scaled to
+//     the batch: every counted op's work is proportional to its samples.
 //   * Plans are cached by (B, budget, upper limit on m, and the caller's `variant`: what else
 //     decides the step's allocations — the executor passes the model's recomputation state).
 //   * A split that cannot run at any budget (BatchNorm needs more than one value per channel, so a
@@ -47,6 +50,23 @@ std::size_t unbounded_capacity(const Arena& a);
 // k micro-batch sizes that split `batch` samples as evenly as possible, larger ones first.
 std::vector<std::int64_t> balanced_sizes(std::int64_t batch, std::int64_t micro_batches);
 
+// The same balanced split held as its two runs — n_large micro-batches of `large` samples, then
+// n_small of large - 1 — so that a plan of any batch size takes constant memory (a batch of 2^31
+// samples is "21,474,837 micro-batches of 100", not a vector of them).
+struct Split {
+  std::int64_t large = 0, n_large = 0, n_small = 0;
+  // The split of `batch` samples into micro-batches of at most m: k = ceil(batch / m) of them.
+  static Split of(std::int64_t batch, std::int64_t m);
+  std::int64_t count() const { return n_large + n_small; }         // k
+  std::int64_t small() const { return n_small > 0 ? large - 1 : large; }
+  std::int64_t batch() const { return large * n_large + small() * n_small; }
+  std::vector<std::int64_t> sizes() const;  // every micro-batch, in order (a real step's)
+  // Each run cut to at most `keep` micro-batches: what a dry run needs to see the split's peak
+  // (after a micro-batch everything but the persistent state is freed, so further ones replay the
+  // same allocations; see Planner::set_repeats).
+  std::vector<std::int64_t> shortened(std::size_t keep) const;
+};
+
 // Bytes live per category at one moment (the peak of a step).
 struct Breakdown {
   std::array<std::int64_t, kNumCategories> bytes{};
@@ -58,7 +78,8 @@ struct Plan {
   std::int64_t batch_size = 0;     // B
   std::int64_t micro_batch = 0;    // m: the largest micro-batch of the split
   std::int64_t micro_batches = 0;  // k = ceil(B / m)
-  std::vector<std::int64_t> sizes;  // the balanced split, sum = B
+  Split split;                     // the balanced split, k micro-batches, B samples
+  std::vector<std::int64_t> sizes() const { return split.sizes(); }
   std::size_t predicted_peak = 0;  // bytes live at the step's peak (arena rounding included)
   std::size_t budget = 0;          // the arena's capacity
   Breakdown at_peak;               // what is live at that moment
@@ -75,6 +96,9 @@ using StepFn = std::function<void(const std::vector<std::int64_t>& sizes)>;
 
 class Planner {
  public:
+  // Up to this many micro-batches the verifying dry run walks every one of them.
+  static constexpr std::int64_t kVerifyAll = 64;
+
   // `arena`: the real arena the step will run on (holding the persistent state now).
   Planner(std::shared_ptr<Arena> arena, StepFn step);
 

@@ -291,7 +291,7 @@ TEST_P(PlannerExact, PredictedPeakEqualsMeasuredPeak) {
     EXPECT_LE(p.micro_batch, *c.micro);
   }
   // The planner's compressed probes agree with a full dry run of the split.
-  EXPECT_EQ(ex.planner().probe(p.sizes, false).peak, p.predicted_peak);
+  EXPECT_EQ(ex.planner().probe(p.sizes(), false).peak, p.predicted_peak);
   // The search found the largest m: the split with one micro-batch fewer (the next larger m)
   // does not fit.
   if (!c.micro && p.micro_batches > 1) {
