@@ -125,7 +125,7 @@ std::string found_magic(Bytes b) {
 bool is_gzip(Bytes bytes) { return bytes.size() >= 2 && bytes[0] == 0x1f && bytes[1] == 0x8b; }
 
 // zlib is fed in chunks of kChunk bytes (its avail_in is 32-bit) and writes kGrow bytes at a time.
-std::vector<std::uint8_t> gunzip(Bytes bytes, const std::string& name) {
+std::vector<std::uint8_t> gunzip(Bytes bytes, const std::string& name, std::uint64_t limit) {
   z_stream z{};
   if (inflateInit2(&z, 16 + MAX_WBITS) != Z_OK)  // 16: the gzip wrapper, not zlib's
     throw Error(fmt::format("{}: zlib could not start a gzip stream (inflateInit2 failed)", name));
@@ -152,6 +152,9 @@ std::vector<std::uint8_t> gunzip(Bytes bytes, const std::string& name) {
       z.avail_out = static_cast<uInt>(kGrow);
       const int ret = inflate(&z, Z_NO_FLUSH);
       out.resize(out.size() - z.avail_out);
+      if (out.size() > limit)
+        throw FormatError(fmt::format("{}: expected {} bytes once decompressed (the size its header declares), found "
+                                      "more (trailing bytes)", name, limit));
       if (ret == Z_STREAM_END) {
         member_done = true;
       } else if (ret == Z_DATA_ERROR || ret == Z_NEED_DICT || ret == Z_STREAM_ERROR) {
@@ -173,6 +176,63 @@ std::vector<std::uint8_t> gunzip(Bytes bytes, const std::string& name) {
         "file after {} compressed bytes ({} bytes decompressed)",
         name, fed, out.size()));
   return out;
+}
+
+std::vector<std::uint8_t> gunzip_head(Bytes bytes, const std::string& name, std::size_t n) {
+  z_stream z{};
+  if (inflateInit2(&z, 16 + MAX_WBITS) != Z_OK)
+    throw Error(fmt::format("{}: zlib could not start a gzip stream (inflateInit2 failed)", name));
+  struct End {
+    z_stream& z;
+    ~End() { inflateEnd(&z); }
+  } end{z};
+  std::vector<std::uint8_t> out(n);
+  z.next_in = const_cast<Bytef*>(bytes.data());
+  z.avail_in = static_cast<uInt>(std::min<std::size_t>(bytes.size(), std::size_t(1) << 30));
+  z.next_out = out.data();
+  z.avail_out = static_cast<uInt>(n);
+  while (z.avail_out > 0) {
+    const int ret = inflate(&z, Z_NO_FLUSH);
+    if (ret == Z_STREAM_END || ret == Z_BUF_ERROR) break;
+    if (ret != Z_OK)
+      throw FormatError(fmt::format("{}: corrupt gzip data in its first bytes: expected a valid gzip stream, found an "
+                                    "error ({})", name, z.msg ? z.msg : "data error"));
+  }
+  out.resize(n - z.avail_out);
+  return out;
+}
+
+void check_declared_size(std::uint64_t declared, std::uint64_t file_bytes, bool gzip, const std::string& name,
+                         const std::string& what) {
+  const std::uint64_t most = gzip ? file_bytes * 1032 + 1024 : file_bytes;
+  if (declared > most)
+    throw FormatError(fmt::format("{}: its header declares {} ({} bytes), but {} {} bytes {}: truncated, or not what "
+                                  "its header says", name, what, declared, gzip ? "a gzip file of" : "the file has",
+                                  file_bytes, gzip ? fmt::format("inflates to at most {}", most) : "in all"));
+}
+
+std::uint64_t idx_declared_size(Bytes head, const std::string& name) {
+  if (head.size() >= 4 && be32(head.data()) == kIdxLabels) {
+    if (head.size() < 8)
+      throw FormatError(fmt::format("{}: truncated header: expected at least 8 bytes (magic, count), found {}", name,
+                                    head.size()));
+    const auto count = static_cast<std::int32_t>(be32(head.data() + 4));
+    if (count <= 0) throw FormatError(fmt::format("{}: expected a positive label count, found {}", name, count));
+    return 8 + std::uint64_t(count);
+  }
+  if (head.size() >= 4 && be32(head.data()) != kIdxImages)
+    throw FormatError(fmt::format("{}: expected magic 0x{:08x} (IDX images) or 0x{:08x} (IDX labels), found {}", name,
+                                  kIdxImages, kIdxLabels, found_magic(head)));
+  if (head.size() < 16)
+    throw FormatError(fmt::format(
+        "{}: truncated header: expected at least 16 bytes (magic, count, rows, cols), found {}", name, head.size()));
+  const auto count = static_cast<std::int32_t>(be32(head.data() + 4));
+  const auto rows = static_cast<std::int32_t>(be32(head.data() + 8));
+  const auto cols = static_cast<std::int32_t>(be32(head.data() + 12));
+  if (count <= 0) throw FormatError(fmt::format("{}: expected a positive image count, found {}", name, count));
+  if (rows <= 0 || cols <= 0 || rows > 4096 || cols > 4096)
+    throw FormatError(fmt::format("{}: expected rows and cols in 1..4096, found {}x{}", name, rows, cols));
+  return 16 + std::uint64_t(count) * std::uint64_t(rows) * std::uint64_t(cols);
 }
 
 IdxImagesHeader parse_idx_images(Bytes b, const std::string& name) {
@@ -300,8 +360,12 @@ std::vector<std::uint8_t> read_plain(const fs::path& path) {
   return bytes;
 }
 
+// An IDX file's bytes (read_file), its header's declared size checked against the file before
+// anything is inflated (check_declared_size), and inflated no further than that size.
+FileBytes read_idx_file(const fs::path& path);
+
 // `path`, or `path`.gz when only that exists; gzip content (by its magic bytes) is decompressed.
-FileBytes read_file(const fs::path& path) {
+FileBytes read_file(const fs::path& path, bool idx = false) {
   std::error_code ec;
   fs::path p = path;
   if (!fs::exists(p, ec)) {
@@ -315,16 +379,29 @@ FileBytes read_file(const fs::path& path) {
   if (fs::is_directory(p, ec))
     throw FormatError(fmt::format("{}: expected a file, found a directory", show(p)));
   std::vector<std::uint8_t> bytes = read_plain(p);
-  if (is_gzip(bytes)) return {gunzip(bytes, show(p)), show(p) + " (decompressed)"};
+  const bool gz = is_gzip(bytes);
+  std::uint64_t limit = UINT64_MAX;
+  if (idx && gz) {  // the header's size against the file, before anything is inflated (a plain
+                    // file's is checked exactly by its parser, which allocates nothing more)
+    // (A stream too short to hold a header is left to gunzip, which names how it ends.)
+    const std::vector<std::uint8_t> head = gunzip_head(bytes, show(p), 16);
+    if (head.size() == 16 || (head.size() >= 8 && be32(head.data()) == kIdxLabels)) {
+      limit = idx_declared_size(head, show(p) + " (decompressed)");
+      check_declared_size(limit, bytes.size(), true, show(p), "an IDX file");
+    }
+  }
+  if (gz) return {gunzip(bytes, show(p), limit), show(p) + " (decompressed)"};
   return {std::move(bytes), show(p)};
 }
+
+FileBytes read_idx_file(const fs::path& path) { return read_file(path, true); }
 
 // An IDX images file and its labels (MNIST's layout); `name`, mean and stddev describe the set.
 Dataset read_idx_pair(const fs::path& images_path, const fs::path& labels_path, const char* set_name, float mean,
                       float stddev) {
-  const FileBytes images = read_file(images_path);
+  const FileBytes images = read_idx_file(images_path);
   parse_idx_images(images.bytes, images.name);  // the images file's errors before the labels file is read
-  const FileBytes labels = read_file(labels_path);
+  const FileBytes labels = read_idx_file(labels_path);
   return parse_idx_pair({images.bytes, images.name}, {labels.bytes, labels.name}, set_name, mean, stddev);
 }
 

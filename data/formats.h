@@ -9,6 +9,7 @@
 // expected and what was found; nothing reads outside the given bytes.
 #pragma once
 #include <cstdint>
+#include <cstddef>
 #include <span>
 #include <string>
 #include <vector>
@@ -25,8 +26,25 @@ bool is_gzip(Bytes bytes);
 // Inflates gzip data: one member or several concatenated (as `cat a.gz b.gz` makes). Corrupt data
 // (a bad header, a bad deflate block, a CRC or length mismatch in a trailer) and a stream that
 // stops before its trailer are FormatErrors naming `name`, the compressed offset and what was
-// expected. The output is not bounded: callers that take untrusted input bound its size.
-std::vector<std::uint8_t> gunzip(Bytes bytes, const std::string& name);
+// expected. Inflating stops with a FormatError as soon as the output passes `limit` bytes (the
+// size the file's header declares: read_file's callers pass it).
+std::vector<std::uint8_t> gunzip(Bytes bytes, const std::string& name, std::uint64_t limit = UINT64_MAX);
+// The first n bytes gzip data inflates to (fewer when it holds fewer), the rest not inflated: a
+// header, read before anything is allocated for the body.
+std::vector<std::uint8_t> gunzip_head(Bytes bytes, const std::string& name, std::size_t n);
+
+// The policy every reader of a data set file keeps: the size a header declares is checked against
+// the bytes actually present before anything is allocated or inflated. A plain file must hold
+// them; a gzip file of c bytes can inflate to at most 1032 c + 1024 bytes (deflate's largest
+// ratio), so a header declaring more is a FormatError naming the file, the declared size and the
+// most the file can hold — before one byte is inflated.
+void check_declared_size(std::uint64_t declared, std::uint64_t file_bytes, bool gzip, const std::string& name,
+                         const std::string& what);
+
+// The size of a whole IDX file (images: 16 + count * rows * cols; labels: 8 + count) from its
+// first 16 (images) or 8 (labels) bytes, with the header checks of parse_idx_images and
+// parse_idx_labels.
+std::uint64_t idx_declared_size(Bytes head, const std::string& name);
 
 // The header of a whole IDX images file (magic 2051, count, rows, cols, then count*rows*cols
 // pixel bytes), checked against the bytes present: count >= 1, rows and cols in 1..4096, no

@@ -281,6 +281,29 @@ TEST(Gzip, WrongMagicInsideTheGzip) {
                   {"train-images-idx3-ubyte.gz (decompressed)", "truncated pixel data"});
 }
 
+// A header's declared size is checked against the file before anything is inflated: 2 MB of gzip
+// whose header declared 2^31 - 1 images was inflated to 2.26 GB before its size was checked. And
+// inflating stops as soon as it passes the declared size.
+TEST(Gzip, AHeaderDeclaringMoreThanTheFileCanHoldIsRefusedBeforeInflating) {
+  TempDir dir;
+  write_mnist(dir);
+  Bytes huge = idx_images(1, 28, 28, 0);
+  const std::uint32_t count = 0x7fffffff;
+  for (int i = 0; i < 4; ++i) huge[4 + i] = static_cast<std::uint8_t>(count >> (24 - 8 * i));
+  huge.resize(huge.size() + (std::size_t(1) << 20), 0);  // 1 MiB of zeros: a few KB of gzip
+  write_file(dir / "train-images-idx3-ubyte", huge);
+  gzip_mnist(dir);
+  expect_contains(format_error([&] { load_mnist(dir.str()); }),
+                  {"train-images-idx3-ubyte.gz", "declares an IDX file (1683627179264 bytes)", "inflates to at most"});
+  write_mnist(dir);
+  Bytes trailing = idx_images(kMnistTrain, 28, 28, 0);
+  trailing.resize(trailing.size() + (std::size_t(8) << 20), 0);  // 8 MiB past the declared images
+  write_file(dir / "train-images-idx3-ubyte", trailing);
+  gzip_mnist(dir);
+  expect_contains(format_error([&] { load_mnist(dir.str()); }),
+                  {"train-images-idx3-ubyte.gz: expected 2368 bytes once decompressed", "found more"});
+}
+
 TEST(FashionMnist, TheDebianPackageReadsInPlace) {
   // make test installs dataset-fashion-mnist (Makefile's Debian packages).
   const Split s = load_dataset("fashion-mnist");
