@@ -142,8 +142,13 @@ data::Split load_data(const TrainOptions& opt) {
 
 // The run's arena: --memory-limit bytes on `dev`, owned by the run. A default arena that nothing
 // else holds is given back first, so that "auto" (measured with it counted as free) fits.
-std::shared_ptr<Arena> make_arena(const TrainOptions& opt, Device dev) {
+std::shared_ptr<Arena> make_arena(const TrainOptions& opt, Device dev, std::ostream& log) {
   const std::size_t limit = parse_memory_limit(opt.memory_limit, dev);
+  if (dev.is_cpu() && opt.memory_limit != "auto")
+    if (const HostMemory usable = usable_host_memory(); !usable.bound.empty() && limit > usable.bytes)
+      fmt::print(log, "warning: --memory-limit {} is more than this process can use now ({}, {}): a step that needs "
+                      "more fails with the system's out-of-memory, not with tally's plan\n",
+                 opt.memory_limit, format_bytes(usable.bytes), usable.bound);
   release_default_arena(dev);
   return std::make_shared<Arena>(dev, limit);
 }
@@ -296,7 +301,7 @@ TrainingRun::TrainingRun(const TrainOptions& options, std::ostream& all_log, std
       loader_(split_.train, loader_options(rank_options_, augments(rank_options_))),
       per_epoch_(checked_per_epoch(loader_, rank_options_, split_.train)),
       steps_(run_steps(rank_options_, per_epoch_)),
-      arena_(make_arena(rank_options_, rank_.dev)),
+      arena_(make_arena(rank_options_, rank_.dev, log_)),
       in_budget_(arena_),
       setup_(model_setup(rank_options_, split_.train, arena_, options.memory_limit)),
       comm_(distributed::for_device(rank_.world, rank_.dev)),

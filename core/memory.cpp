@@ -7,6 +7,7 @@
 #include <unordered_map>
 
 #include "core/device.h"
+#include "core/machine.h"
 
 namespace tally {
 namespace {
@@ -34,7 +35,13 @@ std::shared_ptr<Arena>& override_slot(Device d) {
 std::size_t cuda_arena_margin(std::size_t total) { return std::max(kCudaArenaMarginBytes, total / 32); }
 
 std::size_t default_arena_capacity(Device device) {
-  if (device.is_cpu()) return kDefaultCpuArenaBytes;
+  if (device.is_cpu()) {
+    const HostMemory usable = usable_host_memory();
+    if (usable.bound.empty()) return kDefaultCpuArenaBytes;
+    constexpr std::size_t kStep = std::size_t(64) << 20;
+    const std::size_t share = usable.bytes / 4 * 3 / kStep * kStep;
+    return std::clamp(share, kStep, kDefaultCpuArenaBytes);
+  }
   // Measured after the context (streams, cuBLAS and cuDNN handles) took its device memory: what
   // is really left for the arena.
   std::size_t fr = 0, tot = 0;

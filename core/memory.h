@@ -13,6 +13,9 @@
 
 namespace tally {
 
+// CPU: the default arena ("--memory-limit auto") is 8 GiB of address space, or 3/4 of the memory
+// this process may still use (core/machine.h: MemAvailable, the cgroup's limit, RLIMIT_AS) when
+// that is less, in 64 MiB steps — the rest is the process's own (the data set, the libraries).
 inline constexpr std::size_t kDefaultCpuArenaBytes = std::size_t(8) << 30;
 // CUDA: the default arena leaves this much of the free memory (or 1/32 of the device, if more)
 // to what is loaded after it is reserved: cuBLASLt's and cuDNN's kernel images, loaded lazily on
@@ -37,7 +40,8 @@ bool release_default_arena(Device device);
 // A new arena of `capacity` bytes on `device` that is virtual when `like` is: the arena a setup
 // builds beside the budget it was given, in a dry run as in a real one.
 std::shared_ptr<Arena> arena_like(const Arena& like, Device device, std::size_t capacity);
-// Default capacity for `device` when none was configured.
+// Default capacity for `device` when none was configured (above; CUDA: the free memory less the
+// margin).
 std::size_t default_arena_capacity(Device device);
 
 class ArenaScope {
