@@ -1,6 +1,8 @@
 // apps/run_state.cpp — options as text, --checkpoint-every, stop signals, kill points; see apps/run_state.h.
 #include "apps/run_state.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -11,6 +13,8 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <filesystem>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -68,6 +72,31 @@ CheckpointEvery parse_checkpoint_every(const std::string& text) {
                             "\"2h\"), found \"{}\"", text));
   every.seconds = seconds;
   return every;
+}
+
+RunFolderLock::RunFolderLock(const std::string& dir, const std::string& flag) {
+  const std::string path = (std::filesystem::path(dir) / ".lock").string();
+  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd_ < 0) throw Error(fmt::format("{} {}: cannot create its lock {}: {}", flag, dir, path, std::strerror(errno)));
+  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    char pid[32] = {};
+    const ssize_t n = ::pread(fd_, pid, sizeof(pid) - 1, 0);
+    ::close(fd_);
+    fd_ = -1;
+    std::string holder(pid, n > 0 ? static_cast<std::size_t>(n) : 0);
+    while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
+    throw Error(fmt::format("{} {}: another tally process{} is using this run folder (it holds {}); wait for it to "
+                            "end, or give another folder", flag, dir, holder.empty() ? "" : " (pid " + holder + ")",
+                            path));
+  }
+  const std::string mine = fmt::format("{}\n", ::getpid());
+  if (::ftruncate(fd_, 0) != 0 || ::pwrite(fd_, mine.data(), mine.size(), 0) < 0) {
+    // The lock holds without the pid in it; a second process is refused all the same.
+  }
+}
+
+RunFolderLock::~RunFolderLock() {
+  if (fd_ >= 0) ::close(fd_);  // closing releases the flock
 }
 
 namespace {

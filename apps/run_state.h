@@ -27,6 +27,20 @@ struct CheckpointEvery {
 };
 CheckpointEvery parse_checkpoint_every(const std::string& text);
 
+// While alive, this process holds the lock of the run folder `dir` (an flock on dir/.lock, with its
+// pid written in): a second tally on the same folder — two resumes of one run — is an Error naming
+// `flag`, the folder and the first one's pid. The lock ends with the process, however it ends.
+class RunFolderLock {
+ public:
+  RunFolderLock(const std::string& dir, const std::string& flag);
+  ~RunFolderLock();
+  RunFolderLock(const RunFolderLock&) = delete;
+  RunFolderLock& operator=(const RunFolderLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
+
 // While alive, SIGINT and SIGTERM (one process) or SIGUSR1 (every run; the one mpirun forwards to
 // its ranks) set a flag instead of ending the process; a second signal of the same kind ends it
 // as usual. The previous handlers come back at destruction.

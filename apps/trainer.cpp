@@ -216,7 +216,10 @@ void set_up_rank(RankSetup& r, const TrainOptions& options, std::ostream& all_lo
   r.log = r.rank == 0 ? &all_log : &r.silent;
   if (r.rank != 0) r.opt.out.clear(), r.opt.save.clear(), r.opt.progress = false;
   if (r.opt.threads > 0) omp_set_num_threads(r.opt.threads);  // OpenBLAS stays single-threaded (kernels/cpu/gemm.cpp)
-  if (!r.opt.out.empty()) std::filesystem::create_directories(r.opt.out);
+  if (!r.opt.out.empty()) {
+    std::filesystem::create_directories(r.opt.out);
+    r.lock.emplace(r.opt.out, r.opt.resume.empty() ? "--out" : "--resume");
+  }
   if (r.dev.is_cuda()) set_allow_tf32(r.opt.tf32);
 }
 

@@ -47,6 +47,7 @@ struct RankSetup {
   Device dev;
   std::ofstream silent;  // the log of ranks other than 0
   std::ostream* log = nullptr;
+  std::optional<RunFolderLock> lock;  // rank 0's, on the run folder, for the whole run
 };
 
 // Crop + flip for CIFAR and synthetic images, not for the 28x28 grey ones, unless --augment says.

@@ -11,6 +11,11 @@
 #include <fstream>
 #include <sstream>
 
+#include <unistd.h>
+
+#include <fmt/format.h>
+
+#include "apps/run_state.h"
 #include "apps/trainer.h"
 #include "core/error.h"
 #include "core/safetensors.h"
@@ -177,5 +182,15 @@ TEST(Train, WhatARunWritesAtItsEndIsCheckedFirst) {
   o = {};
   o.out = "/proc/tally_run";
   expect_error(o, "--out /proc/tally_run: cannot create the folder");
+  {  // a run folder in use by another process (two resumes of one run): refused, naming its pid
+    std::filesystem::create_directories(dir / "busy");
+    const app::RunFolderLock held((dir / "busy").string(), "--out");
+    o = {};
+    o.out = (dir / "busy").string();
+    expect_error(o, fmt::format("--out {}: another tally process (pid {}) is using this run folder", o.out, ::getpid()));
+  }
+  {
+    const app::RunFolderLock free_again((dir / "busy").string(), "--out");  // released with its holder
+  }
   EXPECT_EQ(log.str().find("step 1"), std::string::npos) << "a run started: " << log.str();
 }
