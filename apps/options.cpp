@@ -444,12 +444,19 @@ void register_options(CLI::App& cli, const Targets& t, unsigned command) {
         const std::string flag = "--" + o.name;
         // An empty value is never a choice: the default is the flag left out ("--resume ''" would
         // otherwise start a fresh run, "--save ''" save nothing).
-        auto set_given = [set, flag](const std::string& v) {
+        // A flag given twice is one value too many, said in tally's words.
+        auto set_given = [set, flag](const CLI::results_t& given) {
+          if (given.size() > 1)
+            throw CLI::ValidationError(flag, fmt::format("expected one value, found {} ({}): give the flag once",
+                                                         given.size(), fmt::join(given, ", ")));
+          const std::string& v = given.front();
           if (v.empty())
             throw CLI::ValidationError(flag, "expected a value, found an empty one (leave the flag out for its default)");
           set(flag, v);
+          return true;
         };
-        CLI::Option* opt = cli.add_option_function<std::string>(flag, set_given, help);
+        CLI::Option* opt = cli.add_option(flag, CLI::callback_t(set_given), help);
+        opt->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
         opt->type_name(o.field.type);
         if (o.show_default) opt->default_str(o.field.text(t, o.name));
         break;

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <cctype>
 #include <cmath>
 #include <fstream>
 
@@ -37,15 +38,15 @@ std::string rule_text(const NumberRule& rule) {
 }
 
 std::string number_error(const NumberRule& rule, const std::string& value) {
-  double v = 0;
-  std::size_t used = 0;
-  try {
-    v = std::stod(value, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  const bool ok = used > 0 && used == value.size() && std::isfinite(v) && v >= rule.min &&
-                  (!rule.max || v <= *rule.max) && (!rule.whole || v == std::floor(v));
+  char* end = nullptr;
+  errno = 0;
+  const double v = std::strtod(value.c_str(), &end);
+  const bool whole_text = !value.empty() && end == value.c_str() + value.size() && !std::isspace(value[0]);
+  if (whole_text && errno == ERANGE)  // a number, but none a double holds
+    return fmt::format("must be {}, found {} ({} a double holds)", rule_text(rule), value,
+                       std::isinf(v) ? "beyond the largest number" : "below the smallest non-zero number");
+  const bool ok = whole_text && std::isfinite(v) && v >= rule.min && (!rule.max || v <= *rule.max) &&
+                  (!rule.whole || v == std::floor(v));
   if (ok) return "";
   return fmt::format("must be {}, found {}", rule_text(rule), value.empty() ? "an empty value" : value);
 }
@@ -133,6 +134,27 @@ std::size_t parse_memory_limit(const std::string& text, Device dev) {
 
 namespace {
 
+// --init's tensors must be finite: a NaN among them surfaced as a loss of nan "at step 0", blamed
+// on the learning rate.
+template <class T>
+std::int64_t non_finite(const Tensor& t) {
+  std::int64_t n = 0;
+  for (const T v : t.to_vector<T>()) n += !std::isfinite(static_cast<double>(v));
+  return n;
+}
+void check_finite_weights(const nn::Module& model, const std::string& init) {
+  auto check = [&init](const std::string& name, const Tensor& t) {
+    const std::int64_t bad = t.dtype() == DType::Float32   ? non_finite<float>(t)
+                             : t.dtype() == DType::Float64 ? non_finite<double>(t)
+                                                           : 0;
+    if (bad > 0)
+      throw Error(fmt::format("--init {}: expected finite weights, found {} NaN or infinite value{} of {} in '{}'", init,
+                              bad, bad == 1 ? "" : "s", t.numel(), name));
+  };
+  for (const auto& [name, t] : model.named_parameters()) check(name, t);
+  for (const auto& [name, t] : model.named_buffers()) check(name, t);
+}
+
 std::unique_ptr<optim::Optimizer> make_optimizer(std::vector<Tensor> params, const OptimizerConfig& optimizer) {
   if (optimizer.kind == OptimizerKind::sgd) {
     optim::SGDOptions so;
@@ -184,7 +206,7 @@ Setup build_setup(const std::shared_ptr<Arena>& arena, const nn::ModelConfig& mo
     {
       ArenaScope on_host(s.host);
       s.model = nn::make_model(model);
-      if (!init.empty()) nn::load_state_dict(*s.model, init);
+      if (!init.empty()) nn::load_state_dict(*s.model, init), check_finite_weights(*s.model, init);
       s.model->train();
     }
     s.segments = s.model->segments();
@@ -214,7 +236,7 @@ Setup build_setup(const std::shared_ptr<Arena>& arena, const nn::ModelConfig& mo
     ArenaScope scope(arena);
     try {
       s.model = nn::make_model(model);
-      if (!init.empty()) nn::load_state_dict(*s.model, init);
+      if (!init.empty()) nn::load_state_dict(*s.model, init), check_finite_weights(*s.model, init);
       if (!dev.is_cpu()) s.model->to(dev);
       s.model->train();
       s.optimizer = make_optimizer(s.model->parameters(), optimizer);

@@ -390,8 +390,7 @@ void TrainingRun::train_epoch(std::int64_t epoch, std::int64_t epochs) {
                                              b->labels.data() + share_.offset, share_.size);
     arena_->fail_allocation_after(0);
     last_loss_ = r.loss;
-    if (!std::isfinite(last_loss_))
-      throw Error(fmt::format("training diverged at step {}: loss is {} (try a smaller --lr)", step, last_loss_));
+    if (!std::isfinite(last_loss_)) throw diverged(step);
     const auto t1 = clock::now();
     if (trace) {
       arena_->set_tracing(false);
@@ -437,6 +436,17 @@ void TrainingRun::end_epoch(std::int64_t epoch, std::int64_t epochs) {
 // After every step: a checkpoint when one is due (every N steps, after the time given, at the
 // run's end, or when a signal asks the run to stop), then whether to stop. Under mpirun every
 // rank takes the same decision: the flags are summed over the ranks first.
+Error TrainingRun::diverged(std::int64_t step) const {
+  const double lr = setup_.optimizer->lr(), wd = rank_options_.weight_decay;
+  const std::string what = fmt::format("training diverged at step {}: the loss is {} (--lr {:.4g} at this step, "
+                                       "--weight-decay {:.4g})", step, std::isnan(last_loss_) ? "NaN" : "infinite",
+                                       lr, wd);
+  if (lr * wd >= 1)
+    return Error(fmt::format("{}: --lr x --weight-decay = {:.3g} >= 1 pushes every weight past zero each step; give a "
+                             "smaller --weight-decay", what, lr * wd));
+  return Error(fmt::format("{}: try a smaller --lr, or a warm-up (--warmup-epochs)", what));
+}
+
 bool TrainingRun::step_boundary() {
   const std::int64_t done = meter_.steps;
   int stop = signals_ ? signals_->pending() : 0;

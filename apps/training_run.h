@@ -149,6 +149,7 @@ class TrainingRun {
   void report_stop() const;
   void write_schedule(std::int64_t step, const mbp::StepResult& r);
   void finish();
+  Error diverged(std::int64_t step) const;  // a loss that is not finite, with what may have caused it
 
   const TrainOptions& run_options_;   // the run's, as given: the same on every rank (state.json, checks)
   RankSetup rank_;

@@ -92,6 +92,11 @@ TEST(Options, BadValuesAreRefusedInTallysWords) {
                                            "18446744073709551616"},
       {{"--lr", "-1"}, "--lr: must be a non-negative number, found -1"},
       {{"--lr", "inf"}, "--lr: must be a non-negative number, found inf"},
+      {{"--lr", "1e-400"}, "--lr: must be a non-negative number, found 1e-400 (below the smallest non-zero number a "
+                           "double holds)"},
+      {{"--warmup-epochs", "1e400"}, "--warmup-epochs: must be a non-negative number, found 1e400 (beyond the "
+                                     "largest number a double holds)"},
+      {{"--batch-size", "1e30"}, "--batch-size: must be a positive whole number, found 1e30"},
       {{"--batch-size", "0"}, "--batch-size: must be a positive whole number, found 0"},
       {{"--batch-size", "2.5"}, "--batch-size: must be a positive whole number, found 2.5"},
       {{"--micro-batch", "lots"}, "--micro-batch: must be a positive whole number or auto, found lots"},
@@ -109,6 +114,11 @@ TEST(Options, BadValuesAreRefusedInTallysWords) {
     TrainOptions t;
     EXPECT_EQ(parse(t, {flag, ""}),
               std::string(flag) + ": expected a value, found an empty one (leave the flag out for its default)");
+  }
+  {
+    TrainOptions t;  // CLI11 said "--data: At Most 1 required but received 2"
+    EXPECT_EQ(parse(t, {"--data", "synthetic", "--data", "mnist:x"}),
+              "--data: expected one value, found 2 (synthetic, mnist:x): give the flag once");
   }
   SweepOptions s;
   EXPECT_EQ(parse(s, {"--lr-scaling", "cubic"}), "--lr-scaling: expected one of linear, sqrt, found cubic");

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -147,6 +148,39 @@ TEST(Train, BadOptionValuesListTheAllowedValues) {
   o = {};
   o.threads = 100000;  // libgomp crashed or hung on it
   expect_error(o, "--threads 100000: this machine runs");
+}
+
+// A loss that is not finite says what may have caused it, and weights that hold a NaN are refused
+// when they are loaded: both ended as "loss is nan (try a smaller --lr)".
+TEST(Train, ANonFiniteLossNamesItsLikelyCause) {
+  std::ostringstream log;
+  auto error_of = [&](const app::TrainOptions& o) {
+    try {
+      app::train(o, log);
+    } catch (const Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  app::TrainOptions o;
+  o.data = "synthetic:3x16x16", o.steps = 3, o.batch_size = 16, o.progress = false, o.evaluate = false;
+  o.device = "cpu", o.memory_limit = "64MiB";
+  app::TrainOptions wd = o;
+  wd.weight_decay = 1e30;
+  EXPECT_NE(error_of(wd).find("--lr x --weight-decay = "), std::string::npos) << error_of(wd);
+  // The PyTorch-made ResNet-20 weights with one NaN in conv1.weight.
+  auto f = safetensors::read(kDir + "/init_batch.safetensors");
+  auto& conv1 = f.tensors.at("conv1.weight");
+  const float nan = std::nanf("");
+  std::memcpy(conv1.data.data() + 4 * 7, &nan, 4);
+  const auto path = std::filesystem::temp_directory_path() / "tally_nan_init.safetensors";
+  safetensors::write(path.string(), f);
+  app::TrainOptions init = o;
+  init.data = "cifar10:" + kDir + "/tiny_cifar10";
+  init.init = path.string();
+  EXPECT_NE(error_of(init).find("expected finite weights, found 1 NaN or infinite value of 432 in 'conv1.weight'"),
+            std::string::npos)
+      << error_of(init);
 }
 
 // What a run writes at its end is checked before it starts: the trained weights are never lost to
