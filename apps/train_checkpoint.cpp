@@ -2,6 +2,8 @@
 // restoring a run from it (`tally train --resume`; apps/run_state.h has the files' format).
 #include <omp.h>
 
+#include <cmath>
+
 #include "apps/training_run.h"
 
 namespace tally::app {
@@ -73,6 +75,10 @@ void TrainingRun::restore() {
     const auto limits = s.at("micro_batch_limits").get<std::vector<double>>();
     if (limits.size() != static_cast<std::size_t>(ranks))
       throw FormatError(fmt::format("{}: expected {} micro-batch limits, found {}", where, ranks, limits.size()));
+    for (const double limit : limits)  // 0 (no retry lowered it) or a micro-batch size the batch holds
+      if (!(limit == 0 || (limit >= 1 && limit <= static_cast<double>(share_.size) && limit == std::floor(limit))))
+        throw FormatError(fmt::format("{}: expected each micro-batch limit to be 0 or a whole number in [1, {}] (the "
+                                      "rank's batch), found {}", where, share_.size, limit));
     const double mine = limits[static_cast<std::size_t>(rank_.rank)];
     if (mine >= 1) executor_->set_micro_batch_limit(static_cast<std::int64_t>(mine));
     const nlohmann::json& m = s.at("meter");

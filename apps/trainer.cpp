@@ -110,8 +110,14 @@ Device validate(const TrainOptions& opt) {
   const Device dev = opt.pipeline_stages > 1 ? Device::cpu() : choose_device(opt.device);
   for (const std::string& limit : split_list(opt.memory_limit))  // a bad size fails before any work
     if (limit != "auto") (void)parse_size(limit);
-  if (!opt.init.empty() && opt.resume.empty() && !std::filesystem::exists(opt.init))  // resumed: weights from the checkpoint
-    throw Error(fmt::format("--init {}: no such file", opt.init));
+  if (!opt.init.empty() && opt.resume.empty()) {  // resumed: weights from the checkpoint
+    std::error_code ec;
+    const auto status = std::filesystem::status(opt.init, ec);
+    if (!std::filesystem::exists(status)) throw Error(fmt::format("--init {}: no such file", opt.init));
+    if (!std::filesystem::is_regular_file(status))  // a FIFO would wait for a writer forever
+      throw Error(fmt::format("--init {}: expected a regular file, found {}", opt.init,
+                              std::filesystem::is_directory(status) ? "a folder" : "a FIFO, a socket or a device"));
+  }
   if (parse_checkpoint_every(opt.checkpoint_every).on() && opt.out.empty())
     throw Error(fmt::format("--checkpoint-every {}: checkpoints go into the run folder; give --out", opt.checkpoint_every));
   const int hardware = hardware_threads();

@@ -378,6 +378,8 @@ FileBytes read_file(const fs::path& path, bool idx = false) {
   }
   if (fs::is_directory(p, ec))
     throw FormatError(fmt::format("{}: expected a file, found a directory", show(p)));
+  if (!fs::is_regular_file(p, ec))  // reading a FIFO would wait for a writer forever
+    throw FormatError(fmt::format("{}: expected a regular file, found a FIFO, a socket or a device", show(p)));
   std::vector<std::uint8_t> bytes = read_plain(p);
   const bool gz = is_gzip(bytes);
   std::uint64_t limit = UINT64_MAX;

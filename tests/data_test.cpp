@@ -22,6 +22,8 @@
 #include <thread>
 #include <vector>
 
+#include <sys/stat.h>
+
 #include <gtest/gtest.h>
 #include <zlib.h>
 
@@ -179,6 +181,16 @@ TEST(Mnist, ReadsBackExactly) {
   const Split t = load_dataset("mnist:" + dir.str());
   EXPECT_EQ(t.train.images, s.train.images);
   EXPECT_EQ(t.test.labels, s.test.labels);
+}
+
+// A FIFO where a data file should be is an error, not a read that waits for a writer forever.
+TEST(Mnist, AFifoIsNoDataFile) {
+  TempDir dir;
+  write_mnist(dir);
+  fs::remove(dir / "train-images-idx3-ubyte");
+  ASSERT_EQ(::mkfifo((dir / "train-images-idx3-ubyte").c_str(), 0600), 0);
+  expect_contains(format_error([&] { load_mnist(dir.str()); }),
+                  {"train-images-idx3-ubyte", "expected a regular file, found a FIFO"});
 }
 
 TEST(Mnist, MissingFile) {

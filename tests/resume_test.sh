@@ -193,6 +193,12 @@ case $case_name in
     sed -i 's/"version": 1/"version": 7/' "$ck/state.json"
     expect_error "manifest of another version" "checkpoint-5/state.json: expected version 1 \(this build's\), found 7"
     restore
+    for limit in 1e30 -5 2.5; do  # 1e30 read as -9223372036854775808; -5 was accepted
+      restore
+      perl -0pi -e "s/(\"micro_batch_limits\": \[)[^\]]*\]/\$1 $limit]/" "$ck/state.json"
+      expect_error "micro-batch limit $limit" "expected each micro-batch limit to be 0 or a whole number in \[1, 1000\] \(the rank.s batch\), found"
+    done
+    restore
     rm "$ck/state.json"
     expect_error "manifest missing" "checkpoint-5/state.json: expected the checkpoint's manifest, found no such file"
     restore

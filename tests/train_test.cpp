@@ -12,6 +12,7 @@
 #include <fstream>
 #include <sstream>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <fmt/format.h>
@@ -213,6 +214,15 @@ TEST(Train, WhatARunWritesAtItsEndIsCheckedFirst) {
   o.out = (dir / "finished").string();
   expect_error(o, "holds the summary.json of an earlier run");
   EXPECT_TRUE(std::filesystem::exists(dir / "finished" / "summary.json"));
+  o = {};
+  ASSERT_EQ(::mkfifo((dir / "fifo").c_str(), 0600), 0);  // reading it would wait for a writer forever
+  o.init = (dir / "fifo").string();
+  expect_error(o, "expected a regular file, found a FIFO, a socket or a device");
+  o.init = "/dev/zero";
+  expect_error(o, "--init /dev/zero: expected a regular file");
+  o = {};
+  o.save = (dir / "fifo").string();
+  expect_error(o, "expected a file to write, found no regular file (a FIFO or a device)");
   o = {};
   o.out = "/proc/tally_run";
   expect_error(o, "--out /proc/tally_run: cannot create the folder");
