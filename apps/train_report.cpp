@@ -1,6 +1,10 @@
 // apps/train_report.cpp — what a run tells: the header and the plan, metrics.csv, the pipeline's
 // schedule picture, the stop line, and the end (the ranks gathered, summary.json, the pictures).
+#include <cerrno>
+#include <cstring>
+
 #include "apps/training_run.h"
+#include "core/files.h"
 
 namespace tally::app {
 
@@ -106,11 +110,19 @@ void TrainingRun::open_metrics() {
   if (metrics_text_.empty())
     metrics_text_ = "step,epoch,loss,lr,images_per_second,peak_bytes,predicted_peak_bytes,micro_batch,micro_batches\n";
   metrics_.open(std::filesystem::path(rank_options_.out) / "metrics.csv", std::ios::trunc);
-  metrics_ << metrics_text_ << std::flush;
+  append_metrics(metrics_text_);
 }
 
 // A pipeline's traced step: every stage's timeline to rank 0 (a collective), which draws them into
 // pipeline.svg, with the bubble the schedule implies for k micro-batches on S equal stages.
+void TrainingRun::append_metrics(const std::string& text) {
+  const std::filesystem::path path = std::filesystem::path(rank_options_.out) / "metrics.csv";
+  if (const int injected = injected_write_error(path)) metrics_.setstate(std::ios::badbit), errno = injected;
+  metrics_ << text << std::flush;
+  if (!metrics_)  // a full disk: said now, with the last checkpoint intact, not found missing later
+    throw Error(fmt::format("cannot write {}: {}", path.string(), std::strerror(errno != 0 ? errno : EIO)));
+}
+
 void TrainingRun::write_schedule(std::int64_t step, const mbp::StepResult& r) {
   const mbp::PipelineTrace& mine = mbp::as_stage(*executor_, "the pipeline's schedule").trace();
   const auto S = static_cast<std::size_t>(rank_.ranks);

@@ -412,7 +412,7 @@ void TrainingRun::train_epoch(std::int64_t epoch, std::int64_t epochs) {
       const std::string row = fmt::format("{},{},{:.6f},{:.6g},{:.2f},{},{},{},{}\n", step + 1, epoch, last_loss_,
                                           setup_.optimizer->lr(), ips, r.peak, r.predicted_peak, r.micro_batch,
                                           r.micro_batches);
-      metrics_ << row << std::flush;  // an interrupted run keeps every step it measured
+      append_metrics(row);  // an interrupted run keeps every step it measured
       metrics_text_ += row;
     }
     if (step_boundary()) return;  // stopped: this epoch's evaluation waits for the resumed run

@@ -140,6 +140,7 @@ class TrainingRun {
   void print_header(const Setup& setup) const;
   void print_plan(const mbp::Plan& plan) const;
   void open_metrics();
+  void append_metrics(const std::string& text);  // to metrics.csv; an Error naming it when the write fails
   void train_epoch(std::int64_t epoch, std::int64_t epochs);
   void end_epoch(std::int64_t epoch, std::int64_t epochs);
   bool step_boundary();  // true: stop here

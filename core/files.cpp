@@ -5,6 +5,8 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
+#include <string>
 #include <system_error>
 
 #include <fmt/format.h>
@@ -13,7 +15,23 @@
 
 namespace tally {
 
+int injected_write_error(const std::filesystem::path& path) {
+  const char* env = std::getenv("TALLY_TEST_WRITE_FAIL");
+  if (env == nullptr || *env == '\0') return 0;
+  const std::string spec(env);
+  const auto colon = spec.rfind(':');
+  const std::string name = spec.substr(0, colon), error = colon == std::string::npos ? "" : spec.substr(colon + 1);
+  const int code = error == "ENOSPC" ? ENOSPC : error == "EIO" ? EIO : 0;
+  if (code == 0 || name.empty())
+    throw Error(fmt::format("TALLY_TEST_WRITE_FAIL={}: expected <file name>:ENOSPC or <file name>:EIO", spec));
+  const std::string file = path.filename().string();
+  return file == name || file.rfind(name + ".tmp", 0) == 0 ? code : 0;
+}
+
 void write_all(int fd, const void* src, std::size_t n, std::string_view what, const std::filesystem::path& path) {
+  if (const int injected = injected_write_error(path); injected != 0 && n > 0)
+    throw Error(fmt::format("{}: cannot write '{}': {}", what, path.string(),
+                            std::error_code(injected, std::generic_category()).message()));
   const auto* p = static_cast<const char*>(src);
   while (n > 0) {
     const ssize_t w = ::write(fd, p, n);

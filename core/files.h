@@ -11,7 +11,14 @@ namespace tally {
 
 // Writes n bytes at src to the open descriptor fd, retrying short writes and EINTR. On failure a
 // tally::Error "<what>: cannot write '<path>': <reason>".
+// Tests (docs/testing.md): TALLY_TEST_WRITE_FAIL=<file name>:<ENOSPC|EIO> makes every write to a
+// file of that name (its last path component; a temporary "<name>.tmp.<pid>" counts as <name>)
+// fail with that error — the disk full or failing at a named point.
 void write_all(int fd, const void* src, std::size_t n, std::string_view what, const std::filesystem::path& path);
+
+// The error TALLY_TEST_WRITE_FAIL injects into writes to `path` (0: none); write_all asks it, and so
+// does every writer that does not go through write_all (metrics.csv's stream).
+int injected_write_error(const std::filesystem::path& path);
 
 // Makes a folder's entries (a rename into it, a new file) durable. Best effort: some file systems
 // refuse fsync on folders, and a failure here loses nothing that was not already at risk.

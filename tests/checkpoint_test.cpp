@@ -171,6 +171,40 @@ TEST_F(Checkpoint, DamagedFilesAreNamedAndNothingIsCopied) {
   expect("checkpoint-5/state.json: expected the checkpoint's manifest, found no such file");
 }
 
+// The disk full or failing at a named point (TALLY_TEST_WRITE_FAIL, core/files.h): the checkpoint's
+// tensors, its manifest, its copy of metrics.csv. Each is an error naming the file and the reason,
+// and the last good checkpoint stays the newest, whole.
+TEST_F(Checkpoint, AWriteThatFailsLeavesTheLastGoodCheckpoint) {
+  auto [a, oa] = trained(1);
+  save(5, *a, *oa);
+  const auto good = fs::file_size(dir / "checkpoint-5" / "state.safetensors");
+  mbp::TrainingState st;
+  st.step = 10;
+  st.files["metrics.csv"] = "step,loss\n1,2.5\n";
+  for (const char* fault : {"state.safetensors:ENOSPC", "state.json:EIO", "metrics.csv:ENOSPC"}) {
+    SCOPED_TRACE(fault);
+    ASSERT_EQ(::setenv("TALLY_TEST_WRITE_FAIL", fault, 1), 0);
+    std::string message;
+    try {
+      mbp::save_training_state(dir, *a, *oa, st);
+    } catch (const Error& e) {
+      message = e.what();
+    }
+    ::unsetenv("TALLY_TEST_WRITE_FAIL");
+    const std::string file = std::string(fault).substr(0, std::string(fault).find(':'));
+    EXPECT_NE(message.find(file), std::string::npos) << message;
+    EXPECT_NE(message.find(std::string(fault).ends_with("ENOSPC") ? "No space left on device" : "Input/output error"),
+              std::string::npos)
+        << message;
+    EXPECT_EQ(mbp::latest_checkpoint(dir), dir / "checkpoint-5");
+    EXPECT_EQ(fs::file_size(dir / "checkpoint-5" / "state.safetensors"), good);
+    auto [b, ob] = trained(2);
+    EXPECT_EQ(mbp::load_training_state(dir / "checkpoint-5", *b, *ob).step, 5);
+  }
+  mbp::save_training_state(dir, *a, *oa, st);  // the fault gone, the next save completes
+  EXPECT_EQ(mbp::latest_checkpoint(dir), dir / "checkpoint-10");
+}
+
 TEST_F(Checkpoint, ANewCheckpointReplacesTheOldOneOnlyWhenComplete) {
   auto [a, oa] = trained(1);
   save(5, *a, *oa);

@@ -19,6 +19,7 @@
 
 #include "apps/run_state.h"
 #include "apps/trainer.h"
+#include "mbp/checkpoint.h"
 #include "core/error.h"
 #include "core/safetensors.h"
 
@@ -149,6 +150,40 @@ TEST(Train, BadOptionValuesListTheAllowedValues) {
   o = {};
   o.threads = 100000;  // libgomp crashed or hung on it
   expect_error(o, "--threads 100000: this machine runs");
+}
+
+// The disk full at --save or at metrics.csv (TALLY_TEST_WRITE_FAIL, core/files.h): an error naming
+// the file, and the run's last checkpoint intact.
+TEST(Train, AFailingWriteNamesItsFileAndKeepsTheCheckpoint) {
+  const auto dir = std::filesystem::temp_directory_path() / "tally_train_write_faults";
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  std::ostringstream log;
+  app::TrainOptions o;
+  o.data = "synthetic:3x16x16", o.steps = 2, o.batch_size = 16, o.progress = false, o.evaluate = false;
+  o.device = "cpu", o.memory_limit = "64MiB", o.checkpoint_every = "1";
+  for (const char* fault : {"w.safetensors:ENOSPC", "metrics.csv:EIO"}) {
+    SCOPED_TRACE(fault);
+    const std::string run = (dir / (fault[0] == 'w' ? "save" : "metrics")).string();
+    app::TrainOptions t = o;
+    t.out = run, t.save = (dir / "w.safetensors").string();
+    ASSERT_EQ(::setenv("TALLY_TEST_WRITE_FAIL", fault, 1), 0);
+    std::string message;
+    try {
+      app::train(t, log);
+    } catch (const Error& e) {
+      message = e.what();
+    }
+    ::unsetenv("TALLY_TEST_WRITE_FAIL");
+    const std::string file = std::string(fault).substr(0, std::string(fault).find(':'));
+    EXPECT_NE(message.find(file), std::string::npos) << message;
+    EXPECT_NE(message.find(fault[0] == 'w' ? "No space left on device" : "Input/output error"), std::string::npos)
+        << message;
+    if (fault[0] == 'w') {  // after training: the final checkpoint is whole, and the run resumes from it
+      EXPECT_EQ(mbp::latest_checkpoint(run), std::filesystem::path(run) / "checkpoint-2");
+      EXPECT_FALSE(std::filesystem::exists(dir / "w.safetensors"));
+    }
+  }
 }
 
 // A loss that is not finite says what may have caused it, and weights that hold a NaN are refused
