@@ -142,10 +142,12 @@ std::string StopSignals::name(int signal) {
   }
 }
 
-KillPoint kill_point_from_environment() {
+KillPoint kill_point_from_environment(int rank) {
   KillPoint k;
   const char* env = std::getenv("TALLY_TEST_SIGKILL");
   if (!env || !*env) return k;
+  if (const char* only = std::getenv("TALLY_TEST_SIGKILL_RANK"); only && *only && std::string(only) != std::to_string(rank))
+    return k;
   const std::string text(env);
   const auto colon = text.find(':');
   const auto colon2 = colon == std::string::npos ? colon : text.find(':', colon + 1);

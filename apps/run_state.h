@@ -64,7 +64,9 @@ struct KillPoint {
   std::uint64_t allocation = 0;
   bool at(const char* w, std::int64_t s) const { return where == w && step == s; }
 };
-KillPoint kill_point_from_environment();
+// TALLY_TEST_SIGKILL_RANK=R limits it to rank R of an mpirun (a rank dying in the middle of a
+// data-parallel or pipeline step: the others must end within seconds, naming it).
+KillPoint kill_point_from_environment(int rank = 0);
 // And TALLY_TEST_OOM=K:N: the N-th arena allocation of step K (0-based) fails once, as
 // TrainOptions::inject_oom (a test of a resumed run's micro-batch limit after a retry).
 std::optional<std::pair<std::int64_t, std::uint64_t>> oom_injection_from_environment();

@@ -321,7 +321,7 @@ TrainingRun::TrainingRun(const TrainOptions& options, std::ostream& all_log, std
       share_(setup_.stage ? distributed::shard(rank_options_.batch_size, 1, 0)
                           : distributed::shard(rank_options_.batch_size, rank_.ranks, rank_.rank)),
       every_(parse_checkpoint_every(rank_options_.checkpoint_every)),
-      kill_(kill_point_from_environment()),
+      kill_(kill_point_from_environment(rank_.rank)),
       inject_oom_(rank_options_.inject_oom ? rank_options_.inject_oom : oom_injection_from_environment()) {
   // Every rank takes the same decision; a pipeline writes no checkpoints, so a signal just ends it.
   if (!run_options_.out.empty() && !setup_.stage) signals_.emplace(rank_.ranks == 1);
