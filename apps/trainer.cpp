@@ -379,7 +379,7 @@ void TrainingRun::train_epoch(std::int64_t epoch, std::int64_t epochs) {
   loader_.start_epoch(epoch, first_batch);
   if (first_batch == 0) epoch_loss_ = 0, epoch_steps_ = 0;
   const std::int64_t in_epoch = std::min(per_epoch_, steps_.total - epoch * per_epoch_);
-  Progress bar(progress_, rank_options_.progress, in_epoch, epoch, epochs);
+  Progress bar(progress_, rank_options_.progress, in_epoch, epoch_label(epoch, epochs));
   while (meter_.steps < steps_.total && epoch_steps_ < in_epoch) {
     const std::int64_t step = meter_.steps;
     // A step's time runs from asking for its batch (a loader that cannot keep up counts) to the
@@ -432,11 +432,17 @@ void TrainingRun::end_epoch(std::int64_t epoch, std::int64_t epochs) {
   profiler_.resume();
   result_.train_loss = epoch_steps_ > 0 ? epoch_loss_ / static_cast<double>(epoch_steps_) : last_loss_;
   if (rank_options_.evaluate)
-    fmt::print(log_, "epoch {}/{}: train loss {:.4f} | test loss {:.4f} | test accuracy {:.2f}%\n", epoch + 1, epochs,
+    fmt::print(log_, "{}: train loss {:.4f} | test loss {:.4f} | test accuracy {:.2f}%\n", epoch_label(epoch, epochs),
                result_.train_loss, eval_.loss, 100.0 * eval_.accuracy);
   else
-    fmt::print(log_, "epoch {}/{}: train loss {:.4f} | test set not evaluated (--no-eval)\n", epoch + 1, epochs,
+    fmt::print(log_, "{}: train loss {:.4f} | test set not evaluated (--no-eval)\n", epoch_label(epoch, epochs),
                result_.train_loss);
+}
+
+std::string TrainingRun::epoch_label(std::int64_t epoch, std::int64_t epochs) const {
+  const std::int64_t in_epoch = std::min(per_epoch_, steps_.total - epoch * per_epoch_);
+  if (in_epoch >= per_epoch_) return fmt::format("epoch {}/{}", epoch + 1, epochs);
+  return fmt::format("epoch {}/{} ({} of its {} steps)", epoch + 1, epochs, in_epoch, per_epoch_);
 }
 
 // After every step: a checkpoint when one is due (every N steps, after the time given, at the

@@ -94,15 +94,18 @@ struct StepMeter {
 // Rolling progress line: step, loss, images/s, arena peak.
 class Progress {
  public:
-  Progress(std::ostream& os, bool on, std::int64_t total, std::int64_t epoch, std::int64_t epochs)
-      : os_(os), on_(on), total_(total), epoch_(epoch), epochs_(epochs), tty_(isatty(STDOUT_FILENO)) {}
+  // `label`: the epoch's, "epoch 2/5" (TrainingRun::epoch_label).
+  Progress(std::ostream& os, bool on, std::int64_t total, std::string label)
+      : os_(os), on_(on), total_(total), label_(std::move(label)),
+        // Under mpirun a terminal is shared with the other ranks' lines: whole lines only there.
+        tty_(isatty(STDOUT_FILENO) && !distributed::launched_by_mpi()) {}
   void update(std::int64_t step, double loss, double ips, std::int64_t peak, bool last) {
     if (!on_) return;
     if (!tty_ && !last && step % std::max<std::int64_t>(1, total_ / 10) != 0) return;
     const int width = 24;
     const int filled = total_ > 0 ? static_cast<int>(width * step / total_) : width;
-    fmt::print(os_, "{}epoch {}/{} [{}{}] {}/{} loss {:.4f} | {:.1f} img/s | peak {}{}", tty_ ? "\r" : "",
-               epoch_ + 1, epochs_, std::string(filled, '#'), std::string(width - filled, '.'), step, total_, loss, ips,
+    fmt::print(os_, "{}{} [{}{}] {}/{} loss {:.4f} | {:.1f} img/s | peak {}{}", tty_ ? "\r" : "", label_,
+               std::string(filled, '#'), std::string(width - filled, '.'), step, total_, loss, ips,
                format_bytes(static_cast<std::size_t>(peak)), tty_ && !last ? "" : "\n");
     os_.flush();
   }
@@ -110,7 +113,8 @@ class Progress {
  private:
   std::ostream& os_;
   bool on_;
-  std::int64_t total_, epoch_, epochs_;
+  std::int64_t total_;
+  std::string label_;
   bool tty_;
 };
 
@@ -150,7 +154,9 @@ class TrainingRun {
   void report_stop() const;
   void write_schedule(std::int64_t step, const mbp::StepResult& r);
   void finish();
-  Error diverged(std::int64_t step) const;  // a loss that is not finite, with what may have caused it
+  Error diverged(std::int64_t step) const;
+  // "epoch 2/5", or for an epoch --steps ends early "epoch 1/1 (3 of its 117 steps)".
+  std::string epoch_label(std::int64_t epoch, std::int64_t epochs) const;  // a loss that is not finite, with what may have caused it
 
   const TrainOptions& run_options_;   // the run's, as given: the same on every rank (state.json, checks)
   RankSetup rank_;

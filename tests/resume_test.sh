@@ -30,7 +30,7 @@ if [[ $case_name == cuda ]]; then
   fi
   device=cuda
 fi
-ARGS=(--model resnet20 --data synthetic:3x8x8 --steps 15 --batch-size 1000 --micro-batch 500 --threads 2
+ARGS=(--model resnet20 --data synthetic:3x8x8 --steps 15 --batch-size 1000 --micro-batch 500 --threads 2 --memory-limit 1GiB
       --checkpoint-every 5 --no-progress --device "$device")
 failures=0
 fail() { echo "FAIL: $*"; failures=$((failures + 1)); }
@@ -218,7 +218,7 @@ case $case_name in
     resume "$out" || fail "the good checkpoint no longer resumes after the bad attempts"
     ;;
   sweep)
-    SW=(--model resnet20 --data synthetic:3x8x8 --steps 6 --batch-sizes 500,1000 --micro-batch 250 --threads 2
+    SW=(--model resnet20 --data synthetic:3x8x8 --steps 6 --batch-sizes 500,1000 --micro-batch 250 --threads 2 --memory-limit 1GiB
         --checkpoint-every 2 --warmup-epochs 0)
     "$tally" sweep "${SW[@]}" --out "$work/ref" >"$work/ref.log" 2>&1 || { cat "$work/ref.log"; exit 1; }
     TALLY_TEST_SIGKILL=after-step:5 "$tally" sweep "${SW[@]}" --out "$work/run" >"$work/run.log" 2>&1
@@ -238,7 +238,7 @@ case $case_name in
     ;;
   mpi)
     launcher=($mpiexec --oversubscribe -np 2)
-    ARGS=(--model resnet20 --data synthetic:3x8x8 --steps 12 --batch-size 1000 --micro-batch 250 --threads 1
+    ARGS=(--model resnet20 --data synthetic:3x8x8 --steps 12 --batch-size 1000 --micro-batch 250 --threads 1 --memory-limit 1GiB
           --checkpoint-every 4 --no-progress)
     reference
     out="$work/killed"

@@ -119,7 +119,7 @@ TEST(Sweep, ASmallSweepWritesItsTableAndPicture) {
   for (const char* f : {"b16/summary.json", "b64/summary.json", "b64/train.log", "b64/memory.svg"})
     EXPECT_TRUE(std::filesystem::exists(dir / f)) << f;
   // Each run's progress bar in the sweep's log, its other lines in its own train.log.
-  EXPECT_NE(log.str().find("epoch 1/1 ["), std::string::npos);
+  EXPECT_NE(log.str().find("epoch 1/1 (1 of its 625 steps) ["), std::string::npos);
 }
 
 // --no-eval (timing sweeps): no test set, so no accuracy in the table, the picture or the log;
@@ -137,7 +137,7 @@ TEST(Sweep, WithoutEvaluationNoAccuracyIsReported) {
   ASSERT_EQ(rows.size(), 1u);
   EXPECT_FALSE(rows[0].test_accuracy.has_value());
   EXPECT_NE(log.str().find("test accuracy not measured (--no-eval)"), std::string::npos);
-  EXPECT_EQ(log.str().find("epoch 1/1 ["), std::string::npos);
+  EXPECT_EQ(log.str().find("epoch 1/1 ("), std::string::npos);
   std::ifstream csv(dir / "sweep.csv");
   std::string header, line;
   std::getline(csv, header);

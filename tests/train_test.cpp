@@ -44,6 +44,7 @@ class TrainMatchesPyTorch : public ::testing::TestWithParam<std::string> {};
 TEST_P(TrainMatchesPyTorch, WeightsAfterTwoSgdSteps) {
   const std::string norm = GetParam();
   const auto tmp = std::filesystem::temp_directory_path() / ("tally_train_test_" + norm);
+  std::filesystem::remove_all(tmp);  // a finished run's folder is never written over
   std::filesystem::create_directories(tmp);
   app::TrainOptions o;
   o.model = "resnet20";
@@ -60,6 +61,7 @@ TEST_P(TrainMatchesPyTorch, WeightsAfterTwoSgdSteps) {
   o.shuffle = false;
   o.normalize = false;
   o.device = "cpu";
+  o.memory_limit = "256MiB";  // every test states its budget: none depends on the machine
   o.init = kDir + "/init_" + norm + ".safetensors";
   o.save = (tmp / "final.safetensors").string();
   o.out = tmp.string();
