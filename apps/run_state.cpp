@@ -20,6 +20,7 @@
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
+#include "apps/setup.h"
 #include "core/error.h"
 #include "mbp/checkpoint.h"
 
@@ -50,6 +51,22 @@ TrainOptions resume_options(const std::string& run_dir) {
   o.resume = run_dir;
   o.out = run_dir;
   return o;
+}
+
+void check_run_folder(const TrainOptions& opt) {
+  if (!opt.resume.empty()) return;  // a resumed run continues in its own folder
+  std::error_code ec;
+  if (!opt.out.empty() && std::filesystem::is_directory(opt.out, ec)) {
+    if (const auto old = mbp::latest_checkpoint(opt.out))
+      throw Error(fmt::format("--out {}: it holds {} of an earlier run; continue that run with --resume {}, or choose "
+                              "another folder", opt.out, old->filename().string(), opt.out));
+    for (const char* finished : {"summary.json", "metrics.csv"})
+      if (std::filesystem::exists(std::filesystem::path(opt.out) / finished, ec))
+        throw Error(fmt::format("--out {}: it holds the {} of an earlier run, which this run would overwrite; choose "
+                                "another folder (or remove that run)", opt.out, finished));
+  }
+  if (!opt.out.empty()) check_writable_folder("--out", opt.out);
+  if (!opt.save.empty()) check_writable_file("--save", opt.save);
 }
 
 CheckpointEvery parse_checkpoint_every(const std::string& text) {

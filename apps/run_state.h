@@ -18,6 +18,12 @@ namespace tally::app {
 // to run_dir; tally::Error if run_dir has no checkpoint.
 TrainOptions resume_options(const std::string& run_dir);
 
+// What a run writes at its end, checked before it starts: --out a folder this process can write
+// that holds no earlier run (its checkpoints: --resume; a finished run's summary.json or
+// metrics.csv: never written over), --save a file it can create — tried, not read from permission
+// bits. The weights of a long run are never lost to a typo. Nothing to check for a resumed run.
+void check_run_folder(const TrainOptions& opt);
+
 // --checkpoint-every: "" (off), "N" (every N steps) or a time "90s", "10m", "2h" (at the first step
 // boundary after that long since the last checkpoint); anything else is an Error naming the flag.
 struct CheckpointEvery {

@@ -41,7 +41,6 @@
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 
-
 namespace tally::app {
 namespace {
 
@@ -55,31 +54,6 @@ Device choose_device(const std::string& d) {
   }
   if (d == "auto") return cuda_available() ? Device::cuda(0) : Device::cpu();  // the GPU when there is one
   throw Error(fmt::format("--device '{}' is not allowed: expected one of cpu, cuda, cuda:N, auto", d));
-}
-
-
-
-
-
-
-
-// What the run writes at its end, checked before it starts: --out a folder this process can write
-// that holds no earlier run (its checkpoints: --resume; its finished files), --save a file it can
-// create. The weights of a long run are never lost to a typo.
-void check_run_folder(const TrainOptions& opt) {
-  if (!opt.resume.empty()) return;  // a resumed run continues in its own folder
-  std::error_code ec;
-  if (!opt.out.empty() && std::filesystem::is_directory(opt.out, ec)) {
-    if (const auto old = mbp::latest_checkpoint(opt.out))
-      throw Error(fmt::format("--out {}: it holds {} of an earlier run; continue that run with --resume {}, or choose "
-                              "another folder", opt.out, old->filename().string(), opt.out));
-    for (const char* finished : {"summary.json", "metrics.csv"})
-      if (std::filesystem::exists(std::filesystem::path(opt.out) / finished, ec))
-        throw Error(fmt::format("--out {}: it holds the {} of an earlier run, which this run would overwrite; choose "
-                                "another folder (or remove that run)", opt.out, finished));
-  }
-  if (!opt.out.empty()) check_writable_folder("--out", opt.out);
-  if (!opt.save.empty()) check_writable_file("--save", opt.save);
 }
 
 // Every option, checked before any work: a bad value is an Error naming the flag, the value found
@@ -173,8 +147,6 @@ void write_timeline(const TrainOptions& opt, Arena& arena, Device dev, std::int6
   arena.clear_trace();
 }
 
-
-
 }  // namespace
 
 std::string check_train_options(const TrainOptions& opt) { return validate(opt).str(); }
@@ -193,7 +165,6 @@ DataInfo describe_data(const TrainOptions& opt) {
 }
 
 namespace {
-
 
 void set_up_rank(RankSetup& r, const TrainOptions& options, std::ostream& all_log) {
   // The ranks: this process alone, or one of mpirun's (docs/distributed.md).
@@ -274,8 +245,6 @@ mbp::ExecutorOptions executor_options(const TrainOptions& opt, const data::Datas
   return eo;
 }
 
-
-
 optim::ScheduleOptions schedule_options(const TrainOptions& opt, const RunSteps& steps) {
   optim::ScheduleOptions sched;
   sched.kind = opt.schedule;
@@ -346,9 +315,6 @@ TrainingRun::TrainingRun(const TrainOptions& options, std::ostream& all_log, std
   print_plan(plan_step(*executor_, share_.size, rank_options_.micro_batch));
   log_.flush();  // the plan is on screen before the first (possibly long) step
 }
-
-
-
 
 TrainResult TrainingRun::run() {
   open_metrics();
@@ -478,13 +444,6 @@ bool TrainingRun::step_boundary() {
   stopped_ = stop;
   return stop != 0;
 }
-
-
-
-
-
-
-
 
 TrainResult train(const TrainOptions& options, std::ostream& all_log, std::ostream* progress) {
   if (options.resume.empty()) return TrainingRun(options, all_log, progress).run();
