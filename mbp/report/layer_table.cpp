@@ -119,7 +119,8 @@ std::vector<LayerRow> layer_table(nn::Module& model, const Arena& arena, const S
 // Bytes with a sign: a container's own ops can free more than they keep (a child's temporary
 // output released when the container's code drops it).
 std::string signed_bytes(std::int64_t b) {
-  return b < 0 ? "-" + format_bytes(static_cast<std::size_t>(-b)) : format_bytes(static_cast<std::size_t>(b));
+  // (fmt, not "-" + string: GCC 12's -Wrestrict misreads the inlined insert of the latter)
+  return b < 0 ? fmt::format("-{}", format_bytes(static_cast<std::size_t>(-b))) : format_bytes(static_cast<std::size_t>(b));
 }
 
 std::string format_layer_table(const std::vector<LayerRow>& rows, std::int64_t batch) {
