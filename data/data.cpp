@@ -122,17 +122,28 @@ std::string found_magic(Bytes b) {
 
 // ---- public: formats from memory (data/formats.h) ----------------------------------------------
 
+namespace {
+
+// A zlib inflate stream reading the gzip wrapper, ended when it goes.
+struct GzipStream {
+  z_stream z{};
+  explicit GzipStream(const std::string& name) {
+    if (inflateInit2(&z, 16 + MAX_WBITS) != Z_OK)  // 16: the gzip wrapper, not zlib's
+      throw Error(fmt::format("{}: zlib could not start a gzip stream (inflateInit2 failed)", name));
+  }
+  ~GzipStream() { inflateEnd(&z); }
+  GzipStream(const GzipStream&) = delete;
+  GzipStream& operator=(const GzipStream&) = delete;
+};
+
+}  // namespace
+
 bool is_gzip(Bytes bytes) { return bytes.size() >= 2 && bytes[0] == 0x1f && bytes[1] == 0x8b; }
 
 // zlib is fed in chunks of kChunk bytes (its avail_in is 32-bit) and writes kGrow bytes at a time.
 std::vector<std::uint8_t> gunzip(Bytes bytes, const std::string& name, std::uint64_t limit) {
-  z_stream z{};
-  if (inflateInit2(&z, 16 + MAX_WBITS) != Z_OK)  // 16: the gzip wrapper, not zlib's
-    throw Error(fmt::format("{}: zlib could not start a gzip stream (inflateInit2 failed)", name));
-  struct End {
-    z_stream& z;
-    ~End() { inflateEnd(&z); }
-  } end{z};
+  GzipStream stream(name);
+  z_stream& z = stream.z;
   constexpr std::size_t kChunk = std::size_t(1) << 18, kGrow = std::size_t(1) << 20;
   std::vector<std::uint8_t> out;
   std::uint64_t fed = 0;      // compressed bytes before this chunk
@@ -179,13 +190,8 @@ std::vector<std::uint8_t> gunzip(Bytes bytes, const std::string& name, std::uint
 }
 
 std::vector<std::uint8_t> gunzip_head(Bytes bytes, const std::string& name, std::size_t n) {
-  z_stream z{};
-  if (inflateInit2(&z, 16 + MAX_WBITS) != Z_OK)
-    throw Error(fmt::format("{}: zlib could not start a gzip stream (inflateInit2 failed)", name));
-  struct End {
-    z_stream& z;
-    ~End() { inflateEnd(&z); }
-  } end{z};
+  GzipStream stream(name);
+  z_stream& z = stream.z;
   std::vector<std::uint8_t> out(n);
   z.next_in = const_cast<Bytef*>(bytes.data());
   z.avail_in = static_cast<uInt>(std::min<std::size_t>(bytes.size(), std::size_t(1) << 30));
@@ -211,31 +217,10 @@ void check_declared_size(std::uint64_t declared, std::uint64_t file_bytes, bool 
                                   file_bytes, gzip ? fmt::format("inflates to at most {}", most) : "in all"));
 }
 
-std::uint64_t idx_declared_size(Bytes head, const std::string& name) {
-  if (head.size() >= 4 && be32(head.data()) == kIdxLabels) {
-    if (head.size() < 8)
-      throw FormatError(fmt::format("{}: truncated header: expected at least 8 bytes (magic, count), found {}", name,
-                                    head.size()));
-    const auto count = static_cast<std::int32_t>(be32(head.data() + 4));
-    if (count <= 0) throw FormatError(fmt::format("{}: expected a positive label count, found {}", name, count));
-    return 8 + std::uint64_t(count);
-  }
-  if (head.size() >= 4 && be32(head.data()) != kIdxImages)
-    throw FormatError(fmt::format("{}: expected magic 0x{:08x} (IDX images) or 0x{:08x} (IDX labels), found {}", name,
-                                  kIdxImages, kIdxLabels, found_magic(head)));
-  if (head.size() < 16)
-    throw FormatError(fmt::format(
-        "{}: truncated header: expected at least 16 bytes (magic, count, rows, cols), found {}", name, head.size()));
-  const auto count = static_cast<std::int32_t>(be32(head.data() + 4));
-  const auto rows = static_cast<std::int32_t>(be32(head.data() + 8));
-  const auto cols = static_cast<std::int32_t>(be32(head.data() + 12));
-  if (count <= 0) throw FormatError(fmt::format("{}: expected a positive image count, found {}", name, count));
-  if (rows <= 0 || cols <= 0 || rows > 4096 || cols > 4096)
-    throw FormatError(fmt::format("{}: expected rows and cols in 1..4096, found {}x{}", name, rows, cols));
-  return 16 + std::uint64_t(count) * std::uint64_t(rows) * std::uint64_t(cols);
-}
+namespace {
 
-IdxImagesHeader parse_idx_images(Bytes b, const std::string& name) {
+// The header of an IDX images file (magic 2051, count, rows, cols), its values checked.
+IdxImagesHeader idx_images_header(Bytes b, const std::string& name) {
   if (b.size() >= 4 && be32(b.data()) != kIdxImages)
     throw FormatError(fmt::format("{}: expected magic 0x{:08x} (IDX images), found {}", name, kIdxImages,
                                   found_magic(b)));
@@ -248,14 +233,14 @@ IdxImagesHeader parse_idx_images(Bytes b, const std::string& name) {
   if (count <= 0) throw FormatError(fmt::format("{}: expected a positive image count, found {}", name, count));
   if (rows <= 0 || cols <= 0 || rows > 4096 || cols > 4096)
     throw FormatError(fmt::format("{}: expected rows and cols in 1..4096, found {}x{}", name, rows, cols));
-  const std::uint64_t want = 16 + std::uint64_t(count) * std::uint64_t(rows) * std::uint64_t(cols);
-  if (b.size() != want)
-    throw FormatError(fmt::format("{}: expected 16 + {} x {} x {} = {} bytes, found {} ({})", name, count, rows, cols,
-                                  want, b.size(), b.size() < want ? "truncated pixel data" : "trailing bytes"));
   return {count, rows, cols};
 }
+std::uint64_t idx_images_bytes(const IdxImagesHeader& h) {
+  return 16 + std::uint64_t(h.count) * std::uint64_t(h.rows) * std::uint64_t(h.cols);
+}
 
-std::int64_t parse_idx_labels(Bytes b, const std::string& name) {
+// The label count of an IDX labels file's header (magic 2049, count), checked.
+std::int64_t idx_labels_header(Bytes b, const std::string& name) {
   if (b.size() >= 4 && be32(b.data()) != kIdxLabels)
     throw FormatError(fmt::format("{}: expected magic 0x{:08x} (IDX labels), found {}", name, kIdxLabels,
                                   found_magic(b)));
@@ -264,6 +249,30 @@ std::int64_t parse_idx_labels(Bytes b, const std::string& name) {
         fmt::format("{}: truncated header: expected at least 8 bytes (magic, count), found {}", name, b.size()));
   const auto count = static_cast<std::int32_t>(be32(b.data() + 4));
   if (count <= 0) throw FormatError(fmt::format("{}: expected a positive label count, found {}", name, count));
+  return count;
+}
+
+}  // namespace
+
+std::uint64_t idx_declared_size(Bytes head, const std::string& name) {
+  if (head.size() >= 4 && be32(head.data()) == kIdxLabels) return 8 + std::uint64_t(idx_labels_header(head, name));
+  if (head.size() >= 4 && be32(head.data()) != kIdxImages)
+    throw FormatError(fmt::format("{}: expected magic 0x{:08x} (IDX images) or 0x{:08x} (IDX labels), found {}", name,
+                                  kIdxImages, kIdxLabels, found_magic(head)));
+  return idx_images_bytes(idx_images_header(head, name));
+}
+
+IdxImagesHeader parse_idx_images(Bytes b, const std::string& name) {
+  const IdxImagesHeader h = idx_images_header(b, name);
+  const std::uint64_t want = idx_images_bytes(h);
+  if (b.size() != want)
+    throw FormatError(fmt::format("{}: expected 16 + {} x {} x {} = {} bytes, found {} ({})", name, h.count, h.rows,
+                                  h.cols, want, b.size(), b.size() < want ? "truncated pixel data" : "trailing bytes"));
+  return h;
+}
+
+std::int64_t parse_idx_labels(Bytes b, const std::string& name) {
+  const std::int64_t count = idx_labels_header(b, name);
   const std::uint64_t want = 8 + std::uint64_t(count);
   if (b.size() != want)
     throw FormatError(fmt::format("{}: expected 8 + {} = {} bytes, found {} ({})", name, count, want, b.size(),
