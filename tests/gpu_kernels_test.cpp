@@ -180,6 +180,22 @@ TEST(GpuKernels, StridedCopyMatchesTheCpu) {
 
 // ---- GEMM ---------------------------------------------------------------------------------------
 
+// cuBLAS is opened on first use, not linked (kernels/cuda/cublas_library.h): the loaded library is
+// the major version the headers declare and its status strings are cuBLAS's own. Needs the
+// library, not a GPU: it runs wherever the CUDA backend is built.
+TEST(GpuKernels, CublasIsOpenedOnFirstUse) {
+  namespace kd = tally::kernels::cuda::detail;
+  const kd::CublasLibrary& lib = kd::cublas_library();
+  EXPECT_EQ(&lib, &kd::cublas_library());  // opened once
+  int major = -1, minor = -1;
+  ASSERT_EQ(lib.get_property(MAJOR_VERSION, &major), CUBLAS_STATUS_SUCCESS);
+  ASSERT_EQ(lib.get_property(MINOR_VERSION, &minor), CUBLAS_STATUS_SUCCESS);
+  EXPECT_EQ(major, CUBLAS_VER_MAJOR);
+  EXPECT_GE(minor, 0);
+  EXPECT_STREQ(lib.get_status_name(CUBLAS_STATUS_NOT_INITIALIZED), "CUBLAS_STATUS_NOT_INITIALIZED");
+  EXPECT_STREQ(kd::cublas_soname(), ("libcublas.so." + std::to_string(CUBLAS_VER_MAJOR)).c_str());
+}
+
 TEST(GpuKernels, GemmMatchesTheCpuForEveryTransposeAndBeta) {
   REQUIRE_GPU();
   // The smallest workspace gemm accepts, and the one a 2 GiB budget gives (32 MiB on Hopper).

@@ -9,11 +9,11 @@
 // The error type is core/error.h's (a header of the standard library alone, which kernels/ may
 // include), so that errors from every layer share one type.
 #pragma once
-#include <cublas_v2.h>
 #include <cuda_runtime.h>
 
 #include <string>
 
+#include "kernels/cuda/cublas_library.h"
 #include "tally/config.h"
 #if TALLY_HAVE_CUDNN
 #include <cudnn.h>

@@ -18,8 +18,6 @@
 #include "kernels/cuda/check.h"
 #include "kernels/cuda/cuda_kernels.h"
 
-#include "kernels/cuda/cuda_kernels.h"
-
 namespace tally::kernels::cuda {
 namespace {
 
@@ -72,12 +70,13 @@ DeviceContext& context() {
   TALLY_CUDA_CHECK(cudaStreamCreateWithFlags(&c->compute, cudaStreamDefault));
   // Non-blocking copy stream: uploads overlap whatever else runs.
   TALLY_CUDA_CHECK(cudaStreamCreateWithFlags(&c->copy, cudaStreamNonBlocking));
-  TALLY_CUBLAS_CHECK(cublasCreate(&c->cublas));
+  const detail::CublasLibrary& blas = detail::cublas_library();
+  TALLY_CUBLAS_CHECK(blas.create(&c->cublas));
   // Set the stream once, here: cublasSetStream also resets the workspace to cuBLAS's own pool,
   // and gemm() sets an arena workspace before every call.
-  TALLY_CUBLAS_CHECK(cublasSetStream(c->cublas, c->compute));
-  TALLY_CUBLAS_CHECK(cublasSetMathMode(c->cublas, CUBLAS_DEFAULT_MATH));
-  TALLY_CUBLAS_CHECK(cublasSetPointerMode(c->cublas, CUBLAS_POINTER_MODE_HOST));
+  TALLY_CUBLAS_CHECK(blas.set_stream(c->cublas, c->compute));
+  TALLY_CUBLAS_CHECK(blas.set_math_mode(c->cublas, CUBLAS_DEFAULT_MATH));
+  TALLY_CUBLAS_CHECK(blas.set_pointer_mode(c->cublas, CUBLAS_POINTER_MODE_HOST));
   void* slot = nullptr;
   TALLY_CUDA_CHECK(cudaHostAlloc(&slot, 64, cudaHostAllocMapped));
   c->slot_host = static_cast<double*>(slot);
@@ -100,8 +99,9 @@ void throw_cuda(cudaError_t status, const char* call, const char* file, int line
 }
 
 void throw_cublas(cublasStatus_t status, const char* call, const char* file, int line) {
-  throw Error(fmt::format("{} failed at {}:{}: {} ({})", call, repo_path(file), line, cublasGetStatusName(status),
-                          cublasGetStatusString(status)));
+  const CublasLibrary& blas = cublas_library();  // loaded: the call that failed came from it
+  throw Error(fmt::format("{} failed at {}:{}: {} ({})", call, repo_path(file), line, blas.get_status_name(status),
+                          blas.get_status_string(status)));
 }
 
 #if TALLY_HAVE_CUDNN
@@ -253,11 +253,17 @@ std::string runtime_versions() {
   int driver = 0, runtime = 0, blas[3] = {0, 0, 0};
   (void)cudaDriverGetVersion(&driver);
   (void)cudaRuntimeGetVersion(&runtime);
-  (void)cublasGetProperty(MAJOR_VERSION, &blas[0]);
-  (void)cublasGetProperty(MINOR_VERSION, &blas[1]);
-  (void)cublasGetProperty(PATCH_LEVEL, &blas[2]);
-  std::string s = fmt::format("driver {}.{}, runtime {}.{}, cuBLAS {}.{}.{}", driver / 1000, driver % 1000 / 10,
-                              runtime / 1000, runtime % 1000 / 10, blas[0], blas[1], blas[2]);
+  std::string s = fmt::format("driver {}.{}, runtime {}.{}", driver / 1000, driver % 1000 / 10, runtime / 1000,
+                              runtime % 1000 / 10);
+  try {
+    const detail::CublasLibrary& lib = detail::cublas_library();
+    (void)lib.get_property(MAJOR_VERSION, &blas[0]);
+    (void)lib.get_property(MINOR_VERSION, &blas[1]);
+    (void)lib.get_property(PATCH_LEVEL, &blas[2]);
+    s += fmt::format(", cuBLAS {}.{}.{}", blas[0], blas[1], blas[2]);
+  } catch (const Error& e) {
+    s += fmt::format(", cuBLAS not loaded: {}", e.what());
+  }
 #if TALLY_HAVE_CUDNN
   const std::size_t v = cudnnGetVersion();  // major*10000 + minor*100 + patch since cuDNN 9
   s += fmt::format(", cuDNN {}.{}.{}", v / 10000, v % 10000 / 100, v % 100);

@@ -78,10 +78,11 @@ void gemm(bool trans_a, bool trans_b, i64 M, i64 N, i64 K, P<T> alpha,
   const int m = to_int(N, "N"), n = to_int(M, "M"), k = to_int(K, "K");
   const int lda_ = to_int(lda, "lda"), ldb_ = to_int(ldb, "ldb"), ldc_ = to_int(ldc, "ldc");
   cublasHandle_t h = detail::cublas();
-  TALLY_CUBLAS_CHECK(cublasSetWorkspace(h, workspace, workspace_bytes));
+  const detail::CublasLibrary& blas = detail::cublas_library();
+  TALLY_CUBLAS_CHECK(blas.set_workspace(h, workspace, workspace_bytes));
   const bool tf32 = std::is_same_v<T, float> && allow_tf32();
   const cublasComputeType_t compute = tf32 ? CUBLAS_COMPUTE_32F_FAST_TF32 : CUBLAS_COMPUTE_32F;
-  TALLY_CUBLAS_CHECK(cublasGemmEx(h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, m, n, k,
+  TALLY_CUBLAS_CHECK(blas.gemm_ex(h, trans_b ? CUBLAS_OP_T : CUBLAS_OP_N, trans_a ? CUBLAS_OP_T : CUBLAS_OP_N, m, n, k,
                                   &alpha, B, cuda_type<T>(), ldb_, A, cuda_type<T>(), lda_, &beta, C, cuda_type<TC>(),
                                   ldc_, compute, CUBLAS_GEMM_DEFAULT));
 }
