@@ -29,9 +29,9 @@ const char* category_name(Category c) {
   return "?";
 }
 
-Arena::Arena(Device device, std::size_t capacity) : Arena(device, capacity, true) {}
+Arena::Arena(Device device, std::size_t capacity) : Arena(device, capacity, Reserve::ordinary) {}
 
-Arena::Arena(Device device, std::size_t capacity, bool reserve)
+Arena::Arena(Device device, std::size_t capacity, Reserve reserve)
     : device_(device),
       capacity_(capacity / kAlignment * kAlignment),
       budget_(capacity_),
@@ -44,7 +44,10 @@ Arena::Arena(Device device, std::size_t capacity, bool reserve)
   if (capacity_ == 0)
     throw Error(fmt::format("arena on {}: capacity {} bytes is below the {}-byte alignment",
                             device.str(), capacity, kAlignment));
-  if (reserve) {
+  if (reserve == Reserve::pinned) {
+    base_ = cuda_host_reserve(capacity_);
+    pinned_ = true;
+  } else if (reserve == Reserve::ordinary) {
     if (device.is_cpu()) {
       void* p = ::mmap(nullptr, capacity_, PROT_READ | PROT_WRITE,
                        MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -61,11 +64,16 @@ Arena::Arena(Device device, std::size_t capacity, bool reserve)
 }
 
 std::shared_ptr<Arena> Arena::make_virtual(Device device, std::size_t capacity) {
-  return std::shared_ptr<Arena>(new Arena(device, capacity, false));
+  return std::shared_ptr<Arena>(new Arena(device, capacity, Reserve::none));
+}
+
+std::shared_ptr<Arena> Arena::make_host(std::size_t capacity) {
+  return std::shared_ptr<Arena>(
+      new Arena(Device::cpu(), capacity, cuda_available() ? Reserve::pinned : Reserve::ordinary));
 }
 
 std::shared_ptr<Arena> Arena::virtual_clone() const {
-  auto v = std::shared_ptr<Arena>(new Arena(device_, capacity_, false));
+  auto v = std::shared_ptr<Arena>(new Arena(device_, capacity_, Reserve::none));
   v->budget_ = budget_;
   v->blocks_ = blocks_;
   v->free_set_ = free_set_;
@@ -118,7 +126,9 @@ void Arena::mark(std::string label) {
 
 Arena::~Arena() {
   if (!base_) return;
-  if (device_.is_cpu())
+  if (pinned_)
+    cuda_host_release(base_);
+  else if (device_.is_cpu())
     ::munmap(base_, capacity_);
   else
     cuda_release(base_);

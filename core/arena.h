@@ -108,6 +108,12 @@ class Arena {
   Arena(Device device, std::size_t capacity);
   // The same algorithm with no memory behind it.
   static std::shared_ptr<Arena> make_virtual(Device device, std::size_t capacity);
+  // The host tier's arena (docs/host-tier.md): `capacity` bytes of host memory on Device::cpu,
+  // reserved once — page-locked with one cudaHostAlloc where a GPU is present (copies to and from
+  // the device then run without staging, and nothing is pinned per tensor), else one
+  // mmap(MAP_NORESERVE) like the CPU device's arena.
+  static std::shared_ptr<Arena> make_host(std::size_t capacity);
+  bool is_pinned() const { return pinned_; }
   // A virtual arena in exactly this arena's state (blocks, statistics, trace switch): a dry run
   // on it continues from here as the real arena would.
   std::shared_ptr<Arena> virtual_clone() const;
@@ -198,7 +204,8 @@ class Arena {
     Category category;
     std::string op;
   };
-  Arena(Device device, std::size_t capacity, bool reserve);
+  enum class Reserve { none, ordinary, pinned };
+  Arena(Device device, std::size_t capacity, Reserve reserve);
   [[noreturn]] void throw_oom(std::size_t requested, std::size_t rounded, Category category,
                               const std::string& op, bool injected) const;
   void record(bool is_alloc, std::size_t offset, const Node& n);
@@ -220,6 +227,7 @@ class Arena {
   std::function<void()> fail_action_;  // at_allocation's, else the countdown throws
   std::size_t high_water_ = 0;
   bool poison_freed_ = false;
+  bool pinned_ = false;
 };
 
 // Parses a size such as "48MiB", "2GiB", "512KiB", "1.5GB", "4096" (bytes); throws tally::Error

@@ -85,6 +85,12 @@ GradientReadyScope::GradientReadyScope(GradientReadyHook hook) : previous_(std::
 }
 GradientReadyScope::~GradientReadyScope() { tl_gradient_ready = std::move(previous_); }
 
+thread_local GradientNeededHook tl_gradient_needed;
+GradientNeededScope::GradientNeededScope(GradientNeededHook hook) : previous_(std::move(tl_gradient_needed)) {
+  tl_gradient_needed = std::move(hook);
+}
+GradientNeededScope::~GradientNeededScope() { tl_gradient_needed = std::move(previous_); }
+
 void run_backward(const Tensor& root) {
   if (root.numel() != 1)
     throw ShapeError(fmt::format("backward: expected a scalar (one-element) tensor, found {}", root.str()));
@@ -140,7 +146,8 @@ std::unordered_map<Node*, int> count_dependencies(Node* root, std::unordered_map
 // The slots a node's backward writes its input gradients into: the buffer an input already has
 // (a node's pending gradient, a leaf's persistent one) is accumulated into; else a fresh one of
 // the input's category.
-std::vector<GradSlot> slots_of(const Node& node, const std::unordered_map<Node*, Tensor>& grads) {
+std::vector<GradSlot> slots_of(const Node& node, const std::unordered_map<Node*, Tensor>& grads,
+                               const GradientNeededHook& needed) {
   std::vector<GradSlot> slots(node.next.size());
   for (std::size_t i = 0; i < node.next.size(); ++i) {
     const Edge& e = node.next[i];
@@ -151,6 +158,7 @@ std::vector<GradSlot> slots_of(const Node& node, const std::unordered_map<Node*,
       if (it != grads.end()) s.buffer = it->second;
       s.category = Category::temporary;
     } else if (e.leaf) {
+      if (!e.leaf->grad && needed) needed(e.leaf.get());  // may give the leaf a buffer to accumulate into
       if (e.leaf->grad) s.buffer = Tensor(e.leaf->grad);
       s.category = e.leaf->grad_category;
     }
@@ -161,6 +169,7 @@ std::vector<GradSlot> slots_of(const Node& node, const std::unordered_map<Node*,
 
 void backward_from(std::shared_ptr<Node> root_fn, Tensor seed) {
   const GradientReadyHook ready_hook = tl_gradient_ready;  // this backward's (a recomputation's nested one sees it too)
+  const GradientNeededHook needed_hook = tl_gradient_needed;
   std::unordered_map<TensorImpl*, int> leaf_writers;     // counted only for a hook
   std::unordered_map<Node*, int> dependencies = count_dependencies(root_fn.get(), ready_hook ? &leaf_writers : nullptr);
   auto later_first = [](const std::shared_ptr<Node>& a, const std::shared_ptr<Node>& b) {
@@ -180,7 +189,7 @@ void backward_from(std::shared_ptr<Node> root_fn, Tensor seed) {
   while (!ready.empty()) {
     std::shared_ptr<Node> node = ready.top();
     ready.pop();
-    std::vector<GradSlot> slots = slots_of(*node, grads);
+    std::vector<GradSlot> slots = slots_of(*node, grads, needed_hook);
     {
       Tensor grad_out;
       if (auto it = grads.find(node.get()); it != grads.end()) {

@@ -120,6 +120,24 @@ class GradientReadyScope {
   GradientReadyHook previous_;
 };
 
+// Before the first node of a backward that writes a leaf's gradient runs, when the leaf has no
+// gradient buffer: the hook in scope on this thread may give it one (set the leaf's `grad`), which
+// that node then accumulates into (beta = 1) as into a persistent buffer; left without one, the
+// node writes a fresh buffer (beta = 0) that becomes the leaf's. In dry runs too. The host tier's
+// gradient accumulators hang here (mbp/host_gradients.h): a transient device buffer loaded from
+// the host before the first writer, read back when the gradient is ready.
+using GradientNeededHook = std::function<void(TensorImpl* leaf)>;
+class GradientNeededScope {
+ public:
+  explicit GradientNeededScope(GradientNeededHook hook);
+  ~GradientNeededScope();
+  GradientNeededScope(const GradientNeededScope&) = delete;
+  GradientNeededScope& operator=(const GradientNeededScope&) = delete;
+
+ private:
+  GradientNeededHook previous_;
+};
+
 void run_backward(const Tensor& root);
 // Backward from `root` of any shape, with `seed` (root's shape) as its gradient.
 void run_backward(const Tensor& root, const Tensor& seed);

@@ -77,6 +77,18 @@ void cuda_release(void* p) noexcept {
   if constexpr (kHaveCudaBackend) kernels::cuda::device_free(p);
 }
 
+void* cuda_host_reserve(std::size_t bytes) {
+  if constexpr (kHaveCudaBackend) {
+    return kernels::cuda::pinned_allocate(bytes);
+  } else {
+    no_cuda("cudaHostAlloc");
+  }
+}
+
+void cuda_host_release(void* p) noexcept {
+  if constexpr (kHaveCudaBackend) kernels::cuda::pinned_free(p);
+}
+
 void cuda_memory_info(int device, std::size_t* free_bytes, std::size_t* total_bytes) {
   if constexpr (kHaveCudaBackend) {
     kernels::cuda::use_device(device);

@@ -55,6 +55,10 @@ bool cuda_available();
 // CUDA backend each throws tally::Error saying so (release does nothing).
 void* cuda_reserve(int device, std::size_t bytes);
 void cuda_release(void* p) noexcept;
+// Page-locked host memory for the host tier's arena (Arena::make_host): one cudaHostAlloc of
+// `bytes`, a failure a tally::Error naming the bytes; its release.
+void* cuda_host_reserve(std::size_t bytes);
+void cuda_host_release(void* p) noexcept;
 void cuda_memory_info(int device, std::size_t* free_bytes, std::size_t* total_bytes);
 
 // Whether float32 GEMMs and convolutions on GPUs may use TF32 tensor cores (default false; as

@@ -16,6 +16,10 @@ DryRun::DryRun() = default;
 DryRun::DryRun(const Arena& real, std::optional<std::size_t> capacity)
     : arena_(capacity && *capacity > real.capacity() ? real.virtual_clone(*capacity) : real.virtual_clone()) {
   scope_.emplace(arena_);
+  if (const std::shared_ptr<Arena>& host = current_host_arena()) {
+    host_ = capacity && *capacity > host->capacity() ? host->virtual_clone(*capacity) : host->virtual_clone();
+    host_scope_.emplace(host_);
+  }
 }
 DryRun::DryRun(Device device, std::size_t capacity) : arena_(Arena::make_virtual(device, capacity)) {
   scope_.emplace(arena_);

@@ -53,7 +53,9 @@ class DryRunGuard {
 // measuring is a call on an allocator, not a mode spread over the code).
 //   DryRun dry(real);            a virtual clone of `real` in its exact state: what the next
 //                                allocations would do there (capacity: real's, or `capacity`
-//                                if given and larger — how much a step *would* need);
+//                                if given and larger — how much a step *would* need); and of
+//                                the host tier's arena when one is current (core/memory.h:
+//                                current_host_arena), made current the same way;
 //   DryRun dry(device, bytes);   a fresh virtual arena of that capacity;
 //   DryRun dry;                  the switch only: for a caller that builds on virtual arenas
 //                                of its own (virtual_arena()) and scopes them itself.
@@ -68,6 +70,8 @@ class DryRun {
 
   // The run's current arena (an Error for a DryRun made with no arena).
   Arena& arena() const;
+  // The virtual clone of the host tier's arena (null when none was current).
+  const std::shared_ptr<Arena>& host_arena() const { return host_; }
   const std::shared_ptr<Arena>& arena_ptr() const;
   // A new virtual arena of `capacity` bytes on `device`, not made current.
   std::shared_ptr<Arena> virtual_arena(Device device, std::size_t capacity) const;
@@ -76,6 +80,8 @@ class DryRun {
   DryRunGuard guard_;
   std::shared_ptr<Arena> arena_;
   std::optional<ArenaScope> scope_;
+  std::shared_ptr<Arena> host_;
+  std::optional<HostArenaScope> host_scope_;
 };
 
 }  // namespace tally

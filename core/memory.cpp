@@ -6,6 +6,8 @@
 #include <mutex>
 #include <unordered_map>
 
+#include <fmt/format.h>
+
 #include "core/device.h"
 #include "core/machine.h"
 
@@ -24,6 +26,7 @@ Defaults& defaults() {
 }
 
 thread_local std::shared_ptr<Arena> tl_cpu_override;
+thread_local std::shared_ptr<Arena> tl_host_tier;
 thread_local std::unordered_map<int, std::shared_ptr<Arena>> tl_cuda_override;
 
 std::shared_ptr<Arena>& override_slot(Device d) {
@@ -95,6 +98,16 @@ std::shared_ptr<Arena> arena_like(const Arena& like, Device device, std::size_t 
 }
 
 void mark_trace(Device device, std::string label) { current_arena(device)->mark(std::move(label)); }
+
+const std::shared_ptr<Arena>& current_host_arena() { return tl_host_tier; }
+
+HostArenaScope::HostArenaScope(std::shared_ptr<Arena> host) : previous_(tl_host_tier) {
+  if (host && !host->device().is_cpu())
+    throw Error(fmt::format("HostArenaScope: expected an arena of host memory (cpu), found one on {}",
+                            host->device().str()));
+  tl_host_tier = std::move(host);
+}
+HostArenaScope::~HostArenaScope() { tl_host_tier = std::move(previous_); }
 
 ArenaScope::ArenaScope(std::shared_ptr<Arena> arena) : arena_(std::move(arena)) {
   auto& slot = override_slot(arena_->device());

@@ -44,6 +44,22 @@ std::shared_ptr<Arena> arena_like(const Arena& like, Device device, std::size_t 
 // margin).
 std::size_t default_arena_capacity(Device device);
 
+// The host tier's arena on this thread (docs/host-tier.md): where state placed in host memory and
+// the staging buffers of its copies are allocated; null when the step has no host tier. Kept
+// apart from current_arena(Device::cpu()), which on the CPU device is the device's own budget.
+const std::shared_ptr<Arena>& current_host_arena();
+// Makes `host` (a CPU arena, or null) the host tier's arena on this thread for its lifetime.
+class HostArenaScope {
+ public:
+  explicit HostArenaScope(std::shared_ptr<Arena> host);
+  ~HostArenaScope();
+  HostArenaScope(const HostArenaScope&) = delete;
+  HostArenaScope& operator=(const HostArenaScope&) = delete;
+
+ private:
+  std::shared_ptr<Arena> previous_;
+};
+
 class ArenaScope {
  public:
   explicit ArenaScope(std::shared_ptr<Arena> arena);

@@ -344,6 +344,25 @@ void Tensor::copy_(const Tensor& src) {
   }
 }
 
+void Tensor::move_to(const std::shared_ptr<Arena>& arena, const std::string& op) {
+  TensorImpl& t = impl();
+  if (!arena) throw Error(fmt::format("move_to: expected an arena for {}, found none", str()));
+  if (t.storage->arena() == arena) return;
+  if (!is_contiguous() || t.offset != 0 || t.storage->nbytes() != nbytes())
+    throw ShapeError(fmt::format("move_to: {} must own its storage whole (dense, offset 0)", str()));
+  if (t.grad_fn || t.requires_grad)
+    throw Error(fmt::format("move_to: {} takes part in autograd; only plain tensors move between arenas", str()));
+  auto to = std::make_shared<TensorImpl>();
+  to->storage = std::make_shared<Storage>(arena, nbytes(), t.storage->category(), op);
+  to->shape = t.shape;
+  to->strides = t.strides;
+  to->dtype = t.dtype;
+  to->device = arena->device();
+  Tensor(to).copy_(*this);
+  t.storage = std::move(to->storage);
+  t.device = arena->device();
+}
+
 void Tensor::fill_(double value) {
   if (!is_contiguous() && !is_contiguous(MemoryFormat::ChannelsLast))
     throw ShapeError(fmt::format("fill_: {} must be dense (contiguous or channels_last)", str()));

@@ -145,6 +145,11 @@ class Tensor {
   // gradient (core/ops.h cast): the output's gradient flows back converted to this dtype.
   Tensor to(DType dtype) const;
   void copy_(const Tensor& src);       // element-wise copy of same shape, any devices and layouts
+  // Moves this tensor's bytes into `arena` (of any device) in place, values kept (a copy, skipped
+  // in a dry run), the old bytes freed: every handle of it sees the new place and device. For a
+  // tensor that owns its storage whole (dense, offset 0) and is no node of autograd: optimizer
+  // state placed in the host tier (optim/optimizer.h). `op` names the new allocation.
+  void move_to(const std::shared_ptr<Arena>& arena, const std::string& op);
   void fill_(double value);            // a dense tensor of either memory format
   void zero_() { fill_(0.0); }
 

@@ -278,6 +278,21 @@ void set_deterministic(bool on) { g_deterministic = on; }
 bool deterministic() { return g_deterministic; }
 
 // ---- pinned memory ----------------------------------------------------------------------------
+void* pinned_allocate(std::size_t bytes) {
+  void* p = nullptr;
+  const cudaError_t e = cudaHostAlloc(&p, bytes, cudaHostAllocDefault);
+  if (e != cudaSuccess) {
+    (void)cudaGetLastError();
+    throw Error(fmt::format("cudaHostAlloc of {} bytes ({:.1f} MiB) of pinned host memory for the host arena "
+                            "failed: {} ({}); give less with --host-memory-limit",
+                            bytes, static_cast<double>(bytes) / (1 << 20), cudaGetErrorName(e), cudaGetErrorString(e)));
+  }
+  return p;
+}
+void pinned_free(void* p) noexcept {
+  if (p) (void)cudaFreeHost(p);
+}
+
 PinnedBuffer::PinnedBuffer(std::size_t bytes) : bytes_(bytes) {
   if (bytes == 0) return;
   const cudaError_t e = cudaHostAlloc(&ptr_, bytes, cudaHostAllocDefault);

@@ -46,6 +46,10 @@ std::string device_name(int device);
 // naming the bytes asked and the device's free and total memory.
 void* device_allocate(std::size_t bytes);
 void device_free(void* p) noexcept;
+// cudaHostAlloc of `bytes` of page-locked host memory (the host tier's arena), a failure a
+// tally::Error naming the bytes; its release.
+void* pinned_allocate(std::size_t bytes);
+void pinned_free(void* p) noexcept;
 // The current device's free and total memory (cudaMemGetInfo).
 void memory_info(std::size_t* free_bytes, std::size_t* total_bytes);
 
