@@ -13,6 +13,11 @@
 namespace tally::kernels::cuda::detail {
 namespace {
 
+// gemm_ex's type is written out (cublas_library.h): it must be the exported overload's exactly.
+// Unevaluated, so it references no symbol of the unlinked library.
+static_assert(sizeof(static_cast<decltype(CublasLibrary::gemm_ex)>(&::cublasGemmEx)) > 0,
+              "CublasLibrary::gemm_ex is not the type of cuBLAS's exported cublasGemmEx");
+
 #define TALLY_CUBLAS_STRINGIFY_(x) #x
 #define TALLY_CUBLAS_STRINGIFY(x) TALLY_CUBLAS_STRINGIFY_(x)
 
