@@ -11,6 +11,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/dispatch.h"
@@ -58,6 +59,10 @@ void Optimizer::set_lr(double lr) {
 }
 
 void Optimizer::zero_grad() {
+  if (!host_grads_.empty()) {
+    for (Tensor& g : host_grads_) g.zero_();
+    return;
+  }
   for (Tensor& p : params_) p.zero_grad();
 }
 
@@ -82,15 +87,95 @@ void Optimizer::set_steps(std::int64_t steps) {
   steps_ = steps;
 }
 
+void Optimizer::step() {
+  std::vector<Tensor> grads(params_.size());
+  for (std::size_t i = 0; i < params_.size(); ++i) grads[i] = checked_grad(i, state_of(i));
+  const bool first = steps_ == 0;
+  if (!host_) {
+    for (std::size_t i = 0; i < params_.size(); ++i) update(i, params_[i], grads[i], first);
+  } else {
+    // Placed: each parameter's value and gradient staged in the host tier, updated there by the
+    // CPU kernel, the value copied back; the staging freed before the next parameter.
+    const std::shared_ptr<Arena>& tier = current_host_arena() ? current_host_arena() : host_;
+    ArenaScope on_host(tier);
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      const Tensor& p = params_[i];
+      Tensor g = grads[i];  // the accumulator itself when the gradients live on the host
+      if (host_grads_.empty()) {
+        g = Tensor::empty(p.shape(), p.dtype(), Device::cpu(), Category::gradient,
+                          fmt::format("{}.host_gradient.{}", name_, i));
+        g.copy_(grads[i]);
+      }
+      Tensor v = Tensor::empty(p.shape(), p.dtype(), Device::cpu(), Category::parameter,
+                               fmt::format("{}.host_parameter.{}", name_, i));
+      v.copy_(p);
+      update(i, v, g, first);
+      Tensor(p).copy_(v);
+    }
+  }
+  if (!skip_host_work()) ++steps_;
+}
+
+void Optimizer::place_state(std::shared_ptr<Arena> host) {
+  if (host && !host->device().is_cpu())
+    throw Error(fmt::format("{}.place_state: expected an arena of host memory, found one on {}", name_,
+                            host->device().str()));
+  if (host == host_) return;
+  if (!host && !host_grads_.empty())
+    throw Error(fmt::format("{}.place_state: the gradients are on the host; place them back first", name_));
+  for (std::size_t i = 0, k = 0; i < params_.size(); ++i)
+    for (Tensor s : state_of(i)) {
+      const std::string& what = named_state_[k++].first;
+      s.move_to(host ? host : current_arena(params_[i].device()), fmt::format("{}.{}", name_, what));
+    }
+  host_ = std::move(host);
+}
+
+void Optimizer::place_gradients(std::shared_ptr<Arena> host) {
+  if (host && !host_)
+    throw Error(fmt::format("{}.place_gradients: the gradients go to the host with the state: place the state first",
+                            name_));
+  if (host && !host->device().is_cpu())
+    throw Error(fmt::format("{}.place_gradients: expected an arena of host memory, found one on {}", name_,
+                            host->device().str()));
+  if (host && !host_grads_.empty()) return;
+  if (!host && host_grads_.empty()) return;
+  if (host) {
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      Tensor p = params_[i];
+      Tensor g = p.grad();
+      if (!g.defined()) throw Error(fmt::format("{}.place_gradients: {} has no gradient buffer", name_, describe(i)));
+      g.move_to(host, fmt::format("{}.host_gradient_accumulator.{}", name_, i));
+      host_grads_.push_back(g);
+      p.impl().grad.reset();
+    }
+    return;
+  }
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    Tensor p = params_[i];
+    Tensor g = host_grads_[i];
+    g.move_to(current_arena(p.device()), "grad");
+    p.impl().grad = g.impl_ptr();
+  }
+  host_grads_.clear();
+}
+
+std::size_t Optimizer::host_staging_bytes() const {
+  std::size_t largest = 0;
+  for (const Tensor& p : params_) largest = std::max(largest, Arena::round_up(p.nbytes()));
+  return host_grads_.empty() ? 2 * largest : largest;
+}
+
 Tensor Optimizer::checked_grad(std::size_t i, const std::vector<Tensor>& state) const {
   const Tensor& p = params_[i];
-  const Tensor g = p.grad();
+  const Tensor g = host_grads_.empty() ? p.grad() : host_grads_[i];
   if (!g.defined()) throw Error(fmt::format("{}.step: {} has no gradient buffer", name_, describe(i)));
-  if (g.shape() != p.shape() || g.dtype() != p.dtype() || g.device() != p.device() || !g.is_contiguous())
+  if (g.shape() != p.shape() || g.dtype() != p.dtype() ||
+      g.device() != (host_grads_.empty() ? p.device() : Device::cpu()) || !g.is_contiguous())
     throw Error(fmt::format("{}.step: the gradient of {} must be a contiguous tensor of the same shape, dtype and "
                             "device, found {}", name_, describe(i), g.str()));
   for (const Tensor& s : state)
-    if (s.device() != p.device())
+    if (s.device() != (host_ ? Device::cpu() : p.device()))
       throw Error(fmt::format("{}.step: {} is on {} but its optimizer state is on {} (build the optimizer after "
                               "moving the model)", name_, describe(i), p.device().str(), s.device().str()));
   if (p.numel() > 0 && !skip_host_work()) {
@@ -120,25 +205,18 @@ SGD::SGD(std::vector<Tensor> params, SGDOptions options)
     for (std::size_t i = 0; i < params_.size(); ++i) momentum_[i] = new_state(i, "momentum_buffer", false);
 }
 
-void SGD::step() {
-  std::vector<Tensor> grads(params_.size());
-  for (std::size_t i = 0; i < params_.size(); ++i) {
-    std::vector<Tensor> state;
-    if (momentum_[i].defined()) state.push_back(momentum_[i]);
-    grads[i] = checked_grad(i, state);
-  }
-  const SGDOptions& o = options_;
-  const bool first = steps_ == 0;  // every buffer is written on the first step, read afterwards
-  for (std::size_t i = 0; i < params_.size(); ++i) {
-    const Tensor& p = params_[i];
-    const Tensor& g = grads[i];
-    TALLY_DISPATCH("SGD.step", p, FULL_PRECISION, {
-      T* buf = momentum_[i].defined() ? momentum_[i].data<T>() : nullptr;
-      kk::sgd_update<T>(p.numel(), p.data<T>(), g.data<T>(), buf, static_cast<T>(lr_), static_cast<T>(o.momentum),
-                        static_cast<T>(o.dampening), static_cast<T>(o.weight_decay), o.nesterov, first);
-    });
-  }
-  if (!skip_host_work()) ++steps_;
+std::vector<Tensor> SGD::state_of(std::size_t i) const {
+  if (momentum_[i].defined()) return {momentum_[i]};
+  return {};
+}
+
+void SGD::update(std::size_t i, const Tensor& p, const Tensor& g, bool first) {
+  const SGDOptions& o = options_;  // first: every buffer is written on the first step, read afterwards
+  TALLY_DISPATCH("SGD.step", p, FULL_PRECISION, {
+    T* buf = momentum_[i].defined() ? momentum_[i].data<T>() : nullptr;
+    kk::sgd_update<T>(p.numel(), p.data<T>(), g.data<T>(), buf, static_cast<T>(lr_), static_cast<T>(o.momentum),
+                      static_cast<T>(o.dampening), static_cast<T>(o.weight_decay), o.nesterov, first);
+  });
 }
 
 // ---- AdamW --------------------------------------------------------------------------------------
@@ -157,21 +235,16 @@ AdamW::AdamW(std::vector<Tensor> params, AdamWOptions options)
   }
 }
 
-void AdamW::step() {
-  std::vector<Tensor> grads(params_.size());
-  for (std::size_t i = 0; i < params_.size(); ++i) grads[i] = checked_grad(i, {exp_avg_[i], exp_avg_sq_[i]});
+std::vector<Tensor> AdamW::state_of(std::size_t i) const { return {exp_avg_[i], exp_avg_sq_[i]}; }
+
+void AdamW::update(std::size_t i, const Tensor& p, const Tensor& g, bool) {
   const AdamWOptions& o = options_;
   const std::int64_t t = steps_ + 1;  // 1-based, as torch's state['step'] after its increment
-  for (std::size_t i = 0; i < params_.size(); ++i) {
-    const Tensor& p = params_[i];
-    const Tensor& g = grads[i];
-    TALLY_DISPATCH("AdamW.step", p, FULL_PRECISION,
-                   kk::adamw_update<T>(p.numel(), p.data<T>(), g.data<T>(), exp_avg_[i].data<T>(),
-                                       exp_avg_sq_[i].data<T>(), static_cast<T>(lr_), static_cast<T>(o.beta1),
-                                       static_cast<T>(o.beta2), static_cast<T>(o.eps), static_cast<T>(o.weight_decay),
-                                       t));
-  }
-  if (!skip_host_work()) ++steps_;
+  TALLY_DISPATCH("AdamW.step", p, FULL_PRECISION,
+                 kk::adamw_update<T>(p.numel(), p.data<T>(), g.data<T>(), exp_avg_[i].data<T>(),
+                                     exp_avg_sq_[i].data<T>(), static_cast<T>(lr_), static_cast<T>(o.beta1),
+                                     static_cast<T>(o.beta2), static_cast<T>(o.eps), static_cast<T>(o.weight_decay),
+                                     t));
 }
 
 }  // namespace tally::optim

@@ -32,6 +32,16 @@
 // Devices: CPU parameters (float32 or float64, contiguous) run kernels::cpu::sgd_update /
 // adamw_update; CUDA parameters (float32) get their state on the GPU at construction and run the
 // fused kernels::cuda twins, enqueued on the compute stream (step() does not wait for them).
+//
+// Host placement (place_state; docs/host-tier.md): the state moves into an arena of host memory
+// (the host tier's), values kept, and step() updates each parameter on the CPU, one at a time:
+// its gradient and its value are copied into two staging buffers of the host tier's current arena
+// (core/memory.h: current_host_arena, else the state's arena), the CPU kernel runs there, and the
+// value is copied back; the staging is freed before the next parameter, so the host tier holds
+// the state and the staging of the largest parameter (host_staging_bytes). The parameters stay
+// where they are and remain the truth: a checkpoint, a resume or a write to a parameter between
+// steps needs nothing else. On the CPU device the update is the same kernel on the same values,
+// so the parameters are bit-identical to the unplaced optimizer's.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -64,8 +74,8 @@ class Optimizer {
   Optimizer(const Optimizer&) = delete;
   Optimizer& operator=(const Optimizer&) = delete;
 
-  // One update of every parameter from its .grad().
-  virtual void step() = 0;
+  // One update of every parameter from its .grad() (on the host for placed state).
+  void step();
   // Zero-fills every parameter's persistent gradient buffer (the buffers are kept).
   void zero_grad();
 
@@ -83,8 +93,32 @@ class Optimizer {
   const std::vector<std::pair<std::string, Tensor>>& named_state() const { return named_state_; }
   void set_steps(std::int64_t steps);  // steps >= 0, else tally::Error
 
+  // Moves every state tensor into `host` (an arena of host memory: the host tier's), values kept,
+  // or back beside each parameter, into the current arena of its device, when `host` is null. A
+  // no-op when the state is there already. Between steps only.
+  void place_state(std::shared_ptr<Arena> host);
+  // The host arena the state lives in (null: beside the parameters).
+  const std::shared_ptr<Arena>& state_host() const { return host_; }
+  // Moves every parameter's gradient into `host` as the optimizer's gradient accumulators (values
+  // kept; the parameters keep no gradient buffer: the host tier's accumulation fills these,
+  // mbp/host_gradients.h), or back into gradient buffers beside the parameters, in the current
+  // arena of their device, when `host` is null. Needs the state on the host (place_state) first,
+  // and back last. step() then reads the accumulators, zero_grad() zeroes them. Between steps only.
+  void place_gradients(std::shared_ptr<Arena> host);
+  // The accumulators, one per parameter (empty: the gradients are the parameters' own buffers).
+  const std::vector<Tensor>& host_gradients() const { return host_grads_; }
+  // Bytes of the host tier's staging during a placed step: one parameter's value (and its
+  // gradient, unless the gradients are on the host too), the largest's, rounded as the arena does.
+  std::size_t host_staging_bytes() const;
+
  protected:
   Optimizer(std::string name, std::vector<Tensor> params);
+
+  // Updates parameter i — `p`, its gradient `g` (the parameter itself, or its host staging copy)
+  // — with its state; `first`: no real step has completed yet.
+  virtual void update(std::size_t i, const Tensor& p, const Tensor& g, bool first) = 0;
+  // Parameter i's state tensors (checked before any update).
+  virtual std::vector<Tensor> state_of(std::size_t i) const = 0;
 
   // A state tensor shaped like parameter i on its device, category optimizer_state, named
   // "<name>.<what>.<i>" in the arena; zero-filled if `zero`. Counted by state_bytes().
@@ -104,6 +138,8 @@ class Optimizer {
   std::vector<std::pair<std::string, Tensor>> named_state_;  // the same, named for checkpoints
   double lr_ = 0;
   std::int64_t steps_ = 0;
+  std::shared_ptr<Arena> host_;  // where the state lives when placed on the host
+  std::vector<Tensor> host_grads_;  // the gradient accumulators when placed on the host
 };
 
 class SGD : public Optimizer {
@@ -111,10 +147,11 @@ class SGD : public Optimizer {
   // Validates as torch.optim.SGD does: lr >= 0, momentum >= 0, weight_decay >= 0, and nesterov
   // only with momentum > 0 and dampening == 0.
   SGD(std::vector<Tensor> params, SGDOptions options);
-  void step() override;
   const SGDOptions& options() const { return options_; }
 
  private:
+  void update(std::size_t i, const Tensor& p, const Tensor& g, bool first) override;
+  std::vector<Tensor> state_of(std::size_t i) const override;
   SGDOptions options_;
   std::vector<Tensor> momentum_;  // (shape of param i) or undefined when momentum == 0
 };
@@ -124,10 +161,11 @@ class AdamW : public Optimizer {
   // Validates as torch.optim.AdamW does: lr >= 0, eps >= 0 (here eps > 0), 0 <= beta < 1,
   // weight_decay >= 0.
   AdamW(std::vector<Tensor> params, AdamWOptions options);
-  void step() override;
   const AdamWOptions& options() const { return options_; }
 
  private:
+  void update(std::size_t i, const Tensor& p, const Tensor& g, bool first) override;
+  std::vector<Tensor> state_of(std::size_t i) const override;
   AdamWOptions options_;
   std::vector<Tensor> exp_avg_, exp_avg_sq_;  // (shape of param i)
 };
