@@ -1,5 +1,6 @@
 // mbp/executor.cpp — micro-batch execution with exact loss normalization; see mbp/executor.h.
 #include "mbp/executor.h"
+#include "mbp/host_gradients.h"
 
 #include <algorithm>
 #include <cmath>
@@ -127,6 +128,14 @@ MemoryFormat parse_memory_format(const std::string& name, Device device, bool pi
   throw Error(fmt::format("--memory-format '{}': expected {}", name, fmt::join(memory_format_names(), "|")));
 }
 const char* precision_name(Precision p) { return p == Precision::bf16 ? "bf16" : "fp32"; }
+const char* placement_name(Placement p) {
+  switch (p) {
+    case Placement::device: return "device";
+    case Placement::optimizer: return "optimizer";
+    case Placement::gradients: return "gradients";
+  }
+  return "?";
+}
 Precision parse_precision(const std::string& name) {
   if (name == "fp32") return Precision::fp32;
   if (name == "bf16") return Precision::bf16;
@@ -178,6 +187,7 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_p
   // Data parallelism: any communicator but the local one (an MPI or NCCL world of one too); a
   // pipeline stage's communicator carries its messages instead.
   const bool data_parallel = !stage && opt_.communicator && opt_.communicator->backend() != "local";
+  data_parallel_ = data_parallel;
   if (data_parallel) {
     if (!opt_.communicator->serves(device_))
       throw Error(fmt::format("MBP executor: the {} communicator cannot carry tensors on {}",
@@ -191,6 +201,20 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_p
   if (arena_->device() != device_)
     throw Error(fmt::format("MBP executor: the arena is on {} but the model's parameters are on {}",
                             arena_->device().str(), device_.str()));
+  if (opt_.host_arena && !opt_.host_arena->device().is_cpu())
+    throw Error(fmt::format("MBP executor: the host tier's arena must be host memory (cpu), found one on {}",
+                            opt_.host_arena->device().str()));
+  if (opt_.host_arena && opt_.host_arena == arena_)
+    throw Error("MBP executor: the host tier's arena must be an arena of its own, not the device's");
+  if (opt_.placement && *opt_.placement != Placement::device && !opt_.host_arena)
+    throw Error(fmt::format("MBP executor: placement {} needs a host tier (ExecutorOptions::host_arena; "
+                            "--host-memory-limit), found none", placement_name(*opt_.placement)));
+  if (data_parallel && opt_.placement == Placement::gradients)
+    throw Error("MBP executor: placement gradients is not available with data parallelism (the gradients' all-reduce "
+                "sums device buffers); placement optimizer is");
+  if (stage && opt_.host_arena)
+    throw Error("MBP executor: the host tier is not available to pipeline stages (each stage's state stays on its "
+                "device)");
   if (stage) return;  // the stage checks its own parameters and sets its step states
   if (data_parallel)
     parts_.push_back(std::make_unique<DataParallel>(opt_.communicator, model.parameters(), states_, opt_.bucket_bytes,
@@ -243,6 +267,7 @@ Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels
   // The loss of the step, summed where it is computed: read once, after the optimizer step.
   Tensor total = Tensor::zeros({}, dtype_, device_, Category::temporary, "step_loss");
   const GradientReadyHook gradient_ready = gradient_ready_hook();
+  const GradientNeededHook gradient_needed = gradient_needed_hook();
   const bool prefetch = stager_->overlaps();  // next inputs allocated and uploaded before the current micro-batch computes
   const auto k = sizes.size();
   std::int64_t offset = 0;
@@ -286,7 +311,7 @@ Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels
     co.targets_checked = !dry;
     Tensor loss = cross_entropy(logits, cur.y, co);
     logits = Tensor();
-    backward_watched(loss, gradient_ready);
+    backward_watched(loss, gradient_ready, gradient_needed);
     add_into(total, loss);
     for (const auto& part : parts_) part->after_micro_batch(i, k);
     offset += sizes[i];
@@ -337,9 +362,20 @@ GradientReadyHook Executor::gradient_ready_hook() const {
   };
 }
 
-void Executor::backward_watched(Tensor& loss, const GradientReadyHook& hook) {
-  if (!hook) return loss.backward();
-  const GradientReadyScope watch(hook);
+GradientNeededHook Executor::gradient_needed_hook() const {
+  if (std::none_of(parts_.begin(), parts_.end(), [](const auto& p) { return p->wants_gradient_needed(); })) return {};
+  return [this](TensorImpl* leaf) {
+    const auto it = trained_.find(leaf);
+    if (it == trained_.end()) return;
+    for (const auto& part : parts_)
+      if (part->wants_gradient_needed()) part->gradient_needed(it->second);
+  };
+}
+
+void Executor::backward_watched(Tensor& loss, const GradientReadyHook& ready, const GradientNeededHook& needed) {
+  if (!ready && !needed) return loss.backward();
+  const GradientReadyScope watch(ready);
+  const GradientNeededScope give(needed);
   loss.backward();
 }
 
@@ -351,6 +387,7 @@ void Executor::add_part(std::unique_ptr<StepPart> part) {
 }
 
 void Executor::discard_partial_step() {
+  if (host_gradients_) host_gradients_->drop_transient();
   optimizer_.zero_grad();
   for (nn::StepState* s : states_) s->discard();
 }
@@ -363,8 +400,16 @@ StepResult Executor::step(const float* images, const std::int64_t* labels, std::
   for (;;) {
     const Plan& p = plan(batch);
     arena_->reset_peak();
+    // The host tier's arena for the optimizer's staging, when the plan placed state there.
+    const bool on_host = placed_ != Placement::device;
+    HostArenaScope host(on_host ? opt_.host_arena : nullptr);
+    if (on_host) opt_.host_arena->reset_peak();
     try {
       run_step(images, labels, p.sizes(), &r.loss);
+      if (on_host) {
+        r.host_predicted_peak = p.host_predicted_peak;
+        r.host_peak = static_cast<std::size_t>(opt_.host_arena->stats().total.peak);
+      }
       for (const auto& part : parts_) r.communication_seconds += part->communication_seconds();
       r.micro_batch = p.micro_batch;
       r.micro_batches = p.micro_batches;

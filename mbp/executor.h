@@ -52,6 +52,8 @@
 
 namespace tally::mbp {
 
+class HostGradients;  // mbp/host_gradients.h
+
 // How each micro-batch's loss is divided (docs/mbp.md, "Loss normalization"):
 //   exact           sum_i w_i loss_i / D with D counted over the whole batch: the accumulated
 //                   gradient is the full batch's for any split (tally's default).
@@ -78,6 +80,28 @@ const std::vector<std::string>& precision_names();
 // preferred_memory_format(device) (core/tensor.h), or contiguous for pipeline stages.
 MemoryFormat parse_memory_format(const std::string& name, Device device, bool pipeline = false);
 const std::vector<std::string>& memory_format_names();
+
+// Where the step's persistent state lives (docs/host-tier.md):
+//   device     everything in the device arena (the only placement without a host tier);
+//   optimizer  the optimizer's state in the host tier's arena and its update run there on the
+//              CPU (optim/optimizer.h, "Host placement"): the device holds the parameters, their
+//              gradients and one micro-batch's work; each step moves every gradient and parameter
+//              to the host and the parameters back.
+//   gradients  the optimizer as above, and the gradients accumulated in the host tier
+//              (mbp/host_gradients.h): the device holds the parameters, one micro-batch's work and
+//              only the gradients being written; each micro-batch moves every gradient in and out.
+//              Not with data parallelism (its all-reduce sums device buffers).
+// A placement moves bytes, never changes a value: on the CPU device the parameters after any
+// number of steps are bit-identical under all three.
+enum class Placement { device, optimizer, gradients };
+const char* placement_name(Placement p);
+
+// The placement a plan runs with, and why (ExecutorOptions::placement unset: the executor's
+// choice; given: "as given").
+struct PlacementChoice {
+  Placement placement = Placement::device;
+  std::string why;
+};
 
 struct ExecutorOptions {
   Shape sample_shape{};                       // one input sample, e.g. {3, 32, 32}
@@ -110,6 +134,15 @@ struct ExecutorOptions {
   // (docs/memory-format.md). Values agree with Contiguous to float rounding. Not with pipeline
   // stages (their messages are row-major).
   MemoryFormat memory_format = MemoryFormat::Contiguous;
+  // The host tier (docs/host-tier.md): an arena of host memory (Arena::make_host: pinned where a
+  // GPU is present) for what a placement puts there, beside the device arena; null: none.
+  std::shared_ptr<Arena> host_arena{};
+  // Where the persistent state lives. Unset: with a host tier, the placement that allows the
+  // largest micro-batch, ties to the one that moves the fewest bytes (device before optimizer),
+  // chosen per batch size at the recomputation as set — so recomputation ("auto") is used only
+  // where no placement fits one sample; without a host tier, device. A placement other than
+  // device needs a host tier.
+  std::optional<Placement> placement{};
   // Pipeline stages (mbp/pipeline.h): this process runs stage `pipeline->stage` of the model's
   // segments, rank s of `communicator` running stage s, in a PipelineExecutor
   // (mbp/pipeline_executor.h, which says what differs).
@@ -122,6 +155,9 @@ struct StepResult {
   std::int64_t micro_batches = 0;  // k used
   std::size_t predicted_peak = 0;  // the plan's prediction for the split used
   std::size_t peak = 0;            // the arena's measured peak during the step
+  // The host tier's (0 without one): the plan's prediction and the measured peak of the step.
+  std::size_t host_predicted_peak = 0;
+  std::size_t host_peak = 0;
   int oom_retries = 0;             // retries this step needed
   // Data parallelism: host time spent in the step's collectives (the divisor's sum, the buckets,
   // the moments), waiting for the slowest rank included; on CUDA only their enqueueing (NCCL runs
@@ -144,6 +180,8 @@ class Executor {
   virtual const Plan& plan(std::int64_t batch);
   // The recomputation of the last plan().
   const RecomputeChoice& recompute_choice() const { return choice_; }
+  // The placement of the last plan() (device, "no host tier", before the first).
+  const PlacementChoice& placement_choice() const { return placement_; }
   // The plan of `batch` at level `level` of the model's recomputation ladder, with micro-batches
   // of exactly `micro_batch` if given; the model's recomputation is as before afterwards. For
   // comparisons: what the chosen level saves over another.
@@ -208,8 +246,14 @@ class Executor {
 
   // plan() for the policy (ExecutorOptions::recompute): the planner's plan at the level it chooses.
   const Plan& plan_by_policy(std::int64_t batch);
-  // plan() for the model's recomputation as it is now (its state is part of the plan's key).
+  // plan() for the model's recomputation as it is now (its state is part of the plan's key), at
+  // the placement given, or chosen (ExecutorOptions::placement; mbp/executor_plan.cpp).
   const Plan& plan_as_set(std::int64_t batch, std::optional<std::int64_t> micro_batch);
+  // The planner's plan at the recomputation and placement as they are now (both in its key).
+  const Plan& plan_placed(std::int64_t batch, std::optional<std::int64_t> micro_batch);
+  // Moves the persistent state to `p` (a no-op when there); throws an OutOfMemory naming both
+  // tiers' needs when the host tier cannot hold what `p` puts there.
+  void apply_placement(Placement p);
 
   nn::Module& model_;
   optim::Optimizer& optimizer_;
@@ -224,6 +268,12 @@ class Executor {
   std::int64_t limit_ = INT64_MAX;
   std::unique_ptr<InputStager> stager_;  // the step's inputs onto the device (core/staging.h)
   RecomputeChoice choice_;
+  PlacementChoice placement_{Placement::device, "no host tier"};
+  Placement placed_ = Placement::device;  // where the state is now
+  HostGradients* host_gradients_ = nullptr;  // the part accumulating gradients on the host (Placement::gradients)
+  bool data_parallel_ = false;
+  // The placement chosen per (batch size, recomputation state) when the executor chooses.
+  std::map<std::pair<std::int64_t, std::string>, PlacementChoice> placement_choices_;
 
  private:
   Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_ptr<Arena> arena, ExecutorOptions options,
@@ -240,10 +290,11 @@ class Executor {
   // The allocation sequence of a step, on the current arena; real data when images != nullptr,
   // else a dry run.
   void run_step(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes, double* loss);
-  // The hook that tells the parts each parameter's gradient as it completes (empty: no part wants it),
-  // and a backward under it.
+  // The hooks that tell the parts each parameter's gradient as it completes and when it is first
+  // needed without a buffer (empty: no part wants it), and a backward under them.
   GradientReadyHook gradient_ready_hook() const;
-  static void backward_watched(Tensor& loss, const GradientReadyHook& hook);
+  GradientNeededHook gradient_needed_hook() const;
+  static void backward_watched(Tensor& loss, const GradientReadyHook& ready, const GradientNeededHook& needed);
 
   int total_retries_ = 0;
   std::map<std::int64_t, RecomputeChoice> auto_choices_;  // recompute "auto": the choice per batch size

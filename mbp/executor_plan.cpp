@@ -9,9 +9,12 @@
 #include <algorithm>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "core/arena.h"
 #include "core/memory.h"
+#include "mbp/host_gradients.h"
+#include "optim/optimizer.h"
 #include "mbp/executor.h"
 #include "mbp/recompute.h"
 #include "nn/recompute.h"
@@ -41,8 +44,137 @@ const Plan& Executor::plan_by_policy(std::int64_t batch) {
 
 const Plan& Executor::plan_as_set(std::int64_t batch, std::optional<std::int64_t> micro_batch) {
   if (!micro_batch && opt_.micro_batch) micro_batch = std::min({*opt_.micro_batch, limit_, batch});
+  if (!opt_.host_arena) {
+    placement_ = {Placement::device, "no host tier"};
+    return plan_placed(batch, micro_batch);
+  }
+  if (opt_.placement) {
+    apply_placement(*opt_.placement);
+    placement_ = {*opt_.placement, "as given"};
+    return plan_placed(batch, micro_batch);
+  }
+  // The executor's choice: the largest micro-batch, ties to the fewest bytes moved — device, then
+  // the optimizer on the host, then the gradients too (not with data parallelism).
+  const auto key = std::make_pair(batch, nn::recompute_state(model_));
+  if (const auto it = placement_choices_.find(key); it != placement_choices_.end()) {
+    apply_placement(it->second.placement);
+    placement_ = it->second;
+    return plan_placed(batch, micro_batch);
+  }
+  std::vector<Placement> candidates{Placement::device, Placement::optimizer};
+  if (!data_parallel_) candidates.push_back(Placement::gradients);
+  struct Tried {
+    Placement placement;
+    std::optional<std::int64_t> micro_batch;  // unset: does not fit
+    std::string error;
+  };
+  std::vector<Tried> tried;
+  std::optional<std::size_t> best;
+  for (const Placement c : candidates) {
+    Tried t{c, std::nullopt, ""};
+    try {
+      apply_placement(c);
+      t.micro_batch = plan_placed(batch, micro_batch).micro_batch;
+    } catch (const OutOfMemory& e) {
+      t.error = e.what();
+    }
+    tried.push_back(t);
+    if (t.micro_batch && (!best || *t.micro_batch > *tried[*best].micro_batch)) best = tried.size() - 1;
+    // Nothing later can do better: the whole batch (or the given micro-batch) fits.
+    if (t.micro_batch && (*t.micro_batch == batch || micro_batch)) break;
+  }
+  if (!best) {
+    apply_placement(Placement::device);
+    std::string all;
+    for (std::size_t i = 1; i < tried.size(); ++i)
+      all += fmt::format(" (with placement {}: {})", placement_name(tried[i].placement), tried[i].error);
+    throw OutOfMemory(tried[0].error + all, 0);
+  }
+  const Tried& chosen = tried[*best];
+  std::string why;
+  if (*best == 0) {
+    why = micro_batch ? fmt::format("the micro-batch of {} fits on the device", *chosen.micro_batch)
+          : *chosen.micro_batch == batch
+              ? "the whole batch fits on the device at once"
+              : fmt::format("no placement on the host gives a larger micro-batch ({} either way)", *chosen.micro_batch);
+  } else {
+    std::vector<std::string> others;
+    for (std::size_t i = 0; i < *best; ++i)
+      others.push_back(tried[i].micro_batch ? fmt::format("{} with placement {}", *tried[i].micro_batch,
+                                                          placement_name(tried[i].placement))
+                                            : fmt::format("not one sample with placement {}",
+                                                          placement_name(tried[i].placement)));
+    why = fmt::format("micro-batches of {} instead of {}", *chosen.micro_batch, fmt::join(others, ", "));
+  }
+  apply_placement(chosen.placement);
+  placement_ = placement_choices_[key] = {chosen.placement, std::move(why)};
+  return plan_placed(batch, micro_batch);
+}
+
+const Plan& Executor::plan_placed(std::int64_t batch, std::optional<std::int64_t> micro_batch) {
   ArenaScope scope(arena_);
-  return planner_.plan(batch, micro_batch, limit_, nn::recompute_state(model_));
+  HostArenaScope host(placed_ == Placement::device ? nullptr : opt_.host_arena);
+  return planner_.plan(batch, micro_batch, limit_,
+                       fmt::format("{}|{}", nn::recompute_state(model_), placement_name(placed_)));
+}
+
+void Executor::apply_placement(Placement p) {
+  if (p == placed_) return;
+  ArenaScope scope(arena_);
+  if (p != Placement::device) {
+    if (!opt_.host_arena)
+      throw Error(fmt::format("MBP executor: placement {} needs a host tier (--host-memory-limit), found none",
+                              placement_name(p)));
+    if (p == Placement::gradients && data_parallel_)
+      throw Error("MBP executor: placement gradients is not available with data parallelism");
+    // What the host tier must hold: the state (and the gradient accumulators), then one
+    // parameter's staging during the update — its high-water mark, exact for a host arena that
+    // holds nothing else.
+    Arena& host = *opt_.host_arena;
+    std::size_t state = 0, grads = 0;
+    for (const auto& [name, t] : optimizer_.named_state()) state += Arena::round_up(t.nbytes());
+    std::size_t largest = 0;
+    for (const Tensor& t : optimizer_.params()) {
+      grads += Arena::round_up(t.nbytes());
+      largest = std::max(largest, Arena::round_up(t.nbytes()));
+    }
+    const std::size_t ours_now = (placed_ != Placement::device ? state : 0) + (placed_ == Placement::gradients ? grads : 0);
+    const bool with_grads = p == Placement::gradients;
+    const std::size_t staging = with_grads ? largest : 2 * largest;
+    const std::size_t need = static_cast<std::size_t>(host.stats().total.current) - ours_now + state +
+                             (with_grads ? grads : 0) + staging;
+    if (need > host.capacity()) {
+      const std::size_t device_now = static_cast<std::size_t>(arena_->stats().total.current);
+      const std::size_t on_device = device_now - (placed_ == Placement::device ? state : 0) -
+                                    (with_grads && placed_ != Placement::gradients ? grads : 0);
+      throw OutOfMemory(
+          fmt::format("host memory limit {} ({} bytes) is too small for placement {}: the host tier needs {} ({} bytes: "
+                      "optimizer state {}{}, staging of the largest parameter {}); the device tier then holds {} of "
+                      "persistent state before any micro-batch",
+                      format_bytes(host.capacity()), host.capacity(), placement_name(p), format_bytes(need), need,
+                      format_bytes(state), with_grads ? fmt::format(", gradient accumulators {}", format_bytes(grads)) : "",
+                      format_bytes(staging), format_bytes(on_device)),
+          need);
+    }
+  }
+  // Back first (the gradients, then the state, as far as `p` wants), then out.
+  if (placed_ == Placement::gradients) {
+    optimizer_.place_gradients(nullptr);
+    parts_.erase(std::find_if(parts_.begin(), parts_.end(), [this](const auto& q) { return q.get() == host_gradients_; }));
+    host_gradients_ = nullptr;
+  }
+  if (p == Placement::device) {
+    optimizer_.place_state(nullptr);
+  } else {
+    optimizer_.place_state(opt_.host_arena);
+    if (p == Placement::gradients) {
+      optimizer_.place_gradients(opt_.host_arena);
+      auto part = std::make_unique<HostGradients>(optimizer_.params(), optimizer_.host_gradients());
+      host_gradients_ = part.get();
+      add_part(std::move(part));
+    }
+  }
+  placed_ = p;
 }
 
 // The ladder from none: the first level on which the plan fits, remembered per batch size.

@@ -114,12 +114,17 @@ Planner::Probe Planner::probe(const std::vector<std::int64_t>& sizes, bool detai
     FlopCount saved;
     ~Restore() { flop_count() = saved; }
   } restore{before};
-  std::shared_ptr<Arena> v;  // the dry run's arena, read after it ends
+  std::shared_ptr<Arena> v, host;  // the dry run's arenas, read after it ends
   try {
     DryRun dry(*arena_, capacity);
     v = dry.arena_ptr();
     v->reset_peak();
     v->set_tracing(detailed);
+    host = dry.host_arena();
+    if (host) {
+      host->reset_peak();
+      host->set_tracing(detailed);
+    }
     step_(sizes);
   } catch (const OutOfMemory&) {
     return p;
@@ -132,6 +137,12 @@ Planner::Probe Planner::probe(const std::vector<std::int64_t>& sizes, bool detai
   p.peak = static_cast<std::size_t>(v->stats().total.peak);
   p.high_water = v->stats().high_water;
   if (detailed) p.at_peak = live_at_peak(*v);
+  if (host) {
+    p.host_peak = static_cast<std::size_t>(host->stats().total.peak);
+    p.host_high_water = host->stats().high_water;
+    p.host_capacity = host->capacity();
+    if (detailed) p.host_at_peak = live_at_peak(*host);
+  }
   return p;
 }
 
@@ -217,6 +228,9 @@ const Plan& Planner::plan(std::int64_t batch, std::optional<std::int64_t> micro_
   p.predicted_peak = full.peak;
   p.budget = arena_->capacity();
   p.at_peak = full.at_peak;
+  p.host_predicted_peak = full.host_peak;
+  p.host_budget = full.host_capacity;
+  p.host_at_peak = full.host_at_peak;
   p.flops = full.flops;
   if (const std::int64_t ran = std::accumulate(verified.begin(), verified.end(), std::int64_t(0)); ran != batch) {
     const double scale = static_cast<double>(batch) / static_cast<double>(ran);  // work is per sample

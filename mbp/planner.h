@@ -83,6 +83,12 @@ struct Plan {
   std::size_t predicted_peak = 0;  // bytes live at the step's peak (arena rounding included)
   std::size_t budget = 0;          // the arena's capacity
   Breakdown at_peak;               // what is live at that moment
+  // The host tier (docs/host-tier.md), when the step has one (its arena was current while
+  // planning: core/memory.h, current_host_arena): its predicted peak, capacity and what is live
+  // at its peak; 0 and empty without one.
+  std::size_t host_predicted_peak = 0;
+  std::size_t host_budget = 0;
+  Breakdown host_at_peak;
   FlopCount flops;                 // the step's work, from the verifying dry run (core/ops.h)
   int probes = 0;                  // dry runs the plan took
   double seconds = 0;              // time the planning took
@@ -114,6 +120,9 @@ class Planner {
     std::size_t peak = 0;        // bytes live at the peak (valid when fits)
     std::size_t high_water = 0;  // highest end offset: the smallest budget that runs it
     Breakdown at_peak;           // valid when fits and detailed
+    // The host tier's, when one was current (valid when fits; at_peak when detailed).
+    std::size_t host_peak = 0, host_high_water = 0, host_capacity = 0;
+    Breakdown host_at_peak;
     FlopCount flops;             // the work the dry run counted (valid when fits)
     std::string error;           // the split cannot run at all (BatchNorm on 1 value), not OOM
   };

@@ -199,6 +199,15 @@ std::string budget_peak_legend(const Chart& ch, const TimelineOptions& o, std::i
 
 }  // namespace
 
+std::string memory_svg(const Arena& device, const TimelineOptions& device_options, const Arena& host,
+                       const TimelineOptions& host_options) {
+  const int width = std::max({device_options.width, host_options.width, 400});
+  const int top = std::max(device_options.height, 240), bottom = std::max(host_options.height, 240);
+  return fmt::format("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{0}\" height=\"{1}\" viewBox=\"0 0 {0} {1}\">\n"
+                     "<g>\n{2}</g>\n<g transform=\"translate(0,{3})\">\n{4}</g>\n</svg>\n",
+                     width, top + bottom, memory_svg(device, device_options), top, memory_svg(host, host_options));
+}
+
 std::string memory_svg(const Arena& arena, const TimelineOptions& o) {
   const auto& ev = arena.trace();
   const auto& marks = arena.marks();

@@ -28,4 +28,9 @@ struct TimelineOptions {
 // The chart of `arena`'s current trace.
 std::string memory_svg(const Arena& arena, const TimelineOptions& options);
 
+// Two tiers in one picture: the device arena's chart above the host tier's (docs/host-tier.md),
+// each with its own budget, peak and time axis (each trace is timed by its own arena).
+std::string memory_svg(const Arena& device, const TimelineOptions& device_options, const Arena& host,
+                       const TimelineOptions& host_options);
+
 }  // namespace tally::report
