@@ -70,6 +70,15 @@ const EnumNames<mbp::PipelineSchedule>& enum_names(mbp::PipelineSchedule) {
   static const auto v = from_library<mbp::PipelineSchedule>(mbp::pipeline_schedule_names(), mbp::parse_pipeline_schedule);
   return v;
 }
+const EnumNames<mbp::Placement>& enum_names(mbp::Placement) {
+  static const EnumNames<mbp::Placement> v = [] {
+    EnumNames<mbp::Placement> out;
+    for (const mbp::Placement p : {mbp::Placement::device, mbp::Placement::optimizer, mbp::Placement::gradients})
+      out.emplace_back(p, mbp::placement_name(p));
+    return out;
+  }();
+  return v;
+}
 const EnumNames<LrScaling>& enum_names(LrScaling) {
   static const EnumNames<LrScaling> v{{LrScaling::linear, "linear"}, {LrScaling::sqrt, "sqrt"}};
   return v;
@@ -90,6 +99,17 @@ void check_step_options(const StepOptions& o) {
   check_number("--pipeline-stages", kPositiveWhole, o.pipeline_stages);
   if (o.pipeline_stages == 1 && !o.pipeline_split.empty())
     throw Error(fmt::format("--pipeline-split {}: there is one stage (give --pipeline-stages)", o.pipeline_split));
+  if (o.host_memory_limit != "none" && o.host_memory_limit != "auto") try {
+      parse_size(o.host_memory_limit);
+    } catch (const Error& e) {
+      throw Error(fmt::format("--host-memory-limit: expected a size, auto or none; {}", e.what()));
+    }
+  if (o.placement && *o.placement != mbp::Placement::device && o.host_memory_limit == "none")
+    throw Error(fmt::format("--placement {} puts state in host memory: give --host-memory-limit (a size or auto)",
+                            name_of(*o.placement)));
+  if (o.host_memory_limit != "none" && o.pipeline_stages > 1)
+    throw Error(fmt::format("--host-memory-limit {}: the host tier is not available to pipeline stages",
+                            o.host_memory_limit));
 }
 
 mbp::ExecutorOptions executor_options(const StepOptions& o, const Shape& sample_shape, Device device,
@@ -98,6 +118,7 @@ mbp::ExecutorOptions executor_options(const StepOptions& o, const Shape& sample_
   eo.sample_shape = sample_shape;
   eo.micro_batch = o.micro_batch;
   eo.recompute = o.recompute;
+  eo.placement = o.placement;
   eo.precision = o.precision;
   // "auto": the device's layout; a pipeline stage's activations travel between ranks contiguous.
   eo.memory_format = o.memory_format.value_or(pipeline_stage ? MemoryFormat::Contiguous : preferred_memory_format(device));
@@ -119,7 +140,9 @@ template <std::integral I>
 std::string show(I v) { return std::to_string(v); }
 std::string show(const std::optional<std::int64_t>& v) { return v ? std::to_string(*v) : "auto"; }
 std::string show(const std::optional<bool>& v) { return v ? (*v ? "on" : "off") : "default"; }
-std::string show(const std::optional<MemoryFormat>& v) { return memory_format_text(v); }
+template <class E>
+  requires std::is_enum_v<E>
+std::string show(const std::optional<E>& v) { return v ? name_of(*v) : "auto"; }
 template <class E>
   requires std::is_enum_v<E>
 std::string show(E v) { return name_of(v); }
@@ -181,13 +204,16 @@ std::string read(E& v, const std::string& text, const NumberRule&) {
   v = *e;
   return "";
 }
-std::string read(std::optional<MemoryFormat>& v, const std::string& text, const NumberRule&) {
+// An enumeration or "auto" (unset).
+template <class E>
+  requires std::is_enum_v<E>
+std::string read(std::optional<E>& v, const std::string& text, const NumberRule&) {
   if (text == "auto") {
     v.reset();
     return "";
   }
-  const std::optional<MemoryFormat> f = enum_from<MemoryFormat>(text);
-  if (!f) return fmt::format("expected one of auto, {}, found {}", names_list(MemoryFormat{}), found(text));
+  const std::optional<E> f = enum_from<E>(text);
+  if (!f) return fmt::format("expected one of auto, {}, found {}", names_list(E{}), found(text));
   v = *f;
   return "";
 }
@@ -204,6 +230,7 @@ std::string type_name(const NumberRule& rule) {
     return s;
   }
   else if constexpr (std::is_same_v<T, std::optional<MemoryFormat>>) return "auto|contiguous|channels_last";
+  else if constexpr (std::is_same_v<T, std::optional<mbp::Placement>>) return "auto|device|optimizer|gradients";
   else return "TEXT";
 }
 
@@ -380,6 +407,16 @@ const std::vector<Option> kTable = {
     {.name = "memory-limit", .field = field(&StepOptions::memory_limit), .commands = kAll,
      .help = "memory budget: a size (48MiB, 2GiB) or auto; under mpirun one per rank (48MiB,24MiB)",
      .help_for = {{kPlan, "memory budget: a size (8GiB) or auto; with --pipeline-stages one per stage"}}},
+    {.name = "host-memory-limit", .field = field(&StepOptions::host_memory_limit), .commands = kAll,
+     .help = "the host tier, beside the device's budget: a size (2GiB), auto (3/4 of what this process may use, less "
+             "the device's arena when it is host memory too, divided among this machine's ranks; pinned on a GPU "
+             "machine) or none (everything on the device)",
+     .changeable = true, .absent = "none"},
+    {.name = "placement", .field = field(&StepOptions::placement), .commands = kAll,
+     .help = "where the step's state lives: device | optimizer (the optimizer's state and update in the host tier) | "
+             "gradients (the gradients accumulated there too; not with data parallelism) | auto (with a host tier, "
+             "the placement that allows the largest micro-batch, ties to the fewest bytes moved)",
+     .changeable = true, .absent = "auto"},
     {.name = "micro-batch", .field = field(&StepOptions::micro_batch, kPositiveWhole), .commands = kAll,
      .help = "samples per micro-batch: M or auto (the largest that fits)",
      .help_for = {{kPlan, "check this micro-batch size instead of searching (auto: the largest that fits)"}}},

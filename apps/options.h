@@ -50,6 +50,7 @@ const EnumNames<MemoryFormat>& enum_names(MemoryFormat);
 const EnumNames<mbp::LossNormalization>& enum_names(mbp::LossNormalization);
 const EnumNames<mbp::PipelineSchedule>& enum_names(mbp::PipelineSchedule);
 const EnumNames<LrScaling>& enum_names(LrScaling);
+const EnumNames<mbp::Placement>& enum_names(mbp::Placement);
 
 template <class E>
 std::string name_of(E value) {
@@ -88,6 +89,12 @@ struct StepOptions {
   // mpirun ("48MiB,24MiB") or one per pipeline stage (CPU: 8 GiB of address space; CUDA: free
   // device memory less a margin of max(1 GiB, 1/32 of the device)).
   std::string memory_limit = "auto";
+  // The host tier (docs/host-tier.md): "none" (the default: everything on the device, nothing
+  // changes), a size of host memory ("2GiB"), or "auto" (3/4 of what this process may use, less
+  // the device's arena when that is host memory too, divided among this machine's ranks).
+  std::string host_memory_limit = "none";
+  // Where the step's state lives (mbp::Placement); unset ("auto"): the executor's choice.
+  std::optional<mbp::Placement> placement;
   std::optional<std::int64_t> micro_batch;  // unset: the largest that fits ("auto")
   // auto | none | blocks | all | a level: recomputation (ExecutorOptions::recompute, mbp/executor.h).
   std::string recompute = "auto";

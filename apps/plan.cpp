@@ -120,13 +120,17 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   oc.kind = opt.optimizer;
   oc.momentum = opt.momentum;
   const Setup setup = build_setup(arena, mc, "", oc, format_bytes(limit));
-  const mbp::ExecutorOptions eo = executor_options(opt, sample, dev, false);
+  mbp::ExecutorOptions eo = executor_options(opt, sample, dev, false);
+  eo.host_arena = make_host_arena(opt.host_memory_limit, dev, limit, &dry, &out);
   fmt::print(out, "model {} (norm {}), {} parameters, {} classes | input {} | batch {} | optimizer {} | device {} | "
                   "precision {} | memory format {}\n",
              opt.model, name_of(opt.norm), setup.parameters, mc.num_classes, shape_str(sample), opt.batch_size,
              name_of(opt.optimizer), dev.str(), name_of(opt.precision), memory_format_name(eo.memory_format));
   fmt::print(out, "memory limit {} ({} bytes): {} allocated first\n", format_bytes(limit), limit,
              persistent_summary(*arena));
+  if (eo.host_arena)
+    fmt::print(out, "host memory limit {} ({} bytes): the host tier, for the state a placement puts there\n",
+               format_bytes(eo.host_arena->capacity()), eo.host_arena->capacity());
 
   const std::unique_ptr<mbp::Executor> built = make_executor(*setup.model, *setup.optimizer, arena, eo);
   mbp::Executor& executor = *built;
@@ -139,6 +143,14 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   }
   fmt::print(out, "\nplan: {}\n", p.summary());
   fmt::print(out, "      live at the peak: {}\n", p.at_peak.str());
+  if (eo.host_arena) {
+    const mbp::PlacementChoice& placed = executor.placement_choice();
+    fmt::print(out, "      placement {}: {}\n", mbp::placement_name(placed.placement), placed.why);
+    if (placed.placement != mbp::Placement::device)
+      fmt::print(out, "      host tier: predicted peak {} ({} bytes) of {}; live at its peak: {}\n",
+                 format_bytes(p.host_predicted_peak), p.host_predicted_peak, format_bytes(p.host_budget),
+                 p.host_at_peak.str());
+  }
   if (chosen.level > 0) {
     // What recomputation buys: the same micro-batch without it (a too-small error measures it on
     // a clone with room to spare).

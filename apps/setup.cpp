@@ -8,12 +8,16 @@
 #include <cerrno>
 #include <cstring>
 #include <cctype>
+#include <cstdlib>
+#include <ostream>
 #include <cmath>
 #include <fstream>
 
 #include <fmt/format.h>
+#include <fmt/ostream.h>
 
 #include "core/error.h"
+#include "core/machine.h"
 #include "core/memory.h"
 #include "mbp/pipeline_executor.h"
 #include "nn/state_dict.h"
@@ -130,6 +134,40 @@ std::size_t parse_memory_limit(const std::string& text, Device dev) {
   if (limit < Arena::kAlignment)
     throw Error(fmt::format("--memory-limit {} is below the arena's {}-byte granularity", text, Arena::kAlignment));
   return limit;
+}
+
+std::shared_ptr<Arena> make_host_arena(const std::string& text, Device dev, std::size_t device_limit,
+                                       const DryRun* dry, std::ostream* log) {
+  if (text == "none") return nullptr;
+  std::size_t bytes = 0;
+  if (text == "auto") {
+    const HostMemory usable = usable_host_memory();
+    if (usable.bound.empty())
+      throw Error("--host-memory-limit auto: this machine states no limit on host memory (no MemAvailable, cgroup "
+                  "limit or RLIMIT_AS); give a size");
+    // 3/4 of what is usable, as the CPU device's auto budget takes (core/memory.h): the rest is the
+    // process's own (the data set, the libraries).
+    std::size_t left = usable.bytes / 4 * 3;
+    if (dev.is_cpu()) left = left > device_limit ? left - device_limit : 0;
+    int ranks = 1;
+    if (const char* v = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) ranks = std::max(1, std::atoi(v));
+    bytes = left / static_cast<std::size_t>(ranks) / (std::size_t(64) << 20) * (std::size_t(64) << 20);
+    if (bytes == 0)
+      throw Error(fmt::format("--host-memory-limit auto: nothing is left for the host tier ({} usable ({}){}, {} "
+                              "rank{} on this machine)",
+                              format_bytes(usable.bytes), usable.bound,
+                              dev.is_cpu() ? fmt::format(", less the device's arena of {}", format_bytes(device_limit)) : "",
+                              ranks, ranks == 1 ? "" : "s"));
+    if (log)
+      fmt::print(*log, "host memory limit auto: {} (3/4 of {} usable ({}){}{})\n", format_bytes(bytes), format_bytes(usable.bytes),
+                 usable.bound, dev.is_cpu() ? fmt::format(", less the device's arena of {}", format_bytes(device_limit)) : "",
+                 ranks > 1 ? fmt::format(", shared by {} ranks", ranks) : "");
+  } else {
+    bytes = parse_size(text);
+    if (bytes < Arena::kAlignment)
+      throw Error(fmt::format("--host-memory-limit {} is below the arena's {}-byte granularity", text, Arena::kAlignment));
+  }
+  return dry ? dry->virtual_arena(Device::cpu(), bytes) : Arena::make_host(bytes);
 }
 
 namespace {

@@ -19,6 +19,7 @@
 #include "core/arena.h"
 #include "apps/options.h"
 #include "core/device.h"
+#include "core/dry_run.h"
 #include "nn/module.h"
 #include "nn/resnet.h"
 #include "mbp/executor.h"
@@ -67,6 +68,16 @@ void check_writable_folder(const std::string& flag, const std::string& dir);
 
 // --memory-limit: a size ("48MiB", "2GiB") or "auto" (core/memory.h's default capacity for the device).
 std::size_t parse_memory_limit(const std::string& text, Device dev);
+
+// --host-memory-limit (docs/host-tier.md): null for "none"; else the host tier's arena — a size, or
+// "auto": 3/4 of what this process may use (core/machine.h; the rest is its own, as for the CPU's
+// --memory-limit auto), less `device_limit` when the device is the CPU (both arenas are host
+// memory), divided among this machine's ranks (Open MPI's
+// OMPI_COMM_WORLD_LOCAL_SIZE), in 64 MiB steps. Virtual (offsets only) from `dry` when given
+// (`tally plan`); else reserved (Arena::make_host: pinned where a GPU is present). `log` gets one
+// line saying what auto measured.
+std::shared_ptr<Arena> make_host_arena(const std::string& text, Device dev, std::size_t device_limit,
+                                       const DryRun* dry, std::ostream* log = nullptr);
 
 struct OptimizerConfig {
   OptimizerKind kind = OptimizerKind::sgd;

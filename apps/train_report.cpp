@@ -43,6 +43,10 @@ void write_summary(const TrainOptions& opt, const TrainResult& result) {
                       {"peak_bytes", result.peak_bytes},
                       {"predicted_peak_bytes", result.predicted_peak_bytes},
                       {"memory_limit_bytes", result.memory_limit_bytes},
+                      {"placement", result.placement},
+                      {"host_memory_limit_bytes", result.host_memory_limit_bytes},
+                      {"host_peak_bytes", result.host_peak_bytes},
+                      {"host_predicted_peak_bytes", result.host_predicted_peak_bytes},
                       {"micro_batch", result.micro_batch},
                       {"micro_batches_per_step", result.micro_batches_per_step},
                       {"oom_retries", result.oom_retries},
@@ -89,12 +93,23 @@ void TrainingRun::print_header(const Setup& setup) const {
              augments(rank_options_) ? "on" : "off", rank_options_.shuffle ? "on" : "off", rank_options_.normalize ? "on" : "off");
   fmt::print(log_, "memory limit {}{}: {} allocated before planning\n", format_bytes(arena_->capacity()),
              rank_options_.memory_limit == "auto" ? " (auto)" : "", persistent_summary(*arena_));
+  if (host_arena_)
+    fmt::print(log_, "host memory limit {}{} ({}): the host tier, for the state a placement puts there\n",
+               format_bytes(host_arena_->capacity()), rank_options_.host_memory_limit == "auto" ? " (auto)" : "",
+               host_arena_->is_pinned() ? "pinned" : "pageable");
 }
 
 void TrainingRun::print_plan(const mbp::Plan& plan) const {
   fmt::print(log_, "plan: {}\n", plan.summary());
   fmt::print(log_, "      recompute: {}\n", executor_->recompute_choice().summary(plan));
   fmt::print(log_, "      live at the peak: {}\n", plan.at_peak.str());
+  if (host_arena_) {
+    const mbp::PlacementChoice& placed = executor_->placement_choice();
+    fmt::print(log_, "      placement {}: {}\n", mbp::placement_name(placed.placement), placed.why);
+    if (placed.placement != mbp::Placement::device)
+      fmt::print(log_, "      host tier: predicted peak {} of {}; live at its peak: {}\n",
+                 format_bytes(plan.host_predicted_peak), format_bytes(plan.host_budget), plan.host_at_peak.str());
+  }
   fmt::print(log_, "      {} ({} dry runs, {:.0f} ms)\n",
              rank_options_.micro_batch ? fmt::format("--micro-batch {} checked", *rank_options_.micro_batch)
                               : std::string("largest micro-batch that fits, found"),
@@ -220,6 +235,11 @@ void TrainingRun::finish() {
              format_bytes(static_cast<std::size_t>(result_.predicted_peak_bytes)), result_.predicted_peak_bytes,
              meter.mismatches == 0 ? " — exact" : fmt::format(" — {} steps differed", meter.mismatches),
              format_bytes(arena_->capacity()), result_.oom_retries);
+  if (host_arena_ && result_.placement != "device")
+    fmt::print(log_, "host tier: measured step peak {} ({} bytes), predicted {} ({} bytes){}, limit {}\n",
+               format_bytes(static_cast<std::size_t>(result_.host_peak_bytes)), result_.host_peak_bytes,
+               format_bytes(static_cast<std::size_t>(result_.host_predicted_peak_bytes)), result_.host_predicted_peak_bytes,
+               meter.mismatches == 0 ? " — exact" : "", format_bytes(host_arena_->capacity()));
   if (profiler_.on()) {
     const std::string report = profiler_.report(fmt::format(
         "over steps 2..{} ({:.1f} ms of wall time per step, data included)", step,

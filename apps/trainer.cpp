@@ -134,8 +134,8 @@ std::shared_ptr<Arena> make_arena(const TrainOptions& opt, Device dev, std::ostr
 }
 
 // The traced step's memory timeline: memory_trace.json (Perfetto) and memory.svg.
-void write_timeline(const TrainOptions& opt, Arena& arena, Device dev, std::int64_t step, const mbp::StepResult& r,
-                    std::int64_t batch) {
+void write_timeline(const TrainOptions& opt, Arena& arena, Arena* host, Device dev, std::int64_t step,
+                    const mbp::StepResult& r, std::int64_t batch) {
   const std::filesystem::path dir(opt.out);
   write_text(dir / "memory_trace.json", arena.trace_json());
   report::TimelineOptions to;
@@ -143,8 +143,18 @@ void write_timeline(const TrainOptions& opt, Arena& arena, Device dev, std::int6
                          dev.str(), step + 1, batch, r.micro_batches, r.micro_batch);
   to.budget = arena.capacity();
   to.predicted_peak = r.predicted_peak;
-  write_text(dir / "memory.svg", report::memory_svg(arena, to));
+  if (host && r.host_peak > 0) {  // the host tier held part of the step: both tiers, one above the other
+    report::TimelineOptions ho;
+    ho.title = fmt::format("host tier ({}): the same step", host->is_pinned() ? "pinned" : "pageable");
+    ho.budget = host->capacity();
+    ho.predicted_peak = r.host_predicted_peak;
+    ho.height = 300;
+    write_text(dir / "memory.svg", report::memory_svg(arena, to, *host, ho));
+  } else {
+    write_text(dir / "memory.svg", report::memory_svg(arena, to));
+  }
   arena.clear_trace();
+  if (host) host->clear_trace();
 }
 
 }  // namespace
@@ -234,7 +244,7 @@ Setup model_setup(const TrainOptions& opt, const data::Dataset& train_set, const
 
 mbp::ExecutorOptions executor_options(const TrainOptions& opt, const data::Dataset& train_set, const Setup& setup,
                                       Device device, std::shared_ptr<distributed::Communicator> comm,
-                                      std::ostream& log) {
+                                      std::shared_ptr<Arena> host_arena, std::ostream& log) {
   mbp::ExecutorOptions eo = app::executor_options(opt, {train_set.channels, train_set.height, train_set.width}, device,
                                                   setup.stage.has_value());
   eo.loss.label_smoothing = opt.label_smoothing;
@@ -242,6 +252,7 @@ mbp::ExecutorOptions executor_options(const TrainOptions& opt, const data::Datas
   eo.log = [&log](const std::string& line) { fmt::print(log, "\n{}\n", line); };
   eo.communicator = std::move(comm);
   eo.pipeline = setup.stage;
+  eo.host_arena = std::move(host_arena);
   return eo;
 }
 
@@ -280,12 +291,14 @@ TrainingRun::TrainingRun(const TrainOptions& options, std::ostream& all_log, std
       per_epoch_(checked_per_epoch(loader_, rank_options_, split_.train)),
       steps_(run_steps(rank_options_, per_epoch_)),
       arena_(make_arena(rank_options_, rank_.dev, log_)),
+      host_arena_(make_host_arena(rank_options_.host_memory_limit, rank_.dev, arena_->capacity(), nullptr, &log_)),
       in_budget_(arena_),
       setup_(model_setup(rank_options_, split_.train, arena_, options.memory_limit)),
       comm_(distributed::for_device(rank_.world, rank_.dev)),
       schedule_(schedule_options(rank_options_, steps_)),
       executor_(make_executor(*setup_.model, *setup_.optimizer, arena_,
-                              executor_options(rank_options_, split_.train, setup_, rank_.dev, comm_, log_))),
+                              executor_options(rank_options_, split_.train, setup_, rank_.dev, comm_, host_arena_,
+                                               log_))),
       // A pipeline's stages all see the whole batch (the first its images, the last its labels).
       share_(setup_.stage ? distributed::shard(rank_options_.batch_size, 1, 0)
                           : distributed::shard(rank_options_.batch_size, rank_.ranks, rank_.rank)),
@@ -323,6 +336,8 @@ TrainResult TrainingRun::run() {
   result_.precision = name_of(rank_options_.precision);
   result_.memory_format = memory_format_name(executor_->memory_format());
   result_.memory_limit_bytes = static_cast<std::int64_t>(arena_->capacity());
+  result_.placement = mbp::placement_name(executor_->placement_choice().placement);
+  if (host_arena_) result_.host_memory_limit_bytes = static_cast<std::int64_t>(host_arena_->capacity());
   const std::int64_t epochs = (steps_.total + per_epoch_ - 1) / per_epoch_;
   if (epoch_end_pending_) end_epoch((meter_.steps - 1) / per_epoch_, epochs);
   for (std::int64_t epoch = meter_.steps / per_epoch_; epoch < epochs && meter_.steps < steps_.total && !stopped_; ++epoch)
@@ -355,18 +370,23 @@ void TrainingRun::train_epoch(std::int64_t epoch, std::int64_t epochs) {
     if (!b) break;
     setup_.optimizer->set_lr(schedule_.lr_at(step));
     const bool trace = step == traced_step && !rank_options_.out.empty();
-    if (trace) arena_->set_tracing(true);
+    if (trace) {
+      arena_->set_tracing(true);
+      if (host_arena_) host_arena_->set_tracing(true);
+    }
     if (inject_oom_ && inject_oom_->first == step) arena_->fail_allocation_after(inject_oom_->second);
     if (kill_.at("in-step", step + 1)) arena_->at_allocation(kill_.allocation, kill_self);
     const mbp::StepResult r = executor_->step(b->images.data() + share_.offset * sample_numel,
                                              b->labels.data() + share_.offset, share_.size);
     arena_->fail_allocation_after(0);
+    result_.placement = mbp::placement_name(executor_->placement_choice().placement);
     last_loss_ = r.loss;
     if (!std::isfinite(last_loss_)) throw diverged(step);
     const auto t1 = clock::now();
     if (trace) {
       arena_->set_tracing(false);
-      write_timeline(rank_options_, *arena_, rank_.dev, step, r, b->size);
+      if (host_arena_) host_arena_->set_tracing(false);
+      write_timeline(rank_options_, *arena_, host_arena_.get(), rank_.dev, step, r, b->size);
     }
     if (setup_.stage && step == traced_step && !run_options_.out.empty()) write_schedule(step, r);
     const double ips = meter_.add(r, b->size, std::chrono::duration<double>(t1 - t0).count(), result_);

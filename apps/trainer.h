@@ -69,6 +69,10 @@ struct TrainResult {
   std::int64_t peak_bytes = 0;            // highest measured peak of a training step
   std::int64_t predicted_peak_bytes = 0;  // the planner's prediction for those steps
   std::int64_t memory_limit_bytes = 0, micro_batch = 0, micro_batches_per_step = 0;
+  // The host tier (docs/host-tier.md; 0 and "device" without one): its capacity, its highest
+  // measured step peak and the plan's prediction for it, and the placement the steps ran with.
+  std::int64_t host_memory_limit_bytes = 0, host_peak_bytes = 0, host_predicted_peak_bytes = 0;
+  std::string placement = "device";
   std::int64_t steps = 0, oom_retries = 0;
   std::string device;
   // Data parallelism: host seconds per step in collectives (steps after the first; rank 0's); a

@@ -76,10 +76,13 @@ struct StepMeter {
     ++steps, ++measured;
     result.peak_bytes = std::max(result.peak_bytes, static_cast<std::int64_t>(r.peak));
     result.predicted_peak_bytes = std::max(result.predicted_peak_bytes, static_cast<std::int64_t>(r.predicted_peak));
+    result.host_peak_bytes = std::max(result.host_peak_bytes, static_cast<std::int64_t>(r.host_peak));
+    result.host_predicted_peak_bytes =
+        std::max(result.host_predicted_peak_bytes, static_cast<std::int64_t>(r.host_predicted_peak));
     result.micro_batch = r.micro_batch;
     result.micro_batches_per_step = r.micro_batches;
     result.oom_retries += r.oom_retries;
-    if (r.peak != r.predicted_peak && r.oom_retries == 0) ++mismatches;
+    if ((r.peak != r.predicted_peak || r.host_peak != r.host_predicted_peak) && r.oom_retries == 0) ++mismatches;
     return steady_seconds > 0 ? static_cast<double>(steady_images) / steady_seconds
                               : static_cast<double>(images) / seconds;
   }
@@ -169,6 +172,7 @@ class TrainingRun {
   std::int64_t per_epoch_;
   RunSteps steps_;
   std::shared_ptr<Arena> arena_;
+  std::shared_ptr<Arena> host_arena_;  // the host tier (--host-memory-limit), or null
   ArenaScope in_budget_;  // every tensor of the run (evaluation too) comes from the budget
   Setup setup_;
   std::shared_ptr<distributed::Communicator> comm_;
