@@ -25,6 +25,10 @@
 #        resnet50  `tally plan --device cuda` for ResNet-50 224x224 batch 4096 in 8 GiB and
 #                  a step of it, float32 and bf16; a step with --recompute all; 3 steps of
 #                  3x1024x1024 batch 2 in 1 GiB (auto recomputation), exact peaks        (~1.5 min)
+#        host      the host tier (docs/host-tier.md): ResNet-50 224x224 AdamW batch 64 in a
+#                  400 MiB device budget, 3 steps with the optimizer on the pinned host tier and
+#                  with the gradients there too (their --save files must be identical), and
+#                  the plan's automatic choice for batch 4096 in 600 MiB                 (~1 min)
 #        compare   bench/compare_pytorch.py, ResNet-50 batch 256: float32, TF32 and bf16 (PyTorch:
 #                  autocast + channels_last + cudnn.benchmark), tally through the legacy and the
 #                  graph convolution API against one PyTorch run each                   (~2 min)
@@ -61,7 +65,7 @@ bundle=.gpu-bundle
 debs=.gpu-debs
 tests=(gpu_test gpu_kernels_test gpu_ops_test gpu_bf16_test)
 # The GPU check's order, most important first: a run cut at its deadline has done these.
-all_steps=(env tests train resnet50 compare profile sanitize)
+all_steps=(env tests train resnet50 host compare profile sanitize)
 programs=("${tests[@]/#/tests/}" apps/tally bench/bench_kernels bench/bench_train)
 # The GPU machine takes 64 MiB of working tree in all: the tracked files travel with the bundle.
 # The bundle and the tracked tree together stay under 60 MiB, a margin for untracked notes.
@@ -425,6 +429,31 @@ step_resnet50() {
   done
 }
 
+# The host tier on the GPU: both host placements at micro-batches of 2 (identical --save files: the
+# same CPU update from the same sums), and the plan's choice for a batch of 4096.
+step_host() {
+  local log=$logs/host.log run=/tmp/tally-gpu-host p
+  : >"$log"
+  for p in optimizer gradients; do
+    rm -rf "$run-$p" "$run-$p.safetensors"
+    run_logged "tally train resnet50 host $p" "$log" 90 "$bundle/run" "$bundle/bin/tally" train --model resnet50 \
+      --data synthetic:3x224x224 --batch-size 64 --micro-batch 2 --optimizer adamw --lr 0.001 --steps 3 \
+      --memory-limit 400MiB --host-memory-limit 2GiB --placement "$p" --no-augment --no-eval --no-progress \
+      --device cuda --out "$run-$p" --save "$run-$p.safetensors"
+    [[ -f $run-$p/summary.json ]] && cp "$run-$p/summary.json" "$logs/host-$p-summary.json"
+    result "train resnet50 host $p B=64 in 400MiB" "$(grep -E '^(memory|host tier):' "$log" | tail -2 | tr '\n' ' ' | cut -c1-120)"
+  done
+  if cmp -s "$run-optimizer.safetensors" "$run-gradients.safetensors"; then
+    result "host placements: --save files" "identical"
+  else
+    result "host placements: --save files" "DIFFER"
+  fi
+  run_logged "tally plan resnet50 host auto" "$log" 60 "$bundle/run" "$bundle/bin/tally" plan --model resnet50 \
+    --input 3x224x224 --batch-size 4096 --optimizer adamw --recompute none --memory-limit 600MiB \
+    --host-memory-limit 2GiB --device cuda --no-layers
+  result "tally plan cuda resnet50 host auto" "$(grep -E 'placement' "$log" | tail -1 | cut -c1-110)"
+}
+
 # The three-precision table (bench/RESULTS.md): ResNet-50 batch 256, tally through each cuDNN
 # convolution API against one PyTorch run — float32 (TF32 off on both sides), TF32 (on for both),
 # bf16 (tally --precision bf16 against PyTorch autocast + channels_last + cudnn.benchmark).
@@ -529,8 +558,8 @@ run() {
   local s
   for s in "$@"; do
     case $s in
-      env | tests | sanitize | train | resnet50 | compare | profile | bench | repeat) ;;
-      *) echo "gpu-check: unknown step '$s': expected env, tests, train, resnet50, compare, profile, sanitize, bench or repeat" >&2; exit 2 ;;
+      env | tests | sanitize | train | resnet50 | host | compare | profile | bench | repeat) ;;
+      *) echo "gpu-check: unknown step '$s': expected env, tests, train, resnet50, host, compare, profile, sanitize, bench or repeat" >&2; exit 2 ;;
     esac
   done
   local t0

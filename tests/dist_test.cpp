@@ -271,6 +271,56 @@ TEST_F(Dist, PeaksAreExactWithTheCollectiveBuffersAndBucketSizeChangesNoBit) {
   EXPECT_TRUE(bitwise_equal(results[0], results[1]));
 }
 
+// Each rank with its own host tier (docs/host-tier.md): AdamW's state and update in host memory
+// give the parameters of the all-device run, bit for bit, after the gradients' all-reduce; both
+// arenas' peaks exact on every rank.
+TEST_F(Dist, TheOptimizerOnEachRanksHostTierChangesNoBit) {
+  REQUIRE_TWO_RANKS();
+  auto comm = world();
+  const Shape sample{3, 16, 16};
+  const std::int64_t B = 24;
+  const distributed::Shard s = distributed::shard(B, comm->size(), comm->rank());
+  std::vector<std::vector<std::vector<double>>> results;
+  for (const bool on_host : {false, true}) {
+    const auto budget = std::make_shared<Arena>(Device::cpu(), parse_size("32MiB"));
+    std::shared_ptr<nn::Module> m;
+    std::unique_ptr<optim::AdamW> opt;
+    {
+      ArenaScope in_budget(budget);
+      m = model("resnet20", "batch", 6);
+      opt = std::make_unique<optim::AdamW>(m->parameters(), optim::AdamWOptions{.lr = 1e-3});
+    }
+    mbp::ExecutorOptions eo = options(sample, 5, comm);
+    if (on_host) {
+      eo.host_arena = Arena::make_host(parse_size("16MiB"));
+      eo.placement = mbp::Placement::optimizer;
+    }
+    mbp::Executor ex(*m, *opt, budget, eo);
+    for (int step = 0; step < 2; ++step) {
+      const Data d = make_data(B, sample, 500 + static_cast<std::uint32_t>(step));
+      const mbp::StepResult r =
+          ex.step(d.images.data() + s.offset * shape_numel(sample), d.labels.data() + s.offset, s.size);
+      EXPECT_EQ(r.peak, r.predicted_peak) << "step " << step;
+      EXPECT_EQ(r.host_peak, r.host_predicted_peak) << "step " << step;
+      if (on_host) {
+        EXPECT_GT(r.host_peak, opt->state_bytes());
+      }
+    }
+    EXPECT_TRUE(distributed::parameters_identical(*m, *comm));
+    results.push_back(values<float>(*m));
+    if (on_host) {  // the gradients' all-reduce sums device buffers: not with the gradients on the host
+      eo.placement = mbp::Placement::gradients;
+      try {
+        mbp::Executor refused(*m, *opt, budget, eo);
+        ADD_FAILURE() << "placement gradients was accepted with data parallelism";
+      } catch (const Error& e) {
+        EXPECT_NE(std::string(e.what()).find("not available with data parallelism"), std::string::npos) << e.what();
+      }
+    }
+  }
+  EXPECT_TRUE(bitwise_equal(results[0], results[1])) << "the host tier changed the parameters";
+}
+
 TEST_F(Dist, BroadcastParametersGivesEveryRankRank0sWeights) {
   REQUIRE_TWO_RANKS();
   auto comm = world();

@@ -681,6 +681,11 @@ std::vector<float> resnet20_gpu_steps(const Tensor& x, const std::vector<i64>& l
   for (int step = 0; step < 2; ++step) {
     const mbp::StepResult r = ex.step(x.data<float>(), labels.data(), batch);
     EXPECT_EQ(r.peak, r.predicted_peak) << what << " step " << step;
+    if (eo.host_arena) {  // the host tier's peak, exact too, and its state really there
+      EXPECT_EQ(r.host_peak, r.host_predicted_peak) << what << " step " << step;
+      EXPECT_GT(r.host_peak, opt->state_bytes()) << what << " step " << step;
+      EXPECT_TRUE(eo.host_arena->is_pinned()) << what << ": the host tier is not pinned on a GPU machine";
+    }
     EXPECT_TRUE(std::isfinite(r.loss)) << what << " step " << step;
   }
   std::vector<float> all;
@@ -720,6 +725,32 @@ TEST(GpuDist, NcclStepOfOneRankEqualsThePlainStepBitForBit) {
                                        [&](mbp::ExecutorOptions& eo) { buckets(eo, true); }, "nccl");
   ASSERT_EQ(plain.size(), nccl.size());
   EXPECT_TRUE(plain == nccl) << "the NCCL step changed bits";
+}
+
+// The host tier on the GPU (docs/host-tier.md): with the optimizer on the host, and with the
+// gradients accumulated there too, two micro-batched steps give the same parameters bit for bit —
+// both update on the CPU from the same sums (the transient device buffers are loaded with the
+// accumulators and the GPU's kernels accumulate into them as into persistent buffers). Against the
+// all-GPU run, whose SGD update is the CUDA kernel (contracted to FMA by nvcc), they agree to 1e-5.
+// Both arenas' peaks exact (resnet20_gpu_steps checks them).
+TEST(GpuOps, HostPlacementsMatchEachOtherBitForBitAndTheDeviceToRounding) {
+  REQUIRE_GPU();
+  std::mt19937 rng(fresh_seed());
+  const Tensor x = host_tensor({24, 3, 32, 32}, rng);
+  std::vector<i64> labels(24);
+  for (auto& l : labels) l = static_cast<i64>(rng() % 10);
+  const auto on = [](mbp::Placement p) {
+    return [p](mbp::ExecutorOptions& eo) {
+      eo.host_arena = Arena::make_host(std::size_t(64) << 20);
+      eo.placement = p;
+    };
+  };
+  const auto device = resnet20_gpu_steps(x, labels, 14, [](nn::Module&) {}, [](mbp::ExecutorOptions&) {}, "device");
+  const auto optimizer = resnet20_gpu_steps(x, labels, 14, [](nn::Module&) {}, on(mbp::Placement::optimizer), "optimizer");
+  const auto gradients = resnet20_gpu_steps(x, labels, 14, [](nn::Module&) {}, on(mbp::Placement::gradients), "gradients");
+  ASSERT_EQ(optimizer.size(), gradients.size());
+  EXPECT_TRUE(optimizer == gradients) << "the gradients on the host changed bits";
+  EXPECT_LT(max_rel_err(optimizer, device), 1e-5);
 }
 
 // Recomputation on the GPU: ResNet-20 with every block recomputed, two micro-batched steps, equals

@@ -15,6 +15,10 @@
 #   bad_checkpoints  truncated, damaged, missing and foreign files, wrong options, ranks, threads:
 #                    each a clear error and a non-zero exit, and the checkpoint left as it was
 #   sweep            `tally sweep` killed in its first run, resumed
+#   host_tier        AdamW's state and the gradients in the host tier (--placement gradients)
+#                    killed and resumed without a host tier; killed without one and resumed with
+#                    the optimizer on the host (--placement optimizer): a checkpoint does not
+#                    depend on where the state lived (the memory columns differ, the values do not)
 #   mpi              two ranks (MPIEXEC): killed and resumed; SIGUSR1 stops both at one step;
 #                    resuming on another number of ranks is an error
 #   cuda             the kill points on the GPU (exit 77, skipped, when no GPU is present)
@@ -86,6 +90,21 @@ kill_and_resume() {
   same "$out" "$work/$ref" "$name (SIGKILL $point)"
 }
 
+# shortened_args: base=ARGS at half the batch (still two micro-batches) and 8 steps (the
+# checkpoint of step 5 before the kill after step 7; the epoch boundary is kill_points' to cross).
+shortened_args() {
+  base=()
+  local i
+  for ((i = 0; i < ${#ARGS[@]}; ++i)); do
+    case ${ARGS[i]} in
+      --batch-size) base+=(--batch-size 500); ((++i)) ;;
+      --micro-batch) base+=(--micro-batch 250); ((++i)) ;;
+      --steps) base+=(--steps 8); ((++i)) ;;
+      *) base+=("${ARGS[i]}") ;;
+    esac
+  done
+}
+
 case $case_name in
   kill_points | cuda)
     reference
@@ -114,15 +133,7 @@ case $case_name in
     # took 85 s beside the suite's -O0 build, and 75 s at half the batch. Half the batch — still two
     # micro-batches, the kill inside the first — and 8 steps, the kill after the checkpoint of step
     # 5: the epoch boundary is kill_points' to cross.)
-    base=()
-    for ((i = 0; i < ${#ARGS[@]}; ++i)); do
-      case ${ARGS[i]} in
-        --batch-size) base+=(--batch-size 500); ((++i)) ;;
-        --micro-batch) base+=(--micro-batch 250); ((++i)) ;;
-        --steps) base+=(--steps 8); ((++i)) ;;
-        *) base+=("${ARGS[i]}") ;;
-      esac
-    done
+    shortened_args
     if [[ $case_name != kinds_adamw ]]; then
       ARGS=("${base[@]}" --precision bf16)
       reference
@@ -133,6 +144,36 @@ case $case_name in
       reference ref_adamw
       kill_and_resume adamw_group_norm_recompute after-step:7
     fi
+    ;;
+  host_tier)
+    shortened_args
+    host=(--host-memory-limit 64MiB --placement optimizer)
+    ARGS=("${base[@]}" --optimizer adamw --lr 0.002)
+    reference ref_host
+    # same_values RUN WHAT: the values of the uninterrupted all-device run (the --save file, the
+    # final checkpoint's tensors, the losses and learning rates of metrics.csv).
+    same_values() {
+      local run=$1 what=$2 ref="$work/ref_host"
+      cmp -s "$run.safetensors" "$ref.safetensors" || fail "$what: --save file differs from the all-device run's"
+      cmp -s "$run/checkpoint-8/state.safetensors" "$ref/checkpoint-8/state.safetensors" \
+        || fail "$what: the final checkpoint's tensors differ"
+      diff <(cut -d, -f1-4 "$run/metrics.csv") <(cut -d, -f1-4 "$ref/metrics.csv") >/dev/null \
+        || fail "$what: the losses of metrics.csv differ"
+      echo "ok: $what: the all-device run's values"
+    }
+    out="$work/from_host"
+    ARGS=("${base[@]}" --optimizer adamw --lr 0.002 --host-memory-limit 64MiB --placement gradients)
+    run "$out" TALLY_TEST_SIGKILL=after-step:7
+    grep -q "placement gradients: as given" "$out.log" || fail "from_host: the killed run did not place the gradients"
+    resume "$out" --host-memory-limit none --placement device || { fail "from_host: resume failed"; tail -5 "$out.log"; }
+    same_values "$out" "host tier killed after step 7, resumed without one"
+    out="$work/to_host"
+    ARGS=("${base[@]}" --optimizer adamw --lr 0.002)
+    run "$out" TALLY_TEST_SIGKILL=after-step:7
+    resume "$out" "${host[@]}" || { fail "to_host: resume failed"; tail -5 "$out.log"; }
+    [[ $(grep -c "placement optimizer: as given" "$out.log") -ge 1 ]] || fail "to_host: the resumed run did not place the optimizer"
+    grep -q "host tier: measured step peak .* — exact\|host tier: measured step peak" "$out.log" || fail "to_host: no host tier line"
+    same_values "$out" "killed without a host tier after step 7, resumed with the optimizer on the host"
     ;;
   signals)
     reference
