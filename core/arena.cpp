@@ -29,6 +29,23 @@ const char* category_name(Category c) {
   return "?";
 }
 
+const char* phase_name(Phase p) {
+  switch (p) {
+    case Phase::other: return "other";
+    case Phase::forward: return "forward";
+    case Phase::backward: return "backward";
+    case Phase::recompute: return "recompute";
+  }
+  return "?";
+}
+
+namespace {
+thread_local AllocationSite tl_site;
+}  // namespace
+const AllocationSite& allocation_site() { return tl_site; }
+AllocationSiteScope::AllocationSiteScope(AllocationSite site) : previous_(tl_site) { tl_site = site; }
+AllocationSiteScope::~AllocationSiteScope() { tl_site = previous_; }
+
 Arena::Arena(Device device, std::size_t capacity) : Arena(device, capacity, Reserve::ordinary) {}
 
 Arena::Arena(Device device, std::size_t capacity, Reserve reserve)
@@ -59,7 +76,7 @@ Arena::Arena(Device device, std::size_t capacity, Reserve reserve)
       base_ = cuda_reserve(device.index, capacity_);
     }
   }
-  blocks_.emplace(0, Node{capacity_, false, 0, Category::temporary, {}});
+  blocks_.emplace(0, Node{capacity_, false, 0, Category::temporary, {}, {}, Phase::other});
   free_set_.emplace(capacity_, 0);
 }
 
@@ -101,7 +118,7 @@ std::shared_ptr<Arena> Arena::virtual_clone(std::size_t capacity) const {
     last->second.size += extra;
     v->free_set_.emplace(last->second.size, last->first);
   } else {
-    v->blocks_.emplace(capacity_, Node{extra, false, 0, Category::temporary, {}});
+    v->blocks_.emplace(capacity_, Node{extra, false, 0, Category::temporary, {}, {}, Phase::other});
     v->free_set_.emplace(extra, capacity_);
   }
   return v;
@@ -153,10 +170,15 @@ Block Arena::allocate(std::size_t bytes, Category category, const std::string& o
   free_set_.erase(it);
   Node& n = blocks_.at(offset);
   if (size > rounded) {  // split: the tail stays free
-    blocks_.emplace(offset + rounded, Node{size - rounded, false, 0, Category::temporary, {}});
+    blocks_.emplace(offset + rounded, Node{size - rounded, false, 0, Category::temporary, {}, {}, Phase::other});
     free_set_.emplace(size - rounded, offset + rounded);
   }
-  n = Node{rounded, true, bytes, category, op};
+  n = Node{rounded, true, bytes, category, op, {}, Phase::other};
+  if (tracing_) {
+    const AllocationSite& site = allocation_site();
+    if (site.module) n.module = *site.module;
+    n.phase = site.phase;
+  }
   high_water_ = std::max(high_water_, offset + rounded);
   const auto r = static_cast<std::int64_t>(rounded);
   for (MemoryStat* s : {&cat_[static_cast<int>(category)], &total_}) {
@@ -252,7 +274,7 @@ void Arena::throw_oom(std::size_t requested, std::size_t rounded, Category categ
 void Arena::record(bool is_alloc, std::size_t offset, const Node& n) {
   const double t = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0_).count();
   trace_.push_back(TraceEvent{t, is_alloc, offset, n.requested, n.size, n.category, n.op,
-                              total_.current});
+                              total_.current, n.module, n.phase});
 }
 
 std::string Arena::trace_json() const {
@@ -269,6 +291,7 @@ std::string Arena::trace_json() const {
                       {"name", fmt::format("{} {}", e.is_alloc ? "alloc" : "free", e.op)},
                       {"args", {{"offset", e.offset}, {"requested", e.requested}, {"size", e.rounded},
                                 {"category", category_name(e.category)}, {"op", e.op},
+                                {"module", e.module}, {"phase", phase_name(e.phase)},
                                 {"total_after", e.total_after}}}});
     json counters = json::object();
     for (int c = 0; c < kNumCategories; ++c) counters[category_name(static_cast<Category>(c))] = live[c];

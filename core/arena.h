@@ -73,6 +73,31 @@ struct ArenaStats {
   const MemoryStat& operator[](Category c) const { return by_category[static_cast<int>(c)]; }
 };
 
+// Where in a training step an allocation is made, for the arena's trace: the forward of a module,
+// the backward of a node that a module's forward recorded, a forward re-run in backward
+// (recomputation), or elsewhere (inputs, the loss, the optimizer step).
+enum class Phase : std::uint8_t { other, forward, backward, recompute };
+const char* phase_name(Phase p);  // "other", "forward", "backward", "recompute"
+
+// Who allocates on this thread now: the dotted path of the module whose forward runs (or whose
+// forward recorded the node whose backward runs; "" for the model itself), and the phase. Set by
+// nn::Module's calls and autograd's engine through an AllocationSiteScope; read by a tracing arena.
+struct AllocationSite {
+  const std::string* module = nullptr;  // owned by the module (lives as long as it); null: none
+  Phase phase = Phase::other;
+};
+const AllocationSite& allocation_site();
+class AllocationSiteScope {
+ public:
+  explicit AllocationSiteScope(AllocationSite site);
+  ~AllocationSiteScope();
+  AllocationSiteScope(const AllocationSiteScope&) = delete;
+  AllocationSiteScope& operator=(const AllocationSiteScope&) = delete;
+
+ private:
+  AllocationSite previous_;
+};
+
 struct TraceEvent {
   double time_us;        // since the arena was created
   bool is_alloc;         // allocation or free
@@ -82,6 +107,10 @@ struct TraceEvent {
   Category category;
   std::string op;         // who asked
   std::int64_t total_after;  // total live bytes after the event
+  // Where the allocation was made (a free carries its allocation's): the module path ("" when
+  // none, "layer2.0.conv1") and the phase (allocation_site()).
+  std::string module;
+  Phase phase = Phase::other;
 };
 
 class OutOfMemory : public Error {
@@ -203,6 +232,8 @@ class Arena {
     std::size_t requested;
     Category category;
     std::string op;
+    std::string module;  // the allocation site, kept while tracing (TraceEvent)
+    Phase phase = Phase::other;
   };
   enum class Reserve { none, ordinary, pinned };
   Arena(Device device, std::size_t capacity, Reserve reserve);

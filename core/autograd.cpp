@@ -21,7 +21,7 @@ bool tensor_requires_grad(const Tensor& t) {
 }
 }  // namespace
 
-Node::Node() : sequence(tl_sequence++) {}
+Node::Node() : sequence(tl_sequence++), module(allocation_site().module) {}
 
 bool grad_enabled() { return tl_grad_enabled; }
 NoGradGuard::NoGradGuard() : previous_(tl_grad_enabled) { tl_grad_enabled = false; }
@@ -189,6 +189,7 @@ void backward_from(std::shared_ptr<Node> root_fn, Tensor seed) {
   while (!ready.empty()) {
     std::shared_ptr<Node> node = ready.top();
     ready.pop();
+    const AllocationSiteScope site({node->module, Phase::backward});  // for the arena's trace
     std::vector<GradSlot> slots = slots_of(*node, grads, needed_hook);
     {
       Tensor grad_out;

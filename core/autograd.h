@@ -61,6 +61,9 @@ struct Node {
 
   std::vector<Edge> next;  // one per input, in the op's input order
   std::uint64_t sequence;
+  // The module whose forward recorded this node (allocation_site() at its creation; core/arena.h):
+  // its backward's allocations are traced under that module, phase backward.
+  const std::string* module = nullptr;
 };
 
 // Grad mode (on by default), per thread.

@@ -74,7 +74,23 @@ Tensor& Module::register_buffer(const std::string& name, Tensor t) {
 void Module::add_child(const std::string& name, std::shared_ptr<Module> module) {
   check_new_name(name, "module");
   if (!module) throw Error(fmt::format("register_module: '{}' is null", name));
+  if (!module->parent_) {  // a module registered twice keeps its first place as its path
+    module->parent_ = this;
+    module->name_ = name;
+  }
   children_.emplace_back(name, std::move(module));
+}
+
+const std::string& Module::path() const {
+  if (!path_) {
+    if (!parent_) {
+      path_ = "";
+    } else {
+      const std::string& up = parent_->path();
+      path_ = up.empty() ? name_ : up + "." + name_;
+    }
+  }
+  return *path_;
 }
 
 void Module::collect(const std::string& prefix, bool buffers,

@@ -24,6 +24,7 @@
 #include <deque>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -93,10 +94,17 @@ class Module {
   Tensor observed(F&& fn) {
     ForwardObserver* o = forward_observer();
     if (o) o->before(*this);
+    // The arena's trace names this module as who allocates (a forward re-run in backward: phase
+    // recompute; core/arena.h, AllocationSite).
+    const AllocationSiteScope site({&path(), in_backward() ? Phase::recompute : Phase::forward});
     Tensor y = fn();
     if (o) o->after(*this, y);
     return y;
   }
+
+  // This module's dotted path from the root it is registered under ("layer2.0.conv1"; "" for
+  // the root), as named_parameters() names its parameters.
+  const std::string& path() const;
 
   // Recomputation (gradient checkpointing) of this module as one segment: its forward keeps only
   // its input; backward re-runs it. Gradients are bit for bit those of a plain run.
@@ -177,6 +185,9 @@ class Module {
   // std::deque: push_back keeps references to earlier elements valid (register_* returns one).
   std::deque<std::pair<std::string, Tensor>> parameters_, buffers_;
   std::vector<std::pair<std::string, std::shared_ptr<Module>>> children_;
+  const Module* parent_ = nullptr;  // the module this one is registered under (the first, if several)
+  std::string name_;                // its name there
+  mutable std::optional<std::string> path_;  // path(), computed on first use
   bool training_ = true;
   bool recompute_ = false;
 };

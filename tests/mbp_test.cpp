@@ -733,6 +733,53 @@ TEST_F(Mbp, TimelineDrawsBandsMarksBudgetAndPeak) {
   EXPECT_EQ(marks, 4);
 }
 
+// Every allocation of a traced step names who made it: the module whose forward ran (its dotted
+// path, as named_parameters() names its weights), the backward of a node that module recorded, or
+// its forward re-run in backward (recomputation); inputs, the loss and the optimizer step are
+// "other". A free carries its allocation's site; the Perfetto trace has both in its args.
+TEST_F(Mbp, TheTraceNamesTheModuleAndPhaseOfEveryAllocation) {
+  configure_arena(Device::cpu(), parse_size("64MiB"));
+  auto m = model("resnet20", "batch");
+  EXPECT_EQ(m->path(), "");
+  auto opt = sgd(*m);
+  EXPECT_EQ(nn::set_recompute_blocks(*m, true), 8);
+  mbp::ExecutorOptions eo;
+  eo.sample_shape = {3, 16, 16};
+  eo.micro_batch = 6;
+  mbp::Executor ex(*m, *opt, eo);
+  const Data d = make_data(12, {3, 16, 16}, 2);
+  ex.arena()->set_tracing(true);
+  ex.step(d.images.data(), d.labels.data(), 12);
+  ex.arena()->set_tracing(false);
+  std::map<std::string, std::map<std::string, int>> by_module;  // module -> phase -> allocations
+  std::map<std::size_t, std::pair<std::string, Phase>> live;   // offset -> the allocation's site
+  for (const TraceEvent& e : ex.arena()->trace()) {
+    if (e.is_alloc) {
+      ++by_module[e.module][phase_name(e.phase)];
+      live[e.offset] = {e.module, e.phase};
+    } else if (const auto it = live.find(e.offset); it != live.end()) {
+      EXPECT_EQ(e.module, it->second.first) << "a free names another site than its allocation";
+      EXPECT_EQ(e.phase, it->second.second);
+      live.erase(it);
+    }
+  }
+  // A recomputed block's convolution: forward, re-run in backward, and its own backward (its
+  // workspaces, the data gradient).
+  for (const char* phase : {"forward", "recompute", "backward"})
+    EXPECT_GT(by_module["layer2.0.conv1"][phase], 0) << phase;
+  // The last block is not recomputed (its backward begins where its forward ended).
+  EXPECT_GT(by_module["layer3.2.conv1"]["forward"], 0);
+  EXPECT_EQ(by_module["layer3.2.conv1"]["recompute"], 0);
+  EXPECT_GT(by_module[""]["other"], 0) << "inputs and the loss belong to no module";
+  EXPECT_EQ(by_module[""]["forward"], 0) << "the model's own ops run inside its modules";
+  const auto j = nlohmann::json::parse(ex.arena()->trace_json());
+  int named = 0;
+  for (const auto& e : j["traceEvents"])
+    if (e.value("cat", "") == "alloc" && e["args"]["module"] == "layer1.1.bn2" && e["args"]["phase"] == "backward")
+      ++named;
+  EXPECT_GT(named, 0);
+}
+
 // ---------------------------------------------------------------------------------------------
 // The done-when run, shortened to one step: batch 1024 in 48 MiB.
 TEST_F(Mbp, TrainBatch1024In48MiBPlansAndMeasuresExactly) {
