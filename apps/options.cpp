@@ -449,6 +449,9 @@ const std::vector<Option> kTable = {
     {.name = "pipeline-schedule", .field = field(&StepOptions::pipeline_schedule), .commands = kTrain | kPlan,
      .help = "1f1b (stage s holds at most S - s micro-batches) | gpipe (all forwards, then all backwards)",
      .absent = "1f1b"},
+    {.name = "report", .field = field(&PlanOptions::report), .commands = kPlan,
+     .help = "write the memory report of the plan's step to this file: one HTML page, every allocation a band, "
+             "the peak explained, the plan and the per-layer table (docs/memory-report.md)"},
     {.name = "layers", .field = field(&PlanOptions::layers), .commands = kPlan, .help = "skip the per-layer table",
      .form = Form::off},
 };

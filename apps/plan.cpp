@@ -16,6 +16,7 @@
 #include "nn/resnet.h"
 #include "mbp/executor.h"
 #include "mbp/report/layer_table.h"
+#include "mbp/report/memory_html.h"
 #include "optim/optimizer.h"
 
 namespace tally::app {
@@ -96,6 +97,47 @@ mbp::Plan plan_stages(const PlanOptions& opt, const nn::ModelConfig& mc, const S
   return last;
 }
 
+// The host tier's lines of the plan: the placement and why, and the tier's predicted peak.
+void print_placement(const mbp::Executor& executor, const mbp::Plan& p, std::ostream& out) {
+  const mbp::PlacementChoice& placed = executor.placement_choice();
+  fmt::print(out, "      placement {}: {}\n", mbp::placement_name(placed.placement), placed.why);
+  if (placed.placement != mbp::Placement::device)
+    fmt::print(out, "      host tier: predicted peak {} ({} bytes) of {}; live at its peak: {}\n",
+               format_bytes(p.host_predicted_peak), p.host_predicted_peak, format_bytes(p.host_budget),
+               p.host_at_peak.str());
+}
+
+// --report: the plan's step, traced in a dry run, as the memory report (mbp/report/memory_html.h).
+void write_report(const PlanOptions& opt, mbp::Executor& executor, const mbp::Plan& p,
+                  const std::vector<report::LayerRow>& rows, const Shape& sample, Device dev, std::size_t limit,
+                  const mbp::ExecutorOptions& eo, std::ostream& out) {
+  bool every = true;
+  const std::shared_ptr<Arena> traced = executor.traced_dry_step(p, &every);
+  report::MemoryPage page;
+  page.title = fmt::format("tally plan: {} (norm {}), input {}, batch {} in {} on {}", opt.model, name_of(opt.norm),
+                           shape_str(sample), opt.batch_size, format_bytes(limit), dev.str());
+  page.source = every ? "A traced dry run of every micro-batch of the planned step (nothing computed)"
+                      : fmt::format("A traced dry run of the planned step shortened to two micro-batches of each "
+                                    "size (its {} micro-batches repeat the same allocations; nothing computed)",
+                                    p.micro_batches);
+  page.budget = limit;
+  page.predicted_peak = p.predicted_peak;
+  page.micro_batches = p.micro_batches;
+  page.plan = {{"plan", p.summary()},
+               {"live at the peak", p.at_peak.str()},
+               {"recompute", executor.recompute_choice().summary(p)},
+               {"precision", name_of(opt.precision)},
+               {"memory format", memory_format_name(eo.memory_format)},
+               {"optimizer", name_of(opt.optimizer)}};
+  if (eo.host_arena)
+    page.plan.emplace_back("placement", fmt::format("{}: {}", mbp::placement_name(executor.placement_choice().placement),
+                                                    executor.placement_choice().why));
+  page.layers = rows;
+  page.layer_batch = p.micro_batch;
+  write_text(opt.report, report::memory_html(*traced, page));
+  fmt::print(out, "wrote the memory report {} ({} allocation and free events)\n", opt.report, traced->trace().size());
+}
+
 }  // namespace
 
 mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
@@ -110,7 +152,13 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   mc.norm = opt.norm;
   mc.in_channels = sample[0];
   mc.num_classes = opt.num_classes.value_or(sample[1] >= 64 ? 1000 : 10);
-  if (opt.pipeline_stages > 1) return plan_stages(opt, mc, sample, dev, out);
+  if (opt.pipeline_stages > 1) {
+    if (!opt.report.empty())
+      throw Error("--report: the memory report is of one process's step; with --pipeline-stages each stage has its "
+                  "own (run tally train, which writes memory.html per stage)");
+    return plan_stages(opt, mc, sample, dev, out);
+  }
+  if (!opt.report.empty()) check_writable_file("--report", opt.report);
   const std::size_t limit = parse_memory_limit(opt.memory_limit, dev);
 
   // Everything lives on a virtual arena of the budget's size: offsets only, no memory, no compute.
@@ -137,20 +185,18 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   const mbp::Plan& p = plan_step(executor, opt.batch_size, opt.micro_batch);
   const mbp::RecomputeChoice& chosen = executor.recompute_choice();
   const std::string recompute = chosen.summary(p);
+  std::vector<report::LayerRow> rows;
+  if (opt.layers || !opt.report.empty())
+    rows = report::layer_table(*setup.model, *arena, sample, p.micro_batch, executor.activation_dtype());
   if (opt.layers) {
     fmt::print(out, "\nper layer, forward in training mode at the planned micro-batch of {}:\n", p.micro_batch);
-    out << report::format_layer_table(report::layer_table(*setup.model, *arena, sample, p.micro_batch, executor.activation_dtype()), p.micro_batch);
+    out << report::format_layer_table(rows, p.micro_batch);
   }
+  // Before any comparison below re-plans at other levels: the trace is of the step as chosen.
+  if (!opt.report.empty()) write_report(opt, executor, p, rows, sample, dev, limit, eo, out);
   fmt::print(out, "\nplan: {}\n", p.summary());
   fmt::print(out, "      live at the peak: {}\n", p.at_peak.str());
-  if (eo.host_arena) {
-    const mbp::PlacementChoice& placed = executor.placement_choice();
-    fmt::print(out, "      placement {}: {}\n", mbp::placement_name(placed.placement), placed.why);
-    if (placed.placement != mbp::Placement::device)
-      fmt::print(out, "      host tier: predicted peak {} ({} bytes) of {}; live at its peak: {}\n",
-                 format_bytes(p.host_predicted_peak), p.host_predicted_peak, format_bytes(p.host_budget),
-                 p.host_at_peak.str());
-  }
+  if (eo.host_arena) print_placement(executor, p, out);
   if (chosen.level > 0) {
     // What recomputation buys: the same micro-batch without it (a too-small error measures it on
     // a clone with room to spare).

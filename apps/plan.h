@@ -25,6 +25,9 @@ struct PlanOptions : StepOptions {
   }
   std::string input = "3x224x224";  // C x H x W of one sample
   bool layers = true;               // print the per-layer table
+  // The memory report (mbp/report/memory_html.h): the plan's traced dry run as one HTML page,
+  // written here when set.
+  std::string report;
 };
 
 // Prints the table and the plan to `out`; returns the plan. Bad options and budgets that cannot

@@ -254,7 +254,7 @@ void TrainingRun::finish() {
   }
   if (!rank_options_.out.empty()) {
     write_summary(rank_options_, result_);
-    fmt::print(log_, "wrote {0}/metrics.csv, {0}/summary.json, {0}/memory_trace.json{1} and {0}/memory.svg\n", rank_options_.out,
+    fmt::print(log_, "wrote {0}/metrics.csv, {0}/summary.json, {0}/memory_trace.json{1}, {0}/memory.svg and {0}/memory.html\n", rank_options_.out,
                setup_.stage && steps_.total > 1 ? fmt::format(", {}/pipeline.svg", rank_options_.out) : std::string());
   }
 }

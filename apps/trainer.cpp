@@ -37,6 +37,7 @@
 #include "mbp/executor.h"
 #include "mbp/pipeline_executor.h"
 #include "mbp/report/schedule.h"
+#include "mbp/report/memory_html.h"
 #include "mbp/report/timeline.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
@@ -135,8 +136,24 @@ std::shared_ptr<Arena> make_arena(const TrainOptions& opt, Device dev, std::ostr
 
 // The traced step's memory timeline: memory_trace.json (Perfetto) and memory.svg.
 void write_timeline(const TrainOptions& opt, Arena& arena, Arena* host, Device dev, std::int64_t step,
-                    const mbp::StepResult& r, std::int64_t batch) {
+                    const mbp::StepResult& r, std::int64_t batch, const mbp::Executor& executor) {
   const std::filesystem::path dir(opt.out);
+  // memory.html: the same trace, every allocation a band (mbp/report/memory_html.h).
+  report::MemoryPage page;
+  page.title = fmt::format("{} (norm {}) on {}: step {}, batch {} as {} micro-batches of <= {}", opt.model,
+                           name_of(opt.norm), dev.str(), step + 1, batch, r.micro_batches, r.micro_batch);
+  page.source = fmt::format("The measured step {} of the run (its allocations as they happened)", step + 1);
+  page.budget = arena.capacity();
+  page.predicted_peak = r.predicted_peak;
+  page.micro_batches = r.micro_batches;
+  page.plan = {{"micro-batches", fmt::format("{} of at most {} samples", r.micro_batches, r.micro_batch)},
+               {"measured peak", fmt::format("{} bytes (predicted {})", r.peak, r.predicted_peak)},
+               {"recompute", executor.recompute_choice().name},
+               {"precision", mbp::precision_name(executor.options().precision)},
+               {"memory format", memory_format_name(executor.memory_format())},
+               {"placement", fmt::format("{}: {}", mbp::placement_name(executor.placement_choice().placement),
+                                         executor.placement_choice().why)}};
+  write_text(dir / "memory.html", report::memory_html(arena, page));
   write_text(dir / "memory_trace.json", arena.trace_json());
   report::TimelineOptions to;
   to.title = fmt::format("{} (norm {}) on {}: step {}, batch {} as {} micro-batches of <= {}", opt.model, name_of(opt.norm),
@@ -386,7 +403,7 @@ void TrainingRun::train_epoch(std::int64_t epoch, std::int64_t epochs) {
     if (trace) {
       arena_->set_tracing(false);
       if (host_arena_) host_arena_->set_tracing(false);
-      write_timeline(rank_options_, *arena_, host_arena_.get(), rank_.dev, step, r, b->size);
+      write_timeline(rank_options_, *arena_, host_arena_.get(), rank_.dev, step, r, b->size, *executor_);
     }
     if (setup_.stage && step == traced_step && !run_options_.out.empty()) write_schedule(step, r);
     const double ips = meter_.add(r, b->size, std::chrono::duration<double>(t1 - t0).count(), result_);

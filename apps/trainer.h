@@ -3,7 +3,7 @@
 // One run: load the data set, build the model (ResNet family, torchvision names), optionally
 // load initial weights, plan the micro-batches that fit the memory limit (mbp/), train with SGD
 // or AdamW under a learning-rate schedule, evaluate after every epoch, optionally save the
-// weights, and write metrics.csv, summary.json, memory_trace.json and memory.svg to --out.
+// weights, and write metrics.csv, summary.json, memory_trace.json, memory.svg and memory.html to --out.
 #pragma once
 #include <cstdint>
 #include <iosfwd>

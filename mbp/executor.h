@@ -182,6 +182,10 @@ class Executor {
   const RecomputeChoice& recompute_choice() const { return choice_; }
   // The placement of the last plan() (device, "no host tier", before the first).
   const PlacementChoice& placement_choice() const { return placement_; }
+  // A traced dry run of `plan`'s step (the memory report's data): every micro-batch when there
+  // are at most Planner::kVerifyAll, else the shortened split the planner verified (*all says
+  // which). Nothing is computed; the returned virtual arena holds the trace.
+  std::shared_ptr<Arena> traced_dry_step(const Plan& plan, bool* all = nullptr);
   // The plan of `batch` at level `level` of the model's recomputation ladder, with micro-batches
   // of exactly `micro_batch` if given; the model's recomputation is as before afterwards. For
   // comparisons: what the chosen level saves over another.

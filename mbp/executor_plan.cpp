@@ -111,6 +111,14 @@ const Plan& Executor::plan_as_set(std::int64_t batch, std::optional<std::int64_t
   return plan_placed(batch, micro_batch);
 }
 
+std::shared_ptr<Arena> Executor::traced_dry_step(const Plan& p, bool* all) {
+  const bool every = p.micro_batches <= Planner::kVerifyAll;
+  if (all) *all = every;
+  ArenaScope scope(arena_);
+  HostArenaScope host(placed_ == Placement::device ? nullptr : opt_.host_arena);
+  return planner_.traced(every ? p.sizes() : p.split.shortened(2));
+}
+
 const Plan& Executor::plan_placed(std::int64_t batch, std::optional<std::int64_t> micro_batch) {
   ArenaScope scope(arena_);
   HostArenaScope host(placed_ == Placement::device ? nullptr : opt_.host_arena);

@@ -146,6 +146,16 @@ Planner::Probe Planner::probe(const std::vector<std::int64_t>& sizes, bool detai
   return p;
 }
 
+std::shared_ptr<Arena> Planner::traced(const std::vector<std::int64_t>& sizes) {
+  DryRun dry(*arena_);
+  std::shared_ptr<Arena> v = dry.arena_ptr();
+  v->reset_peak();
+  v->set_tracing(true);
+  step_(sizes);
+  v->set_tracing(false);
+  return v;
+}
+
 void Planner::throw_too_small(std::int64_t batch, std::int64_t m, const std::string& why) {
   // Measure what the split would need on a clone with room to spare.
   const Probe need = probe(Split::of(batch, m).shortened(repeats_), true, unbounded_capacity(*arena_));

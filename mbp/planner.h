@@ -131,6 +131,9 @@ class Planner {
   Probe probe(const std::vector<std::int64_t>& sizes, bool detailed,
               std::optional<std::size_t> capacity = std::nullopt);
   int probes() const { return probes_; }
+  // A traced dry run of the step for `sizes` on a virtual clone of the arena, returned with its
+  // trace (Arena::trace, marks and all): what the memory report draws for a plan.
+  std::shared_ptr<Arena> traced(const std::vector<std::int64_t>& sizes);
   // How many micro-batches of one size a search probe keeps of a run of them (2: after a micro-batch
   // everything but the persistent state is freed). A pipeline stage holds up to S of them at once
   // under 1F1B (S + 1 keeps the steady state), all of them under GPipe (no shortening at all).

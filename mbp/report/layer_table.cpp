@@ -141,6 +141,11 @@ std::string format_layer_table(const std::vector<LayerRow>& rows, std::int64_t b
   s += fmt::format("{:<34} {:<22} {:<16} {:>11} {:>16} {:>12}\n", "total", "", "", params,
                    signed_bytes(kept / batch),
                    ws > 0 ? format_bytes(static_cast<std::size_t>(ws)) + " max" : "-");
+  // The columns, explained where they are shown (tally plan --report's page says the same).
+  s += "kept per sample: activation bytes still held when the call returns (its output and what it saved for the "
+       "backward), per sample, less what its children's rows count: a container's row holds what its own code "
+       "changed, negative when it freed more than it kept (children's outputs it consumed). workspace: the largest "
+       "scratch a kernel of the call took, for the whole micro-batch.\n";
   return s;
 }
 
