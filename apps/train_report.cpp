@@ -8,6 +8,15 @@
 
 namespace tally::app {
 
+namespace {
+// The other stages' memory reports (apps/trainer.cpp), where their machine sees the run folder.
+std::string stage_pages(const std::string& out, int stages) {
+  return stages == 2 ? fmt::format("the other stage wrote {}/memory-stage1.html", out)
+                     : fmt::format("the other stages wrote {0}/memory-stage1.html .. {0}/memory-stage{1}.html", out,
+                                   stages - 1);
+}
+}  // namespace
+
 // Every rank's memory plan and peaks, known to all (a sum where each rank fills its own row).
 std::vector<RankResult> gather_ranks(distributed::Communicator& comm, const TrainResult& mine) {
   constexpr std::size_t kFields = 8;
@@ -256,6 +265,7 @@ void TrainingRun::finish() {
     write_summary(rank_options_, result_);
     fmt::print(log_, "wrote {0}/metrics.csv, {0}/summary.json, {0}/memory_trace.json{1}, {0}/memory.svg and {0}/memory.html\n", rank_options_.out,
                setup_.stage && steps_.total > 1 ? fmt::format(", {}/pipeline.svg", rank_options_.out) : std::string());
+    if (setup_.stage) fmt::print(log_, "{}\n", stage_pages(rank_options_.out, setup_.stage->stages));
   }
 }
 

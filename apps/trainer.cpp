@@ -134,14 +134,17 @@ std::shared_ptr<Arena> make_arena(const TrainOptions& opt, Device dev, std::ostr
   return std::make_shared<Arena>(dev, limit);
 }
 
-// The traced step's memory timeline: memory_trace.json (Perfetto) and memory.svg.
-void write_timeline(const TrainOptions& opt, Arena& arena, Arena* host, Device dev, std::int64_t step,
-                    const mbp::StepResult& r, std::int64_t batch, const mbp::Executor& executor) {
-  const std::filesystem::path dir(opt.out);
-  // memory.html: the same trace, every allocation a band (mbp/report/memory_html.h).
+// The traced step as the memory report (mbp/report/memory_html.h): memory.html, or a pipeline
+// stage's memory-stage{s}.html.
+void write_memory_page(const std::filesystem::path& file, const TrainOptions& opt, const Arena& arena, Device dev,
+                       std::int64_t step, const mbp::StepResult& r, std::int64_t batch,
+                       const mbp::Executor& executor) {
   report::MemoryPage page;
-  page.title = fmt::format("{} (norm {}) on {}: step {}, batch {} as {} micro-batches of <= {}", opt.model,
-                           name_of(opt.norm), dev.str(), step + 1, batch, r.micro_batches, r.micro_batch);
+  page.title = fmt::format("{} (norm {}) on {}: step {}, batch {} as {} micro-batches of <= {}{}", opt.model,
+                           name_of(opt.norm), dev.str(), step + 1, batch, r.micro_batches, r.micro_batch,
+                           executor.pipeline() ? fmt::format(", pipeline stage {} of {}", executor.pipeline()->stage,
+                                                             executor.pipeline()->stages)
+                                               : std::string());
   page.source = fmt::format("The measured step {} of the run (its allocations as they happened)", step + 1);
   page.budget = arena.capacity();
   page.predicted_peak = r.predicted_peak;
@@ -153,7 +156,14 @@ void write_timeline(const TrainOptions& opt, Arena& arena, Arena* host, Device d
                {"memory format", memory_format_name(executor.memory_format())},
                {"placement", fmt::format("{}: {}", mbp::placement_name(executor.placement_choice().placement),
                                          executor.placement_choice().why)}};
-  write_text(dir / "memory.html", report::memory_html(arena, page));
+  write_text(file, report::memory_html(arena, page));
+}
+
+// The traced step's memory timeline: memory_trace.json (Perfetto), memory.svg and memory.html.
+void write_timeline(const TrainOptions& opt, Arena& arena, Arena* host, Device dev, std::int64_t step,
+                    const mbp::StepResult& r, std::int64_t batch, const mbp::Executor& executor) {
+  const std::filesystem::path dir(opt.out);
+  write_memory_page(dir / "memory.html", opt, arena, dev, step, r, batch, executor);
   write_text(dir / "memory_trace.json", arena.trace_json());
   report::TimelineOptions to;
   to.title = fmt::format("{} (norm {}) on {}: step {}, batch {} as {} micro-batches of <= {}", opt.model, name_of(opt.norm),
@@ -386,7 +396,9 @@ void TrainingRun::train_epoch(std::int64_t epoch, std::int64_t epochs) {
     std::optional<data::Batch> b = loader_.next();
     if (!b) break;
     setup_.optimizer->set_lr(schedule_.lr_at(step));
-    const bool trace = step == traced_step && !rank_options_.out.empty();
+    // Rank 0 writes the run folder's timeline; a pipeline's other stages their own memory report.
+    const bool stage_page = setup_.stage && rank_.rank > 0 && !run_options_.out.empty();
+    const bool trace = step == traced_step && (!rank_options_.out.empty() || stage_page);
     if (trace) {
       arena_->set_tracing(true);
       if (host_arena_) host_arena_->set_tracing(true);
@@ -403,7 +415,14 @@ void TrainingRun::train_epoch(std::int64_t epoch, std::int64_t epochs) {
     if (trace) {
       arena_->set_tracing(false);
       if (host_arena_) host_arena_->set_tracing(false);
-      write_timeline(rank_options_, *arena_, host_arena_.get(), rank_.dev, step, r, b->size, *executor_);
+      if (stage_page) {  // into rank 0's run folder where this machine sees it (ranks on one machine)
+        const std::filesystem::path dir(run_options_.out);
+        if (std::filesystem::is_directory(dir))
+          write_memory_page(dir / fmt::format("memory-stage{}.html", rank_.rank), rank_options_, *arena_, rank_.dev,
+                            step, r, b->size, *executor_);
+      } else {
+        write_timeline(rank_options_, *arena_, host_arena_.get(), rank_.dev, step, r, b->size, *executor_);
+      }
     }
     if (setup_.stage && step == traced_step && !run_options_.out.empty()) write_schedule(step, r);
     const double ips = meter_.add(r, b->size, std::chrono::duration<double>(t1 - t0).count(), result_);

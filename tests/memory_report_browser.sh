@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# tests/memory_report_browser.sh TALLY — the memory report (mbp/report/memory_html.h) in a real
+# tests/memory_report_browser.sh TALLY [MPIEXEC] — the memory report (mbp/report/memory_html.h) in a real
 # browser: headless Chromium loads the pages from file:// and the test reads the DOM it leaves.
 #   plan   `tally plan --report` of ResNet-20, batch 256 in 24 MiB (20 micro-batches, every one
 #          traced): the page's peak, computed by its script from the allocations, equals the
@@ -8,9 +8,11 @@
 #          does) fills the details with that module's first allocation; no script error, on the
 #          page or on the console.
 #   run    `tally train --out`'s memory.html of a measured step: the same checks of the peak.
+#   stages with MPIEXEC: two pipeline stages under mpirun -np 2; each stage's page (memory.html,
+#          memory-stage1.html) with its own exact peak.
 # A missing browser is a failure, not a skip: `make test` installs Debian's chromium.
 set -u
-tally=$1
+tally=$1 mpiexec=${2:-}
 work=$(mktemp -d "${TMPDIR:-/tmp}/tally-report.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 failures=0
@@ -66,5 +68,17 @@ run=$work/run
 [[ -f $run/memory.html ]] || fail "run: no memory.html in the run folder"
 dom "$run/memory.html"
 check_peak "$run/memory.html" "run" "$(value "$run/memory.html" predicted-peak)"
+
+# A pipeline's stages, each its own page.
+if [[ -n $mpiexec ]]; then
+  stages=$work/stages
+  "$mpiexec" --oversubscribe -np 2 "$tally" train --pipeline-stages 2 --steps 2 --batch-size 32 --memory-limit 48MiB \
+    --no-progress --no-eval --out "$stages" >"$stages.log" 2>&1 || { tail -5 "$stages.log"; fail "the pipeline run failed"; }
+  for page in memory.html memory-stage1.html; do
+    [[ -f $stages/$page ]] || { fail "stages: no $page"; continue; }
+    dom "$stages/$page"
+    check_peak "$stages/$page" "stages: $page" "$(value "$stages/$page" predicted-peak)"
+  done
+fi
 
 ((failures == 0)) && echo "memory report: all ok" || exit 1
