@@ -443,7 +443,9 @@ step_host() {
     [[ -f $run-$p/summary.json ]] && cp "$run-$p/summary.json" "$logs/host-$p-summary.json"
     result "train resnet50 host $p B=64 in 400MiB" "$(grep -E '^(memory|host tier):' "$log" | tail -2 | tr '\n' ' ' | cut -c1-120)"
   done
-  if cmp -s "$run-optimizer.safetensors" "$run-gradients.safetensors"; then
+  if [[ ! -f $run-optimizer.safetensors || ! -f $run-gradients.safetensors ]]; then
+    result "host placements: --save files" "missing (a run failed)"
+  elif cmp -s "$run-optimizer.safetensors" "$run-gradients.safetensors"; then
     result "host placements: --save files" "identical"
   else
     result "host placements: --save files" "DIFFER"
@@ -451,7 +453,7 @@ step_host() {
   run_logged "tally plan resnet50 host auto" "$log" 60 "$bundle/run" "$bundle/bin/tally" plan --model resnet50 \
     --input 3x224x224 --batch-size 4096 --optimizer adamw --recompute none --memory-limit 600MiB \
     --host-memory-limit 2GiB --device cuda --no-layers
-  result "tally plan cuda resnet50 host auto" "$(grep -E 'placement' "$log" | tail -1 | cut -c1-110)"
+  result "tally plan cuda resnet50 host auto" "$(grep -E '^ *placement ' "$log" | tail -1 | cut -c1-110)"
 }
 
 # The three-precision table (bench/RESULTS.md): ResNet-50 batch 256, tally through each cuDNN
