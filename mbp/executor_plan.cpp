@@ -67,16 +67,18 @@ const Plan& Executor::plan_as_set(std::int64_t batch, std::optional<std::int64_t
     Placement placement;
     std::optional<std::int64_t> micro_batch;  // unset: does not fit
     std::string error;
+    std::size_t requested = 0;  // what it would need, when it does not fit
   };
   std::vector<Tried> tried;
   std::optional<std::size_t> best;
   for (const Placement c : candidates) {
-    Tried t{c, std::nullopt, ""};
+    Tried t{c, std::nullopt, "", 0};
     try {
       apply_placement(c);
       t.micro_batch = plan_placed(batch, micro_batch).micro_batch;
     } catch (const OutOfMemory& e) {
       t.error = e.what();
+      t.requested = e.requested();
     }
     tried.push_back(t);
     if (t.micro_batch && (!best || *t.micro_batch > *tried[*best].micro_batch)) best = tried.size() - 1;
@@ -88,7 +90,7 @@ const Plan& Executor::plan_as_set(std::int64_t batch, std::optional<std::int64_t
     std::string all;
     for (std::size_t i = 1; i < tried.size(); ++i)
       all += fmt::format(" (with placement {}: {})", placement_name(tried[i].placement), tried[i].error);
-    throw OutOfMemory(tried[0].error + all, 0);
+    throw OutOfMemory(tried[0].error + all, tried[0].requested);  // the device's need, as without a host tier
   }
   const Tried& chosen = tried[*best];
   std::string why;

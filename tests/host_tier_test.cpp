@@ -253,6 +253,25 @@ TEST(HostTier, AHostTierTooSmallNamesBothTiersNeeds) {
     EXPECT_GT(e.requested(), std::size_t(1) << 20);
   }
   EXPECT_EQ(run.optimizer->state_host(), nullptr) << "a placement that does not fit moved the state";
+
+  // The executor's choice when no placement fits: the device's error and need, and each host
+  // placement's reason.
+  eo.placement.reset();
+  // 4.25 MiB: the persistent state (4.19 MiB) and not one sample beside it.
+  const auto small = std::make_shared<Arena>(Device::cpu(), parse_size("4.25MiB"));
+  Trained tight(small, true);
+  mbp::Executor chooser(*tight.model, *tight.optimizer, small, eo);
+  try {
+    chooser.plan(64);
+    ADD_FAILURE() << "a plan fitted in 4.25 MiB with a host tier of 1 MiB";
+  } catch (const OutOfMemory& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find("(4456448 bytes) is too small"), std::string::npos) << what;
+    EXPECT_NE(what.find("(with placement optimizer: host memory limit 1.0 MiB"), std::string::npos) << what;
+    EXPECT_NE(what.find("(with placement gradients: host memory limit 1.0 MiB"), std::string::npos) << what;
+    EXPECT_GT(e.requested(), std::size_t(4456448)) << "the bytes the device would need were lost";
+  }
+  EXPECT_EQ(tight.optimizer->state_host(), nullptr);
 }
 
 TEST(HostTier, APlacementOnTheHostNeedsAHostTier) {
