@@ -363,7 +363,6 @@ TrainResult TrainingRun::run() {
   result_.precision = name_of(rank_options_.precision);
   result_.memory_format = memory_format_name(executor_->memory_format());
   result_.memory_limit_bytes = static_cast<std::int64_t>(arena_->capacity());
-  result_.placement = mbp::placement_name(executor_->placement_choice().placement);
   if (host_arena_) result_.host_memory_limit_bytes = static_cast<std::int64_t>(host_arena_->capacity());
   const std::int64_t epochs = (steps_.total + per_epoch_ - 1) / per_epoch_;
   if (epoch_end_pending_) end_epoch((meter_.steps - 1) / per_epoch_, epochs);

@@ -402,7 +402,7 @@ StepResult Executor::step(const float* images, const std::int64_t* labels, std::
     arena_->reset_peak();
     // The host tier's arena for the optimizer's staging, when the plan placed state there.
     const bool on_host = placed_ != Placement::device;
-    HostArenaScope host(on_host ? opt_.host_arena : nullptr);
+    HostArenaScope host(placed_host_arena());
     if (on_host) opt_.host_arena->reset_peak();
     try {
       run_step(images, labels, p.sizes(), &r.loss);

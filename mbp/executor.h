@@ -258,6 +258,10 @@ class Executor {
   // Moves the persistent state to `p` (a no-op when there); throws an OutOfMemory naming both
   // tiers' needs when the host tier cannot hold what `p` puts there.
   void apply_placement(Placement p);
+  // The host tier's arena while state is placed there (a step's, a plan's, a trace's), else null.
+  std::shared_ptr<Arena> placed_host_arena() const {
+    return placed_ == Placement::device ? nullptr : opt_.host_arena;
+  }
 
   nn::Module& model_;
   optim::Optimizer& optimizer_;

@@ -117,13 +117,13 @@ std::shared_ptr<Arena> Executor::traced_dry_step(const Plan& p, bool* all) {
   const bool every = p.micro_batches <= Planner::kVerifyAll;
   if (all) *all = every;
   ArenaScope scope(arena_);
-  HostArenaScope host(placed_ == Placement::device ? nullptr : opt_.host_arena);
+  HostArenaScope host(placed_host_arena());
   return planner_.traced(every ? p.sizes() : p.split.shortened(2));
 }
 
 const Plan& Executor::plan_placed(std::int64_t batch, std::optional<std::int64_t> micro_batch) {
   ArenaScope scope(arena_);
-  HostArenaScope host(placed_ == Placement::device ? nullptr : opt_.host_arena);
+  HostArenaScope host(placed_host_arena());
   return planner_.plan(batch, micro_batch, limit_,
                        fmt::format("{}|{}", nn::recompute_state(model_), placement_name(placed_)));
 }
@@ -141,18 +141,11 @@ void Executor::apply_placement(Placement p) {
     // parameter's staging during the update — its high-water mark, exact for a host arena that
     // holds nothing else.
     Arena& host = *opt_.host_arena;
-    std::size_t state = 0, grads = 0;
-    for (const auto& [name, t] : optimizer_.named_state()) state += Arena::round_up(t.nbytes());
-    std::size_t largest = 0;
-    for (const Tensor& t : optimizer_.params()) {
-      grads += Arena::round_up(t.nbytes());
-      largest = std::max(largest, Arena::round_up(t.nbytes()));
-    }
-    const std::size_t ours_now = (placed_ != Placement::device ? state : 0) + (placed_ == Placement::gradients ? grads : 0);
     const bool with_grads = p == Placement::gradients;
-    const std::size_t staging = with_grads ? largest : 2 * largest;
-    const std::size_t need = static_cast<std::size_t>(host.stats().total.current) - ours_now + state +
-                             (with_grads ? grads : 0) + staging;
+    const optim::Optimizer::HostBytes want = optimizer_.host_bytes(with_grads);
+    const std::size_t state = want.state, grads = optimizer_.host_bytes(true).gradients, staging = want.staging;
+    const std::size_t ours_now = (placed_ != Placement::device ? state : 0) + (placed_ == Placement::gradients ? grads : 0);
+    const std::size_t need = static_cast<std::size_t>(host.stats().total.current) - ours_now + want.total();
     if (need > host.capacity()) {
       const std::size_t device_now = static_cast<std::size_t>(arena_->stats().total.current);
       const std::size_t on_device = device_now - (placed_ == Placement::device ? state : 0) -

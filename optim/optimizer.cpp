@@ -160,10 +160,16 @@ void Optimizer::place_gradients(std::shared_ptr<Arena> host) {
   host_grads_.clear();
 }
 
-std::size_t Optimizer::host_staging_bytes() const {
+Optimizer::HostBytes Optimizer::host_bytes(bool with_gradients) const {
+  HostBytes b;
+  for (const Tensor& s : state_) b.state += Arena::round_up(s.nbytes());
   std::size_t largest = 0;
-  for (const Tensor& p : params_) largest = std::max(largest, Arena::round_up(p.nbytes()));
-  return host_grads_.empty() ? 2 * largest : largest;
+  for (const Tensor& p : params_) {
+    if (with_gradients) b.gradients += Arena::round_up(p.nbytes());
+    largest = std::max(largest, Arena::round_up(p.nbytes()));
+  }
+  b.staging = with_gradients ? largest : 2 * largest;
+  return b;
 }
 
 Tensor Optimizer::checked_grad(std::size_t i, const std::vector<Tensor>& state) const {

@@ -38,7 +38,7 @@
 // its gradient and its value are copied into two staging buffers of the host tier's current arena
 // (core/memory.h: current_host_arena, else the state's arena), the CPU kernel runs there, and the
 // value is copied back; the staging is freed before the next parameter, so the host tier holds
-// the state and the staging of the largest parameter (host_staging_bytes). The parameters stay
+// the state and the staging of the largest parameter (host_bytes). The parameters stay
 // where they are and remain the truth: a checkpoint, a resume or a write to a parameter between
 // steps needs nothing else. On the CPU device the update is the same kernel on the same values,
 // so the parameters are bit-identical to the unplaced optimizer's.
@@ -107,9 +107,14 @@ class Optimizer {
   void place_gradients(std::shared_ptr<Arena> host);
   // The accumulators, one per parameter (empty: the gradients are the parameters' own buffers).
   const std::vector<Tensor>& host_gradients() const { return host_grads_; }
-  // Bytes of the host tier's staging during a placed step: one parameter's value (and its
-  // gradient, unless the gradients are on the host too), the largest's, rounded as the arena does.
-  std::size_t host_staging_bytes() const;
+  // What a placement puts in the host tier, each tensor rounded as the arena rounds it: the state,
+  // the gradient accumulators (with_gradients), and the staging of a placed step — one parameter's
+  // value, and its gradient unless the gradients are on the host too, the largest parameter's.
+  struct HostBytes {
+    std::size_t state = 0, gradients = 0, staging = 0;
+    std::size_t total() const { return state + gradients + staging; }
+  };
+  HostBytes host_bytes(bool with_gradients) const;
 
  protected:
   Optimizer(std::string name, std::vector<Tensor> params);
