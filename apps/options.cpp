@@ -107,9 +107,21 @@ void check_step_options(const StepOptions& o) {
   if (o.placement && *o.placement != mbp::Placement::device && o.host_memory_limit == "none")
     throw Error(fmt::format("--placement {} puts state in host memory: give --host-memory-limit (a size or auto)",
                             name_of(*o.placement)));
+  for (const auto& [flag, value] : {std::pair<const char*, const std::string&>{"--copy-bandwidth", o.copy_bandwidth},
+                                     {"--compute-rate", o.compute_rate}})
+    if (value != "measure" && (!number_error(kNonNegative, value).empty() || std::strtod(value.c_str(), nullptr) <= 0))
+      throw Error(fmt::format("{}: expected measure or a number > 0, found {}", flag, value.empty() ? std::string("an empty value") : value));
   if (o.host_memory_limit != "none" && o.pipeline_stages > 1)
     throw Error(fmt::format("--host-memory-limit {}: the host tier is not available to pipeline stages",
                             o.host_memory_limit));
+}
+
+std::optional<mbp::CostRates> given_cost_rates(const StepOptions& o) {
+  if (o.copy_bandwidth == "measure" && o.compute_rate == "measure") return std::nullopt;
+  mbp::CostRates r;
+  if (o.copy_bandwidth != "measure") r.copy_bytes_per_second = std::strtod(o.copy_bandwidth.c_str(), nullptr) * 1e9;
+  if (o.compute_rate != "measure") r.flops_per_second = std::strtod(o.compute_rate.c_str(), nullptr) * 1e9;
+  return r;
 }
 
 mbp::ExecutorOptions executor_options(const StepOptions& o, const Shape& sample_shape, Device device,
@@ -119,6 +131,7 @@ mbp::ExecutorOptions executor_options(const StepOptions& o, const Shape& sample_
   eo.micro_batch = o.micro_batch;
   eo.recompute = o.recompute;
   eo.placement = o.placement;
+  eo.cost_rates = given_cost_rates(o);
   eo.precision = o.precision;
   // "auto": the device's layout; a pipeline stage's activations travel between ranks contiguous.
   eo.memory_format = o.memory_format.value_or(pipeline_stage ? MemoryFormat::Contiguous : preferred_memory_format(device));
@@ -417,6 +430,13 @@ const std::vector<Option> kTable = {
              "gradients (the gradients accumulated there too; not with data parallelism) | auto (with a host tier, "
              "the placement that allows the largest micro-batch, ties to the fewest bytes moved)",
      .changeable = true, .absent = "auto"},
+    {.name = "copy-bandwidth", .field = field(&StepOptions::copy_bandwidth), .commands = kAll,
+     .help = "the cost model's copy bandwidth between the device and the host tier, GB/s each way, for choosing "
+             "between recomputing and offloading a segment: a number or measure (once, at start-up)",
+     .changeable = true, .absent = "measure"},
+    {.name = "compute-rate", .field = field(&StepOptions::compute_rate), .commands = kAll,
+     .help = "the cost model's compute rate of the device, GFLOP/s: a number or measure (once, at start-up)",
+     .changeable = true, .absent = "measure"},
     {.name = "micro-batch", .field = field(&StepOptions::micro_batch, kPositiveWhole), .commands = kAll,
      .help = "samples per micro-batch: M or auto (the largest that fits)",
      .help_for = {{kPlan, "check this micro-batch size instead of searching (auto: the largest that fits)"}}},
@@ -424,9 +444,11 @@ const std::vector<Option> kTable = {
      .help = "exact (the full batch's mean for any split) | per-micro-batch (each micro-batch's mean / k, as the "
              "MBP paper's code)"},
     {.name = "recompute", .field = field(&StepOptions::recompute), .commands = kAll,
-     .help = "auto (the least recomputation with which one sample fits) | none | blocks (the residual blocks and "
-             "the stem: about one more forward) | all (the stages around the blocks too: the least memory, about "
-             "two more forwards) | blocks+layerK[-layerL] (a level between)"},
+     .help = "auto (the least recomputation with which one sample fits; with a host tier, each segment kept, "
+             "recomputed or offloaded by a cost model) | none | blocks (the residual blocks and the stem: about one "
+             "more forward) | all (the stages around the blocks too: the least memory, about two more forwards) | "
+             "blocks+layerK[-layerL] (a level between) | offload (every segment's activations to the host tier) | "
+             "segments and modes: stem=offload,layer1.0=recompute (the others kept)"},
     {.name = "precision", .field = field(&StepOptions::precision), .commands = kAll,
      .help = "fp32 | bf16 (mixed precision: bf16 activations, float32 weights, gradients, optimizer state and loss)"},
     {.name = "memory-format", .field = field(&StepOptions::memory_format), .commands = kAll,

@@ -95,6 +95,10 @@ struct StepOptions {
   std::string host_memory_limit = "none";
   // Where the step's state lives (mbp::Placement); unset ("auto"): the executor's choice.
   std::optional<mbp::Placement> placement;
+  // The cost model's rates (mbp/activations.h): "measure" (once, at start-up) or a number, in GB/s
+  // for the copies between the tiers and GFLOP/s for the device's compute.
+  std::string copy_bandwidth = "measure";
+  std::string compute_rate = "measure";
   std::optional<std::int64_t> micro_batch;  // unset: the largest that fits ("auto")
   // auto | none | blocks | all | a level: recomputation (ExecutorOptions::recompute, mbp/executor.h).
   std::string recompute = "auto";
@@ -120,6 +124,8 @@ struct StepOptions {
 // what it must be and what was found; for the C++ entry points (the command line checks as it parses).
 void check_step_options(const StepOptions& options);
 
+// The cost model's rates as given (0 where "measure"), unset when both are measured.
+std::optional<mbp::CostRates> given_cost_rates(const StepOptions& options);
 // The executor's options that a step's options decide (the caller adds the loss, the log, the
 // communicator and the pipeline stage): the sample's shape, the micro-batch, recomputation,
 // precision and the memory format resolved for `device` ("auto": contiguous for a pipeline stage).

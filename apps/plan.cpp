@@ -107,6 +107,29 @@ void print_placement(const mbp::Executor& executor, const mbp::Plan& p, std::ost
                p.host_at_peak.str());
 }
 
+// The plan's recomputation (or segments' modes) and, when it recomputes or offloads, what the same
+// micro-batch would need without (a too-small error measures it on a clone with room to spare);
+// the cost model's lines where segments were chosen by it. Re-plans at another level: last.
+void print_recompute(mbp::Executor& executor, const mbp::Plan& p, std::ostream& out) {
+  const mbp::RecomputeChoice chosen = executor.recompute_choice();
+  const std::string recompute = chosen.summary(p);
+  if (chosen.level > 0) {
+    std::string without;
+    try {
+      const mbp::Plan q = executor.plan_at_level(p.micro_batch, p.micro_batch, 0);
+      without = fmt::format("{} ({} bytes), so it saves {}", format_bytes(q.predicted_peak), q.predicted_peak,
+                            format_bytes(q.predicted_peak - std::min(q.predicted_peak, p.predicted_peak)));
+    } catch (const OutOfMemory& e) {
+      without = fmt::format("more than the limit: at least {}", format_bytes(e.requested()));
+    }
+    fmt::print(out, "      recompute: {}; without {} a micro-batch of {} needs {}\n", recompute,
+               chosen.segments.empty() ? "recomputation" : "recomputation or offloading", p.micro_batch, without);
+  } else {
+    fmt::print(out, "      recompute: {}\n", recompute);
+  }
+  for (const std::string& line : chosen.cost_lines(p)) fmt::print(out, "        {}\n", line);
+}
+
 // --report: the plan's step, traced in a dry run, as the memory report (mbp/report/memory_html.h).
 void write_report(const PlanOptions& opt, mbp::Executor& executor, const mbp::Plan& p,
                   const std::vector<report::LayerRow>& rows, const Shape& sample, Device dev, std::size_t limit,
@@ -161,6 +184,13 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   if (!opt.report.empty()) check_writable_file("--report", opt.report);
   const std::size_t limit = parse_memory_limit(opt.memory_limit, dev);
 
+  // The cost model's rates (mbp/activations.h), for a host tier's choice per segment, measured now:
+  // in the dry run below nothing runs.
+  std::optional<mbp::CostRates> rates;
+  if (opt.host_memory_limit != "none")
+    rates = mbp::complete_cost_rates(given_cost_rates(opt), dev,
+                                     opt.precision == mbp::Precision::bf16 ? DType::BFloat16 : DType::Float32);
+
   // Everything lives on a virtual arena of the budget's size: offsets only, no memory, no compute.
   const DryRun dry;
   const auto arena = dry.virtual_arena(dev, limit);
@@ -170,6 +200,7 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   const Setup setup = build_setup(arena, mc, "", oc, format_bytes(limit));
   mbp::ExecutorOptions eo = executor_options(opt, sample, dev, false);
   eo.host_arena = make_host_arena(opt.host_memory_limit, dev, limit, &dry, &out);
+  if (rates) eo.cost_rates = rates;
   fmt::print(out, "model {} (norm {}), {} parameters, {} classes | input {} | batch {} | optimizer {} | device {} | "
                   "precision {} | memory format {}\n",
              opt.model, name_of(opt.norm), setup.parameters, mc.num_classes, shape_str(sample), opt.batch_size,
@@ -183,11 +214,11 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   const std::unique_ptr<mbp::Executor> built = make_executor(*setup.model, *setup.optimizer, arena, eo);
   mbp::Executor& executor = *built;
   const mbp::Plan& p = plan_step(executor, opt.batch_size, opt.micro_batch);
-  const mbp::RecomputeChoice& chosen = executor.recompute_choice();
-  const std::string recompute = chosen.summary(p);
   std::vector<report::LayerRow> rows;
-  if (opt.layers || !opt.report.empty())
+  if (opt.layers || !opt.report.empty()) {
+    const HostArenaScope host(eo.host_arena);  // offloaded segments move their activations there
     rows = report::layer_table(*setup.model, *arena, sample, p.micro_batch, executor.activation_dtype());
+  }
   if (opt.layers) {
     fmt::print(out, "\nper layer, forward in training mode at the planned micro-batch of {}:\n", p.micro_batch);
     out << report::format_layer_table(rows, p.micro_batch);
@@ -197,22 +228,7 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   fmt::print(out, "\nplan: {}\n", p.summary());
   fmt::print(out, "      live at the peak: {}\n", p.at_peak.str());
   if (eo.host_arena) print_placement(executor, p, out);
-  if (chosen.level > 0) {
-    // What recomputation buys: the same micro-batch without it (a too-small error measures it on
-    // a clone with room to spare).
-    std::string without;
-    try {
-      const mbp::Plan q = executor.plan_at_level(p.micro_batch, p.micro_batch, 0);
-      without = fmt::format("{} ({} bytes), so it saves {}", format_bytes(q.predicted_peak), q.predicted_peak,
-                            format_bytes(q.predicted_peak - std::min(q.predicted_peak, p.predicted_peak)));
-    } catch (const OutOfMemory& e) {
-      without = fmt::format("more than the limit: at least {}", format_bytes(e.requested()));
-    }
-    fmt::print(out, "      recompute: {}; without recomputation a micro-batch of {} needs {}\n", recompute, p.micro_batch,
-               without);
-  } else {
-    fmt::print(out, "      recompute: {}\n", recompute);
-  }
+  print_recompute(executor, p, out);
   fmt::print(out, "      {} dry runs in {:.2f} s; nothing was computed\n", p.probes, p.seconds);
   return p;
 }

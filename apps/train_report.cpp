@@ -111,6 +111,7 @@ void TrainingRun::print_header(const Setup& setup) const {
 void TrainingRun::print_plan(const mbp::Plan& plan) const {
   fmt::print(log_, "plan: {}\n", plan.summary());
   fmt::print(log_, "      recompute: {}\n", executor_->recompute_choice().summary(plan));
+  for (const std::string& line : executor_->recompute_choice().cost_lines(plan)) fmt::print(log_, "        {}\n", line);
   fmt::print(log_, "      live at the peak: {}\n", plan.at_peak.str());
   if (host_arena_) {
     const mbp::PlacementChoice& placed = executor_->placement_choice();

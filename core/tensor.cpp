@@ -92,12 +92,33 @@ void gather(const Tensor& src, void* dst) {
 
 // ---- Storage ----------------------------------------------------------------------------------
 Storage::Storage(std::shared_ptr<Arena> arena, std::size_t bytes, Category category, const std::string& op)
-    : arena_(std::move(arena)), bytes_(bytes), category_(category) {
+    : arena_(std::move(arena)), bytes_(bytes), category_(category), op_(op) {
   const Block b = arena_->allocate(bytes, category, op);
   offset_ = b.offset;
   ptr_ = b.ptr;
 }
 Storage::~Storage() { arena_->free(offset_); }
+
+void Storage::relocate(std::shared_ptr<Arena> to, const Copy& copy) {
+  if (!to) throw Error(fmt::format("Storage::relocate: expected an arena for '{}', found none", op_));
+  if (to == arena_) return;
+  const Block b = to->allocate(bytes_, category_, op_);
+  if (b.ptr && ptr_ && bytes_ > 0) copy(b.ptr, ptr_, bytes_);
+  arena_->free(offset_);
+  arena_ = std::move(to);
+  offset_ = b.offset;
+  ptr_ = b.ptr;
+}
+
+namespace {
+thread_local StorageWatch* tl_watch = nullptr;
+}  // namespace
+
+StorageWatch::StorageWatch() : outer_(tl_watch) { tl_watch = this; }
+StorageWatch::~StorageWatch() { tl_watch = outer_; }
+void StorageWatch::record(const std::shared_ptr<Storage>& s) {
+  for (StorageWatch* w = tl_watch; w; w = w->outer_) w->made_.push_back(s);
+}
 
 // ---- Tensor: creation -------------------------------------------------------------------------
 const char* memory_format_name(MemoryFormat f) {
@@ -115,6 +136,7 @@ Tensor Tensor::empty(const Shape& shape, DType dtype, Device device, Category ca
   auto impl = std::make_shared<TensorImpl>();
   const std::size_t bytes = static_cast<std::size_t>(shape_numel(shape)) * dtype_size(dtype);
   impl->storage = std::make_shared<Storage>(current_arena(device), bytes, category, op);
+  StorageWatch::record(impl->storage);
   impl->shape = shape;
   impl->strides = strides;
   impl->dtype = dtype;

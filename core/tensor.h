@@ -7,6 +7,7 @@
 // data pointers are null: nothing may read or write them.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <initializer_list>
 #include <memory>
 #include <string>
@@ -51,12 +52,37 @@ class Storage {
   Device device() const { return arena_->device(); }
   Category category() const { return category_; }
   const std::shared_ptr<Arena>& arena() const { return arena_; }
+  // Moves the bytes to a new block of `to` (same size, category and op; every view of this storage
+  // follows): `copy(dst, src, bytes)` copies them — skipped in a dry run, whose blocks have no
+  // memory — then the old block is freed. An offloaded segment's activations between the device's
+  // arena and the host tier's (core/offload.h).
+  using Copy = std::function<void(void* dst, const void* src, std::size_t bytes)>;
+  void relocate(std::shared_ptr<Arena> to, const Copy& copy);
 
  private:
   std::shared_ptr<Arena> arena_;
   std::size_t offset_, bytes_;
   void* ptr_;
   Category category_;
+  std::string op_;
+};
+
+// Records every storage Tensor::empty makes on this thread while it is alive (weakly: it keeps
+// none alive), for it and every watch around it: what an offloaded segment's forward made
+// (core/offload.h).
+class StorageWatch {
+ public:
+  StorageWatch();
+  ~StorageWatch();
+  StorageWatch(const StorageWatch&) = delete;
+  StorageWatch& operator=(const StorageWatch&) = delete;
+  const std::vector<std::weak_ptr<Storage>>& made() const { return made_; }
+  // Called by Tensor::empty for each new storage.
+  static void record(const std::shared_ptr<Storage>& s);
+
+ private:
+  StorageWatch* outer_;
+  std::vector<std::weak_ptr<Storage>> made_;
 };
 
 struct Node;  // core/autograd.h

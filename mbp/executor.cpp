@@ -400,8 +400,8 @@ StepResult Executor::step(const float* images, const std::int64_t* labels, std::
   for (;;) {
     const Plan& p = plan(batch);
     arena_->reset_peak();
-    // The host tier's arena for the optimizer's staging, when the plan placed state there.
-    const bool on_host = placed_ != Placement::device;
+    // The host tier's arena for the optimizer's staging and offloaded segments, when the plan uses it.
+    const bool on_host = placed_host_arena() != nullptr;
     HostArenaScope host(placed_host_arena());
     if (on_host) opt_.host_arena->reset_peak();
     try {

@@ -44,6 +44,7 @@
 #include "distributed/communicator.h"
 #include "nn/modules.h"
 #include "nn/module.h"
+#include "mbp/activations.h"
 #include "mbp/pipeline.h"
 #include "mbp/planner.h"
 #include "mbp/recompute.h"
@@ -123,7 +124,13 @@ struct ExecutorOptions {
   //   "auto": the first level of the model's ladder on which the batch's plan fits (none if it
   //     fits without), chosen once per batch size and left set on the model;
   //   a level by name: "blocks", "all", or "blocks+layerK[-layerL]" (as recompute_level_name
-  //     prints it, without spaces).
+  //     prints it, without spaces);
+  //   segments by name (mbp/activations.h): "offload" (every segment of nn::segment_names), or a
+  //     list such as "stem=offload,layer1.0=recompute" (the others kept); offloading needs a host
+  //     tier.
+  // With a host tier, "auto" where nothing fits one sample chooses per segment between keeping,
+  // recomputing and offloading by the cost model of mbp/activations.h (then, if that is not
+  // enough, the ladder's higher levels); without one it climbs the ladder as described.
   // Recomputation costs step time (one more forward per level), which is why it is not the
   // library's default: MBP already runs any batch exactly in whatever fits one sample.
   std::string recompute = "none";
@@ -143,6 +150,10 @@ struct ExecutorOptions {
   // where no placement fits one sample; without a host tier, device. A placement other than
   // device needs a host tier.
   std::optional<Placement> placement{};
+  // The cost model's rates (mbp/activations.h), for choosing between recomputing and offloading
+  // a segment. Unset: measured once per process when first needed (measure_cost_rates; not in a
+  // dry run); with data parallelism every rank takes rank 0's.
+  std::optional<CostRates> cost_rates{};
   // Pipeline stages (mbp/pipeline.h): this process runs stage `pipeline->stage` of the model's
   // segments, rank s of `communicator` running stage s, in a PipelineExecutor
   // (mbp/pipeline_executor.h, which says what differs).
@@ -258,10 +269,12 @@ class Executor {
   // Moves the persistent state to `p` (a no-op when there); throws an OutOfMemory naming both
   // tiers' needs when the host tier cannot hold what `p` puts there.
   void apply_placement(Placement p);
-  // The host tier's arena while state is placed there (a step's, a plan's, a trace's), else null.
+  // The host tier's arena while state is placed there or segments are offloaded to it (a step's, a
+  // plan's, a trace's), else null.
   std::shared_ptr<Arena> placed_host_arena() const {
-    return placed_ == Placement::device ? nullptr : opt_.host_arena;
+    return placed_ == Placement::device && !offloading() ? nullptr : opt_.host_arena;
   }
+  bool offloading() const;  // some segment of the model is offloaded (nn/recompute.h)
 
   nn::Module& model_;
   optim::Optimizer& optimizer_;
@@ -288,6 +301,15 @@ class Executor {
            bool stage);
   void discard_partial_step();
   const Plan& plan_auto(std::int64_t batch);
+  // The cost model (mbp/activations.h; mbp/executor_activations.cpp): its rates, resolved once;
+  // the segments' bytes and work per sample, measured once; the search for recompute "auto" with a
+  // host tier (the plan if some choice fits; nullptr if even every segment recomputed or offloaded
+  // does not); the modes a segment policy names, set with their costs.
+  const CostRates& cost_rates();
+  const std::vector<ActivationCost>& segment_costs();
+  const Plan* plan_segments(std::int64_t batch);
+  const Plan& plan_named_segments(std::int64_t batch);
+  RecomputeChoice segment_choice(const std::vector<nn::SegmentMode>& modes, const std::string& name);
   [[noreturn]] void throw_none_too_small(const OutOfMemory& without, std::int64_t batch);
   // accumulate() with the loss left where it was computed (undefined in a dry run: no values).
   // `divisor`: the loss divisor D when it was counted elsewhere (over every rank's samples). Runs
@@ -306,6 +328,8 @@ class Executor {
 
   int total_retries_ = 0;
   std::map<std::int64_t, RecomputeChoice> auto_choices_;  // recompute "auto": the choice per batch size
+  std::optional<CostRates> rates_;
+  std::optional<std::vector<ActivationCost>> segment_costs_;
   // What modes add to the step at its extension points (mbp/step_part.h): data parallelism.
   std::vector<std::unique_ptr<StepPart>> parts_;
   std::map<const TensorImpl*, Tensor> trained_;  // the parameters by their impl, for gradient_ready (add_part)

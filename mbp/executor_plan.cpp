@@ -13,6 +13,7 @@
 
 #include "core/arena.h"
 #include "core/memory.h"
+#include "core/offload.h"
 #include "mbp/host_gradients.h"
 #include "optim/optimizer.h"
 #include "mbp/executor.h"
@@ -20,6 +21,31 @@
 #include "nn/recompute.h"
 
 namespace tally::mbp {
+
+namespace {
+
+// Each parameter's gradient buffer was allocated beside it: with the gradients on the host, holes
+// the size of a gradient would lie between the parameters, too small for a step's activations. So
+// the model's tensors on the device — parameters and buffers — are moved to the host tier and
+// back, in their order, and become one block, the free memory another. Only when the host tier
+// has one free block for all of them; else they stay where they are (deterministic either way).
+void pack_model_state(nn::Module& model, const std::shared_ptr<Arena>& device, const std::shared_ptr<Arena>& host) {
+  std::vector<std::shared_ptr<Storage>> storages;
+  std::size_t bytes = 0;
+  const auto add = [&](const Tensor& t) {
+    const std::shared_ptr<Storage>& s = t.impl().storage;
+    if (s->arena() != device || std::find(storages.begin(), storages.end(), s) != storages.end()) return;
+    storages.push_back(s);
+    bytes += Arena::round_up(s->nbytes());
+  };
+  for (const Tensor& p : model.parameters()) add(p);
+  for (const auto& [name, b] : model.named_buffers()) add(b);
+  if (host->largest_free_block() < bytes) return;
+  for (const auto& s : storages) move_storage(*s, host);
+  for (const auto& s : storages) move_storage(*s, device);
+}
+
+}  // namespace
 
 const Plan& Executor::plan(std::int64_t batch) { return plan_by_policy(batch); }
 
@@ -29,8 +55,8 @@ const Plan& Executor::plan_by_policy(std::int64_t batch) {
   const std::string& policy = opt_.recompute;
   if (policy == "none") {
     const std::string state = nn::recompute_state(model_);
-    choice_ = {0, "none", "nothing recomputed", ""};
-    if (state.find('1') != std::string::npos) choice_ = {0, "as marked", "the segments marked on the model", ""};
+    choice_ = RecomputeChoice{0, "none", "nothing recomputed", "", {}, {}};
+    if (state.find('1') != std::string::npos) choice_ = RecomputeChoice{0, "as marked", "the segments marked on the model", "", {}, {}};
     try {
       return plan_as_set(batch, std::nullopt);
     } catch (const OutOfMemory& without) {
@@ -38,6 +64,7 @@ const Plan& Executor::plan_by_policy(std::int64_t batch) {
     }
   }
   if (policy == "auto") return plan_auto(batch);
+  if (is_segment_policy(policy)) return plan_named_segments(batch);
   choice_ = set_recompute_choice(model_, recompute_policy_level(model_, policy));
   return plan_as_set(batch, std::nullopt);
 }
@@ -175,6 +202,7 @@ void Executor::apply_placement(Placement p) {
       auto part = std::make_unique<HostGradients>(optimizer_.params(), optimizer_.host_gradients());
       host_gradients_ = part.get();
       add_part(std::move(part));
+      pack_model_state(model_, arena_, opt_.host_arena);
     }
   }
   placed_ = p;
@@ -184,7 +212,13 @@ void Executor::apply_placement(Placement p) {
 const Plan& Executor::plan_auto(std::int64_t batch) {
   if (const auto it = auto_choices_.find(batch); it != auto_choices_.end()) {
     choice_ = it->second;
-    nn::set_recompute_level(model_, choice_.level);
+    if (!choice_.segments.empty()) {
+      std::vector<nn::SegmentMode> modes;
+      for (const ActivationCost& s : choice_.segments) modes.push_back(s.mode);
+      nn::set_segment_modes(model_, modes);
+    } else {
+      nn::set_recompute_level(model_, choice_.level);
+    }
     return plan_as_set(batch, std::nullopt);
   }
   const int all = top_level();
@@ -195,6 +229,13 @@ const Plan& Executor::plan_auto(std::int64_t batch) {
     auto_choices_[batch] = choice_;
     return p;
   } catch (const OutOfMemory& without) {
+    // With a host tier: each segment kept, recomputed or offloaded by the cost model first.
+    if (opt_.host_arena && !opt_.pipeline) {
+      if (const Plan* p = plan_segments(batch)) {
+        auto_choices_[batch] = choice_;
+        return *p;
+      }
+    }
     for (int level = 1; level <= all; ++level) {
       choice_ = set_recompute_choice(model_, level);
       try {

@@ -21,8 +21,11 @@ const std::vector<std::string>& recompute_policy_names() {
 void check_recompute_policy(const std::string& value) {
   static const std::regex level(R"(blocks\+layer[0-9]+(-layer[0-9]+)?)");
   const auto& names = recompute_policy_names();
-  if (std::find(names.begin(), names.end(), value) != names.end() || std::regex_match(value, level)) return;
-  throw Error(fmt::format("--recompute '{}': expected {} or a level such as blocks+layer1 (tally plan prints them)",
+  if (std::find(names.begin(), names.end(), value) != names.end() || std::regex_match(value, level) ||
+      is_segment_policy(value))
+    return;
+  throw Error(fmt::format("--recompute '{}': expected {}|offload, a level such as blocks+layer1, or segments and modes "
+                          "such as stem=offload,layer1.0=recompute (tally plan prints them)",
                           value, fmt::join(names, "|")));
 }
 
@@ -46,7 +49,7 @@ int recompute_policy_level(nn::Module& model, const std::string& policy) {
 
 RecomputeChoice set_recompute_choice(nn::Module& model, int level) {
   nn::set_recompute_level(model, level);
-  return {level, nn::recompute_level_name(model, level), nn::recompute_level_description(model, level), ""};
+  return {level, nn::recompute_level_name(model, level), nn::recompute_level_description(model, level), "", {}, {}};
 }
 
 namespace {
@@ -69,8 +72,36 @@ std::string recompute_cost(const Plan& plan) {
 
 std::string RecomputeChoice::summary(const Plan& plan) const {
   const std::string because = why.empty() ? "" : fmt::format(" (auto: {})", why);
+  if (!segments.empty()) {
+    std::string estimate;
+    if (rates) {
+      const StepEstimate e = estimate_step(plan, segments, *rates);
+      estimate = fmt::format(" — estimated step {:.3g} s against {:.3g} s keeping everything", e.total(), e.compute);
+    }
+    return fmt::format("{} ({}){}{}", name, description, because, estimate);
+  }
   if (level == 0) return name + because;
   return fmt::format("{} ({}){} — {}", name, description, because, recompute_cost(plan));
+}
+
+std::vector<std::string> RecomputeChoice::cost_lines(const Plan& plan) const {
+  std::vector<std::string> lines;
+  if (segments.empty() || !rates) return lines;
+  const double n = static_cast<double>(plan.batch_size);
+  lines.push_back(fmt::format("cost model: {}; a step of {} samples; copies counted in full", rates->str(),
+                              plan.batch_size));
+  lines.push_back(fmt::format("{:<12} {:<10} {:>14} {:>16} {:>12} {:>12}", "segment", "mode", "bytes/sample",
+                              "forward/sample", "offload s", "recompute s"));
+  for (const ActivationCost& s : segments)
+    lines.push_back(fmt::format("{:<12} {:<10} {:>14} {:>10.3f} GFLOP {:>12.4f} {:>12.4f}", s.name,
+                                nn::segment_mode_name(s.mode), format_bytes(static_cast<std::size_t>(s.bytes)),
+                                s.flops / 1e9, s.offload_seconds(*rates, n), s.recompute_seconds(*rates, n)));
+  const StepEstimate e = estimate_step(plan, segments, *rates);
+  lines.push_back(fmt::format("estimated step {:.3f} s: compute {:.3f} s, recomputation {:.3f} s, copies {:.3f} s; "
+                              "keeping everything {:.3f} s (+{:.1f}%)",
+                              e.total(), e.compute, e.recompute, e.copies, e.compute,
+                              e.compute > 0 ? 100.0 * (e.total() - e.compute) / e.compute : 0.0));
+  return lines;
 }
 
 }  // namespace tally::mbp

@@ -1,6 +1,8 @@
 // nn/module.cpp — registration, recursive traversal, train/eval, zero_grad, to(Device).
 #include "nn/module.h"
 
+#include "core/offload.h"
+
 #include <fmt/format.h>
 
 #include "core/error.h"
@@ -79,6 +81,22 @@ void Module::add_child(const std::string& name, std::shared_ptr<Module> module) 
     module->name_ = name;
   }
   children_.emplace_back(name, std::move(module));
+}
+
+const char* segment_mode_name(SegmentMode m) {
+  switch (m) {
+    case SegmentMode::keep: return "keep";
+    case SegmentMode::recompute: return "recompute";
+    case SegmentMode::offload: return "offload";
+  }
+  return "?";
+}
+
+Tensor Module::run_segment(SegmentMode mode, const std::function<Tensor(const Tensor&)>& f, const Tensor& x,
+                           const std::string& name) const {
+  if (mode == SegmentMode::keep || !training_ || !grad_enabled()) return f(x);
+  if (mode == SegmentMode::recompute) return tally::recompute(f, x, "recompute");
+  return tally::offload(f, x, name);
 }
 
 const std::string& Module::path() const {

@@ -75,6 +75,13 @@ class StepState {
   virtual void discard() = 0;
 };
 
+// How a segment of the forward keeps what its backward needs (nn/recompute.h): keep it on the
+// device (a plain call); recompute it (core/autograd.h, recompute(): only its input is kept, the
+// forward re-runs in backward); offload it (core/offload.h: moved to the host tier's memory after
+// the forward, back before the backward; needs a host tier).
+enum class SegmentMode : std::uint8_t { keep, recompute, offload };
+const char* segment_mode_name(SegmentMode m);  // "keep", "recompute", "offload"
+
 class Module {
  public:
   Module() = default;
@@ -86,7 +93,7 @@ class Module {
   // forward(x), recomputed during backward instead of kept when set_recompute(true) is on and the
   // module is training with grad mode on (core/autograd.h, recompute()).
   Tensor operator()(const Tensor& x) {
-    return observed([&] { return run_segment(recompute_, [this](const Tensor& t) { return forward(t); }, x); });
+    return observed([&] { return run_segment(segment_, [this](const Tensor& t) { return forward(t); }, x, path()); });
   }
   // fn() run as a call of this module, seen by the forward observer (the layer table) as
   // operator() is: for a module's other forwards (BatchNorm2d::forward_relu).
@@ -108,8 +115,12 @@ class Module {
 
   // Recomputation (gradient checkpointing) of this module as one segment: its forward keeps only
   // its input; backward re-runs it. Gradients are bit for bit those of a plain run.
-  void set_recompute(bool on) { recompute_ = on; }
-  bool recompute() const { return recompute_; }
+  void set_recompute(bool on) { segment_ = on ? SegmentMode::recompute : SegmentMode::keep; }
+  bool recompute() const { return segment_ == SegmentMode::recompute; }
+  // This module as a segment: kept (a plain call), recomputed, or offloaded to the host tier
+  // (core/offload.h); the same gradients bit for bit in every mode.
+  void set_segment_mode(SegmentMode m) { segment_ = m; }
+  SegmentMode segment_mode() const { return segment_; }
 
   // The parts of this model that recomputation may turn into segments, for the ladder of levels
   // of nn/recompute.h: its repeated blocks in forward order, the stages that group them (named,
@@ -119,7 +130,7 @@ class Module {
   struct RecomputeParts {
     std::vector<Module*> blocks;
     std::vector<std::pair<std::string, Module*>> stages;
-    bool* stem = nullptr;  // the switch of a non-module part recomputed as one segment; null: none
+    SegmentMode* stem = nullptr;  // the mode of a non-module part run as one segment; null: none
     std::string block_noun = "residual block";  // "every residual block but the last"
   };
   virtual RecomputeParts recompute_parts() { return {}; }
@@ -163,11 +174,11 @@ class Module {
   void to(DType dtype);
 
  protected:
-  // f(x), as a recomputed segment when `on` and this module is training with grad mode on (a part
-  // of a forward that is not a module of its own, e.g. a ResNet's stem, uses it directly).
-  Tensor run_segment(bool on, const std::function<Tensor(const Tensor&)>& f, const Tensor& x) const {
-    return on && training_ && grad_enabled() ? tally::recompute(f, x, "recompute") : f(x);
-  }
+  // f(x) as a segment of mode `mode` (named `name`) when this module is training with grad mode
+  // on, else a plain call (a part of a forward that is not a module of its own, e.g. a ResNet's
+  // stem, uses it directly).
+  Tensor run_segment(SegmentMode mode, const std::function<Tensor(const Tensor&)>& f, const Tensor& x,
+                     const std::string& name) const;
   template <class M>
   std::shared_ptr<M> register_module(const std::string& name, std::shared_ptr<M> module) {
     add_child(name, module);
@@ -189,7 +200,7 @@ class Module {
   std::string name_;                // its name there
   mutable std::optional<std::string> path_;  // path(), computed on first use
   bool training_ = true;
-  bool recompute_ = false;
+  SegmentMode segment_ = SegmentMode::keep;
 };
 
 // The step states (Module::step_state) of `root` and its descendants, in registration order.

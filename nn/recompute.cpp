@@ -45,10 +45,11 @@ std::int64_t set_recompute_level(Module& model, int level) {
   check_level(model, level);
   // Everything off first (the last block and stage too, whoever set them), then the level's.
   const Segments every = segments_of(model, false);
-  for (Module* b : every.blocks) b->set_recompute(false);
-  for (auto& [name, stage] : every.stages) stage->set_recompute(false);
+  for (Module* b : every.blocks) b->set_segment_mode(SegmentMode::keep);
+  for (auto& [name, stage] : every.stages) stage->set_segment_mode(SegmentMode::keep);
   const Segments s = segments_of(model);
-  if (s.stem) *s.stem = level >= 1;
+  if (every.stem) *every.stem = SegmentMode::keep;
+  if (s.stem && level >= 1) *s.stem = SegmentMode::recompute;
   for (Module* b : s.blocks) b->set_recompute(level >= 1);
   for (std::size_t i = 0; i < s.stages.size(); ++i) s.stages[i].second->set_recompute(level >= 2 + static_cast<int>(i));
   return segment_count(s, level);
@@ -72,11 +73,19 @@ std::string recompute_level_description(Module& model, int level) {
   return fmt::format("{} segments: {}", segment_count(s, level), what);
 }
 
+namespace {
+char state_char(SegmentMode m) { return static_cast<char>('0' + static_cast<int>(m)); }
+SegmentMode state_mode(char c) {
+  if (c < '0' || c > '2') throw Error(fmt::format("set_recompute_state: expected 0, 1 or 2 per part, found '{}'", c));
+  return static_cast<SegmentMode>(c - '0');
+}
+}  // namespace
+
 std::string recompute_state(Module& model) {
   const Segments every = segments_of(model, false);
-  std::string state = every.stem && *every.stem ? "1" : "0";
-  for (Module* b : every.blocks) state += b->recompute() ? '1' : '0';
-  for (auto& [name, stage] : every.stages) state += stage->recompute() ? '1' : '0';
+  std::string state(1, every.stem ? state_char(*every.stem) : '0');
+  for (Module* b : every.blocks) state += state_char(b->segment_mode());
+  for (auto& [name, stage] : every.stages) state += state_char(stage->segment_mode());
   return state;
 }
 
@@ -85,11 +94,40 @@ void set_recompute_state(Module& model, const std::string& state) {
   if (state.size() != 1 + every.blocks.size() + every.stages.size())
     throw Error(fmt::format("set_recompute_state: a state of {} parts for a model of {}", state.size(),
                             1 + every.blocks.size() + every.stages.size()));
+  for (const char c : state) state_mode(c);
   std::size_t i = 0;
-  if (every.stem) *every.stem = state[i] == '1';
+  if (every.stem) *every.stem = state_mode(state[i]);
   ++i;
-  for (Module* b : every.blocks) b->set_recompute(state[i++] == '1');
-  for (auto& [name, stage] : every.stages) stage->set_recompute(state[i++] == '1');
+  for (Module* b : every.blocks) b->set_segment_mode(state_mode(state[i++]));
+  for (auto& [name, stage] : every.stages) stage->set_segment_mode(state_mode(state[i++]));
+}
+
+std::vector<std::string> segment_names(Module& model) {
+  const Segments s = segments_of(model);
+  std::vector<std::string> names;
+  if (s.stem) names.push_back("stem");
+  for (Module* b : s.blocks) names.push_back(b->path());
+  return names;
+}
+
+std::vector<SegmentMode> segment_modes(Module& model) {
+  const Segments s = segments_of(model);
+  std::vector<SegmentMode> modes;
+  if (s.stem) modes.push_back(*s.stem);
+  for (Module* b : s.blocks) modes.push_back(b->segment_mode());
+  return modes;
+}
+
+void set_segment_modes(Module& model, const std::vector<SegmentMode>& modes) {
+  const std::vector<std::string> names = segment_names(model);
+  if (modes.size() != names.size())
+    throw Error(fmt::format("set_segment_modes: expected {} modes (one per segment), found {}", names.size(),
+                            modes.size()));
+  set_recompute_level(model, 0);
+  const Segments s = segments_of(model);
+  std::size_t i = 0;
+  if (s.stem) *s.stem = modes[i++];
+  for (Module* b : s.blocks) b->set_segment_mode(modes[i++]);
 }
 
 std::int64_t set_recompute_blocks(Module& model, bool on) {

@@ -19,6 +19,7 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "nn/module.h"
 
@@ -33,11 +34,19 @@ std::string recompute_level_name(Module& model, int level);
 // or "19 segments: the stem and every residual block but the last, and layer1-layer3 around their
 // blocks".
 std::string recompute_level_description(Module& model, int level);
-// The recomputation switches of every part the model offers (stem, blocks, stages; the last ones
-// too), as a string of '0' and '1': whatever set them, this is what a step will recompute. Kept
+// The segment modes of every part the model offers (stem, blocks, stages; the last ones too), as a
+// string of '0' (keep), '1' (recompute) and '2' (offload): whatever set them, this is what a step
+// will recompute and offload. Kept
 // and restored by the MBP executor around a plan at another level, and part of its plans' key.
 std::string recompute_state(Module& model);
 void set_recompute_state(Module& model, const std::string& state);
+// The segments that can each be kept, recomputed or offloaded on their own (mbp/activations.h):
+// level 1's — the stem, where the model has one, then every block but the last — named "stem" and
+// by their paths ("layer1.0"); their modes in that order; and all of them set at once (every stage
+// kept: the ladder's levels above 1 are recomputation only).
+std::vector<std::string> segment_names(Module& model);
+std::vector<SegmentMode> segment_modes(Module& model);
+void set_segment_modes(Module& model, const std::vector<SegmentMode>& modes);
 // Level 1 (on) or 0 (off); returns the number of segments.
 std::int64_t set_recompute_blocks(Module& model, bool on);
 

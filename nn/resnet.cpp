@@ -206,14 +206,14 @@ Module::RecomputeParts staged_parts(std::initializer_list<std::pair<const char*,
 Module::RecomputeParts ResNet::recompute_parts() {
   RecomputeParts parts = staged_parts(
       {{"layer1", layer1.get()}, {"layer2", layer2.get()}, {"layer3", layer3.get()}, {"layer4", layer4.get()}});
-  parts.stem = &recompute_stem;
+  parts.stem = &stem_mode;
   return parts;
 }
 
 std::vector<Module::Segment> ResNet::segments() {
   std::vector<Segment> out;
   out.push_back({"stem", {conv1.get(), bn1.get(), relu.get(), maxpool.get()}, [this](const Tensor& x) {
-                   return run_segment(recompute_stem, [this](const Tensor& t) { return stem(t); }, x);
+                   return run_segment(stem_mode, [this](const Tensor& t) { return stem(t); }, x, "stem");
                  }});
   add_block_segments(out, {{"layer1", layer1.get()}, {"layer2", layer2.get()}, {"layer3", layer3.get()},
                            {"layer4", layer4.get()}});
@@ -226,7 +226,7 @@ Tensor ResNet::stem(const Tensor& x) {
 }
 
 Tensor ResNet::forward(const Tensor& x) {
-  Tensor y = run_segment(recompute_stem, [this](const Tensor& t) { return stem(t); }, x);
+  Tensor y = run_segment(stem_mode, [this](const Tensor& t) { return stem(t); }, x, "stem");
   y = (*layer4)((*layer3)((*layer2)((*layer1)(y))));
   return pool_and_classify(*avgpool, *fc, y);
 }

@@ -95,8 +95,8 @@ class ResNet : public Module {
   std::shared_ptr<Sequential> layer1, layer2, layer3, layer4;
   std::shared_ptr<AdaptiveAvgPool2d> avgpool;
   std::shared_ptr<Linear> fc;
-  // The stem (conv1, bn1, ReLU, max pool) as one recomputed segment (nn/recompute.h).
-  bool recompute_stem = false;
+  // The stem (conv1, bn1, ReLU, max pool) as one segment (nn/recompute.h): kept, recomputed or offloaded.
+  SegmentMode stem_mode = SegmentMode::keep;
 
  private:
   Tensor stem(const Tensor& x);

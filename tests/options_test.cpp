@@ -157,7 +157,7 @@ TEST(Options, EachCommandStartsFromItsOwnDefaults) {
   EXPECT_NE(plan_cli.help().find("fp32|bf16"), std::string::npos);
   // --resume's help names the flags that may change, from the table.
   EXPECT_NE(train_cli.help().find("--threads, --profile, --save, --no-progress, --host-memory-limit, --placement, "
-                                   "--checkpoint-every"),
+                                   "--copy-bandwidth, --compute-rate, --checkpoint-every"),
             std::string::npos)
       << train_cli.help();
   EXPECT_NE(plan_cli.help().find("auto|device|optimizer|gradients"), std::string::npos);
@@ -188,19 +188,21 @@ TEST(Options, TheTextFormKeepsEveryOptionAndTheSameStrings) {
   EXPECT_EQ(values.at("eval"), "true");
   EXPECT_EQ(values.at("host-memory-limit"), "none");
   EXPECT_EQ(values.at("placement"), "auto");
-  EXPECT_EQ(values.size(), 40u);
+  EXPECT_EQ(values.at("copy-bandwidth"), "measure");
+  EXPECT_EQ(values.size(), 42u);
   EXPECT_EQ(values.count("resume"), 0u);
   EXPECT_EQ(option_values(options_from_values(values, "test")), option_values(o));
   // A checkpoint from before --memory-format ran contiguous; one from before the pipeline had one
   // stage; one from before the host tier had none.
   for (const char* newer : {"memory-format", "pipeline-stages", "pipeline-split", "pipeline-schedule",
-                            "host-memory-limit", "placement"})
+                            "host-memory-limit", "placement", "copy-bandwidth", "compute-rate"})
     values.erase(newer);
   const TrainOptions old = options_from_values(values, "test");
   EXPECT_EQ(old.memory_format, MemoryFormat::Contiguous);
   EXPECT_EQ(old.pipeline_stages, 1);
   EXPECT_EQ(old.host_memory_limit, "none");
   EXPECT_FALSE(old.placement.has_value());
+  EXPECT_EQ(old.copy_bandwidth, "measure");
   values["precision"] = "fp16";
   try {
     (void)options_from_values(values, "state.json");
@@ -226,13 +228,13 @@ TEST(Options, AResumedRunTakesOnlyTheChangeableFlags) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("--lr: the run has 0.3, given 0.1"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("only --threads, --profile, --save, --no-progress, --host-memory-limit, "
-                                         "--placement, --checkpoint-every may change"),
+                                         "--placement, --copy-bandwidth, --compute-rate, --checkpoint-every may change"),
               std::string::npos)
         << e.what();
   }
   EXPECT_EQ(options_changeable_on_resume(),
             (std::vector<std::string>{"threads", "profile", "save", "out", "progress", "host-memory-limit", "placement",
-                                      "checkpoint-every"}));
+                                      "copy-bandwidth", "compute-rate", "checkpoint-every"}));
 }
 
 }  // namespace

@@ -185,14 +185,14 @@ TEST_F(Recompute, TheLevelsOfAResNet) {
             "17 segments: the stem and every residual block but the last, and layer1 around their blocks");
   EXPECT_EQ(nn::set_recompute_level(*m, 3), 18);
   auto* r = dynamic_cast<nn::ResNet*>(m.get());
-  EXPECT_TRUE(r->recompute_stem && r->layer1->recompute() && r->layer2->recompute() && !r->layer3->recompute());
+  EXPECT_TRUE(r->stem_mode == nn::SegmentMode::recompute && r->layer1->recompute() && r->layer2->recompute() && !r->layer3->recompute());
   const auto& blocks4 = r->layer4->named_children();
   EXPECT_TRUE(blocks4[1].second->recompute() && !blocks4[2].second->recompute()) << "the last block is not a segment";
   EXPECT_EQ(nn::set_recompute_level(*m, 4), 19);
   EXPECT_FALSE(r->layer4->recompute()) << "nor the last stage";
   r->layer4->set_recompute(true);
   EXPECT_EQ(nn::set_recompute_level(*m, 0), 0);
-  EXPECT_FALSE(r->recompute_stem || r->layer1->recompute() || r->layer4->recompute());
+  EXPECT_FALSE(r->stem_mode != nn::SegmentMode::keep || r->layer1->recompute() || r->layer4->recompute());
   EXPECT_THROW(nn::set_recompute_level(*m, 5), Error);
   EXPECT_EQ(nn::recompute_levels(*model("resnet9", "batch", 1)), 2);  // ResNet-9: its six units, no stages
 }

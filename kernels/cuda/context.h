@@ -136,6 +136,12 @@ std::optional<float> elapsed_ms(const Event& start, const Event& stop);
 //     buffer set aside for uploads, not a block the arena just handed back, or first make the
 //     copy stream wait for the compute stream with copy_wait(Event::record(compute_stream())).
 Event upload_async(void* dst_device, const void* src_pinned, std::size_t bytes);
+// Copies `bytes` from device memory to pinned host memory on the copy stream and returns the event
+// that marks its completion (an offloaded segment's activations, core/offload.h); the same
+// preconditions, mirrored: the copy stream must first wait for the compute work that wrote
+// `src_device`, and nothing may reuse `src_device` before the event (compute_wait) or read
+// `dst_pinned` on the host before it is done.
+Event download_async(void* dst_pinned, const void* src_device, std::size_t bytes);
 // Work enqueued on the compute stream from now on waits for `e` (no host wait).
 void compute_wait(const Event& e);
 // Work enqueued on the copy stream from now on waits for `e` (no host wait).

@@ -29,7 +29,9 @@ struct LayerRow {
 };
 
 // Rows in call order for a batch of `batch` samples of `sample_shape`; `arena` holds the model
-// (the dry forward runs on an unbounded virtual clone of it).
+// (the dry forward runs on an unbounded virtual clone of it, and of the host tier's arena when one
+// is current: offloaded segments, core/offload.h, need it, and their rows then show what stays on
+// the device).
 // `input` is the dtype of the input (and so of the activations): bfloat16 for a bf16 mixed-precision
 // step, the model's dtype if left out.
 std::vector<LayerRow> layer_table(nn::Module& model, const Arena& arena, const Shape& sample_shape, std::int64_t batch,

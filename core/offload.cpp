@@ -1,0 +1,211 @@
+// core/offload.cpp — offloaded segments; see core/offload.h.
+#include "core/offload.h"
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <memory>
+
+#include <fmt/format.h>
+
+#include "core/autograd.h"
+#include "core/dry_run.h"
+#include "core/error.h"
+#include "core/memory.h"
+#include "core/ops.h"
+#include "kernels/cuda/context.h"
+#include "kernels/cuda/cuda_kernels.h"
+
+namespace tally {
+namespace {
+
+std::atomic<bool> g_prefetch_on_cpu{false};
+thread_local OffloadLog* tl_log = nullptr;
+
+void host_copy(void* dst, const void* src, std::size_t bytes) { std::memcpy(dst, src, bytes); }
+
+// One segment's storages between its forward and its backward.
+struct OffloadSet {
+  std::string name;
+  Device device;
+  std::vector<std::shared_ptr<Storage>> storages;
+  bool on_host = false;
+  // A GPU's upload of the storages (move_back): the compute stream waits for it before the
+  // segment's backward. Empty on the CPU and in dry runs.
+  std::function<void()> wait_uploaded;
+  // The segment whose output was this one's input: its backward comes right after this one's.
+  std::shared_ptr<OffloadSet> previous;
+};
+
+bool dry(const Arena& a) { return a.is_virtual(); }
+
+void move_out(OffloadSet& s, const std::shared_ptr<Arena>& host) {
+  const std::shared_ptr<Arena>& device = current_arena(s.device);
+  if (s.device.is_cpu() || dry(*device)) {
+    for (const auto& st : s.storages) st->relocate(host, host_copy);
+  } else if constexpr (kHaveCudaBackend) {
+    namespace kcu = kernels::cuda;
+    kcu::use_device(s.device.index);
+    kcu::copy_wait(kcu::Event::record(kcu::compute_stream()));  // after the forward that wrote them
+    kcu::Event last;
+    for (const auto& st : s.storages)
+      st->relocate(host, [&](void* dst, const void* src, std::size_t n) { last = kcu::download_async(dst, src, n); });
+    kcu::compute_wait(last);  // the freed device blocks are reused only after the copies (one stream: the last)
+  }
+  s.on_host = true;
+}
+
+void move_back(OffloadSet& s) {
+  const std::shared_ptr<Arena>& device = current_arena(s.device);
+  if (s.device.is_cpu() || dry(*device)) {
+    for (const auto& st : s.storages) st->relocate(device, host_copy);
+  } else if constexpr (kHaveCudaBackend) {
+    namespace kcu = kernels::cuda;
+    kcu::use_device(s.device.index);
+    // The blocks the arena hands out may still be read by compute work enqueued so far.
+    kcu::copy_wait(kcu::Event::record(kcu::compute_stream()));
+    auto last = std::make_shared<kcu::Event>();
+    for (const auto& st : s.storages)
+      st->relocate(device, [&](void* dst, const void* src, std::size_t n) { *last = kcu::upload_async(dst, src, n); });
+    const int index = s.device.index;
+    s.wait_uploaded = [last, index] {
+      kcu::use_device(index);
+      kcu::compute_wait(*last);
+    };
+  }
+  s.on_host = false;
+}
+
+// Between y and the last op of f: brings the segment's storages back before any of f's backward,
+// and starts bringing the previous segment's (prefetch).
+struct OffloadBackward final : Node {
+  std::shared_ptr<OffloadSet> set;
+  const char* name() const override { return "offload"; }
+  void release() override { set.reset(); }
+  void backward(const Tensor& gy, std::vector<GradSlot>& g) override { backward(Tensor(gy), g); }
+  void backward(Tensor&& gy, std::vector<GradSlot>& g) override {
+    if (!set) throw Error("offload backward: the segment's tensors were released (a second backward?)");
+    if (set->on_host) move_back(*set);
+    if (set->wait_uploaded) set->wait_uploaded();
+    set->storages.clear();  // each is freed when its last op's backward is done with it
+    if (offload_prefetches(set->device) && set->previous && set->previous->on_host) move_back(*set->previous);
+    set.reset();
+    if (g[0].needed) g[0].buffer = std::move(gy);
+  }
+};
+
+bool moves(const Storage& s, const Arena& device) {
+  return &*s.arena() == &device && (s.category() == Category::activation || s.category() == Category::input);
+}
+
+}  // namespace
+
+void move_storage(Storage& s, std::shared_ptr<Arena> to) {
+  const Device device = s.device().is_cuda() ? s.device() : to->device();
+  if (device.is_cpu()) {
+    s.relocate(std::move(to), host_copy);
+  } else if constexpr (kHaveCudaBackend) {
+    namespace kcu = kernels::cuda;
+    kcu::use_device(device.index);
+    const bool out = to->device().is_cpu();
+    s.relocate(std::move(to), out ? kcu::copy_to_host : kcu::copy_from_host);
+  } else {
+    throw Error(fmt::format("move_storage: this build of tally has no CUDA backend for {}", device.str()));
+  }
+}
+
+namespace {
+// The best of `reps` timings of f(), the device synchronized after each.
+template <class F>
+double best_seconds(Device device, int reps, F&& f) {
+  double best = 1e30;
+  for (int i = 0; i < reps; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    synchronize(device);
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  return best;
+}
+}  // namespace
+
+DeviceRates measure_device_rates(Device device, DType dtype) {
+  if (is_dry_run()) throw Error("measure_device_rates: not in a dry run, where nothing runs");
+  constexpr std::int64_t kCopyBytes = std::int64_t(32) << 20;
+  const Shape xs{4, 64, 56, 56}, ws{64, 64, 3, 3};
+  // Room for the convolution's tensors and a library's workspace (a fraction of the arena).
+  const std::size_t device_bytes = static_cast<std::size_t>(kCopyBytes) + (std::size_t(192) << 20);
+  auto device_arena = std::make_shared<Arena>(device, device_bytes);
+  const std::shared_ptr<Arena> host = Arena::make_host(static_cast<std::size_t>(kCopyBytes) + (std::size_t(1) << 20));
+  DeviceRates r;
+  const ArenaScope on_device(device_arena);
+  {
+    Tensor d = Tensor::empty({kCopyBytes / 4}, DType::Int32, device, Category::temporary, "device_rates.copy");
+    Tensor h;
+    {
+      const ArenaScope on_host(host);
+      h = Tensor::empty({kCopyBytes / 4}, DType::Int32, Device::cpu(), Category::temporary, "device_rates.copy");
+    }
+    h.fill_(1);
+    d.fill_(2);
+    const double out = best_seconds(device, 4, [&] { h.copy_(d); });
+    const double back = best_seconds(device, 4, [&] { d.copy_(h); });
+    r.copy_bytes_per_second = 2.0 * static_cast<double>(kCopyBytes) / (out + back);
+  }
+  const NoGradGuard off;
+  const Tensor x = Tensor::full(xs, 0.5, dtype, device, Category::temporary, "device_rates.conv");
+  const Tensor w = Tensor::full(ws, 0.01, dtype, device, Category::temporary, "device_rates.conv");
+  Conv2dOptions o;
+  o.padding = {1, 1};
+  (void)conv2d(x, w, {}, o);  // the first call chooses algorithms and loads kernels
+  const double t = best_seconds(device, 4, [&] { (void)conv2d(x, w, {}, o); });
+  r.flops_per_second = 2.0 * static_cast<double>(shape_numel(xs)) * 64 * 9 / t;
+  return r;
+}
+
+void set_offload_prefetch(bool on) { g_prefetch_on_cpu = on; }
+bool offload_prefetches(Device device) { return device.is_cuda() || g_prefetch_on_cpu; }
+
+OffloadLog::OffloadLog() : outer_(tl_log) { tl_log = this; }
+OffloadLog::~OffloadLog() { tl_log = outer_; }
+void OffloadLog::add(OffloadRecord r) {
+  if (tl_log) tl_log->records_.push_back(std::move(r));
+}
+
+Tensor offload(const std::function<Tensor(const Tensor&)>& f, const Tensor& x, const std::string& name) {
+  if (!grad_enabled() || recomputing()) return f(x);
+  const std::shared_ptr<Arena>& host = current_host_arena();
+  if (!host)
+    throw Error(fmt::format("offload of segment '{}': expected a host tier to move its activations to (a host "
+                            "arena: --host-memory-limit), found none", name));
+  const double flops_before = flop_count().forward;
+  Tensor y;
+  auto set = std::make_shared<OffloadSet>();
+  set->name = name;
+  set->device = x.device();
+  {
+    StorageWatch watch;
+    y = f(x);
+    const Arena& device = *current_arena(set->device);
+    const Storage* out = y.defined() ? y.impl().storage.get() : nullptr;
+    for (const std::weak_ptr<Storage>& w : watch.made())
+      if (std::shared_ptr<Storage> s = w.lock(); s && s.get() != out && moves(*s, device))
+        set->storages.push_back(std::move(s));
+    if (x.defined() && x.impl().storage.get() != out && moves(*x.impl().storage, device))
+      set->storages.push_back(x.impl().storage);
+  }
+  if (!y.defined() || !y.grad_fn()) return y;  // nothing recorded: no backward to bring them back for
+  OffloadRecord record{name, 0, flop_count().forward - flops_before};
+  for (const auto& s : set->storages) record.bytes += s->nbytes();
+  OffloadLog::add(std::move(record));
+  if (const auto* before = dynamic_cast<const OffloadBackward*>(x.grad_fn().get())) set->previous = before->set;
+  move_out(*set, host);
+  auto n = std::make_shared<OffloadBackward>();
+  n->set = std::move(set);
+  Tensor out = y.detach();  // the same storage, with the offload node as its history
+  set_history(out, n, {&y});
+  return out;
+}
+
+}  // namespace tally
