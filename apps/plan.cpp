@@ -101,7 +101,7 @@ mbp::Plan plan_stages(const PlanOptions& opt, const nn::ModelConfig& mc, const S
 void print_placement(const mbp::Executor& executor, const mbp::Plan& p, std::ostream& out) {
   const mbp::PlacementChoice& placed = executor.placement_choice();
   fmt::print(out, "      placement {}: {}\n", mbp::placement_name(placed.placement), placed.why);
-  if (placed.placement != mbp::Placement::device)
+  if (p.host_predicted_peak > 0)  // state placed or activations offloaded there
     fmt::print(out, "      host tier: predicted peak {} ({} bytes) of {}; live at its peak: {}\n",
                format_bytes(p.host_predicted_peak), p.host_predicted_peak, format_bytes(p.host_budget),
                p.host_at_peak.str());

@@ -116,7 +116,7 @@ void TrainingRun::print_plan(const mbp::Plan& plan) const {
   if (host_arena_) {
     const mbp::PlacementChoice& placed = executor_->placement_choice();
     fmt::print(log_, "      placement {}: {}\n", mbp::placement_name(placed.placement), placed.why);
-    if (placed.placement != mbp::Placement::device)
+    if (plan.host_predicted_peak > 0)  // state placed or activations offloaded there
       fmt::print(log_, "      host tier: predicted peak {} of {}; live at its peak: {}\n",
                  format_bytes(plan.host_predicted_peak), format_bytes(plan.host_budget), plan.host_at_peak.str());
   }
@@ -245,7 +245,7 @@ void TrainingRun::finish() {
              format_bytes(static_cast<std::size_t>(result_.predicted_peak_bytes)), result_.predicted_peak_bytes,
              meter.mismatches == 0 ? " — exact" : fmt::format(" — {} steps differed", meter.mismatches),
              format_bytes(arena_->capacity()), result_.oom_retries);
-  if (host_arena_ && result_.placement != "device")
+  if (host_arena_ && result_.host_peak_bytes > 0)  // state placed or activations offloaded there
     fmt::print(log_, "host tier: measured step peak {} ({} bytes), predicted {} ({} bytes){}, limit {}\n",
                format_bytes(static_cast<std::size_t>(result_.host_peak_bytes)), result_.host_peak_bytes,
                format_bytes(static_cast<std::size_t>(result_.host_predicted_peak_bytes)), result_.host_predicted_peak_bytes,

@@ -155,7 +155,7 @@ DeviceRates measure_device_rates(Device device, DType dtype) {
   }
   const NoGradGuard off;
   const Tensor x = Tensor::full(xs, 0.5, dtype, device, Category::temporary, "device_rates.conv");
-  const Tensor w = Tensor::full(ws, 0.01, dtype, device, Category::temporary, "device_rates.conv");
+  const Tensor w = Tensor::full(ws, 0.01, param_dtype(dtype), device, Category::temporary, "device_rates.conv");
   Conv2dOptions o;
   o.padding = {1, 1};
   (void)conv2d(x, w, {}, o);  // the first call chooses algorithms and loads kernels

@@ -28,6 +28,7 @@
 #include "distributed/communicator.h"
 #include "distributed/data_parallel.h"
 #include "mbp/executor.h"
+#include "nn/recompute.h"
 #include "tests/command_line.h"
 #include "tests/model_common.h"
 
@@ -319,6 +320,80 @@ TEST_F(Dist, TheOptimizerOnEachRanksHostTierChangesNoBit) {
     }
   }
   EXPECT_TRUE(bitwise_equal(results[0], results[1])) << "the host tier changed the parameters";
+}
+
+// Offloaded segments on every rank: the parameters of the run that keeps them, bit for bit; the
+// cost model's choice is rank 0's rates on every rank, so the ranks plan alike.
+TEST_F(Dist, OffloadedSegmentsOnEachRankChangeNoBitAndTheRanksChooseAlike) {
+  REQUIRE_TWO_RANKS();
+  auto comm = world();
+  const Shape sample{3, 16, 16};
+  const std::int64_t B = 24;
+  const distributed::Shard s = distributed::shard(B, comm->size(), comm->rank());
+  std::vector<std::vector<std::vector<double>>> results;
+  for (const std::string policy : {"none", "offload", "auto"}) {
+    const auto budget = std::make_shared<Arena>(Device::cpu(), parse_size("32MiB"));
+    std::shared_ptr<nn::Module> m;
+    std::unique_ptr<optim::AdamW> opt;
+    {
+      ArenaScope in_budget(budget);
+      m = model("resnet20", "batch", 6);
+      opt = std::make_unique<optim::AdamW>(m->parameters(), optim::AdamWOptions{.lr = 1e-3});
+    }
+    mbp::ExecutorOptions eo = options(sample, 5, comm);
+    eo.recompute = policy;
+    if (policy != "none") {
+      eo.host_arena = Arena::make_host(parse_size("16MiB"));
+      eo.placement = mbp::Placement::device;
+    }
+    mbp::Executor ex(*m, *opt, budget, eo);
+    for (int step = 0; step < 2; ++step) {
+      const Data d = make_data(B, sample, 700 + static_cast<std::uint32_t>(step));
+      const mbp::StepResult r =
+          ex.step(d.images.data() + s.offset * shape_numel(sample), d.labels.data() + s.offset, s.size);
+      EXPECT_EQ(r.peak, r.predicted_peak) << policy << " step " << step;
+      EXPECT_EQ(r.host_peak, r.host_predicted_peak) << policy << " step " << step;
+      if (policy == "offload") EXPECT_GT(r.host_peak, 0u);
+    }
+    EXPECT_TRUE(distributed::parameters_identical(*m, *comm));
+    results.push_back(values<float>(*m));
+  }
+  EXPECT_TRUE(bitwise_equal(results[0], results[1])) << "offloading changed the parameters";
+  EXPECT_TRUE(bitwise_equal(results[0], results[2]));
+  // With a budget no sample fits unless segments leave the device, auto takes the cost model's
+  // choice; measured rates differ between ranks, so each takes rank 0's, and both choose alike.
+  const auto tight = std::make_shared<Arena>(Device::cpu(), parse_size("22MiB"));
+  std::shared_ptr<nn::Module> m;
+  std::unique_ptr<optim::AdamW> opt;
+  {
+    ArenaScope in_budget(tight);
+    m = model("resnet20", "batch", 6);
+    opt = std::make_unique<optim::AdamW>(m->parameters(), optim::AdamWOptions{.lr = 1e-3});
+  }
+  const Shape big{3, 128, 128};
+  mbp::ExecutorOptions eo = options(big, 1, comm);
+  eo.micro_batch.reset();
+  eo.recompute = "none";
+  std::size_t need = 0;
+  {
+    mbp::Executor probe(*m, *opt, tight, eo);
+    try {
+      (void)probe.plan(8);
+    } catch (const OutOfMemory& e) {
+      need = e.requested();
+    }
+  }
+  ASSERT_GT(need, 0u) << "one sample of 3x128x128 should not fit 22 MiB without recomputation";
+  eo.recompute = "auto";
+  eo.host_arena = Arena::make_host(parse_size("64MiB"));
+  eo.placement = mbp::Placement::device;
+  mbp::Executor ex(*m, *opt, tight, eo);
+  (void)ex.plan(8);
+  ASSERT_EQ(ex.recompute_choice().name, "per segment") << ex.recompute_choice().why;
+  const double rates[2] = {ex.recompute_choice().rates->copy_bytes_per_second,
+                           ex.recompute_choice().rates->flops_per_second};
+  EXPECT_NO_THROW(distributed::check_same_text(fmt::format("{} {} {}", rates[0], rates[1], nn::recompute_state(*m)),
+                                               *comm, "cost rates and choice"));
 }
 
 TEST_F(Dist, BroadcastParametersGivesEveryRankRank0sWeights) {

@@ -753,6 +753,34 @@ TEST(GpuOps, HostPlacementsMatchEachOtherBitForBitAndTheDeviceToRounding) {
   EXPECT_LT(max_rel_err(optimizer, device), 1e-5);
 }
 
+// Offloaded segments on the GPU (core/offload.h): each block's activations and input go to the
+// pinned host tier on the copy stream after its forward and come back prefetched one segment ahead
+// in backward, the compute stream waiting on events. Two micro-batched steps equal the plain run
+// bit for bit — every block offloaded, and a list mixing the three modes — with both arenas' peaks
+// exact (resnet20_gpu_steps checks them).
+TEST(GpuOps, OffloadedSegmentsEqualThePlainStepsBitForBit) {
+  REQUIRE_GPU();
+  std::mt19937 rng(fresh_seed());
+  const Tensor x = host_tensor({24, 3, 32, 32}, rng);
+  std::vector<i64> labels(24);
+  for (auto& l : labels) l = static_cast<i64>(rng() % 10);
+  const auto offloaded = [](const std::string& policy) {
+    return [policy](mbp::ExecutorOptions& eo) {
+      eo.host_arena = Arena::make_host(std::size_t(256) << 20);
+      eo.placement = mbp::Placement::device;
+      eo.recompute = policy;
+      eo.cost_rates = mbp::CostRates{20e9, 100e12, ""};
+    };
+  };
+  const auto plain = resnet20_gpu_steps(x, labels, 12, [](nn::Module&) {}, [](mbp::ExecutorOptions&) {}, "plain");
+  const auto all = resnet20_gpu_steps(x, labels, 12, [](nn::Module&) {}, offloaded("offload"), "offload");
+  const auto mixed = resnet20_gpu_steps(x, labels, 12, [](nn::Module&) {},
+                                        offloaded("layer1.0=offload,layer1.1=recompute,layer2.0=offload"), "mixed");
+  ASSERT_EQ(plain.size(), all.size());
+  EXPECT_TRUE(plain == all) << "offloading every block changed bits on the GPU";
+  EXPECT_TRUE(plain == mixed) << "offloading and recomputing some blocks changed bits on the GPU";
+}
+
 // Recomputation on the GPU: ResNet-20 with every block recomputed, two micro-batched steps, equals
 // the plain run bit for bit (tally's cuDNN choices are deterministic by default), peaks exact.
 TEST(GpuOps, RecomputedStepsEqualThePlainStepsBitForBit) {

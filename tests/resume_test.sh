@@ -18,7 +18,8 @@
 #   host_tier        AdamW's state and the gradients in the host tier (--placement gradients)
 #                    killed and resumed without a host tier; killed without one and resumed with
 #                    the optimizer on the host (--placement optimizer): a checkpoint does not
-#                    depend on where the state lived (the memory columns differ, the values do not)
+#                    depend on where the state lived (the memory columns differ, the values do not);
+#                    every segment's activations offloaded (--recompute offload), killed and resumed
 #   mpi              two ranks (MPIEXEC): killed and resumed; SIGUSR1 stops both at one step;
 #                    resuming on another number of ranks is an error
 #   cuda             the kill points on the GPU (exit 77, skipped, when no GPU is present)
@@ -174,6 +175,14 @@ case $case_name in
     [[ $(grep -c "placement optimizer: as given" "$out.log") -ge 1 ]] || fail "to_host: the resumed run did not place the optimizer"
     grep -q "host tier: measured step peak .* — exact\|host tier: measured step peak" "$out.log" || fail "to_host: no host tier line"
     same_values "$out" "killed without a host tier after step 7, resumed with the optimizer on the host"
+    out="$work/offloaded"
+    ARGS=("${base[@]}" --optimizer adamw --lr 0.002 --host-memory-limit 64MiB --recompute offload
+          --copy-bandwidth 10 --compute-rate 100)
+    run "$out" TALLY_TEST_SIGKILL=after-step:7
+    grep -q "recompute: per segment (offloaded: layer1.0" "$out.log" || fail "offloaded: the killed run did not offload"
+    resume "$out" || { fail "offloaded: resume failed"; tail -5 "$out.log"; }
+    grep -q "host tier: measured step peak .* — exact" "$out.log" || fail "offloaded: the host tier's peak was not exact"
+    same_values "$out" "segments offloaded to the host tier, killed after step 7 and resumed"
     ;;
   signals)
     reference
