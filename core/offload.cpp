@@ -153,13 +153,20 @@ DeviceRates measure_device_rates(Device device, DType dtype) {
     const double back = best_seconds(device, 4, [&] { d.copy_(h); });
     r.copy_bytes_per_second = 2.0 * static_cast<double>(kCopyBytes) / (out + back);
   }
+  // A block's forward in miniature: the convolution, then its batch norm and ReLU, whose time the
+  // rate includes although only the convolution's FLOPs count (as the planner counts them).
   const NoGradGuard off;
   const Tensor x = Tensor::full(xs, 0.5, dtype, device, Category::temporary, "device_rates.conv");
   const Tensor w = Tensor::full(ws, 0.01, param_dtype(dtype), device, Category::temporary, "device_rates.conv");
+  const Tensor gamma = Tensor::full({64}, 1.0, param_dtype(dtype), device, Category::temporary, "device_rates.norm");
+  const Tensor beta = Tensor::full({64}, 0.0, param_dtype(dtype), device, Category::temporary, "device_rates.norm");
   Conv2dOptions o;
   o.padding = {1, 1};
-  (void)conv2d(x, w, {}, o);  // the first call chooses algorithms and loads kernels
-  const double t = best_seconds(device, 4, [&] { (void)conv2d(x, w, {}, o); });
+  BatchNormOptions n;
+  n.relu = true;
+  const auto forward = [&] { (void)batch_norm(conv2d(x, w, {}, o), gamma, beta, {}, {}, n); };
+  forward();  // the first call chooses algorithms and loads kernels
+  const double t = best_seconds(device, 6, forward);
   r.flops_per_second = 2.0 * static_cast<double>(shape_numel(xs)) * 64 * 9 / t;
   return r;
 }

@@ -47,7 +47,12 @@ void pack_model_state(nn::Module& model, const std::shared_ptr<Arena>& device, c
 
 }  // namespace
 
-const Plan& Executor::plan(std::int64_t batch) { return plan_by_policy(batch); }
+const Plan& Executor::plan(std::int64_t batch) {
+  const Plan& p = plan_by_policy(batch);
+  // With a host tier, every choice carries the cost model's rates: the plan states its estimate.
+  if (opt_.host_arena && !choice_.rates) choice_.rates = cost_rates();
+  return p;
+}
 
 int Executor::top_level() { return nn::recompute_levels(model_) - 1; }
 

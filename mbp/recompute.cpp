@@ -80,8 +80,11 @@ std::string RecomputeChoice::summary(const Plan& plan) const {
     }
     return fmt::format("{} ({}){}{}", name, description, because, estimate);
   }
-  if (level == 0) return name + because;
-  return fmt::format("{} ({}){} — {}", name, description, because, recompute_cost(plan));
+  // With the cost model's rates (a host tier): the step's estimate, as for a choice per segment.
+  const std::string estimate =
+      rates ? fmt::format(" — estimated step {:.3g} s at {}", estimate_step(plan, {}, *rates).total(), rates->str()) : "";
+  if (level == 0) return name + because + estimate;
+  return fmt::format("{} ({}){} — {}{}", name, description, because, recompute_cost(plan), estimate);
 }
 
 std::vector<std::string> RecomputeChoice::cost_lines(const Plan& plan) const {

@@ -29,6 +29,11 @@
 #                  400 MiB device budget, 3 steps with the optimizer on the pinned host tier and
 #                  with the gradients there too (their --save files must be identical), and
 #                  the plan's automatic choice for batch 4096 in 600 MiB                 (~1 min)
+#        offload   activations offloaded per segment (docs/activations.md): ResNet-50 1024x1024
+#                  AdamW batch 2 in a 500 MiB device budget with a pinned host tier (recompute
+#                  auto: the cost model's choice), 3 steps, against the all-device run at
+#                  micro-batch 1 in 4 GiB (--save files must be identical); the plan's estimated
+#                  step time beside the measured one                                     (~1 min)
 #        compare   bench/compare_pytorch.py, ResNet-50 batch 256: float32, TF32 and bf16 (PyTorch:
 #                  autocast + channels_last + cudnn.benchmark), tally through the legacy and the
 #                  graph convolution API against one PyTorch run each                   (~2 min)
@@ -65,7 +70,7 @@ bundle=.gpu-bundle
 debs=.gpu-debs
 tests=(gpu_test gpu_kernels_test gpu_ops_test gpu_bf16_test)
 # The GPU check's order, most important first: a run cut at its deadline has done these.
-all_steps=(env tests train resnet50 host compare profile sanitize)
+all_steps=(env tests train resnet50 host offload compare profile sanitize)
 programs=("${tests[@]/#/tests/}" apps/tally bench/bench_kernels bench/bench_train)
 # The GPU machine takes 64 MiB of working tree in all: the tracked files travel with the bundle.
 # The bundle and the tracked tree together stay under 60 MiB, a margin for untracked notes.
@@ -429,6 +434,17 @@ step_resnet50() {
   done
 }
 
+# same_saves WHAT A B: a result line saying whether two runs' --save files are identical.
+same_saves() {
+  if [[ ! -f $2 || ! -f $3 ]]; then
+    result "$1: --save files" "missing (a run failed)"
+  elif cmp -s "$2" "$3"; then
+    result "$1: --save files" "identical"
+  else
+    result "$1: --save files" "DIFFER"
+  fi
+}
+
 # The host tier on the GPU: both host placements at micro-batches of 2 (identical --save files: the
 # same CPU update from the same sums), and the plan's choice for a batch of 4096.
 step_host() {
@@ -443,17 +459,31 @@ step_host() {
     [[ -f $run-$p/summary.json ]] && cp "$run-$p/summary.json" "$logs/host-$p-summary.json"
     result "train resnet50 host $p B=64 in 400MiB" "$(grep -E '^(memory|host tier):' "$log" | tail -2 | tr '\n' ' ' | cut -c1-120)"
   done
-  if [[ ! -f $run-optimizer.safetensors || ! -f $run-gradients.safetensors ]]; then
-    result "host placements: --save files" "missing (a run failed)"
-  elif cmp -s "$run-optimizer.safetensors" "$run-gradients.safetensors"; then
-    result "host placements: --save files" "identical"
-  else
-    result "host placements: --save files" "DIFFER"
-  fi
+  same_saves "host placements" "$run-optimizer.safetensors" "$run-gradients.safetensors"
   run_logged "tally plan resnet50 host auto" "$log" 60 "$bundle/run" "$bundle/bin/tally" plan --model resnet50 \
     --input 3x224x224 --batch-size 4096 --optimizer adamw --recompute none --memory-limit 600MiB \
     --host-memory-limit 2GiB --device cuda --no-layers
   result "tally plan cuda resnet50 host auto" "$(grep -E '^ *placement ' "$log" | tail -1 | cut -c1-110)"
+}
+
+# Activations offloaded to the pinned host tier, chosen by the cost model: bit-identical to the
+# all-device run at the same micro-batch, both peaks exact; the estimate beside the measured step.
+step_offload() {
+  local log=$logs/offload.log run=/tmp/tally-gpu-offload name args
+  : >"$log"
+  for name in offload device; do
+    case $name in
+      offload) args=(--memory-limit 500MiB --host-memory-limit 8GiB --recompute auto) ;;
+      device) args=(--memory-limit 4GiB --micro-batch 1 --recompute none) ;;
+    esac
+    rm -rf "$run-$name" "$run-$name.safetensors"
+    run_logged "tally train resnet50 1024 $name" "$log" 120 "$bundle/run" "$bundle/bin/tally" train --model resnet50       --data synthetic:3x1024x1024 --batch-size 2 --optimizer adamw --lr 0.001 --steps 3 "${args[@]}" --no-augment       --no-eval --no-progress --device cuda --out "$run-$name" --save "$run-$name.safetensors"
+    [[ -f $run-$name/summary.json ]] && cp "$run-$name/summary.json" "$logs/offload-$name-summary.json"
+    result "train resnet50 1024 B=2 $name" "$(grep -E '^(memory|host tier):' "$log" | tail -2 | tr '\n' ' ' | cut -c1-120)"
+  done
+  result "offload: estimated step" "$(grep -oE 'estimated step [0-9.]+ s[^;]*' "$log" | head -1 | cut -c1-100)"
+  result "offload: measured images/s" "$(grep -o '"images_per_second": [0-9.e+-]*' "$logs/offload-offload-summary.json" 2>/dev/null)"
+  same_saves "offload" "$run-offload.safetensors" "$run-device.safetensors"
 }
 
 # The three-precision table (bench/RESULTS.md): ResNet-50 batch 256, tally through each cuDNN

@@ -279,8 +279,9 @@ TEST(Offload, TheCostModelsRatesDecideEachSegmentsModeWhereNothingFitsOneSample)
       }
       const auto taken = std::count_if(modes.begin(), modes.end(), [](nn::SegmentMode m) { return m != nn::SegmentMode::keep; });
       EXPECT_GT(taken, 0) << "nothing taken off the device, yet nothing fit";
-      if (rates.cheaper == nn::SegmentMode::offload)
+      if (rates.cheaper == nn::SegmentMode::offload) {
         EXPECT_EQ(std::count(modes.begin(), modes.end(), nn::SegmentMode::recompute), 0) << "copies are free here";
+      }
       EXPECT_NE(c.why.find("not even one sample fits"), std::string::npos) << c.why;
       EXPECT_EQ(nn::segment_modes(*run.model), modes) << "the choice is set on the model";
       // The plan prints a line per segment and the step's estimate.
