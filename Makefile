@@ -13,7 +13,7 @@ JOBS       ?= $(shell n=$$(nproc); q=$$(awk '$$1 != "max" { print int(($$1 + $$2
 
 DEB_PACKAGES := cmake g++ make pkg-config googletest libgtest-dev libgmock-dev libbenchmark-dev \
                 libopenblas-dev libcli11-dev nlohmann-json3-dev libfmt-dev zlib1g-dev dataset-fashion-mnist \
-                libopenmpi-dev openmpi-bin libdnnl-dev
+                libopenmpi-dev openmpi-bin libdnnl-dev libturbojpeg0-dev libpng-dev
 
 # What the test suite alone needs: a real browser for the memory report's test
 # (tests/memory_report_browser.sh). Not installed by `make train`.
@@ -91,7 +91,7 @@ bench: build
 FUZZ_DIR       ?= build-fuzz
 FUZZ_SECONDS   ?= 180
 FUZZ_MAX_LEN   ?= 65536
-FUZZ_HARNESSES := safetensors idx cifar cli checkpoint
+FUZZ_HARNESSES := safetensors idx cifar cli checkpoint image
 FUZZ_PACKAGES  := clang-16 libclang-rt-16-dev libomp-16-dev
 
 fuzz-bootstrap: bootstrap
