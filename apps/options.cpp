@@ -347,8 +347,20 @@ const std::vector<Option> kTable = {
     {.name = "model", .field = choice(&StepOptions::model, nn::model_names), .commands = kAll, .help = "the network"},
     {.name = "norm", .field = field(&StepOptions::norm), .commands = kAll, .help = "normalization layers"},
     {.name = "data", .field = field(&TrainOptions::data), .commands = kRun,
-     .help = "synthetic|synthetic:CxHxW|mnist:DIR|fashion-mnist|fashion-mnist:DIR|cifar10:DIR|cifar100:DIR"},
+     .help = "synthetic|synthetic:CxHxW|mnist:DIR|fashion-mnist|fashion-mnist:DIR|cifar10:DIR|cifar100:DIR|folder:DIR "
+             "(DIR/train/<class>/*.jpg|png, DIR/val/<class>/... optional; with --input)"},
     {.name = "input", .field = field(&PlanOptions::input), .commands = kPlan, .help = "one sample's shape CxHxW"},
+    {.name = "input", .field = field(&TrainOptions::input), .commands = kRun,
+     .help = "one sample's shape CxHxW for --data folder:DIR (C 3: RGB, 1: grey; every image must be HxW for now)",
+     .absent = "auto"},
+    {.name = "val-fraction", .field = field(&TrainOptions::val_fraction), .commands = kRun,
+     .help = "--data folder:DIR without DIR/val: the share of the training images held out for evaluation, chosen "
+             "by --seed (none: no evaluation)",
+     .absent = "none"},
+    {.name = "max-image-pixels", .field = field(&TrainOptions::max_image_pixels, kPositiveWhole), .commands = kRun,
+     .help = "--data folder:DIR: an image whose header declares more pixels is refused before it is decoded "
+             "(PIL's bound by default)",
+     .absent = "89478485"},
     {.name = "num-classes", .field = field(&StepOptions::num_classes, kPositiveWhole), .commands = kAll,
      .help = "classes of synthetic data (default 1000 for images >= 64 pixels, else 10)",
      .help_for = {{kPlan, "classes (default 1000 for inputs >= 64 pixels, else 10)"}}, .show_default = false},

@@ -23,19 +23,6 @@ namespace tally::app {
 
 namespace {
 
-Shape parse_input(const std::string& s) {
-  Shape shape;
-  std::stringstream ss(s);
-  std::string part;
-  while (std::getline(ss, part, 'x')) {
-    const auto v = parse_positive_integer(part);
-    if (!v) throw Error(fmt::format("--input '{}': expected CxHxW with positive integers, e.g. 3x224x224", s));
-    shape.push_back(*v);
-  }
-  if (shape.size() != 3) throw Error(fmt::format("--input '{}': expected CxHxW (3 numbers), e.g. 3x224x224", s));
-  return shape;
-}
-
 // `tally plan --pipeline-stages S`: every stage on its own virtual arena, each planned alone, then
 // all at the smallest of their micro-batches (what the ranks of a run agree on).
 mbp::Plan plan_stages(const PlanOptions& opt, const nn::ModelConfig& mc, const Shape& sample, Device dev,

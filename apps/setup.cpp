@@ -10,6 +10,7 @@
 #include <cctype>
 #include <cstdlib>
 #include <ostream>
+#include <sstream>
 #include <cmath>
 #include <fstream>
 
@@ -60,6 +61,19 @@ void check_number(const std::string& flag, const NumberRule& rule, double value)
   if (!error.empty()) throw Error(fmt::format("{}: {}", flag, error));
 }
 
+
+Shape parse_input(const std::string& s) {
+  Shape shape;
+  std::stringstream ss(s);
+  std::string part;
+  while (std::getline(ss, part, 'x')) {
+    const auto v = parse_positive_integer(part);
+    if (!v) throw Error(fmt::format("--input '{}': expected CxHxW with positive integers, e.g. 3x224x224", s));
+    shape.push_back(*v);
+  }
+  if (shape.size() != 3) throw Error(fmt::format("--input '{}': expected CxHxW (3 numbers), e.g. 3x224x224", s));
+  return shape;
+}
 
 std::vector<std::string> split_list(const std::string& text) {
   std::vector<std::string> items;

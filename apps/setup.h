@@ -51,6 +51,9 @@ std::string number_error(const NumberRule& rule, const std::string& value);
 // Throws an Error "<flag>: must be ..., found <value>" unless `value` keeps `rule`.
 void check_number(const std::string& flag, const NumberRule& rule, double value);
 
+// "3x224x224" -> {3, 224, 224}: one sample's shape (--input); an Error naming --input otherwise.
+Shape parse_input(const std::string& s);
+
 // "a,b,c" -> {"a", "b", "c"}; "a" -> {"a"} (empty items stay, for the caller to refuse).
 std::vector<std::string> split_list(const std::string& text);
 

@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <ostream>
+#include <sstream>
 
 #include <fmt/format.h>
 #include <fmt/ostream.h>
@@ -25,6 +26,7 @@
 #include "core/autograd.h"
 #include "core/machine.h"
 #include "core/memory.h"
+#include "data/folder.h"
 #include "core/ops.h"
 #include "core/profiler.h"
 #include "nn/state_dict.h"
@@ -112,7 +114,38 @@ std::string options_text(const TrainOptions& o) {
 
 // The data set of --data; --num-classes chooses the class count of synthetic data and must agree
 // with a real data set's.
-data::Split load_data(const TrainOptions& opt) {
+// A folder of pictures (data/folder.h) needs --input; --val-fraction and --max-image-pixels are its.
+data::Split load_folder_data(const TrainOptions& opt, std::ostream& log) {
+  const std::string dir = opt.data.substr(7);
+  if (opt.input == "auto")
+    throw Error(fmt::format("--data {}: expected --input CxHxW (one sample's shape: 3x224x224 or 1x28x28), found none",
+                            opt.data));
+  const Shape chw = parse_input(opt.input);
+  data::FolderOptions fo;
+  fo.channels = chw[0], fo.height = chw[1], fo.width = chw[2];
+  fo.max_pixels = opt.max_image_pixels;
+  fo.seed = opt.seed;
+  if (opt.val_fraction != "none") {
+    if (!number_error(kFraction, opt.val_fraction).empty() || std::strtod(opt.val_fraction.c_str(), nullptr) <= 0 ||
+        std::strtod(opt.val_fraction.c_str(), nullptr) >= 1)
+      throw Error(fmt::format("--val-fraction: expected none or a number in (0, 1), found {}", opt.val_fraction));
+    fo.val_fraction = std::strtod(opt.val_fraction.c_str(), nullptr);
+  }
+  data::FolderSet set = data::load_folder(dir, fo);
+  std::string skipped;
+  for (const auto& [ext, n] : set.skipped) skipped += fmt::format("{}{} {}", skipped.empty() ? "" : ", ", n, ext.empty() ? "without an extension" : ext);
+  fmt::print(log, "data {}: {} classes, {} training images, {} for evaluation{}; {}; {}\n", opt.data,
+             set.classes.size(), set.train_files.size(), set.test_files.size(),
+             opt.val_fraction != "none" ? fmt::format(" (--val-fraction {})", opt.val_fraction) : "",
+             skipped.empty() ? "no other files" : "skipped (not .jpg, .jpeg or .png): " + skipped, set.statistics);
+  return std::move(set.split);
+}
+
+data::Split load_data(const TrainOptions& opt, std::ostream& log) {
+  if (opt.data.rfind("folder:", 0) == 0) return load_folder_data(opt, log);
+  if (opt.input != "auto" || opt.val_fraction != "none")
+    throw Error(fmt::format("--{}: for --data folder:DIR only, found --data {}", opt.input != "auto" ? "input" : "val-fraction",
+                            opt.data));
   const bool synthetic = data::is_synthetic(opt.data);
   data::Split split = data::load_dataset(opt.data, synthetic ? opt.num_classes : std::nullopt);
   if (!synthetic && opt.num_classes && *opt.num_classes != split.train.num_classes)
@@ -196,7 +229,8 @@ RunSteps run_steps(const TrainOptions& opt, std::int64_t per_epoch) {
 }
 
 DataInfo describe_data(const TrainOptions& opt) {
-  const data::Split split = load_data(opt);
+  std::ostringstream quiet;  // a folder's line is the run's to print
+  const data::Split split = load_data(opt, quiet);
   const data::Dataset& t = split.train;
   return {t.channels, t.height, t.width, t.num_classes, t.size()};
 }
@@ -313,7 +347,7 @@ TrainingRun::TrainingRun(const TrainOptions& options, std::ostream& all_log, std
       log_(*rank_.log),
       progress_(progress ? *progress : log_),
       profiler_(rank_.dev, rank_options_.profile),
-      split_(load_data(rank_options_)),
+      split_(load_data(rank_options_, log_)),
       loader_(split_.train, loader_options(rank_options_, augments(rank_options_))),
       per_epoch_(checked_per_epoch(loader_, rank_options_, split_.train)),
       steps_(run_steps(rank_options_, per_epoch_)),
@@ -334,6 +368,10 @@ TrainingRun::TrainingRun(const TrainOptions& options, std::ostream& all_log, std
       inject_oom_(rank_options_.inject_oom ? rank_options_.inject_oom : oom_injection_from_environment()) {
   // Every rank takes the same decision; a pipeline writes no checkpoints, so a signal just ends it.
   if (!run_options_.out.empty() && !setup_.stage) signals_.emplace(rank_.ranks == 1);
+  if (split_.test.size() == 0 && rank_.opt.evaluate) {  // a folder with no val/ and no --val-fraction
+    rank_.opt.evaluate = false;
+    fmt::print(log_, "no evaluation: {} has no val folder and --val-fraction is none\n", rank_options_.data);
+  }
   print_header(setup_);
   if (!rank_options_.resume.empty()) restore();
   // Every rank starts from rank 0's weights (a pipeline's stages: the same seed built the same model).

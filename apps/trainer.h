@@ -13,13 +13,20 @@
 #include <vector>
 
 #include "apps/options.h"
+#include "data/images.h"
 
 namespace tally::app {
 
 // The options of `tally train` (apps/options.h holds their flags, help and rules): the step's
 // (StepOptions: model, batch, budget, micro-batch, recomputation, precision, pipeline) and the run's.
 struct TrainOptions : StepOptions {
-  std::string data = "synthetic";  // synthetic[:CxHxW] | mnist:DIR | fashion-mnist[:DIR] | cifar10:DIR | cifar100:DIR
+  std::string data = "synthetic";  // synthetic[:CxHxW] | mnist:DIR | fashion-mnist[:DIR] | cifar10:DIR | cifar100:DIR | folder:DIR
+  // A folder of pictures (data/folder.h): one sample's shape CxHxW ("auto": none given; a folder
+  // needs one), the share of the training images held out for evaluation without DIR/val ("none"
+  // or a number in (0, 1)), and the pixel bound of an image's header.
+  std::string input = "auto";
+  std::string val_fraction = "none";
+  std::int64_t max_image_pixels = data::kDefaultMaxImagePixels;
   std::int64_t epochs = 2;
   std::optional<std::int64_t> steps;  // overrides epochs when set
   double lr = 0.1, weight_decay = 5e-4;

@@ -189,13 +189,16 @@ TEST(Options, TheTextFormKeepsEveryOptionAndTheSameStrings) {
   EXPECT_EQ(values.at("host-memory-limit"), "none");
   EXPECT_EQ(values.at("placement"), "auto");
   EXPECT_EQ(values.at("copy-bandwidth"), "measure");
-  EXPECT_EQ(values.size(), 42u);
+  EXPECT_EQ(values.at("input"), "auto");
+  EXPECT_EQ(values.at("max-image-pixels"), "89478485");
+  EXPECT_EQ(values.size(), 45u);
   EXPECT_EQ(values.count("resume"), 0u);
   EXPECT_EQ(option_values(options_from_values(values, "test")), option_values(o));
   // A checkpoint from before --memory-format ran contiguous; one from before the pipeline had one
   // stage; one from before the host tier had none.
   for (const char* newer : {"memory-format", "pipeline-stages", "pipeline-split", "pipeline-schedule",
-                            "host-memory-limit", "placement", "copy-bandwidth", "compute-rate"})
+                            "host-memory-limit", "placement", "copy-bandwidth", "compute-rate", "input",
+                            "val-fraction", "max-image-pixels"})
     values.erase(newer);
   const TrainOptions old = options_from_values(values, "test");
   EXPECT_EQ(old.memory_format, MemoryFormat::Contiguous);
@@ -203,6 +206,8 @@ TEST(Options, TheTextFormKeepsEveryOptionAndTheSameStrings) {
   EXPECT_EQ(old.host_memory_limit, "none");
   EXPECT_FALSE(old.placement.has_value());
   EXPECT_EQ(old.copy_bandwidth, "measure");
+  EXPECT_EQ(old.input, "auto");
+  EXPECT_EQ(old.max_image_pixels, 89478485);
   values["precision"] = "fp16";
   try {
     (void)options_from_values(values, "state.json");

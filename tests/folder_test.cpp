@@ -1,0 +1,289 @@
+// A folder of pictures as a data set (data/folder.h), checked against the IDX reader: the first
+// 2,000 training and 500 test images of Fashion-MNIST are written as a folder of PNG files (one
+// folder per class, DIR/train and DIR/val) and, in the folder's order, as IDX files; read back as
+// folder:DIR (--input 1x28x28, --transform none, no normalisation) and as fashion-mnist:DIR they
+// give the same batches bit for bit — shuffled and augmented as the loader does — and ResNet-20
+// trained on each gives the same losses and weights bit for bit. Then the folder's own rules:
+// class order, skipped files, the held-out share, and every bad layout an error naming it.
+#include <gtest/gtest.h>
+#include <png.h>
+
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "core/error.h"
+#include "core/memory.h"
+#include "data/data.h"
+#include "data/folder.h"
+#include "mbp/executor.h"
+#include "tests/command_line.h"
+#include "tests/model_common.h"
+
+using namespace tally;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    char tmpl[] = "/tmp/tally-folder-XXXXXX";
+    path = mkdtemp(tmpl);
+  }
+  ~TempDir() { fs::remove_all(path); }
+};
+
+void write_png(const fs::path& path, const std::uint8_t* grey, int w, int h) {
+  FILE* f = std::fopen(path.c_str(), "wb");
+  ASSERT_NE(f, nullptr) << path;
+  png_structp png = png_create_write_struct(PNG_LIBPNG_VER_STRING, nullptr, nullptr, nullptr);
+  png_infop info = png_create_info_struct(png);
+  png_init_io(png, f);
+  png_set_IHDR(png, info, static_cast<png_uint_32>(w), static_cast<png_uint_32>(h), 8, PNG_COLOR_TYPE_GRAY,
+               PNG_INTERLACE_NONE, PNG_COMPRESSION_TYPE_DEFAULT, PNG_FILTER_TYPE_DEFAULT);
+  png_write_info(png, info);
+  for (int y = 0; y < h; ++y) png_write_row(png, grey + static_cast<std::ptrdiff_t>(y) * w);
+  png_write_end(png, nullptr);
+  png_destroy_write_struct(&png, &info);
+  std::fclose(f);
+}
+
+void write_file(const fs::path& path, const std::vector<std::uint8_t>& bytes) {
+  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()),
+                                              static_cast<std::streamsize>(bytes.size()));
+}
+
+std::vector<std::uint8_t> be32(std::uint32_t v) {
+  return {static_cast<std::uint8_t>(v >> 24), static_cast<std::uint8_t>(v >> 16), static_cast<std::uint8_t>(v >> 8),
+          static_cast<std::uint8_t>(v)};
+}
+
+// Writes `n` samples of `set` (from Fashion-MNIST, floats k/255) as DIR/<part>/<class>/<index>.png
+// and returns the IDX images and labels of the same samples in the folder's order (by class, then
+// by file name).
+std::pair<std::vector<std::uint8_t>, std::vector<std::uint8_t>> write_part(const data::Dataset& set, std::int64_t n,
+                                                                           const fs::path& dir) {
+  std::vector<std::vector<std::int64_t>> by_class(10);
+  for (std::int64_t i = 0; i < n; ++i) by_class[static_cast<std::size_t>(set.labels[static_cast<std::size_t>(i)])].push_back(i);
+  std::vector<std::uint8_t> images = be32(2051), labels = be32(2049);
+  for (const auto& v : {be32(static_cast<std::uint32_t>(n)), be32(28), be32(28)}) images.insert(images.end(), v.begin(), v.end());
+  const auto count = be32(static_cast<std::uint32_t>(n));
+  labels.insert(labels.end(), count.begin(), count.end());
+  for (std::size_t c = 0; c < 10; ++c) {
+    fs::create_directories(dir / fmt::format("class{}", c));
+    for (const std::int64_t i : by_class[c]) {
+      std::vector<std::uint8_t> grey(28 * 28);
+      for (std::size_t p = 0; p < grey.size(); ++p)
+        grey[p] = static_cast<std::uint8_t>(std::lround(set.images[static_cast<std::size_t>(i) * 784 + p] * 255.0f));
+      write_png(dir / fmt::format("class{}", c) / fmt::format("{:05}.png", i), grey.data(), 28, 28);
+      images.insert(images.end(), grey.begin(), grey.end());
+      labels.push_back(static_cast<std::uint8_t>(c));
+    }
+  }
+  return {images, labels};
+}
+
+// The folder and the IDX files of the same Fashion-MNIST samples, once per test program.
+struct Twins {
+  TempDir pngs, idx;
+  Twins() {
+    const data::Split f = data::load_fashion_mnist(data::kFashionMnistDir);
+    auto [tri, trl] = write_part(f.train, 2000, pngs.path / "train");
+    auto [tei, tel] = write_part(f.test, 500, pngs.path / "val");
+    write_file(idx.path / "train-images-idx3-ubyte", tri);
+    write_file(idx.path / "train-labels-idx1-ubyte", trl);
+    write_file(idx.path / "t10k-images-idx3-ubyte", tei);
+    write_file(idx.path / "t10k-labels-idx1-ubyte", tel);
+  }
+};
+const Twins& twins() {
+  static const Twins t;
+  return t;
+}
+
+data::FolderOptions grey28() {
+  data::FolderOptions o;
+  o.channels = 1, o.height = 28, o.width = 28;
+  return o;
+}
+
+std::string error_of(const fs::path& dir, const data::FolderOptions& o) {
+  try {
+    (void)data::load_folder(dir.string(), o);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "loaded";
+}
+
+}  // namespace
+
+TEST(Folder, PngFolderGivesTheIdxFilesBatchesBitForBit) {
+  const data::FolderSet folder = data::load_folder(twins().pngs.path.string(), grey28());
+  const data::Split idx = data::load_fashion_mnist(twins().idx.path.string());
+  ASSERT_EQ(folder.split.train.size(), 2000);
+  ASSERT_EQ(folder.split.test.size(), 500);
+  EXPECT_EQ(folder.split.train.labels, idx.train.labels);
+  EXPECT_EQ(folder.split.test.labels, idx.test.labels);
+  EXPECT_EQ(folder.classes.front(), "class0");
+  EXPECT_NE(folder.statistics.find("over 512 training images"), std::string::npos) << folder.statistics;
+  for (const bool augment : {false, true}) {
+    data::LoaderOptions lo;
+    lo.batch_size = 64;
+    lo.seed = 7;
+    lo.augment = augment;
+    data::Loader a(folder.split.train, lo), b(idx.train, lo);
+    for (const std::int64_t epoch : {0, 3}) {
+      a.start_epoch(epoch);
+      b.start_epoch(epoch);
+      for (int k = 0; k < 5; ++k) {
+        const auto x = a.next(), y = b.next();
+        ASSERT_TRUE(x && y);
+        EXPECT_EQ(x->labels, y->labels);
+        ASSERT_EQ(x->images.size(), y->images.size());
+        EXPECT_EQ(std::memcmp(x->images.data(), y->images.data(), x->images.size() * sizeof(float)), 0)
+            << "epoch " << epoch << " batch " << k << (augment ? " augmented" : "");
+      }
+    }
+  }
+}
+
+TEST(Folder, ResNet20TrainsOnThePngFolderWithTheIdxLossesBitForBit) {
+  const data::FolderSet folder = data::load_folder(twins().pngs.path.string(), grey28());
+  const data::Split idx = data::load_fashion_mnist(twins().idx.path.string());
+  std::vector<std::vector<double>> losses(2);
+  std::vector<std::vector<std::vector<double>>> weights;
+  for (int which = 0; which < 2; ++which) {
+    const data::Dataset& set = which == 0 ? folder.split.train : idx.train;
+    const auto budget = std::make_shared<Arena>(Device::cpu(), std::size_t(256) << 20);
+    std::shared_ptr<nn::Module> m;
+    std::unique_ptr<optim::SGD> opt;
+    {
+      ArenaScope in_budget(budget);
+      nn::manual_seed(3);
+      nn::ModelConfig mc;
+      mc.name = "resnet20";
+      mc.in_channels = 1;
+      m = nn::make_model(mc);
+      m->train();
+      opt = test::sgd(*m);
+    }
+    mbp::ExecutorOptions eo;
+    eo.sample_shape = {1, 28, 28};
+    eo.micro_batch = 16;
+    mbp::Executor ex(*m, *opt, budget, eo);
+    data::LoaderOptions lo;
+    lo.batch_size = 32;
+    lo.seed = 11;
+    data::Loader loader(set, lo);
+    loader.start_epoch(0);
+    for (int step = 0; step < 4; ++step) {
+      const auto batch = loader.next();
+      ASSERT_TRUE(batch);
+      losses[static_cast<std::size_t>(which)].push_back(ex.step(batch->images.data(), batch->labels.data(), batch->size).loss);
+    }
+    weights.push_back(test::values<float>(*m));
+  }
+  EXPECT_EQ(losses[0], losses[1]);
+  for (const double l : losses[0]) EXPECT_TRUE(std::isfinite(l));
+  EXPECT_TRUE(test::bitwise_equal(weights[0], weights[1]));
+}
+
+TEST(Folder, LayoutRulesAndErrorsNameWhatWasWrong) {
+  TempDir t;
+  const fs::path root = t.path;
+  EXPECT_NE(error_of(root, grey28()).find("expected " + (root / "train").string() + " with one folder of images per class"),
+            std::string::npos);
+  fs::create_directories(root / "train");
+  EXPECT_NE(error_of(root, grey28()).find("found no folder in it"), std::string::npos);
+  std::vector<std::uint8_t> grey(28 * 28);
+  for (std::size_t i = 0; i < grey.size(); ++i) grey[i] = static_cast<std::uint8_t>(i * 7);
+  fs::create_directories(root / "train" / "b");
+  fs::create_directories(root / "train" / "a" / "sub");
+  write_png(root / "train" / "b" / "x.png", grey.data(), 28, 28);
+  write_png(root / "train" / "a" / "z.PNG", grey.data(), 28, 28);
+  write_png(root / "train" / "a" / "sub" / "y.png", grey.data(), 28, 28);
+  write_file(root / "train" / "a" / "notes.txt", {'h', 'i'});
+  write_file(root / "train" / "a" / "README", {'h', 'i'});
+  fs::create_directories(root / "train" / "c");
+  EXPECT_NE(error_of(root, grey28()).find("in class folder 'c', found none"), std::string::npos) << error_of(root, grey28());
+  fs::remove(root / "train" / "c");
+  data::FolderSet s = data::load_folder(root.string(), grey28());
+  EXPECT_EQ(s.classes, (std::vector<std::string>{"a", "b"}));
+  ASSERT_EQ(s.train_files.size(), 3u);
+  EXPECT_EQ(fs::path(s.train_files[0]).filename(), "z.PNG") << "a's own files before its subfolder's, as os.walk";
+  EXPECT_EQ(fs::path(s.train_files[1]).filename(), "y.png");
+  EXPECT_EQ(s.split.train.labels, (std::vector<std::int64_t>{0, 0, 1}));
+  EXPECT_EQ(s.skipped.at(".txt"), 1);
+  EXPECT_EQ(s.skipped.at(""), 1);
+  EXPECT_EQ(s.split.test.size(), 0) << "no val folder, no fraction: no evaluation";
+  // A held-out share, by the seed.
+  data::FolderOptions o = grey28();
+  o.val_fraction = 0.34;
+  s = data::load_folder(root.string(), o);
+  EXPECT_EQ(s.split.train.size() + s.split.test.size(), 3);
+  EXPECT_EQ(s.split.test.size(), 1);
+  o.val_fraction = 1.5;
+  EXPECT_NE(error_of(root, o).find("--val-fraction: expected a number in (0, 1), found 1.5"), std::string::npos);
+  // A val class that train lacks; a wrong size; a file that is not an image.
+  fs::create_directories(root / "val" / "zebra");
+  EXPECT_NE(error_of(root, grey28()).find("class folder 'zebra' is not a class of"), std::string::npos);
+  fs::remove_all(root / "val");
+  data::FolderOptions big = grey28();
+  big.height = 32;
+  EXPECT_NE(error_of(root, big).find("expected a 32x28 image (--input 1x32x28 with --transform none), found 28x28"),
+            std::string::npos)
+      << error_of(root, big);
+  // A file that is not what its name says: an error naming it when it is read (here, already while
+  // the statistics are measured).
+  write_file(root / "train" / "b" / "broken.png", {0x89, 'P', 'N', 'G', 0x0d, 0x0a, 0x1a, 0x0a, 0, 0});
+  EXPECT_NE(error_of(root, grey28()).find("broken.png: expected a PNG header"), std::string::npos)
+      << error_of(root, grey28());
+}
+
+// The command line: `tally train --data folder:DIR --input 1x28x28 --no-normalize` and `--data
+// fashion-mnist:DIR --no-normalize` (both --no-augment) on the twins give the same losses (metrics.csv) and the same
+// weights (--save) bit for bit, evaluation included (DIR/val against the t10k files).
+TEST(Folder, TheCommandLineTrainsOnTheFolderAsOnTheIdxFiles) {
+  const fs::path out = test::fresh_dir("tally-folder-cli");
+  // --no-augment: augmentation is on by default, but for MNIST and Fashion-MNIST.
+  const std::string common = "--model resnet20 --batch-size 64 --steps 6 --no-normalize --no-augment --threads 2 "
+                             "--no-progress --memory-limit 256MiB";
+  for (const auto& [name, data] : {std::pair<std::string, std::string>{"png", fmt::format("folder:{} --input 1x28x28",
+                                                                                          twins().pngs.path.string())},
+                                   {"idx", fmt::format("fashion-mnist:{}", twins().idx.path.string())}})
+    ASSERT_EQ(test::run_command(fmt::format("{} train --data {} {} --out {} --save {}.safetensors > {}.log 2>&1", TALLY_EXE,
+                                            data, common, (out / name).string(), (out / name).string(),
+                                            (out / name).string())),
+              0)
+        << name;
+  const auto text = [](const fs::path& p) {
+    std::ifstream f(p);
+    return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+  };
+  const std::string a = text(out / "png" / "metrics.csv"), b = text(out / "idx" / "metrics.csv");
+  // step, epoch, loss and lr: the same; the memory and speed columns are the runs' own.
+  const auto losses = [](const std::string& csv) {
+    std::string keep, line;
+    std::istringstream in(csv);
+    while (std::getline(in, line)) {
+      std::size_t cut = 0;
+      for (int i = 0; i < 4 && cut != std::string::npos; ++i) cut = line.find(',', cut + 1);
+      keep += line.substr(0, cut) + "\n";
+    }
+    return keep;
+  };
+  EXPECT_EQ(losses(a), losses(b));
+  EXPECT_TRUE(text(out / "png.safetensors") == text(out / "idx.safetensors")) << "the trained weights differ";
+  const std::string log = text(out / "png.log");
+  EXPECT_NE(log.find("10 classes, 2000 training images, 500 for evaluation"), std::string::npos) << log;
+  EXPECT_NE(text(out / "png" / "summary.json").find("\"test_accuracy\": "), std::string::npos);
+  fs::remove_all(out);
+}
