@@ -353,6 +353,10 @@ const std::vector<Option> kTable = {
     {.name = "input", .field = field(&TrainOptions::input), .commands = kRun,
      .help = "one sample's shape CxHxW for --data folder:DIR (C 3: RGB, 1: grey; every image must be HxW for now)",
      .absent = "auto"},
+    {.name = "workers", .field = field(&TrainOptions::workers, kNonNegativeWhole), .commands = kRun,
+     .help = "threads that read and decode a folder's images (and draw procedural synthetic ones) for the next "
+             "batch: 0 (the default) is OpenMP's thread count; batches are the same for any count",
+     .changeable = true, .absent = "0"},
     {.name = "val-fraction", .field = field(&TrainOptions::val_fraction), .commands = kRun,
      .help = "--data folder:DIR without DIR/val: the share of the training images held out for evaluation, chosen "
              "by --seed (none: no evaluation)",

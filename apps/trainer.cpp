@@ -134,9 +134,10 @@ data::Split load_folder_data(const TrainOptions& opt, std::ostream& log) {
   data::FolderSet set = data::load_folder(dir, fo);
   std::string skipped;
   for (const auto& [ext, n] : set.skipped) skipped += fmt::format("{}{} {}", skipped.empty() ? "" : ", ", n, ext.empty() ? "without an extension" : ext);
-  fmt::print(log, "data {}: {} classes, {} training images, {} for evaluation{}; {}; {}\n", opt.data,
-             set.classes.size(), set.train_files.size(), set.test_files.size(),
+  fmt::print(log, "data {}: {} classes, {} training images, {} for evaluation{}, read by {} workers{}; {}; {}\n",
+             opt.data, set.classes.size(), set.train_files.size(), set.test_files.size(),
              opt.val_fraction != "none" ? fmt::format(" (--val-fraction {})", opt.val_fraction) : "",
+             opt.workers > 0 ? opt.workers : omp_get_max_threads(), opt.workers > 0 ? "" : " (--workers 0: OpenMP's count)",
              skipped.empty() ? "no other files" : "skipped (not .jpg, .jpeg or .png): " + skipped, set.statistics);
   return std::move(set.split);
 }
@@ -279,6 +280,7 @@ data::LoaderOptions loader_options(const TrainOptions& opt, bool augment) {
   lo.normalize = opt.normalize;
   lo.drop_last = true;
   lo.seed = opt.seed;
+  lo.workers = opt.workers;
   return lo;
 }
 

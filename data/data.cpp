@@ -6,6 +6,8 @@
 // computed in integer pixel levels (0..255) before the single conversion to float, so no
 // floating-point contraction or rounding difference can change them between machines.
 #include "data/data.h"
+
+#include <omp.h>
 #include "data/formats.h"
 
 #include <algorithm>
@@ -943,7 +945,8 @@ struct Loader::State {
     // Drawing procedural samples (large synthetic images) is the expensive part: spread it over
     // the cores. Every sample depends only on its position, so the batch is the same either way.
     std::exception_ptr err;
-#pragma omp parallel for schedule(dynamic, 4) if (ds.generate && size > 1)
+    const int threads = opt.workers > 0 ? opt.workers : omp_get_max_threads();
+#pragma omp parallel for schedule(dynamic, 4) num_threads(threads) if (ds.generate && size > 1)
     for (std::int64_t j = 0; j < size; ++j) {
       try {
         const std::int64_t pos = start + j, idx = ord[static_cast<std::size_t>(pos)];

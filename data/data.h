@@ -94,6 +94,10 @@ struct LoaderOptions {
   std::int64_t batch_size = 128;
   bool shuffle = true, augment = false, normalize = false, drop_last = true;
   std::uint64_t seed = 0;
+  // The threads that draw or decode a batch's samples when the data set generates them (a folder
+  // of pictures, procedural synthetic images): 0, OpenMP's default. Batches are the same for any
+  // count (each sample depends only on its position).
+  int workers = 0;
 };
 
 struct Batch {

@@ -287,3 +287,47 @@ TEST(Folder, TheCommandLineTrainsOnTheFolderAsOnTheIdxFiles) {
   EXPECT_NE(text(out / "png" / "summary.json").find("\"test_accuracy\": "), std::string::npos);
   fs::remove_all(out);
 }
+
+// Workers: the batches are the same with 1, 2 and 3 decoding threads; a run killed after its
+// fourth step and resumed with another count of workers ends with the uninterrupted run's
+// weights, bit for bit.
+TEST(Folder, WorkersChangeNoBatchAndAResumedRunNoBit) {
+  const data::FolderSet folder = data::load_folder(twins().pngs.path.string(), grey28());
+  std::vector<std::vector<float>> first;
+  for (const int workers : {1, 2, 3}) {
+    data::LoaderOptions lo;
+    lo.batch_size = 50;
+    lo.seed = 5;
+    lo.augment = true;
+    lo.workers = workers;
+    data::Loader loader(folder.split.train, lo);
+    loader.start_epoch(1);
+    std::vector<float> all;
+    for (int k = 0; k < 4; ++k) {
+      const auto b = loader.next();
+      ASSERT_TRUE(b);
+      all.insert(all.end(), b->images.begin(), b->images.end());
+    }
+    first.push_back(all);
+  }
+  EXPECT_TRUE(first[0] == first[1] && first[0] == first[2]) << "the worker count changed a batch";
+
+  const fs::path out = test::fresh_dir("tally-folder-resume");
+  const std::string args = fmt::format("{} train --data folder:{} --input 1x28x28 --model resnet20 --batch-size 50 --steps 8 "
+                                       "--threads 2 --no-progress --no-eval --memory-limit 256MiB --checkpoint-every 2",
+                                       TALLY_EXE, twins().pngs.path.string());
+  const std::string whole = (out / "whole").string(), cut = (out / "cut").string();
+  ASSERT_EQ(test::run_command(fmt::format("{} --workers 2 --out {} --save {}.safetensors > {}.log 2>&1", args, whole, whole, whole)), 0);
+  const int killed = test::run_command(fmt::format("TALLY_TEST_SIGKILL=after-step:4 {} --workers 2 --out {} --save {}.safetensors "
+                                                   "> {}.log 2>&1", args, cut, cut, cut));
+  EXPECT_NE(killed, 0) << "the run was not killed";
+  ASSERT_EQ(test::run_command(fmt::format("{} train --resume {} --workers 1 >> {}.log 2>&1", TALLY_EXE, cut, cut)), 0);
+  const auto bytes = [](const std::string& p) {
+    std::ifstream f(p, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+  };
+  const std::string a = bytes(whole + ".safetensors"), b = bytes(cut + ".safetensors");
+  EXPECT_FALSE(a.empty());
+  EXPECT_TRUE(a == b) << "resumed with another worker count, the weights differ";
+  fs::remove_all(out);
+}

@@ -156,8 +156,8 @@ TEST(Options, EachCommandStartsFromItsOwnDefaults) {
   EXPECT_NE(sweep_cli.help().find("NUMBER >= 0=0.5"), std::string::npos);
   EXPECT_NE(plan_cli.help().find("fp32|bf16"), std::string::npos);
   // --resume's help names the flags that may change, from the table.
-  EXPECT_NE(train_cli.help().find("--threads, --profile, --save, --no-progress, --host-memory-limit, --placement, "
-                                   "--copy-bandwidth, --compute-rate, --checkpoint-every"),
+  EXPECT_NE(train_cli.help().find("--workers, --threads, --profile, --save, --no-progress, --host-memory-limit, "
+                                   "--placement, --copy-bandwidth, --compute-rate, --checkpoint-every"),
             std::string::npos)
       << train_cli.help();
   EXPECT_NE(plan_cli.help().find("auto|device|optimizer|gradients"), std::string::npos);
@@ -191,14 +191,15 @@ TEST(Options, TheTextFormKeepsEveryOptionAndTheSameStrings) {
   EXPECT_EQ(values.at("copy-bandwidth"), "measure");
   EXPECT_EQ(values.at("input"), "auto");
   EXPECT_EQ(values.at("max-image-pixels"), "89478485");
-  EXPECT_EQ(values.size(), 45u);
+  EXPECT_EQ(values.at("workers"), "0");
+  EXPECT_EQ(values.size(), 46u);
   EXPECT_EQ(values.count("resume"), 0u);
   EXPECT_EQ(option_values(options_from_values(values, "test")), option_values(o));
   // A checkpoint from before --memory-format ran contiguous; one from before the pipeline had one
   // stage; one from before the host tier had none.
   for (const char* newer : {"memory-format", "pipeline-stages", "pipeline-split", "pipeline-schedule",
                             "host-memory-limit", "placement", "copy-bandwidth", "compute-rate", "input",
-                            "val-fraction", "max-image-pixels"})
+                            "workers", "val-fraction", "max-image-pixels"})
     values.erase(newer);
   const TrainOptions old = options_from_values(values, "test");
   EXPECT_EQ(old.memory_format, MemoryFormat::Contiguous);
@@ -232,14 +233,15 @@ TEST(Options, AResumedRunTakesOnlyTheChangeableFlags) {
     ADD_FAILURE() << "a changed --lr was accepted";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("--lr: the run has 0.3, given 0.1"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("only --threads, --profile, --save, --no-progress, --host-memory-limit, "
-                                         "--placement, --copy-bandwidth, --compute-rate, --checkpoint-every may change"),
+    EXPECT_NE(std::string(e.what()).find("only --workers, --threads, --profile, --save, --no-progress, "
+                                         "--host-memory-limit, --placement, --copy-bandwidth, --compute-rate, "
+                                         "--checkpoint-every may change"),
               std::string::npos)
         << e.what();
   }
   EXPECT_EQ(options_changeable_on_resume(),
-            (std::vector<std::string>{"threads", "profile", "save", "out", "progress", "host-memory-limit", "placement",
-                                      "copy-bandwidth", "compute-rate", "checkpoint-every"}));
+            (std::vector<std::string>{"workers", "threads", "profile", "save", "out", "progress", "host-memory-limit",
+                                      "placement", "copy-bandwidth", "compute-rate", "checkpoint-every"}));
 }
 
 }  // namespace
