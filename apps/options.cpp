@@ -18,6 +18,7 @@
 #include "apps/sweep.h"
 #include "apps/trainer.h"
 #include "core/error.h"
+#include "data/folder.h"
 #include "optim/schedule.h"
 
 namespace tally::app {
@@ -353,6 +354,14 @@ const std::vector<Option> kTable = {
     {.name = "input", .field = field(&TrainOptions::input), .commands = kRun,
      .help = "one sample's shape CxHxW for --data folder:DIR (C 3: RGB, 1: grey; every image must be HxW for now)",
      .absent = "auto"},
+    {.name = "transform", .field = choice(&TrainOptions::transform, data::folder_transform_names), .commands = kRun,
+     .help = "--data folder:DIR: imagenet (training: random resized crop and flip; evaluation: resize to --input / "
+             "0.875 and centre crop; PIL's bilinear resize) | none (each image must be the --input size)",
+     .absent = "imagenet"},
+    {.name = "skip-bad-images", .field = field(&TrainOptions::skip_bad_images), .commands = kRun,
+     .help = "--data folder:DIR: a corrupt, truncated or oversized image is skipped (the next one of its list taken "
+             "instead), counted and listed at the end, instead of an error",
+     .form = Form::on, .absent = "false"},
     {.name = "workers", .field = field(&TrainOptions::workers, kNonNegativeWhole), .commands = kRun,
      .help = "threads that read and decode a folder's images (and draw procedural synthetic ones) for the next "
              "batch: 0 (the default) is OpenMP's thread count; batches are the same for any count",

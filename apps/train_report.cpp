@@ -192,6 +192,12 @@ void TrainingRun::report_stop() const {
 
 // The result, the ranks' agreement, the memory and profile reports, and the files.
 void TrainingRun::finish() {
+  if (bad_images_)
+    if (const auto bad = bad_images_->list(); !bad.empty()) {
+      fmt::print(log_, "skipped {} bad image{} (--skip-bad-images), each replaced by the next one of its class:\n",
+                 bad.size(), bad.size() == 1 ? "" : "s");
+      for (const auto& [file, why] : bad) fmt::print(log_, "  {}\n", why);
+    }
   const StepMeter& meter = meter_;
   const std::int64_t step = meter.steps;
   const int ranks = rank_.ranks;

@@ -115,7 +115,7 @@ std::string options_text(const TrainOptions& o) {
 // The data set of --data; --num-classes chooses the class count of synthetic data and must agree
 // with a real data set's.
 // A folder of pictures (data/folder.h) needs --input; --val-fraction and --max-image-pixels are its.
-data::Split load_folder_data(const TrainOptions& opt, std::ostream& log) {
+data::Split load_folder_data(const TrainOptions& opt, std::ostream& log, std::shared_ptr<data::BadImages>* bad) {
   const std::string dir = opt.data.substr(7);
   if (opt.input == "auto")
     throw Error(fmt::format("--data {}: expected --input CxHxW (one sample's shape: 3x224x224 or 1x28x28), found none",
@@ -124,6 +124,8 @@ data::Split load_folder_data(const TrainOptions& opt, std::ostream& log) {
   data::FolderOptions fo;
   fo.channels = chw[0], fo.height = chw[1], fo.width = chw[2];
   fo.max_pixels = opt.max_image_pixels;
+  fo.transform = opt.transform;
+  fo.skip_bad_images = opt.skip_bad_images;
   fo.seed = opt.seed;
   if (opt.val_fraction != "none") {
     if (!number_error(kFraction, opt.val_fraction).empty() || std::strtod(opt.val_fraction.c_str(), nullptr) <= 0 ||
@@ -132,20 +134,25 @@ data::Split load_folder_data(const TrainOptions& opt, std::ostream& log) {
     fo.val_fraction = std::strtod(opt.val_fraction.c_str(), nullptr);
   }
   data::FolderSet set = data::load_folder(dir, fo);
+  if (bad) *bad = set.bad_images;
   std::string skipped;
   for (const auto& [ext, n] : set.skipped) skipped += fmt::format("{}{} {}", skipped.empty() ? "" : ", ", n, ext.empty() ? "without an extension" : ext);
-  fmt::print(log, "data {}: {} classes, {} training images, {} for evaluation{}, read by {} workers{}; {}; {}\n",
+  fmt::print(log, "data {}: {} classes, {} training images, {} for evaluation{}, read by {} workers{}, transform {}; {}; {}\n",
              opt.data, set.classes.size(), set.train_files.size(), set.test_files.size(),
              opt.val_fraction != "none" ? fmt::format(" (--val-fraction {})", opt.val_fraction) : "",
              opt.workers > 0 ? opt.workers : omp_get_max_threads(), opt.workers > 0 ? "" : " (--workers 0: OpenMP's count)",
-             skipped.empty() ? "no other files" : "skipped (not .jpg, .jpeg or .png): " + skipped, set.statistics);
+             opt.transform, skipped.empty() ? "no other files" : "skipped (not .jpg, .jpeg or .png): " + skipped, set.statistics);
   return std::move(set.split);
 }
 
-data::Split load_data(const TrainOptions& opt, std::ostream& log) {
-  if (opt.data.rfind("folder:", 0) == 0) return load_folder_data(opt, log);
-  if (opt.input != "auto" || opt.val_fraction != "none")
-    throw Error(fmt::format("--{}: for --data folder:DIR only, found --data {}", opt.input != "auto" ? "input" : "val-fraction",
+data::Split load_data(const TrainOptions& opt, std::ostream& log, std::shared_ptr<data::BadImages>* bad = nullptr) {
+  if (opt.data.rfind("folder:", 0) == 0) return load_folder_data(opt, log, bad);
+  if (opt.input != "auto" || opt.val_fraction != "none" || opt.transform != "imagenet" || opt.skip_bad_images)
+    throw Error(fmt::format("--{}: for --data folder:DIR only, found --data {}",
+                            opt.input != "auto"           ? "input"
+                            : opt.val_fraction != "none"  ? "val-fraction"
+                            : opt.transform != "imagenet" ? "transform"
+                                                          : "skip-bad-images",
                             opt.data));
   const bool synthetic = data::is_synthetic(opt.data);
   data::Split split = data::load_dataset(opt.data, synthetic ? opt.num_classes : std::nullopt);
@@ -349,7 +356,7 @@ TrainingRun::TrainingRun(const TrainOptions& options, std::ostream& all_log, std
       log_(*rank_.log),
       progress_(progress ? *progress : log_),
       profiler_(rank_.dev, rank_options_.profile),
-      split_(load_data(rank_options_, log_)),
+      split_(load_data(rank_options_, log_, &bad_images_)),
       loader_(split_.train, loader_options(rank_options_, augments(rank_options_))),
       per_epoch_(checked_per_epoch(loader_, rank_options_, split_.train)),
       steps_(run_steps(rank_options_, per_epoch_)),

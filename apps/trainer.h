@@ -25,6 +25,8 @@ struct TrainOptions : StepOptions {
   // needs one), the share of the training images held out for evaluation without DIR/val ("none"
   // or a number in (0, 1)), and the pixel bound of an image's header.
   std::string input = "auto";
+  std::string transform = "imagenet";
+  bool skip_bad_images = false;  // a folder's bad image: skipped, counted and listed (else an error)  // a folder's: imagenet (random resized crop and flip; resize and centre crop) | none
   int workers = 0;  // the threads decoding a folder's images (0: OpenMP's default, printed)
   std::string val_fraction = "none";
   std::int64_t max_image_pixels = data::kDefaultMaxImagePixels;

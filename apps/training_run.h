@@ -23,6 +23,7 @@
 #include "core/ops.h"
 #include "core/profiler.h"
 #include "data/data.h"
+#include "data/folder.h"
 #include "distributed/communicator.h"
 #include "distributed/data_parallel.h"
 #include "mbp/checkpoint.h"
@@ -167,6 +168,7 @@ class TrainingRun {
   std::ostream& log_;
   std::ostream& progress_;  // the progress bar's stream: log_, or the caller's (tally sweep: the terminal)
   Profiler profiler_;  // --profile: time per op over the steps after the first
+  std::shared_ptr<data::BadImages> bad_images_;  // a folder's images skipped as bad (--skip-bad-images)
   data::Split split_;
   data::Loader loader_;
   std::int64_t per_epoch_;

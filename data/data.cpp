@@ -624,7 +624,11 @@ void copy_sample(const Dataset& ds, std::int64_t idx, bool augment, std::uint64_
   const std::int64_t C = ds.channels, H = ds.height, W = ds.width, plane = H * W;
   const float* src = nullptr;
   thread_local std::vector<float> drawn;  // a procedural sample, before augmentation
-  if (ds.generate) {
+  if (augment && ds.generate_augmented) {  // the data set augments itself
+    ds.generate_augmented(idx, aug, dst);
+    src = dst;
+    augment = false;
+  } else if (ds.generate) {
     if (!augment) {
       ds.generate(idx, dst);
       src = dst;

@@ -54,6 +54,10 @@ struct Dataset {  // images in [0,1] float, CHW; labels int64
   // A procedural data set draws sample i into dst (C*H*W values) when it is needed; it must be
   // safe to call from several threads at once.
   std::function<void(std::int64_t i, float* dst)> generate;
+  // A generated data set with an augmentation of its own (a folder's random resized crop and
+  // flip, data/folder.h): sample i drawn with the loader's per-sample draw (of (seed, epoch,
+  // position)) when augmenting, instead of the loader's pad-crop-flip. Unset: the loader's.
+  std::function<void(std::int64_t i, std::uint64_t draw, float* dst)> generate_augmented;
   std::array<float, 3> mean{}, stddev{};  // usual per-channel normalisation (first `channels` used)
   std::string name;
 

@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <array>
 #include <cctype>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -13,6 +14,7 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "data/resample.h"
 
 namespace tally::data {
 
@@ -85,38 +87,151 @@ std::vector<std::uint8_t> read_bytes(const std::string& path) {
   return bytes;
 }
 
-// Image `path` decoded as the options say, checked against height x width (transform none).
+// Image `path` decoded as the options say; with transform none, checked against height x width.
 Image decoded(const std::string& path, const FolderOptions& o) {
   DecodeOptions d;
   d.channels = static_cast<int>(o.channels);
   d.max_pixels = o.max_pixels;
   Image img = decode_image(read_bytes(path), path, d);
-  if (img.height != o.height || img.width != o.width)
+  if (o.transform == "none" && (img.height != o.height || img.width != o.width))
     throw FormatError(fmt::format("{}: expected a {}x{} image (--input {}x{}x{} with --transform none), found {}x{}",
                                   path, o.height, o.width, o.channels, o.height, o.width, img.height, img.width));
   return img;
 }
 
-// HWC bytes to CHW floats in [0, 1], by the IDX and CIFAR readers' division.
-void to_floats(const Image& img, float* dst) {
+// HWC bytes to CHW floats in [0, 1], by the IDX and CIFAR readers' division; mirrored when `flip`.
+void to_floats(const std::uint8_t* pixels, std::int64_t height, std::int64_t width, std::int64_t channels, bool flip,
+               float* dst) {
   static const std::array<float, 256> table = [] {
     std::array<float, 256> t{};
     for (int i = 0; i < 256; ++i) t[static_cast<std::size_t>(i)] = static_cast<float>(i) / 255.0f;
     return t;
   }();
-  const std::size_t plane = static_cast<std::size_t>(img.height * img.width), C = static_cast<std::size_t>(img.channels);
-  for (std::size_t p = 0; p < plane; ++p)
-    for (std::size_t c = 0; c < C; ++c) dst[c * plane + p] = table[img.pixels[p * C + c]];
+  const auto H = static_cast<std::size_t>(height), W = static_cast<std::size_t>(width), C = static_cast<std::size_t>(channels);
+  for (std::size_t y = 0; y < H; ++y)
+    for (std::size_t x = 0; x < W; ++x) {
+      const std::uint8_t* p = pixels + (y * W + (flip ? W - 1 - x : x)) * C;
+      for (std::size_t c = 0; c < C; ++c) dst[(c * H + y) * W + x] = table[p[c]];
+    }
+}
+
+// A stream of uniform numbers from one draw (splitmix64).
+struct Draws {
+  std::uint64_t state;
+  std::uint64_t next() {
+    std::uint64_t z = (state += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  double uniform(double lo, double hi) { return lo + (hi - lo) * static_cast<double>(next() >> 11) * 0x1.0p-53; }
+  int integer(int lo, int hi) {  // in [lo, hi]
+    return lo + static_cast<int>(static_cast<double>(next() >> 11) * 0x1.0p-53 * (hi - lo + 1));
+  }
+};
+
+// torchvision's RandomResizedCrop.get_params (scale 0.08-1, ratio 3/4-4/3): ten tries of an area
+// and a log-uniform aspect ratio, then the whole image cut to the ratio's bounds, centred.
+struct Region {
+  int x, y, w, h;
+};
+Region random_resized_crop(int W, int H, Draws& d) {
+  const double area = static_cast<double>(W) * H, lo = std::log(3.0 / 4.0), hi = std::log(4.0 / 3.0);
+  for (int attempt = 0; attempt < 10; ++attempt) {
+    const double target = area * d.uniform(0.08, 1.0), ratio = std::exp(d.uniform(lo, hi));
+    const int w = static_cast<int>(std::nearbyint(std::sqrt(target * ratio)));
+    const int h = static_cast<int>(std::nearbyint(std::sqrt(target / ratio)));
+    if (w > 0 && w <= W && h > 0 && h <= H) {
+      const int y = d.integer(0, H - h), x = d.integer(0, W - w);
+      return {x, y, w, h};
+    }
+  }
+  const double in_ratio = static_cast<double>(W) / H;
+  int w = W, h = H;
+  if (in_ratio < 3.0 / 4.0) h = static_cast<int>(std::nearbyint(W / (3.0 / 4.0)));
+  else if (in_ratio > 4.0 / 3.0) w = static_cast<int>(std::nearbyint(H * (4.0 / 3.0)));
+  return {(W - w) / 2, (H - h) / 2, w, h};
+}
+
+// The ImageNet recipe's training view: the random resized crop to height x width and, half the
+// time, a horizontal flip.
+void training_view(const Image& img, std::uint64_t draw, const FolderOptions& o, float* dst) {
+  Draws d{draw};
+  const Region r = random_resized_crop(static_cast<int>(img.width), static_cast<int>(img.height), d);
+  const bool flip = (d.next() >> 63) != 0;
+  const std::vector<std::uint8_t> out = resize_bilinear(img.pixels.data(), static_cast<int>(img.width),
+                                                        static_cast<int>(img.height), img.channels, r.x, r.y, r.w, r.h,
+                                                        static_cast<int>(o.width), static_cast<int>(o.height));
+  to_floats(out.data(), o.height, o.width, o.channels, flip, dst);
+}
+
+// Its evaluation view: the shorter side resized to max(height, width) / 0.875 (torchvision's
+// Resize(int)), then the centre height x width (CenterCrop, its offsets rounded half to even as
+// Python's round).
+void evaluation_view(const Image& img, const FolderOptions& o, float* dst) {
+  const auto side = static_cast<std::int64_t>(static_cast<double>(std::max(o.height, o.width)) / 0.875);
+  std::int64_t ow = side, oh = side;
+  if (img.width <= img.height) oh = side * img.height / img.width;
+  else ow = side * img.width / img.height;
+  const std::vector<std::uint8_t> full = resize_bilinear(img.pixels.data(), static_cast<int>(img.width),
+                                                         static_cast<int>(img.height), img.channels, 0, 0,
+                                                         static_cast<int>(img.width), static_cast<int>(img.height),
+                                                         static_cast<int>(ow), static_cast<int>(oh));
+  const auto top = static_cast<std::int64_t>(std::nearbyint(static_cast<double>(oh - o.height) / 2.0));
+  const auto left = static_cast<std::int64_t>(std::nearbyint(static_cast<double>(ow - o.width) / 2.0));
+  std::vector<std::uint8_t> crop(static_cast<std::size_t>(o.height * o.width * o.channels));
+  for (std::int64_t y = 0; y < o.height; ++y)
+    std::copy_n(&full[static_cast<std::size_t>(((top + y) * ow + left) * o.channels)], o.width * o.channels,
+                &crop[static_cast<std::size_t>(y * o.width * o.channels)]);
+  to_floats(crop.data(), o.height, o.width, o.channels, false, dst);
+}
+
+// Sample i's view by `make` (which decodes and transforms); with skip_bad_images, a file that
+// fails is recorded and the next one of its class in the list is tried, wrapping around (the
+// label stays right).
+template <class F>
+void with_good_image(const std::vector<std::string>& files, const std::vector<std::int64_t>& labels, std::int64_t i,
+                     const FolderOptions& o, BadImages& bad, F&& make) {
+  const std::size_t n = files.size();
+  for (std::size_t k = 0; k < n; ++k) {
+    const std::size_t j = (static_cast<std::size_t>(i) + k) % n;
+    if (labels[j] != labels[static_cast<std::size_t>(i)]) continue;
+    const std::string& path = files[j];
+    try {
+      make(decoded(path, o));
+      return;
+    } catch (const FormatError& e) {
+      if (!o.skip_bad_images) throw;
+      bad.add(path, e.what());
+    }
+  }
+  throw FormatError(fmt::format("{}: expected at least one image of its class that decodes, found none "
+                                "(--skip-bad-images)", fs::path(files[static_cast<std::size_t>(i)]).parent_path().string()));
 }
 
 Dataset folder_dataset(const std::string& name, const std::vector<std::string>& files,
-                       const std::vector<std::int64_t>& labels, std::int64_t classes, const FolderOptions& o) {
+                       const std::vector<std::int64_t>& labels, std::int64_t classes, const FolderOptions& o,
+                       const std::shared_ptr<BadImages>& bad) {
   Dataset ds;
   ds.name = name;
   ds.channels = o.channels, ds.height = o.height, ds.width = o.width, ds.num_classes = classes;
   ds.labels = labels;
   auto list = std::make_shared<const std::vector<std::string>>(files);
-  ds.generate = [list, o](std::int64_t i, float* dst) { to_floats(decoded((*list)[static_cast<std::size_t>(i)], o), dst); };
+  auto classes_of = std::make_shared<const std::vector<std::int64_t>>(labels);
+  if (o.transform == "none") {
+    ds.generate = [list, classes_of, o, bad](std::int64_t i, float* dst) {
+      with_good_image(*list, *classes_of, i, o, *bad, [&](const Image& img) {
+        to_floats(img.pixels.data(), img.height, img.width, img.channels, false, dst);
+      });
+    };
+    return ds;
+  }
+  ds.generate = [list, classes_of, o, bad](std::int64_t i, float* dst) {
+    with_good_image(*list, *classes_of, i, o, *bad, [&](const Image& img) { evaluation_view(img, o, dst); });
+  };
+  ds.generate_augmented = [list, classes_of, o, bad](std::int64_t i, std::uint64_t draw, float* dst) {
+    with_good_image(*list, *classes_of, i, o, *bad, [&](const Image& img) { training_view(img, draw, o, dst); });
+  };
   return ds;
 }
 
@@ -151,13 +266,28 @@ std::string measure_statistics(Dataset& ds, const std::vector<std::string>& file
 
 }  // namespace
 
+void BadImages::add(const std::string& path, const std::string& why) {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  bad_.emplace(path, why);
+}
+
+std::map<std::string, std::string> BadImages::list() const {
+  const std::lock_guard<std::mutex> lock(mutex_);
+  return bad_;
+}
+
+const std::vector<std::string>& folder_transform_names() {
+  static const std::vector<std::string> names{"imagenet", "none"};
+  return names;
+}
+
 FolderSet load_folder(const std::string& dir, const FolderOptions& o) {
   if (o.channels != 1 && o.channels != 3)
     throw Error(fmt::format("folder:{}: expected 1 or 3 channels (--input 1xHxW or 3xHxW), found {}", dir, o.channels));
   if (o.height < 1 || o.width < 1)
     throw Error(fmt::format("folder:{}: expected an image size (--input CxHxW), found {}x{}", dir, o.height, o.width));
-  if (o.transform != "none")
-    throw Error(fmt::format("folder:{}: expected --transform none, found '{}'", dir, o.transform));
+  if (o.transform != "none" && o.transform != "imagenet")
+    throw Error(fmt::format("folder:{}: expected --transform imagenet or none, found '{}'", dir, o.transform));
   const fs::path root(dir), train = root / "train", val = root / "val";
   std::error_code ec;
   if (!fs::is_directory(train, ec))
@@ -209,8 +339,9 @@ FolderSet load_folder(const std::string& dir, const FolderOptions& o) {
     tr = std::move(kept);
   }
   const auto classes = static_cast<std::int64_t>(out.classes.size());
-  out.split.train = folder_dataset(fmt::format("folder:{} (train)", dir), tr.files, tr.labels, classes, o);
-  out.split.test = folder_dataset(fmt::format("folder:{} (val)", dir), te.files, te.labels, classes, o);
+  out.bad_images = std::make_shared<BadImages>();
+  out.split.train = folder_dataset(fmt::format("folder:{} (train)", dir), tr.files, tr.labels, classes, o, out.bad_images);
+  out.split.test = folder_dataset(fmt::format("folder:{} (val)", dir), te.files, te.labels, classes, o, out.bad_images);
   out.statistics = measure_statistics(out.split.train, tr.files);
   out.split.test.mean = out.split.train.mean;
   out.split.test.stddev = out.split.train.stddev;

@@ -10,21 +10,28 @@
 //     counted per extension (FolderSet::skipped), as torchvision's extension filter skips them.
 //   * No pixels are held: the data set is the file list, and each image is read and decoded when a
 //     batch needs it (Dataset::generate, on the loader's threads).
-//   * Transform "none" (the only one so far): an image as it is, which must be height x width
-//     (`FolderOptions`); converted to `channels` (3: RGB, 1: grey, as PIL's convert) and to
-//     floats in [0, 1] by the same division by 255 as the IDX and CIFAR readers, so that a folder of
-//     PNG files written from an IDX file gives the same floats.
+//   * Transforms, as torchvision's ImageNet recipe on PIL images (data/resample.h: PIL's bilinear
+//     resize byte for byte): "imagenet" — for training (the loader's augmentation on) a random
+//     resized crop (scale 0.08-1, aspect ratio 3/4-4/3, ten tries then the centre) to height x
+//     width and a horizontal flip half the time, drawn from the loader's per-sample draw (seed,
+//     epoch, position); for evaluation (and training without augmentation) the shorter side
+//     resized to max(height, width) / 0.875 and the centre height x width. "none": an image as it
+//     is, which must be height x width. Either way converted to `channels` (3: RGB, 1: grey, as
+//     PIL's convert) and to floats in [0, 1] by the same division by 255 as the IDX and CIFAR
+//     readers, so that a folder of PNG files written from an IDX file gives the same floats.
 //   * Without DIR/val, `val_fraction` (0 < f < 1) sets aside that share of the training files for
 //     evaluation, chosen by `seed` (a permutation of the file list; the rest keep their order);
 //     without it the test set is empty (no evaluation).
 //   * The normalisation constants are measured once, on up to 512 training images spread evenly
 //     over the list (per channel, over every pixel), and stated in FolderSet::statistics.
-//   * Errors, each a FormatError naming the folder or file: no DIR/train; a train folder without
+//   * Errors, each a FormatError naming the folder or file (for an image, unless skip_bad_images): no DIR/train; a train folder without
 //     class folders; an empty class folder; no image at all; a val class that is not a train class;
-//     an image that cannot be decoded, is larger than `max_pixels`, or not height x width.
+//     an image that cannot be decoded, is larger than `max_pixels`, or (transform none) not height x width.
 #pragma once
 #include <cstdint>
 #include <map>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -36,10 +43,25 @@ namespace tally::data {
 
 struct FolderOptions {
   std::int64_t channels = 3, height = 0, width = 0;  // one sample's shape (--input)
-  std::string transform = "none";
+  std::string transform = "imagenet";  // or "none"
   std::int64_t max_pixels = kDefaultMaxImagePixels;
   std::optional<double> val_fraction;  // only without DIR/val
   std::uint64_t seed = 0;
+  // A corrupt, truncated, oversized or wrongly sized image: an error (false), or skipped (true) —
+  // the sample then is the next image of its class in the list that decodes (wrapping around), so
+  // batches stay full, rightly labelled and the same on every run; each bad file is recorded in
+  // FolderSet::bad_images.
+  bool skip_bad_images = false;
+};
+
+// The files a data set skipped as bad (skip_bad_images), shared by the threads that decode.
+class BadImages {
+ public:
+  void add(const std::string& path, const std::string& why);
+  std::map<std::string, std::string> list() const;  // file -> the error
+ private:
+  mutable std::mutex mutex_;
+  std::map<std::string, std::string> bad_;
 };
 
 struct FolderSet {
@@ -48,7 +70,10 @@ struct FolderSet {
   std::vector<std::string> train_files, test_files;  // in sample order
   std::map<std::string, std::int64_t> skipped;       // files skipped, by extension ("" : none)
   std::string statistics;                            // "mean 0.2860 0.2860 0.2860, std ... over 512 images"
+  std::shared_ptr<BadImages> bad_images;             // filled while samples are read (skip_bad_images)
 };
 FolderSet load_folder(const std::string& dir, const FolderOptions& options);
+// The transforms by name: imagenet, none.
+const std::vector<std::string>& folder_transform_names();
 
 }  // namespace tally::data

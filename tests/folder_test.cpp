@@ -111,6 +111,7 @@ const Twins& twins() {
 data::FolderOptions grey28() {
   data::FolderOptions o;
   o.channels = 1, o.height = 28, o.width = 28;
+  o.transform = "none";
   return o;
 }
 
@@ -256,7 +257,7 @@ TEST(Folder, TheCommandLineTrainsOnTheFolderAsOnTheIdxFiles) {
   // --no-augment: augmentation is on by default, but for MNIST and Fashion-MNIST.
   const std::string common = "--model resnet20 --batch-size 64 --steps 6 --no-normalize --no-augment --threads 2 "
                              "--no-progress --memory-limit 256MiB";
-  for (const auto& [name, data] : {std::pair<std::string, std::string>{"png", fmt::format("folder:{} --input 1x28x28",
+  for (const auto& [name, data] : {std::pair<std::string, std::string>{"png", fmt::format("folder:{} --input 1x28x28 --transform none",
                                                                                           twins().pngs.path.string())},
                                    {"idx", fmt::format("fashion-mnist:{}", twins().idx.path.string())}})
     ASSERT_EQ(test::run_command(fmt::format("{} train --data {} {} --out {} --save {}.safetensors > {}.log 2>&1", TALLY_EXE,
@@ -330,4 +331,70 @@ TEST(Folder, WorkersChangeNoBatchAndAResumedRunNoBit) {
   EXPECT_FALSE(a.empty());
   EXPECT_TRUE(a == b) << "resumed with another worker count, the weights differ";
   fs::remove_all(out);
+}
+
+// The ImageNet recipe (data/folder.h): the evaluation view is torchvision's Resize and CenterCrop
+// on the PIL image byte for byte (fixture written by PIL); the training view is a function of the
+// draw alone, in [0, 1], and the draws give different crops.
+TEST(Folder, TheImagenetViewsAreTorchvisionsResizeAndCropAndTheDrawsCrops) {
+  TempDir t;
+  fs::create_directories(t.path / "train" / "only");
+  fs::copy_file(std::string(TALLY_FIXTURES_DIR) + "/images/rgb.png", t.path / "train" / "only" / "a.png");
+  data::FolderOptions o;
+  o.channels = 3, o.height = 16, o.width = 16;
+  const data::FolderSet s = data::load_folder(t.path.string(), o);
+  std::vector<float> eval(3 * 16 * 16), a(eval.size()), b(eval.size()), c(eval.size());
+  s.split.train.generate(0, eval.data());
+  std::ifstream f(std::string(TALLY_FIXTURES_DIR) + "/images/rgb.eval-16x16.rgb", std::ios::binary);
+  const std::vector<std::uint8_t> want((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  ASSERT_EQ(want.size(), eval.size());
+  std::size_t differ = 0;
+  for (std::size_t p = 0; p < 256; ++p)
+    for (std::size_t ch = 0; ch < 3; ++ch) differ += eval[ch * 256 + p] != static_cast<float>(want[p * 3 + ch]) / 255.0f;
+  EXPECT_EQ(differ, 0u) << "the evaluation view differs from torchvision's Resize + CenterCrop";
+  ASSERT_TRUE(s.split.train.generate_augmented);
+  s.split.train.generate_augmented(0, 12345, a.data());
+  s.split.train.generate_augmented(0, 12345, b.data());
+  s.split.train.generate_augmented(0, 99, c.data());
+  EXPECT_EQ(a, b) << "the same draw must give the same view";
+  EXPECT_NE(a, c) << "two draws gave the same view";
+  for (const float v : a) ASSERT_TRUE(v >= 0.0f && v <= 1.0f);
+}
+
+// --skip-bad-images: a broken file is recorded and its sample is the next image of its class (here
+// the one after it; the last of a class wraps to its class's first, never to another class).
+TEST(Folder, BadImagesAreSkippedCountedAndListedWhenAsked) {
+  TempDir t;
+  fs::create_directories(t.path / "train" / "a");
+  std::vector<std::uint8_t> grey(28 * 28);
+  for (std::size_t i = 0; i < grey.size(); ++i) grey[i] = static_cast<std::uint8_t>(i * 3);
+  write_png(t.path / "train" / "a" / "1.png", grey.data(), 28, 28);
+  write_file(t.path / "train" / "a" / "2.png", {0x89, 'P', 'N', 'G', 0x0d, 0x0a, 0x1a, 0x0a, 0, 0});
+  grey[0] = 200;
+  write_png(t.path / "train" / "a" / "3.png", grey.data(), 28, 28);
+  data::FolderOptions o = grey28();
+  EXPECT_NE(error_of(t.path, o).find("2.png: expected a PNG header"), std::string::npos);
+  o.skip_bad_images = true;
+  const data::FolderSet s = data::load_folder(t.path.string(), o);
+  ASSERT_EQ(s.split.train.size(), 3);
+  std::vector<float> bad(784), next(784);
+  s.split.train.generate(1, bad.data());
+  s.split.train.generate(2, next.data());
+  EXPECT_EQ(bad, next) << "the bad sample is the next image of the list";
+  EXPECT_FLOAT_EQ(next[0], 200.0f / 255.0f);
+  const auto list = s.bad_images->list();
+  ASSERT_EQ(list.size(), 1u);
+  EXPECT_EQ(fs::path(list.begin()->first).filename(), "2.png");
+  EXPECT_NE(list.begin()->second.find("expected a PNG header"), std::string::npos);
+  // The last file of class a broken too: its sample wraps to a's first image, not to class b's.
+  fs::create_directories(t.path / "train" / "b");
+  grey[0] = 77;
+  write_png(t.path / "train" / "b" / "1.png", grey.data(), 28, 28);
+  write_file(t.path / "train" / "a" / "4.png", {0x89, 'P', 'N', 'G', 0x0d, 0x0a, 0x1a, 0x0a, 0, 0});
+  const data::FolderSet w = data::load_folder(t.path.string(), o);
+  std::vector<float> first(784);
+  w.split.train.generate(3, bad.data());  // a/4.png
+  w.split.train.generate(0, first.data());
+  EXPECT_EQ(bad, first) << "a bad last image of a class must wrap within its class";
+  EXPECT_EQ(w.split.train.labels[3], 0);
 }

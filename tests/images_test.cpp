@@ -17,6 +17,7 @@
 
 #include "core/error.h"
 #include "data/images.h"
+#include "data/resample.h"
 
 using namespace tally;
 
@@ -140,4 +141,32 @@ TEST(Images, ABombIsRefusedFromItsHeader) {
   const std::string e = error_of(png);
   EXPECT_NE(e.find("declares 100000x100000 = 10000000000 pixels, more than the bound of 89478485"), std::string::npos)
       << e;
+}
+
+// PIL's bilinear resize (data/resample.h) — torchvision's Resize and RandomResizedCrop on PIL
+// images — byte for byte: reductions (antialiased), enlargements, one axis only, a crop then a
+// resize, a 7x20 crop blown up to 224x224; RGB and grey.
+TEST(Images, BilinearResizeIsPilsByteForByte) {
+  const std::vector<std::uint8_t> file = read(kDir + "rgb.png");
+  struct Case {
+    int x, y, w, h, dw, dh;
+  };
+  for (const Case& c : {Case{0, 0, 37, 23, 20, 15}, Case{0, 0, 37, 23, 64, 50}, Case{0, 0, 37, 23, 37, 10},
+                        Case{0, 0, 37, 23, 10, 23}, Case{3, 2, 30, 18, 16, 16}, Case{5, 1, 7, 20, 224, 224}})
+    for (const int channels : {3, 1}) {
+      const std::string name = fmt::format("rgb.resize-{}-{}-{}-{}-to-{}-{}.{}", c.x, c.y, c.w, c.h, c.dw, c.dh,
+                                           channels == 3 ? "rgb" : "l");
+      SCOPED_TRACE(name);
+      data::DecodeOptions o;
+      o.channels = channels;
+      const data::Image img = data::decode_image(file, "rgb.png", o);
+      const std::vector<std::uint8_t> got = data::resize_bilinear(img.pixels.data(), 37, 23, channels, c.x, c.y, c.w,
+                                                                  c.h, c.dw, c.dh);
+      const std::vector<std::uint8_t> want = read(kDir + name);
+      ASSERT_EQ(got.size(), want.size());
+      std::size_t differ = 0;
+      for (std::size_t i = 0; i < want.size(); ++i) differ += got[i] != want[i];
+      EXPECT_EQ(differ, 0u) << differ << " of " << want.size() << " bytes differ from PIL's";
+    }
+  EXPECT_THROW((void)data::resize_bilinear(file.data(), 37, 23, 3, 30, 0, 10, 23, 5, 5), Error) << "outside the image";
 }
