@@ -3,7 +3,9 @@
 #   1. the input pipeline alone — read, decode at full scale, random resized crop to 224x224 with
 #      PIL's bilinear resize, flip, normalise — tally's bench_folder (data::Loader, N decoding
 #      threads) beside torchvision's ImageFolder + DataLoader (N worker processes, the same
-#      transforms on PIL), at 1 and 2 workers, interleaved ROUNDS times; images/s of one pass;
+#      transforms on PIL), at 1 and 2 workers, interleaved ROUNDS times; images/s of one pass; and
+#      tally with JPEG's DCT scaling where the crop allows (not PIL's full-scale pixels), with how
+#      often it applied;
 #   2. end to end: `tally train` ResNet-18 at 3x112x112 for one epoch over the folder, against the
 #      same number of steps from memory (synthetic:3x112x112), 2 threads each.
 # The folder: bench/make_jpeg_folder.py DIR (1,000 textured JPEGs of about 500x375, quality 90),
@@ -17,13 +19,15 @@ python=/usr/bin/python3
 here=$(cd "$(dirname "$0")" && pwd)
 [[ -d $dir/train ]] || "$python" "$here/make_jpeg_folder.py" "$dir"
 rate() { sed -n 's/.*images_per_second=\([0-9.]*\).*/\1/p'; }
-echo "| round | workers | tally images/s | torchvision images/s | ratio |"
-echo "|---|---|---|---|---|"
+echo "| round | workers | tally images/s | torchvision images/s | ratio | tally with DCT scaling: images/s (decoded smaller) |"
+echo "|---|---|---|---|---|---|"
 for r in $(seq 1 "$rounds"); do
   for w in 1 2; do
     t=$(OMP_NUM_THREADS=2 "$build/bench/bench_folder" "$dir" "$w" | rate)
     v=$("$python" "$here/folder_pipeline.py" "$dir" "$w" | rate)
-    echo "| $r | $w | $t | $v | $(awk -v a="$t" -v b="$v" 'BEGIN { printf "%.2fx", a / b }') |"
+    dct=$(OMP_NUM_THREADS=2 "$build/bench/bench_folder" "$dir" "$w" 224 64 1000000 dct)
+    scaled=$(sed -n 's/.* images=\([0-9]*\) .*dct_scaled=\([0-9]*\).*/\2 of \1/p' <<<"$dct")
+    echo "| $r | $w | $t | $v | $(awk -v a="$t" -v b="$v" 'BEGIN { printf "%.2fx", a / b }') | $(rate <<<"$dct") ($scaled) |"
   done
 done
 echo

@@ -153,12 +153,32 @@ Region random_resized_crop(int W, int H, Draws& d) {
   return {(W - w) / 2, (H - h) / 2, w, h};
 }
 
-// The ImageNet recipe's training view: the random resized crop to height x width and, half the
-// time, a horizontal flip.
-void training_view(const Image& img, std::uint64_t draw, const FolderOptions& o, float* dst) {
+// The ImageNet recipe's training view of file `path`: the random resized crop to height x width
+// and, half the time, a horizontal flip. The crop is drawn from the header's size, so that with
+// dct_scaling a JPEG whose crop is at least twice the output each way is decoded at 1/2, 1/4 or
+// 1/8 (the largest that keeps the crop at least the output's size) and the crop taken there.
+void training_view(const std::string& path, std::uint64_t draw, const FolderOptions& o, float* dst) {
+  const std::vector<std::uint8_t> bytes = read_bytes(path);
+  const ImageHeader h = image_header(bytes, path);
   Draws d{draw};
-  const Region r = random_resized_crop(static_cast<int>(img.width), static_cast<int>(img.height), d);
+  Region r = random_resized_crop(static_cast<int>(h.width), static_cast<int>(h.height), d);
   const bool flip = (d.next() >> 63) != 0;
+  DecodeOptions dopt;
+  dopt.channels = static_cast<int>(o.channels);
+  dopt.max_pixels = o.max_pixels;
+  if (o.dct_scaling && h.format == ImageFormat::jpeg)
+    for (const int s : {8, 4, 2})
+      if (r.w / s >= o.width && r.h / s >= o.height) {
+        dopt.scale_denominator = s;
+        break;
+      }
+  const Image img = decode_image(bytes, path, dopt);
+  if (const int s = dopt.scale_denominator; s > 1) {
+    if (o.dct_scaled) o.dct_scaled->fetch_add(1, std::memory_order_relaxed);
+    r.x /= s, r.y /= s;
+    r.w = std::min<int>(r.w / s, static_cast<int>(img.width) - r.x);
+    r.h = std::min<int>(r.h / s, static_cast<int>(img.height) - r.y);
+  }
   const std::vector<std::uint8_t> out = resize_bilinear(img.pixels.data(), static_cast<int>(img.width),
                                                         static_cast<int>(img.height), img.channels, r.x, r.y, r.w, r.h,
                                                         static_cast<int>(o.width), static_cast<int>(o.height));
@@ -198,7 +218,7 @@ void with_good_image(const std::vector<std::string>& files, const std::vector<st
     if (labels[j] != labels[static_cast<std::size_t>(i)]) continue;
     const std::string& path = files[j];
     try {
-      make(decoded(path, o));
+      make(path);
       return;
     } catch (const FormatError& e) {
       if (!o.skip_bad_images) throw;
@@ -220,17 +240,18 @@ Dataset folder_dataset(const std::string& name, const std::vector<std::string>& 
   auto classes_of = std::make_shared<const std::vector<std::int64_t>>(labels);
   if (o.transform == "none") {
     ds.generate = [list, classes_of, o, bad](std::int64_t i, float* dst) {
-      with_good_image(*list, *classes_of, i, o, *bad, [&](const Image& img) {
+      with_good_image(*list, *classes_of, i, o, *bad, [&](const std::string& path) {
+        const Image img = decoded(path, o);
         to_floats(img.pixels.data(), img.height, img.width, img.channels, false, dst);
       });
     };
     return ds;
   }
   ds.generate = [list, classes_of, o, bad](std::int64_t i, float* dst) {
-    with_good_image(*list, *classes_of, i, o, *bad, [&](const Image& img) { evaluation_view(img, o, dst); });
+    with_good_image(*list, *classes_of, i, o, *bad, [&](const std::string& path) { evaluation_view(decoded(path, o), o, dst); });
   };
   ds.generate_augmented = [list, classes_of, o, bad](std::int64_t i, std::uint64_t draw, float* dst) {
-    with_good_image(*list, *classes_of, i, o, *bad, [&](const Image& img) { training_view(img, draw, o, dst); });
+    with_good_image(*list, *classes_of, i, o, *bad, [&](const std::string& path) { training_view(path, draw, o, dst); });
   };
   return ds;
 }

@@ -29,6 +29,7 @@
 //     an image that cannot be decoded, is larger than `max_pixels`, or (transform none) not height x width.
 #pragma once
 #include <cstdint>
+#include <atomic>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -52,6 +53,10 @@ struct FolderOptions {
   // batches stay full, rightly labelled and the same on every run; each bad file is recorded in
   // FolderSet::bad_images.
   bool skip_bad_images = false;
+  // The training view of a JPEG decoded at 1/2, 1/4 or 1/8 where its crop allows (libjpeg-turbo's
+  // DCT scaling; the pixels then are not PIL's full-scale ones); counted in *dct_scaled if set.
+  bool dct_scaling = false;
+  std::shared_ptr<std::atomic<std::int64_t>> dct_scaled;
 };
 
 // The files a data set skipped as bad (skip_bad_images), shared by the threads that decode.

@@ -398,3 +398,25 @@ TEST(Folder, BadImagesAreSkippedCountedAndListedWhenAsked) {
   EXPECT_EQ(bad, first) << "a bad last image of a class must wrap within its class";
   EXPECT_EQ(w.split.train.labels[3], 0);
 }
+
+// JPEG's DCT scaling in the training view: with crops at least twice the output, the decoder's
+// reduced scale is taken (counted), and the views stay deterministic and in [0, 1].
+TEST(Folder, DctScalingDecodesSmallerWhereTheCropAllows) {
+  TempDir t;
+  fs::create_directories(t.path / "train" / "only");
+  fs::copy_file(std::string(TALLY_FIXTURES_DIR) + "/images/rgb444.jpg", t.path / "train" / "only" / "a.jpg");
+  data::FolderOptions o;
+  o.channels = 3, o.height = 4, o.width = 4;
+  o.dct_scaling = true;
+  o.dct_scaled = std::make_shared<std::atomic<std::int64_t>>(0);
+  const data::FolderSet s = data::load_folder(t.path.string(), o);
+  std::vector<float> a(48), b(48);
+  for (std::uint64_t draw = 0; draw < 20; ++draw) {
+    s.split.train.generate_augmented(0, draw, a.data());
+    s.split.train.generate_augmented(0, draw, b.data());
+    EXPECT_EQ(a, b);
+    for (const float v : a) ASSERT_TRUE(v >= 0.0f && v <= 1.0f);
+  }
+  EXPECT_GT(o.dct_scaled->load(), 0) << "no crop of a 37x23 JPEG to 4x4 was decoded at a reduced scale";
+  EXPECT_LE(o.dct_scaled->load(), 40);
+}
