@@ -191,13 +191,20 @@ void TrainingRun::report_stop() const {
 }
 
 // The result, the ranks' agreement, the memory and profile reports, and the files.
+namespace {
+// A folder's images skipped as bad (--skip-bad-images), each with its error.
+void print_bad_images(const std::shared_ptr<data::BadImages>& bad_images, std::ostream& log) {
+  if (!bad_images) return;
+  const auto bad = bad_images->list();
+  if (bad.empty()) return;
+  fmt::print(log, "skipped {} bad image{} (--skip-bad-images), each replaced by the next one of its class:\n",
+             bad.size(), bad.size() == 1 ? "" : "s");
+  for (const auto& [file, why] : bad) fmt::print(log, "  {}\n", why);
+}
+}  // namespace
+
 void TrainingRun::finish() {
-  if (bad_images_)
-    if (const auto bad = bad_images_->list(); !bad.empty()) {
-      fmt::print(log_, "skipped {} bad image{} (--skip-bad-images), each replaced by the next one of its class:\n",
-                 bad.size(), bad.size() == 1 ? "" : "s");
-      for (const auto& [file, why] : bad) fmt::print(log_, "  {}\n", why);
-    }
+  print_bad_images(bad_images_, log_);
   const StepMeter& meter = meter_;
   const std::int64_t step = meter.steps;
   const int ranks = rank_.ranks;
