@@ -474,6 +474,7 @@ void TrainingRun::train_epoch(std::int64_t epoch, std::int64_t epochs) {
     }
     if (setup_.stage && step == traced_step && !run_options_.out.empty()) write_schedule(step, r);
     const double ips = meter_.add(r, b->size, std::chrono::duration<double>(t1 - t0).count(), result_);
+    loader_.give_back(std::move(*b));  // its buffer for a later batch
     profiler_.step_done(meter_.measured == 1);
     ++epoch_steps_;
     epoch_loss_ += last_loss_;

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include <fmt/format.h>
@@ -40,7 +41,11 @@ int main(int argc, char** argv) {
     loader.start_epoch(0);
     const auto t0 = std::chrono::steady_clock::now();
     std::int64_t images = 0;
-    for (std::int64_t k = 0; k < batches; ++k) images += loader.next()->size;
+    for (std::int64_t k = 0; k < batches; ++k) {
+      std::optional<data::Batch> b = loader.next();
+      images += b->size;
+      loader.give_back(std::move(*b));  // as tally train does
+    }
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     fmt::print("tally workers={} images={} seconds={:.3f} images_per_second={:.1f}{}\n", lo.workers, images, s,
                static_cast<double>(images) / s, fo.dct_scaling ? fmt::format(" dct_scaled={}", fo.dct_scaled->load()) : "");

@@ -44,7 +44,7 @@ OMP_NUM_THREADS=2 "$build/apps/tally" train --data synthetic:3x112x112 --num-cla
   --out "$out/memory" > "$out/memory.log"
 t2=$(date +%s.%N)
 elapsed() { awk -v a="$1" -v b="$2" 'BEGIN { printf "%.1f", b - a }'; }
-ips() { sed -n 's/.*"images_per_second": \([0-9.]*\).*/\1/p' "$1/summary.json"; }
+ips() { sed -n 's/.*"images_per_second": \([0-9.]*\).*/\1/p' "$1/summary.json" | awk '{ printf "%.1f", $1 }'; }
 echo "| ResNet-18 3x112x112, batch 64, $steps steps | images/s (steps after the first) | seconds, the process's start to its end |"
 echo "|---|---|---|"
 echo "| folder of JPEGs (decoded while the steps run) | $(ips "$out/folder") | $(elapsed "$t0" "$t1") |"

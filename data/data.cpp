@@ -931,18 +931,23 @@ struct Loader::State {
   std::int64_t produce = 0;  // next batch the worker builds
   std::int64_t consume = 0;  // next batch next() returns
   std::optional<Batch> ready;
+  std::vector<float> spare;  // a given-back batch's images buffer (give_back), for the next build
   std::exception_ptr error;
   std::thread worker;
 
   State(const Dataset& d, LoaderOptions o) : ds(d), opt(o) {}
 
-  Batch build(std::int64_t k, const std::vector<std::int64_t>& ord, std::int64_t ep) const {
+  Batch build(std::int64_t k, const std::vector<std::int64_t>& ord, std::int64_t ep) {
     const std::int64_t start = k * opt.batch_size;
     const std::int64_t size = std::min(opt.batch_size, ds.size() - start);
     const std::int64_t numel = ds.sample_numel();
     Batch b;
     b.size = size;
     b.index = k;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      b.images = std::move(spare);  // reused: no new pages to map and zero
+    }
     b.images.resize(static_cast<std::size_t>(size * numel));
     b.labels.resize(static_cast<std::size_t>(size));
     const std::uint64_t aug_key = key(opt.seed, kTagAugment, static_cast<std::uint64_t>(ep));
@@ -950,7 +955,7 @@ struct Loader::State {
     // the cores. Every sample depends only on its position, so the batch is the same either way.
     std::exception_ptr err;
     const int threads = opt.workers > 0 ? opt.workers : omp_get_max_threads();
-#pragma omp parallel for schedule(dynamic, 4) num_threads(threads) if (ds.generate && size > 1)
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads) if (ds.generate && size > 1)
     for (std::int64_t j = 0; j < size; ++j) {
       try {
         const std::int64_t pos = start + j, idx = ord[static_cast<std::size_t>(pos)];
@@ -1036,6 +1041,11 @@ void Loader::start_epoch(std::int64_t epoch, std::int64_t first_batch) {
     state_->error = nullptr;
   }
   state_->cv.notify_all();
+}
+
+void Loader::give_back(Batch&& batch) {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  if (batch.images.capacity() > state_->spare.capacity()) state_->spare = std::move(batch.images);
 }
 
 std::optional<Batch> Loader::next() {

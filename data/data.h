@@ -127,6 +127,9 @@ class Loader {
   // The next batch of the epoch; nullopt at its end. Throws tally::Error before the first
   // start_epoch, and rethrows any exception raised while the batch was built.
   std::optional<Batch> next();
+  // Hands a batch's buffer back for a later batch to reuse: a batch of large images is tens of MiB,
+  // which a fresh allocation maps and zeroes page by page on one thread each time. Optional.
+  void give_back(Batch&& batch);
 
  private:
   struct State;

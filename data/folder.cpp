@@ -79,20 +79,27 @@ Listing list_split(const fs::path& root, const std::vector<std::string>& classes
   return l;
 }
 
-std::vector<std::uint8_t> read_bytes(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
+// The file's bytes, in this thread's buffer (reused from image to image: no allocation each time).
+const std::vector<std::uint8_t>& read_bytes(const std::string& path) {
+  thread_local std::vector<std::uint8_t> bytes;
+  std::ifstream f(path, std::ios::binary | std::ios::ate);
   if (!f) throw FormatError(fmt::format("{}: expected a readable image file, found none (it was listed)", path));
-  std::vector<std::uint8_t> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
-  if (f.bad()) throw FormatError(fmt::format("{}: expected to read the whole file, found a read error", path));
+  const std::streamoff size = f.tellg();
+  bytes.resize(static_cast<std::size_t>(std::max<std::streamoff>(size, 0)));
+  f.seekg(0);
+  if (!f.read(reinterpret_cast<char*>(bytes.data()), static_cast<std::streamsize>(bytes.size())))
+    throw FormatError(fmt::format("{}: expected to read its {} bytes, found a read error", path, size));
   return bytes;
 }
 
-// Image `path` decoded as the options say; with transform none, checked against height x width.
-Image decoded(const std::string& path, const FolderOptions& o) {
+// Image `path` decoded as the options say (in this thread's buffer, valid until its next call);
+// with transform none, checked against height x width.
+const Image& decoded(const std::string& path, const FolderOptions& o) {
   DecodeOptions d;
   d.channels = static_cast<int>(o.channels);
   d.max_pixels = o.max_pixels;
-  Image img = decode_image(read_bytes(path), path, d);
+  thread_local Image img;
+  decode_image(read_bytes(path), path, d, img);
   if (o.transform == "none" && (img.height != o.height || img.width != o.width))
     throw FormatError(fmt::format("{}: expected a {}x{} image (--input {}x{}x{} with --transform none), found {}x{}",
                                   path, o.height, o.width, o.channels, o.height, o.width, img.height, img.width));
@@ -158,7 +165,7 @@ Region random_resized_crop(int W, int H, Draws& d) {
 // dct_scaling a JPEG whose crop is at least twice the output each way is decoded at 1/2, 1/4 or
 // 1/8 (the largest that keeps the crop at least the output's size) and the crop taken there.
 void training_view(const std::string& path, std::uint64_t draw, const FolderOptions& o, float* dst) {
-  const std::vector<std::uint8_t> bytes = read_bytes(path);
+  const std::vector<std::uint8_t>& bytes = read_bytes(path);
   const ImageHeader h = image_header(bytes, path);
   Draws d{draw};
   Region r = random_resized_crop(static_cast<int>(h.width), static_cast<int>(h.height), d);
@@ -172,16 +179,17 @@ void training_view(const std::string& path, std::uint64_t draw, const FolderOpti
         dopt.scale_denominator = s;
         break;
       }
-  const Image img = decode_image(bytes, path, dopt);
+  thread_local Image img;
+  decode_image(bytes, path, dopt, img);
   if (const int s = dopt.scale_denominator; s > 1) {
     if (o.dct_scaled) o.dct_scaled->fetch_add(1, std::memory_order_relaxed);
     r.x /= s, r.y /= s;
     r.w = std::min<int>(r.w / s, static_cast<int>(img.width) - r.x);
     r.h = std::min<int>(r.h / s, static_cast<int>(img.height) - r.y);
   }
-  const std::vector<std::uint8_t> out = resize_bilinear(img.pixels.data(), static_cast<int>(img.width),
-                                                        static_cast<int>(img.height), img.channels, r.x, r.y, r.w, r.h,
-                                                        static_cast<int>(o.width), static_cast<int>(o.height));
+  thread_local std::vector<std::uint8_t> out;
+  resize_bilinear(img.pixels.data(), static_cast<int>(img.width), static_cast<int>(img.height), img.channels, r.x, r.y,
+                  r.w, r.h, static_cast<int>(o.width), static_cast<int>(o.height), out);
   to_floats(out.data(), o.height, o.width, o.channels, flip, dst);
 }
 
@@ -193,13 +201,14 @@ void evaluation_view(const Image& img, const FolderOptions& o, float* dst) {
   std::int64_t ow = side, oh = side;
   if (img.width <= img.height) oh = side * img.height / img.width;
   else ow = side * img.width / img.height;
-  const std::vector<std::uint8_t> full = resize_bilinear(img.pixels.data(), static_cast<int>(img.width),
-                                                         static_cast<int>(img.height), img.channels, 0, 0,
-                                                         static_cast<int>(img.width), static_cast<int>(img.height),
-                                                         static_cast<int>(ow), static_cast<int>(oh));
+  thread_local std::vector<std::uint8_t> full;
+  resize_bilinear(img.pixels.data(), static_cast<int>(img.width), static_cast<int>(img.height), img.channels, 0, 0,
+                  static_cast<int>(img.width), static_cast<int>(img.height), static_cast<int>(ow), static_cast<int>(oh),
+                  full);
   const auto top = static_cast<std::int64_t>(std::nearbyint(static_cast<double>(oh - o.height) / 2.0));
   const auto left = static_cast<std::int64_t>(std::nearbyint(static_cast<double>(ow - o.width) / 2.0));
-  std::vector<std::uint8_t> crop(static_cast<std::size_t>(o.height * o.width * o.channels));
+  thread_local std::vector<std::uint8_t> crop;
+  crop.resize(static_cast<std::size_t>(o.height * o.width * o.channels));
   for (std::int64_t y = 0; y < o.height; ++y)
     std::copy_n(&full[static_cast<std::size_t>(((top + y) * ow + left) * o.channels)], o.width * o.channels,
                 &crop[static_cast<std::size_t>(y * o.width * o.channels)]);
@@ -241,7 +250,7 @@ Dataset folder_dataset(const std::string& name, const std::vector<std::string>& 
   if (o.transform == "none") {
     ds.generate = [list, classes_of, o, bad](std::int64_t i, float* dst) {
       with_good_image(*list, *classes_of, i, o, *bad, [&](const std::string& path) {
-        const Image img = decoded(path, o);
+        const Image& img = decoded(path, o);
         to_floats(img.pixels.data(), img.height, img.width, img.channels, false, dst);
       });
     };

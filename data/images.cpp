@@ -100,7 +100,7 @@ ImageHeader jpeg_header(Bytes b, const std::string& name) {
   return out;
 }
 
-Image decode_jpeg(Bytes b, const std::string& name, const ImageHeader& h, const DecodeOptions& o) {
+void decode_jpeg(Bytes b, const std::string& name, const ImageHeader& h, const DecodeOptions& o, Image& img) {
   int count = 0;
   const tjscalingfactor* factors = tjGetScalingFactors(&count);
   const tjscalingfactor* sf = nullptr;
@@ -112,7 +112,10 @@ Image decode_jpeg(Bytes b, const std::string& name, const ImageHeader& h, const 
   // As stored where that is what is wanted; colour through RGB; CMYK as it is, converted below.
   const int pf = h.channels == 4 ? TJPF_CMYK : (h.channels == 1 && o.channels == 1) ? TJPF_GRAY : TJPF_RGB;
   const int stored = tjPixelSize[pf];
-  std::vector<std::uint8_t> raw(static_cast<std::size_t>(w) * static_cast<std::size_t>(ht) * static_cast<std::size_t>(stored));
+  const bool direct = stored == o.channels && pf != TJPF_CMYK;  // decoded straight into the image
+  thread_local std::vector<std::uint8_t> converted;
+  std::vector<std::uint8_t>& raw = direct ? img.pixels : converted;
+  raw.resize(static_cast<std::size_t>(w) * static_cast<std::size_t>(ht) * static_cast<std::size_t>(stored));
   tjhandle d = tj(name);
   // Warnings (a truncated or corrupt scan, which libjpeg-turbo would fill with grey) stop it; so
   // does a progressive file of more than 500 scans (a known way to make decoding slow).
@@ -120,15 +123,12 @@ Image decode_jpeg(Bytes b, const std::string& name, const ImageHeader& h, const 
                     TJFLAG_STOPONWARNING | TJFLAG_LIMITSCANS) != 0)
     fail(name, fmt::format("expected JPEG data that decodes whole, found corrupt or truncated data ({})",
                            tjGetErrorStr2(d)));
-  Image img{w, ht, o.channels, {}};
-  if (stored == o.channels && pf != TJPF_CMYK) {
-    img.pixels = std::move(raw);
-  } else {
+  img.width = w, img.height = ht, img.channels = o.channels;
+  if (!direct) {
     img.pixels.resize(static_cast<std::size_t>(w) * static_cast<std::size_t>(ht) * static_cast<std::size_t>(o.channels));
     convert(raw.data(), stored, pf == TJPF_CMYK, static_cast<std::size_t>(w) * static_cast<std::size_t>(ht), o.channels,
             img.pixels.data());
   }
-  return img;
 }
 
 // ---- PNG ----------------------------------------------------------------------------------------
@@ -216,7 +216,7 @@ ImageHeader png_header(Bytes b, const std::string& name) {
   return {ImageFormat::png, r.width, r.height, (colour ? 3 : 1) + (alpha ? 1 : 0)};
 }
 
-Image decode_png(Bytes b, const std::string& name, const DecodeOptions& o) {
+void decode_png(Bytes b, const std::string& name, const DecodeOptions& o, Image& img) {
   if (o.scale_denominator != 1)
     fail(name, fmt::format("expected a scale of 1/1 for a PNG file, found 1/{}", o.scale_denominator));
   PngRead r;
@@ -224,7 +224,7 @@ Image decode_png(Bytes b, const std::string& name, const DecodeOptions& o) {
   r.size = b.size();
   if (!png_run(r, true)) fail(name, fmt::format("expected PNG data that decodes whole, found corrupt or truncated data ({})", r.error));
   const std::unique_ptr<std::uint8_t, decltype(&std::free)> rows(r.rows, &std::free);
-  Image img{r.width, r.height, o.channels, {}};
+  img.width = r.width, img.height = r.height, img.channels = o.channels;
   const std::size_t n = std::size_t(r.width) * r.height;
   img.pixels.resize(n * static_cast<std::size_t>(o.channels));
   if (r.bit_depth == 16 && (r.color_type & PNG_COLOR_MASK_COLOR) == 0) {  // grey 16: clipped to 255, as PIL
@@ -236,12 +236,11 @@ Image decode_png(Bytes b, const std::string& name, const DecodeOptions& o) {
             static_cast<std::uint8_t>(std::min<std::uint16_t>(row[i], 255));
     }
     convert(grey.data(), r.channels, false, n, o.channels, img.pixels.data());
-    return img;
+    return;
   }
   for (std::uint32_t y = 0; y < r.height; ++y)
     convert(r.rows + r.rowbytes * y, r.channels, false, r.width, o.channels,
             img.pixels.data() + std::size_t(y) * r.width * static_cast<std::size_t>(o.channels));
-  return img;
 }
 
 }  // namespace
@@ -260,13 +259,22 @@ ImageHeader image_header(Bytes bytes, const std::string& name) {
                          bytes.empty() ? std::string("an empty file") : "bytes " + found));
 }
 
-Image decode_image(Bytes bytes, const std::string& name, const DecodeOptions& o) {
+void decode_image(Bytes bytes, const std::string& name, const DecodeOptions& o, Image& into) {
   if (o.channels != 1 && o.channels != 3)
     throw Error(fmt::format("decode_image: expected 1 or 3 channels, found {}", o.channels));
   if (o.max_pixels < 1) throw Error(fmt::format("decode_image: expected a pixel bound >= 1, found {}", o.max_pixels));
   const ImageHeader h = image_header(bytes, name);
   check_size(h, name, o.max_pixels);
-  return h.format == ImageFormat::jpeg ? decode_jpeg(bytes, name, h, o) : decode_png(bytes, name, o);
+  if (h.format == ImageFormat::jpeg)
+    decode_jpeg(bytes, name, h, o, into);
+  else
+    decode_png(bytes, name, o, into);
+}
+
+Image decode_image(Bytes bytes, const std::string& name, const DecodeOptions& o) {
+  Image img;
+  decode_image(bytes, name, o, img);
+  return img;
 }
 
 }  // namespace tally::data

@@ -61,5 +61,9 @@ struct Image {
   std::vector<std::uint8_t> pixels;
 };
 Image decode_image(std::span<const std::uint8_t> bytes, const std::string& name, const DecodeOptions& options = {});
+// The same into `into`, whose pixel buffer is reused (a loader's thread decodes image after image
+// without allocating).
+void decode_image(std::span<const std::uint8_t> bytes, const std::string& name, const DecodeOptions& options,
+                  Image& into);
 
 }  // namespace tally::data

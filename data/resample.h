@@ -20,5 +20,8 @@ namespace tally::data {
 // PIL's crop followed by resize does): the result, dw x dh x channels bytes.
 std::vector<std::uint8_t> resize_bilinear(const std::uint8_t* src, int sw, int sh, int channels, int x0, int y0, int cw,
                                           int ch, int dw, int dh);
+// The same into `out` (resized; its buffer reused, as the pass's own scratch is per thread).
+void resize_bilinear(const std::uint8_t* src, int sw, int sh, int channels, int x0, int y0, int cw, int ch, int dw,
+                     int dh, std::vector<std::uint8_t>& out);
 
 }  // namespace tally::data
