@@ -184,7 +184,7 @@ SweepRow run_one(const TrainOptions& t, std::ostream& log, std::int64_t* limit_b
   row.steps = r.steps;
   row.lr = t.lr;
   row.train_loss = r.train_loss;
-  if (t.evaluate) row.test_accuracy = r.test_accuracy;
+  if (t.evaluate && r.evaluated) row.test_accuracy = r.test_accuracy;
   row.images_per_second = r.images_per_second;
   row.predicted_peak_bytes = r.predicted_peak_bytes;
   row.peak_bytes = r.peak_bytes;
@@ -253,7 +253,7 @@ std::vector<SweepRow> sweep(const SweepOptions& opt, std::ostream& log, int* sto
     const SweepRow& row = rows.emplace_back(one);
     fmt::print(log, "      {} steps | test accuracy {} | {:.1f} img/s | peak {} bytes, predicted {}{} | {:.0f} s\n",
                row.steps,
-               row.test_accuracy ? fmt::format("{:.2f}%", 100.0 * *row.test_accuracy) : "not measured (--no-eval)",
+               row.test_accuracy ? fmt::format("{:.2f}%", 100.0 * *row.test_accuracy) : "not measured (--no-eval, or no test set)",
                row.images_per_second, row.peak_bytes, row.predicted_peak_bytes,
                row.peak_bytes == row.predicted_peak_bytes ? " (exact)" : "", row.wall_seconds);
     log.flush();

@@ -210,6 +210,7 @@ void TrainingRun::finish() {
   const int ranks = rank_.ranks;
   result_.test_accuracy = eval_.accuracy;
   result_.test_loss = eval_.loss;
+  result_.evaluated = rank_options_.evaluate;
   result_.images_per_second = meter.images_per_second();
   result_.steps = step;
   result_.world_size = ranks;

@@ -76,6 +76,7 @@ struct RankResult {
 struct TrainResult {
   // images/s over the steps after the first (the first warms caches); of the first when it is the only one.
   double test_accuracy = 0, test_loss = 0, train_loss = 0, images_per_second = 0;
+  bool evaluated = true;  // the test set was evaluated (not with --no-eval, nor for a folder without one)
   std::int64_t peak_bytes = 0;            // highest measured peak of a training step
   std::int64_t predicted_peak_bytes = 0;  // the planner's prediction for those steps
   std::int64_t memory_limit_bytes = 0, micro_batch = 0, micro_batches_per_step = 0;
