@@ -590,8 +590,8 @@ run() {
   local s
   for s in "$@"; do
     case $s in
-      env | tests | sanitize | train | resnet50 | host | compare | profile | bench | repeat) ;;
-      *) echo "gpu-check: unknown step '$s': expected env, tests, train, resnet50, host, compare, profile, sanitize, bench or repeat" >&2; exit 2 ;;
+      env | tests | sanitize | train | resnet50 | host | offload | compare | profile | bench | repeat) ;;
+      *) echo "gpu-check: unknown step '$s': expected env, tests, train, resnet50, host, offload, compare, profile, sanitize, bench or repeat" >&2; exit 2 ;;
     esac
   done
   local t0
