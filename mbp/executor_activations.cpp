@@ -58,12 +58,7 @@ const CostRates& Executor::cost_rates() {
 const std::vector<ActivationCost>& Executor::segment_costs() {
   if (segment_costs_) return *segment_costs_;
   const std::vector<std::string> names = nn::segment_names(model_);
-  const std::string state = nn::recompute_state(model_);
-  struct Restore {
-    nn::Module& model;
-    const std::string& state;
-    ~Restore() { nn::set_recompute_state(model, state); }
-  } restore{model_, state};
+  const nn::RecomputeStateScope restore(model_);
   nn::set_segment_modes(model_, std::vector<nn::SegmentMode>(names.size(), nn::SegmentMode::offload));
   ArenaScope scope(arena_);
   HostArenaScope host(opt_.host_arena);

@@ -284,12 +284,7 @@ void Executor::throw_none_too_small(const OutOfMemory& without, std::int64_t bat
 }
 
 Plan Executor::plan_at_level(std::int64_t batch, std::optional<std::int64_t> micro_batch, int level) {
-  const std::string state = nn::recompute_state(model_);
-  struct Restore {
-    nn::Module& model;
-    const std::string& state;
-    ~Restore() { nn::set_recompute_state(model, state); }
-  } restore{model_, state};
+  const nn::RecomputeStateScope restore(model_);
   nn::set_recompute_level(model_, level);
   return plan_as_set(batch, micro_batch);
 }

@@ -40,6 +40,20 @@ std::string recompute_level_description(Module& model, int level);
 // and restored by the MBP executor around a plan at another level, and part of its plans' key.
 std::string recompute_state(Module& model);
 void set_recompute_state(Module& model, const std::string& state);
+// Keeps the model's segment modes (recompute_state) and sets them back when it ends, however the
+// scope is left: for a plan or a measure made at other modes.
+class RecomputeStateScope {
+ public:
+  explicit RecomputeStateScope(Module& model) : model_(model), state_(recompute_state(model)) {}
+  ~RecomputeStateScope() { set_recompute_state(model_, state_); }
+  RecomputeStateScope(const RecomputeStateScope&) = delete;
+  RecomputeStateScope& operator=(const RecomputeStateScope&) = delete;
+
+ private:
+  Module& model_;
+  std::string state_;
+};
+
 // The segments that can each be kept, recomputed or offloaded on their own (mbp/activations.h):
 // level 1's — the stem, where the model has one, then every block but the last — named "stem" and
 // by their paths ("layer1.0"); their modes in that order; and all of them set at once (every stage

@@ -353,7 +353,9 @@ TEST_F(Dist, OffloadedSegmentsOnEachRankChangeNoBitAndTheRanksChooseAlike) {
           ex.step(d.images.data() + s.offset * shape_numel(sample), d.labels.data() + s.offset, s.size);
       EXPECT_EQ(r.peak, r.predicted_peak) << policy << " step " << step;
       EXPECT_EQ(r.host_peak, r.host_predicted_peak) << policy << " step " << step;
-      if (policy == "offload") EXPECT_GT(r.host_peak, 0u);
+      if (policy == "offload") {
+        EXPECT_GT(r.host_peak, 0u);
+      }
     }
     EXPECT_TRUE(distributed::parameters_identical(*m, *comm));
     results.push_back(values<float>(*m));

@@ -55,6 +55,18 @@ void write_png(const fs::path& path, const std::uint8_t* grey, int w, int h) {
   std::fclose(f);
 }
 
+// A file's bytes ("" when it cannot be read).
+std::string file_text(const fs::path& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
+}
+
+// DIR/train/only/<name>: a one-image folder of fixture `fixture` (tests/fixtures/images).
+void one_image_folder(const fs::path& dir, const std::string& fixture, const std::string& name) {
+  fs::create_directories(dir / "train" / "only");
+  fs::copy_file(std::string(TALLY_FIXTURES_DIR) + "/images/" + fixture, dir / "train" / "only" / name);
+}
+
 void write_file(const fs::path& path, const std::vector<std::uint8_t>& bytes) {
   std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(bytes.data()),
                                               static_cast<std::streamsize>(bytes.size()));
@@ -265,11 +277,7 @@ TEST(Folder, TheCommandLineTrainsOnTheFolderAsOnTheIdxFiles) {
                                             (out / name).string())),
               0)
         << name;
-  const auto text = [](const fs::path& p) {
-    std::ifstream f(p);
-    return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-  };
-  const std::string a = text(out / "png" / "metrics.csv"), b = text(out / "idx" / "metrics.csv");
+  const std::string a = file_text(out / "png" / "metrics.csv"), b = file_text(out / "idx" / "metrics.csv");
   // step, epoch, loss and lr: the same; the memory and speed columns are the runs' own.
   const auto losses = [](const std::string& csv) {
     std::string keep, line;
@@ -282,10 +290,10 @@ TEST(Folder, TheCommandLineTrainsOnTheFolderAsOnTheIdxFiles) {
     return keep;
   };
   EXPECT_EQ(losses(a), losses(b));
-  EXPECT_TRUE(text(out / "png.safetensors") == text(out / "idx.safetensors")) << "the trained weights differ";
-  const std::string log = text(out / "png.log");
+  EXPECT_TRUE(file_text(out / "png.safetensors") == file_text(out / "idx.safetensors")) << "the trained weights differ";
+  const std::string log = file_text(out / "png.log");
   EXPECT_NE(log.find("10 classes, 2000 training images, 500 for evaluation"), std::string::npos) << log;
-  EXPECT_NE(text(out / "png" / "summary.json").find("\"test_accuracy\": "), std::string::npos);
+  EXPECT_NE(file_text(out / "png" / "summary.json").find("\"test_accuracy\": "), std::string::npos);
   fs::remove_all(out);
 }
 
@@ -325,11 +333,7 @@ TEST(Folder, WorkersChangeNoBatchAndAResumedRunNoBit) {
                                                    "> {}.log 2>&1", args, cut, cut, cut));
   EXPECT_NE(killed, 0) << "the run was not killed";
   ASSERT_EQ(test::run_command(fmt::format("{} train --resume {} --workers 1 >> {}.log 2>&1", TALLY_EXE, cut, cut)), 0);
-  const auto bytes = [](const std::string& p) {
-    std::ifstream f(p, std::ios::binary);
-    return std::string(std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>());
-  };
-  const std::string a = bytes(whole + ".safetensors"), b = bytes(cut + ".safetensors");
+  const std::string a = file_text(whole + ".safetensors"), b = file_text(cut + ".safetensors");
   EXPECT_FALSE(a.empty());
   EXPECT_TRUE(a == b) << "resumed with another worker count, the weights differ";
   fs::remove_all(out);
@@ -340,19 +344,17 @@ TEST(Folder, WorkersChangeNoBatchAndAResumedRunNoBit) {
 // draw alone, in [0, 1], and the draws give different crops.
 TEST(Folder, TheImagenetViewsAreTorchvisionsResizeAndCropAndTheDrawsCrops) {
   TempDir t;
-  fs::create_directories(t.path / "train" / "only");
-  fs::copy_file(std::string(TALLY_FIXTURES_DIR) + "/images/rgb.png", t.path / "train" / "only" / "a.png");
+  one_image_folder(t.path, "rgb.png", "a.png");
   data::FolderOptions o;
   o.channels = 3, o.height = 16, o.width = 16;
   const data::FolderSet s = data::load_folder(t.path.string(), o);
   std::vector<float> eval(3 * 16 * 16), a(eval.size()), b(eval.size()), c(eval.size());
   s.split.train.generate(0, eval.data());
-  std::ifstream f(std::string(TALLY_FIXTURES_DIR) + "/images/rgb.eval-16x16.rgb", std::ios::binary);
-  const std::vector<std::uint8_t> want((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  const std::string want = file_text(std::string(TALLY_FIXTURES_DIR) + "/images/rgb.eval-16x16.rgb");
   ASSERT_EQ(want.size(), eval.size());
   std::size_t differ = 0;
   for (std::size_t p = 0; p < 256; ++p)
-    for (std::size_t ch = 0; ch < 3; ++ch) differ += eval[ch * 256 + p] != static_cast<float>(want[p * 3 + ch]) / 255.0f;
+    for (std::size_t ch = 0; ch < 3; ++ch) differ += eval[ch * 256 + p] != static_cast<float>(static_cast<std::uint8_t>(want[p * 3 + ch])) / 255.0f;
   EXPECT_EQ(differ, 0u) << "the evaluation view differs from torchvision's Resize + CenterCrop";
   ASSERT_TRUE(s.split.train.generate_augmented);
   s.split.train.generate_augmented(0, 12345, a.data());
@@ -405,8 +407,7 @@ TEST(Folder, BadImagesAreSkippedCountedAndListedWhenAsked) {
 // reduced scale is taken (counted), and the views stay deterministic and in [0, 1].
 TEST(Folder, DctScalingDecodesSmallerWhereTheCropAllows) {
   TempDir t;
-  fs::create_directories(t.path / "train" / "only");
-  fs::copy_file(std::string(TALLY_FIXTURES_DIR) + "/images/rgb444.jpg", t.path / "train" / "only" / "a.jpg");
+  one_image_folder(t.path, "rgb444.jpg", "a.jpg");
   data::FolderOptions o;
   o.channels = 3, o.height = 4, o.width = 4;
   o.dct_scaling = true;
