@@ -184,6 +184,7 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   OptimizerConfig oc;
   oc.kind = opt.optimizer;
   oc.momentum = opt.momentum;
+  oc.state_when_placed = opt.host_memory_limit != "none";
   const Setup setup = build_setup(arena, mc, "", oc, format_bytes(limit));
   mbp::ExecutorOptions eo = executor_options(opt, sample, dev, false);
   eo.host_arena = make_host_arena(opt.host_memory_limit, dev, limit, &dry, &out);
@@ -193,7 +194,7 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
              opt.model, name_of(opt.norm), setup.parameters, mc.num_classes, shape_str(sample), opt.batch_size,
              name_of(opt.optimizer), dev.str(), name_of(opt.precision), memory_format_name(eo.memory_format));
   fmt::print(out, "memory limit {} ({} bytes): {} allocated first\n", format_bytes(limit), limit,
-             persistent_summary(*arena));
+             persistent_summary(*arena, setup.optimizer.get()));
   if (eo.host_arena)
     fmt::print(out, "host memory limit {} ({} bytes): the host tier, for the state a placement puts there\n",
                format_bytes(eo.host_arena->capacity()), eo.host_arena->capacity());

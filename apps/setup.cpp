@@ -208,15 +208,16 @@ void check_finite_weights(const nn::Module& model, const std::string& init) {
 }
 
 std::unique_ptr<optim::Optimizer> make_optimizer(std::vector<Tensor> params, const OptimizerConfig& optimizer) {
+  const auto when = optimizer.state_when_placed ? optim::StateCreation::when_placed : optim::StateCreation::now;
   if (optimizer.kind == OptimizerKind::sgd) {
     optim::SGDOptions so;
     so.lr = optimizer.lr, so.momentum = optimizer.momentum, so.weight_decay = optimizer.weight_decay;
     so.nesterov = optimizer.nesterov;
-    return std::make_unique<optim::SGD>(std::move(params), so);
+    return std::make_unique<optim::SGD>(std::move(params), so, when);
   }
   optim::AdamWOptions ao;
   ao.lr = optimizer.lr, ao.weight_decay = optimizer.weight_decay;
-  return std::make_unique<optim::AdamW>(std::move(params), ao);
+  return std::make_unique<optim::AdamW>(std::move(params), ao, when);
 }
 
 // The model's copies of its optimizer state per parameter (for the pipeline's cut).
@@ -293,9 +294,13 @@ Setup build_setup(const std::shared_ptr<Arena>& arena, const nn::ModelConfig& mo
       s.model->train();
       s.optimizer = make_optimizer(s.model->parameters(), optimizer);
     } catch (const OutOfMemory& e) {
-      throw OutOfMemory(fmt::format("--memory-limit {}: the {} model's parameters, gradients and {} state do not fit "
-                                    "({})", limit_text, model.name, name_of(optimizer.kind), e.what()),
-                        e.requested());
+      throw OutOfMemory(
+          optimizer.state_when_placed
+              ? fmt::format("--memory-limit {}: the {} model's parameters and gradients do not fit ({})", limit_text,
+                            model.name, e.what())
+              : fmt::format("--memory-limit {}: the {} model's parameters, gradients and {} state do not fit ({})",
+                            limit_text, model.name, name_of(optimizer.kind), e.what()),
+          e.requested());
     }
   }
   for (const auto& p : s.model->parameters()) s.parameters += p.numel();
@@ -318,12 +323,15 @@ std::string work_line(const std::vector<mbp::SegmentCost>& costs, const std::vec
                                                   mbp::split_text(costs, even), mbp::work_shares(costs, even)));
 }
 
-std::string persistent_summary(const Arena& arena) {
+std::string persistent_summary(const Arena& arena, const optim::Optimizer* optimizer) {
   const ArenaStats s = arena.stats();
-  return fmt::format("parameters {}, gradients {}, optimizer state {}",
+  const std::string state =
+      optimizer && !optimizer->state_created()
+          ? fmt::format("optimizer state {} to be created where the plan places it", format_bytes(optimizer->state_bytes()))
+          : fmt::format("optimizer state {}", format_bytes(static_cast<std::size_t>(s[Category::optimizer_state].current)));
+  return fmt::format("parameters {}, gradients {}, {}",
                      format_bytes(static_cast<std::size_t>(s[Category::parameter].current)),
-                     format_bytes(static_cast<std::size_t>(s[Category::gradient].current)),
-                     format_bytes(static_cast<std::size_t>(s[Category::optimizer_state].current)));
+                     format_bytes(static_cast<std::size_t>(s[Category::gradient].current)), state);
 }
 
 std::unique_ptr<mbp::Executor> make_executor(nn::Module& model, optim::Optimizer& optimizer,

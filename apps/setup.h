@@ -86,6 +86,9 @@ struct OptimizerConfig {
   OptimizerKind kind = OptimizerKind::sgd;
   double lr = 0.1, momentum = 0.9, weight_decay = 5e-4;
   bool nesterov = false;
+  // With a host tier, the state is created where the executor's plan places it (never on the
+  // device first: optim::StateCreation::when_placed); else beside the parameters, at once.
+  bool state_when_placed = false;
 };
 
 // A pipeline stage to build (mbp/pipeline.h): which of how many, where the stages begin (the
@@ -141,7 +144,7 @@ std::string cut_description(const std::string& split);
 std::string work_line(const std::vector<mbp::SegmentCost>& costs, const std::vector<std::size_t>& bounds);
 
 // "parameters 1.1 MiB, gradients 1.0 MiB, optimizer state 1.0 MiB": the persistent bytes in `arena`.
-std::string persistent_summary(const Arena& arena);
+std::string persistent_summary(const Arena& arena, const optim::Optimizer* optimizer = nullptr);
 
 // executor.plan(batch), with an explicit micro-batch's failure named by its flag.
 const mbp::Plan& plan_step(mbp::Executor& executor, std::int64_t batch, std::optional<std::int64_t> micro_batch);

@@ -54,6 +54,8 @@ void TrainingRun::write_checkpoint() {
 void TrainingRun::restore() {
   const auto dir = mbp::latest_checkpoint(rank_options_.resume);
   if (!dir) throw Error(fmt::format("--resume {}: no checkpoint in it", rank_options_.resume));
+  // State created where the plan places it is created by the plan: the checkpoint's values go there.
+  if (!setup_.optimizer->state_created()) (void)executor_->plan(share_.size);
   const mbp::TrainingState st = mbp::load_training_state(*dir, *setup_.model, *setup_.optimizer);
   const std::string where = fmt::format("{}/state.json", dir->string());
   try {

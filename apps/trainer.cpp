@@ -306,6 +306,7 @@ Setup model_setup(const TrainOptions& opt, const data::Dataset& train_set, const
   OptimizerConfig oc;
   oc.kind = opt.optimizer;
   oc.lr = opt.lr, oc.momentum = opt.momentum, oc.weight_decay = opt.weight_decay, oc.nesterov = opt.nesterov;
+  oc.state_when_placed = opt.host_memory_limit != "none" && opt.pipeline_stages == 1;
   const std::string init = opt.resume.empty() ? opt.init : "";  // resumed: the checkpoint's weights
   if (opt.pipeline_stages == 1) return build_setup(arena, mc, init, oc, format_bytes(arena->capacity()));
   PipelineConfig pc = pipeline_config(opt, {train_set.channels, train_set.height, train_set.width}, opt.batch_size,

@@ -85,11 +85,11 @@ GradientReadyScope::GradientReadyScope(GradientReadyHook hook) : previous_(std::
 }
 GradientReadyScope::~GradientReadyScope() { tl_gradient_ready = std::move(previous_); }
 
-thread_local GradientNeededHook tl_gradient_needed;
-GradientNeededScope::GradientNeededScope(GradientNeededHook hook) : previous_(std::move(tl_gradient_needed)) {
-  tl_gradient_needed = std::move(hook);
+thread_local GradientSlotHook tl_gradient_slot;
+GradientSlotScope::GradientSlotScope(GradientSlotHook hook) : previous_(std::move(tl_gradient_slot)) {
+  tl_gradient_slot = std::move(hook);
 }
-GradientNeededScope::~GradientNeededScope() { tl_gradient_needed = std::move(previous_); }
+GradientSlotScope::~GradientSlotScope() { tl_gradient_slot = std::move(previous_); }
 
 void run_backward(const Tensor& root) {
   if (root.numel() != 1)
@@ -143,11 +143,18 @@ std::unordered_map<Node*, int> count_dependencies(Node* root, std::unordered_map
   return dependencies;
 }
 
+// Where a leaf's gradient lives in this backward: the slot hook's, else the leaf's own.
+std::shared_ptr<TensorImpl>& leaf_grad(TensorImpl* leaf, const GradientSlotHook& slot_hook) {
+  if (slot_hook)
+    if (std::shared_ptr<TensorImpl>* slot = slot_hook(leaf)) return *slot;
+  return leaf->grad;
+}
+
 // The slots a node's backward writes its input gradients into: the buffer an input already has
 // (a node's pending gradient, a leaf's persistent one) is accumulated into; else a fresh one of
 // the input's category.
 std::vector<GradSlot> slots_of(const Node& node, const std::unordered_map<Node*, Tensor>& grads,
-                               const GradientNeededHook& needed) {
+                               const GradientSlotHook& slot_hook) {
   std::vector<GradSlot> slots(node.next.size());
   for (std::size_t i = 0; i < node.next.size(); ++i) {
     const Edge& e = node.next[i];
@@ -158,8 +165,8 @@ std::vector<GradSlot> slots_of(const Node& node, const std::unordered_map<Node*,
       if (it != grads.end()) s.buffer = it->second;
       s.category = Category::temporary;
     } else if (e.leaf) {
-      if (!e.leaf->grad && needed) needed(e.leaf.get());  // may give the leaf a buffer to accumulate into
-      if (e.leaf->grad) s.buffer = Tensor(e.leaf->grad);
+      const std::shared_ptr<TensorImpl>& grad = leaf_grad(e.leaf.get(), slot_hook);
+      if (grad) s.buffer = Tensor(grad);
       s.category = e.leaf->grad_category;
     }
   }
@@ -169,7 +176,7 @@ std::vector<GradSlot> slots_of(const Node& node, const std::unordered_map<Node*,
 
 void backward_from(std::shared_ptr<Node> root_fn, Tensor seed) {
   const GradientReadyHook ready_hook = tl_gradient_ready;  // this backward's (a recomputation's nested one sees it too)
-  const GradientNeededHook needed_hook = tl_gradient_needed;
+  const GradientSlotHook slot_hook = tl_gradient_slot;
   std::unordered_map<TensorImpl*, int> leaf_writers;     // counted only for a hook
   std::unordered_map<Node*, int> dependencies = count_dependencies(root_fn.get(), ready_hook ? &leaf_writers : nullptr);
   auto later_first = [](const std::shared_ptr<Node>& a, const std::shared_ptr<Node>& b) {
@@ -190,7 +197,7 @@ void backward_from(std::shared_ptr<Node> root_fn, Tensor seed) {
     std::shared_ptr<Node> node = ready.top();
     ready.pop();
     const AllocationSiteScope site({node->module, Phase::backward});  // for the arena's trace
-    std::vector<GradSlot> slots = slots_of(*node, grads, needed_hook);
+    std::vector<GradSlot> slots = slots_of(*node, grads, slot_hook);
     {
       Tensor grad_out;
       if (auto it = grads.find(node.get()); it != grads.end()) {
@@ -210,8 +217,9 @@ void backward_from(std::shared_ptr<Node> root_fn, Tensor seed) {
       Tensor& b = slots[i].buffer;
       if (e.leaf && b.defined()) {
         // The same leaf may sit behind two slots of one node (x * x): add, don't overwrite.
-        if (!e.leaf->grad) e.leaf->grad = b.impl_ptr();
-        else if (e.leaf->grad != b.impl_ptr()) { Tensor g(e.leaf->grad); add_into(g, b); }
+        std::shared_ptr<TensorImpl>& grad = leaf_grad(e.leaf.get(), slot_hook);
+        if (!grad) grad = b.impl_ptr();
+        else if (grad != b.impl_ptr()) { Tensor g(grad); add_into(g, b); }
       }
       if (e.leaf && ready_hook && --leaf_writers[e.leaf.get()] == 0) ready_hook(e.leaf.get());
       if (!e.node) continue;

@@ -123,22 +123,25 @@ class GradientReadyScope {
   GradientReadyHook previous_;
 };
 
-// Before the first node of a backward that writes a leaf's gradient runs, when the leaf has no
-// gradient buffer: the hook in scope on this thread may give it one (set the leaf's `grad`), which
-// that node then accumulates into (beta = 1) as into a persistent buffer; left without one, the
-// node writes a fresh buffer (beta = 0) that becomes the leaf's. In dry runs too. The host tier's
-// gradient accumulators hang here (mbp/host_gradients.h): a transient device buffer loaded from
-// the host before the first writer, read back when the gradient is ready.
-using GradientNeededHook = std::function<void(TensorImpl* leaf)>;
-class GradientNeededScope {
+// Where a leaf's gradient lives during a backward: the hook in scope on this thread may return a
+// slot of its own for the leaf (filled as it likes before it returns: a buffer there is
+// accumulated into with beta = 1, as a persistent buffer is; an empty slot gets the fresh buffer
+// the first writer makes) instead of the leaf's own `grad`; null: the leaf's own. Asked for every
+// edge into the leaf, so it must return the same slot within a backward. In dry runs too. The host
+// tier's gradient accumulators hang here (mbp/host_gradients.h): a transient device buffer loaded
+// from the host before the first writer and read back when the gradient is ready — held by the
+// step, so that a dry run of that placement (the chooser's, mbp/chooser.h) never touches the
+// parameters' own buffers.
+using GradientSlotHook = std::function<std::shared_ptr<TensorImpl>*(TensorImpl* leaf)>;
+class GradientSlotScope {
  public:
-  explicit GradientNeededScope(GradientNeededHook hook);
-  ~GradientNeededScope();
-  GradientNeededScope(const GradientNeededScope&) = delete;
-  GradientNeededScope& operator=(const GradientNeededScope&) = delete;
+  explicit GradientSlotScope(GradientSlotHook hook);
+  ~GradientSlotScope();
+  GradientSlotScope(const GradientSlotScope&) = delete;
+  GradientSlotScope& operator=(const GradientSlotScope&) = delete;
 
  private:
-  GradientNeededHook previous_;
+  GradientSlotHook previous_;
 };
 
 void run_backward(const Tensor& root);

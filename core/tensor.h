@@ -49,6 +49,8 @@ class Storage {
 
   void* data() const { return ptr_; }
   std::size_t nbytes() const { return bytes_; }
+  std::size_t offset() const { return offset_; }  // of its block in arena()
+  const std::string& op() const { return op_; }
   Device device() const { return arena_->device(); }
   Category category() const { return category_; }
   const std::shared_ptr<Arena>& arena() const { return arena_; }

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 #include <fmt/ranges.h>
 
@@ -82,6 +83,16 @@ std::size_t stage_labels(Tensor& y, InputStager& stager, const std::int64_t* lab
 namespace {
 
 using namespace detail;
+
+// The parts of the step under way, for its duration (Executor::step_parts_).
+struct ActiveParts {
+  std::vector<StepPart*>& slot;
+  std::vector<StepPart*> previous;
+  ActiveParts(std::vector<StepPart*>& s, std::vector<StepPart*> parts) : slot(s), previous(std::exchange(s, std::move(parts))) {}
+  ~ActiveParts() { slot = std::move(previous); }
+  ActiveParts(const ActiveParts&) = delete;
+  ActiveParts& operator=(const ActiveParts&) = delete;
+};
 
 // The input tensors of one micro-batch (category input), allocated in the arena, and the ticket of
 // their upload (core/staging.h: the device waits for it before the forward).
@@ -162,7 +173,9 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_p
       dtype_(first_parameter(model).dtype()),
       activation_dtype_(opt_.precision == Precision::bf16 ? DType::BFloat16 : dtype_),
       arena_(std::move(arena)),
-      planner_(arena_, [this](const std::vector<std::int64_t>& sizes) { run_step(nullptr, nullptr, sizes, nullptr); }),
+      planner_(arena_, [this](const std::vector<std::int64_t>& sizes) {
+        run_step(measuring_.value_or(placed_), nullptr, nullptr, sizes, nullptr);
+      }),
       states_(nn::step_states(model)),
       stager_(std::make_unique<InputStager>(device_)) {
   if (opt_.pipeline && !stage)
@@ -177,6 +190,8 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_p
   if (opt_.micro_batch && *opt_.micro_batch < 1)
     throw Error(fmt::format("MBP executor: the micro-batch size must be >= 1, found {}", *opt_.micro_batch));
   if (opt_.max_oom_retries < 0) throw Error("MBP executor: max_oom_retries must be >= 0");
+  // The trained parameters by their impl: the parts' hooks name them (gradient_ready, gradient_slot).
+  for (const Tensor& p : model_.parameters()) trained_.emplace(p.impl_ptr().get(), p);
   if (!arena_) throw Error("MBP executor: expected an arena to run on, found none");
   if (opt_.memory_format == MemoryFormat::ChannelsLast && opt_.sample_shape.size() != 3)
     throw Error(fmt::format("MBP executor: channels_last is a layout of images (C, H, W); the sample shape is {}",
@@ -239,8 +254,33 @@ void Executor::check_trained(const nn::Module& model, const std::vector<Tensor>&
 
 Executor::~Executor() = default;
 
+// The parts of a step under `placement`: the executor's, and the placement's — the real one in a
+// real step; in a dry run one that simulates it (kept in `simulated`), so that measuring a
+// placement touches no real state.
+std::vector<StepPart*> Executor::parts_for(Placement placement, std::unique_ptr<HostGradients>& simulated) const {
+  std::vector<StepPart*> parts;
+  for (const auto& part : parts_) parts.push_back(part.get());
+  if (placement != Placement::gradients) {
+    if (skip_host_work() && placed_ == Placement::gradients) {  // measured while the gradients are on the host
+      simulated = HostGradients::standing_in(optimizer_.params());
+      parts.push_back(simulated.get());
+    }
+    return parts;
+  }
+  if (skip_host_work()) {
+    simulated = HostGradients::simulated(optimizer_.params());
+    parts.push_back(simulated.get());
+  } else {
+    if (!host_gradients_) throw Error("MBP executor: a real step with placement gradients before it was applied");
+    parts.push_back(host_gradients_.get());
+  }
+  return parts;
+}
+
 
 double Executor::accumulate(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes) {
+  std::unique_ptr<HostGradients> simulated;
+  const ActiveParts active(step_parts_, parts_for(placed_, simulated));
   const Tensor total = accumulate_loss(images, labels, sizes);
   for (nn::StepState* s : states_) s->discard();  // no optimizer step follows: nothing to apply
   return total.defined() && !skip_host_work() ? total.item() : 0.0;
@@ -267,7 +307,7 @@ Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels
   // The loss of the step, summed where it is computed: read once, after the optimizer step.
   Tensor total = Tensor::zeros({}, dtype_, device_, Category::temporary, "step_loss");
   const GradientReadyHook gradient_ready = gradient_ready_hook();
-  const GradientNeededHook gradient_needed = gradient_needed_hook();
+  const GradientSlotHook gradient_slot = gradient_slot_hook();
   const bool prefetch = stager_->overlaps();  // next inputs allocated and uploaded before the current micro-batch computes
   const auto k = sizes.size();
   std::int64_t offset = 0;
@@ -311,28 +351,31 @@ Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels
     co.targets_checked = !dry;
     Tensor loss = cross_entropy(logits, cur.y, co);
     logits = Tensor();
-    backward_watched(loss, gradient_ready, gradient_needed);
+    backward_watched(loss, gradient_ready, gradient_slot);
     add_into(total, loss);
-    for (const auto& part : parts_) part->after_micro_batch(i, k);
+    for (StepPart* part : step_parts_) part->after_micro_batch(i, k);
     offset += sizes[i];
   }
   return total;
 }
 
-void Executor::run_step(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes,
-                        double* loss) {
+void Executor::run_step(Placement placement, const float* images, const std::int64_t* labels,
+                        const std::vector<std::int64_t>& sizes, double* loss) {
   struct EndStep {  // a step that fails leaves no state gathering (after apply(), a no-op)
     const std::vector<nn::StepState*>& states;
     ~EndStep() {
       for (nn::StepState* s : states) s->discard();
     }
   } end_step{states_};
+  std::unique_ptr<HostGradients> simulated;
+  const ActiveParts active(step_parts_, parts_for(placement, simulated));
   Tensor total = run_micro_batches(images, labels, sizes);
-  for (const auto& part : parts_) part->before_optimizer_step(total);
+  for (StepPart* part : step_parts_) part->before_optimizer_step(total);
   mark_trace(device_, "optimizer step");
   for (nn::StepState* s : states_) s->apply();
   NoGradGuard ng;
-  optimizer_.step();
+  if (skip_host_work()) optimizer_.dry_step({placement != Placement::device, placement == Placement::gradients});
+  else optimizer_.step();
   optimizer_.zero_grad();
   // The step's one wait for the device: the loss value (a pipeline's: on its last stage).
   if (loss) *loss = skip_host_work() || !total.defined() ? 0.0 : total.item();
@@ -341,7 +384,7 @@ void Executor::run_step(const float* images, const std::int64_t* labels, const s
 Tensor Executor::run_micro_batches(const float* images, const std::int64_t* labels,
                                    const std::vector<std::int64_t>& sizes) {
   std::optional<double> divisor;  // counted by a part (over every rank), else over this batch
-  for (const auto& part : parts_)
+  for (StepPart* part : step_parts_)
     if (const auto d = part->divisor()) divisor = d;
   return accumulate_loss(images, labels, sizes, divisor);
 }
@@ -353,36 +396,38 @@ void Executor::check_step_data(const float* images, const std::int64_t* labels) 
 // The parts that want each parameter's gradient as it completes, told through the engine's hook
 // (none: no hook, and the engine counts nothing).
 GradientReadyHook Executor::gradient_ready_hook() const {
-  if (std::none_of(parts_.begin(), parts_.end(), [](const auto& p) { return p->wants_gradient_ready(); })) return {};
+  if (std::none_of(step_parts_.begin(), step_parts_.end(), [](StepPart* p) { return p->wants_gradient_ready(); }))
+    return {};
   return [this](TensorImpl* leaf) {
     const auto it = trained_.find(leaf);
     if (it == trained_.end()) return;  // not a parameter (an input that requires grad)
-    for (const auto& part : parts_)
+    for (StepPart* part : step_parts_)
       if (part->wants_gradient_ready()) part->gradient_ready(it->second);
   };
 }
 
-GradientNeededHook Executor::gradient_needed_hook() const {
-  if (std::none_of(parts_.begin(), parts_.end(), [](const auto& p) { return p->wants_gradient_needed(); })) return {};
-  return [this](TensorImpl* leaf) {
+GradientSlotHook Executor::gradient_slot_hook() const {
+  if (std::none_of(step_parts_.begin(), step_parts_.end(), [](StepPart* p) { return p->wants_gradient_slot(); }))
+    return {};
+  return [this](TensorImpl* leaf) -> std::shared_ptr<TensorImpl>* {
     const auto it = trained_.find(leaf);
-    if (it == trained_.end()) return;
-    for (const auto& part : parts_)
-      if (part->wants_gradient_needed()) part->gradient_needed(it->second);
+    if (it == trained_.end()) return nullptr;
+    for (StepPart* part : step_parts_)
+      if (part->wants_gradient_slot())
+        if (std::shared_ptr<TensorImpl>* slot = part->gradient_slot(it->second)) return slot;
+    return nullptr;
   };
 }
 
-void Executor::backward_watched(Tensor& loss, const GradientReadyHook& ready, const GradientNeededHook& needed) {
-  if (!ready && !needed) return loss.backward();
+void Executor::backward_watched(Tensor& loss, const GradientReadyHook& ready, const GradientSlotHook& slot) {
+  if (!ready && !slot) return loss.backward();
   const GradientReadyScope watch(ready);
-  const GradientNeededScope give(needed);
+  const GradientSlotScope give(slot);
   loss.backward();
 }
 
 void Executor::add_part(std::unique_ptr<StepPart> part) {
   if (!part) throw Error("MBP executor: add_part expected a part, found none");
-  if (trained_.empty())
-    for (const Tensor& p : model_.parameters()) trained_.emplace(p.impl_ptr().get(), p);
   parts_.push_back(std::move(part));
 }
 
@@ -405,7 +450,7 @@ StepResult Executor::step(const float* images, const std::int64_t* labels, std::
     HostArenaScope host(placed_host_arena());
     if (on_host) opt_.host_arena->reset_peak();
     try {
-      run_step(images, labels, p.sizes(), &r.loss);
+      run_step(placed_, images, labels, p.sizes(), &r.loss);
       if (on_host) {
         r.host_predicted_peak = p.host_predicted_peak;
         r.host_peak = static_cast<std::size_t>(opt_.host_arena->stats().total.peak);

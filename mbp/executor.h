@@ -189,6 +189,17 @@ class Executor {
   // The plan for a batch of `batch` samples under the current limit (cached), at the
   // recomputation the policy (ExecutorOptions::recompute) chooses, set on the model.
   virtual const Plan& plan(std::int64_t batch);
+  // What plan(batch) would run — the plan, the recomputation, the placement and the model's segment
+  // modes (nn::recompute_state) — measured by dry runs that simulate the placement on virtual
+  // clones of the tiers: nothing real is moved, allocated or changed (the segment modes tried are
+  // restored before it returns). plan() is this choice, applied.
+  struct Choice {
+    Plan plan;
+    RecomputeChoice recompute;
+    PlacementChoice placement;
+    std::string segments;
+  };
+  Choice choose(std::int64_t batch);
   // The recomputation of the last plan().
   const RecomputeChoice& recompute_choice() const { return choice_; }
   // The placement of the last plan() (device, "no host tier", before the first).
@@ -262,18 +273,26 @@ class Executor {
   // plan() for the policy (ExecutorOptions::recompute): the planner's plan at the level it chooses.
   const Plan& plan_by_policy(std::int64_t batch);
   // plan() for the model's recomputation as it is now (its state is part of the plan's key), at
-  // the placement given, or chosen (ExecutorOptions::placement; mbp/executor_plan.cpp).
+  // the placement given, or chosen (ExecutorOptions::placement; mbp/executor_plan.cpp) — measured
+  // by dry runs that simulate the placement (placement_ says which); nothing is moved.
   const Plan& plan_as_set(std::int64_t batch, std::optional<std::int64_t> micro_batch);
-  // The planner's plan at the recomputation and placement as they are now (both in its key).
-  const Plan& plan_placed(std::int64_t batch, std::optional<std::int64_t> micro_batch);
-  // Moves the persistent state to `p` (a no-op when there); throws an OutOfMemory naming both
-  // tiers' needs when the host tier cannot hold what `p` puts there.
+  // The planner's plan at the recomputation as it is now and the placement `p`, simulated on the
+  // dry runs' virtual clones from the state as it lies now (all three in its key).
+  const Plan& plan_placed(std::int64_t batch, std::optional<std::int64_t> micro_batch, Placement p);
+  // Throws an OutOfMemory naming both tiers' needs when the host tier cannot hold what `p` puts
+  // there (before any dry run of it).
+  void check_host_holds(Placement p) const;
+  // Moves the persistent state to `p` (a no-op when there), creating the optimizer's state there
+  // if it does not exist yet: the one place real state moves (plan() calls it once a plan is chosen).
   void apply_placement(Placement p);
-  // The host tier's arena while state is placed there or segments are offloaded to it (a step's, a
-  // plan's, a trace's), else null.
-  std::shared_ptr<Arena> placed_host_arena() const {
-    return placed_ == Placement::device && !offloading() ? nullptr : opt_.host_arena;
+  // What apply_placement(to) does to the arenas, replayed on a dry run's virtual clones.
+  void simulate_placement(Placement to, Arena& device, Arena* host) const;
+  // The host tier's arena while placement `p` or an offloaded segment uses it (a step's, a plan's,
+  // a trace's), else null.
+  std::shared_ptr<Arena> host_arena_for(Placement p) const {
+    return p == Placement::device && !offloading() ? nullptr : opt_.host_arena;
   }
+  std::shared_ptr<Arena> placed_host_arena() const { return host_arena_for(placed_); }
   bool offloading() const;  // some segment of the model is offloaded (nn/recompute.h)
 
   nn::Module& model_;
@@ -291,7 +310,10 @@ class Executor {
   RecomputeChoice choice_;
   PlacementChoice placement_{Placement::device, "no host tier"};
   Placement placed_ = Placement::device;  // where the state is now
-  HostGradients* host_gradients_ = nullptr;  // the part accumulating gradients on the host (Placement::gradients)
+  std::optional<Placement> measuring_;    // the placement a dry run simulates (unset: placed_)
+  std::string layout_ = "built";          // the real moves of state so far, as "built>optimizer>…": plans are keyed by it
+  std::unique_ptr<HostGradients> host_gradients_;  // the part accumulating gradients on the host (Placement::gradients)
+  std::vector<StepPart*> step_parts_;     // the parts of the step running now (run_step)
   bool data_parallel_ = false;
   // The placement chosen per (batch size, recomputation state) when the executor chooses.
   std::map<std::pair<std::int64_t, std::string>, PlacementChoice> placement_choices_;
@@ -319,12 +341,14 @@ class Executor {
                          std::optional<double> divisor = std::nullopt);
   // The allocation sequence of a step, on the current arena; real data when images != nullptr,
   // else a dry run.
-  void run_step(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes, double* loss);
+  std::vector<StepPart*> parts_for(Placement placement, std::unique_ptr<HostGradients>& simulated) const;
+  void run_step(Placement placement, const float* images, const std::int64_t* labels,
+                const std::vector<std::int64_t>& sizes, double* loss);
   // The hooks that tell the parts each parameter's gradient as it completes and when it is first
   // needed without a buffer (empty: no part wants it), and a backward under them.
   GradientReadyHook gradient_ready_hook() const;
-  GradientNeededHook gradient_needed_hook() const;
-  static void backward_watched(Tensor& loss, const GradientReadyHook& ready, const GradientNeededHook& needed);
+  GradientSlotHook gradient_slot_hook() const;
+  static void backward_watched(Tensor& loss, const GradientReadyHook& ready, const GradientSlotHook& slot);
 
   int total_retries_ = 0;
   std::map<std::int64_t, RecomputeChoice> auto_choices_;  // recompute "auto": the choice per batch size
@@ -332,7 +356,7 @@ class Executor {
   std::optional<std::vector<ActivationCost>> segment_costs_;
   // What modes add to the step at its extension points (mbp/step_part.h): data parallelism.
   std::vector<std::unique_ptr<StepPart>> parts_;
-  std::map<const TensorImpl*, Tensor> trained_;  // the parameters by their impl, for gradient_ready (add_part)
+  std::map<const TensorImpl*, Tensor> trained_;  // the model's parameters by their impl, for the parts' hooks
 };
 
 }  // namespace tally::mbp

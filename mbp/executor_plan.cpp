@@ -7,6 +7,7 @@
 // runs any batch exactly, and every level of recomputation costs step time; whoever wants larger
 // micro-batches for speed asks for a level.
 #include <algorithm>
+#include <map>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -48,10 +49,17 @@ void pack_model_state(nn::Module& model, const std::shared_ptr<Arena>& device, c
 }  // namespace
 
 const Plan& Executor::plan(std::int64_t batch) {
-  const Plan& p = plan_by_policy(batch);
+  const Plan& p = plan_by_policy(batch);  // measured: nothing moved
+  apply_placement(placement_.placement);  // the chosen placement, applied once (a no-op when there)
   // With a host tier, every choice carries the cost model's rates: the plan states its estimate.
   if (opt_.host_arena && !choice_.rates) choice_.rates = cost_rates();
   return p;
+}
+
+Executor::Choice Executor::choose(std::int64_t batch) {
+  const nn::RecomputeStateScope restore(model_);
+  const Plan& p = plan_by_policy(batch);
+  return {p, choice_, placement_, nn::recompute_state(model_)};
 }
 
 int Executor::top_level() { return nn::recompute_levels(model_) - 1; }
@@ -78,20 +86,20 @@ const Plan& Executor::plan_as_set(std::int64_t batch, std::optional<std::int64_t
   if (!micro_batch && opt_.micro_batch) micro_batch = std::min({*opt_.micro_batch, limit_, batch});
   if (!opt_.host_arena) {
     placement_ = {Placement::device, "no host tier"};
-    return plan_placed(batch, micro_batch);
+    return plan_placed(batch, micro_batch, Placement::device);
   }
   if (opt_.placement) {
-    apply_placement(*opt_.placement);
+    check_host_holds(*opt_.placement);
     placement_ = {*opt_.placement, "as given"};
-    return plan_placed(batch, micro_batch);
+    return plan_placed(batch, micro_batch, *opt_.placement);
   }
   // The executor's choice: the largest micro-batch, ties to the fewest bytes moved — device, then
-  // the optimizer on the host, then the gradients too (not with data parallelism).
+  // the optimizer on the host, then the gradients too (not with data parallelism). Each measured
+  // by dry runs that simulate it: nothing moves until plan() applies the choice.
   const auto key = std::make_pair(batch, nn::recompute_state(model_));
   if (const auto it = placement_choices_.find(key); it != placement_choices_.end()) {
-    apply_placement(it->second.placement);
     placement_ = it->second;
-    return plan_placed(batch, micro_batch);
+    return plan_placed(batch, micro_batch, placement_.placement);
   }
   std::vector<Placement> candidates{Placement::device, Placement::optimizer};
   if (!data_parallel_) candidates.push_back(Placement::gradients);
@@ -106,8 +114,8 @@ const Plan& Executor::plan_as_set(std::int64_t batch, std::optional<std::int64_t
   for (const Placement c : candidates) {
     Tried t{c, std::nullopt, "", 0};
     try {
-      apply_placement(c);
-      t.micro_batch = plan_placed(batch, micro_batch).micro_batch;
+      check_host_holds(c);
+      t.micro_batch = plan_placed(batch, micro_batch, c).micro_batch;
     } catch (const OutOfMemory& e) {
       t.error = e.what();
       t.requested = e.requested();
@@ -118,7 +126,6 @@ const Plan& Executor::plan_as_set(std::int64_t batch, std::optional<std::int64_t
     if (t.micro_batch && (*t.micro_batch == batch || micro_batch)) break;
   }
   if (!best) {
-    apply_placement(Placement::device);
     std::string all;
     for (std::size_t i = 1; i < tried.size(); ++i)
       all += fmt::format(" (with placement {}: {})", placement_name(tried[i].placement), tried[i].error);
@@ -140,9 +147,8 @@ const Plan& Executor::plan_as_set(std::int64_t batch, std::optional<std::int64_t
                                                           placement_name(tried[i].placement)));
     why = fmt::format("micro-batches of {} instead of {}", *chosen.micro_batch, fmt::join(others, ", "));
   }
-  apply_placement(chosen.placement);
   placement_ = placement_choices_[key] = {chosen.placement, std::move(why)};
-  return plan_placed(batch, micro_batch);
+  return plan_placed(batch, micro_batch, chosen.placement);
 }
 
 std::shared_ptr<Arena> Executor::traced_dry_step(const Plan& p, bool* all) {
@@ -153,64 +159,138 @@ std::shared_ptr<Arena> Executor::traced_dry_step(const Plan& p, bool* all) {
   return planner_.traced(every ? p.sizes() : p.split.shortened(2));
 }
 
-const Plan& Executor::plan_placed(std::int64_t batch, std::optional<std::int64_t> micro_batch) {
+const Plan& Executor::plan_placed(std::int64_t batch, std::optional<std::int64_t> micro_batch, Placement p) {
   ArenaScope scope(arena_);
-  HostArenaScope host(placed_host_arena());
-  return planner_.plan(batch, micro_batch, limit_,
-                       fmt::format("{}|{}", nn::recompute_state(model_), placement_name(placed_)));
+  HostArenaScope host(host_arena_for(p));
+  // The state as it lies now, moved where `p` puts it: plans are keyed by the moves that made the
+  // layout they start from (moving to where the state is already changes nothing).
+  const bool there = p == placed_ && optimizer_.state_created();
+  const std::string layout = there ? layout_ : fmt::format("{}>{}", layout_, placement_name(p));
+  struct Measuring {  // the placement the planner's dry runs simulate, for this call
+    Executor& e;
+    Measuring(Executor& ex, Placement p) : e(ex) {
+      e.measuring_ = p;
+      e.planner_.set_prepare([&ex = e, p](Arena& device, Arena* host) { ex.simulate_placement(p, device, host); });
+    }
+    ~Measuring() {
+      e.measuring_.reset();
+      e.planner_.set_prepare({});
+    }
+  } measuring(*this, p);
+  return planner_.plan(batch, micro_batch, limit_, fmt::format("{}|{}", nn::recompute_state(model_), layout));
+}
+
+void Executor::check_host_holds(Placement p) const {
+  if (p == Placement::device) return;
+  if (!opt_.host_arena)
+    throw Error(fmt::format("MBP executor: placement {} needs a host tier (--host-memory-limit), found none",
+                            placement_name(p)));
+  if (p == Placement::gradients && data_parallel_)
+    throw Error("MBP executor: placement gradients is not available with data parallelism");
+  // What the host tier must hold: the state (and the gradient accumulators), then one parameter's
+  // staging during the update — its high-water mark, exact for a host arena that holds nothing else.
+  const Arena& host = *opt_.host_arena;
+  const bool with_grads = p == Placement::gradients, created = optimizer_.state_created();
+  const optim::Optimizer::HostBytes want = optimizer_.host_bytes(with_grads);
+  const std::size_t state = want.state, grads = optimizer_.host_bytes(true).gradients, staging = want.staging;
+  const std::size_t ours_now = (placed_ != Placement::device && created ? state : 0) +
+                               (placed_ == Placement::gradients ? grads : 0);
+  const std::size_t need = static_cast<std::size_t>(host.stats().total.current) - ours_now + want.total();
+  if (need <= host.capacity()) return;
+  const std::size_t device_now = static_cast<std::size_t>(arena_->stats().total.current);
+  const std::size_t on_device = device_now - (placed_ == Placement::device && created ? state : 0) -
+                                (with_grads && placed_ != Placement::gradients ? grads : 0);
+  throw OutOfMemory(
+      fmt::format("host memory limit {} ({} bytes) is too small for placement {}: the host tier needs {} ({} bytes: "
+                  "optimizer state {}{}, staging of the largest parameter {}); the device tier then holds {} of "
+                  "persistent state before any micro-batch",
+                  format_bytes(host.capacity()), host.capacity(), placement_name(p), format_bytes(need), need,
+                  format_bytes(state), with_grads ? fmt::format(", gradient accumulators {}", format_bytes(grads)) : "",
+                  format_bytes(staging), format_bytes(on_device)),
+      need);
 }
 
 void Executor::apply_placement(Placement p) {
-  if (p == placed_) return;
+  if (p == placed_ && optimizer_.state_created()) return;
+  check_host_holds(p);
   ArenaScope scope(arena_);
-  if (p != Placement::device) {
-    if (!opt_.host_arena)
-      throw Error(fmt::format("MBP executor: placement {} needs a host tier (--host-memory-limit), found none",
-                              placement_name(p)));
-    if (p == Placement::gradients && data_parallel_)
-      throw Error("MBP executor: placement gradients is not available with data parallelism");
-    // What the host tier must hold: the state (and the gradient accumulators), then one
-    // parameter's staging during the update — its high-water mark, exact for a host arena that
-    // holds nothing else.
-    Arena& host = *opt_.host_arena;
-    const bool with_grads = p == Placement::gradients;
-    const optim::Optimizer::HostBytes want = optimizer_.host_bytes(with_grads);
-    const std::size_t state = want.state, grads = optimizer_.host_bytes(true).gradients, staging = want.staging;
-    const std::size_t ours_now = (placed_ != Placement::device ? state : 0) + (placed_ == Placement::gradients ? grads : 0);
-    const std::size_t need = static_cast<std::size_t>(host.stats().total.current) - ours_now + want.total();
-    if (need > host.capacity()) {
-      const std::size_t device_now = static_cast<std::size_t>(arena_->stats().total.current);
-      const std::size_t on_device = device_now - (placed_ == Placement::device ? state : 0) -
-                                    (with_grads && placed_ != Placement::gradients ? grads : 0);
-      throw OutOfMemory(
-          fmt::format("host memory limit {} ({} bytes) is too small for placement {}: the host tier needs {} ({} bytes: "
-                      "optimizer state {}{}, staging of the largest parameter {}); the device tier then holds {} of "
-                      "persistent state before any micro-batch",
-                      format_bytes(host.capacity()), host.capacity(), placement_name(p), format_bytes(need), need,
-                      format_bytes(state), with_grads ? fmt::format(", gradient accumulators {}", format_bytes(grads)) : "",
-                      format_bytes(staging), format_bytes(on_device)),
-          need);
-    }
-  }
+  // The state is created where `p` puts it, never on the device first.
+  if (!optimizer_.state_created()) optimizer_.create_state(p == Placement::device ? nullptr : opt_.host_arena);
   // Back first (the gradients, then the state, as far as `p` wants), then out.
-  if (placed_ == Placement::gradients) {
+  if (placed_ == Placement::gradients && p != Placement::gradients) {
     optimizer_.place_gradients(nullptr);
-    parts_.erase(std::find_if(parts_.begin(), parts_.end(), [this](const auto& q) { return q.get() == host_gradients_; }));
-    host_gradients_ = nullptr;
+    host_gradients_.reset();
   }
   if (p == Placement::device) {
     optimizer_.place_state(nullptr);
   } else {
     optimizer_.place_state(opt_.host_arena);
-    if (p == Placement::gradients) {
+    if (p == Placement::gradients && placed_ != Placement::gradients) {
       optimizer_.place_gradients(opt_.host_arena);
-      auto part = std::make_unique<HostGradients>(optimizer_.params(), optimizer_.host_gradients());
-      host_gradients_ = part.get();
-      add_part(std::move(part));
+      host_gradients_ = std::make_unique<HostGradients>(optimizer_.params(), optimizer_.host_gradients());
       pack_model_state(model_, arena_, opt_.host_arena);
     }
   }
+  layout_ = fmt::format("{}>{}", layout_, placement_name(p));
   placed_ = p;
+}
+
+// apply_placement's moves on the dry run's virtual clones of the two tiers: each block allocated
+// where it goes, then freed where it was, in the same order, so that the clones' layout is the one
+// the real moves will make (offsets only; nothing is read or written). Without a clone of the host
+// tier (a placement that does not use it: its side does not matter to the step), its side is skipped.
+void Executor::simulate_placement(Placement to, Arena& device, Arena* host) const {
+  if (to == placed_ && optimizer_.state_created()) return;
+  std::map<const Storage*, std::pair<Arena*, std::size_t>> at;  // where a moved storage is in the clones
+  const auto clone_of = [&](const Storage& s) -> std::pair<Arena*, std::size_t> {
+    if (const auto it = at.find(&s); it != at.end()) return it->second;
+    return {s.arena() == arena_ ? &device : host, s.offset()};
+  };
+  const auto move = [&](const Storage& s, Arena* dst, const std::string& op) {
+    const auto [src, offset] = clone_of(s);
+    std::size_t moved = 0;
+    if (dst) moved = dst->allocate(s.nbytes(), s.category(), op).offset;
+    if (src) src->free(offset);
+    at[&s] = {dst, moved};
+  };
+  const std::vector<std::pair<std::string, Tensor>>& state = optimizer_.named_state();
+  const bool created = optimizer_.state_created();
+  if (!created) {
+    Arena* where = to == Placement::device ? &device : host;
+    if (where) {
+      const std::vector<std::size_t> bytes = optimizer_.state_tensor_bytes();
+      for (std::size_t i = 0; i < bytes.size(); ++i) where->allocate(bytes[i], Category::optimizer_state, "optimizer_state");
+    }
+  }
+  const std::vector<Tensor>& params = optimizer_.params();
+  if (placed_ == Placement::gradients && to != Placement::gradients)
+    for (const Tensor& g : optimizer_.host_gradients()) move(*g.storage(), &device, "grad");
+  const bool state_on_host = created && optimizer_.state_host() != nullptr;
+  if (to == Placement::device) {
+    if (state_on_host)
+      for (const auto& [name, t] : state) move(*t.storage(), &device, optimizer_.name() + "." + name);
+    return;
+  }
+  if (created && !state_on_host)
+    for (const auto& [name, t] : state) move(*t.storage(), host, optimizer_.name() + "." + name);
+  if (to != Placement::gradients || placed_ == Placement::gradients) return;
+  for (std::size_t i = 0; i < params.size(); ++i)
+    move(*params[i].grad().storage(), host, fmt::format("{}.host_gradient_accumulator.{}", optimizer_.name(), i));
+  // pack_model_state, simulated.
+  if (!host) return;
+  std::vector<const Storage*> storages;
+  std::size_t bytes = 0;
+  const auto add = [&](const Tensor& t) {
+    const Storage* s = t.impl().storage.get();
+    if (clone_of(*s).first != &device || std::find(storages.begin(), storages.end(), s) != storages.end()) return;
+    storages.push_back(s);
+    bytes += Arena::round_up(s->nbytes());
+  };
+  for (const Tensor& p : model_.parameters()) add(p);
+  for (const auto& [name, b] : model_.named_buffers()) add(b);
+  if (host->largest_free_block() < bytes) return;
+  for (const Storage* s : storages) move(*s, host, s->op());
+  for (const Storage* s : storages) move(*s, &device, s->op());
 }
 
 // The ladder from none: the first level on which the plan fits, remembered per batch size.

@@ -12,8 +12,14 @@
 // gradients whose writers are running — for a ResNet one layer's — at the price of one copy in
 // and one copy out per parameter and micro-batch. After the last micro-batch the optimizer steps
 // on the accumulators, on the CPU (optim/optimizer.h, "Host placement").
+//
+// The transient buffers live in slots of this part (core/autograd.h: GradientSlotScope), never in
+// the parameters' own `grad`: so the chooser's dry run of this placement (mbp/chooser.h), made
+// with no accumulators at all (`simulated`), allocates and frees the same transients while the
+// parameters keep whatever buffers they have.
 #pragma once
 #include <map>
+#include <memory>
 #include <vector>
 
 #include "core/tensor.h"
@@ -25,8 +31,15 @@ class HostGradients : public StepPart {
  public:
   // `parameters` and their `accumulators` (host tensors of the same shapes), in the same order.
   HostGradients(std::vector<Tensor> parameters, std::vector<Tensor> accumulators);
-  bool wants_gradient_needed() const override { return true; }
-  void gradient_needed(const Tensor& parameter) override;
+  // A dry run's: the same transients, no accumulators (a dry run copies nothing).
+  static std::unique_ptr<HostGradients> simulated(const std::vector<Tensor>& parameters);
+  // A dry run's of a placement that keeps the gradients beside the parameters, measured while they
+  // are really on the host (the parameters have no buffer to accumulate into): each slot holds an
+  // alias of its parameter standing in for the persistent buffer — accumulated into, never
+  // allocated, as the buffers the simulated move back would be (a dry run reads no value).
+  static std::unique_ptr<HostGradients> standing_in(const std::vector<Tensor>& parameters);
+  bool wants_gradient_slot() const override { return true; }
+  std::shared_ptr<TensorImpl>* gradient_slot(const Tensor& parameter) override;
   bool wants_gradient_ready() const override { return true; }
   void gradient_ready(const Tensor& parameter) override;
   // Drops a transient buffer a failed micro-batch left behind (its accumulator keeps the sums up
@@ -34,8 +47,13 @@ class HostGradients : public StepPart {
   void drop_transient();
 
  private:
-  std::vector<Tensor> parameters_;
-  std::map<const TensorImpl*, Tensor> accumulator_;  // by parameter
+  HostGradients() = default;
+  bool standing_in_ = false;
+  struct Slot {
+    Tensor accumulator;                     // undefined when simulated
+    std::shared_ptr<TensorImpl> transient;  // the device buffer while the gradient's writers run
+  };
+  std::map<const TensorImpl*, Slot> slots_;  // by parameter
 };
 
 }  // namespace tally::mbp

@@ -118,9 +118,10 @@ Planner::Probe Planner::probe(const std::vector<std::int64_t>& sizes, bool detai
   try {
     DryRun dry(*arena_, capacity);
     v = dry.arena_ptr();
+    host = dry.host_arena();
+    if (prepare_) prepare_(*v, host.get());
     v->reset_peak();
     v->set_tracing(detailed);
-    host = dry.host_arena();
     if (host) {
       host->reset_peak();
       host->set_tracing(detailed);
@@ -149,6 +150,7 @@ Planner::Probe Planner::probe(const std::vector<std::int64_t>& sizes, bool detai
 std::shared_ptr<Arena> Planner::traced(const std::vector<std::int64_t>& sizes) {
   DryRun dry(*arena_);
   std::shared_ptr<Arena> v = dry.arena_ptr();
+  if (prepare_) prepare_(*v, dry.host_arena().get());
   v->reset_peak();
   v->set_tracing(true);
   step_(sizes);

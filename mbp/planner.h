@@ -138,6 +138,12 @@ class Planner {
   // everything but the persistent state is freed). A pipeline stage holds up to S of them at once
   // under 1F1B (S + 1 keeps the steady state), all of them under GPipe (no shortening at all).
   void set_repeats(std::size_t repeats);
+  // What to do to the virtual clones of the device arena and of the host tier's (null when none is
+  // current) before each dry run's step, while it is set: the executor's simulation of a placement
+  // it measures (mbp/executor_plan.cpp), so that measuring moves no real state. Plans of different
+  // preparations must differ in their `variant`.
+  using Prepare = std::function<void(Arena& device, Arena* host)>;
+  void set_prepare(Prepare prepare) { prepare_ = std::move(prepare); }
 
  private:
   [[noreturn]] void throw_too_small(std::int64_t batch, std::int64_t m, const std::string& why);
@@ -146,6 +152,7 @@ class Planner {
   StepFn step_;
   int probes_ = 0;
   std::size_t repeats_ = 2;
+  Prepare prepare_;
   std::map<std::tuple<std::int64_t, std::size_t, std::int64_t, std::int64_t, std::string>, Plan> cache_;
 };
 

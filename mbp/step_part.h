@@ -28,12 +28,13 @@ class StepPart {
   // then counts each leaf's writers; core/autograd.h: GradientReadyScope).
   virtual bool wants_gradient_ready() const { return false; }
   virtual void gradient_ready(const Tensor& /*parameter*/) {}
-  // During a micro-batch's backward, before the first node that writes `parameter`'s gradient runs,
-  // when the parameter has no gradient buffer: the part may give it one (core/autograd.h:
-  // GradientNeededScope) — the host tier's accumulators load a transient device buffer here
-  // (mbp/host_gradients.h). Called only for a part whose wants_gradient_needed() is true.
-  virtual bool wants_gradient_needed() const { return false; }
-  virtual void gradient_needed(const Tensor& /*parameter*/) {}
+  // During a micro-batch's backward, where `parameter`'s gradient lives (core/autograd.h:
+  // GradientSlotScope): a slot of the part's own — the host tier's accumulators load a transient
+  // device buffer into one (mbp/host_gradients.h) — or null for the parameter's own buffer. Asked
+  // for every node that writes the gradient: the same slot each time. Only for a part whose
+  // wants_gradient_slot() is true.
+  virtual bool wants_gradient_slot() const { return false; }
+  virtual std::shared_ptr<TensorImpl>* gradient_slot(const Tensor& /*parameter*/) { return nullptr; }
   // After micro-batch `index` (of `count`) has run its backward: its gradients are accumulated.
   virtual void after_micro_batch(std::size_t /*index*/, std::size_t /*count*/) {}
   // After the last micro-batch, before the step states apply and the optimizer steps; `loss` is the

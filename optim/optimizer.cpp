@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 
 #include "core/dispatch.h"
 #include "core/error.h"
@@ -23,8 +24,8 @@ namespace tally::optim {
 
 // ---- Optimizer ----------------------------------------------------------------------------------
 
-Optimizer::Optimizer(std::string name, std::vector<Tensor> params)
-    : name_(std::move(name)), params_(std::move(params)) {
+Optimizer::Optimizer(std::string name, std::vector<Tensor> params, StateCreation when)
+    : name_(std::move(name)), params_(std::move(params)), created_(when == StateCreation::now) {
   if (params_.empty()) throw Error(fmt::format("{}: got an empty parameter list", name_));
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const Tensor& p = params_[i];
@@ -68,18 +69,47 @@ void Optimizer::zero_grad() {
 
 std::size_t Optimizer::state_bytes() const {
   std::size_t bytes = 0;
-  for (const Tensor& s : state_) bytes += s.nbytes();
+  for (const StateSpec& s : specs_) bytes += params_[s.param].nbytes();
   return bytes;
 }
 
-Tensor Optimizer::new_state(std::size_t i, const std::string& what, bool zero) {
+std::vector<std::size_t> Optimizer::state_tensor_bytes() const {
+  std::vector<std::size_t> bytes;
+  for (const StateSpec& s : specs_) bytes.push_back(params_[s.param].nbytes());
+  return bytes;
+}
+
+void Optimizer::new_state(std::size_t i, const std::string& what, bool zero, Tensor* slot) {
+  specs_.push_back({i, what, zero, slot});
+  if (!created_) return;
   const Tensor& p = params_[i];
   const std::string op = fmt::format("{}.{}.{}", name_, what, i);
   Tensor s = zero ? Tensor::zeros(p.shape(), p.dtype(), p.device(), Category::optimizer_state, op)
                   : Tensor::empty(p.shape(), p.dtype(), p.device(), Category::optimizer_state, op);
   state_.push_back(s);
   named_state_.emplace_back(fmt::format("{}.{}", what, i), s);
-  return s;
+  *slot = s;
+}
+
+void Optimizer::create_state(std::shared_ptr<Arena> host) {
+  if (created_) return;
+  if (host && !host->device().is_cpu())
+    throw Error(fmt::format("{}.create_state: expected an arena of host memory, found one on {}", name_,
+                            host->device().str()));
+  for (const StateSpec& spec : specs_) {
+    const Tensor& p = params_[spec.param];
+    const std::string op = fmt::format("{}.{}.{}", name_, spec.what, spec.param);
+    std::optional<ArenaScope> on_host;
+    if (host) on_host.emplace(host);
+    const Device where = host ? Device::cpu() : p.device();
+    Tensor s = spec.zero ? Tensor::zeros(p.shape(), p.dtype(), where, Category::optimizer_state, op)
+                         : Tensor::empty(p.shape(), p.dtype(), where, Category::optimizer_state, op);
+    state_.push_back(s);
+    named_state_.emplace_back(fmt::format("{}.{}", spec.what, spec.param), s);
+    *spec.slot = s;
+  }
+  host_ = std::move(host);
+  created_ = true;
 }
 
 void Optimizer::set_steps(std::int64_t steps) {
@@ -88,20 +118,34 @@ void Optimizer::set_steps(std::int64_t steps) {
 }
 
 void Optimizer::step() {
+  if (!created_)
+    throw Error(fmt::format("{}.step: the state has not been created yet (StateCreation::when_placed: create_state "
+                            "first)", name_));
+  run_step(where(), false);
+}
+
+void Optimizer::dry_step(Where where) {
+  if (!skip_host_work()) throw Error(fmt::format("{}.dry_step: only in a dry run (core/dry_run.h)", name_));
+  run_step(where, true);
+}
+
+void Optimizer::run_step(Where where, bool simulated) {
+  // Simulated: the parameters stand in for the gradients and the state (a dry run reads no value).
   std::vector<Tensor> grads(params_.size());
-  for (std::size_t i = 0; i < params_.size(); ++i) grads[i] = checked_grad(i, state_of(i));
+  for (std::size_t i = 0; i < params_.size(); ++i) grads[i] = simulated ? params_[i] : checked_grad(i, state_of(i));
   const bool first = steps_ == 0;
-  if (!host_) {
+  if (!where.state_on_host) {
     for (std::size_t i = 0; i < params_.size(); ++i) update(i, params_[i], grads[i], first);
   } else {
     // Placed: each parameter's value and gradient staged in the host tier, updated there by the
     // CPU kernel, the value copied back; the staging freed before the next parameter.
     const std::shared_ptr<Arena>& tier = current_host_arena() ? current_host_arena() : host_;
+    if (!tier) throw Error(fmt::format("{}.step: the state is placed on the host but no host arena is current", name_));
     ArenaScope on_host(tier);
     for (std::size_t i = 0; i < params_.size(); ++i) {
       const Tensor& p = params_[i];
       Tensor g = grads[i];  // the accumulator itself when the gradients live on the host
-      if (host_grads_.empty()) {
+      if (!where.gradients_on_host) {
         g = Tensor::empty(p.shape(), p.dtype(), Device::cpu(), Category::gradient,
                           fmt::format("{}.host_gradient.{}", name_, i));
         g.copy_(grads[i]);
@@ -162,7 +206,7 @@ void Optimizer::place_gradients(std::shared_ptr<Arena> host) {
 
 Optimizer::HostBytes Optimizer::host_bytes(bool with_gradients) const {
   HostBytes b;
-  for (const Tensor& s : state_) b.state += Arena::round_up(s.nbytes());
+  for (const std::size_t bytes : state_tensor_bytes()) b.state += Arena::round_up(bytes);
   std::size_t largest = 0;
   for (const Tensor& p : params_) {
     if (with_gradients) b.gradients += Arena::round_up(p.nbytes());
@@ -196,8 +240,8 @@ Tensor Optimizer::checked_grad(std::size_t i, const std::vector<Tensor>& state) 
 
 // ---- SGD ----------------------------------------------------------------------------------------
 
-SGD::SGD(std::vector<Tensor> params, SGDOptions options)
-    : Optimizer("SGD", std::move(params)), options_(options) {
+SGD::SGD(std::vector<Tensor> params, SGDOptions options, StateCreation when)
+    : Optimizer("SGD", std::move(params), when), options_(options) {
   const SGDOptions& o = options_;
   set_lr(o.lr);
   require(std::isfinite(o.momentum) && o.momentum >= 0, "momentum", ">= 0", o.momentum);
@@ -208,7 +252,7 @@ SGD::SGD(std::vector<Tensor> params, SGDOptions options)
                             "dampening {}", o.momentum, o.dampening));
   momentum_.resize(params_.size());
   if (o.momentum != 0)
-    for (std::size_t i = 0; i < params_.size(); ++i) momentum_[i] = new_state(i, "momentum_buffer", false);
+    for (std::size_t i = 0; i < params_.size(); ++i) new_state(i, "momentum_buffer", false, &momentum_[i]);
 }
 
 std::vector<Tensor> SGD::state_of(std::size_t i) const {
@@ -227,17 +271,19 @@ void SGD::update(std::size_t i, const Tensor& p, const Tensor& g, bool first) {
 
 // ---- AdamW --------------------------------------------------------------------------------------
 
-AdamW::AdamW(std::vector<Tensor> params, AdamWOptions options)
-    : Optimizer("AdamW", std::move(params)), options_(options) {
+AdamW::AdamW(std::vector<Tensor> params, AdamWOptions options, StateCreation when)
+    : Optimizer("AdamW", std::move(params), when), options_(options) {
   const AdamWOptions& o = options_;
   set_lr(o.lr);
   require(o.beta1 >= 0 && o.beta1 < 1, "beta1", "in [0, 1)", o.beta1);
   require(o.beta2 >= 0 && o.beta2 < 1, "beta2", "in [0, 1)", o.beta2);
   require(std::isfinite(o.eps) && o.eps > 0, "eps", "> 0", o.eps);
   require(std::isfinite(o.weight_decay) && o.weight_decay >= 0, "weight_decay", ">= 0", o.weight_decay);
+  exp_avg_.resize(params_.size());
+  exp_avg_sq_.resize(params_.size());
   for (std::size_t i = 0; i < params_.size(); ++i) {
-    exp_avg_.push_back(new_state(i, "exp_avg", true));
-    exp_avg_sq_.push_back(new_state(i, "exp_avg_sq", true));
+    new_state(i, "exp_avg", true, &exp_avg_[i]);
+    new_state(i, "exp_avg_sq", true, &exp_avg_sq_[i]);
   }
 }
 

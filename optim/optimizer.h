@@ -10,8 +10,10 @@
 // start), so — unlike PyTorch, which skips a parameter whose .grad is None — a parameter without
 // a gradient buffer is an error at construction.
 //
-// Memory: all optimizer state is allocated once, in the constructor, from the current arena of
-// each parameter's device with category optimizer_state (SGD: one momentum buffer per parameter
+// Memory: all optimizer state is allocated once — in the constructor (StateCreation::now, the
+// default), or, for a step whose chooser puts it in a tier first (StateCreation::when_placed;
+// mbp/executor.h), by create_state() where the configuration says, never on the device first —
+// from the current arena of each parameter's device (or the host tier's arena) with category optimizer_state (SGD: one momentum buffer per parameter
 // when momentum != 0; AdamW: exp_avg and exp_avg_sq per parameter). Memory planning therefore
 // sees it before the first step, and step() allocates nothing. SGD's buffers start
 // uninitialised: the kernel's first_step flag makes the first step write buf = g without reading
@@ -64,6 +66,12 @@ struct AdamWOptions {
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 1e-2;
 };
 
+// When an optimizer allocates its state: in its constructor, beside the parameters (as
+// torch.optim's first step would), or when create_state() names the tier (the executor, once the
+// chooser has placed it: a budget below parameters + gradients + state then works whenever the
+// chosen configuration fits).
+enum class StateCreation { now, when_placed };
+
 class Optimizer {
  public:
   // Checks the parameters: at least one; each defined, float32 or float64, contiguous, with a
@@ -82,8 +90,18 @@ class Optimizer {
   double lr() const { return lr_; }
   void set_lr(double lr);  // lr >= 0 and finite, else tally::Error
   std::int64_t steps() const { return steps_; }  // completed (real) steps
-  // Bytes of optimizer state (the tensors' sizes; the arena rounds each up to 256 bytes).
+  // Bytes of optimizer state (the tensors' sizes; the arena rounds each up to 256 bytes), created
+  // or not.
   std::size_t state_bytes() const;
+  // Whether the state exists (always, unless built with StateCreation::when_placed and not created).
+  bool state_created() const { return created_; }
+  // Creates the state (StateCreation::when_placed) in `host` (an arena of host memory: placed as
+  // place_state(host) would, without passing through the device) or beside the parameters when
+  // null, in creation order; a no-op when it exists.
+  void create_state(std::shared_ptr<Arena> host);
+  // Each state tensor's size in creation order, created or not (as asked of the arena):
+  // what creating it, or moving it, does to an arena — the chooser's simulation (mbp/chooser.h).
+  std::vector<std::size_t> state_tensor_bytes() const;
   const std::vector<Tensor>& params() const { return params_; }
   const std::string& name() const { return name_; }
 
@@ -116,8 +134,18 @@ class Optimizer {
   };
   HostBytes host_bytes(bool with_gradients) const;
 
+  // Where a step finds the state and the gradients: as placed now (where()), or, for a dry run of
+  // another placement (the chooser's, mbp/chooser.h), as simulated there: dry_step(where) allocates
+  // what step() would under that placement — host staging from the current host arena — and
+  // touches no tensor of this optimizer (its state need not exist yet).
+  struct Where {
+    bool state_on_host = false, gradients_on_host = false;
+  };
+  Where where() const { return {host_ != nullptr, !host_grads_.empty()}; }
+  void dry_step(Where where);
+
  protected:
-  Optimizer(std::string name, std::vector<Tensor> params);
+  Optimizer(std::string name, std::vector<Tensor> params, StateCreation when = StateCreation::now);
 
   // Updates parameter i — `p`, its gradient `g` (the parameter itself, or its host staging copy)
   // — with its state; `first`: no real step has completed yet.
@@ -125,9 +153,10 @@ class Optimizer {
   // Parameter i's state tensors (checked before any update).
   virtual std::vector<Tensor> state_of(std::size_t i) const = 0;
 
-  // A state tensor shaped like parameter i on its device, category optimizer_state, named
-  // "<name>.<what>.<i>" in the arena; zero-filled if `zero`. Counted by state_bytes().
-  Tensor new_state(std::size_t i, const std::string& what, bool zero);
+  // Declares a state tensor shaped like parameter i, category optimizer_state, named
+  // "<name>.<what>.<i>" in the arena, zero-filled if `zero`, stored into `*slot` when created: now
+  // (StateCreation::now: on the parameter's device) or by create_state(). Counted by state_bytes().
+  void new_state(std::size_t i, const std::string& what, bool zero, Tensor* slot);
   // Checks parameter i, its gradient and `state` before an update: gradient present, same shape,
   // dtype and device, contiguous; state on the parameter's device; outside a dry run also a
   // kernel for it (float32 on CUDA) and memory behind every pointer (not built in a dry run on a
@@ -139,7 +168,16 @@ class Optimizer {
 
   std::string name_;
   std::vector<Tensor> params_;
-  std::vector<Tensor> state_;  // every state tensor, for state_bytes()
+  struct StateSpec {
+    std::size_t param;
+    std::string what;
+    bool zero;
+    Tensor* slot;  // the derived class's member the tensor goes to
+  };
+  void run_step(Where where, bool simulated);
+  std::vector<StateSpec> specs_;  // every state tensor, in creation order
+  bool created_ = true;
+  std::vector<Tensor> state_;  // every state tensor once created
   std::vector<std::pair<std::string, Tensor>> named_state_;  // the same, named for checkpoints
   double lr_ = 0;
   std::int64_t steps_ = 0;
@@ -151,7 +189,7 @@ class SGD : public Optimizer {
  public:
   // Validates as torch.optim.SGD does: lr >= 0, momentum >= 0, weight_decay >= 0, and nesterov
   // only with momentum > 0 and dampening == 0.
-  SGD(std::vector<Tensor> params, SGDOptions options);
+  SGD(std::vector<Tensor> params, SGDOptions options, StateCreation when = StateCreation::now);
   const SGDOptions& options() const { return options_; }
 
  private:
@@ -165,7 +203,7 @@ class AdamW : public Optimizer {
  public:
   // Validates as torch.optim.AdamW does: lr >= 0, eps >= 0 (here eps > 0), 0 <= beta < 1,
   // weight_decay >= 0.
-  AdamW(std::vector<Tensor> params, AdamWOptions options);
+  AdamW(std::vector<Tensor> params, AdamWOptions options, StateCreation when = StateCreation::now);
   const AdamWOptions& options() const { return options_; }
 
  private:

@@ -21,6 +21,7 @@
 
 #include "core/memory.h"
 #include "mbp/executor.h"
+#include "nn/recompute.h"
 #include "optim/optimizer.h"
 #include "tests/model_common.h"
 
@@ -294,4 +295,118 @@ TEST(HostTier, APlacementOnTheHostNeedsAHostTier) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("an arena of its own"), std::string::npos) << e.what();
   }
+}
+
+namespace {
+
+// Where every real tensor of a run lives: each storage's arena and offset (parameters, their
+// gradients, buffers, the optimizer's state and accumulators), the optimizer's placement and the
+// model's segment modes — what choosing must leave as it found it.
+std::vector<std::string> where_everything_is(nn::Module& model, const optim::Optimizer& optimizer) {
+  std::vector<std::string> at;
+  const auto add = [&](const std::string& what, const Tensor& t) {
+    if (!t.defined()) return at.push_back(what + " none");
+    at.push_back(fmt::format("{} {} {} {}", what, fmt::ptr(t.storage().get()), fmt::ptr(t.storage()->arena().get()),
+                             t.storage()->offset()));
+  };
+  for (const auto& [name, p] : model.named_parameters()) add(name, p), add(name + ".grad", p.grad());
+  for (const auto& [name, b] : model.named_buffers()) add(name, b);
+  for (const auto& [name, s] : optimizer.named_state()) add("optimizer." + name, s);
+  for (std::size_t i = 0; i < optimizer.host_gradients().size(); ++i)
+    add(fmt::format("accumulator.{}", i), optimizer.host_gradients()[i]);
+  const optim::Optimizer::Where w = optimizer.where();
+  at.push_back(fmt::format("state on host {}, gradients on host {}", w.state_on_host, w.gradients_on_host));
+  at.push_back("segments " + nn::recompute_state(model));
+  return at;
+}
+
+}  // namespace
+
+// Choosing is a question: a full search — recomputation auto with a host tier, every placement
+// tried in a budget where each changes the answer, from the device and from a placement applied
+// earlier — moves, allocates and changes nothing real; the choice, applied, is then the plan that
+// runs, exact in both tiers.
+TEST(HostTier, ChoosingMovesNothing) {
+  const Shape sample{3, 16, 16};
+  const auto budget = std::make_shared<Arena>(Device::cpu(), std::size_t(10) << 20);
+  Trained run(budget, true);
+  mbp::ExecutorOptions eo;
+  eo.sample_shape = sample;
+  eo.recompute = "auto";
+  eo.host_arena = Arena::make_host(std::size_t(32) << 20);
+  eo.cost_rates = mbp::CostRates{10e9, 100e9, "given"};
+  mbp::Executor ex(*run.model, *run.optimizer, budget, eo);
+  for (const std::int64_t batch : {256, 8, 64}) {
+    SCOPED_TRACE(fmt::format("batch {}", batch));
+    const std::vector<std::string> before = where_everything_is(*run.model, *run.optimizer);
+    const auto device_used = budget->stats().total.current, host_used = eo.host_arena->stats().total.current;
+    const mbp::Executor::Choice c = ex.choose(batch);
+    EXPECT_EQ(where_everything_is(*run.model, *run.optimizer), before);
+    EXPECT_EQ(budget->stats().total.current, device_used);
+    EXPECT_EQ(eo.host_arena->stats().total.current, host_used);
+    // Applied: the plan chosen is the plan run.
+    const mbp::Plan& p = ex.plan(batch);
+    EXPECT_EQ(p.micro_batch, c.plan.micro_batch);
+    EXPECT_EQ(p.predicted_peak, c.plan.predicted_peak);
+    EXPECT_EQ(p.host_predicted_peak, c.plan.host_predicted_peak);
+    EXPECT_EQ(ex.placement_choice().placement, c.placement.placement);
+    EXPECT_EQ(nn::recompute_state(*run.model), c.segments);
+    const Data d = make_data(batch, sample, 11);
+    const mbp::StepResult r = ex.step(d.images.data(), d.labels.data(), batch);
+    EXPECT_EQ(r.peak, r.predicted_peak);
+    EXPECT_EQ(r.host_peak, r.host_predicted_peak);
+    if (batch == 256) EXPECT_EQ(c.placement.placement, mbp::Placement::gradients) << c.placement.why;
+  }
+}
+
+// The state is created where the chosen placement puts it, never on the device first: a budget
+// below the parameters, gradients and state together trains, with the values of the all-device run.
+TEST(HostTier, StateIsCreatedInItsTier) {
+  const Shape sample{3, 16, 16};
+  const std::int64_t B = 12;
+  std::size_t all_persistent = 0;
+  {
+    const auto probe = std::make_shared<Arena>(Device::cpu(), std::size_t(64) << 20);
+    Trained t(probe, true);
+    all_persistent = static_cast<std::size_t>(probe->stats().total.current);
+  }
+  const std::size_t small = all_persistent - (std::size_t(512) << 10);  // the state does not fit beside the rest
+  {
+    const auto budget = std::make_shared<Arena>(Device::cpu(), small);
+    EXPECT_THROW(Trained t(budget, true), OutOfMemory) << "the budget should not hold the state on the device";
+  }
+  const auto budget = std::make_shared<Arena>(Device::cpu(), small);
+  std::shared_ptr<nn::Module> model;
+  std::unique_ptr<optim::Optimizer> optimizer;
+  {
+    ArenaScope in_budget(budget);
+    model = test::model("resnet20", "batch", 5);
+    optimizer = std::make_unique<optim::AdamW>(model->parameters(), optim::AdamWOptions{.lr = 1e-3, .weight_decay = 0.05},
+                                               optim::StateCreation::when_placed);
+  }
+  EXPECT_FALSE(optimizer->state_created());
+  EXPECT_EQ(budget->stats()[Category::optimizer_state].current, 0);
+  mbp::ExecutorOptions eo;
+  eo.sample_shape = sample;
+  eo.micro_batch = 4;
+  eo.host_arena = Arena::make_host(std::size_t(32) << 20);
+  mbp::Executor ex(*model, *optimizer, budget, eo);
+
+  const auto ref_budget = std::make_shared<Arena>(Device::cpu(), std::size_t(64) << 20);
+  Trained ref(ref_budget, true);
+  mbp::ExecutorOptions ref_eo = eo;
+  ref_eo.host_arena.reset();
+  mbp::Executor ref_ex(*ref.model, *ref.optimizer, ref_budget, ref_eo);
+  for (int s = 0; s < 2; ++s) {
+    const Data d = make_data(B, sample, 70 + static_cast<std::uint32_t>(s));
+    ref_ex.step(d.images.data(), d.labels.data(), B);
+    const mbp::StepResult r = ex.step(d.images.data(), d.labels.data(), B);
+    EXPECT_EQ(r.peak, r.predicted_peak);
+    EXPECT_EQ(r.host_peak, r.host_predicted_peak);
+  }
+  EXPECT_TRUE(optimizer->state_created());
+  EXPECT_NE(ex.placement_choice().placement, mbp::Placement::device);
+  EXPECT_EQ(budget->stats()[Category::optimizer_state].peak, 0) << "the state passed through the device";
+  EXPECT_TRUE(bitwise_equal(values<float>(*model), values<float>(*ref.model))) << "parameters differ";
+  EXPECT_TRUE(same_bits(state_values(*optimizer), state_values(*ref.optimizer))) << "optimizer state differs";
 }

