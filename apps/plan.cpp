@@ -68,7 +68,7 @@ mbp::Plan plan_stages(const PlanOptions& opt, const nn::ModelConfig& mc, const S
   for (int s = 0; s < S; ++s) {
     Stage& st = stages[static_cast<std::size_t>(s)];
     const mbp::PipelineStage& ps = *st.setup.stage;
-    const mbp::Plan p = mbp::as_stage(*st.executor, "tally plan --pipeline-stages").plan_agreed(opt.batch_size, m);
+    const mbp::Plan p = mbp::as_stage(*st.executor, "tally plan --pipeline-stages").agreed_plan(opt.batch_size, m);
     fmt::print(out, "\nstage {} (rank {}): {} | {} parameters\n", s, s,
                mbp::segment_range(st.setup.segments, ps.first(), ps.last()), st.setup.stage_parameters);
     fmt::print(out, "  memory limit {}: {}\n", format_bytes(st.arena->capacity()), persistent_summary(*st.arena));
@@ -103,7 +103,7 @@ void print_recompute(mbp::Executor& executor, const mbp::Plan& p, std::ostream& 
   if (chosen.level > 0) {
     std::string without;
     try {
-      const mbp::Plan q = executor.plan_at_level(p.micro_batch, p.micro_batch, 0);
+      const mbp::Plan q = executor.at_level(p.micro_batch, p.micro_batch, 0);
       without = fmt::format("{} ({} bytes), so it saves {}", format_bytes(q.predicted_peak), q.predicted_peak,
                             format_bytes(q.predicted_peak - std::min(q.predicted_peak, p.predicted_peak)));
     } catch (const OutOfMemory& e) {

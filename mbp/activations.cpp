@@ -1,5 +1,5 @@
 // mbp/activations.cpp — the cost model of keeping, recomputing or offloading each segment; see
-// mbp/activations.h. The search that uses it is the executor's (mbp/executor_activations.cpp).
+// mbp/activations.h. The search that uses it is the chooser's (mbp/chooser.cpp).
 #include "mbp/activations.h"
 
 #include <algorithm>

@@ -116,6 +116,17 @@ void fill_inputs(Inputs& in, InputStager& stager, const float* images, const std
   in.uploaded = stage_labels(in.y, stager, labels, offset, n, batch, sample_numel, dtype);
 }
 
+// Data parallelism: any communicator but the local one (an MPI or NCCL world of one too); a
+// pipeline stage's communicator carries its messages instead.
+bool is_data_parallel(const ExecutorOptions& o, bool stage) {
+  return !stage && o.communicator && o.communicator->backend() != "local";
+}
+
+const std::shared_ptr<Arena>& checked_arena(const std::shared_ptr<Arena>& arena) {
+  if (!arena) throw Error("MBP executor: expected an arena to run on, found none");
+  return arena;
+}
+
 Tensor first_parameter(const nn::Module& m) {
   const auto ps = m.parameters();
   if (ps.empty()) throw Error("MBP executor: the model has no parameters");
@@ -139,7 +150,7 @@ MemoryFormat parse_memory_format(const std::string& name, Device device, bool pi
   throw Error(fmt::format("--memory-format '{}': expected {}", name, fmt::join(memory_format_names(), "|")));
 }
 const char* precision_name(Precision p) { return p == Precision::bf16 ? "bf16" : "fp32"; }
-const char* placement_name(Placement p) {
+const char* placement_name(Placement p) {  // (mbp/chooser.h)
   switch (p) {
     case Placement::device: return "device";
     case Placement::optimizer: return "optimizer";
@@ -173,11 +184,12 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_p
       dtype_(first_parameter(model).dtype()),
       activation_dtype_(opt_.precision == Precision::bf16 ? DType::BFloat16 : dtype_),
       arena_(std::move(arena)),
-      planner_(arena_, [this](const std::vector<std::int64_t>& sizes) {
-        run_step(measuring_.value_or(placed_), nullptr, nullptr, sizes, nullptr);
-      }),
       states_(nn::step_states(model)),
-      stager_(std::make_unique<InputStager>(device_)) {
+      stager_(std::make_unique<InputStager>(device_)),
+      chooser_(model, optimizer, checked_arena(arena_), opt_, is_data_parallel(opt_, stage), activation_dtype_,
+               [this](Placement placement, const std::vector<std::int64_t>& sizes) {
+                 run_step(placement, nullptr, nullptr, sizes, nullptr);
+               }) {
   if (opt_.pipeline && !stage)
     throw Error("MBP executor: a pipeline stage (ExecutorOptions::pipeline) runs in a PipelineExecutor "
                 "(mbp/pipeline_executor.h)");
@@ -201,7 +213,7 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_p
                             dtype_name(dtype_)));
   // Data parallelism: any communicator but the local one (an MPI or NCCL world of one too); a
   // pipeline stage's communicator carries its messages instead.
-  const bool data_parallel = !stage && opt_.communicator && opt_.communicator->backend() != "local";
+  const bool data_parallel = is_data_parallel(opt_, stage);
   data_parallel_ = data_parallel;
   if (data_parallel) {
     if (!opt_.communicator->serves(device_))

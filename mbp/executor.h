@@ -1,7 +1,10 @@
 // mbp/executor.h — one training step of a batch larger than memory, through micro-batches.
 //
 // A step of B samples (see docs/mbp.md):
-//   1. The planner gives the split: k balanced micro-batches of at most m samples.
+//   1. The chooser (mbp/chooser.h) gives the step's configuration — the split into k balanced
+//      micro-batches of at most m samples, the recomputation, where the state lives — measured by
+//      dry runs alone; the executor applies it once (the segment modes set, the state moved or
+//      created where the placement puts it) and then only runs steps.
 //   2. The loss divisor D is counted on the host over the *whole* batch (samples, or weighted
 //      non-ignored targets). Every micro-batch's loss is sum_i w_i * loss_i / D, so the
 //      gradients accumulated over the micro-batches are the full batch's mean-loss gradient
@@ -23,7 +26,7 @@
 //      last, at the step's extension points (mbp/step_part.h).
 //   7. Pipeline stages (ExecutorOptions::pipeline) are a step of their own that shares these
 //      pieces: mbp/pipeline_executor.h.
-// The planner dry-runs exactly this code (run_micro_batches), so the predicted peak is the real
+// The chooser's planner dry-runs exactly this code (run_step, under the placement it measures), so the predicted peak is the real
 // step's peak. If the real step still runs out of memory, the partial step is discarded —
 // gradients zeroed, BatchNorm moments dropped; parameters, optimizer state and running
 // statistics were not touched yet — the micro-batch limit halves and the step is retried with
@@ -45,6 +48,7 @@
 #include "nn/modules.h"
 #include "nn/module.h"
 #include "mbp/activations.h"
+#include "mbp/chooser.h"
 #include "mbp/pipeline.h"
 #include "mbp/planner.h"
 #include "mbp/recompute.h"
@@ -82,28 +86,6 @@ const std::vector<std::string>& precision_names();
 MemoryFormat parse_memory_format(const std::string& name, Device device, bool pipeline = false);
 const std::vector<std::string>& memory_format_names();
 
-// Where the step's persistent state lives (docs/host-tier.md):
-//   device     everything in the device arena (the only placement without a host tier);
-//   optimizer  the optimizer's state in the host tier's arena and its update run there on the
-//              CPU (optim/optimizer.h, "Host placement"): the device holds the parameters, their
-//              gradients and one micro-batch's work; each step moves every gradient and parameter
-//              to the host and the parameters back.
-//   gradients  the optimizer as above, and the gradients accumulated in the host tier
-//              (mbp/host_gradients.h): the device holds the parameters, one micro-batch's work and
-//              only the gradients being written; each micro-batch moves every gradient in and out.
-//              Not with data parallelism (its all-reduce sums device buffers).
-// A placement moves bytes, never changes a value: on the CPU device the parameters after any
-// number of steps are bit-identical under all three.
-enum class Placement { device, optimizer, gradients };
-const char* placement_name(Placement p);
-
-// The placement a plan runs with, and why (ExecutorOptions::placement unset: the executor's
-// choice; given: "as given").
-struct PlacementChoice {
-  Placement placement = Placement::device;
-  std::string why;
-};
-
 struct ExecutorOptions {
   Shape sample_shape{};                       // one input sample, e.g. {3, 32, 32}
   CrossEntropyOptions loss{};                 // reduction is always the whole batch's mean
@@ -117,7 +99,7 @@ struct ExecutorOptions {
   std::size_t bucket_bytes = std::size_t(8) << 20;
   // Called with a line of text when a step is retried after running out of memory.
   std::function<void(const std::string&)> log{};
-  // Recomputation (nn/recompute.h) the executor may use to fit the budget (mbp/executor_plan.cpp):
+  // Recomputation (nn/recompute.h) the chooser may use to fit the budget (mbp/chooser.h):
   //   "none" (the default): it changes nothing — the model recomputes what its modules are marked
   //     to (nothing, unless a caller marked some); a budget too small for one sample is an error
   //     that also states what recomputing everything would need;
@@ -186,32 +168,31 @@ class Executor {
   // Convenience: on the arena the model's parameters live in (the budget they were built in).
   Executor(nn::Module& model, optim::Optimizer& optimizer, ExecutorOptions options);
 
-  // The plan for a batch of `batch` samples under the current limit (cached), at the
-  // recomputation the policy (ExecutorOptions::recompute) chooses, set on the model.
+  // The plan for a batch of `batch` samples under the current limit: the chooser's configuration
+  // (mbp/chooser.h; cached there), applied — the segment modes set on the model, the state moved
+  // (or created) where the placement puts it — once; then only run.
   virtual const Plan& plan(std::int64_t batch);
-  // What plan(batch) would run — the plan, the recomputation, the placement and the model's segment
-  // modes (nn::recompute_state) — measured by dry runs that simulate the placement on virtual
-  // clones of the tiers: nothing real is moved, allocated or changed (the segment modes tried are
-  // restored before it returns). plan() is this choice, applied.
-  struct Choice {
-    Plan plan;
-    RecomputeChoice recompute;
-    PlacementChoice placement;
-    std::string segments;
-  };
-  Choice choose(std::int64_t batch);
-  // The recomputation of the last plan().
-  const RecomputeChoice& recompute_choice() const { return choice_; }
-  // The placement of the last plan() (device, "no host tier", before the first).
-  const PlacementChoice& placement_choice() const { return placement_; }
+  // What plan(batch) would run, measured by dry runs alone: nothing real is moved, allocated or
+  // changed (Chooser::choose).
+  StepConfig choose(std::int64_t batch);
+  // The configuration of the last plan(): its recomputation and its placement (device, "no host
+  // tier", before the first).
+  const RecomputeChoice& recompute_choice() const { return config_.recompute; }
+  const PlacementChoice& placement_choice() const { return config_.placement; }
   // A traced dry run of `plan`'s step (the memory report's data): every micro-batch when there
   // are at most Planner::kVerifyAll, else the shortened split the planner verified (*all says
   // which). Nothing is computed; the returned virtual arena holds the trace.
   std::shared_ptr<Arena> traced_dry_step(const Plan& plan, bool* all = nullptr);
-  // The plan of `batch` at level `level` of the model's recomputation ladder, with micro-batches
-  // of exactly `micro_batch` if given; the model's recomputation is as before afterwards. For
-  // comparisons: what the chosen level saves over another.
-  Plan plan_at_level(std::int64_t batch, std::optional<std::int64_t> micro_batch, int level);
+  // The plan of `batch` at level `level` of the model's recomputation ladder (micro-batches of
+  // exactly `micro_batch` if given), measured only (Chooser::at_level): what the chosen level
+  // saves over another.
+  Plan at_level(std::int64_t batch, std::optional<std::int64_t> micro_batch, int level) {
+    return chooser_.at_level(batch, micro_batch, level, limit_, layout());
+  }
+  // The chooser this executor asks (mbp/chooser.h).
+  Chooser& chooser() { return chooser_; }
+  // The state as applied (the chooser's starting point).
+  StateLayout layout() const { return {placed_, layout_}; }
 
   // One training step on host data: images (batch, sample_shape...) as float32, labels (batch).
   // With a communicator of N > 1 ranks: this rank's share of the global batch (distributed::shard), and
@@ -236,7 +217,7 @@ class Executor {
   // next step on, as after the retries that set it. limit >= 1, else tally::Error.
   void set_micro_batch_limit(std::int64_t limit);
   int total_oom_retries() const { return total_retries_; }
-  Planner& planner() { return planner_; }
+  Planner& planner() { return chooser_.planner(); }
   const std::shared_ptr<Arena>& arena() const { return arena_; }
   Device device() const { return device_; }
   // The dtype of the step's activations: the model's, or bfloat16 under Precision::bf16.
@@ -267,33 +248,14 @@ class Executor {
   virtual void finish_step(StepResult& /*r*/) {}
   // whether an out-of-memory step may be retried with smaller micro-batches (throws if not),
   virtual void before_retry(const OutOfMemory& /*e*/, std::int64_t /*batch*/, const Plan& /*p*/) {}
-  // and the highest level of the recomputation ladder the executor uses.
-  virtual int top_level();
-
-  // plan() for the policy (ExecutorOptions::recompute): the planner's plan at the level it chooses.
-  const Plan& plan_by_policy(std::int64_t batch);
-  // plan() for the model's recomputation as it is now (its state is part of the plan's key), at
-  // the placement given, or chosen (ExecutorOptions::placement; mbp/executor_plan.cpp) — measured
-  // by dry runs that simulate the placement (placement_ says which); nothing is moved.
-  const Plan& plan_as_set(std::int64_t batch, std::optional<std::int64_t> micro_batch);
-  // The planner's plan at the recomputation as it is now and the placement `p`, simulated on the
-  // dry runs' virtual clones from the state as it lies now (all three in its key).
-  const Plan& plan_placed(std::int64_t batch, std::optional<std::int64_t> micro_batch, Placement p);
-  // Throws an OutOfMemory naming both tiers' needs when the host tier cannot hold what `p` puts
-  // there (before any dry run of it).
-  void check_host_holds(Placement p) const;
+  // Applies a configuration: the segment modes, then the placement (apply_placement).
+  void apply(const StepConfig& config);
   // Moves the persistent state to `p` (a no-op when there), creating the optimizer's state there
-  // if it does not exist yet: the one place real state moves (plan() calls it once a plan is chosen).
+  // if it does not exist yet: the one place real state moves.
   void apply_placement(Placement p);
-  // What apply_placement(to) does to the arenas, replayed on a dry run's virtual clones.
-  void simulate_placement(Placement to, Arena& device, Arena* host) const;
-  // The host tier's arena while placement `p` or an offloaded segment uses it (a step's, a plan's,
-  // a trace's), else null.
-  std::shared_ptr<Arena> host_arena_for(Placement p) const {
-    return p == Placement::device && !offloading() ? nullptr : opt_.host_arena;
-  }
-  std::shared_ptr<Arena> placed_host_arena() const { return host_arena_for(placed_); }
-  bool offloading() const;  // some segment of the model is offloaded (nn/recompute.h)
+  // The host tier's arena while the applied placement or an offloaded segment uses it (a step's, a
+  // trace's), else null.
+  std::shared_ptr<Arena> placed_host_arena() const { return chooser_.host_arena_for(placed_); }
 
   nn::Module& model_;
   optim::Optimizer& optimizer_;
@@ -302,37 +264,22 @@ class Executor {
   DType dtype_;             // the model's parameters (and the loss)
   DType activation_dtype_;  // the inputs, and so every activation of the step
   std::shared_ptr<Arena> arena_;
-  Planner planner_;
   std::vector<nn::StepState*> states_;  // the model's state across micro-batches (nn/module.h)
   std::int64_t sample_numel_ = 1;
   std::int64_t limit_ = INT64_MAX;
   std::unique_ptr<InputStager> stager_;  // the step's inputs onto the device (core/staging.h)
-  RecomputeChoice choice_;
-  PlacementChoice placement_{Placement::device, "no host tier"};
+  Chooser chooser_;
+  StepConfig config_;                     // the last configuration applied
   Placement placed_ = Placement::device;  // where the state is now
-  std::optional<Placement> measuring_;    // the placement a dry run simulates (unset: placed_)
   std::string layout_ = "built";          // the real moves of state so far, as "built>optimizer>…": plans are keyed by it
   std::unique_ptr<HostGradients> host_gradients_;  // the part accumulating gradients on the host (Placement::gradients)
   std::vector<StepPart*> step_parts_;     // the parts of the step running now (run_step)
   bool data_parallel_ = false;
-  // The placement chosen per (batch size, recomputation state) when the executor chooses.
-  std::map<std::pair<std::int64_t, std::string>, PlacementChoice> placement_choices_;
 
  private:
   Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_ptr<Arena> arena, ExecutorOptions options,
            bool stage);
   void discard_partial_step();
-  const Plan& plan_auto(std::int64_t batch);
-  // The cost model (mbp/activations.h; mbp/executor_activations.cpp): its rates, resolved once;
-  // the segments' bytes and work per sample, measured once; the search for recompute "auto" with a
-  // host tier (the plan if some choice fits; nullptr if even every segment recomputed or offloaded
-  // does not); the modes a segment policy names, set with their costs.
-  const CostRates& cost_rates();
-  const std::vector<ActivationCost>& segment_costs();
-  const Plan* plan_segments(std::int64_t batch);
-  const Plan& plan_named_segments(std::int64_t batch);
-  RecomputeChoice segment_choice(const std::vector<nn::SegmentMode>& modes, const std::string& name);
-  [[noreturn]] void throw_none_too_small(const OutOfMemory& without, std::int64_t batch);
   // accumulate() with the loss left where it was computed (undefined in a dry run: no values).
   // `divisor`: the loss divisor D when it was counted elsewhere (over every rank's samples). Runs
   // on the current arena: arena_ in a real step (step() makes it current), the planner's virtual
@@ -351,9 +298,6 @@ class Executor {
   static void backward_watched(Tensor& loss, const GradientReadyHook& ready, const GradientSlotHook& slot);
 
   int total_retries_ = 0;
-  std::map<std::int64_t, RecomputeChoice> auto_choices_;  // recompute "auto": the choice per batch size
-  std::optional<CostRates> rates_;
-  std::optional<std::vector<ActivationCost>> segment_costs_;
   // What modes add to the step at its extension points (mbp/step_part.h): data parallelism.
   std::vector<std::unique_ptr<StepPart>> parts_;
   std::map<const TensorImpl*, Tensor> trained_;  // the model's parameters by their impl, for the parts' hooks

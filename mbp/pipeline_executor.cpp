@@ -57,7 +57,8 @@ void PipelineExecutor::set_up(nn::Module& model) {
                             opt_.recompute));
   check_segments_cover(model, segments_);
   states_ = nn::step_states_of(stage_modules(segments_, st.bounds, st.stage));
-  planner_.set_repeats(st.schedule == PipelineSchedule::gpipe ? std::size_t(1) << 40
+  chooser_.set_top_level(std::min(1, nn::recompute_levels(model) - 1));  // a stage's segments are blocks: no stage around them
+  chooser_.planner().set_repeats(st.schedule == PipelineSchedule::gpipe ? std::size_t(1) << 40
                                                               : static_cast<std::size_t>(st.stages) + 1);
   // The stage's input per sample: a gradient-free dry run of the segments before it.
   sample_shape_ = opt_.sample_shape;
@@ -238,9 +239,9 @@ Tensor PipelineExecutor::forward_through_stages(const Tensor& x, std::int64_t n)
 
 
 const Plan& PipelineExecutor::plan(std::int64_t batch) {
-  const Plan* planned = nullptr;
+  StepConfig mine;
   try {
-    planned = &plan_alone(batch);
+    mine = alone(batch);
   } catch (const OutOfMemory& e) {
     if (opt_.pipeline->stages == 1) throw;
     const PipelineStage& st = *opt_.pipeline;
@@ -249,37 +250,42 @@ const Plan& PipelineExecutor::plan(std::int64_t batch) {
                                   e.what()),
                       e.requested());
   }
-  const Plan& mine = *planned;
-  if (!agrees_across_stages()) return mine;
-  // Every stage runs the same micro-batches: the smallest of the stages' largest (each rank fills
-  // its own slot of a sum). Agreed once per batch size, in the same order on every rank.
-  auto it = agreed_.find(batch);
-  if (it == agreed_.end()) {
-    distributed::Communicator& comm = *opt_.communicator;
-    std::vector<double> largest(static_cast<std::size_t>(comm.size()), 0.0);
-    largest[static_cast<std::size_t>(comm.rank())] = static_cast<double>(mine.micro_batch);
-    comm.all_reduce_sum(largest.data(), largest.size());
-    it = agreed_.emplace(batch, static_cast<std::int64_t>(*std::min_element(largest.begin(), largest.end()))).first;
+  if (agrees_across_stages()) {
+    // Every stage runs the same micro-batches: the smallest of the stages' largest (each rank fills
+    // its own slot of a sum). Agreed once per batch size, in the same order on every rank.
+    auto it = agreed_.find(batch);
+    if (it == agreed_.end()) {
+      distributed::Communicator& comm = *opt_.communicator;
+      std::vector<double> largest(static_cast<std::size_t>(comm.size()), 0.0);
+      largest[static_cast<std::size_t>(comm.rank())] = static_cast<double>(mine.plan.micro_batch);
+      comm.all_reduce_sum(largest.data(), largest.size());
+      it = agreed_.emplace(batch, static_cast<std::int64_t>(*std::min_element(largest.begin(), largest.end()))).first;
+    }
+    if (it->second != mine.plan.micro_batch) mine = agreed(batch, it->second);
   }
-  if (it->second == mine.micro_batch) return mine;
-  return plan_as_set(batch, it->second);
+  apply(mine);
+  return config_.plan;
 }
 
-const Plan& PipelineExecutor::plan_agreed(std::int64_t batch, std::int64_t micro_batch) {
-  (void)plan_alone(batch);  // the recomputation of this batch, set on the model
-  return plan_as_set(batch, micro_batch);
+StepConfig PipelineExecutor::agreed(std::int64_t batch, std::int64_t micro_batch) {
+  StepConfig c = chooser_.choose_with(batch, micro_batch, micro_batch_limit(), layout());
+  describe_stage(c);
+  return c;
 }
 
-const Plan& PipelineExecutor::plan_alone(std::int64_t batch) {
-  const Plan& p = plan_by_policy(batch);
-  if (opt_.pipeline->stages > 1 && choice_.level > 0)  // the ladder's words are the model's
-    choice_.description = "this stage's residual blocks, the model's last excepted, and the stem where the stage has it";
-  return p;
+Plan PipelineExecutor::agreed_plan(std::int64_t batch, std::int64_t micro_batch) {
+  return agreed(batch, micro_batch).plan;
 }
 
-int PipelineExecutor::top_level() {
-  const int all = nn::recompute_levels(model_) - 1;
-  return std::min(1, all);  // a stage's segments are blocks: no stage around them
+StepConfig PipelineExecutor::alone(std::int64_t batch) {
+  StepConfig c = chooser_.choose(batch, micro_batch_limit(), layout());
+  describe_stage(c);
+  return c;
+}
+
+void PipelineExecutor::describe_stage(StepConfig& c) const {
+  if (opt_.pipeline->stages > 1 && c.recompute.level > 0)  // the ladder's words are the model's
+    c.recompute.description = "this stage's residual blocks, the model's last excepted, and the stem where the stage has it";
 }
 
 void PipelineExecutor::check_step_data(const float* images, const std::int64_t* labels) const {

@@ -31,8 +31,8 @@ class PipelineExecutor final : public Executor {
   // The plan of this stage: with several ranks, every stage's plan has the same micro-batch, the
   // smallest of the largest that fits each stage (agreed over the communicator, a collective).
   const Plan& plan(std::int64_t batch) override;
-  // The plan of this stage at exactly m, at the recomputation plan() chose.
-  const Plan& plan_agreed(std::int64_t batch, std::int64_t micro_batch);
+  // The plan of this stage at exactly m, at the recomputation plan() chooses (measured only).
+  Plan agreed_plan(std::int64_t batch, std::int64_t micro_batch);
 
   // A no-grad forward of n samples through every stage, for evaluation (every rank calls it for
   // every batch): stage 0 takes `x`, the others receive their input; the logits on the last
@@ -48,13 +48,14 @@ class PipelineExecutor final : public Executor {
                            const std::vector<std::int64_t>& sizes) override;
   void finish_step(StepResult& r) override;
   void before_retry(const OutOfMemory& e, std::int64_t batch, const Plan& p) override;
-  int top_level() override;
 
  private:
   struct Run;  // one step under way: what its forwards and backwards share
   void set_up(nn::Module& model);
   bool agrees_across_stages() const;
-  const Plan& plan_alone(std::int64_t batch);  // this stage's plan, before the stages agree
+  StepConfig alone(std::int64_t batch);  // this stage's configuration, before the stages agree
+  StepConfig agreed(std::int64_t batch, std::int64_t micro_batch);  // at the micro-batch agreed
+  void describe_stage(StepConfig& c) const;
   Shape input_shape(std::int64_t n) const;  // one micro-batch's input: n samples of the stage's input shape
   Tensor run_segments(Tensor x);
   void forward(Run& r, std::size_t i);

@@ -140,7 +140,7 @@ class Planner {
   void set_repeats(std::size_t repeats);
   // What to do to the virtual clones of the device arena and of the host tier's (null when none is
   // current) before each dry run's step, while it is set: the executor's simulation of a placement
-  // it measures (mbp/executor_plan.cpp), so that measuring moves no real state. Plans of different
+  // it measures (mbp/chooser.cpp), so that measuring moves no real state. Plans of different
   // preparations must differ in their `variant`.
   using Prepare = std::function<void(Arena& device, Arena* host)>;
   void set_prepare(Prepare prepare) { prepare_ = std::move(prepare); }

@@ -1,6 +1,6 @@
 // mbp/recompute.cpp — the recomputation ladder as the executor uses it (mbp/recompute.h): the
 // policies by name, the level a policy names, a level's choice set on the model, and what a
-// choice costs. The ladder "auto" climbs is planning, in mbp/executor_plan.cpp.
+// choice costs. The ladder "auto" climbs is choosing, in mbp/chooser.cpp.
 #include <algorithm>
 #include <regex>
 

@@ -340,7 +340,7 @@ TEST(HostTier, ChoosingMovesNothing) {
     SCOPED_TRACE(fmt::format("batch {}", batch));
     const std::vector<std::string> before = where_everything_is(*run.model, *run.optimizer);
     const auto device_used = budget->stats().total.current, host_used = eo.host_arena->stats().total.current;
-    const mbp::Executor::Choice c = ex.choose(batch);
+    const mbp::StepConfig c = ex.choose(batch);
     EXPECT_EQ(where_everything_is(*run.model, *run.optimizer), before);
     EXPECT_EQ(budget->stats().total.current, device_used);
     EXPECT_EQ(eo.host_arena->stats().total.current, host_used);
@@ -355,7 +355,9 @@ TEST(HostTier, ChoosingMovesNothing) {
     const mbp::StepResult r = ex.step(d.images.data(), d.labels.data(), batch);
     EXPECT_EQ(r.peak, r.predicted_peak);
     EXPECT_EQ(r.host_peak, r.host_predicted_peak);
-    if (batch == 256) EXPECT_EQ(c.placement.placement, mbp::Placement::gradients) << c.placement.why;
+    if (batch == 256) {
+      EXPECT_EQ(c.placement.placement, mbp::Placement::gradients) << c.placement.why;
+    }
   }
 }
 

@@ -261,7 +261,7 @@ TEST_F(Recompute, TheExecutorClimbsTheLadderOnAuto) {
     levels = nn::recompute_levels(*p.model);
     none_peak = p.executor->plan(1).predicted_peak;
     const std::string before = nn::recompute_state(*p.model);
-    all_peak = p.executor->plan_at_level(1, 1, levels - 1).predicted_peak;
+    all_peak = p.executor->at_level(1, 1, levels - 1).predicted_peak;
     EXPECT_EQ(nn::recompute_state(*p.model), before);
   }
   ASSERT_EQ(levels, 4);
@@ -276,7 +276,7 @@ TEST_F(Recompute, TheExecutorClimbsTheLadderOnAuto) {
   EXPECT_LE(plan.predicted_peak, budget);
   EXPECT_EQ(choice.name, nn::recompute_level_name(*a.model, choice.level));
   EXPECT_NE(choice.why.find("not even one sample fits"), std::string::npos) << choice.why;
-  EXPECT_THROW(a.executor->plan_at_level(1, 1, choice.level - 1), OutOfMemory);
+  EXPECT_THROW(a.executor->at_level(1, 1, choice.level - 1), OutOfMemory);
   const int probes = a.executor->planner().probes();
   EXPECT_EQ(&a.executor->plan(1), &plan);  // the same cached plan, at the same level
   EXPECT_EQ(a.executor->planner().probes(), probes);
