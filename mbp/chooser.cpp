@@ -50,7 +50,7 @@ Chooser::Chooser(nn::Module& model, const optim::Optimizer& optimizer, std::shar
       }),
       top_level_(nn::recompute_levels(model) - 1) {}
 
-bool Chooser::offloading() const { return nn::recompute_state(model_).find('2') != std::string::npos; }
+bool Chooser::offloading() const { return nn::recompute_state(model_).offloads(); }
 
 std::shared_ptr<Arena> Chooser::host_arena_for(Placement p) const {
   return p == Placement::device && !offloading() ? nullptr : opt_.host_arena;
@@ -91,9 +91,9 @@ Plan Chooser::at_level(std::int64_t batch, std::optional<std::int64_t> micro_bat
 const Plan& Chooser::by_policy(std::int64_t batch) {
   const std::string& policy = opt_.recompute;
   if (policy == "none") {
-    const std::string state = nn::recompute_state(model_);
+    const nn::RecomputeState state = nn::recompute_state(model_);
     choice_ = RecomputeChoice{0, "none", "nothing recomputed", "", {}, {}};
-    if (state.find('1') != std::string::npos) choice_ = RecomputeChoice{0, "as marked", "the segments marked on the model", "", {}, {}};
+    if (state.recomputes()) choice_ = RecomputeChoice{0, "as marked", "the segments marked on the model", "", {}, {}};
     try {
       return as_set(batch, std::nullopt);
     } catch (const OutOfMemory& without) {
@@ -120,7 +120,7 @@ const Plan& Chooser::as_set(std::int64_t batch, std::optional<std::int64_t> micr
   // The executor's choice: the largest micro-batch, ties to the fewest bytes moved — device, then
   // the optimizer on the host, then the gradients too (not with data parallelism). Each measured
   // by dry runs that simulate it: nothing moves until plan() applies the choice.
-  const auto key = std::make_pair(batch, nn::recompute_state(model_));
+  const auto key = std::make_pair(batch, nn::recompute_state(model_).str());
   if (const auto it = placement_choices_.find(key); it != placement_choices_.end()) {
     placement_ = it->second;
     return measure(batch, micro_batch, placement_.placement);
@@ -193,7 +193,7 @@ const Plan& Chooser::measure(std::int64_t batch, std::optional<std::int64_t> mic
       c.planner_.set_prepare({});
     }
   } measuring(*this, p);
-  return planner_.plan(batch, micro_batch, limit_, fmt::format("{}|{}", nn::recompute_state(model_), layout));
+  return planner_.plan(batch, micro_batch, limit_, fmt::format("{}|{}", nn::recompute_state(model_).str(), layout));
 }
 
 void Chooser::check_host_holds(Placement p, const StateLayout& now) const {

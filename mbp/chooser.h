@@ -38,6 +38,7 @@
 #include "mbp/activations.h"
 #include "mbp/planner.h"
 #include "mbp/recompute.h"
+#include "nn/recompute.h"
 
 namespace tally::optim {
 class Optimizer;
@@ -77,7 +78,7 @@ struct StepConfig {
   Plan plan;                   // the micro-batches and the predicted peaks of both tiers
   RecomputeChoice recompute;   // the level or the segments' modes, and why
   PlacementChoice placement;   // where the state lives, and why
-  std::string segments;        // the model's segment modes to set (nn::recompute_state)
+  nn::RecomputeState segments; // the model's segment modes to set
 };
 
 // The state as the executor has applied it: where it lies, and the moves that laid it out

@@ -1,6 +1,8 @@
 // nn/recompute.cpp — the recomputation ladder of nn/recompute.h over Module::recompute_parts().
 #include "nn/recompute.h"
 
+#include <algorithm>
+
 #include <fmt/format.h>
 
 #include "core/error.h"
@@ -75,31 +77,39 @@ std::string recompute_level_description(Module& model, int level) {
 
 namespace {
 char state_char(SegmentMode m) { return static_cast<char>('0' + static_cast<int>(m)); }
-SegmentMode state_mode(char c) {
-  if (c < '0' || c > '2') throw Error(fmt::format("set_recompute_state: expected 0, 1 or 2 per part, found '{}'", c));
-  return static_cast<SegmentMode>(c - '0');
-}
 }  // namespace
 
-std::string recompute_state(Module& model) {
+bool RecomputeState::recomputes() const {
+  return std::find(parts.begin(), parts.end(), SegmentMode::recompute) != parts.end();
+}
+bool RecomputeState::offloads() const {
+  return std::find(parts.begin(), parts.end(), SegmentMode::offload) != parts.end();
+}
+std::string RecomputeState::str() const {
+  std::string s;
+  for (const SegmentMode m : parts) s += state_char(m);
+  return s;
+}
+
+RecomputeState recompute_state(Module& model) {
   const Segments every = segments_of(model, false);
-  std::string state(1, every.stem ? state_char(*every.stem) : '0');
-  for (Module* b : every.blocks) state += state_char(b->segment_mode());
-  for (auto& [name, stage] : every.stages) state += state_char(stage->segment_mode());
+  RecomputeState state;
+  state.parts.push_back(every.stem ? *every.stem : SegmentMode::keep);
+  for (Module* b : every.blocks) state.parts.push_back(b->segment_mode());
+  for (auto& [name, stage] : every.stages) state.parts.push_back(stage->segment_mode());
   return state;
 }
 
-void set_recompute_state(Module& model, const std::string& state) {
+void set_recompute_state(Module& model, const RecomputeState& state) {
   const Segments every = segments_of(model, false);
-  if (state.size() != 1 + every.blocks.size() + every.stages.size())
-    throw Error(fmt::format("set_recompute_state: a state of {} parts for a model of {}", state.size(),
+  if (state.parts.size() != 1 + every.blocks.size() + every.stages.size())
+    throw Error(fmt::format("set_recompute_state: a state of {} parts for a model of {}", state.parts.size(),
                             1 + every.blocks.size() + every.stages.size()));
-  for (const char c : state) state_mode(c);
   std::size_t i = 0;
-  if (every.stem) *every.stem = state_mode(state[i]);
+  if (every.stem) *every.stem = state.parts[i];
   ++i;
-  for (Module* b : every.blocks) b->set_segment_mode(state_mode(state[i++]));
-  for (auto& [name, stage] : every.stages) stage->set_segment_mode(state_mode(state[i++]));
+  for (Module* b : every.blocks) b->set_segment_mode(state.parts[i++]);
+  for (auto& [name, stage] : every.stages) stage->set_segment_mode(state.parts[i++]);
 }
 
 std::vector<std::string> segment_names(Module& model) {

@@ -34,12 +34,20 @@ std::string recompute_level_name(Module& model, int level);
 // or "19 segments: the stem and every residual block but the last, and layer1-layer3 around their
 // blocks".
 std::string recompute_level_description(Module& model, int level);
-// The segment modes of every part the model offers (stem, blocks, stages; the last ones too), as a
-// string of '0' (keep), '1' (recompute) and '2' (offload): whatever set them, this is what a step
-// will recompute and offload. Kept
-// and restored by the MBP executor around a plan at another level, and part of its plans' key.
-std::string recompute_state(Module& model);
-void set_recompute_state(Module& model, const std::string& state);
+// The segment modes of every part the model offers (the stem, or keep where it has none; the blocks;
+// the stages; the last ones too), in that order: whatever set them, this is what a step will
+// recompute and offload. Kept and restored by MBP's chooser around what it measures, carried by a
+// step's configuration (mbp/chooser.h) and part of its plans' key.
+struct RecomputeState {
+  std::vector<SegmentMode> parts;
+  bool recomputes() const;  // some part is recomputed
+  bool offloads() const;    // some part is offloaded
+  // One character per part, '0' keep, '1' recompute, '2' offload: "0200010000000".
+  std::string str() const;
+  bool operator==(const RecomputeState&) const = default;
+};
+RecomputeState recompute_state(Module& model);
+void set_recompute_state(Module& model, const RecomputeState& state);
 // Keeps the model's segment modes (recompute_state) and sets them back when it ends, however the
 // scope is left: for a plan or a measure made at other modes.
 class RecomputeStateScope {
@@ -51,7 +59,7 @@ class RecomputeStateScope {
 
  private:
   Module& model_;
-  std::string state_;
+  RecomputeState state_;
 };
 
 // The segments that can each be kept, recomputed or offloaded on their own (mbp/activations.h):

@@ -394,7 +394,7 @@ TEST_F(Dist, OffloadedSegmentsOnEachRankChangeNoBitAndTheRanksChooseAlike) {
   ASSERT_EQ(ex.recompute_choice().name, "per segment") << ex.recompute_choice().why;
   const double rates[2] = {ex.recompute_choice().rates->copy_bytes_per_second,
                            ex.recompute_choice().rates->flops_per_second};
-  EXPECT_NO_THROW(distributed::check_same_text(fmt::format("{} {} {}", rates[0], rates[1], nn::recompute_state(*m)),
+  EXPECT_NO_THROW(distributed::check_same_text(fmt::format("{} {} {}", rates[0], rates[1], nn::recompute_state(*m).str()),
                                                *comm, "cost rates and choice"));
 }
 

@@ -316,7 +316,7 @@ std::vector<std::string> where_everything_is(nn::Module& model, const optim::Opt
     add(fmt::format("accumulator.{}", i), optimizer.host_gradients()[i]);
   const optim::Optimizer::Where w = optimizer.where();
   at.push_back(fmt::format("state on host {}, gradients on host {}", w.state_on_host, w.gradients_on_host));
-  at.push_back("segments " + nn::recompute_state(model));
+  at.push_back("segments " + nn::recompute_state(model).str());
   return at;
 }
 
@@ -350,7 +350,7 @@ TEST(HostTier, ChoosingMovesNothing) {
     EXPECT_EQ(p.predicted_peak, c.plan.predicted_peak);
     EXPECT_EQ(p.host_predicted_peak, c.plan.host_predicted_peak);
     EXPECT_EQ(ex.placement_choice().placement, c.placement.placement);
-    EXPECT_EQ(nn::recompute_state(*run.model), c.segments);
+    EXPECT_EQ(nn::recompute_state(*run.model).str(), c.segments.str());
     const Data d = make_data(batch, sample, 11);
     const mbp::StepResult r = ex.step(d.images.data(), d.labels.data(), batch);
     EXPECT_EQ(r.peak, r.predicted_peak);

@@ -260,9 +260,9 @@ TEST_F(Recompute, TheExecutorClimbsTheLadderOnAuto) {
     const Planned p = planned(big, mc, sample, "none");
     levels = nn::recompute_levels(*p.model);
     none_peak = p.executor->plan(1).predicted_peak;
-    const std::string before = nn::recompute_state(*p.model);
+    const std::string before = nn::recompute_state(*p.model).str();
     all_peak = p.executor->at_level(1, 1, levels - 1).predicted_peak;
-    EXPECT_EQ(nn::recompute_state(*p.model), before);
+    EXPECT_EQ(nn::recompute_state(*p.model).str(), before);
   }
   ASSERT_EQ(levels, 4);
   ASSERT_LT(all_peak, none_peak);
@@ -290,7 +290,7 @@ TEST_F(Recompute, TheExecutorClimbsTheLadderOnAuto) {
   } catch (const OutOfMemory& e) {
     EXPECT_NE(std::string(e.what()).find("; --recompute all ("), std::string::npos) << e.what();
   }
-  EXPECT_EQ(nn::recompute_state(*n.model), std::string(1 + 9 + 3, '0'));  // left as it was
+  EXPECT_EQ(nn::recompute_state(*n.model).str(), std::string(1 + 9 + 3, '0'));  // left as it was
 
   const Planned all = planned(arena(), mc, sample, "all");
   EXPECT_LE(all.executor->plan(1).predicted_peak, budget);

@@ -4,7 +4,7 @@
 # host-side work in dry runs (is_dry_run() read in core/ only), and the MBP step free of backend
 # code (mbp/ and apps/ include no kernels/ header), recomputation owned by mbp/ (no forget() in
 # apps/), the ambient arena set in few places (mbp/ makes one current only through a DryRun and
-# the executors' entry points in mbp/*executor*.cpp, and reads none; dry runs and virtual arenas
+# the entry points of the executors and the chooser, mbp/*executor*.cpp and mbp/chooser.cpp, and reads none; dry runs and virtual arenas
 # are made through core/dry_run.h's DryRun above core/), every command-line option registered from
 # apps/options.cpp's table, no kernel declared in both backends' headers (kernels/backend.inc declares
 # them once), and functions short enough to read (at most 80 lines in apps/, mbp/
@@ -31,8 +31,8 @@ found=$(grep -rn 'forget()' apps 2>/dev/null)
 [[ -z "$found" ]] || fail "apps/ never makes the planner forget: its plans are keyed by the model's recomputation state:" "$found"
 found=$(grep -rnE 'current_arena|default_arena' mbp 2>/dev/null)
 [[ -z "$found" ]] || fail "mbp/ reads no arena scope (a trace label is core/memory.h's mark_trace):" "$found"
-found=$(grep -rnE '^[^/]*ArenaScope' mbp 2>/dev/null | grep -vE '^mbp/([a-z]+_)?executor[a-z_]*\.cpp:')
-[[ -z "$found" ]] || fail "mbp/ makes an arena current only in the executors' entry points (mbp/*executor*.cpp) and through a DryRun:" "$found"
+found=$(grep -rnE '^[^/]*ArenaScope' mbp 2>/dev/null | grep -vE '^mbp/(([a-z]+_)?executor[a-z_]*|chooser)\.cpp:')
+[[ -z "$found" ]] || fail "mbp/ makes an arena current only in the executors' and the chooser's entry points (mbp/*executor*.cpp, mbp/chooser.cpp) and through a DryRun:" "$found"
 found=$(grep -rnE '^[^/]*(DryRunGuard|make_virtual|virtual_clone)' nn optim data distributed mbp apps examples 2>/dev/null)
 [[ -z "$found" ]] || fail "dry runs and virtual arenas above core/ come from one object, DryRun (core/dry_run.h):" "$found"
 found=$(grep -rnE '(->|\.)add_(option|flag)' apps 2>/dev/null | grep -v '^apps/options.cpp:' | grep -v '"--version"')
