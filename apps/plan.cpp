@@ -193,8 +193,8 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
                   "precision {} | memory format {}\n",
              opt.model, name_of(opt.norm), setup.parameters, mc.num_classes, shape_str(sample), opt.batch_size,
              name_of(opt.optimizer), dev.str(), name_of(opt.precision), memory_format_name(eo.memory_format));
-  fmt::print(out, "memory limit {} ({} bytes): {} allocated first\n", format_bytes(limit), limit,
-             persistent_summary(*arena, setup.optimizer.get()));
+  fmt::print(out, "memory limit {} ({} bytes): {} allocated first{}\n", format_bytes(limit), limit,
+             persistent_summary(*arena, setup.optimizer.get()), deferred_state_note(*setup.optimizer));
   if (eo.host_arena)
     fmt::print(out, "host memory limit {} ({} bytes): the host tier, for the state a placement puts there\n",
                format_bytes(eo.host_arena->capacity()), eo.host_arena->capacity());

@@ -325,13 +325,18 @@ std::string work_line(const std::vector<mbp::SegmentCost>& costs, const std::vec
 
 std::string persistent_summary(const Arena& arena, const optim::Optimizer* optimizer) {
   const ArenaStats s = arena.stats();
-  const std::string state =
-      optimizer && !optimizer->state_created()
-          ? fmt::format("optimizer state {} to be created where the plan places it", format_bytes(optimizer->state_bytes()))
-          : fmt::format("optimizer state {}", format_bytes(static_cast<std::size_t>(s[Category::optimizer_state].current)));
-  return fmt::format("parameters {}, gradients {}, {}",
-                     format_bytes(static_cast<std::size_t>(s[Category::parameter].current)),
-                     format_bytes(static_cast<std::size_t>(s[Category::gradient].current)), state);
+  const std::string both = fmt::format("parameters {}, gradients {}",
+                                       format_bytes(static_cast<std::size_t>(s[Category::parameter].current)),
+                                       format_bytes(static_cast<std::size_t>(s[Category::gradient].current)));
+  if (optimizer && !optimizer->state_created()) return both;
+  return fmt::format("{}, optimizer state {}", both,
+                     format_bytes(static_cast<std::size_t>(s[Category::optimizer_state].current)));
+}
+
+std::string deferred_state_note(const optim::Optimizer& optimizer) {
+  if (optimizer.state_created()) return "";
+  return fmt::format("; the optimizer state ({}) is created where the plan places it",
+                     format_bytes(optimizer.state_bytes()));
 }
 
 std::unique_ptr<mbp::Executor> make_executor(nn::Module& model, optim::Optimizer& optimizer,

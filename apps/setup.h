@@ -143,8 +143,12 @@ std::string cut_description(const std::string& split);
 // 13% / 87% of the forward FLOPs (balanced by work: --pipeline-split layer2.1, 45% / 55%)".
 std::string work_line(const std::vector<mbp::SegmentCost>& costs, const std::vector<std::size_t>& bounds);
 
-// "parameters 1.1 MiB, gradients 1.0 MiB, optimizer state 1.0 MiB": the persistent bytes in `arena`.
+// "parameters 1.1 MiB, gradients 1.0 MiB, optimizer state 1.0 MiB": the persistent bytes in `arena`
+// (without the state while `optimizer`'s is not created yet: optim::StateCreation::when_placed).
 std::string persistent_summary(const Arena& arena, const optim::Optimizer* optimizer = nullptr);
+// "; the optimizer state (195.0 MiB) is created where the plan places it" while it is not created
+// yet, else empty.
+std::string deferred_state_note(const optim::Optimizer& optimizer);
 
 // executor.plan(batch), with an explicit micro-batch's failure named by its flag.
 const mbp::Plan& plan_step(mbp::Executor& executor, std::int64_t batch, std::optional<std::int64_t> micro_batch);
