@@ -23,7 +23,7 @@
 #include "core/arena.h"
 #include "core/error.h"
 #include "mbp/checkpoint.h"
-#include "mbp/report/timeline.h"
+#include "report/timeline.h"
 
 namespace tally::app {
 

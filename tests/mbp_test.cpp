@@ -33,8 +33,8 @@
 #include "nn/init.h"
 #include "nn/resnet.h"
 #include "mbp/executor.h"
-#include "mbp/report/layer_table.h"
-#include "mbp/report/timeline.h"
+#include "report/layer_table.h"
+#include "report/timeline.h"
 #include "optim/optimizer.h"
 #include "tests/model_common.h"
 

@@ -1,4 +1,4 @@
-// mbp/report/memory_html.h — one self-contained HTML page that shows every byte of a step
+// report/memory_html.h — one self-contained HTML page that shows every byte of a step
 // (docs/memory-report.md): `tally plan --report FILE.html` and memory.html in a run folder.
 //
 // The page is built from an arena's trace (Arena::set_tracing) — the traced dry run of a plan or
@@ -32,7 +32,7 @@
 #include <vector>
 
 #include "core/arena.h"
-#include "mbp/report/layer_table.h"
+#include "report/layer_table.h"
 
 namespace tally::report {
 

@@ -1,11 +1,11 @@
-// mbp/report/schedule.cpp — the pipeline schedule's SVG; see mbp/report/schedule.h.
-#include "mbp/report/schedule.h"
+// report/schedule.cpp — the pipeline schedule's SVG; see report/schedule.h.
+#include "report/schedule.h"
 
 #include <algorithm>
 
 #include <fmt/format.h>
 
-#include "mbp/report/timeline.h"
+#include "report/timeline.h"
 
 namespace tally::report {
 

@@ -1,10 +1,10 @@
-// mbp/report/memory_html.cpp — the memory report page; see mbp/report/memory_html.h.
+// report/memory_html.cpp — the memory report page; see report/memory_html.h.
 //
 // The C++ side pairs every allocation of the trace with its free (by offset: the arena never
 // hands out a live block twice) and writes the pairs as one flat array; everything the page
 // shows — the stacking, the peak and what is live there — is computed by the page's script from
 // that array, so the figures and the picture cannot disagree.
-#include "mbp/report/memory_html.h"
+#include "report/memory_html.h"
 
 #include <map>
 

@@ -1,9 +1,9 @@
-// mbp/report/timeline.cpp — stacked-area SVG of an arena trace; see mbp/report/timeline.h.
+// report/timeline.cpp — stacked-area SVG of an arena trace; see report/timeline.h.
 //
 // The trace can hold tens of thousands of events; the chart has a few hundred pixel columns.
 // Each column shows the state at the highest total reached inside it (so the peak is never
 // averaged away), which keeps the file small whatever the length of the step.
-#include "mbp/report/timeline.h"
+#include "report/timeline.h"
 
 #include <algorithm>
 #include <array>

@@ -1,4 +1,4 @@
-// mbp/report/timeline.h — a picture of memory over one training step.
+// report/timeline.h — a picture of memory over one training step.
 //
 // memory_svg() draws an arena trace (Arena::set_tracing) as a stacked area chart: bytes in use
 // over time, one band per category (persistent state at the bottom: parameters, gradients,
