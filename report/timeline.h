@@ -15,9 +15,6 @@
 
 namespace tally::report {
 
-// `s` as SVG/XML text: & < > " replaced by entities (for titles and labels in the pictures).
-std::string svg_escape(const std::string& s);
-
 struct TimelineOptions {
   std::string title;
   std::optional<std::size_t> budget;          // drawn when set (the arena's capacity)
