@@ -15,8 +15,8 @@
 #include "mbp/pipeline_executor.h"
 #include "nn/resnet.h"
 #include "mbp/executor.h"
-#include "mbp/report/layer_table.h"
-#include "mbp/report/memory_html.h"
+#include "report/layer_table.h"
+#include "report/memory_html.h"
 #include "optim/optimizer.h"
 
 namespace tally::app {
@@ -117,7 +117,7 @@ void print_recompute(mbp::Executor& executor, const mbp::Plan& p, std::ostream& 
   for (const std::string& line : chosen.cost_lines(p)) fmt::print(out, "        {}\n", line);
 }
 
-// --report: the plan's step, traced in a dry run, as the memory report (mbp/report/memory_html.h).
+// --report: the plan's step, traced in a dry run, as the memory report (report/memory_html.h).
 void write_report(const PlanOptions& opt, mbp::Executor& executor, const mbp::Plan& p,
                   const std::vector<report::LayerRow>& rows, const Shape& sample, Device dev, std::size_t limit,
                   const mbp::ExecutorOptions& eo, std::ostream& out) {

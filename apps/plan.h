@@ -1,7 +1,7 @@
 // apps/plan.h — `tally plan`: the memory plan of a training step, without training.
 //
 // Builds the model and optimizer on a virtual arena of the budget's size (no memory is touched
-// and nothing is computed), prints the per-layer table (mbp/report/layer_table.h) at the planned
+// and nothing is computed), prints the per-layer table (report/layer_table.h) at the planned
 // micro-batch size and the plan (mbp/planner.h): B, m, k, predicted peak against the budget
 // and what is live at the peak. ResNet-50 at 3x224x224, batch 4096, plans in seconds on a CPU.
 #pragma once
@@ -25,7 +25,7 @@ struct PlanOptions : StepOptions {
   }
   std::string input = "3x224x224";  // C x H x W of one sample
   bool layers = true;               // print the per-layer table
-  // The memory report (mbp/report/memory_html.h): the plan's traced dry run as one HTML page,
+  // The memory report (report/memory_html.h): the plan's traced dry run as one HTML page,
   // written here when set.
   std::string report;
 };

@@ -23,7 +23,7 @@
 #include "core/arena.h"
 #include "core/error.h"
 #include "mbp/checkpoint.h"
-#include "mbp/report/timeline.h"
+#include "report/sweep.h"
 
 namespace tally::app {
 
@@ -194,6 +194,14 @@ SweepRow run_one(const TrainOptions& t, std::ostream& log, std::int64_t* limit_b
   return row;
 }
 
+// sweep.svg's picture of the rows.
+std::string picture(const std::vector<SweepRow>& rows, std::int64_t limit_bytes, const std::string& title) {
+  std::vector<report::SweepPoint> points;
+  for (const SweepRow& r : rows)
+    points.push_back({r.batch_size, r.micro_batch, r.micro_batches_per_step, r.images_per_second, r.test_accuracy});
+  return report::sweep_svg(points, limit_bytes, title);
+}
+
 void write_sweep_json(const SweepOptions& opt) {
   nlohmann::json options = nlohmann::json::object();
   for (const auto& [name, value] : option_values(opt.train)) options[name] = value;
@@ -235,7 +243,7 @@ std::vector<SweepRow> sweep(const SweepOptions& opt, std::ostream& log, int* sto
       fmt::print(log, "[{}/{}] batch {}: finished before the sweep was resumed\n", i + 1, sizes.size(), b);
       rows.push_back(*done);
       write_text(out / "sweep.csv", csv(rows));
-      write_text(out / "sweep.svg", sweep_svg(rows, limit_bytes, title));
+      write_text(out / "sweep.svg", picture(rows, limit_bytes, title));
       continue;
     }
     if (!opt.resume.empty() && mbp::latest_checkpoint(t.out)) t.resume = t.out;
@@ -259,7 +267,7 @@ std::vector<SweepRow> sweep(const SweepOptions& opt, std::ostream& log, int* sto
     log.flush();
     // Written after every run, so an interrupted sweep leaves what it measured.
     write_text(out / "sweep.csv", csv(rows));
-    write_text(out / "sweep.svg", sweep_svg(rows, limit_bytes, title));
+    write_text(out / "sweep.svg", picture(rows, limit_bytes, title));
   }
   fmt::print(log, "wrote {0}/sweep.csv and {0}/sweep.svg\n", out.string());
   return rows;
@@ -291,80 +299,6 @@ SweepOptions sweep_resume_options(const std::string& dir) {
   o.train.out = dir;
   o.resume = dir;
   return o;
-}
-
-// ---- the picture ---------------------------------------------------------------------------------------
-
-std::string sweep_svg(const std::vector<SweepRow>& rows, std::int64_t memory_limit_bytes, const std::string& title) {
-  const int W = 840, left = 80, right = 40, pw = W - left - right, ph = 200, top1 = 60, gap = 70;
-  const int top2 = top1 + ph + gap, H = top2 + ph + 80;
-  std::vector<SweepRow> r = rows;
-  std::sort(r.begin(), r.end(), [](const SweepRow& a, const SweepRow& b) { return a.batch_size < b.batch_size; });
-  std::string s = fmt::format(
-      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{0}\" height=\"{1}\" viewBox=\"0 0 {0} {1}\" "
-      "font-family=\"sans-serif\" font-size=\"12\">\n<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
-      "<text x=\"{2}\" y=\"22\" font-size=\"15\" font-weight=\"bold\">{3}</text>\n"
-      "<text x=\"{2}\" y=\"40\">memory limit {4}; filled: the batch ran as micro-batches (k &gt; 1), hollow: in one "
-      "piece</text>\n",
-      W, H, left, report::svg_escape(title), format_bytes(static_cast<std::size_t>(memory_limit_bytes)));
-  if (r.empty()) return s + "</svg>\n";
-  const double lx0 = std::log2(static_cast<double>(r.front().batch_size)) - 0.5;
-  const double lx1 = std::log2(static_cast<double>(r.back().batch_size)) + 0.5;
-  auto x_of = [&](std::int64_t b) {
-    return left + pw * (std::log2(static_cast<double>(b)) - lx0) / (lx1 - lx0);
-  };
-  auto panel = [&](int top, const char* label, const char* color, auto value, double lo, double hi, auto fmt_tick) {
-    std::string p;
-    p += fmt::format("<line x1=\"{0}\" y1=\"{1}\" x2=\"{0}\" y2=\"{2}\" stroke=\"black\"/>\n", left, top, top + ph);
-    p += fmt::format("<line x1=\"{0}\" y1=\"{1}\" x2=\"{2}\" y2=\"{1}\" stroke=\"black\"/>\n", left, top + ph, left + pw);
-    p += fmt::format("<text x=\"18\" y=\"{0}\" transform=\"rotate(-90 18 {0})\" text-anchor=\"middle\">{1}</text>\n",
-                     top + ph / 2, label);
-    for (int t = 0; t <= 4; ++t) {
-      const double v = lo + (hi - lo) * t / 4.0, y = top + ph - ph * t / 4.0;
-      p += fmt::format("<line x1=\"{}\" y1=\"{:.1f}\" x2=\"{}\" y2=\"{:.1f}\" stroke=\"#dddddd\"/>\n", left, y,
-                       left + pw, y);
-      p += fmt::format("<text x=\"{}\" y=\"{:.1f}\" text-anchor=\"end\">{}</text>\n", left - 6, y + 4, fmt_tick(v));
-    }
-    auto y_of = [&](double v) { return top + ph - ph * (v - lo) / (hi - lo > 0 ? hi - lo : 1.0); };
-    std::string path;
-    for (const SweepRow& row : r)
-      path += fmt::format("{}{:.1f},{:.1f}", path.empty() ? "M" : " L", x_of(row.batch_size), y_of(value(row)));
-    p += fmt::format("<path d=\"{}\" fill=\"none\" stroke=\"{}\" stroke-width=\"2\"/>\n", path, color);
-    for (const SweepRow& row : r) {
-      const bool split = row.micro_batches_per_step > 1;
-      p += fmt::format("<circle cx=\"{:.1f}\" cy=\"{:.1f}\" r=\"5\" fill=\"{}\" stroke=\"{}\" stroke-width=\"2\">"
-                       "<title>batch {}: {} micro-batches of &lt;= {}</title></circle>\n",
-                       x_of(row.batch_size), y_of(value(row)), split ? color : "white", color, row.batch_size,
-                       row.micro_batches_per_step, row.micro_batch);
-    }
-    return p;
-  };
-  double amin = 1, amax = 0, imax = 0;
-  bool measured = false;  // the test accuracy (not with --no-eval)
-  for (const SweepRow& row : r) {
-    if (row.test_accuracy) {
-      measured = true;
-      amin = std::min(amin, *row.test_accuracy);
-      amax = std::max(amax, *row.test_accuracy);
-    }
-    imax = std::max(imax, row.images_per_second);
-  }
-  if (measured) {
-    const double alo = std::max(0.0, std::floor((amin - 0.02) * 50) / 50), ahi = std::min(1.0, std::ceil((amax + 0.01) * 50) / 50);
-    s += panel(top1, "test accuracy (%)", "#4e79a7", [](const SweepRow& row) { return row.test_accuracy.value_or(0); },
-               alo, ahi > alo ? ahi : alo + 0.02, [](double v) { return fmt::format("{:.1f}", 100 * v); });
-  } else {
-    s += fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">test accuracy not measured (--no-eval)</text>\n",
-                     left + pw / 2, top1 + ph / 2);
-  }
-  s += panel(top2, "training images/s", "#f28e2b", [](const SweepRow& row) { return row.images_per_second; }, 0.0,
-             imax > 0 ? imax * 1.1 : 1.0, [](double v) { return fmt::format("{:.0f}", v); });
-  for (const SweepRow& row : r)
-    s += fmt::format("<text x=\"{:.1f}\" y=\"{}\" text-anchor=\"middle\">{}</text>\n", x_of(row.batch_size),
-                     top2 + ph + 18, row.batch_size);
-  s += fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">batch size (log scale)</text>\n", left + pw / 2,
-                   top2 + ph + 40);
-  return s + "</svg>\n";
 }
 
 }  // namespace tally::app

@@ -7,11 +7,12 @@
 // picks for the memory limit, so batch sizes far beyond memory train as their full batch would.
 // Before any training, every batch size is planned (a dry run, as `tally plan`): a bad list, a
 // batch below 1 or above the training set, or a limit that cannot hold even one sample is an
-// error. Results go to --out: sweep.csv (a row per batch size), sweep.svg (test accuracy and
-// images/s against batch size on a log axis, the batches that needed micro-batches marked, the
-// memory limit stated) and one folder per run (b<B>/: the run's log, metrics, summary, memory
-// timeline). A line per run shows the sweep's progress, and the running run's progress bar the
-// run's (--no-progress: the lines only); --no-eval skips the test set (timing sweeps: no accuracy).
+// error. Results go to --out: sweep.csv (a row per batch size), sweep.svg (report/sweep.h: test
+// accuracy and images/s against batch size on a log axis, the batches that needed micro-batches
+// marked, the memory limit stated) and one folder per run (b<B>/: the run's log, metrics,
+// summary, memory timeline). A line per run shows the sweep's progress, and the running run's
+// progress bar the run's (--no-progress: the lines only); --no-eval skips the test set (timing
+// sweeps: no accuracy).
 #pragma once
 #include <cstdint>
 #include <iosfwd>
@@ -61,8 +62,5 @@ std::vector<SweepRow> sweep(const SweepOptions& opt, std::ostream& log, int* sto
 // The options of the sweep in folder `dir` (its sweep.json), with resume = out = dir; tally::Error
 // if there is none.
 SweepOptions sweep_resume_options(const std::string& dir);
-
-// The picture of a sweep: accuracy and images/s against batch size (log axis).
-std::string sweep_svg(const std::vector<SweepRow>& rows, std::int64_t memory_limit_bytes, const std::string& title);
 
 }  // namespace tally::app

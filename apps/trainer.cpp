@@ -38,9 +38,9 @@
 #include "mbp/checkpoint.h"
 #include "mbp/executor.h"
 #include "mbp/pipeline_executor.h"
-#include "mbp/report/schedule.h"
-#include "mbp/report/memory_html.h"
-#include "mbp/report/timeline.h"
+#include "report/schedule.h"
+#include "report/memory_html.h"
+#include "report/timeline.h"
 #include "optim/optimizer.h"
 #include "optim/schedule.h"
 
@@ -177,7 +177,7 @@ std::shared_ptr<Arena> make_arena(const TrainOptions& opt, Device dev, std::ostr
   return std::make_shared<Arena>(dev, limit);
 }
 
-// The traced step as the memory report (mbp/report/memory_html.h): memory.html, or a pipeline
+// The traced step as the memory report (report/memory_html.h): memory.html, or a pipeline
 // stage's memory-stage{s}.html.
 void write_memory_page(const std::filesystem::path& file, const TrainOptions& opt, const Arena& arena, Device dev,
                        std::int64_t step, const mbp::StepResult& r, std::int64_t batch,

@@ -187,7 +187,10 @@ TEST_P(TwoRanksEqualOneProcess, ThreeSgdStepsWithMomentumFloat64) {
 }
 
 INSTANTIATE_TEST_SUITE_P(NormsAndSplits, TwoRanksEqualOneProcess,
-                         ::testing::Combine(::testing::Values("group", "none"), ::testing::Bool()));
+                         ::testing::Combine(::testing::Values("group", "none"), ::testing::Bool()),
+                         [](const auto& i) {
+                           return std::get<0>(i.param) + (std::get<1>(i.param) ? "_uneven" : "_even");
+                         });
 
 // BatchNorm normalizes each micro-batch with its own statistics, so 2 ranks of 10 equal one
 // process running micro-batches of 10 — every parameter and running statistic — and their running

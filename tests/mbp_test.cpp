@@ -33,8 +33,8 @@
 #include "nn/init.h"
 #include "nn/resnet.h"
 #include "mbp/executor.h"
-#include "mbp/report/layer_table.h"
-#include "mbp/report/timeline.h"
+#include "report/layer_table.h"
+#include "report/timeline.h"
 #include "optim/optimizer.h"
 #include "tests/model_common.h"
 
@@ -134,7 +134,8 @@ TEST_F(Mbp, MeanOfMeansWouldBeWrongForUnequalSplits) {
   EXPECT_GT(worst, 1e-3) << "a mean of means should differ from the full-batch gradient";
 }
 
-INSTANTIATE_TEST_SUITE_P(Norms, GradientEquivalence, ::testing::Values("group", "none"));
+INSTANTIATE_TEST_SUITE_P(Norms, GradientEquivalence, ::testing::Values("group", "none"),
+                         [](const auto& i) { return i.param; });
 
 // --loss-normalization: exact is the full batch for any split; per-micro-batch (the MBP paper's
 // code) equals it for an even split and differs for an uneven one.
@@ -218,7 +219,8 @@ TEST_P(TrainingEquivalence, ThreeSgdStepsThroughMicroBatchesOf7MatchFullBatchFlo
   EXPECT_GT(moved, 1e-3);
 }
 
-INSTANTIATE_TEST_SUITE_P(Norms, TrainingEquivalence, ::testing::Values("group", "none"));
+INSTANTIATE_TEST_SUITE_P(Norms, TrainingEquivalence, ::testing::Values("group", "none"),
+                         [](const auto& i) { return i.param; });
 
 // BatchNorm: running statistics are updated once per step, from the moments of every
 // micro-batch. The first BatchNorm sees the same samples either way, so its running statistics
@@ -272,6 +274,12 @@ struct ExactCase {
   std::optional<std::int64_t> micro;  // fixed m, else searched
   std::string name;
 };
+
+// How gtest shows a case (--gtest_list_tests, a failure): its fields, not its bytes.
+void PrintTo(const ExactCase& c, std::ostream* os) {
+  *os << c.model << ", norm " << c.norm << ", " << shape_str(c.sample) << ", batch " << c.batch << " in " << c.budget
+      << ", micro-batch " << (c.micro ? std::to_string(*c.micro) : "searched");
+}
 
 class PlannerExact : public Mbp, public ::testing::WithParamInterface<ExactCase> {};
 

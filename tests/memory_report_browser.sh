@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# tests/memory_report_browser.sh TALLY [MPIEXEC] — the memory report (mbp/report/memory_html.h) in a real
+# tests/memory_report_browser.sh TALLY [MPIEXEC] — the memory report (report/memory_html.h) in a real
 # browser: headless Chromium loads the pages from file:// and the test reads the DOM it leaves.
 #   plan   `tally plan --report` of ResNet-20, batch 256 in 24 MiB (20 micro-batches, every one
 #          traced): the page's peak, computed by its script from the allocations, equals the

@@ -31,6 +31,11 @@
 using namespace tally;
 using namespace tally::test;
 
+namespace tally::mbp {
+// How gtest shows a schedule (--gtest_list_tests, a failure): by its name, not its bytes.
+void PrintTo(PipelineSchedule s, std::ostream* os) { *os << pipeline_schedule_name(s); }
+}  // namespace tally::mbp
+
 namespace {
 
 std::shared_ptr<distributed::Communicator> world() { return distributed::process_world(); }
@@ -316,7 +321,12 @@ INSTANTIATE_TEST_SUITE_P(NormsSchedulesLimits, PipelineStages,
                          ::testing::Combine(::testing::Values("group", "none", "batch"),
                                             ::testing::Values(mbp::PipelineSchedule::one_f_one_b,
                                                               mbp::PipelineSchedule::gpipe),
-                                            ::testing::Bool()));
+                                            ::testing::Bool()),
+                         [](const auto& i) {
+                           return fmt::format("{}_{}_{}", std::get<0>(i.param),
+                                              mbp::pipeline_schedule_name(std::get<1>(i.param)),
+                                              std::get<2>(i.param) ? "uneven" : "even");
+                         });
 
 // ---------------------------------------------------------------------------------------------
 // The command line: `mpirun -np 2 tally train --pipeline-stages 2` (these tests start mpirun).

@@ -104,7 +104,8 @@ TEST_P(TrainMatchesPyTorch, WeightsAfterTwoSgdSteps) {
             << worst_name << " at " << worst << " of its update\n";
 }
 
-INSTANTIATE_TEST_SUITE_P(Norms, TrainMatchesPyTorch, ::testing::Values("batch", "group", "none"));
+INSTANTIATE_TEST_SUITE_P(Norms, TrainMatchesPyTorch, ::testing::Values("batch", "group", "none"),
+                         [](const auto& i) { return i.param; });
 
 TEST(Train, BadOptionValuesListTheAllowedValues) {
   std::ostringstream log;

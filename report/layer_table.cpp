@@ -1,5 +1,5 @@
-// mbp/report/layer_table.cpp — per-layer costs from one observed dry forward; see mbp/report/layer_table.h.
-#include "mbp/report/layer_table.h"
+// report/layer_table.cpp — per-layer costs from one observed dry forward; see report/layer_table.h.
+#include "report/layer_table.h"
 
 #include <cxxabi.h>
 

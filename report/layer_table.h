@@ -1,4 +1,4 @@
-// mbp/report/layer_table.h — what each layer of a model costs: the table `tally plan` prints.
+// report/layer_table.h — what each layer of a model costs: the table `tally plan` prints.
 //
 // One dry forward in training mode at a given batch size, on a virtual arena with room to spare
 // (nothing is computed), watched by a ForwardObserver: for each Module call, its output shape,

@@ -1,4 +1,4 @@
-// mbp/report/memory_html.h — one self-contained HTML page that shows every byte of a step
+// report/memory_html.h — one self-contained HTML page that shows every byte of a step
 // (docs/memory-report.md): `tally plan --report FILE.html` and memory.html in a run folder.
 //
 // The page is built from an arena's trace (Arena::set_tracing) — the traced dry run of a plan or
@@ -20,6 +20,10 @@
 // ResNet-50 step of tens of thousands of allocations stays a few megabytes; the page draws on a
 // canvas, a column of pixels at a time.
 //
+// The page's HTML, styles and script are files, report/assets/memory.html, memory.css and
+// memory.js, compiled in (report/assets.h): memory_html() writes the data and fills the HTML's
+// slots ({{memory.css}}, {{data}}, {{memory.js}}) with the three.
+//
 // A URL fragment "#select=MODULE" selects the first allocation of that module when the page
 // loads (how the browser test stands for a click); script errors are written into the page
 // (#errors) as well as to the console.
@@ -32,7 +36,7 @@
 #include <vector>
 
 #include "core/arena.h"
-#include "mbp/report/layer_table.h"
+#include "report/layer_table.h"
 
 namespace tally::report {
 

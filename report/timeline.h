@@ -1,4 +1,4 @@
-// mbp/report/timeline.h — a picture of memory over one training step.
+// report/timeline.h — a picture of memory over one training step.
 //
 // memory_svg() draws an arena trace (Arena::set_tracing) as a stacked area chart: bytes in use
 // over time, one band per category (persistent state at the bottom: parameters, gradients,
@@ -14,9 +14,6 @@
 #include "core/arena.h"
 
 namespace tally::report {
-
-// `s` as SVG/XML text: & < > " replaced by entities (for titles and labels in the pictures).
-std::string svg_escape(const std::string& s);
 
 struct TimelineOptions {
   std::string title;

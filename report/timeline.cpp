@@ -1,9 +1,9 @@
-// mbp/report/timeline.cpp — stacked-area SVG of an arena trace; see mbp/report/timeline.h.
+// report/timeline.cpp — stacked-area SVG of an arena trace; see report/timeline.h.
 //
 // The trace can hold tens of thousands of events; the chart has a few hundred pixel columns.
 // Each column shows the state at the highest total reached inside it (so the peak is never
 // averaged away), which keeps the file small whatever the length of the step.
-#include "mbp/report/timeline.h"
+#include "report/timeline.h"
 
 #include <algorithm>
 #include <array>
@@ -11,6 +11,8 @@
 #include <vector>
 
 #include <fmt/format.h>
+
+#include "report/svg.h"
 
 namespace tally::report {
 
@@ -51,22 +53,6 @@ double nice_step(double span, int n) {
     if (raw <= f * p) return f * p;
   return 10 * p;
 }
-
-}  // namespace
-
-std::string svg_escape(const std::string& s) {
-  std::string o;
-  for (char c : s) {
-    if (c == '<') o += "&lt;";
-    else if (c == '>') o += "&gt;";
-    else if (c == '&') o += "&amp;";
-    else if (c == '"') o += "&quot;";
-    else o += c;
-  }
-  return o;
-}
-
-namespace {
 
 // The plot's geometry: the time span, the byte scale, and the pixel box they map to.
 struct Chart {
@@ -117,7 +103,7 @@ std::string bands(const Chart& ch, const std::vector<State>& col) {
       lower = fmt::format("{},{:.1f} {},{:.1f} ", ch.left + c + 1, bottom_y, ch.left + c, bottom_y) + lower;
     }
     s += fmt::format("<polygon fill=\"{}\" stroke=\"none\" points=\"{}{}\"><title>{}</title></polygon>\n",
-                     color(kStack[j]), upper, lower, category_name(kStack[j]));
+                     color(kStack[j]), upper, lower, svg::escape(category_name(kStack[j])));
   }
   return s;
 }
@@ -125,26 +111,21 @@ std::string bands(const Chart& ch, const std::vector<State>& col) {
 // Axes, grid and ticks: bytes (KiB or MiB) up, milliseconds across.
 std::string axes(const Chart& ch) {
   const int left = ch.left, top = ch.top, pw = ch.pw, ph = ch.ph;
-  std::string s = fmt::format("<line x1=\"{0}\" y1=\"{1}\" x2=\"{0}\" y2=\"{2}\" stroke=\"black\"/>\n", left, top, top + ph);
-  s += fmt::format("<line x1=\"{0}\" y1=\"{1}\" x2=\"{2}\" y2=\"{1}\" stroke=\"black\"/>\n", left, top + ph, left + pw);
+  std::string s = svg::axes(left, top, pw, ph);
   const double mib = 1024.0 * 1024.0;
   const bool in_mib = ch.ymax >= 4 * mib;
   const double unit = in_mib ? mib : 1024.0;
   const double ystep = nice_step(ch.ymax / unit, 5);
   for (double v = 0; v * unit <= ch.ymax; v += ystep) {
-    const double y = ch.y_of(v * unit);
-    s += fmt::format("<line x1=\"{}\" y1=\"{:.1f}\" x2=\"{}\" y2=\"{:.1f}\" stroke=\"#dddddd\"/>\n", left, y, left + pw, y);
-    s += fmt::format("<text x=\"{}\" y=\"{:.1f}\" text-anchor=\"end\">{:g}</text>\n", left - 6, y + 4, v);
+    s += svg::y_tick(left, pw, ch.y_of(v * unit), fmt::format("{:g}", v));
   }
-  s += fmt::format("<text x=\"16\" y=\"{}\" transform=\"rotate(-90 16 {})\" text-anchor=\"middle\">{} in use</text>\n",
-                   top + ph / 2, top + ph / 2, in_mib ? "MiB" : "KiB");
+  s += svg::y_title(16, top + ph / 2, in_mib ? "MiB in use" : "KiB in use");
   const double span_ms = (ch.t1 - ch.t0) / 1000.0;
   const double xstep = nice_step(span_ms, 8);
   for (double v = 0; v <= span_ms + 1e-9; v += xstep) {
-    const double x = ch.x_of(ch.t0 + v * 1000.0);
-    s += fmt::format("<text x=\"{:.1f}\" y=\"{}\" text-anchor=\"middle\">{:g}</text>\n", x, top + ph + 16, v);
+    s += svg::x_label(ch.x_of(ch.t0 + v * 1000.0), top + ph + 16, fmt::format("{:g}", v));
   }
-  s += fmt::format("<text x=\"{}\" y=\"{}\" text-anchor=\"middle\">time (ms)</text>\n", left + pw / 2, top + ph + 36);
+  s += svg::x_label(left + pw / 2, top + ph + 36, "time (ms)");
   return s;
 }
 
@@ -155,14 +136,12 @@ std::string mark_lines(const Chart& ch, const std::vector<Arena::TraceMark>& mar
   const std::size_t every = std::max<std::size_t>(1, marks.size() / 12);
   for (std::size_t i = 0; i < marks.size(); ++i) {
     const double x = ch.x_of(marks[i].time_us);
-    s += fmt::format("<line x1=\"{0:.1f}\" y1=\"{1}\" x2=\"{0:.1f}\" y2=\"{2}\" stroke=\"#555555\" stroke-width=\"0.6\" "
-                     "stroke-dasharray=\"2,2\"><title>{3}</title></line>\n",
-                     x, ch.top, ch.top + ch.ph, svg_escape(marks[i].label));
+    s += svg::line(x, ch.top, x, ch.top + ch.ph, "stroke=\"#555555\" stroke-width=\"0.6\" stroke-dasharray=\"2,2\"",
+                   marks[i].label);
     const bool is_step = marks[i].label.rfind("optimizer", 0) == 0;
     if (i % every == 0 || is_step) {
       const std::string label = is_step ? "step" : fmt::format("{}", i + 1);
-      s += fmt::format("<text x=\"{:.1f}\" y=\"{}\" font-size=\"9\" fill=\"#555555\">{}</text>\n", x + 2, ch.top + 10,
-                       label);
+      s += svg::text(x + 2, ch.top + 10, "font-size=\"9\" fill=\"#555555\"", label);
     }
   }
   return s;
@@ -174,24 +153,21 @@ std::string budget_peak_legend(const Chart& ch, const TimelineOptions& o, std::i
   std::string s;
   if (o.budget) {
     const double y = ch.y_of(static_cast<double>(*o.budget));
-    s += fmt::format("<line x1=\"{}\" y1=\"{:.1f}\" x2=\"{}\" y2=\"{:.1f}\" stroke=\"#d62728\" stroke-width=\"1.5\" "
-                     "stroke-dasharray=\"6,4\"/>\n", left, y, left + pw, y);
-    s += fmt::format("<text x=\"{}\" y=\"{:.1f}\" fill=\"#d62728\">budget {}</text>\n", left + pw + 6, y + 4,
-                     format_bytes(*o.budget));
+    s += svg::line(left, y, left + pw, y, "stroke=\"#d62728\" stroke-width=\"1.5\" stroke-dasharray=\"6,4\"");
+    s += svg::text(left + pw + 6, y + 4, "fill=\"#d62728\"", "budget " + format_bytes(*o.budget));
   }
   const double y = ch.y_of(static_cast<double>(peak));
-  s += fmt::format("<line x1=\"{}\" y1=\"{:.1f}\" x2=\"{}\" y2=\"{:.1f}\" stroke=\"black\" stroke-width=\"1\"/>\n", left,
-                   y, left + pw, y);
+  s += svg::line(left, y, left + pw, y, "stroke=\"black\" stroke-width=\"1\"");
   // Above the line, inside the plot (nothing stands higher than the peak), clear of the legend.
   std::string label = fmt::format("peak {}", format_bytes(static_cast<std::size_t>(peak)));
   if (o.predicted_peak)
     label += fmt::format(" — predicted {}{}", format_bytes(*o.predicted_peak),
                          static_cast<std::int64_t>(*o.predicted_peak) == peak ? " (exact)" : "");
-  s += fmt::format("<text x=\"{}\" y=\"{:.1f}\">{}</text>\n", left + 6, y - 5, label);
+  s += svg::text(left + 6, y - 5, "", label);
   int ly = ch.top + ch.ph - 7 * 18;
   for (auto it = kStack.rbegin(); it != kStack.rend(); ++it) {
-    s += fmt::format("<rect x=\"{}\" y=\"{}\" width=\"12\" height=\"12\" fill=\"{}\"/>\n", left + pw + 6, ly, color(*it));
-    s += fmt::format("<text x=\"{}\" y=\"{}\">{}</text>\n", left + pw + 24, ly + 10, category_name(*it));
+    s += svg::rect(left + pw + 6, ly, 12, 12, fmt::format("fill=\"{}\"", color(*it)));
+    s += svg::text(left + pw + 24, ly + 10, "", category_name(*it));
     ly += 18;
   }
   return s;
@@ -203,9 +179,8 @@ std::string memory_svg(const Arena& device, const TimelineOptions& device_option
                        const TimelineOptions& host_options) {
   const int width = std::max({device_options.width, host_options.width, 400});
   const int top = std::max(device_options.height, 240), bottom = std::max(host_options.height, 240);
-  return fmt::format("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{0}\" height=\"{1}\" viewBox=\"0 0 {0} {1}\">\n"
-                     "<g>\n{2}</g>\n<g transform=\"translate(0,{3})\">\n{4}</g>\n</svg>\n",
-                     width, top + bottom, memory_svg(device, device_options), top, memory_svg(host, host_options));
+  return fmt::format("{}<g>\n{}</g>\n<g transform=\"translate(0,{})\">\n{}</g>\n{}", svg::begin(width, top + bottom),
+                     memory_svg(device, device_options), top, memory_svg(host, host_options), svg::kEnd);
 }
 
 std::string memory_svg(const Arena& arena, const TimelineOptions& o) {
@@ -226,17 +201,14 @@ std::string memory_svg(const Arena& arena, const TimelineOptions& o) {
   if (o.predicted_peak) ymax = std::max(ymax, static_cast<double>(*o.predicted_peak));
   ch.ymax = std::max(ymax * 1.08, 1024.0);
 
-  std::string s = fmt::format(
-      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{0}\" height=\"{1}\" viewBox=\"0 0 {0} {1}\" "
-      "font-family=\"Helvetica, Arial, sans-serif\" font-size=\"12\">\n"
-      "<rect width=\"{0}\" height=\"{1}\" fill=\"white\"/>\n"
-      "<text x=\"{2}\" y=\"24\" font-size=\"15\" font-weight=\"bold\">{3}</text>\n",
-      ch.W, ch.H, ch.left, svg_escape(o.title.empty() ? "memory over one training step" : o.title));
+  std::string s = svg::begin(ch.W, ch.H, "Helvetica, Arial, sans-serif") + svg::background(ch.W, ch.H);
+  s += svg::text(ch.left, 24, "font-size=\"15\" font-weight=\"bold\"",
+                 o.title.empty() ? "memory over one training step" : o.title);
   s += bands(ch, col);
   s += axes(ch);
   s += mark_lines(ch, marks);
   s += budget_peak_legend(ch, o, peak);
-  s += "</svg>\n";
+  s += svg::kEnd;
   return s;
 }
 

@@ -1,4 +1,4 @@
-// mbp/report/schedule.h — a picture of a pipeline step: one row per stage, each forward and backward
+// report/schedule.h — a picture of a pipeline step: one row per stage, each forward and backward
 // of a micro-batch as a box where it ran in time, the gaps between them the stage's idle time (the
 // "bubble"), measured against the (S - 1) / (k + S - 1) the schedule implies for equal stages.
 #pragma once
