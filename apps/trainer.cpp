@@ -115,8 +115,8 @@ std::string options_text(const TrainOptions& o) {
 // The data set of --data; --num-classes chooses the class count of synthetic data and must agree
 // with a real data set's.
 // A folder of pictures (data/folder.h) needs --input; --val-fraction and --max-image-pixels are its.
-data::Split load_folder_data(const TrainOptions& opt, std::ostream& log, std::shared_ptr<data::BadImages>* bad) {
-  const std::string dir = opt.data.substr(7);
+data::Split load_folder_data(const TrainOptions& opt, const data::DataSpec& spec, std::ostream& log,
+                             std::shared_ptr<data::BadImages>* bad) {
   if (opt.input == "auto")
     throw Error(fmt::format("--data {}: expected --input CxHxW (one sample's shape: 3x224x224 or 1x28x28), found none",
                             opt.data));
@@ -133,7 +133,7 @@ data::Split load_folder_data(const TrainOptions& opt, std::ostream& log, std::sh
       throw Error(fmt::format("--val-fraction: expected none or a number in (0, 1), found {}", opt.val_fraction));
     fo.val_fraction = std::strtod(opt.val_fraction.c_str(), nullptr);
   }
-  data::FolderSet set = data::load_folder(dir, fo);
+  data::FolderSet set = data::load_folder(spec.dir, fo);
   if (bad) *bad = set.bad_images;
   std::string skipped;
   for (const auto& [ext, n] : set.skipped) skipped += fmt::format("{}{} {}", skipped.empty() ? "" : ", ", n, ext.empty() ? "without an extension" : ext);
@@ -147,8 +147,9 @@ data::Split load_folder_data(const TrainOptions& opt, std::ostream& log, std::sh
   return std::move(set.split);
 }
 
-data::Split load_data(const TrainOptions& opt, std::ostream& log, std::shared_ptr<data::BadImages>* bad = nullptr) {
-  if (opt.data.rfind("folder:", 0) == 0) return load_folder_data(opt, log, bad);
+data::Split load_data(const TrainOptions& opt, const data::DataSpec& spec, std::ostream& log,
+                      std::shared_ptr<data::BadImages>* bad = nullptr) {
+  if (spec.kind == data::DataSpec::Kind::folder) return load_folder_data(opt, spec, log, bad);
   if (opt.input != "auto" || opt.val_fraction != "none" || opt.transform != "imagenet" || opt.skip_bad_images)
     throw Error(fmt::format("--{}: for --data folder:DIR only, found --data {}",
                             opt.input != "auto"           ? "input"
@@ -156,8 +157,8 @@ data::Split load_data(const TrainOptions& opt, std::ostream& log, std::shared_pt
                             : opt.transform != "imagenet" ? "transform"
                                                           : "skip-bad-images",
                             opt.data));
-  const bool synthetic = data::is_synthetic(opt.data);
-  data::Split split = data::load_dataset(opt.data, synthetic ? opt.num_classes : std::nullopt);
+  const bool synthetic = spec.kind == data::DataSpec::Kind::synthetic;
+  data::Split split = data::load_dataset(spec, synthetic ? opt.num_classes : std::nullopt);
   if (!synthetic && opt.num_classes && *opt.num_classes != split.train.num_classes)
     throw Error(fmt::format("--num-classes {} does not match {}, which has {} classes (--num-classes is for "
                             "synthetic data)", *opt.num_classes, opt.data, split.train.num_classes));
@@ -240,7 +241,7 @@ RunSteps run_steps(const TrainOptions& opt, std::int64_t per_epoch) {
 
 DataInfo describe_data(const TrainOptions& opt) {
   std::ostringstream quiet;  // a folder's line is the run's to print
-  const data::Split split = load_data(opt, quiet);
+  const data::Split split = load_data(opt, data::parse_data_spec(opt.data), quiet);
   const data::Dataset& t = split.train;
   return {t.channels, t.height, t.width, t.num_classes, t.size()};
 }
@@ -359,8 +360,9 @@ TrainingRun::TrainingRun(const TrainOptions& options, std::ostream& all_log, std
       log_(*rank_.log),
       progress_(progress ? *progress : log_),
       profiler_(rank_.dev, rank_options_.profile),
-      split_(load_data(rank_options_, log_, &bad_images_)),
-      loader_(split_.train, loader_options(rank_options_, augments(rank_options_))),
+      data_spec_(data::parse_data_spec(rank_options_.data)),
+      split_(load_data(rank_options_, data_spec_, log_, &bad_images_)),
+      loader_(split_.train, loader_options(rank_options_, augments(rank_options_, data_spec_))),
       per_epoch_(checked_per_epoch(loader_, rank_options_, split_.train)),
       steps_(run_steps(rank_options_, per_epoch_)),
       arena_(make_arena(rank_options_, rank_.dev, log_)),

@@ -52,8 +52,8 @@ struct RankSetup {
 };
 
 // Crop + flip for CIFAR and synthetic images, not for the 28x28 grey ones, unless --augment says.
-inline bool augments(const TrainOptions& opt) {
-  const bool grey_28 = opt.data.rfind("mnist", 0) == 0 || opt.data.rfind("fashion-mnist", 0) == 0;
+inline bool augments(const TrainOptions& opt, const data::DataSpec& spec) {
+  const bool grey_28 = spec.kind == data::DataSpec::Kind::mnist || spec.kind == data::DataSpec::Kind::fashion_mnist;
   return opt.augment.value_or(!grey_28);
 }
 
@@ -168,6 +168,7 @@ class TrainingRun {
   std::ostream& log_;
   std::ostream& progress_;  // the progress bar's stream: log_, or the caller's (tally sweep: the terminal)
   Profiler profiler_;  // --profile: time per op over the steps after the first
+  data::DataSpec data_spec_;  // --data, parsed
   std::shared_ptr<data::BadImages> bad_images_;  // a folder's images skipped as bad (--skip-bad-images)
   data::Split split_;
   data::Loader loader_;

@@ -1,5 +1,5 @@
-// data/formats.h — the data set file formats parsed from bytes in memory: gzip, IDX (MNIST) and
-// CIFAR binaries (layouts at the top of data/data.h).
+// data/formats.h — the data set file formats parsed from bytes in memory: gzip (data/gzip.h), IDX
+// (MNIST) and CIFAR binaries (layouts at the top of data/readers.h).
 //
 // These are the only parsers of data set files: load_mnist, load_cifar10 and the rest read a
 // file's bytes and hand them here, and the fuzz harnesses (fuzz/) call them directly. Every
@@ -8,30 +8,19 @@
 // Malformed input throws tally::FormatError naming `name` (the file, for errors only), what was
 // expected and what was found; nothing reads outside the given bytes.
 #pragma once
+#include <array>
 #include <cstdint>
 #include <cstddef>
-#include <span>
 #include <string>
-#include <vector>
 
-#include "data/data.h"
+#include "data/dataset.h"
+#include "data/gzip.h"
 
 namespace tally::data {
 
-using Bytes = std::span<const std::uint8_t>;
-
-// Whether `bytes` start with gzip's magic (1f 8b).
-bool is_gzip(Bytes bytes);
-
-// Inflates gzip data: one member or several concatenated (as `cat a.gz b.gz` makes). Corrupt data
-// (a bad header, a bad deflate block, a CRC or length mismatch in a trailer) and a stream that
-// stops before its trailer are FormatErrors naming `name`, the compressed offset and what was
-// expected. Inflating stops with a FormatError as soon as the output passes `limit` bytes (the
-// size the file's header declares: read_file's callers pass it).
-std::vector<std::uint8_t> gunzip(Bytes bytes, const std::string& name, std::uint64_t limit = UINT64_MAX);
-// The first n bytes gzip data inflates to (fewer when it holds fewer), the rest not inflated: a
-// header, read before anything is allocated for the body.
-std::vector<std::uint8_t> gunzip_head(Bytes bytes, const std::string& name, std::size_t n);
+// The byte -> [0,1] table used by every loader (level / 255): the IDX and CIFAR parsers here, the
+// synthetic images (data/synthetic.h).
+const std::array<float, 256>& level_to_float();
 
 // The policy every reader of a data set file keeps: the size a header declares is checked against
 // the bytes actually present before anything is allocated or inflated. A plain file must hold
@@ -45,6 +34,9 @@ void check_declared_size(std::uint64_t declared, std::uint64_t file_bytes, bool 
 // first 16 (images) or 8 (labels) bytes, with the header checks of parse_idx_images and
 // parse_idx_labels.
 std::uint64_t idx_declared_size(Bytes head, const std::string& name);
+// Whether `head` (an IDX file's first bytes) holds enough of its header for idx_declared_size: 16
+// bytes, or 8 that start with the labels magic.
+bool idx_head_complete(Bytes head);
 
 // The header of a whole IDX images file (magic 2051, count, rows, cols, then count*rows*cols
 // pixel bytes), checked against the bytes present: count >= 1, rows and cols in 1..4096, no

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -20,6 +21,7 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include <sys/stat.h>
@@ -570,6 +572,37 @@ TEST(LoadDataset, BadSpecListsTheAllowedForms) {
           << e.what();
     }
   }
+}
+
+// The spec is parsed once into a value; what it names is asked of the value, never of the string.
+TEST(LoadDataset, SpecParsedIntoAValue) {
+  using Kind = DataSpec::Kind;
+  const DataSpec plain = parse_data_spec("synthetic");
+  EXPECT_EQ(plain.kind, Kind::synthetic);
+  EXPECT_FALSE(plain.shape.has_value());
+  const DataSpec shaped = parse_data_spec("synthetic:3x64x48");
+  EXPECT_EQ(shaped.kind, Kind::synthetic);
+  ASSERT_TRUE(shaped.shape.has_value());
+  EXPECT_EQ(*shaped.shape, (std::array<std::int64_t, 3>{3, 64, 48}));
+  const std::vector<std::tuple<std::string, Kind, std::string>> forms = {
+      {"mnist:/d", Kind::mnist, "/d"},
+      {"fashion-mnist", Kind::fashion_mnist, ""},  // kFashionMnistDir
+      {"fashion-mnist:a:b", Kind::fashion_mnist, "a:b"},
+      {"cifar10:x", Kind::cifar10, "x"},
+      {"cifar100:/y/", Kind::cifar100, "/y/"},
+      {"folder:/pics", Kind::folder, "/pics"}};
+  for (const auto& [text, kind, dir] : forms) {
+    const DataSpec d = parse_data_spec(text);
+    EXPECT_EQ(d.kind, kind) << text;
+    EXPECT_EQ(d.dir, dir) << text;
+    EXPECT_EQ(d.text, text);
+    EXPECT_FALSE(d.shape.has_value()) << text;
+  }
+  // A folder is load_folder's (data/folder.h): load_dataset refuses it.
+  EXPECT_THROW(load_dataset(parse_data_spec("folder:/pics")), Error);
+  // The value loads what the string loads.
+  EXPECT_EQ(load_dataset(parse_data_spec("synthetic:1x20x20"), 3).train.labels,
+            load_dataset("synthetic:1x20x20", 3).train.labels);
 }
 
 TEST(LoadDataset, MissingDirectoryIsAFormatError) {

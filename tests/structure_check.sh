@@ -5,11 +5,11 @@
 # code (mbp/, report/ and apps/ include no kernels/ header), report/ above mbp/ (nothing below it
 # includes it), recomputation owned by mbp/ (no forget() in apps/), the ambient arena set in few
 # places (mbp/ makes one current only through a DryRun and the entry points of the executors and
-# the chooser, mbp/*executor*.cpp and mbp/chooser.cpp, and reads none; dry runs and virtual arenas are made through
-# core/dry_run.h's DryRun above core/), every command-line option registered from
-# apps/options.cpp's table, no kernel declared in both backends' headers (kernels/backend.inc
-# declares them once), and functions short enough to read (at most 80 lines in apps/, mbp/,
-# report/ and core/autograd.cpp).
+# the chooser, mbp/*executor*.cpp and mbp/chooser.cpp, and reads none; dry runs and virtual arenas
+# are made through core/dry_run.h's DryRun above core/), every command-line option registered from
+# apps/options.cpp's table, the --data spec read by data/spec.cpp alone (the rest ask its DataSpec),
+# no kernel declared in both backends' headers (kernels/backend.inc declares them once), and
+# functions short enough to read (at most 80 lines in apps/, mbp/, report/ and core/autograd.cpp).
 # Usage: structure_check.sh SOURCE_DIR
 set -uo pipefail
 cd "$1" || exit 2
@@ -40,6 +40,9 @@ found=$(grep -rnE '^[^/]*(DryRunGuard|make_virtual|virtual_clone)' nn optim data
 [[ -z "$found" ]] || fail "dry runs and virtual arenas above core/ come from one object, DryRun (core/dry_run.h):" "$found"
 found=$(grep -rnE '(->|\.)add_(option|flag)' apps 2>/dev/null | grep -v '^apps/options.cpp:' | grep -v '"--version"')
 [[ -z "$found" ]] || fail "every option of train, sweep and plan is registered from the one table (apps/options.cpp):" "$found"
+found=$(grep -rnE 'rfind\("(synthetic|mnist|fashion-mnist|cifar10|cifar100|folder)|\.data\.(substr|rfind|find|starts_with|compare)\(|is_synthetic\(' \
+  apps data examples 2>/dev/null | grep -vE '^data/spec\.(cpp|h):')
+[[ -z "$found" ]] || fail "the --data spec is read in one place, data/spec.cpp (parse_data_spec): ask the DataSpec what it names:" "$found"
 names_of() { grep -vE '^[[:space:]]*//' "$1" | grep -oE '\b[a-z_][a-z_0-9]*\(' | sort -u; }
 found=$(comm -12 <(names_of kernels/cpu/cpu_kernels.h) <(names_of kernels/cuda/cuda_kernels.h))
 [[ -z "$found" ]] || fail "a kernel declared in both backends' headers (declare it once, in kernels/backend.inc):" "$found"
