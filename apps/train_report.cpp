@@ -100,8 +100,7 @@ void TrainingRun::print_header(const Setup& setup) const {
              rank_options_.precision == mbp::Precision::bf16 ? "bf16 (bf16 activations, float32 weights, gradients and loss)" : "fp32",
              memory_format_name(executor_->memory_format()), rank_options_.batch_size, steps_.total, per_epoch_, name_of(rank_options_.optimizer), rank_options_.lr, rank_options_.schedule,
              augments(rank_options_, data_spec_) ? "on" : "off", rank_options_.shuffle ? "on" : "off", rank_options_.normalize ? "on" : "off");
-  fmt::print(log_, "memory limit {}{}: {} allocated before planning{}
-", format_bytes(arena_->capacity()),
+  fmt::print(log_, "memory limit {}{}: {} allocated before planning{}\n", format_bytes(arena_->capacity()),
              rank_options_.memory_limit == "auto" ? " (auto)" : "", persistent_summary(*arena_, setup_.optimizer.get()),
              deferred_state_note(*setup_.optimizer));
   if (host_arena_)
