@@ -198,6 +198,22 @@ std::optional<std::pair<std::int64_t, std::uint64_t>> oom_injection_from_environ
   throw Error(fmt::format("TALLY_TEST_OOM={}: expected K:N (fail the N-th allocation of step K)", text));
 }
 
+TestFaults TestFaults::from_environment(int rank, std::optional<std::pair<std::int64_t, std::uint64_t>> inject_oom) {
+  TestFaults f;
+  f.kill = kill_point_from_environment(rank);
+  f.oom = inject_oom ? inject_oom : oom_injection_from_environment();
+  return f;
+}
+
+void TestFaults::before_step(std::int64_t step, Arena& arena) const {
+  if (oom && oom->first == step) arena.fail_allocation_after(oom->second);
+  if (kill.at("in-step", step + 1)) arena.at_allocation(kill.allocation, kill_self);
+}
+
+void TestFaults::after_step(std::int64_t done) const {
+  if (kill.at("after-step", done)) kill_self();
+}
+
 void kill_self() {
   std::fflush(nullptr);
   ::kill(::getpid(), SIGKILL);

@@ -77,5 +77,19 @@ KillPoint kill_point_from_environment(int rank = 0);
 // TrainOptions::inject_oom (a test of a resumed run's micro-batch limit after a retry).
 std::optional<std::pair<std::int64_t, std::uint64_t>> oom_injection_from_environment();
 [[noreturn]] void kill_self();
+// The faults a test asks of a run (the three above), in one place; the loop only says where it is.
+struct TestFaults {
+  KillPoint kill;
+  std::optional<std::pair<std::int64_t, std::uint64_t>> oom;  // (step, allocation)
+  // From the environment of rank `rank`; `inject_oom` (TrainOptions::inject_oom) before TALLY_TEST_OOM.
+  static TestFaults from_environment(int rank, std::optional<std::pair<std::int64_t, std::uint64_t>> inject_oom);
+  // Before step `step` (0-based) runs on `arena`: its injected allocation failure, or its SIGKILL
+  // at the N-th allocation.
+  void before_step(std::int64_t step, Arena& arena) const;
+  // Once step `done` (1-based) is done and recorded.
+  void after_step(std::int64_t done) const;
+  // Whether the checkpoint of step `step` dies halfway.
+  bool in_checkpoint(std::int64_t step) const { return kill.at("in-checkpoint", step); }
+};
 
 }  // namespace tally::app

@@ -42,7 +42,7 @@ void TrainingRun::write_checkpoint() {
   st.files["metrics.csv"] = metrics_text_;
   const auto t0 = std::chrono::steady_clock::now();
   std::function<void()> halfway;
-  if (kill_.at("in-checkpoint", meter_.steps)) halfway = kill_self;
+  if (faults_.in_checkpoint(meter_.steps)) halfway = kill_self;
   const auto path = mbp::save_training_state(rank_options_.out, *setup_.model, *setup_.optimizer, st, halfway);
   result_.checkpoint = path.string();
   fmt::print(log_, "{}checkpoint: step {} -> {} ({:.0f} ms)\n", rank_options_.progress ? "\n" : "", st.step, path.string(),

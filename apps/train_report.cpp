@@ -5,6 +5,7 @@
 
 #include "apps/training_run.h"
 #include "core/files.h"
+#include "report/memory_html.h"
 
 namespace tally::app {
 
@@ -283,6 +284,56 @@ void TrainingRun::finish() {
                setup_.stage && steps_.total > 1 ? fmt::format(", {}/pipeline.svg", rank_options_.out) : std::string());
     if (setup_.stage) fmt::print(log_, "{}\n", stage_pages(rank_options_.out, setup_.stage->stages));
   }
+}
+
+// The traced step as the memory report (report/memory_html.h): memory.html, or a pipeline
+// stage's memory-stage{s}.html.
+void write_memory_page(const std::filesystem::path& file, const TrainOptions& opt, const Arena& arena, Device dev,
+                       std::int64_t step, const mbp::StepResult& r, std::int64_t batch,
+                       const mbp::Executor& executor) {
+  report::MemoryPage page;
+  page.title = fmt::format("{} (norm {}) on {}: step {}, batch {} as {} micro-batches of <= {}{}", opt.model,
+                           name_of(opt.norm), dev.str(), step + 1, batch, r.micro_batches, r.micro_batch,
+                           executor.pipeline() ? fmt::format(", pipeline stage {} of {}", executor.pipeline()->stage,
+                                                             executor.pipeline()->stages)
+                                               : std::string());
+  page.source = fmt::format("The measured step {} of the run (its allocations as they happened)", step + 1);
+  page.budget = arena.capacity();
+  page.predicted_peak = r.predicted_peak;
+  page.micro_batches = r.micro_batches;
+  page.plan = {{"micro-batches", fmt::format("{} of at most {} samples", r.micro_batches, r.micro_batch)},
+               {"measured peak", fmt::format("{} bytes (predicted {})", r.peak, r.predicted_peak)},
+               {"recompute", executor.recompute_choice().name},
+               {"precision", mbp::precision_name(executor.options().precision)},
+               {"memory format", memory_format_name(executor.memory_format())},
+               {"placement", fmt::format("{}: {}", mbp::placement_name(executor.placement_choice().placement),
+                                         executor.placement_choice().why)}};
+  write_text(file, report::memory_html(arena, page));
+}
+
+// The traced step's memory timeline: memory_trace.json (Perfetto), memory.svg and memory.html.
+void write_timeline(const TrainOptions& opt, Arena& arena, Arena* host, Device dev, std::int64_t step,
+                    const mbp::StepResult& r, std::int64_t batch, const mbp::Executor& executor) {
+  const std::filesystem::path dir(opt.out);
+  write_memory_page(dir / "memory.html", opt, arena, dev, step, r, batch, executor);
+  write_text(dir / "memory_trace.json", arena.trace_json());
+  report::TimelineOptions to;
+  to.title = fmt::format("{} (norm {}) on {}: step {}, batch {} as {} micro-batches of <= {}", opt.model, name_of(opt.norm),
+                         dev.str(), step + 1, batch, r.micro_batches, r.micro_batch);
+  to.budget = arena.capacity();
+  to.predicted_peak = r.predicted_peak;
+  if (host && r.host_peak > 0) {  // the host tier held part of the step: both tiers, one above the other
+    report::TimelineOptions ho;
+    ho.title = fmt::format("host tier ({}): the same step", host->is_pinned() ? "pinned" : "pageable");
+    ho.budget = host->capacity();
+    ho.predicted_peak = r.host_predicted_peak;
+    ho.height = 300;
+    write_text(dir / "memory.svg", report::memory_svg(arena, to, *host, ho));
+  } else {
+    write_text(dir / "memory.svg", report::memory_svg(arena, to));
+  }
+  arena.clear_trace();
+  if (host) host->clear_trace();
 }
 
 }  // namespace tally::app

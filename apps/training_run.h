@@ -139,6 +139,27 @@ void write_summary(const TrainOptions& opt, const TrainResult& result);
 // executor and its plan, printed; a resumed run's state from its checkpoint); run() trains the
 // epochs and reports. Between two steps (step_boundary) it writes the checkpoints that are due and
 // stops when a signal asked it to.
+// apps/train_setup.cpp: a run's pieces from its options (checked before any work).
+const RankSetup& rank_setup(RankSetup& r, const TrainOptions& options, std::ostream& all_log);
+data::Split load_data(const TrainOptions& opt, const data::DataSpec& spec, std::ostream& log,
+                      std::shared_ptr<data::BadImages>* bad = nullptr);
+data::LoaderOptions loader_options(const TrainOptions& opt, bool augment);
+std::int64_t checked_per_epoch(const data::Loader& loader, const TrainOptions& opt, const data::Dataset& train_set);
+std::shared_ptr<Arena> make_arena(const TrainOptions& opt, Device dev, std::ostream& log);
+Setup model_setup(const TrainOptions& opt, const data::Dataset& train_set, const std::shared_ptr<Arena>& arena,
+                  const std::string& all_limits);
+mbp::ExecutorOptions executor_options(const TrainOptions& opt, const data::Dataset& train_set, const Setup& setup,
+                                      Device device, std::shared_ptr<distributed::Communicator> comm,
+                                      std::shared_ptr<Arena> host_arena, std::ostream& log);
+optim::ScheduleOptions schedule_options(const TrainOptions& opt, const RunSteps& steps);
+// apps/train_report.cpp: the traced step as the memory report (memory.html, or a pipeline stage's
+// memory-stage{s}.html), and with its timeline (memory_trace.json, memory.svg).
+void write_memory_page(const std::filesystem::path& file, const TrainOptions& opt, const Arena& arena, Device dev,
+                       std::int64_t step, const mbp::StepResult& r, std::int64_t batch,
+                       const mbp::Executor& executor);
+void write_timeline(const TrainOptions& opt, Arena& arena, Arena* host, Device dev, std::int64_t step,
+                    const mbp::StepResult& r, std::int64_t batch, const mbp::Executor& executor);
+
 class TrainingRun {
  public:
   TrainingRun(const TrainOptions& options, std::ostream& all_log, std::ostream* progress);
@@ -193,8 +214,7 @@ class TrainingRun {
   std::string metrics_text_;            // metrics.csv so far, kept with every checkpoint
   CheckpointEvery every_;
   std::optional<StopSignals> signals_;  // with a run folder: a signal stops the run at a step boundary
-  KillPoint kill_;                      // tests (apps/run_state.h)
-  std::optional<std::pair<std::int64_t, std::uint64_t>> inject_oom_;  // tests: TrainOptions::inject_oom, or TALLY_TEST_OOM
+  TestFaults faults_;                   // tests (apps/run_state.h)
   std::chrono::steady_clock::time_point last_checkpoint_ = std::chrono::steady_clock::now();
   int stopped_ = 0;                     // the signal that stopped the run
 };
