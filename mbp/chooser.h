@@ -99,6 +99,8 @@ class Chooser {
   // chooser; `data_parallel`: the gradients' all-reduce sums device buffers (no placement gradients).
   Chooser(nn::Module& model, const optim::Optimizer& optimizer, std::shared_ptr<Arena> arena,
           const ExecutorOptions& options, bool data_parallel, DType activation_dtype, DryStep step);
+  Chooser(const Chooser&) = delete;  // its planner's step refers to it
+  Chooser& operator=(const Chooser&) = delete;
 
   // The configuration for a batch of `batch` samples with micro-batches of at most `limit`
   // (out-of-memory retries lower it), the state laid out as `now` says. Throws OutOfMemory naming
