@@ -62,7 +62,7 @@ Eval evaluate(nn::Module& model, const data::Dataset& ds, bool normalize, Device
 
 // A pipeline's evaluation: every rank runs its stage on every batch of the test set (batches of at
 // most the planned micro-batch, as above), the last stage counts; the counts go to every rank.
-Eval evaluate_stages(mbp::PipelineExecutor& executor, nn::Module& model, const data::Dataset& ds, bool normalize,
+Eval evaluate_stages(mbp::StageRunner& executor, nn::Module& model, const data::Dataset& ds, bool normalize,
                      distributed::Communicator& comm, std::int64_t max_batch) {
   NoGradGuard ng;
   model.eval();

@@ -12,7 +12,7 @@
 #include "apps/setup.h"
 #include "core/dry_run.h"
 #include "core/memory.h"
-#include "mbp/pipeline_executor.h"
+#include "mbp/stage_runner.h"
 #include "nn/resnet.h"
 #include "mbp/executor.h"
 #include "report/layer_table.h"
@@ -60,7 +60,7 @@ mbp::Plan plan_stages(const PlanOptions& opt, const nn::ModelConfig& mc, const S
     }
     mbp::ExecutorOptions eo = executor_options(opt, sample, dev, true);  // channels_last: the executor refuses it
     eo.pipeline = st.setup.stage;
-    st.executor = make_executor(*st.setup.model, *st.setup.optimizer, st.arena, eo);
+    st.executor = std::make_unique<mbp::Executor>(*st.setup.model, *st.setup.optimizer, st.arena, eo);
     const mbp::Plan& p = plan_step(*st.executor, opt.batch_size, opt.micro_batch);  // an error names the stage
     if (p.micro_batch < m) m = p.micro_batch, tightest = s;
   }
@@ -68,7 +68,7 @@ mbp::Plan plan_stages(const PlanOptions& opt, const nn::ModelConfig& mc, const S
   for (int s = 0; s < S; ++s) {
     Stage& st = stages[static_cast<std::size_t>(s)];
     const mbp::PipelineStage& ps = *st.setup.stage;
-    const mbp::Plan p = mbp::as_stage(*st.executor, "tally plan --pipeline-stages").agreed_plan(opt.batch_size, m);
+    const mbp::Plan p = st.executor->choose_with(opt.batch_size, m).plan;
     fmt::print(out, "\nstage {} (rank {}): {} | {} parameters\n", s, s,
                mbp::segment_range(st.setup.segments, ps.first(), ps.last()), st.setup.stage_parameters);
     fmt::print(out, "  memory limit {}: {}\n", format_bytes(st.arena->capacity()), persistent_summary(*st.arena));
@@ -199,8 +199,7 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
     fmt::print(out, "host memory limit {} ({} bytes): the host tier, for the state a placement puts there\n",
                format_bytes(eo.host_arena->capacity()), eo.host_arena->capacity());
 
-  const std::unique_ptr<mbp::Executor> built = make_executor(*setup.model, *setup.optimizer, arena, eo);
-  mbp::Executor& executor = *built;
+  mbp::Executor executor(*setup.model, *setup.optimizer, arena, eo);
   const mbp::Plan& p = plan_step(executor, opt.batch_size, opt.micro_batch);
   std::vector<report::LayerRow> rows;
   if (opt.layers || !opt.report.empty()) {

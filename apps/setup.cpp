@@ -20,7 +20,6 @@
 #include "core/error.h"
 #include "core/machine.h"
 #include "core/memory.h"
-#include "mbp/pipeline_executor.h"
 #include "nn/state_dict.h"
 
 namespace tally::app {
@@ -337,13 +336,6 @@ std::string deferred_state_note(const optim::Optimizer& optimizer) {
   if (optimizer.state_created()) return "";
   return fmt::format("; the optimizer state ({}) is created where the plan places it",
                      format_bytes(optimizer.state_bytes()));
-}
-
-std::unique_ptr<mbp::Executor> make_executor(nn::Module& model, optim::Optimizer& optimizer,
-                                             std::shared_ptr<Arena> arena, mbp::ExecutorOptions options) {
-  if (options.pipeline)
-    return std::make_unique<mbp::PipelineExecutor>(model, optimizer, std::move(arena), std::move(options));
-  return std::make_unique<mbp::Executor>(model, optimizer, std::move(arena), std::move(options));
 }
 
 const mbp::Plan& plan_step(mbp::Executor& executor, std::int64_t batch, std::optional<std::int64_t> micro_batch) {

@@ -153,9 +153,4 @@ std::string deferred_state_note(const optim::Optimizer& optimizer);
 // executor.plan(batch), with an explicit micro-batch's failure named by its flag.
 const mbp::Plan& plan_step(mbp::Executor& executor, std::int64_t batch, std::optional<std::int64_t> micro_batch);
 
-// The executor a run's options call for — the one place apps/ decides: a pipeline stage's
-// (mbp/pipeline_executor.h) when options.pipeline is set, else the plain step (mbp/executor.h).
-std::unique_ptr<mbp::Executor> make_executor(nn::Module& model, optim::Optimizer& optimizer,
-                                             std::shared_ptr<Arena> arena, mbp::ExecutorOptions options);
-
 }  // namespace tally::app

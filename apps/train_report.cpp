@@ -151,7 +151,7 @@ void TrainingRun::append_metrics(const std::string& text) {
 }
 
 void TrainingRun::write_schedule(std::int64_t step, const mbp::StepResult& r) {
-  const mbp::PipelineTrace& mine = mbp::as_stage(*executor_, "the pipeline's schedule").trace();
+  const mbp::PipelineTrace& mine = executor_->stage()->trace();
   const auto S = static_cast<std::size_t>(rank_.ranks);
   const std::size_t slots = 2 * static_cast<std::size_t>(r.micro_batches), per_rank = 2 + 4 * slots;
   std::vector<double> all(S * per_rank, 0.0);

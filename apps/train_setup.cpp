@@ -37,7 +37,7 @@
 #include "nn/resnet.h"
 #include "mbp/checkpoint.h"
 #include "mbp/executor.h"
-#include "mbp/pipeline_executor.h"
+#include "mbp/stage_runner.h"
 #include "report/schedule.h"
 #include "report/memory_html.h"
 #include "report/timeline.h"

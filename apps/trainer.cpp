@@ -38,7 +38,7 @@
 #include "nn/resnet.h"
 #include "mbp/checkpoint.h"
 #include "mbp/executor.h"
-#include "mbp/pipeline_executor.h"
+#include "mbp/stage_runner.h"
 #include "report/schedule.h"
 #include "report/memory_html.h"
 #include "report/timeline.h"
@@ -66,9 +66,9 @@ TrainingRun::TrainingRun(const TrainOptions& options, std::ostream& all_log, std
       setup_(model_setup(rank_options_, split_.train, arena_, options.memory_limit)),
       comm_(distributed::for_device(rank_.world, rank_.dev)),
       schedule_(schedule_options(rank_options_, steps_)),
-      executor_(make_executor(*setup_.model, *setup_.optimizer, arena_,
-                              executor_options(rank_options_, split_.train, setup_, rank_.dev, comm_, host_arena_,
-                                               log_))),
+      executor_(std::make_unique<mbp::Executor>(
+          *setup_.model, *setup_.optimizer, arena_,
+          executor_options(rank_options_, split_.train, setup_, rank_.dev, comm_, host_arena_, log_))),
       // A pipeline's stages all see the whole batch (the first its images, the last its labels).
       share_(setup_.stage ? distributed::shard(rank_options_.batch_size, 1, 0)
                           : distributed::shard(rank_options_.batch_size, rank_.ranks, rank_.rank)),
@@ -191,7 +191,7 @@ void TrainingRun::train_epoch(std::int64_t epoch, std::int64_t epochs) {
 void TrainingRun::end_epoch(std::int64_t epoch, std::int64_t epochs) {
   profiler_.pause();  // the profile is of training steps
   if (setup_.stage && rank_options_.evaluate)
-    eval_ = evaluate_stages(mbp::as_stage(*executor_, "a pipeline's evaluation"), *setup_.model, split_.test,
+    eval_ = evaluate_stages(*executor_->stage(), *setup_.model, split_.test,
                             rank_options_.normalize, *comm_, result_.micro_batch);
   else if (rank_.rank == 0 && rank_options_.evaluate)
     eval_ = evaluate(*setup_.model, split_.test, rank_options_.normalize, rank_.dev, executor_->activation_dtype(),

@@ -28,7 +28,7 @@
 #include "distributed/data_parallel.h"
 #include "mbp/checkpoint.h"
 #include "mbp/executor.h"
-#include "mbp/pipeline_executor.h"
+#include "mbp/stage_runner.h"
 #include "report/schedule.h"
 #include "report/timeline.h"
 #include "nn/init.h"
@@ -128,7 +128,7 @@ struct Eval {
 // The test set's mean loss and accuracy (apps/evaluation.cpp): in batches of at most `max_batch`
 // in the activations' dtype `act`; a pipeline's, every rank running its stage on every batch.
 Eval evaluate(nn::Module& model, const data::Dataset& ds, bool normalize, Device dev, DType act, std::int64_t max_batch);
-Eval evaluate_stages(mbp::PipelineExecutor& executor, nn::Module& model, const data::Dataset& ds, bool normalize,
+Eval evaluate_stages(mbp::StageRunner& executor, nn::Module& model, const data::Dataset& ds, bool normalize,
                      distributed::Communicator& comm, std::int64_t max_batch);
 // Every rank's result on rank 0 (a collective), and the run's summary.json (apps/train_report.cpp).
 std::vector<RankResult> gather_ranks(distributed::Communicator& comm, const TrainResult& mine);
@@ -201,7 +201,7 @@ class TrainingRun {
   Setup setup_;
   std::shared_ptr<distributed::Communicator> comm_;
   optim::LRSchedule schedule_;
-  std::unique_ptr<mbp::Executor> executor_;  // make_executor: the plain step or a pipeline stage's
+  std::unique_ptr<mbp::Executor> executor_;  // the step (a pipeline stage's runs its micro-batches through a StageRunner)
   distributed::Shard share_;  // this rank's share of every global batch (drop_last: always full)
   TrainResult result_;
   Eval eval_;

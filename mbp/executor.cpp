@@ -14,6 +14,7 @@
 #include "core/dry_run.h"
 #include "core/memory.h"
 #include "mbp/data_parallel.h"
+#include "mbp/stage_runner.h"
 #include "mbp/step_inputs.h"
 
 namespace tally::mbp {
@@ -118,8 +119,8 @@ void fill_inputs(Inputs& in, InputStager& stager, const float* images, const std
 
 // Data parallelism: any communicator but the local one (an MPI or NCCL world of one too); a
 // pipeline stage's communicator carries its messages instead.
-bool is_data_parallel(const ExecutorOptions& o, bool stage) {
-  return !stage && o.communicator && o.communicator->backend() != "local";
+bool is_data_parallel(const ExecutorOptions& o) {
+  return !o.pipeline && o.communicator && o.communicator->backend() != "local";
 }
 
 const std::shared_ptr<Arena>& checked_arena(const std::shared_ptr<Arena>& arena) {
@@ -169,14 +170,6 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, ExecutorOptio
 
 Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_ptr<Arena> arena,
                    ExecutorOptions options)
-    : Executor(model, optimizer, std::move(arena), std::move(options), false) {}
-
-Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_ptr<Arena> arena,
-                   ExecutorOptions options, ForStage)
-    : Executor(model, optimizer, std::move(arena), std::move(options), true) {}
-
-Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_ptr<Arena> arena,
-                   ExecutorOptions options, bool stage)
     : model_(model),
       optimizer_(optimizer),
       opt_(std::move(options)),
@@ -186,13 +179,10 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_p
       arena_(std::move(arena)),
       states_(nn::step_states(model)),
       stager_(std::make_unique<InputStager>(device_)),
-      chooser_(model, optimizer, checked_arena(arena_), opt_, is_data_parallel(opt_, stage), activation_dtype_,
+      chooser_(model, optimizer, checked_arena(arena_), opt_, is_data_parallel(opt_), activation_dtype_,
                [this](Placement placement, const std::vector<std::int64_t>& sizes) {
                  run_step(placement, nullptr, nullptr, sizes, nullptr);
                }) {
-  if (opt_.pipeline && !stage)
-    throw Error("MBP executor: a pipeline stage (ExecutorOptions::pipeline) runs in a PipelineExecutor "
-                "(mbp/pipeline_executor.h)");
   if (opt_.sample_shape.empty())
     throw Error("MBP executor: the sample shape is empty (expected e.g. {3, 32, 32})");
   for (std::int64_t d : opt_.sample_shape) {
@@ -213,8 +203,7 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_p
                             dtype_name(dtype_)));
   // Data parallelism: any communicator but the local one (an MPI or NCCL world of one too); a
   // pipeline stage's communicator carries its messages instead.
-  const bool data_parallel = is_data_parallel(opt_, stage);
-  data_parallel_ = data_parallel;
+  const bool data_parallel = is_data_parallel(opt_);
   if (data_parallel) {
     if (!opt_.communicator->serves(device_))
       throw Error(fmt::format("MBP executor: the {} communicator cannot carry tensors on {}",
@@ -239,10 +228,13 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_p
   if (data_parallel && opt_.placement == Placement::gradients)
     throw Error("MBP executor: placement gradients is not available with data parallelism (the gradients' all-reduce "
                 "sums device buffers); placement optimizer is");
-  if (stage && opt_.host_arena)
-    throw Error("MBP executor: the host tier is not available to pipeline stages (each stage's state stays on its "
-                "device)");
-  if (stage) return;  // the stage checks its own parameters and sets its step states
+  if (opt_.pipeline) {  // the stage's own loop, parameters and step states
+    if (!opt_.communicator) opt_.communicator = distributed::local();
+    stage_ = std::make_unique<StageRunner>(model, opt_, arena_, activation_dtype_, *stager_, chooser_);
+    states_ = stage_->step_states();
+    check_trained(model, stage_->trained());
+    return;
+  }
   if (data_parallel)
     parts_.push_back(std::make_unique<DataParallel>(opt_.communicator, model.parameters(), states_, opt_.bucket_bytes,
                                                     opt_.loss));
@@ -381,7 +373,15 @@ void Executor::run_step(Placement placement, const float* images, const std::int
   } end_step{states_};
   std::unique_ptr<HostGradients> simulated;
   const ActiveParts active(step_parts_, parts_for(placement, simulated));
-  Tensor total = run_micro_batches(images, labels, sizes);
+  Tensor total;
+  if (stage_) {
+    total = stage_->run(images, labels, sizes);
+  } else {
+    std::optional<double> divisor;  // counted by a part (over every rank), else over this batch
+    for (StepPart* part : step_parts_)
+      if (const auto d = part->divisor()) divisor = d;
+    total = accumulate_loss(images, labels, sizes, divisor);
+  }
   for (StepPart* part : step_parts_) part->before_optimizer_step(total);
   mark_trace(device_, "optimizer step");
   for (nn::StepState* s : states_) s->apply();
@@ -391,18 +391,6 @@ void Executor::run_step(Placement placement, const float* images, const std::int
   optimizer_.zero_grad();
   // The step's one wait for the device: the loss value (a pipeline's: on its last stage).
   if (loss) *loss = skip_host_work() || !total.defined() ? 0.0 : total.item();
-}
-
-Tensor Executor::run_micro_batches(const float* images, const std::int64_t* labels,
-                                   const std::vector<std::int64_t>& sizes) {
-  std::optional<double> divisor;  // counted by a part (over every rank), else over this batch
-  for (StepPart* part : step_parts_)
-    if (const auto d = part->divisor()) divisor = d;
-  return accumulate_loss(images, labels, sizes, divisor);
-}
-
-void Executor::check_step_data(const float* images, const std::int64_t* labels) const {
-  if (images == nullptr || labels == nullptr) throw Error("MBP executor: step needs images and labels");
 }
 
 // The parts that want each parameter's gradient as it completes, told through the engine's hook
@@ -450,7 +438,10 @@ void Executor::discard_partial_step() {
 }
 
 StepResult Executor::step(const float* images, const std::int64_t* labels, std::int64_t batch) {
-  check_step_data(images, labels);
+  if (stage_)
+    stage_->check_step_data(images, labels);
+  else if (images == nullptr || labels == nullptr)
+    throw Error("MBP executor: step needs images and labels");
   ArenaScope scope(arena_);
   StepResult r;
   for (const auto& part : parts_) part->begin_step(labels, batch);
@@ -472,11 +463,11 @@ StepResult Executor::step(const float* images, const std::int64_t* labels, std::
       r.micro_batches = p.micro_batches;
       r.predicted_peak = p.predicted_peak;
       r.peak = static_cast<std::size_t>(arena_->stats().total.peak);
-      finish_step(r);
+      if (stage_) stage_->finish_step(r);
       return r;
     } catch (const OutOfMemory& e) {
       discard_partial_step();
-      before_retry(e, batch, p);
+      if (stage_) stage_->before_retry(e, batch, p);
       if (p.micro_batch == 1 || r.oom_retries >= opt_.max_oom_retries)
         throw OutOfMemory(fmt::format("training step of batch {} ran out of memory with micro-batches of {} after {} "
                                       "retries; nothing was updated. {}", batch, p.micro_batch, r.oom_retries, e.what()),

@@ -24,8 +24,9 @@
 //      step() is this rank's share of the global batch; a part of the step (mbp/data_parallel.h)
 //      sums the divisor before the first micro-batch and the gradients and moments after the
 //      last, at the step's extension points (mbp/step_part.h).
-//   7. Pipeline stages (ExecutorOptions::pipeline) are a step of their own that shares these
-//      pieces: mbp/pipeline_executor.h.
+//   7. Pipeline stages (ExecutorOptions::pipeline): the executor hands step 3's loop to a
+//      StageRunner (mbp/stage_runner.h) — the stage's segments in the schedule's order, messages
+//      to and from the neighbouring stages — and keeps the rest.
 // The chooser's planner dry-runs exactly this code (run_step, under the placement it measures), so the predicted peak is the real
 // step's peak. If the real step still runs out of memory, the partial step is discarded —
 // gradients zeroed, BatchNorm moments dropped; parameters, optimizer state and running
@@ -58,6 +59,7 @@
 namespace tally::mbp {
 
 class HostGradients;  // mbp/host_gradients.h
+class StageRunner;   // mbp/stage_runner.h
 
 // How each micro-batch's loss is divided (docs/mbp.md, "Loss normalization"):
 //   exact           sum_i w_i loss_i / D with D counted over the whole batch: the accumulated
@@ -137,8 +139,8 @@ struct ExecutorOptions {
   // dry run); with data parallelism every rank takes rank 0's.
   std::optional<CostRates> cost_rates{};
   // Pipeline stages (mbp/pipeline.h): this process runs stage `pipeline->stage` of the model's
-  // segments, rank s of `communicator` running stage s, in a PipelineExecutor
-  // (mbp/pipeline_executor.h, which says what differs).
+  // segments, rank s of `communicator` running stage s, its micro-batches run by a StageRunner
+  // (mbp/stage_runner.h, which says what differs).
   std::optional<PipelineStage> pipeline{};
 };
 
@@ -162,8 +164,8 @@ class Executor {
  public:
   // Runs on `arena`, the budget of the plan: the model's parameters and gradient buffers must live
   // in it, and they and the optimizer's state must exist already (the planner counts them). The
-  // model's device and dtype are those of its first parameter. Not for a pipeline stage
-  // (ExecutorOptions::pipeline): that is a PipelineExecutor (mbp/pipeline_executor.h).
+  // model's device and dtype are those of its first parameter. A pipeline stage
+  // (ExecutorOptions::pipeline) needs only its own stage's parameters and gradients there.
   Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_ptr<Arena> arena, ExecutorOptions options);
   // Convenience: on the arena the model's parameters live in (the budget they were built in).
   Executor(nn::Module& model, optim::Optimizer& optimizer, ExecutorOptions options);
@@ -171,10 +173,14 @@ class Executor {
   // The plan for a batch of `batch` samples under the current limit: the chooser's configuration
   // (mbp/chooser.h; cached there), applied — the segment modes set on the model, the state moved
   // (or created) where the placement puts it — once; then only run.
-  virtual const Plan& plan(std::int64_t batch);
+  // A pipeline stage's plan has the micro-batch agreed across the stages (StageRunner::choose).
+  const Plan& plan(std::int64_t batch);
   // What plan(batch) would run, measured by dry runs alone: nothing real is moved, allocated or
   // changed (Chooser::choose).
   StepConfig choose(std::int64_t batch);
+  // The same with micro-batches of exactly `micro_batch`, at the recomputation plan(batch) would
+  // choose (Chooser::choose_with): e.g. a pipeline stage's plan at the micro-batch the stages agree on.
+  StepConfig choose_with(std::int64_t batch, std::int64_t micro_batch);
   // The configuration of the last plan(): its recomputation and its placement (device, "no host
   // tier", before the first).
   const RecomputeChoice& recompute_choice() const { return config_.recompute; }
@@ -211,6 +217,10 @@ class Executor {
 
   const ExecutorOptions& options() const { return opt_; }
   const std::optional<PipelineStage>& pipeline() const { return opt_.pipeline; }
+  // The runner of this pipeline stage's micro-batches (its schedule's trace, the forward through
+  // every stage for evaluation); null unless ExecutorOptions::pipeline is set.
+  StageRunner* stage() { return stage_.get(); }
+  const StageRunner* stage() const { return stage_.get(); }
   // Upper limit on m after out-of-memory retries (INT64_MAX if none happened).
   std::int64_t micro_batch_limit() const { return limit_; }
   // Restores a limit saved with a checkpoint (mbp/checkpoint.h): m is planned below it from the
@@ -224,30 +234,13 @@ class Executor {
   DType activation_dtype() const { return activation_dtype_; }
   MemoryFormat memory_format() const { return opt_.memory_format; }
 
-  virtual ~Executor();
+  ~Executor();
   Executor(const Executor&) = delete;
   Executor& operator=(const Executor&) = delete;
 
- protected:
-  // The base of a pipeline stage's executor: the general checks; the stage sets up its own
-  // trained parameters (check_trained) and step states.
-  struct ForStage {};
-  Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_ptr<Arena> arena, ExecutorOptions options,
-           ForStage);
+ private:
   // Each of `trained` (a parameter of `model`) has a gradient buffer, and both live in the arena.
   void check_trained(const nn::Module& model, const std::vector<Tensor>& trained) const;
-
-  // The points where a step of another kind differs (a pipeline stage, mbp/pipeline_executor.h):
-  // the host data a step needs,
-  virtual void check_step_data(const float* images, const std::int64_t* labels) const;
-  // the micro-batches' forwards and backwards, returning the step's loss where it was computed
-  // (the plain step: accumulate_loss),
-  virtual Tensor run_micro_batches(const float* images, const std::int64_t* labels,
-                                   const std::vector<std::int64_t>& sizes);
-  // what a real step's result adds once it has run,
-  virtual void finish_step(StepResult& /*r*/) {}
-  // whether an out-of-memory step may be retried with smaller micro-batches (throws if not),
-  virtual void before_retry(const OutOfMemory& /*e*/, std::int64_t /*batch*/, const Plan& /*p*/) {}
   // Applies a configuration: the segment modes, then the placement (apply_placement).
   void apply(const StepConfig& config);
   // Moves the persistent state to `p` (a no-op when there), creating the optimizer's state there
@@ -274,11 +267,8 @@ class Executor {
   std::string layout_ = "built";          // the real moves of state so far, as "built>optimizer>…": plans are keyed by it
   std::unique_ptr<HostGradients> host_gradients_;  // the part accumulating gradients on the host (Placement::gradients)
   std::vector<StepPart*> step_parts_;     // the parts of the step running now (run_step)
-  bool data_parallel_ = false;
+  std::unique_ptr<StageRunner> stage_;    // a pipeline stage's micro-batch loop (ExecutorOptions::pipeline)
 
- private:
-  Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_ptr<Arena> arena, ExecutorOptions options,
-           bool stage);
   void discard_partial_step();
   // accumulate() with the loss left where it was computed (undefined in a dry run: no values).
   // `divisor`: the loss divisor D when it was counted elsewhere (over every rank's samples). Runs

@@ -1,7 +1,7 @@
 // mbp/executor_plan.cpp — the executor's configuration applied (mbp/executor.h): the chooser
 // (mbp/chooser.h) asked, and its answer made real once — the segment modes set, the state moved
 // or created where the placement puts it. A pipeline stage's agreement on the micro-batch is its
-// own (mbp/pipeline_executor.cpp).
+// runner's (mbp/stage_runner.cpp).
 #include <algorithm>
 #include <map>
 
@@ -15,6 +15,7 @@
 #include "optim/optimizer.h"
 #include "mbp/executor.h"
 #include "mbp/recompute.h"
+#include "mbp/stage_runner.h"
 #include "nn/recompute.h"
 
 namespace tally::mbp {
@@ -45,11 +46,18 @@ void pack_model_state(nn::Module& model, const std::shared_ptr<Arena>& device, c
 }  // namespace
 
 const Plan& Executor::plan(std::int64_t batch) {
-  apply(chooser_.choose(batch, limit_, layout()));  // measured: nothing moved until here
+  apply(choose(batch));  // measured: nothing moved until here
   return config_.plan;
 }
 
-StepConfig Executor::choose(std::int64_t batch) { return chooser_.choose(batch, limit_, layout()); }
+StepConfig Executor::choose(std::int64_t batch) {
+  return stage_ ? stage_->choose(chooser_, batch, limit_, layout()) : chooser_.choose(batch, limit_, layout());
+}
+
+StepConfig Executor::choose_with(std::int64_t batch, std::int64_t micro_batch) {
+  return stage_ ? stage_->choose_with(chooser_, batch, micro_batch, limit_, layout())
+                : chooser_.choose_with(batch, micro_batch, limit_, layout());
+}
 
 void Executor::apply(const StepConfig& config) {
   nn::set_recompute_state(model_, config.segments);

@@ -3,7 +3,7 @@
 //
 // The cut points are the model's segments (nn::Module::segments(): a ResNet's stem, each residual
 // block, its head). Stage s runs segments [bounds[s], bounds[s + 1]); rank s of the job runs stage
-// s. What a stage does in one step (mbp::PipelineExecutor, mbp/pipeline_executor.h):
+// s. What a stage does in one step (mbp::StageRunner, mbp/stage_runner.h):
 //   forward  of micro-batch i: stage 0 reads its images; stage s > 0 receives the activations of
 //            stage s - 1 (point-to-point, into an arena buffer); the last stage computes the loss
 //            with the whole batch's divisor (its targets are the only ones it needs) and runs its

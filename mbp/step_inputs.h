@@ -1,5 +1,5 @@
 // mbp/step_inputs.h — the pieces of a step's input handling that the plain step (mbp/executor.cpp)
-// and a pipeline stage's (mbp/pipeline_executor.cpp) share: batch shapes, the micro-batch sizes
+// and a pipeline stage's (mbp/stage_runner.cpp) share: batch shapes, the micro-batch sizes
 // checked, the loss divisor, and the host batch staged onto the device (core/staging.h) in one
 // layout — all images, then all labels.
 #pragma once

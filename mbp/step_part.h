@@ -1,8 +1,9 @@
 // mbp/step_part.h — what a mode adds to the plain step (mbp/executor.h), at named points instead
 // of branches inside it. The executor calls every part it holds, in order, at each point; a dry
 // run of the step (the planner's) calls them too, so what a part allocates is planned. Today's
-// part: data parallelism (mbp/data_parallel.h); a caller adds its own with Executor::add_part. Pipeline stages are a step of their own
-// (mbp/pipeline_executor.h), not a part: their micro-batches run in another order.
+// parts: data parallelism (mbp/data_parallel.h) and gradients accumulated on the host tier
+// (mbp/host_gradients.h); a caller adds its own with Executor::add_part. A pipeline stage is not a
+// part: its micro-batches run in another order, by the executor's StageRunner (mbp/stage_runner.h).
 #pragma once
 #include <cstddef>
 #include <cstdint>

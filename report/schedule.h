@@ -9,7 +9,7 @@
 
 namespace tally::report {
 
-// `stages[s]`: stage s's trace of one step (mbp::PipelineExecutor::trace, gathered from its rank).
+// `stages[s]`: stage s's trace of one step (mbp::StageRunner::trace, gathered from its rank).
 std::string pipeline_svg(const std::vector<mbp::PipelineTrace>& stages, const std::string& title, int width = 1000);
 
 }  // namespace tally::report

@@ -1,4 +1,4 @@
-// Pipeline stages (mbp/pipeline.h and mbp::PipelineExecutor, mbp/pipeline_executor.h).
+// Pipeline stages (mbp/pipeline.h, and the executor's mbp::StageRunner, mbp/stage_runner.h).
 // In one process (PipelineParts.*): the segments of every model compose to its forward bit for
 // bit; the schedules' orders; the cut and --pipeline-split's errors. Under `mpirun -np 2`
 // (PipelineStages.*; each skips, saying so, in a world of one): float64 ResNet-20 through 2 stages,
@@ -24,7 +24,7 @@
 #include "distributed/communicator.h"
 #include "mbp/executor.h"
 #include "mbp/pipeline.h"
-#include "mbp/pipeline_executor.h"
+#include "mbp/stage_runner.h"
 #include "tests/command_line.h"
 #include "tests/model_common.h"
 
@@ -178,7 +178,7 @@ TEST_F(PipelineParts, StageOptionsThatCannotWorkAreErrors) {
   eo.pipeline = st;
   eo.recompute = "all";
   try {
-    mbp::PipelineExecutor ex(*m, *opt, default_arena(Device::cpu()), eo);
+    mbp::Executor ex(*m, *opt, default_arena(Device::cpu()), eo);
     FAIL() << "--recompute all accepted";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("recomputes its residual blocks at most (none|blocks|auto)"), std::string::npos);
@@ -187,7 +187,7 @@ TEST_F(PipelineParts, StageOptionsThatCannotWorkAreErrors) {
   st.bounds = {0, 5, 12};
   eo.pipeline = st;
   try {
-    mbp::PipelineExecutor ex(*m, *opt, default_arena(Device::cpu()), eo);
+    mbp::Executor ex(*m, *opt, default_arena(Device::cpu()), eo);
     FAIL() << "bounds past the segments accepted";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("expected S + 1 increasing segment indices from 0 to 11"), std::string::npos);
@@ -250,7 +250,7 @@ TEST_P(PipelineStages, TwoStagesEqualOneProcess) {
   if (uneven && gpipe && rank == 1) eo.micro_batch = 4;  // rank 0 fits all 12: the stages agree on 4
   eo.communicator = comm;
   eo.pipeline = st.stage;
-  mbp::PipelineExecutor ex(*st.model, *st.optimizer, st.budget, eo);
+  mbp::Executor ex(*st.model, *st.optimizer, st.budget, eo);
   // The reference: one process, the same weights, the full batch (group/none) or the same micro-batches (batch).
   auto ref = model("resnet20", norm, 7, DType::Float64);
   auto ref_opt = sgd(*ref);

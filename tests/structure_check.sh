@@ -5,9 +5,10 @@
 # code (mbp/, report/ and apps/ include no kernels/ header), report/ above mbp/ (nothing below it
 # includes it), recomputation owned by mbp/ (no forget() in apps/), the ambient arena set in few
 # places (mbp/ makes one current only through a DryRun and the entry points of the executors and
-# the chooser, mbp/*executor*.cpp and mbp/chooser.cpp, and reads none; dry runs and virtual arenas
+# the chooser, mbp/executor*.cpp, mbp/stage_runner.cpp and mbp/chooser.cpp, and reads none; dry runs and virtual arenas
 # are made through core/dry_run.h's DryRun above core/), every command-line option registered from
 # apps/options.cpp's table, the --data spec read by data/spec.cpp alone (the rest ask its DataSpec),
+# a pipeline stage reached through Executor::stage() (no downcast to an executor type in apps/),
 # no kernel declared in both backends' headers (kernels/backend.inc declares them once), and
 # functions short enough to read (at most 80 lines in apps/, mbp/, report/ and core/autograd.cpp).
 # Usage: structure_check.sh SOURCE_DIR
@@ -34,8 +35,8 @@ found=$(grep -rn 'forget()' apps 2>/dev/null)
 [[ -z "$found" ]] || fail "apps/ never makes the planner forget: its plans are keyed by the model's recomputation state:" "$found"
 found=$(grep -rnE 'current_arena|default_arena' mbp 2>/dev/null)
 [[ -z "$found" ]] || fail "mbp/ reads no arena scope (a trace label is core/memory.h's mark_trace):" "$found"
-found=$(grep -rnE '^[^/]*ArenaScope' mbp 2>/dev/null | grep -vE '^mbp/(([a-z]+_)?executor[a-z_]*|chooser)\.cpp:')
-[[ -z "$found" ]] || fail "mbp/ makes an arena current only in the executors' and the chooser's entry points (mbp/*executor*.cpp, mbp/chooser.cpp) and through a DryRun:" "$found"
+found=$(grep -rnE '^[^/]*ArenaScope' mbp 2>/dev/null | grep -vE '^mbp/(([a-z]+_)?executor[a-z_]*|chooser|stage_runner)\.cpp:')
+[[ -z "$found" ]] || fail "mbp/ makes an arena current only in the executors' and the chooser's entry points (mbp/executor*.cpp, mbp/stage_runner.cpp, mbp/chooser.cpp) and through a DryRun:" "$found"
 found=$(grep -rnE '^[^/]*(DryRunGuard|make_virtual|virtual_clone)' nn optim data distributed mbp report apps examples 2>/dev/null)
 [[ -z "$found" ]] || fail "dry runs and virtual arenas above core/ come from one object, DryRun (core/dry_run.h):" "$found"
 found=$(grep -rnE '(->|\.)add_(option|flag)' apps 2>/dev/null | grep -v '^apps/options.cpp:' | grep -v '"--version"')
@@ -43,6 +44,8 @@ found=$(grep -rnE '(->|\.)add_(option|flag)' apps 2>/dev/null | grep -v '^apps/o
 found=$(grep -rnE 'rfind\("(synthetic|mnist|fashion-mnist|cifar10|cifar100|folder)|\.data\.(substr|rfind|find|starts_with|compare)\(|is_synthetic\(' \
   apps data examples 2>/dev/null | grep -vE '^data/spec\.(cpp|h):')
 [[ -z "$found" ]] || fail "the --data spec is read in one place, data/spec.cpp (parse_data_spec): ask the DataSpec what it names:" "$found"
+found=$(grep -rnE 'dynamic_cast<[^>]*(Executor|Runner)|as_stage' apps 2>/dev/null)
+[[ -z "$found" ]] || fail "a pipeline stage is a part of the executor, not a kind of it: ask Executor::stage(), never downcast:" "$found"
 names_of() { grep -vE '^[[:space:]]*//' "$1" | grep -oE '\b[a-z_][a-z_0-9]*\(' | sort -u; }
 found=$(comm -12 <(names_of kernels/cpu/cpu_kernels.h) <(names_of kernels/cuda/cuda_kernels.h))
 [[ -z "$found" ]] || fail "a kernel declared in both backends' headers (declare it once, in kernels/backend.inc):" "$found"

@@ -1,5 +1,5 @@
-// mbp/pipeline_executor.cpp — the step of one pipeline stage; see mbp/pipeline_executor.h.
-#include "mbp/pipeline_executor.h"
+// mbp/stage_runner.cpp — one pipeline stage's micro-batch loop; see mbp/stage_runner.h.
+#include "mbp/stage_runner.h"
 
 #include <algorithm>
 #include <chrono>
@@ -11,6 +11,7 @@
 #include "core/autograd.h"
 #include "core/dry_run.h"
 #include "core/memory.h"
+#include "mbp/executor.h"
 #include "mbp/step_inputs.h"
 #include "nn/recompute.h"
 
@@ -18,22 +19,22 @@ namespace tally::mbp {
 
 using namespace detail;
 
-PipelineExecutor::PipelineExecutor(nn::Module& model, optim::Optimizer& optimizer, std::shared_ptr<Arena> arena,
-                                   ExecutorOptions options)
-    : Executor(model, optimizer, std::move(arena), std::move(options), ForStage{}) {
-  if (!opt_.pipeline) throw Error("PipelineExecutor: expected ExecutorOptions::pipeline, found none");
-  if (opt_.memory_format != MemoryFormat::Contiguous)
+StageRunner::StageRunner(nn::Module& model, const ExecutorOptions& options, std::shared_ptr<Arena> arena,
+                         DType activation_dtype, InputStager& stager, Chooser& chooser)
+    : stage_(options.pipeline.value()),
+      comm_(options.communicator ? options.communicator : distributed::local()),
+      loss_(options.loss),
+      arena_(std::move(arena)),
+      device_(arena_->device()),
+      dtype_(model.parameters().front().dtype()),
+      activation_dtype_(activation_dtype),
+      stager_(stager),
+      segments_(model.segments()),
+      model_sample_shape_(options.sample_shape) {
+  const PipelineStage& st = stage_;
+  if (options.memory_format != MemoryFormat::Contiguous)
     throw Error(fmt::format("MBP executor: pipeline stages exchange row-major activations; the memory format must be "
-                            "contiguous, found {}", memory_format_name(opt_.memory_format)));
-  set_up(model);
-  check_trained(model, nn::parameters_of(stage_modules(segments_, opt_.pipeline->bounds, opt_.pipeline->stage)));
-}
-
-bool PipelineExecutor::agrees_across_stages() const { return opt_.communicator && opt_.communicator->size() > 1; }
-
-void PipelineExecutor::set_up(nn::Module& model) {
-  const PipelineStage& st = *opt_.pipeline;
-  segments_ = model.segments();
+                            "contiguous, found {}", memory_format_name(options.memory_format)));
   if (segments_.empty()) throw Error("MBP executor: a pipeline stage needs a model that offers segments (Module::segments)");
   if (st.stages < 1 || st.stage < 0 || st.stage >= st.stages || st.bounds.size() != static_cast<std::size_t>(st.stages) + 1 ||
       st.bounds.front() != 0 || st.bounds.back() != segments_.size() ||
@@ -41,49 +42,55 @@ void PipelineExecutor::set_up(nn::Module& model) {
       std::adjacent_find(st.bounds.begin(), st.bounds.end()) != st.bounds.end())
     throw Error(fmt::format("MBP executor: pipeline stage {} of {} with bounds [{}]: expected S + 1 increasing segment "
                             "indices from 0 to {}", st.stage, st.stages, fmt::join(st.bounds, ", "), segments_.size()));
-  if (!opt_.communicator) opt_.communicator = distributed::local();
-  if (opt_.communicator->size() > 1 && opt_.communicator->size() != st.stages)
+  if (comm_->size() > 1 && comm_->size() != st.stages)
     throw Error(fmt::format("MBP executor: a pipeline of {} stages runs on as many ranks, found {} (pipeline stages "
-                            "and data parallelism together are not supported)", st.stages, opt_.communicator->size()));
-  if (opt_.communicator->size() > 1 && opt_.communicator->rank() != st.stage)
-    throw Error(fmt::format("MBP executor: rank {} must run stage {}, found stage {}", opt_.communicator->rank(),
-                            opt_.communicator->rank(), st.stage));
+                            "and data parallelism together are not supported)", st.stages, comm_->size()));
+  if (comm_->size() > 1 && comm_->rank() != st.stage)
+    throw Error(fmt::format("MBP executor: rank {} must run stage {}, found stage {}", comm_->rank(), comm_->rank(),
+                            st.stage));
   if (!device_.is_cpu())
     throw Error(fmt::format("MBP executor: pipeline stages run on the CPU (MPI ranks); the model is on {}", device_.str()));
-  if (opt_.normalization != LossNormalization::exact)
+  if (options.normalization != LossNormalization::exact)
     throw Error("MBP executor: a pipeline uses the exact loss normalization");
-  if (opt_.recompute != "none" && opt_.recompute != "auto" && opt_.recompute != "blocks")
+  if (options.recompute != "none" && options.recompute != "auto" && options.recompute != "blocks")
     throw Error(fmt::format("--recompute {}: a pipeline stage recomputes its residual blocks at most (none|blocks|auto)",
-                            opt_.recompute));
+                            options.recompute));
+  if (options.host_arena)
+    throw Error("MBP executor: the host tier is not available to pipeline stages (each stage's state stays on its "
+                "device)");
   check_segments_cover(model, segments_);
   states_ = nn::step_states_of(stage_modules(segments_, st.bounds, st.stage));
-  chooser_.set_top_level(std::min(1, nn::recompute_levels(model) - 1));  // a stage's segments are blocks: no stage around them
-  chooser_.planner().set_repeats(st.schedule == PipelineSchedule::gpipe ? std::size_t(1) << 40
-                                                              : static_cast<std::size_t>(st.stages) + 1);
+  for (std::int64_t d : model_sample_shape_) model_sample_numel_ *= d;
+  chooser.set_top_level(std::min(1, nn::recompute_levels(model) - 1));  // a stage's segments are blocks: no stage around them
+  chooser.planner().set_repeats(st.schedule == PipelineSchedule::gpipe ? std::size_t(1) << 40
+                                                                       : static_cast<std::size_t>(st.stages) + 1);
   // The stage's input per sample: a gradient-free dry run of the segments before it.
-  sample_shape_ = opt_.sample_shape;
+  sample_shape_ = model_sample_shape_;
   if (st.first() > 0) {
     const DryRun dry(device_, std::size_t(1) << 46);
     NoGradGuard no_grad;
     const bool training = model.is_training();
     model.eval();
-    Tensor y = Tensor::empty(batch_shape(1, opt_.sample_shape), activation_dtype_, device_, Category::input, "input");
+    Tensor y = Tensor::empty(batch_shape(1, model_sample_shape_), activation_dtype_, device_, Category::input, "input");
     for (std::size_t i = 0; i < st.first(); ++i) y = segments_[i].forward(y);
     model.train(training);
     sample_shape_.assign(y.shape().begin() + 1, y.shape().end());
   }
 }
 
+std::vector<Tensor> StageRunner::trained() const {
+  return nn::parameters_of(stage_modules(segments_, stage_.bounds, stage_.stage));
+}
 
-Shape PipelineExecutor::input_shape(std::int64_t n) const { return batch_shape(n, sample_shape_); }
+Shape StageRunner::input_shape(std::int64_t n) const { return batch_shape(n, sample_shape_); }
 
-Tensor PipelineExecutor::run_segments(Tensor x) {
-  for (std::size_t s = opt_.pipeline->first(); s < opt_.pipeline->last(); ++s) x = segments_[s].forward(x);
+Tensor StageRunner::run_segments(Tensor x) {
+  for (std::size_t s = stage_.first(); s < stage_.last(); ++s) x = segments_[s].forward(x);
   return x;
 }
 
 // One step of a pipeline stage under way: what its forwards and backwards share.
-struct PipelineExecutor::Run {
+struct StageRunner::Run {
   Run(const float* i, const std::int64_t* l, const std::vector<std::int64_t>& s) : images(i), labels(l), sizes(s) {}
   const float* images;
   const std::int64_t* labels;
@@ -120,16 +127,15 @@ struct PipelineExecutor::Run {
   }
 };
 
-Tensor PipelineExecutor::run_micro_batches(const float* images, const std::int64_t* labels,
-                                           const std::vector<std::int64_t>& sizes) {
-  const PipelineStage& st = *opt_.pipeline;
+Tensor StageRunner::run(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes) {
+  const PipelineStage& st = stage_;
   Run r(images, labels, sizes);
   r.dry = skip_host_work(), r.first = st.stage == 0, r.last = st.stage + 1 == st.stages;
   r.batch = checked_batch(sizes);
   for (std::int64_t n : sizes) r.offsets.push_back(r.offsets.back() + n);
-  if (r.last && !r.dry) r.divisor = batch_divisor(labels, r.batch, opt_.loss);  // on the stage that has the targets
+  if (r.last && !r.dry) r.divisor = batch_divisor(labels, r.batch, loss_);  // on the stage that has the targets
   for (nn::StepState* s : states_) s->begin_step();
-  if (!r.dry && (r.first || r.last)) stager_->begin_step(staging_bytes(r.batch, sample_numel_, activation_dtype_));
+  if (!r.dry && (r.first || r.last)) stager_.begin_step(staging_bytes(r.batch, model_sample_numel_, activation_dtype_));
   EnableGradGuard grad_on;
   if (r.last) r.total = Tensor::zeros({}, dtype_, device_, Category::temporary, "step_loss");
   const auto k = static_cast<std::int64_t>(sizes.size());
@@ -141,7 +147,7 @@ Tensor PipelineExecutor::run_micro_batches(const float* images, const std::int64
       backward(r, static_cast<std::size_t>(op.index));
     r.trace.events.push_back({op.forward, op.index, r.op_start, r.since()});
   }
-  r.waiting([&] { opt_.communicator->wait_send(r.sent_back_ticket); });
+  r.waiting([&] { comm_->wait_send(r.sent_back_ticket); });
   if (!r.dry) {
     r.trace.seconds = r.since();
     trace_ = std::move(r.trace);
@@ -151,24 +157,24 @@ Tensor PipelineExecutor::run_micro_batches(const float* images, const std::int64
 
 // Sends the gradient of a micro-batch's input back to the stage before (after the last one sent
 // is taken: one such buffer lives at a time).
-void PipelineExecutor::send_back(Run& r, const Tensor& x) {
+void StageRunner::send_back(Run& r, const Tensor& x) {
   if (r.first) return;
-  distributed::Communicator& comm = *opt_.communicator;
+  distributed::Communicator& comm = *comm_;
   r.waiting([&] { comm.wait_send(r.sent_back_ticket); });
   r.sent_back = Tensor();
   r.sent_back = x.grad();
-  r.sent_back_ticket = comm.send(r.sent_back, opt_.pipeline->stage - 1);
+  r.sent_back_ticket = comm.send(r.sent_back, stage_.stage - 1);
 }
 
-void PipelineExecutor::forward(Run& r, std::size_t i) {
-  distributed::Communicator& comm = *opt_.communicator;
-  const int stage = opt_.pipeline->stage;
+void StageRunner::forward(Run& r, std::size_t i) {
+  distributed::Communicator& comm = *comm_;
+  const int stage = stage_.stage;
   const std::int64_t n = r.sizes[i];
   mark_trace(device_, fmt::format("micro-batch {}/{} ({} samples) forward", i + 1, r.sizes.size(), n));
   Tensor x;
   if (r.first) {
-    x = Tensor::empty(batch_shape(n, opt_.sample_shape), activation_dtype_, device_, Category::input, "input");
-    if (!r.dry) stager_->wait(stage_images(x, *stager_, r.images, r.offsets[i], n, sample_numel_, activation_dtype_));
+    x = Tensor::empty(batch_shape(n, model_sample_shape_), activation_dtype_, device_, Category::input, "input");
+    if (!r.dry) stager_.wait(stage_images(x, stager_, r.images, r.offsets[i], n, model_sample_numel_, activation_dtype_));
   } else {
     x = Tensor::empty(input_shape(n), activation_dtype_, device_, Category::input, "stage_input");
     r.waiting([&] { comm.recv(x, stage - 1); }, true);
@@ -184,13 +190,13 @@ void PipelineExecutor::forward(Run& r, std::size_t i) {
   // The last stage: the loss with the whole batch's divisor, and its backward at once.
   Tensor y = Tensor::empty({n}, DType::Int64, device_, Category::input, "labels");
   if (!r.dry) {
-    stager_->wait(stage_labels(y, *stager_, r.labels, r.offsets[i], n, r.batch, sample_numel_, activation_dtype_));
+    stager_.wait(stage_labels(y, stager_, r.labels, r.offsets[i], n, r.batch, model_sample_numel_, activation_dtype_));
     if (!r.targets_checked) {
-      check_cross_entropy_targets(r.labels, r.batch, out.size(1), opt_.loss.ignore_index);
+      check_cross_entropy_targets(r.labels, r.batch, out.size(1), loss_.ignore_index);
       r.targets_checked = true;
     }
   }
-  CrossEntropyOptions co = opt_.loss;
+  CrossEntropyOptions co = loss_;
   co.divisor = r.divisor;
   co.targets_checked = !r.dry;
   Tensor loss = cross_entropy(out, y, co);
@@ -201,15 +207,15 @@ void PipelineExecutor::forward(Run& r, std::size_t i) {
   send_back(r, x);
 }
 
-void PipelineExecutor::backward(Run& r, std::size_t i) {
-  distributed::Communicator& comm = *opt_.communicator;
+void StageRunner::backward(Run& r, std::size_t i) {
+  distributed::Communicator& comm = *comm_;
   mark_trace(device_, fmt::format("micro-batch {}/{} backward", i + 1, r.sizes.size()));
   Run::InFlight f = std::move(r.in_flight.front());
   r.in_flight.pop_front();
   Tensor g = Tensor::empty(f.out.shape(), f.out.dtype(), device_, Category::temporary, "stage_output_grad");
   r.waiting(
       [&] {
-        comm.recv(g, opt_.pipeline->stage + 1);
+        comm.recv(g, stage_.stage + 1);
         comm.wait_send(f.sent);  // the next stage has it: it sent this gradient back
       },
       true);
@@ -219,9 +225,9 @@ void PipelineExecutor::backward(Run& r, std::size_t i) {
   send_back(r, f.x);
 }
 
-Tensor PipelineExecutor::forward_through_stages(const Tensor& x, std::int64_t n) {
-  const PipelineStage& st = *opt_.pipeline;
-  distributed::Communicator& comm = *opt_.communicator;
+Tensor StageRunner::forward_through_stages(const Tensor& x, std::int64_t n) {
+  const PipelineStage& st = stage_;
+  distributed::Communicator& comm = *comm_;
   ArenaScope scope(arena_);
   Tensor y = x;
   if (st.stage > 0) {
@@ -238,15 +244,14 @@ Tensor PipelineExecutor::forward_through_stages(const Tensor& x, std::int64_t n)
 }
 
 
-const Plan& PipelineExecutor::plan(std::int64_t batch) {
+StepConfig StageRunner::choose(Chooser& chooser, std::int64_t batch, std::int64_t limit, const StateLayout& layout) {
   StepConfig mine;
   try {
-    mine = alone(batch);
+    mine = chooser.choose(batch, limit, layout);
   } catch (const OutOfMemory& e) {
-    if (opt_.pipeline->stages == 1) throw;
-    const PipelineStage& st = *opt_.pipeline;
-    throw OutOfMemory(fmt::format("pipeline stage {} of {} ({}), memory limit {}: {}", st.stage, st.stages,
-                                  segment_range(segments_, st.first(), st.last()), format_bytes(arena_->capacity()),
+    if (stage_.stages == 1) throw;
+    throw OutOfMemory(fmt::format("pipeline stage {} of {} ({}), memory limit {}: {}", stage_.stage, stage_.stages,
+                                  segment_range(segments_, stage_.first(), stage_.last()), format_bytes(arena_->capacity()),
                                   e.what()),
                       e.requested());
   }
@@ -255,64 +260,48 @@ const Plan& PipelineExecutor::plan(std::int64_t batch) {
     // its own slot of a sum). Agreed once per batch size, in the same order on every rank.
     auto it = agreed_.find(batch);
     if (it == agreed_.end()) {
-      distributed::Communicator& comm = *opt_.communicator;
-      std::vector<double> largest(static_cast<std::size_t>(comm.size()), 0.0);
-      largest[static_cast<std::size_t>(comm.rank())] = static_cast<double>(mine.plan.micro_batch);
-      comm.all_reduce_sum(largest.data(), largest.size());
+      std::vector<double> largest(static_cast<std::size_t>(comm_->size()), 0.0);
+      largest[static_cast<std::size_t>(comm_->rank())] = static_cast<double>(mine.plan.micro_batch);
+      comm_->all_reduce_sum(largest.data(), largest.size());
       it = agreed_.emplace(batch, static_cast<std::int64_t>(*std::min_element(largest.begin(), largest.end()))).first;
     }
-    if (it->second != mine.plan.micro_batch) mine = agreed(batch, it->second);
+    if (it->second != mine.plan.micro_batch) return choose_with(chooser, batch, it->second, limit, layout);
   }
-  apply(mine);
-  return config_.plan;
+  describe(mine);
+  return mine;
 }
 
-StepConfig PipelineExecutor::agreed(std::int64_t batch, std::int64_t micro_batch) {
-  StepConfig c = chooser_.choose_with(batch, micro_batch, micro_batch_limit(), layout());
-  describe_stage(c);
+StepConfig StageRunner::choose_with(Chooser& chooser, std::int64_t batch, std::int64_t micro_batch, std::int64_t limit,
+                                    const StateLayout& layout) const {
+  StepConfig c = chooser.choose_with(batch, micro_batch, limit, layout);
+  describe(c);
   return c;
 }
 
-Plan PipelineExecutor::agreed_plan(std::int64_t batch, std::int64_t micro_batch) {
-  return agreed(batch, micro_batch).plan;
-}
-
-StepConfig PipelineExecutor::alone(std::int64_t batch) {
-  StepConfig c = chooser_.choose(batch, micro_batch_limit(), layout());
-  describe_stage(c);
-  return c;
-}
-
-void PipelineExecutor::describe_stage(StepConfig& c) const {
-  if (opt_.pipeline->stages > 1 && c.recompute.level > 0)  // the ladder's words are the model's
+void StageRunner::describe(StepConfig& c) const {
+  if (stage_.stages > 1 && c.recompute.level > 0)  // the ladder's words are the model's
     c.recompute.description = "this stage's residual blocks, the model's last excepted, and the stem where the stage has it";
 }
 
-void PipelineExecutor::check_step_data(const float* images, const std::int64_t* labels) const {
-  const PipelineStage& st = *opt_.pipeline;  // the images on the first stage, the labels on the last
+void StageRunner::check_step_data(const float* images, const std::int64_t* labels) const {
+  const PipelineStage& st = stage_;  // the images on the first stage, the labels on the last
   if ((st.stage == 0 && images == nullptr) || (st.stage + 1 == st.stages && labels == nullptr))
     throw Error(fmt::format("MBP executor: pipeline stage {} of {} needs {}", st.stage, st.stages,
                             images == nullptr ? "the images" : "the labels"));
 }
 
-void PipelineExecutor::finish_step(StepResult& r) {
+void StageRunner::finish_step(StepResult& r) const {
   r.communication_seconds = trace_.idle_seconds;  // waiting for the other stages
-  if (agrees_across_stages()) opt_.communicator->all_reduce_sum(&r.loss, 1);  // the last stage's, to every rank
+  if (agrees_across_stages()) comm_->all_reduce_sum(&r.loss, 1);  // the last stage's, to every rank
 }
 
-void PipelineExecutor::before_retry(const OutOfMemory& e, std::int64_t batch, const Plan& p) {
-  const PipelineStage& st = *opt_.pipeline;
+void StageRunner::before_retry(const OutOfMemory& e, std::int64_t batch, const Plan& p) const {
+  const PipelineStage& st = stage_;
   if (st.stages > 1)
     throw OutOfMemory(fmt::format("training step of batch {} on pipeline stage {} of {} ran out of memory with "
                                   "micro-batches of {} (predicted peak {}); a pipeline does not retry: {}", batch,
                                   st.stage, st.stages, p.micro_batch, format_bytes(p.predicted_peak), e.what()),
                       e.requested());
-}
-
-PipelineExecutor& as_stage(Executor& executor, const char* what) {
-  auto* stage = dynamic_cast<PipelineExecutor*>(&executor);
-  if (!stage) throw Error(fmt::format("{}: expected the executor of a pipeline stage, found a plain one", what));
-  return *stage;
 }
 
 }  // namespace tally::mbp
