@@ -32,7 +32,7 @@
 #include "nn/state_dict.h"
 #include "data/data.h"
 #include "distributed/communicator.h"
-#include "distributed/data_parallel.h"
+#include "distributed/replicas.h"
 #include "nn/init.h"
 #include "nn/resnet.h"
 #include "mbp/checkpoint.h"

@@ -25,7 +25,7 @@
 #include "data/data.h"
 #include "data/folder.h"
 #include "distributed/communicator.h"
-#include "distributed/data_parallel.h"
+#include "distributed/replicas.h"
 #include "mbp/checkpoint.h"
 #include "mbp/executor.h"
 #include "mbp/stage_runner.h"

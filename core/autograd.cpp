@@ -108,7 +108,7 @@ void run_backward(const Tensor& root, const Tensor& seed) {
       else { Tensor g = r.grad(); add_into(g, seed); }
     } else if (!root.grad().defined()) {
       r.impl().grad = Tensor::full(root.shape(), 1.0, root.dtype(), root.device(), Category::gradient, "grad").impl_ptr();
-    } else if (!skip_host_work()) {
+    } else if (!skip_side_effects()) {
       r.grad().fill_(r.grad().item() + 1.0);
     }
     return;

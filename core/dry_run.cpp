@@ -1,16 +1,14 @@
 // core/dry_run.cpp — the per-thread dry-run switch; see core/dry_run.h.
 #include "core/dry_run.h"
 
+#include "core/ambient.h"
 #include "core/error.h"
 
 namespace tally {
-namespace {
-thread_local bool tl_dry = false;
-}  // namespace
 
-bool is_dry_run() { return tl_dry; }
-DryRunGuard::DryRunGuard() : previous_(tl_dry) { tl_dry = true; }
-DryRunGuard::~DryRunGuard() { tl_dry = previous_; }
+bool is_dry_run() { return detail::ambient().dry_run; }
+DryRunGuard::DryRunGuard() : previous_(detail::ambient().dry_run) { detail::ambient().dry_run = true; }
+DryRunGuard::~DryRunGuard() { detail::ambient().dry_run = previous_; }
 
 DryRun::DryRun() = default;
 DryRun::DryRun(const Arena& real, std::optional<std::size_t> capacity)
@@ -18,7 +16,7 @@ DryRun::DryRun(const Arena& real, std::optional<std::size_t> capacity)
   scope_.emplace(arena_);
   if (const std::shared_ptr<Arena>& host = current_host_arena()) {
     host_ = capacity && *capacity > host->capacity() ? host->virtual_clone(*capacity) : host->virtual_clone();
-    host_scope_.emplace(host_);
+    host_scope_.emplace(host_, detail::ambient().offload_prefetch_on_cpu);
   }
 }
 DryRun::DryRun(Device device, std::size_t capacity) : arena_(Arena::make_virtual(device, capacity)) {

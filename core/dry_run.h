@@ -1,4 +1,4 @@
-// core/dry_run.h — the dry-run switch, and the one guard for host-side work.
+// core/dry_run.h — the dry-run switch, and the one guard for a step's side effects.
 //
 // Under a DryRunGuard every op allocates its outputs, saved tensors and workspaces exactly as in
 // a real run but launches no kernel. Run on a virtual arena (core/arena.h), a dry run of a
@@ -10,7 +10,7 @@
 //   * kernels: nobody above the dispatch — TALLY_DISPATCH (core/dispatch.h) checks device and
 //     dtype as a real run does and then skips the kernel, so op bodies, optimizer updates and
 //     tensor copies carry no dry-run checks;
-//   * host-side work of a step: one guard, `if (skip_host_work()) return;` (or around the one
+//   * a step's side effects: one guard, `if (skip_side_effects()) return;` (or around the one
 //     statement), for what a dry run must not do although it launches no kernel — change host
 //     state that outlives the step (an optimizer's step counter, BatchNorm's num_batches_tracked,
 //     the initializers' random draws), read device values or input data on the host (a loss, a
@@ -33,8 +33,8 @@ namespace tally {
 
 bool is_dry_run();
 
-// The guard for host-side work (above): true in a dry run.
-inline bool skip_host_work() { return is_dry_run(); }
+// The guard for a step's side effects (above): true in a dry run.
+inline bool skip_side_effects() { return is_dry_run(); }
 
 // The switch alone, for its scope (core/ and tests; above core/, a DryRun).
 class DryRunGuard {

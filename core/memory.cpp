@@ -1,4 +1,4 @@
-// core/memory.cpp — default arenas per device and thread-local arena scopes.
+// core/memory.cpp — default arenas per device, and the ambient context's arena scopes (core/ambient.h).
 #include "core/memory.h"
 
 #include <algorithm>
@@ -8,6 +8,7 @@
 
 #include <fmt/format.h>
 
+#include "core/ambient.h"
 #include "core/device.h"
 #include "core/machine.h"
 
@@ -25,15 +26,17 @@ Defaults& defaults() {
   return d;
 }
 
-thread_local std::shared_ptr<Arena> tl_cpu_override;
-thread_local std::shared_ptr<Arena> tl_host_tier;
-thread_local std::unordered_map<int, std::shared_ptr<Arena>> tl_cuda_override;
-
 std::shared_ptr<Arena>& override_slot(Device d) {
-  return d.is_cpu() ? tl_cpu_override : tl_cuda_override[d.index];
+  detail::AmbientContext& a = detail::ambient();
+  return d.is_cpu() ? a.cpu_arena : a.cuda_arenas[d.index];
 }
 
 }  // namespace
+
+detail::AmbientContext& detail::ambient() {
+  thread_local AmbientContext context;
+  return context;
+}
 
 std::size_t cuda_arena_margin(std::size_t total) { return std::max(kCudaArenaMarginBytes, total / 32); }
 
@@ -99,15 +102,21 @@ std::shared_ptr<Arena> arena_like(const Arena& like, Device device, std::size_t 
 
 void mark_trace(Device device, std::string label) { current_arena(device)->mark(std::move(label)); }
 
-const std::shared_ptr<Arena>& current_host_arena() { return tl_host_tier; }
+const std::shared_ptr<Arena>& current_host_arena() { return detail::ambient().host_tier; }
+bool offload_prefetches(Device device) { return device.is_cuda() || detail::ambient().offload_prefetch_on_cpu; }
 
-HostArenaScope::HostArenaScope(std::shared_ptr<Arena> host) : previous_(tl_host_tier) {
+HostArenaScope::HostArenaScope(std::shared_ptr<Arena> host, bool offload_prefetch_on_cpu)
+    : previous_(detail::ambient().host_tier), previous_prefetch_(detail::ambient().offload_prefetch_on_cpu) {
   if (host && !host->device().is_cpu())
     throw Error(fmt::format("HostArenaScope: expected an arena of host memory (cpu), found one on {}",
                             host->device().str()));
-  tl_host_tier = std::move(host);
+  detail::ambient().host_tier = std::move(host);
+  detail::ambient().offload_prefetch_on_cpu = offload_prefetch_on_cpu;
 }
-HostArenaScope::~HostArenaScope() { tl_host_tier = std::move(previous_); }
+HostArenaScope::~HostArenaScope() {
+  detail::ambient().host_tier = std::move(previous_);
+  detail::ambient().offload_prefetch_on_cpu = previous_prefetch_;
+}
 
 ArenaScope::ArenaScope(std::shared_ptr<Arena> arena) : arena_(std::move(arena)) {
   auto& slot = override_slot(arena_->device());

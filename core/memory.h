@@ -4,7 +4,8 @@
 // of address space, reserved with MAP_NORESERVE so untouched bytes cost nothing; CUDA: the free
 // device memory less a margin of max(1 GiB, 1/32 of the device)) or with the capacity given to configure_arena().
 // An ArenaScope makes another arena (typically a virtual clone for a dry run) the current one
-// for its device on this thread until the scope ends.
+// for its device on this thread until the scope ends. The current arenas, the host tier and the
+// dry-run switch are the one ambient context of a thread (core/ambient.h).
 #pragma once
 #include <cstddef>
 #include <memory>
@@ -48,16 +49,23 @@ std::size_t default_arena_capacity(Device device);
 // the staging buffers of its copies are allocated; null when the step has no host tier. Kept
 // apart from current_arena(Device::cpu()), which on the CPU device is the device's own budget.
 const std::shared_ptr<Arena>& current_host_arena();
-// Makes `host` (a CPU arena, or null) the host tier's arena on this thread for its lifetime.
+// Whether an offloaded segment's storages come back as soon as the backward of the segment after
+// it begins (core/offload.h, "Prefetch"): always on a GPU; on the CPU when the host tier's scope
+// asks for it.
+bool offload_prefetches(Device device);
+// Makes `host` (a CPU arena, or null) the host tier's arena on this thread for its lifetime; with
+// `offload_prefetch_on_cpu`, offloaded segments on the CPU prefetch in the GPU's order (tests: the
+// same values, the same exact peaks in both arenas; ExecutorOptions::offload_prefetch_on_cpu).
 class HostArenaScope {
  public:
-  explicit HostArenaScope(std::shared_ptr<Arena> host);
+  explicit HostArenaScope(std::shared_ptr<Arena> host, bool offload_prefetch_on_cpu = false);
   ~HostArenaScope();
   HostArenaScope(const HostArenaScope&) = delete;
   HostArenaScope& operator=(const HostArenaScope&) = delete;
 
  private:
   std::shared_ptr<Arena> previous_;
+  bool previous_prefetch_;
 };
 
 class ArenaScope {

@@ -16,9 +16,9 @@
 //     whose backward comes next), that one's storages come back as soon as this one's backward
 //     begins — on a GPU on the copy stream, beside this backward's compute, the compute stream
 //     waiting for them (an event) only before that segment's backward. On the CPU they come back
-//     at their own segment's backward (a copy there has nothing to overlap with), unless
-//     set_offload_prefetch(true) asks for the GPU's order (tests: the same values, the same exact
-//     peaks in both arenas).
+//     at their own segment's backward (a copy there has nothing to overlap with), unless the host
+//     tier's scope asks for the GPU's order (core/memory.h: HostArenaScope, offload_prefetches;
+//     tests: the same values, the same exact peaks in both arenas).
 //   * On a GPU the copies out run on the copy stream after the compute that wrote them; the
 //     compute stream waits for them before any later work can reuse the freed blocks. No host wait
 //     anywhere; host blocks freed after an upload are reused only by later copies on the same
@@ -45,22 +45,6 @@ Tensor offload(const std::function<Tensor(const Tensor&)>& f, const Tensor& x, c
 // when it returns (on a GPU after the compute work enqueued before it): persistent state moved
 // once, not a step's activations. Every view of the storage follows.
 void move_storage(Storage& s, std::shared_ptr<Arena> to);
-
-// What moving and recomputing cost on `device`, measured (mbp/activations.h, measure_cost_rates):
-// the best of four copies of 32 MiB each way between a device block and a host block (pinned where
-// a GPU is present), and the best rate of a block's forward in miniature — a 3x3 convolution of 64
-// channels on 4x56x56 in `dtype`, its batch norm and ReLU — counting the convolution's FLOPs only
-// (as the planner counts a step's), after one untimed call. In arenas of its own, freed before it
-// returns; not in a dry run.
-struct DeviceRates {
-  double copy_bytes_per_second = 0;  // each way, both directions averaged
-  double flops_per_second = 0;
-};
-DeviceRates measure_device_rates(Device device, DType dtype);
-
-// Prefetch on the CPU too (see above); process-wide, off by default. A GPU always prefetches.
-void set_offload_prefetch(bool on);
-bool offload_prefetches(Device device);
 
 // What each offload on this thread moved while an OffloadLog is alive (innermost log only): the
 // planner's measure of a segment for its cost model (mbp/activations.h).

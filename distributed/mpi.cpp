@@ -63,7 +63,7 @@ class Mpi final : public Communicator {
   }
   void all_reduce_sum(Tensor& t) override {
     check_tensor(t, "all_reduce_sum");
-    if (skip_host_work() || t.numel() == 0) return;
+    if (skip_side_effects() || t.numel() == 0) return;
     check(MPI_Allreduce(MPI_IN_PLACE, t.raw_data(), static_cast<int>(t.numel()), mpi_type(t.dtype()), MPI_SUM,
                         MPI_COMM_WORLD),
           "MPI_Allreduce");
@@ -71,14 +71,14 @@ class Mpi final : public Communicator {
   void broadcast(Tensor& t, int root) override {
     check_tensor(t, "broadcast");
     check_root(root);
-    if (skip_host_work() || t.numel() == 0) return;
+    if (skip_side_effects() || t.numel() == 0) return;
     check(MPI_Bcast(t.raw_data(), static_cast<int>(t.numel()), mpi_type(t.dtype()), root, MPI_COMM_WORLD),
           "MPI_Bcast");
   }
   void barrier() override { check(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier"); }
   std::size_t send(const Tensor& t, int peer) override {
     check_message(t, peer, "send");
-    if (skip_host_work() || t.numel() == 0) return 0;
+    if (skip_side_effects() || t.numel() == 0) return 0;
     MPI_Request request;
     check(MPI_Isend(t.raw_data(), static_cast<int>(t.nbytes()), MPI_BYTE, peer, kMessageTag, MPI_COMM_WORLD, &request),
           "MPI_Isend");
@@ -94,7 +94,7 @@ class Mpi final : public Communicator {
   }
   void recv(Tensor& t, int peer) override {
     check_message(t, peer, "recv");
-    if (skip_host_work() || t.numel() == 0) return;
+    if (skip_side_effects() || t.numel() == 0) return;
     MPI_Status status;
     check(MPI_Recv(t.raw_data(), static_cast<int>(t.nbytes()), MPI_BYTE, peer, kMessageTag, MPI_COMM_WORLD, &status),
           "MPI_Recv");

@@ -48,7 +48,7 @@ class Nccl final : public Communicator {
   void all_reduce_sum(Tensor& t) override {
     if (t.defined() && t.device().is_cpu()) return host_->all_reduce_sum(t);
     check_tensor(t, "all_reduce_sum");
-    if (skip_host_work() || t.numel() == 0) return;
+    if (skip_side_effects() || t.numel() == 0) return;
     check(ncclAllReduce(t.raw_data(), t.raw_data(), static_cast<std::size_t>(t.numel()), nccl_type(t.dtype()), ncclSum,
                         comm_, reinterpret_cast<cudaStream_t>(kernels::cuda::compute_stream())),
           "ncclAllReduce");
@@ -57,7 +57,7 @@ class Nccl final : public Communicator {
     if (t.defined() && t.device().is_cpu()) return host_->broadcast(t, root);
     check_tensor(t, "broadcast");
     if (root < 0 || root >= size()) throw Error(fmt::format("broadcast: root {} is not a rank of a world of {}", root, size()));
-    if (skip_host_work() || t.numel() == 0) return;
+    if (skip_side_effects() || t.numel() == 0) return;
     check(ncclBroadcast(t.raw_data(), t.raw_data(), static_cast<std::size_t>(t.numel()), nccl_type(t.dtype()), root,
                         comm_, reinterpret_cast<cudaStream_t>(kernels::cuda::compute_stream())),
           "ncclBroadcast");

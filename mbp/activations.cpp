@@ -10,6 +10,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "core/device_rates.h"
 #include "core/dry_run.h"
 #include "core/error.h"
 #include "core/offload.h"
@@ -23,7 +24,7 @@ std::string CostRates::str() const {
 }
 
 CostRates measure_cost_rates(Device device, DType dtype) {
-  if (skip_host_work())
+  if (skip_side_effects())
     throw Error("measure_cost_rates: not in a dry run, where nothing runs — measure before it, or give the rates "
                 "(--copy-bandwidth, --compute-rate)");
   static std::mutex mutex;

@@ -177,7 +177,7 @@ const Plan& Chooser::as_set(std::int64_t batch, std::optional<std::int64_t> micr
 
 const Plan& Chooser::measure(std::int64_t batch, std::optional<std::int64_t> micro_batch, Placement p) {
   ArenaScope scope(arena_);
-  HostArenaScope host(host_arena_for(p));
+  HostArenaScope host(host_arena_for(p), opt_.offload_prefetch_on_cpu);
   // The state as it lies now, moved where `p` puts it: plans are keyed by the moves that made the
   // layout they start from (moving to where the state is already changes nothing).
   const bool there = p == now_.placed && optimizer_.state_created();
@@ -380,7 +380,7 @@ const std::vector<ActivationCost>& Chooser::segment_costs() {
   const nn::RecomputeStateScope restore(model_);
   nn::set_segment_modes(model_, std::vector<nn::SegmentMode>(names.size(), nn::SegmentMode::offload));
   ArenaScope scope(arena_);
-  HostArenaScope host(opt_.host_arena);
+  HostArenaScope host(opt_.host_arena, opt_.offload_prefetch_on_cpu);
   std::string why;
   for (const std::int64_t n : {1, 2}) {
     OffloadLog log;

@@ -7,7 +7,7 @@
 
 #include "core/dry_run.h"
 #include "core/memory.h"
-#include "distributed/data_parallel.h"
+#include "distributed/replicas.h"
 
 namespace tally::mbp {
 
@@ -45,7 +45,7 @@ void DataParallel::before_optimizer_step(Tensor& loss) {
   distributed::StateReduction states(*comm_, states_);
   distributed::all_reduce_gradients(*comm_, parameters_, loss, bucket_bytes_, [&] { states.reserve(); });
   states.run(local_batch_, global_batch_);
-  if (!skip_host_work()) seconds_ += seconds_since(t0);
+  if (!skip_side_effects()) seconds_ += seconds_since(t0);
 }
 
 }  // namespace tally::mbp

@@ -4,7 +4,7 @@
 // gradients are its part of the global batch's mean-loss gradient; after the last micro-batch
 // the gradients (and the step's loss) are summed over the ranks once, in buckets of at most
 // bucket_bytes, and the BatchNorm moments once, in one buffer — both allocated before the first
-// collective (distributed/data_parallel.h), so the planner counts them and an out-of-memory
+// collective (distributed/replicas.h), so the planner counts them and an out-of-memory
 // retry never leaves another rank inside a collective. Every rank then takes the same optimizer
 // step. Each rank plans its own micro-batches for its own arena.
 #pragma once

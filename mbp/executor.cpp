@@ -112,7 +112,7 @@ Inputs allocate_inputs(std::int64_t n, const Shape& sample_shape, DType dtype, D
 // Both, for one micro-batch of the whole model.
 void fill_inputs(Inputs& in, InputStager& stager, const float* images, const std::int64_t* labels, std::int64_t offset,
                  std::int64_t n, std::int64_t batch, std::int64_t sample_numel, DType dtype) {
-  if (skip_host_work()) return;
+  if (skip_side_effects()) return;
   stage_images(in.x, stager, images, offset, n, sample_numel, dtype);
   in.uploaded = stage_labels(in.y, stager, labels, offset, n, batch, sample_numel, dtype);
 }
@@ -265,13 +265,13 @@ std::vector<StepPart*> Executor::parts_for(Placement placement, std::unique_ptr<
   std::vector<StepPart*> parts;
   for (const auto& part : parts_) parts.push_back(part.get());
   if (placement != Placement::gradients) {
-    if (skip_host_work() && placed_ == Placement::gradients) {  // measured while the gradients are on the host
+    if (skip_side_effects() && placed_ == Placement::gradients) {  // measured while the gradients are on the host
       simulated = HostGradients::standing_in(optimizer_.params());
       parts.push_back(simulated.get());
     }
     return parts;
   }
-  if (skip_host_work()) {
+  if (skip_side_effects()) {
     simulated = HostGradients::simulated(optimizer_.params());
     parts.push_back(simulated.get());
   } else {
@@ -287,12 +287,12 @@ double Executor::accumulate(const float* images, const std::int64_t* labels, con
   const ActiveParts active(step_parts_, parts_for(placed_, simulated));
   const Tensor total = accumulate_loss(images, labels, sizes);
   for (nn::StepState* s : states_) s->discard();  // no optimizer step follows: nothing to apply
-  return total.defined() && !skip_host_work() ? total.item() : 0.0;
+  return total.defined() && !skip_side_effects() ? total.item() : 0.0;
 }
 
 Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes,
                                  std::optional<double> given_divisor) {
-  const bool dry = skip_host_work();
+  const bool dry = skip_side_effects();
   if (!dry && (images == nullptr || labels == nullptr)) throw Error("MBP executor: no input data");
   const std::int64_t batch = checked_batch(sizes);
   // The whole batch's divisor (computed on the host before any micro-batch runs).
@@ -386,11 +386,11 @@ void Executor::run_step(Placement placement, const float* images, const std::int
   mark_trace(device_, "optimizer step");
   for (nn::StepState* s : states_) s->apply();
   NoGradGuard ng;
-  if (skip_host_work()) optimizer_.dry_step({placement != Placement::device, placement == Placement::gradients});
+  if (skip_side_effects()) optimizer_.dry_step({placement != Placement::device, placement == Placement::gradients});
   else optimizer_.step();
   optimizer_.zero_grad();
   // The step's one wait for the device: the loss value (a pipeline's: on its last stage).
-  if (loss) *loss = skip_host_work() || !total.defined() ? 0.0 : total.item();
+  if (loss) *loss = skip_side_effects() || !total.defined() ? 0.0 : total.item();
 }
 
 // The parts that want each parameter's gradient as it completes, told through the engine's hook
@@ -450,7 +450,7 @@ StepResult Executor::step(const float* images, const std::int64_t* labels, std::
     arena_->reset_peak();
     // The host tier's arena for the optimizer's staging and offloaded segments, when the plan uses it.
     const bool on_host = placed_host_arena() != nullptr;
-    HostArenaScope host(placed_host_arena());
+    HostArenaScope host(placed_host_arena(), opt_.offload_prefetch_on_cpu);
     if (on_host) opt_.host_arena->reset_peak();
     try {
       run_step(placed_, images, labels, p.sizes(), &r.loss);

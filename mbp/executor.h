@@ -128,6 +128,11 @@ struct ExecutorOptions {
   // The host tier (docs/host-tier.md): an arena of host memory (Arena::make_host: pinned where a
   // GPU is present) for what a placement puts there, beside the device arena; null: none.
   std::shared_ptr<Arena> host_arena{};
+  // Offloaded segments on the CPU come back in the GPU's order — as soon as the backward of the
+  // segment after them begins (core/offload.h, "Prefetch") — instead of at their own backward: the
+  // same values and exact peaks, a higher host-tier peak. For tests of that order; a GPU always
+  // prefetches.
+  bool offload_prefetch_on_cpu = false;
   // Where the persistent state lives. Unset: with a host tier, the placement that allows the
   // largest micro-batch, ties to the one that moves the fewest bytes (device before optimizer),
   // chosen per batch size at the recomputation as set — so recomputation ("auto") is used only

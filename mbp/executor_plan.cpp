@@ -69,7 +69,7 @@ std::shared_ptr<Arena> Executor::traced_dry_step(const Plan& p, bool* all) {
   const bool every = p.micro_batches <= Planner::kVerifyAll;
   if (all) *all = every;
   ArenaScope scope(arena_);
-  HostArenaScope host(placed_host_arena());
+  HostArenaScope host(placed_host_arena(), opt_.offload_prefetch_on_cpu);
   return chooser_.planner().traced(every ? p.sizes() : p.split.shortened(2));
 }
 

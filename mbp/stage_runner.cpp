@@ -130,7 +130,7 @@ struct StageRunner::Run {
 Tensor StageRunner::run(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes) {
   const PipelineStage& st = stage_;
   Run r(images, labels, sizes);
-  r.dry = skip_host_work(), r.first = st.stage == 0, r.last = st.stage + 1 == st.stages;
+  r.dry = skip_side_effects(), r.first = st.stage == 0, r.last = st.stage + 1 == st.stages;
   r.batch = checked_batch(sizes);
   for (std::int64_t n : sizes) r.offsets.push_back(r.offsets.back() + n);
   if (r.last && !r.dry) r.divisor = batch_divisor(labels, r.batch, loss_);  // on the stage that has the targets

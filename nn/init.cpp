@@ -42,7 +42,7 @@ namespace {
 template <class Draw>
 void fill_with(Tensor& t, const char* op, Draw draw) {
   check_floating(op, t);
-  if (skip_host_work()) return;  // the generator draws nothing in a dry run
+  if (skip_side_effects()) return;  // the generator draws nothing in a dry run
   const auto n = static_cast<std::size_t>(t.numel());
   if (t.dtype() == DType::Float64) {
     std::vector<double> v(n);

@@ -82,7 +82,7 @@ BatchNorm2d::BatchNorm2d(std::int64_t c, double eps_, double momentum_) : num_fe
 }
 
 void BatchNorm2d::count_batch() {
-  if (skip_host_work()) return;  // a dry run changes no state
+  if (skip_side_effects()) return;  // a dry run changes no state
   num_batches_tracked.data<std::int64_t>()[0] += 1;
 }
 

@@ -125,7 +125,7 @@ void Optimizer::step() {
 }
 
 void Optimizer::dry_step(Where where) {
-  if (!skip_host_work()) throw Error(fmt::format("{}.dry_step: only in a dry run (core/dry_run.h)", name_));
+  if (!skip_side_effects()) throw Error(fmt::format("{}.dry_step: only in a dry run (core/dry_run.h)", name_));
   run_step(where, true);
 }
 
@@ -157,7 +157,7 @@ void Optimizer::run_step(Where where, bool simulated) {
       Tensor(p).copy_(v);
     }
   }
-  if (!skip_host_work()) ++steps_;
+  if (!skip_side_effects()) ++steps_;
 }
 
 void Optimizer::place_state(std::shared_ptr<Arena> host) {
@@ -228,7 +228,7 @@ Tensor Optimizer::checked_grad(std::size_t i, const std::vector<Tensor>& state) 
     if (s.device() != (host_ ? Device::cpu() : p.device()))
       throw Error(fmt::format("{}.step: {} is on {} but its optimizer state is on {} (build the optimizer after "
                               "moving the model)", name_, describe(i), p.device().str(), s.device().str()));
-  if (p.numel() > 0 && !skip_host_work()) {
+  if (p.numel() > 0 && !skip_side_effects()) {
     bool null = p.raw_data() == nullptr || g.raw_data() == nullptr;
     for (const Tensor& s : state) null = null || s.raw_data() == nullptr;
     if (null)

@@ -26,7 +26,7 @@
 #include "core/memory.h"
 #include "core/safetensors.h"
 #include "distributed/communicator.h"
-#include "distributed/data_parallel.h"
+#include "distributed/replicas.h"
 #include "mbp/executor.h"
 #include "nn/recompute.h"
 #include "tests/command_line.h"

@@ -422,7 +422,7 @@ TEST_F(Mbp, InjectedOutOfMemoryRetriesTheStepAndLosesNothing) {
 // A part added to the step (mbp/step_part.h) is called at its points: begin_step once per real step,
 // every parameter's gradient_ready once per micro-batch, after_micro_batch after each,
 // before_optimizer_step once with the step's loss — and in the planner's dry runs too, which it
-// can tell by skip_host_work().
+// can tell by skip_side_effects().
 namespace {
 struct RecordingPart : mbp::StepPart {
   int begins = 0, ends = 0, dry_calls = 0;
@@ -431,15 +431,15 @@ struct RecordingPart : mbp::StepPart {
   void begin_step(const std::int64_t*, std::int64_t) override { ++begins, ready.clear(), after.clear(); }
   bool wants_gradient_ready() const override { return true; }
   void gradient_ready(const Tensor& p) override {
-    if (skip_host_work()) return (void)++dry_calls;
+    if (skip_side_effects()) return (void)++dry_calls;
     if (ready.size() == after.size()) ready.emplace_back();
     ++ready.back()[&p.impl()];
   }
   void after_micro_batch(std::size_t i, std::size_t) override {
-    if (!skip_host_work()) after.push_back(i);
+    if (!skip_side_effects()) after.push_back(i);
   }
   void before_optimizer_step(Tensor& loss) override {
-    if (skip_host_work()) return;
+    if (skip_side_effects()) return;
     ++ends;
     EXPECT_TRUE(loss.defined());
   }

@@ -44,12 +44,6 @@ struct Trained {
   }
 };
 
-// Prefetching on the CPU for the scope of one test (process-wide otherwise).
-struct PrefetchOnCpu {
-  explicit PrefetchOnCpu(bool on) { set_offload_prefetch(on); }
-  ~PrefetchOnCpu() { set_offload_prefetch(false); }
-};
-
 std::vector<float> floats(const Tensor& t) { return t.contiguous().to_vector<float>(); }
 
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
@@ -66,11 +60,10 @@ Tensor random_tensor(const Shape& shape, std::uint32_t seed) {
 TEST(Offload, ASegmentsTensorsGoToTheHostAndBackAndTheGradientsAreAPlainRunsBitForBit) {
   for (const bool prefetch : {false, true}) {
     SCOPED_TRACE(prefetch ? "prefetching" : "each at its own backward");
-    const PrefetchOnCpu scope(prefetch);
     const auto device = std::make_shared<Arena>(Device::cpu(), std::size_t(16) << 20);
     const auto host = Arena::make_host(std::size_t(16) << 20);
     const ArenaScope on_device(device);
-    const HostArenaScope tier(host);
+    const HostArenaScope tier(host, prefetch);
     Tensor w1 = random_tensor({8, 3, 3, 3}, 1).set_requires_grad(true);
     Tensor w2 = random_tensor({8, 8, 3, 3}, 2).set_requires_grad(true);
     const auto segment = [](const Tensor& w) {
@@ -144,8 +137,8 @@ TEST(Offload, OffloadedSegmentsTrainBitIdenticalToKeepingThemWithExactPeaksInBot
                         Case{"layer1.0=offload,layer2.0=recompute,layer1.2=offload,layer3.1=keep",
                              mbp::Precision::fp32, true}}) {
     SCOPED_TRACE(fmt::format("{} {}{}", c.policy, mbp::precision_name(c.precision), c.prefetch ? ", prefetching" : ""));
-    const PrefetchOnCpu scope(c.prefetch);
     mbp::ExecutorOptions eo;
+    eo.offload_prefetch_on_cpu = c.prefetch;
     eo.sample_shape = sample;
     eo.micro_batch = 5;
     eo.precision = c.precision;

@@ -26,7 +26,7 @@ found=$(grep -rnE '^[[:space:]]*#[[:space:]]*(if|ifdef|ifndef|elif).*TALLY_HAVE_
 found=$(grep -rn 'TALLY_RUN' core kernels "${layers[@]}" 2>/dev/null)
 [[ -z "$found" ]] || fail "TALLY_RUN is gone: TALLY_DISPATCH skips kernels in a dry run itself:" "$found"
 found=$(grep -rn 'is_dry_run' nn optim data distributed mbp report apps examples 2>/dev/null)
-[[ -z "$found" ]] || fail "is_dry_run() above core/: host-side work uses the one guard, skip_host_work() (core/dry_run.h):" "$found"
+[[ -z "$found" ]] || fail "is_dry_run() above core/: host-side work uses the one guard, skip_side_effects() (core/dry_run.h):" "$found"
 found=$(grep -rnE '#include "kernels/' mbp report apps 2>/dev/null)
 [[ -z "$found" ]] || fail "mbp/, report/ and apps/ include no kernels/ header (core/ has the device-neutral interfaces):" "$found"
 found=$(grep -rnE '#include "report/' core kernels nn optim data distributed mbp 2>/dev/null)
@@ -44,6 +44,8 @@ found=$(grep -rnE '(->|\.)add_(option|flag)' apps 2>/dev/null | grep -v '^apps/o
 found=$(grep -rnE 'rfind\("(synthetic|mnist|fashion-mnist|cifar10|cifar100|folder)|\.data\.(substr|rfind|find|starts_with|compare)\(|is_synthetic\(' \
   apps data examples 2>/dev/null | grep -vE '^data/spec\.(cpp|h):')
 [[ -z "$found" ]] || fail "the --data spec is read in one place, data/spec.cpp (parse_data_spec): ask the DataSpec what it names:" "$found"
+found=$(grep -rn '"core/ambient.h"' nn optim data distributed mbp report apps examples 2>/dev/null)
+[[ -z "$found" ]] || fail "the ambient context is core/'s: above it, use the scopes (ArenaScope, HostArenaScope, DryRun):" "$found"
 found=$(grep -rnE 'dynamic_cast<[^>]*(Executor|Runner)|as_stage' apps 2>/dev/null)
 [[ -z "$found" ]] || fail "a pipeline stage is a part of the executor, not a kind of it: ask Executor::stage(), never downcast:" "$found"
 names_of() { grep -vE '^[[:space:]]*//' "$1" | grep -oE '\b[a-z_][a-z_0-9]*\(' | sort -u; }

@@ -1,5 +1,5 @@
-// distributed/data_parallel.cpp — shards, parameter broadcast and checks; see distributed/data_parallel.h.
-#include "distributed/data_parallel.h"
+// distributed/replicas.cpp — what data-parallel replicas share: shards, parameter broadcast and checks; see distributed/replicas.h.
+#include "distributed/replicas.h"
 
 #include <algorithm>
 #include <cstring>
@@ -172,7 +172,7 @@ void StateReduction::run(std::int64_t local_batch, std::int64_t global_batch) {
     at = 0;
     for (Tensor& t : tensors_) t.copy_(buffer_.narrow(0, at, t.numel())), at += t.numel();
   }
-  if (!skip_host_work())
+  if (!skip_side_effects())
     for (nn::StepState* s : states_) s->scale_to_global(local_batch, global_batch);
 }
 

@@ -1,4 +1,4 @@
-// distributed/data_parallel.h — what data-parallel training needs besides the step (the step's
+// distributed/replicas.h — what data-parallel replicas share besides the step (the step's
 // data-parallel part, mbp/data_parallel.h, calls the reductions; docs/distributed.md):
 //
 //   shard                 rank r of N takes samples [r*B/N, (r+1)*B/N) of a global batch of B:
