@@ -13,6 +13,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "apps/device.h"
 #include "apps/plan.h"
 #include "apps/setup.h"
 #include "apps/sweep.h"
@@ -43,6 +44,10 @@ const EnumNames<nn::Norm>& enum_names(nn::Norm) {
     for (const nn::Norm n : {nn::Norm::Batch, nn::Norm::Group, nn::Norm::None}) out.emplace_back(n, nn::norm_name(n));
     return out;
   }();
+  return v;
+}
+const EnumNames<OnOff>& enum_names(OnOff) {
+  static const EnumNames<OnOff> v{{OnOff::on, "on"}, {OnOff::off, "off"}};
   return v;
 }
 const EnumNames<OptimizerKind>& enum_names(OptimizerKind) {
@@ -250,7 +255,7 @@ std::string type_name(const NumberRule& rule) {
 
 // ---- the table ----------------------------------------------------------------------------------
 
-enum : unsigned { kTrain = 1, kSweep = 2, kPlan = 4, kRun = kTrain | kSweep, kAll = kRun | kPlan };
+enum : unsigned { kTrain = 1, kSweep = 2, kPlan = 4, kDevice = 8, kRun = kTrain | kSweep, kAll = kRun | kPlan };
 
 // Where one command line's values go: the parts of the command's options.
 struct Targets {
@@ -258,6 +263,7 @@ struct Targets {
   TrainOptions* train = nullptr;
   PlanOptions* plan = nullptr;
   SweepOptions* sweep = nullptr;
+  DeviceOptions* device = nullptr;
 };
 
 template <class C>
@@ -266,6 +272,7 @@ C& part(const Targets& t, const std::string& name) {
   if constexpr (std::is_same_v<C, StepOptions>) p = t.step;
   else if constexpr (std::is_same_v<C, TrainOptions>) p = t.train;
   else if constexpr (std::is_same_v<C, PlanOptions>) p = t.plan;
+  else if constexpr (std::is_same_v<C, DeviceOptions>) p = t.device;
   else p = t.sweep;
   if (!p) throw std::logic_error("apps/options.cpp: option " + name + " of a command whose options lack its field");
   return *p;
@@ -288,6 +295,20 @@ Field field(T C::*member, NumberRule rule = kNonNegative) {
   };
   f.type = type_name<T>(rule);
   if constexpr (std::is_same_v<T, std::optional<bool>>) f.on = "on", f.off = "off";
+  return f;
+}
+
+// --save: tally train's weights file, or tally device's description file (one flag, two commands).
+Field save_field() {
+  Field f = field(&TrainOptions::save);
+  const auto text = f.text;
+  const auto read = f.read;
+  f.text = [text](const Targets& t, const std::string& name) { return t.device ? t.device->save : text(t, name); };
+  f.read = [read](const Targets& t, const std::string& name, const std::string& value) {
+    if (!t.device) return read(t, name, value);
+    t.device->save = value;
+    return std::string();
+  };
   return f;
 }
 
@@ -412,20 +433,27 @@ const std::vector<Option> kTable = {
      .help = "per-channel mean/std normalization (default)", .form = Form::on_off, .off_help = "pixels in [0, 1]"},
     {.name = "seed", .field = field(&TrainOptions::seed, kNonNegativeWhole), .commands = kRun,
      .help = "seed for initialization, shuffling and augmentation"},
-    {.name = "device", .field = field(&StepOptions::device), .commands = kAll,
-     .help = "cpu|cuda|cuda:N|auto (auto: the GPU when there is one)", .help_for = {{kPlan, "cpu|cuda|cuda:N"}}},
+    {.name = "device", .field = field(&StepOptions::device), .commands = kAll | kDevice,
+     .help = "cpu|cuda|cuda:N|auto (auto: the GPU when there is one)",
+     .help_for = {{kPlan, "cpu|cuda|cuda:N"}, {kDevice, "the GPU to describe: cuda|cuda:N"}}},
     {.name = "threads", .field = field(&TrainOptions::threads, kNonNegativeWhole), .commands = kRun,
      .help = "CPU threads (0: default)", .changeable = true, .show_default = false},
-    {.name = "tf32", .field = field(&TrainOptions::tf32), .commands = kRun,
+    {.name = "tf32", .field = field(&StepOptions::tf32), .commands = kAll,
      .help = "CUDA: let float32 GEMMs and convolutions use TF32 tensor cores (off by default)", .form = Form::on},
+    {.name = "deterministic", .field = field(&StepOptions::deterministic), .commands = kAll,
+     .help = "CUDA: cuDNN's deterministic convolution algorithms only (on: bit-for-bit resume; off: its others "
+             "too, as PyTorch's default)",
+     .absent = "on"},
     {.name = "profile", .field = field(&TrainOptions::profile), .commands = kTrain,
      .help = "time per op (GPU time on CUDA, host time on the CPU) over the steps after the first, printed and "
              "written to profile.txt",
      .form = Form::on, .changeable = true},
     {.name = "init", .field = field(&TrainOptions::init), .commands = kTrain,
      .help = "initial weights (safetensors, torchvision names)"},
-    {.name = "save", .field = field(&TrainOptions::save), .commands = kTrain,
-     .help = "write the trained weights (safetensors)", .changeable = true},
+    {.name = "save", .field = save_field(), .commands = kTrain | kDevice,
+     .help = "write the trained weights (safetensors)",
+     .help_for = {{kDevice, "write the GPU's description here (JSON), for plans made without it (docs/gpu.md)"}},
+     .changeable = true},
     // A resumed run's folder is where it is now (resume_options sets it); --out itself is refused
     // with --resume.
     {.name = "out", .field = field(&TrainOptions::out), .commands = kRun,
@@ -576,6 +604,9 @@ void add_options(CLI::App& cli, SweepOptions& options) {
   register_options(cli, {&options.train, &options.train, nullptr, &options}, kSweep);
 }
 void add_options(CLI::App& cli, PlanOptions& options) { register_options(cli, {&options, nullptr, &options}, kPlan); }
+void add_options(CLI::App& cli, DeviceOptions& options) {
+  register_options(cli, {&options, nullptr, nullptr, nullptr, &options}, kDevice);
+}
 
 std::vector<std::string> given_options(const CLI::App& cli) {
   std::vector<std::string> names;

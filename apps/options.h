@@ -37,6 +37,7 @@ namespace tally::app {
 
 enum class OptimizerKind { sgd, adamw };
 enum class LrScaling { linear, sqrt };  // tally sweep's learning rate per batch size (apps/sweep.h)
+enum class OnOff { off, on };
 
 // The names of an enumeration's values on the command line, in state.json and summary.json (each
 // list in its library where it has one: nn::norm_name, mbp::precision_names, ...), in the order the
@@ -51,6 +52,7 @@ const EnumNames<mbp::LossNormalization>& enum_names(mbp::LossNormalization);
 const EnumNames<mbp::PipelineSchedule>& enum_names(mbp::PipelineSchedule);
 const EnumNames<LrScaling>& enum_names(LrScaling);
 const EnumNames<mbp::Placement>& enum_names(mbp::Placement);
+const EnumNames<OnOff>& enum_names(OnOff);
 
 template <class E>
 std::string name_of(E value) {
@@ -105,6 +107,12 @@ struct StepOptions {
   // fp32 | bf16: bf16 mixed precision (mbp::Precision, docs/precision.md): bf16 activations,
   // float32 master weights, gradients, optimizer state and loss. Evaluation too.
   mbp::Precision precision = mbp::Precision::fp32;
+  // CUDA (docs/gpu.md, "Numerics"): float32 GEMMs and convolutions may use TF32 tensor cores; cuDNN
+  // takes deterministic convolution algorithms only (on: bit-for-bit resume and "MBP equals the full
+  // batch" on a GPU rest on it; off: its other algorithms too, as PyTorch's default). No effect on
+  // the CPU, whose kernels are deterministic.
+  bool tf32 = false;
+  OnOff deterministic = OnOff::on;
   // The activations' layout (ExecutorOptions::memory_format, docs/memory-format.md); unset ("auto"):
   // channels_last on a CPU with oneDNN, contiguous on CUDA and for pipeline stages.
   std::optional<MemoryFormat> memory_format;
@@ -135,12 +143,14 @@ mbp::ExecutorOptions executor_options(const StepOptions& options, const Shape& s
 struct TrainOptions;
 struct PlanOptions;
 struct SweepOptions;
+struct DeviceOptions;
 
 // Each command's flags from the table, registered on `cli` and parsed into `options` (the command's
 // defaults: their initial values). A bad value is a CLI::ValidationError in tally's words.
 void add_options(CLI::App& cli, TrainOptions& options);
 void add_options(CLI::App& cli, SweepOptions& options);
 void add_options(CLI::App& cli, PlanOptions& options);
+void add_options(CLI::App& cli, DeviceOptions& options);
 // The options given on a parsed command line, by their names in the table ("augment" for --augment
 // and --no-augment, "progress" for --no-progress).
 std::vector<std::string> given_options(const CLI::App& cli);

@@ -157,6 +157,7 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   if (dev.is_cuda() && !cuda_available())
     throw Error(fmt::format("--device {}: no GPU is present (CUDA workspace sizes come from the GPU's libraries)",
                             opt.device));
+  if (dev.is_cuda()) set_allow_tf32(opt.tf32), set_deterministic(opt.deterministic == OnOff::on);
   nn::ModelConfig mc;
   mc.name = opt.model;
   mc.norm = opt.norm;

@@ -14,6 +14,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include "apps/device.h"
 #include "apps/options.h"
 #include "apps/plan.h"
 #include "apps/run_state.h"
@@ -43,6 +44,18 @@ int fail(const std::exception& e) {
   return 1;
 }
 
+// A sweep's options once parsed: whether --warmup-epochs was given, and with --resume the sweep's
+// saved options, checked against the given ones (`names`).
+void complete_sweep_options(app::SweepOptions& so, const std::vector<std::string>& names) {
+  so.warmup_given = std::find(names.begin(), names.end(), "warmup-epochs") != names.end();
+  if (so.train.resume.empty()) return;
+  app::SweepOptions saved = app::sweep_resume_options(so.train.resume);
+  so.resume = so.train.resume;
+  app::check_sweep_resume(saved, so, names);
+  saved.train = app::resumed_options(saved.train, so.train, names);
+  so = saved;
+}
+
 int main(int argc, char** argv) {
   // Line by line into a file or a pipe too: a run's log (its checkpoints above all) is there when
   // the run is killed.
@@ -62,21 +75,14 @@ int main(int argc, char** argv) {
   app::PlanOptions po;
   auto* plan_cmd = app.add_subcommand("plan", "print the memory plan of a training step (nothing is computed)");
   app::add_options(*plan_cmd, po);
+  app::DeviceOptions dvo;
+  auto* device_cmd = app.add_subcommand("device", "describe a GPU and save the description, for plans made without it");
+  app::add_options(*device_cmd, dvo);
   try {
     app.parse(argc, argv);
     if (train_cmd->parsed() && !to.resume.empty())
       to = app::resumed_options(app::resume_options(to.resume), to, app::given_options(*train_cmd));
-    if (sweep_cmd->parsed()) {
-      const std::vector<std::string> names = app::given_options(*sweep_cmd);
-      so.warmup_given = std::find(names.begin(), names.end(), "warmup-epochs") != names.end();
-      if (!so.train.resume.empty()) {
-        app::SweepOptions saved = app::sweep_resume_options(so.train.resume);
-        so.resume = so.train.resume;
-        app::check_sweep_resume(saved, so, names);
-        saved.train = app::resumed_options(saved.train, so.train, names);
-        so = saved;
-      }
-    }
+    if (sweep_cmd->parsed()) complete_sweep_options(so, app::given_options(*sweep_cmd));
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   } catch (const std::exception& e) {
@@ -89,7 +95,8 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (app.get_subcommands().empty()) {
-      fmt::print(stderr, "{}\ntally: expected a command (train, sweep or plan) or --version, found none\n", app.help());
+      fmt::print(stderr, "{}\ntally: expected a command (train, sweep, plan or device) or --version, found none\n",
+                 app.help());
       return 2;
     }
     // A run stopped by a signal has written its checkpoint and said how to resume: 128 + signal,
@@ -102,6 +109,10 @@ int main(int argc, char** argv) {
       int stopped = 0;
       app::sweep(so, std::cout, &stopped);
       return stopped ? 128 + stopped : 0;
+    }
+    if (device_cmd->parsed()) {
+      app::describe_device(dvo, std::cout);
+      return 0;
     }
     if (plan_cmd->parsed()) {
       // Under mpirun every rank plans every stage alike; rank 0 speaks.

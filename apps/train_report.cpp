@@ -97,7 +97,7 @@ void TrainingRun::print_header(const Setup& setup) const {
              name_of(rank_options_.norm), setup.parameters, t.name, t.size(), split_.test.size(), t.channels, t.height, t.width,
              t.num_classes);
   fmt::print(log_, "device {}{} | precision {} | memory format {} | batch {} | {} steps ({} per epoch) | {} lr {} schedule {} | augment {} shuffle {} normalize {}\n",
-             dev.str(), dev.is_cuda() ? (rank_options_.tf32 ? " (TF32 on)" : " (TF32 off)") : (rank_options_.tf32 ? " (--tf32: no effect on the CPU)" : ""),
+             dev.str(), dev.is_cuda() ? fmt::format(" (TF32 {}, deterministic {})", rank_options_.tf32 ? "on" : "off", name_of(rank_options_.deterministic)) : (rank_options_.tf32 ? " (--tf32: no effect on the CPU)" : ""),
              rank_options_.precision == mbp::Precision::bf16 ? "bf16 (bf16 activations, float32 weights, gradients and loss)" : "fp32",
              memory_format_name(executor_->memory_format()), rank_options_.batch_size, steps_.total, per_epoch_, name_of(rank_options_.optimizer), rank_options_.lr, rank_options_.schedule,
              augments(rank_options_, data_spec_) ? "on" : "off", rank_options_.shuffle ? "on" : "off", rank_options_.normalize ? "on" : "off");

@@ -232,7 +232,7 @@ void set_up_rank(RankSetup& r, const TrainOptions& options, std::ostream& all_lo
     std::filesystem::create_directories(r.opt.out);
     r.lock.emplace(r.opt.out, r.opt.resume.empty() ? "--out" : "--resume");
   }
-  if (r.dev.is_cuda()) set_allow_tf32(r.opt.tf32);
+  if (r.dev.is_cuda()) set_allow_tf32(r.opt.tf32), set_deterministic(r.opt.deterministic == OnOff::on);
 }
 
 }  // namespace

@@ -41,7 +41,6 @@ struct TrainOptions : StepOptions {
   bool shuffle = true, normalize = true;
   std::uint64_t seed = 0;
   int threads = 0;  // 0: leave the default
-  bool tf32 = false;  // CUDA: float32 GEMMs and convolutions may use TF32 tensor cores
   bool profile = false;  // time per op over the steps after the first (GPU time on CUDA, host time on the CPU; profile.txt)
   std::string init, save, out;
   bool progress = true;  // progress bar on stdout

@@ -102,6 +102,9 @@ void cuda_memory_info(int device, std::size_t* free_bytes, std::size_t* total_by
 void set_allow_tf32(bool on) {
   if constexpr (kHaveCudaBackend) kernels::cuda::set_allow_tf32(on);
 }
+void set_deterministic(bool on) {
+  if constexpr (kHaveCudaBackend) kernels::cuda::set_deterministic(on);
+}
 
 void synchronize(Device device) {
   if (device.is_cpu()) return;

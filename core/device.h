@@ -65,6 +65,10 @@ void cuda_memory_info(int device, std::size_t* free_bytes, std::size_t* total_by
 // torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32 together). The CPU's
 // kernels are not affected.
 void set_allow_tf32(bool on);
+// Whether cuDNN may only take convolution algorithms it reports deterministic (default true; as
+// torch.backends.cudnn.deterministic): bit-for-bit resume and "MBP equals the full batch" on a GPU
+// rest on it. The CPU's kernels are deterministic either way.
+void set_deterministic(bool on);
 
 // Waits until everything enqueued on `device` has finished (torch.cuda.synchronize); nothing to
 // wait for on the CPU, whose kernels return when done.

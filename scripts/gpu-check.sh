@@ -309,7 +309,7 @@ run_logged() {
   local t0=$SECONDS
   timeout --kill-after=10 "$cap" "$@" </dev/null >>"$log" 2>&1 || rc=$?
   echo "==== exit $rc after $((SECONDS - t0)) s" >>"$log"
-  if ((rc != 0 && rehearsal)) && tail -n +"$((mark + 1))" "$log" | grep -qE 'no GPU (is )?present|skipped: no GPU|Torch not compiled with CUDA|Found no NVIDIA driver'; then
+  if ((rc != 0 && rehearsal)) && tail -n +"$((mark + 1))" "$log" | grep -qE 'no GPU (is )?present|skipped: no GPU|Torch not compiled with CUDA|Found no NVIDIA driver|expected a GPU to describe, found none'; then
     echo "==== rehearsal: failed for want of a GPU only (counted as passed here)" >>"$log"
     rc=0
   fi
@@ -332,6 +332,12 @@ step_env() {
 torch.backends.cudnn.version(), "torchvision", torchvision.__version__)' 2>&1 || echo "python3 torch: not available"
   } >"$log"
   note "$(grep -m1 -o 'GPU: .*' "$log" || echo 'GPU: none detected')"
+  # First of all, what later work needs without the GPU: its description for plans made without it
+  # (docs/gpu.md, "Plans without the GPU"), into $out at once; commit it as
+  # tests/fixtures/devices/<gpu>.json.
+  mkdir -p "$out"
+  run_logged "tally device --save" "$log" 20 "$bundle/run" "$bundle/bin/tally" device --save "$out/device.json"
+  result "tally device --save" "$( [[ -s $out/device.json ]] && echo "saved $out/device.json" || echo 'no device file')"
 }
 
 # gtest_line LOG: the gtest summary lines of the last run in LOG, on one line.

@@ -3,12 +3,21 @@
 // and the accounting of a GPU step in gpu_ops_test.cpp.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <filesystem>
 #include <random>
+#include <string>
 
 #include "core/arena.h"
+#include "core/device_file.h"
 #include "core/memory.h"
 #include "core/tensor.h"
+#include "tally/config.h"
 #include "tests/gpu_common.h"
+#if TALLY_HAVE_CUDNN
+#include "kernels/cuda/cuda_kernels.h"
+#endif
 
 using namespace tally;
 
@@ -81,3 +90,39 @@ TEST(Gpu, ReservingMoreThanTheDeviceHasIsAClearError) {
       EXPECT_NE(m.find(needle), std::string::npos) << m;
   }
 }
+
+#if TALLY_HAVE_CUDNN
+// The GPU's saved description (tally device --save) plans each pass of a convolution as the GPU
+// itself does through the graph API — the same engine, workspace and candidates — so a plan made
+// from the file on a machine without the GPU is the plan the GPU runs (docs/gpu.md, "Plans without
+// the GPU"). Both memory formats of the deviceless plan are checked in tests/deviceless_test.cpp.
+TEST(Gpu, ASavedDescriptionPlansConvolutionsAsTheDeviceDoes) {
+  REQUIRE_GPU();
+  namespace kg = tally::kernels::cuda;
+  const DeviceFile mine = describe_device(Device::cuda(0));
+  const std::filesystem::path path =
+      std::filesystem::temp_directory_path() / ("tally-device-" + std::to_string(::getpid()) + ".json");
+  save_device_file(mine, path);
+  const DeviceFile back = load_device_file(path);
+  std::filesystem::remove(path);
+  EXPECT_EQ(back.name, mine.name);
+  EXPECT_EQ(back.compute_major, mine.compute_major);
+  EXPECT_EQ(back.total_memory, mine.total_memory);
+  struct Api {  // the graph API for the scope
+    kg::CudnnConvApi before = kg::cudnn_conv_api();
+    Api() { kg::set_cudnn_conv_api(kg::CudnnConvApi::graph); }
+    ~Api() { kg::set_cudnn_conv_api(before); }
+  } graph;
+  kernels::Conv2dShape s{32, 64, 28, 28, 128, 3, 3};
+  s.stride_h = s.stride_w = 2, s.pad_h = s.pad_w = 1;
+  s.workspace_limit = std::size_t(256) << 20;
+  for (const bool bf16 : {false, true}) {
+    const std::string on_device = bf16 ? kg::conv2d_plan_description<kernels::bf16>(s) : kg::conv2d_plan_description<float>(s);
+    for (const auto pass : {kernels::ConvPass::forward, kernels::ConvPass::backward_data, kernels::ConvPass::backward_filter}) {
+      const kg::OfflineConvPlan p = kg::conv2d_plan_offline(s, bf16, pass, 0.f, back.cudnn_properties);
+      EXPECT_NE(on_device.find(p.description), std::string::npos)
+          << (bf16 ? "bf16" : "float32") << " from the file: " << p.description << "\non the device:\n" << on_device;
+    }
+  }
+}
+#endif

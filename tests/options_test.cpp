@@ -194,14 +194,16 @@ TEST(Options, TheTextFormKeepsEveryOptionAndTheSameStrings) {
   EXPECT_EQ(values.at("workers"), "0");
   EXPECT_EQ(values.at("transform"), "imagenet");
   EXPECT_EQ(values.at("skip-bad-images"), "false");
-  EXPECT_EQ(values.size(), 48u);
+  EXPECT_EQ(values.at("deterministic"), "on");
+  EXPECT_EQ(values.size(), 49u);
   EXPECT_EQ(values.count("resume"), 0u);
   EXPECT_EQ(option_values(options_from_values(values, "test")), option_values(o));
   // A checkpoint from before --memory-format ran contiguous; one from before the pipeline had one
   // stage; one from before the host tier had none.
   for (const char* newer : {"memory-format", "pipeline-stages", "pipeline-split", "pipeline-schedule",
                             "host-memory-limit", "placement", "copy-bandwidth", "compute-rate", "input",
-                            "transform", "skip-bad-images", "workers", "val-fraction", "max-image-pixels"})
+                            "transform", "skip-bad-images", "workers", "val-fraction", "max-image-pixels",
+                            "deterministic"})
     values.erase(newer);
   const TrainOptions old = options_from_values(values, "test");
   EXPECT_EQ(old.memory_format, MemoryFormat::Contiguous);
@@ -211,6 +213,7 @@ TEST(Options, TheTextFormKeepsEveryOptionAndTheSameStrings) {
   EXPECT_EQ(old.copy_bandwidth, "measure");
   EXPECT_EQ(old.input, "auto");
   EXPECT_EQ(old.max_image_pixels, 89478485);
+  EXPECT_EQ(old.deterministic, OnOff::on) << "a checkpoint from before --deterministic ran deterministic";
   values["precision"] = "fp16";
   try {
     (void)options_from_values(values, "state.json");

@@ -161,6 +161,12 @@ std::string device_name(int device) {
   return p.name;
 }
 
+DeviceInfo device_info(int device) {
+  cudaDeviceProp p{};
+  TALLY_CUDA_CHECK(cudaGetDeviceProperties(&p, device));
+  return {p.name, p.major, p.minor, p.multiProcessorCount, p.totalGlobalMem};
+}
+
 void* device_allocate(std::size_t bytes) {
   void* p = nullptr;
   const cudaError_t e = cudaMalloc(&p, bytes);
@@ -269,6 +275,14 @@ std::string runtime_versions() {
   s += fmt::format(", cuDNN {}.{}.{}", v / 10000, v % 10000 / 100, v % 100);
 #endif
   return s;
+}
+
+std::size_t cudnn_version() {
+#if TALLY_HAVE_CUDNN
+  return cudnnGetVersion();
+#else
+  return 0;
+#endif
 }
 
 // ---- switches ---------------------------------------------------------------------------------

@@ -42,6 +42,13 @@ namespace tally::kernels::cuda {
 // ---- devices and device memory -----------------------------------------------------------------
 int device_count();  // 0 when there is no driver or no GPU (never throws)
 std::string device_name(int device);
+// What a plan needs to know of a GPU besides cuDNN's description of it (core/device_file.h).
+struct DeviceInfo {
+  std::string name;
+  int compute_major = 0, compute_minor = 0, multiprocessors = 0;
+  std::size_t total_memory = 0;
+};
+DeviceInfo device_info(int device);
 // cudaMalloc on the current device, for an arena's reservation: a failure throws tally::Error
 // naming the bytes asked and the device's free and total memory.
 void* device_allocate(std::size_t bytes);
@@ -76,6 +83,8 @@ void synchronize_device();
 // The versions loaded at run time (which may differ from the headers built against):
 // "driver 13.0, runtime 13.0, cuBLAS 13.0.2, cuDNN 9.19.0".
 std::string runtime_versions();
+// cudnnGetVersion() of the cuDNN loaded (major*10000 + minor*100 + patch); 0 in a build without cuDNN.
+std::size_t cudnn_version();
 
 // ---- switches ---------------------------------------------------------------------------------
 void set_allow_tf32(bool on);

@@ -157,12 +157,13 @@ struct Plan {
 
 // Everything a plan depends on.
 using PlanKey = std::tuple<int /*device*/, bool /*bf16*/, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64,
-                           i64, i64, bool /*tf32*/, bool /*deterministic*/, std::size_t /*workspace limit*/>;
+                           i64, i64, bool /*tf32*/, bool /*deterministic*/, std::size_t /*workspace limit*/,
+                           bool /*channels last*/>;
 
 PlanKey key_of(const Conv2dShape& s, bool bf16) {
   return {current_device(), bf16,       s.N,     s.C,     s.H,     s.W,     s.K,      s.R,
           s.S,              s.stride_h, s.stride_w, s.pad_h, s.pad_w, s.dil_h, s.dil_w, s.groups,
-          allow_tf32(),     deterministic(), s.workspace_limit};
+          allow_tf32(),     deterministic(), s.workspace_limit, s.channels_last};
 }
 
 bool is_tensor_op(cudnnMathType_t m) { return m == CUDNN_TENSOR_OP_MATH || m == CUDNN_TENSOR_OP_MATH_ALLOW_CONVERSION; }
@@ -462,10 +463,14 @@ void set_desc(const Backend& d, cudnnBackendAttributeName_t name, const Backend&
 // Unique ids of the operands in a variant pack.
 constexpr std::int64_t kUidX = 'x', kUidW = 'w', kUidY = 'y';
 
+// Dimensions (a, b, c, d) = (N, C, H, W) or (K, C, R, S), stored in that order, or with
+// `channels_last` as (N, H, W, C): the strides say which (cuDNN's NHWC engines read the latter).
 Backend tensor_desc(std::int64_t uid, cudnnDataType_t type, std::int64_t a, std::int64_t b, std::int64_t c,
-                    std::int64_t d) {
+                    std::int64_t d, bool channels_last = false) {
   auto t = backend(CUDNN_BACKEND_TENSOR_DESCRIPTOR);
-  const std::int64_t dims[4] = {a, b, c, d}, strides[4] = {b * c * d, c * d, d, 1}, alignment = 16;
+  const std::int64_t dims[4] = {a, b, c, d}, alignment = 16;
+  const std::int64_t rows[4] = {b * c * d, c * d, d, 1}, nhwc[4] = {b * c * d, 1, d * b, b};
+  const std::int64_t* strides = channels_last ? nhwc : rows;
   set_attr(t, CUDNN_ATTR_TENSOR_DATA_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &type);
   set_attr(t, CUDNN_ATTR_TENSOR_DIMENSIONS, CUDNN_TYPE_INT64, 4, dims);
   set_attr(t, CUDNN_ATTR_TENSOR_STRIDES, CUDNN_TYPE_INT64, 4, strides);
@@ -502,6 +507,7 @@ struct GraphPlan {
   std::vector<Backend> parts;  // tensors, convolution, operation, graph, heuristics, configurations
   Backend plan;
   std::size_t workspace = 0;
+  std::int64_t engine = -1;  // cuDNN's global engine index
   std::string description;
 };
 
@@ -537,14 +543,26 @@ const char* pass_name(ConvPass pass) {
   return pass == ConvPass::forward ? "forward" : pass == ConvPass::backward_data ? "backward data" : "backward filter";
 }
 
-std::unique_ptr<GraphPlan> make_graph_plan(const Conv2dShape& s, bool bf16, ConvPass pass, float beta) {
-  cudnnHandle_t h = detail::cudnn();
+// Where a graph plan is made for: the current device (its cuDNN handle), or a device described by
+// its saved properties (cuDNN's device-properties descriptor, CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR),
+// with no GPU touched — the heuristics and the plans' finalization read the description instead.
+struct PlanTarget {
+  cudnnHandle_t handle = nullptr;
+  cudnnBackendDescriptor_t device_properties = nullptr;
+};
+
+std::unique_ptr<GraphPlan> make_graph_plan(const Conv2dShape& s, bool bf16, ConvPass pass, float beta,
+                                           const PlanTarget& target) {
+  cudnnHandle_t h = target.handle;
+  cudnnBackendDescriptor_t props = target.device_properties;
   auto g = std::make_unique<GraphPlan>();
   const cudnnDataType_t data = bf16 ? CUDNN_DATA_BFLOAT16 : CUDNN_DATA_FLOAT;
   // The weight gradient of a float32 pass is float32; of a bf16 pass, bf16 (added into float32 after).
-  auto x = tensor_desc(kUidX, data, s.N, s.C, s.H, s.W);
+  // Channels-last activations take the weights as they are stored, (K, C/g, R, S): cuDNN reorders
+  // them inside its workspace, which the plan's workspace size includes.
+  auto x = tensor_desc(kUidX, data, s.N, s.C, s.H, s.W, s.channels_last);
   auto w = tensor_desc(kUidW, data, s.K, s.C / s.groups, s.R, s.S);
-  auto y = tensor_desc(kUidY, data, s.N, s.K, s.P(), s.Q());
+  auto y = tensor_desc(kUidY, data, s.N, s.K, s.P(), s.Q(), s.channels_last);
   auto conv = conv_desc(s);
   // The pass's operation and the names of its attributes: x (or dx), w (or dw), y (or dy), the
   // convolution, alpha and beta.
@@ -580,7 +598,7 @@ std::unique_ptr<GraphPlan> make_graph_plan(const Conv2dShape& s, bool bf16, Conv
   TALLY_CUDNN_CHECK(cudnnBackendFinalize(op->get()));
   auto graph = backend(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR);
   set_desc(graph, CUDNN_ATTR_OPERATIONGRAPH_OPS, op);
-  set_attr(graph, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &h);
+  if (h) set_attr(graph, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &h);
   TALLY_CUDNN_CHECK(cudnnBackendFinalize(graph->get()));
   // Heuristics mode A's list, then the fallback mode's (cuDNN's own advice when A offers nothing
   // usable: for float32 without TF32 A can list tensor-core engines alone, as for the weight
@@ -591,6 +609,7 @@ std::unique_ptr<GraphPlan> make_graph_plan(const Conv2dShape& s, bool bf16, Conv
     auto heur = backend(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR);
     set_desc(heur, CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, graph);
     set_attr(heur, CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &mode);
+    if (props) set_attr(heur, CUDNN_ATTR_ENGINEHEUR_DEVICEPROP, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &props);
     TALLY_CUDNN_CHECK(cudnnBackendFinalize(heur->get()));
     std::int64_t count = 0;
     TALLY_CUDNN_CHECK(cudnnBackendGetAttribute(heur->get(), CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR,
@@ -627,7 +646,8 @@ std::unique_ptr<GraphPlan> make_graph_plan(const Conv2dShape& s, bool bf16, Conv
         note = "FFT/Winograd on bf16";
       } else {
         auto plan = backend(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
-        set_attr(plan, CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &h);
+        if (h) set_attr(plan, CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &h);
+        if (props) set_attr(plan, CUDNN_ATTR_EXECUTION_PLAN_DEVICEPROP, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &props);
         set_desc(plan, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, configs[static_cast<std::size_t>(i)]);
         const cudnnStatus_t st = cudnnBackendFinalize(plan->get());
         std::int64_t ws = 0, n = 0;
@@ -642,6 +662,7 @@ std::unique_ptr<GraphPlan> make_graph_plan(const Conv2dShape& s, bool bf16, Conv
           note = std::to_string(ws) + " B";
           g->plan = std::move(plan);
           g->workspace = static_cast<std::size_t>(ws);
+          g->engine = info.index;
           ok = true;
         }
       }
@@ -682,7 +703,7 @@ const GraphPlan& graph_plan(const Conv2dShape& s, bool bf16, ConvPass pass, floa
   const Key key{key_of(s, bf16), static_cast<int>(pass), beta == 1.f};
   std::lock_guard<std::mutex> lock(mu);
   auto it = cache->find(key);
-  if (it == cache->end()) it = cache->emplace(key, make_graph_plan(s, bf16, pass, beta)).first;
+  if (it == cache->end()) it = cache->emplace(key, make_graph_plan(s, bf16, pass, beta, {detail::cudnn(), nullptr})).first;
   return *it->second;
 }
 
@@ -789,6 +810,52 @@ CudnnConvApi cudnn_conv_api() {
   return g_conv_api.load();
 #else
   return CudnnConvApi::automatic;
+#endif
+}
+
+// ---- plans without the device ----------------------------------------------------------------
+
+std::string cudnn_device_properties(int device) {
+#if TALLY_HAVE_CUDNN
+  use_device(device);
+  auto d = backend(CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR);
+  const std::int32_t id = device;
+  set_attr(d, CUDNN_ATTR_DEVICEPROP_DEVICE_ID, CUDNN_TYPE_INT32, 1, &id);
+  TALLY_CUDNN_CHECK(cudnnBackendFinalize(d->get()));
+  std::int64_t n = 0;
+  TALLY_CUDNN_CHECK(cudnnBackendGetAttribute(d->get(), CUDNN_ATTR_DEVICEPROP_JSON_REPRESENTATION, CUDNN_TYPE_CHAR, 0, &n,
+                                            nullptr));
+  std::string json(static_cast<std::size_t>(n > 0 ? n : 1 << 20), '\0');
+  TALLY_CUDNN_CHECK(cudnnBackendGetAttribute(d->get(), CUDNN_ATTR_DEVICEPROP_JSON_REPRESENTATION, CUDNN_TYPE_CHAR,
+                                            static_cast<std::int64_t>(json.size()), &n, json.data()));
+  json.resize(std::min(json.size(), static_cast<std::size_t>(n)));
+  while (!json.empty() && json.back() == '\0') json.pop_back();
+  return json;
+#else
+  (void)device;
+  no_cudnn();
+#endif
+}
+
+OfflineConvPlan conv2d_plan_offline(const Conv2dShape& s, bool bf16, ConvPass pass, float beta,
+                                    const std::string& device_properties) {
+#if TALLY_HAVE_CUDNN
+  auto props = backend(CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR);
+  const cudnnStatus_t set = cudnnBackendSetAttribute(props->get(), CUDNN_ATTR_DEVICEPROP_JSON_REPRESENTATION,
+                                                     CUDNN_TYPE_CHAR, static_cast<std::int64_t>(device_properties.size()),
+                                                     device_properties.data());
+  const cudnnStatus_t done = set == CUDNN_STATUS_SUCCESS ? cudnnBackendFinalize(props->get()) : set;
+  if (done != CUDNN_STATUS_SUCCESS) {
+    char why[1024] = "";
+    cudnnGetLastErrorString(why, sizeof why);
+    detail::fail(std::string("cuDNN ") + std::to_string(cudnnGetVersion()) + " refused the saved device properties: " +
+                 cudnnGetErrorString(done) + (why[0] ? std::string(" (") + why + ")" : std::string()));
+  }
+  const std::unique_ptr<GraphPlan> g = make_graph_plan(s, bf16, pass, beta, {nullptr, props->get()});
+  return {g->engine, g->workspace, g->description};
+#else
+  (void)s, (void)bf16, (void)pass, (void)beta, (void)device_properties;
+  no_cudnn();
 #endif
 }
 

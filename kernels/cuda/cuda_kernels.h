@@ -92,6 +92,23 @@ enum class CudnnConvApi { automatic, legacy, graph };
 void set_cudnn_conv_api(CudnnConvApi api);
 CudnnConvApi cudnn_conv_api();
 
+// Plans without the device (cuDNN 9.8+'s deviceless ahead-of-time compilation; docs/gpu.md,
+// "Plans without the GPU"). cudnn_device_properties: cuDNN's serialized description of GPU
+// `device` (CUDNN_ATTR_DEVICEPROP_JSON_REPRESENTATION) — on that GPU. conv2d_plan_offline: one
+// pass's graph-API plan (beta 0 writes, 1 accumulates) for the GPU those properties describe,
+// chosen under the same rules as the graph API's on the device (heuristics mode A then the
+// fallback mode; deterministic(), allow_tf32() and the shape's workspace_limit as set) and
+// finalized by cuDNN from the description alone: no GPU, driver or handle is touched. A
+// description cuDNN refuses (another cuDNN's, or damaged): a tally::Error naming cuDNN's reason.
+std::string cudnn_device_properties(int device);
+struct OfflineConvPlan {
+  std::int64_t engine = -1;    // cuDNN's global engine index
+  std::size_t workspace = 0;   // cuDNN's workspace in bytes (bf16: without tally's weight copy)
+  std::string description;     // the choice and the candidates, as conv2d_plan_description words them
+};
+OfflineConvPlan conv2d_plan_offline(const Conv2dShape& s, bool bf16, ConvPass pass, float beta,
+                                    const std::string& device_properties);
+
 // ---- context.cpp, elementwise.cu, norm.cu, pool.cu, loss.cu, optim.cu ---------------------------
 // copy_from_host and copy_to_host return once the copy is done (the host buffer may be reused or
 // read at once), copy_bytes without waiting; all are enqueued on the compute stream after every

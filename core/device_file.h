@@ -1,0 +1,38 @@
+// core/device_file.h — what a plan needs of a GPU, saved on that GPU and read on any machine with
+// the CUDA build, GPU or not (docs/gpu.md, "Plans without the GPU"): `tally device --save FILE`
+// writes one; the deviceless convolution plans (kernels/cuda/cuda_kernels.h, conv2d_plan_offline)
+// are made from it.
+//
+// The file is JSON: {"format": "tally device file", "version": 1, "name", "compute_capability"
+// ("9.0"), "multiprocessors", "total_memory" (bytes), "cudnn_version" (major*10000 + minor*100 +
+// patch of the cuDNN that described it), "cudnn_properties" (cuDNN's own description, an object)}.
+// cuDNN reads only its own version's description, so a file saved by another cuDNN is refused with
+// both versions named.
+#pragma once
+#include <cstddef>
+#include <filesystem>
+#include <string>
+
+#include "core/device.h"
+
+namespace tally {
+
+struct DeviceFile {
+  std::string name;
+  int compute_major = 0, compute_minor = 0, multiprocessors = 0;
+  std::size_t total_memory = 0;
+  std::size_t cudnn_version = 0;
+  std::string cudnn_properties;  // JSON text, as cuDNN reads it
+};
+
+// The description of GPU `device` (on it). An Error when it is not a GPU of this build.
+DeviceFile describe_device(Device device);
+// Written whole, then renamed into place (an Error naming the path and the reason).
+void save_device_file(const DeviceFile& file, const std::filesystem::path& path);
+// Read and checked: an Error naming the path and what was expected and found — unreadable, not
+// JSON, another format, a missing or mistyped field, saved by another cuDNN than this build's.
+DeviceFile load_device_file(const std::filesystem::path& path);
+// The cuDNN version this build loads (0 without cuDNN).
+std::size_t loaded_cudnn_version();
+
+}  // namespace tally
