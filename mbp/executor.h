@@ -168,7 +168,8 @@ struct StepResult {
 class Executor {
  public:
   // Runs on `arena`, the budget of the plan: the model's parameters and gradient buffers must live
-  // in it, and they and the optimizer's state must exist already (the planner counts them). The
+  // in it and exist already (the planner counts them); the optimizer's state exists already or is
+  // created where the first plan places it (optim::StateCreation::when_placed). The
   // model's device and dtype are those of its first parameter. A pipeline stage
   // (ExecutorOptions::pipeline) needs only its own stage's parameters and gradients there.
   Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_ptr<Arena> arena, ExecutorOptions options);
@@ -181,7 +182,8 @@ class Executor {
   // A pipeline stage's plan has the micro-batch agreed across the stages (StageRunner::choose).
   const Plan& plan(std::int64_t batch);
   // What plan(batch) would run, measured by dry runs alone: nothing real is moved, allocated or
-  // changed (Chooser::choose).
+  // changed (Chooser::choose). A pipeline stage's agrees its micro-batch with the other stages: a
+  // collective, called by every rank.
   StepConfig choose(std::int64_t batch);
   // The same with micro-batches of exactly `micro_batch`, at the recomputation plan(batch) would
   // choose (Chooser::choose_with): e.g. a pipeline stage's plan at the micro-batch the stages agree on.
