@@ -36,10 +36,10 @@ file(WRITE "${OUTPUT}"
 
 namespace ${NAMESPACE} {
 namespace {
-constexpr char kBytes[] =
+constexpr char ${NAME}_bytes[] =
 ${body};
-static_assert(sizeof kBytes == ${size} + 1);
+static_assert(sizeof ${NAME}_bytes == ${size} + 1);
 }  // namespace
-extern const std::string_view ${NAME}{kBytes, sizeof kBytes - 1};
+extern const std::string_view ${NAME}{${NAME}_bytes, sizeof ${NAME}_bytes - 1};
 }  // namespace ${NAMESPACE}
 ")

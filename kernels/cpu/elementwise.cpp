@@ -17,7 +17,7 @@ namespace tally::kernels::cpu {
 namespace {
 
 // Below this many elements the OpenMP fork/join costs more than it saves.
-constexpr i64 kParallelThreshold = i64{1} << 15;
+constexpr i64 kElementwiseParallelThreshold = i64{1} << 15;
 
 // Fixed block size for deterministic reductions: partial sums are formed per block (independent
 // of the thread count) and then added in block order, so results never depend on OMP_NUM_THREADS.
@@ -35,13 +35,13 @@ int max_threads() {
 
 template <class T>
 void fill(i64 n, T value, T* y) {
-#pragma omp parallel for schedule(static) if (n > kParallelThreshold)
+#pragma omp parallel for schedule(static) if (n > kElementwiseParallelThreshold)
   for (i64 i = 0; i < n; ++i) y[i] = value;
 }
 
 template <class T>
 void copy(i64 n, const T* x, T* y) {
-#pragma omp parallel for schedule(static) if (n > kParallelThreshold)
+#pragma omp parallel for schedule(static) if (n > kElementwiseParallelThreshold)
   for (i64 i = 0; i < n; ++i) y[i] = x[i];
 }
 
@@ -49,7 +49,7 @@ void copy(i64 n, const T* x, T* y) {
 template <class T>
 void add(i64 n, const T* a, const T* b, P<T> alpha, T* y) {
   using M = P<T>;
-#pragma omp parallel for schedule(static) if (n > kParallelThreshold)
+#pragma omp parallel for schedule(static) if (n > kElementwiseParallelThreshold)
   for (i64 i = 0; i < n; ++i) y[i] = T(M(a[i]) + alpha * M(b[i]));
 }
 
@@ -60,10 +60,10 @@ void axpby(i64 n, P<T> alpha, const T* x, P<T> beta, T* y) {
     if (beta == 0.f && alpha == 1.f) return copy(n, x, y);  // add's backward: exact, no conversions
   }
   if (beta == M(0)) {
-#pragma omp parallel for schedule(static) if (n > kParallelThreshold)
+#pragma omp parallel for schedule(static) if (n > kElementwiseParallelThreshold)
     for (i64 i = 0; i < n; ++i) y[i] = T(alpha * M(x[i]));
   } else {
-#pragma omp parallel for schedule(static) if (n > kParallelThreshold)
+#pragma omp parallel for schedule(static) if (n > kElementwiseParallelThreshold)
     for (i64 i = 0; i < n; ++i) y[i] = T(beta * M(y[i]) + alpha * M(x[i]));
   }
 }
@@ -71,7 +71,7 @@ void axpby(i64 n, P<T> alpha, const T* x, P<T> beta, T* y) {
 template <class T>
 void mul(i64 n, const T* a, const T* b, T* y) {
   using M = P<T>;
-#pragma omp parallel for schedule(static) if (n > kParallelThreshold)
+#pragma omp parallel for schedule(static) if (n > kElementwiseParallelThreshold)
   for (i64 i = 0; i < n; ++i) y[i] = T(M(a[i]) * M(b[i]));
 }
 
@@ -79,10 +79,10 @@ template <class T>
 void mul_backward(i64 n, const T* dy, const T* b, T* da, P<T> beta) {
   using M = P<T>;
   if (beta == M(0)) {
-#pragma omp parallel for schedule(static) if (n > kParallelThreshold)
+#pragma omp parallel for schedule(static) if (n > kElementwiseParallelThreshold)
     for (i64 i = 0; i < n; ++i) da[i] = T(M(dy[i]) * M(b[i]));
   } else {
-#pragma omp parallel for schedule(static) if (n > kParallelThreshold)
+#pragma omp parallel for schedule(static) if (n > kElementwiseParallelThreshold)
     for (i64 i = 0; i < n; ++i) da[i] = T(beta * M(da[i]) + M(dy[i]) * M(b[i]));
   }
 }
@@ -106,12 +106,12 @@ template <class T>
 void relu_forward(i64 n, const T* x, T* y) {
   using M = P<T>;
   if constexpr (std::is_same_v<T, bf16>) {
-#pragma omp parallel for schedule(static) if (n > kParallelThreshold)
+#pragma omp parallel for schedule(static) if (n > kElementwiseParallelThreshold)
     for (i64 i = 0; i < n; ++i) y[i] = bf16::from_bits(x[i].bits & mask_unless(below_zero(x[i].bits)));
     return;
   }
   // NaN propagates (as torch.relu): NaN > 0 is false, so test "x < 0" instead.
-#pragma omp parallel for schedule(static) if (n > kParallelThreshold)
+#pragma omp parallel for schedule(static) if (n > kElementwiseParallelThreshold)
   for (i64 i = 0; i < n; ++i) {
     const M v = M(x[i]);
     y[i] = T(v < M(0) ? M(0) : v);  // a select of floats (bf16: exact), which vectorizes
@@ -126,17 +126,17 @@ void relu_backward(i64 n, const T* dy, const T* y, T* dx, P<T> beta) {
   // and the loop would branch per element (27x slower on random signs, measured).
   if (beta == M(0)) {
     if constexpr (std::is_same_v<T, bf16>) {
-#pragma omp parallel for schedule(static) if (n > kParallelThreshold)
+#pragma omp parallel for schedule(static) if (n > kElementwiseParallelThreshold)
       for (i64 i = 0; i < n; ++i) dx[i] = bf16::from_bits(dy[i].bits & mask_unless(at_most_zero(y[i].bits)));
       return;
     }
-#pragma omp parallel for schedule(static) if (n > kParallelThreshold)
+#pragma omp parallel for schedule(static) if (n > kElementwiseParallelThreshold)
     for (i64 i = 0; i < n; ++i) {
       const M g = M(dy[i]);
       dx[i] = T(M(y[i]) <= M(0) ? M(0) : g);
     }
   } else {
-#pragma omp parallel for schedule(static) if (n > kParallelThreshold)
+#pragma omp parallel for schedule(static) if (n > kElementwiseParallelThreshold)
     for (i64 i = 0; i < n; ++i) {
       const M g = M(dy[i]);
       dx[i] = T(beta * M(dx[i]) + (M(y[i]) <= M(0) ? M(0) : g));
@@ -161,7 +161,7 @@ void strided_copy(int ndim, const i64* shape, const i64* strides, const T* x, T*
 
   // Each thread handles a contiguous range of rows; its starting multi-index is decoded once and
   // then advanced like an odometer. Every output element has exactly one writer.
-#pragma omp parallel if (total > kParallelThreshold && outer > 1)
+#pragma omp parallel if (total > kElementwiseParallelThreshold && outer > 1)
   {
     i64 r_begin = 0, r_end = outer;
 #ifdef _OPENMP
@@ -202,7 +202,7 @@ void strided_copy(int ndim, const i64* shape, const i64* strides, const T* x, T*
 template <class T>
 void add_bias_rows(i64 rows, i64 cols, const T* x, const P<T>* bias, T* y) {
   using M = P<T>;
-#pragma omp parallel for schedule(static) if (rows * cols > kParallelThreshold && rows > 1)
+#pragma omp parallel for schedule(static) if (rows * cols > kElementwiseParallelThreshold && rows > 1)
   for (i64 r = 0; r < rows; ++r) {
     const T* xr = x + r * cols;
     T* yr = y + r * cols;
@@ -217,7 +217,7 @@ void sum_rows(i64 rows, i64 cols, const T* dy, P<T>* db, P<T> beta) {
   // Columns are split into contiguous blocks, one per thread; each block is accumulated in
   // double over all rows in row order (cache-friendly and deterministic).
   std::vector<double> acc(static_cast<std::size_t>(cols), 0.0);
-  const bool par = rows * cols > kParallelThreshold && cols >= 64;
+  const bool par = rows * cols > kElementwiseParallelThreshold && cols >= 64;
   const int nt = par ? std::max(1, max_threads()) : 1;
 #pragma omp parallel num_threads(nt) if (par)
   {
@@ -293,7 +293,7 @@ void fill_product(i64 n, const T* a, const T* b, T* y) {
 
 template <class S, class D>
 void convert(i64 n, const S* x, D* y) {
-#pragma omp parallel for schedule(static) if (n > kParallelThreshold)
+#pragma omp parallel for schedule(static) if (n > kElementwiseParallelThreshold)
   for (i64 i = 0; i < n; ++i) y[i] = static_cast<D>(x[i]);
 }
 

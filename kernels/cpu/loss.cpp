@@ -14,7 +14,7 @@
 namespace tally::kernels::cpu {
 namespace {
 
-constexpr i64 kParallelThreshold = i64{1} << 14;
+constexpr i64 kLossParallelThreshold = i64{1} << 14;
 
 // Row maximum and log-sum-exp accumulated in double (max subtracted first: no overflow).
 template <class T>
@@ -47,7 +47,7 @@ i64 cross_entropy_forward(i64 N, i64 C, const T* logits, const i64* targets, con
   const double e = static_cast<double>(label_smoothing);
   const double e_over_c = C > 0 ? e / static_cast<double>(C) : 0.0;
 
-#pragma omp parallel for schedule(static) if (N * C > kParallelThreshold && N > 1)
+#pragma omp parallel for schedule(static) if (N * C > kLossParallelThreshold && N > 1)
   for (i64 i = 0; i < N; ++i) {
     const i64 t = targets[i];
     if (t == ignore_index || t < 0 || t >= C) {  // ignored, or invalid (reported above)
@@ -98,7 +98,7 @@ void cross_entropy_backward(i64 N, i64 C, const T* logits, const i64* targets,
   }
   const bool overwrite = beta == T(0);
 
-#pragma omp parallel for schedule(static) if (N * C > kParallelThreshold && N > 1)
+#pragma omp parallel for schedule(static) if (N * C > kLossParallelThreshold && N > 1)
   for (i64 i = 0; i < N; ++i) {
     const i64 t = targets[i];
     T* g = dlogits + i * C;

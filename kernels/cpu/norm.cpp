@@ -20,7 +20,7 @@
 namespace tally::kernels::cpu {
 namespace {
 
-constexpr i64 kParallelThreshold = i64{1} << 14;
+constexpr i64 kNormParallelThreshold = i64{1} << 14;
 
 // beta == 0 overwrites (never reads out); otherwise out = beta * out + v, in P<T>.
 template <class T>
@@ -318,7 +318,7 @@ void batch_norm_forward_train(i64 N, i64 C, i64 HW, const T* x, const P<T>* gamm
                          workspace, act);
     return;
   }
-#pragma omp parallel for schedule(static) if (N * C * HW > kParallelThreshold && C > 1)
+#pragma omp parallel for schedule(static) if (N * C * HW > kNormParallelThreshold && C > 1)
   for (i64 c = 0; c < C; ++c) {
     const double sum = channel_sum(N, CHW, HW, x + c * HW);
     const double mean = M > 0 ? sum / static_cast<double>(M) : 0.0;
@@ -351,7 +351,7 @@ template <class T>
 void batch_norm_forward_eval(i64 N, i64 C, i64 HW, const T* x, const P<T>* gamma, const P<T>* beta_,
                              const P<T>* running_mean, const P<T>* running_var, P<T> eps, T* y) {
   const i64 CHW = C * HW;
-#pragma omp parallel for schedule(static) if (N * C * HW > kParallelThreshold && C > 1)
+#pragma omp parallel for schedule(static) if (N * C * HW > kNormParallelThreshold && C > 1)
   for (i64 c = 0; c < C; ++c) {
     const double mean = static_cast<double>(running_mean[c]);
     const double invstd =
@@ -422,7 +422,7 @@ void batch_norm_backward(i64 N, i64 C, i64 HW, const T* dy, const T* x, const P<
       nhwc_backward(N, C, HW, dy, x, gamma, save_mean, save_invstd, dx, beta_dx, dgamma, dbeta, beta_param, workspace, act);
     return;
   }
-#pragma omp parallel for schedule(static) if (N * C * HW > kParallelThreshold && C > 1)
+#pragma omp parallel for schedule(static) if (N * C * HW > kNormParallelThreshold && C > 1)
   for (i64 c = 0; c < C; ++c) {
     const double mean = static_cast<double>(save_mean[c]);
     const double invstd = static_cast<double>(save_invstd[c]);
@@ -454,7 +454,7 @@ void batch_norm_backward_eval(i64 N, i64 C, i64 HW, const T* dy, const T* x, con
                               const P<T>* running_mean, const P<T>* running_var, P<T> eps, T* dx,
                               P<T> beta_dx, P<T>* dgamma, P<T>* dbeta, P<T> beta_param, void* /*workspace*/) {
   const i64 CHW = C * HW;
-#pragma omp parallel for schedule(static) if (N * C * HW > kParallelThreshold && C > 1)
+#pragma omp parallel for schedule(static) if (N * C * HW > kNormParallelThreshold && C > 1)
   for (i64 c = 0; c < C; ++c) {
     const double mean = static_cast<double>(running_mean[c]);
     const double invstd =
@@ -513,7 +513,7 @@ void group_norm_forward(i64 N, i64 C, i64 HW, i64 G, const T* x, const P<T>* gam
   const i64 Cg = C / G;
   const i64 M = Cg * HW;  // elements per group
   const i64 NG = N * G;
-#pragma omp parallel for schedule(static) if (N * C * HW > kParallelThreshold && NG > 1)
+#pragma omp parallel for schedule(static) if (N * C * HW > kNormParallelThreshold && NG > 1)
   for (i64 ng = 0; ng < NG; ++ng) {
     const i64 g = ng % G;
     const T* xp = x + ng * M;
@@ -561,7 +561,7 @@ void group_norm_backward(i64 N, i64 C, i64 HW, i64 G, const T* dy, const T* x, c
   const i64 M = Cg * HW;
   const i64 NG = N * G;
   const i64 CHW = C * HW;
-  const bool par = N * C * HW > kParallelThreshold;
+  const bool par = N * C * HW > kNormParallelThreshold;
   if (act.channels_last) throw std::invalid_argument("group_norm_backward: channels_last is not supported");
   // Fused (NormActGrad): dz = dy masked by y > 0 where dy is read; the residual's gradient dz is
   // written in the dx pass. dgamma and dbeta are summed first (they only read), so that dx or the

@@ -20,7 +20,7 @@
 
 namespace tally::kernels::cpu {
 namespace {
-constexpr i64 kParallelThreshold = i64{1} << 15;
+constexpr i64 kOptimParallelThreshold = i64{1} << 15;
 }  // namespace
 
 template <class T>
@@ -29,7 +29,7 @@ void sgd_update(i64 n, T* param, const T* grad, T* momentum_buf, T lr, T momentu
   const bool use_wd = weight_decay != T(0);
   const bool use_mom = momentum != T(0);
   const T one_minus_damp = static_cast<T>(1.0 - static_cast<double>(dampening));
-#pragma omp parallel for schedule(static) if (n > kParallelThreshold)
+#pragma omp parallel for schedule(static) if (n > kOptimParallelThreshold)
   for (i64 i = 0; i < n; ++i) {
     T g = grad[i];
     if (use_wd) g = g + weight_decay * param[i];
@@ -54,7 +54,7 @@ void adamw_update(i64 n, T* param, const T* grad, T* m, T* v, T lr, T beta1, T b
   const T step_size = static_cast<T>(f.step_size), bc2_sqrt = static_cast<T>(f.bc2_sqrt);
   const T decay = static_cast<T>(f.decay), w1 = static_cast<T>(f.w1), w2 = static_cast<T>(f.w2);
   const bool use_wd = weight_decay != T(0);
-#pragma omp parallel for schedule(static) if (n > kParallelThreshold)
+#pragma omp parallel for schedule(static) if (n > kOptimParallelThreshold)
   for (i64 i = 0; i < n; ++i) {
     const T g = grad[i];
     T p = param[i];
