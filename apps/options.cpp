@@ -20,6 +20,7 @@
 #include "apps/trainer.h"
 #include "core/error.h"
 #include "data/folder.h"
+#include "data/loader.h"
 #include "optim/schedule.h"
 
 namespace tally::app {
@@ -241,7 +242,8 @@ std::string read(std::optional<E>& v, const std::string& text, const NumberRule&
 template <class T>
 std::string type_name(const NumberRule& rule) {
   if constexpr (std::is_same_v<T, double>) return rule.max ? "NUMBER" : rule.min > 0 ? "NUMBER > 0" : "NUMBER >= 0";
-  else if constexpr (std::is_integral_v<T>) return rule.min >= 1 ? "INT >= 1" : "INT >= 0";
+  else if constexpr (std::is_integral_v<T>)
+    return rule.max ? fmt::format("INT {}..{}", rule.min, *rule.max) : rule.min >= 1 ? "INT >= 1" : "INT >= 0";
   else if constexpr (std::is_same_v<T, std::optional<std::int64_t>>) return "INT|auto";
   else if constexpr (std::is_enum_v<T>) {
     std::string s;
@@ -384,7 +386,7 @@ const std::vector<Option> kTable = {
      .help = "--data folder:DIR: a corrupt, truncated or oversized image is skipped (the next one of its list taken "
              "instead), counted and listed at the end, instead of an error",
      .form = Form::on, .absent = "false"},
-    {.name = "workers", .field = field(&TrainOptions::workers, kNonNegativeWhole), .commands = kRun,
+    {.name = "workers", .field = field(&TrainOptions::workers, NumberRule{0, data::kMaxWorkers, true}), .commands = kRun,
      .help = "threads that read and decode a folder's images (and draw procedural synthetic ones) for the next "
              "batch: 0 (the default) is OpenMP's thread count; batches are the same for any count",
      .changeable = true, .absent = "0"},

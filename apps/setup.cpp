@@ -18,6 +18,7 @@
 #include <fmt/ostream.h>
 
 #include "core/error.h"
+#include "core/files.h"
 #include "core/machine.h"
 #include "core/memory.h"
 #include "nn/state_dict.h"
@@ -36,6 +37,7 @@ std::optional<std::int64_t> parse_positive_integer(const std::string& s) {
 }
 
 std::string rule_text(const NumberRule& rule) {
+  if (rule.whole && rule.max) return fmt::format("a whole number from {} to {}", rule.min, *rule.max);
   if (rule.whole) return rule.min >= 1 ? "a positive whole number" : "a non-negative whole number";
   if (rule.max) return fmt::format("a number in [{}, {}]", rule.min, *rule.max);
   return rule.min > 0 ? "a positive number" : "a non-negative number";
@@ -71,6 +73,7 @@ Shape parse_input(const std::string& s) {
     shape.push_back(*v);
   }
   if (shape.size() != 3) throw Error(fmt::format("--input '{}': expected CxHxW (3 numbers), e.g. 3x224x224", s));
+  if (const std::string e = sample_shape_error(shape); !e.empty()) throw Error(fmt::format("--input {}: {}", s, e));
   return shape;
 }
 
@@ -86,18 +89,10 @@ std::vector<std::string> split_list(const std::string& text) {
 }
 
 void write_text(const std::filesystem::path& path, const std::string& text) {
-  // Through a temporary and a rename: a process killed while writing leaves the old file or the
-  // new one, never half of one (a resumed sweep reads its runs' rows back).
-  std::filesystem::path tmp = path;
-  tmp += ".tmp";
-  {
-    std::ofstream f(tmp);
-    f << text;
-    if (!f.flush()) throw Error(fmt::format("cannot write {}", tmp.string()));
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) throw Error(fmt::format("cannot write {}: {}", path.string(), ec.message()));
+  // Through a temporary and a rename (core/files.h): a process killed while writing leaves the old
+  // file or the new one, never half of one (a resumed sweep reads its runs' rows back); a failure
+  // leaves no temporary and names the system's reason.
+  write_file(path, text, "output file");
 }
 
 namespace {

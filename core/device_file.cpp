@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/files.h"
 #include "kernels/cuda/context.h"
 #include "kernels/cuda/cuda_kernels.h"
 
@@ -63,20 +64,7 @@ void save_device_file(const DeviceFile& file, const std::filesystem::path& path)
   } catch (const nlohmann::json::exception& e) {
     throw Error(fmt::format("device file '{}': cuDNN's description is not JSON ({})", path.string(), e.what()));
   }
-  const std::filesystem::path tmp = path.string() + ".tmp";
-  {
-    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    out << j.dump(2) << "\n";
-    out.flush();
-    if (!out)
-      throw Error(fmt::format("device file: cannot write '{}': {}", tmp.string(), std::strerror(errno ? errno : EIO)));
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) {
-    std::filesystem::remove(tmp, ec);
-    throw Error(fmt::format("device file: cannot write '{}': {}", path.string(), ec.message()));
-  }
+  write_file(path, j.dump(2) + "\n", "device file");
 }
 
 DeviceFile load_device_file(const std::filesystem::path& path) {

@@ -45,6 +45,37 @@ void write_all(int fd, const void* src, std::size_t n, std::string_view what, co
   }
 }
 
+void write_file(const std::filesystem::path& path, std::string_view bytes, std::string_view what) {
+  std::filesystem::path tmp = path;
+  tmp += ".tmp";
+  const auto failed = [&](int error) {
+    return Error(fmt::format("{}: cannot write '{}': {}", what, path.string(),
+                             std::error_code(error, std::generic_category()).message()));
+  };
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
+  if (fd < 0) throw failed(errno);
+  try {
+    write_all(fd, bytes.data(), bytes.size(), what, path);  // errors name `path`, as injections match it
+    if (::fsync(fd) != 0) throw failed(errno);
+  } catch (...) {
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  if (::close(fd) != 0) {
+    const int error = errno;
+    ::unlink(tmp.c_str());
+    throw failed(error);
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) {
+    ::unlink(tmp.c_str());
+    throw Error(fmt::format("{}: cannot write '{}': {}", what, path.string(), ec.message()));
+  }
+  sync_folder(path.parent_path());
+}
+
 void sync_folder(const std::filesystem::path& dir) {
   const int fd = ::open(dir.empty() ? "." : dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) return;

@@ -20,6 +20,12 @@ void write_all(int fd, const void* src, std::size_t n, std::string_view what, co
 // does every writer that does not go through write_all (metrics.csv's stream).
 int injected_write_error(const std::filesystem::path& path);
 
+// Writes `bytes` as the file `path`, whole or not at all: into "<path>.tmp" first, fsynced, then
+// renamed over `path` (a crash leaves the old file or the new one). On any failure the temporary
+// is removed and a tally::Error "<what>: cannot write '<path>': <the system's reason>" is thrown
+// (e.g. "No space left on device"; TALLY_TEST_WRITE_FAIL injects one, as for write_all).
+void write_file(const std::filesystem::path& path, std::string_view bytes, std::string_view what);
+
 // Makes a folder's entries (a rename into it, a new file) durable. Best effort: some file systems
 // refuse fsync on folders, and a failure here loses nothing that was not already at risk.
 void sync_folder(const std::filesystem::path& dir);

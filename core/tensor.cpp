@@ -4,6 +4,7 @@
 #include <cstring>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "core/autograd.h"
 #include "core/dispatch.h"
@@ -19,6 +20,20 @@ std::int64_t shape_numel(const Shape& s) {
   std::int64_t n = 1;
   for (auto d : s) n *= d;
   return n;
+}
+
+std::string sample_shape_error(const Shape& sample) {
+  const std::string text = fmt::format("{}", fmt::join(sample, "x"));
+  if (sample.empty()) return "a sample needs at least one dimension, found none";
+  double values = 1;  // in double: the product of the dimensions may not fit 64 bits
+  for (std::int64_t d : sample) {
+    if (d < 1) return fmt::format("{}: every dimension must be >= 1, found {}", text, d);
+    values *= static_cast<double>(d);
+  }
+  if (values > static_cast<double>(kMaxSampleValues))
+    return fmt::format("{} is {:.0f} values a sample; at most {} (2^31 - 1, what cuDNN's descriptors and oneDNN's "
+                       "convolutions accept)", text, values, kMaxSampleValues);
+  return "";
 }
 
 namespace {

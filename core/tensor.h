@@ -29,6 +29,14 @@ using Shape = std::vector<std::int64_t>;
 std::string shape_str(const Shape& s);  // "[2, 3, 4]"
 std::int64_t shape_numel(const Shape& s);
 
+// The most values one sample of a model's input (C x H x W) may have: 2^31 - 1, what the libraries
+// accept — cuDNN's 4-d descriptors take int strides, and oneDNN's convolution setup divides by zero
+// on a plane of 2^32 pixels (dnnl_primitive_desc_iterator_create, SIGFPE). sample_shape_error:
+// "" when `sample` has at least one dimension, every dimension >= 1 and at most that many values;
+// else what is wrong, in words ("3x65536x65536 is 12884901888 values a sample; at most 2147483647").
+inline constexpr std::int64_t kMaxSampleValues = (std::int64_t{1} << 31) - 1;
+std::string sample_shape_error(const Shape& sample);
+
 // How a dense 4-d tensor (N, C, H, W) lays out its elements, as torch.memory_format: Contiguous is
 // row-major NCHW; ChannelsLast keeps the shape (N, C, H, W) and stores NHWC (strides H*W*C, 1,
 // W*C, C) — the layout oneDNN's direct convolutions run on without reordering, so that a network

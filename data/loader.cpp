@@ -216,6 +216,8 @@ Loader::Loader(const Dataset& ds, LoaderOptions opt) : state_(std::make_unique<S
   check_dataset(ds, opt.normalize, "Loader");
   if (opt.batch_size <= 0)
     throw Error(fmt::format("Loader: expected batch_size > 0, found {}", opt.batch_size));
+  if (opt.workers < 0 || opt.workers > kMaxWorkers)
+    throw Error(fmt::format("Loader: expected 0 to {} workers, found {}", kMaxWorkers, opt.workers));
   const std::int64_t n = ds.size();
   state_->batches = opt.drop_last ? n / opt.batch_size : (n + opt.batch_size - 1) / opt.batch_size;
   state_->worker = std::thread([s = state_.get()] { s->run(); });

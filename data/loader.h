@@ -27,9 +27,11 @@ struct LoaderOptions {
   std::uint64_t seed = 0;
   // The threads that draw or decode a batch's samples when the data set generates them (a folder
   // of pictures, procedural synthetic images): 0, OpenMP's default. Batches are the same for any
-  // count (each sample depends only on its position).
+  // count (each sample depends only on its position). At most kMaxWorkers: each is a thread with
+  // its own stack, and decoding gains nothing from more threads than a large machine has cores.
   int workers = 0;
 };
+inline constexpr int kMaxWorkers = 256;
 
 struct Batch {
   std::int64_t size = 0;             // B (the last batch may be short when drop_last is off)

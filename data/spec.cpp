@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "core/tensor.h"
 #include "data/readers.h"
 #include "data/synthetic.h"
 
@@ -62,6 +63,8 @@ DataSpec parse_data_spec(const std::string& spec) {
       if (!chw)
         throw Error(fmt::format("data set '{}': expected synthetic:CxHxW with three positive integers, e.g. "
                                 "synthetic:3x224x224", spec));
+      if (const std::string e = sample_shape_error({(*chw)[0], (*chw)[1], (*chw)[2]}); !e.empty())
+        throw Error(fmt::format("data set '{}': {}", spec, e));
       d.shape = *chw;
     }
     return d;

@@ -185,10 +185,9 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_p
                }) {
   if (opt_.sample_shape.empty())
     throw Error("MBP executor: the sample shape is empty (expected e.g. {3, 32, 32})");
-  for (std::int64_t d : opt_.sample_shape) {
-    if (d < 1) throw Error(fmt::format("MBP executor: sample shape dimensions must be >= 1, found {}", shape_str(opt_.sample_shape)));
-    sample_numel_ *= d;
-  }
+  if (const std::string e = sample_shape_error(opt_.sample_shape); !e.empty())
+    throw Error(fmt::format("MBP executor: ExecutorOptions::sample_shape {}: {}", shape_str(opt_.sample_shape), e));
+  sample_numel_ = shape_numel(opt_.sample_shape);
   if (opt_.micro_batch && *opt_.micro_batch < 1)
     throw Error(fmt::format("MBP executor: the micro-batch size must be >= 1, found {}", *opt_.micro_batch));
   if (opt_.max_oom_retries < 0) throw Error("MBP executor: max_oom_retries must be >= 0");
