@@ -138,7 +138,12 @@ void check_writable_folder(const std::string& flag, const std::string& dir) {
 
 std::size_t parse_memory_limit(const std::string& text, Device dev) {
   if (text == "auto") return default_arena_capacity(dev);
-  const std::size_t limit = parse_size(text);
+  std::size_t limit = 0;
+  try {
+    limit = parse_size(text);
+  } catch (const Error& e) {
+    throw Error(fmt::format("--memory-limit {}: {}", text, e.what()));
+  }
   if (limit < Arena::kAlignment)
     throw Error(fmt::format("--memory-limit {} is below the arena's {}-byte granularity", text, Arena::kAlignment));
   return limit;

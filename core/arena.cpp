@@ -331,7 +331,9 @@ std::size_t parse_size(const std::string& s) {
   for (const auto& [name, mult] : units)
     if (unit == name) {
       const double bytes = v * mult;
-      if (!std::isfinite(bytes) || bytes < 1 || bytes > 1.8e19) throw bad();
+      if (bytes < 1) throw Error(fmt::format("size '{}' is less than one byte: expected a size such as 48MiB or 2GiB", s));
+      if (!std::isfinite(bytes) || bytes > 1.8e19)
+        throw Error(fmt::format("size '{}' is beyond what 64 bits count (16 EiB): expected a size such as 48MiB or 2GiB", s));
       return static_cast<std::size_t>(bytes);
     }
   throw bad();

@@ -40,7 +40,7 @@ std::optional<std::array<std::int64_t, 3>> parse_chw(const std::string& t) {
 // A spec that names none of the data sets load_dataset reads.
 Error unknown_spec(const std::string& spec) {
   return Error(fmt::format("load_dataset: unknown data set '{}': expected one of synthetic, synthetic:CxHxW, "
-                           "mnist:DIR, fashion-mnist, fashion-mnist:DIR, cifar10:DIR, cifar100:DIR",
+                           "mnist:DIR, fashion-mnist, fashion-mnist:DIR, cifar10:DIR, cifar100:DIR, folder:DIR",
                            spec));
 }
 
