@@ -538,10 +538,13 @@ TEST_F(MixedPrecision, ResNet20LossIsCloseToFloat64AndMicroBatchesAddUp) {
 
 // Several SGD steps (momentum 0.9, the same batches): a bf16 run follows the float64 run — whole,
 // and in the micro-batches a 5 MiB budget plans (group norm: the split changes no sample's
-// activations) — its loss every step within 1% of float64's, and its parameters' distance from
-// float64's within kStepsBound of float64's change from the init; every step planned exactly.
-// Measured 0.15-0.21 over 18 draws: one step's gradients are 4-20% off in bf16
-// (docs/precision.md), carried through 4 steps of momentum.
+// activations) — its parameters' distance from float64's within kStepsBound of float64's change
+// from the init, its first loss (the same weights: bf16's rounding alone) within 0.2% of float64's
+// and the later ones (after the parameters have drifted apart) within 3%; every step planned
+// exactly. Measured over 55 draws: the distance 0.15-0.21 (one step's gradients are 4-20% off in
+// bf16, docs/precision.md, carried through 4 steps of momentum), the first loss at most 0.034% off,
+// the later ones at most 1.13% (seed 2536933895, the 4th step; the others below 0.5%) — the 1%
+// that bound used to be failed that draw.
 constexpr double kStepsBound = 0.35;
 TEST_F(MixedPrecision, SgdStepsFollowFloat64WholeAndThroughMicroBatches) {
   const std::int64_t B = 24, steps = 4;
@@ -584,7 +587,8 @@ TEST_F(MixedPrecision, SgdStepsFollowFloat64WholeAndThroughMicroBatches) {
       EXPECT_LT(got.micro_batch, B / 2) << "the small budget should split the batch";
     }
     for (std::int64_t step = 0; step < steps; ++step)
-      EXPECT_NEAR(got.losses[step], ref.losses[step], 1e-2 * std::abs(ref.losses[step])) << "step " << step;
+      EXPECT_NEAR(got.losses[step], ref.losses[step], (step == 0 ? 2e-3 : 3e-2) * std::abs(ref.losses[step]))
+          << "step " << step;
     double diff = 0, change = 0;
     for (std::size_t i = 0; i < ref.params.size(); ++i)
       for (std::size_t j = 0; j < ref.params[i].size(); ++j) {
