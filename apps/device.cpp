@@ -18,8 +18,8 @@ void describe_device(const DeviceOptions& options, std::ostream& out) {
   const DeviceFile f = tally::describe_device(device);
   fmt::print(out, "{}: {}, compute capability {}.{}, {} multiprocessors, {} of memory\n", device.str(), f.name,
              f.compute_major, f.compute_minor, f.multiprocessors, format_bytes(f.total_memory));
-  fmt::print(out, "cuDNN {}.{}.{}'s description of it: {} bytes\n", f.cudnn_version / 10000, f.cudnn_version % 10000 / 100,
-             f.cudnn_version % 100, f.cudnn_properties.size());
+  fmt::print(out, "cuDNN {}'s description of it: {} bytes\n", cudnn_version_text(f.cudnn_version),
+             f.cudnn_properties.size());
   if (options.save.empty()) return;
   save_device_file(f, options.save);
   fmt::print(out, "saved {}: what plans for this GPU need of it, on a machine without it (docs/gpu.md)\n", options.save);

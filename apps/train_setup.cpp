@@ -87,11 +87,7 @@ Device validate(const TrainOptions& opt) {
   }
   const Device dev = opt.pipeline_stages > 1 ? Device::cpu() : choose_device(opt.device);
   for (const std::string& limit : split_list(opt.memory_limit))  // a bad size fails before any work
-    if (limit != "auto") try {
-        (void)parse_size(limit);
-      } catch (const Error& e) {
-        throw Error(fmt::format("--memory-limit {}: {}", opt.memory_limit, e.what()));
-      }
+    if (limit != "auto") (void)parse_memory_limit(limit, dev);
   if (!opt.init.empty() && opt.resume.empty()) {  // resumed: weights from the checkpoint
     std::error_code ec;
     const auto status = std::filesystem::status(opt.init, ec);

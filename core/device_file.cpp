@@ -20,9 +20,9 @@ namespace {
 constexpr const char* kFormat = "tally device file";
 constexpr int kVersion = 1;
 
-std::string version_text(std::size_t v) { return fmt::format("{}.{}.{}", v / 10000, v % 10000 / 100, v % 100); }
-
 }  // namespace
+
+std::string cudnn_version_text(std::size_t v) { return fmt::format("{}.{}.{}", v / 10000, v % 10000 / 100, v % 100); }
 
 std::size_t loaded_cudnn_version() {
   if constexpr (kHaveCudaBackend) return kernels::cuda::cudnn_version();
@@ -110,7 +110,7 @@ DeviceFile load_device_file(const std::filesystem::path& path) {
   if (f.cudnn_version != mine)
     throw Error(fmt::format("device file '{}': saved by cuDNN {}, but this build loads cuDNN {}: cuDNN reads only its "
                             "own version's device description (save the file again with this cuDNN on the GPU)",
-                            path.string(), version_text(f.cudnn_version), version_text(mine)));
+                            path.string(), cudnn_version_text(f.cudnn_version), cudnn_version_text(mine)));
   return f;
 }
 

@@ -32,7 +32,8 @@ void save_device_file(const DeviceFile& file, const std::filesystem::path& path)
 // Read and checked: an Error naming the path and what was expected and found — unreadable, not
 // JSON, another format, a missing or mistyped field, saved by another cuDNN than this build's.
 DeviceFile load_device_file(const std::filesystem::path& path);
-// The cuDNN version this build loads (0 without cuDNN).
+// The cuDNN version this build loads (0 without cuDNN), and a version number as text ("9.19.0").
 std::size_t loaded_cudnn_version();
+std::string cudnn_version_text(std::size_t version);
 
 }  // namespace tally
