@@ -23,6 +23,8 @@ mode a PyTorch user picks — and on CUDA also in channels_last (the memory form
 convolutions want; tally's CUDA activations stay NCHW).
 --tally-conv-api legacy,graph: the tally side once per cuDNN convolution API
 (TALLY_CUDNN_CONV_API, docs/gpu.md), a row each, against the one PyTorch run.
+--tally-deterministic on,off: the same for tally's `--deterministic` (CUDA; PyTorch's defaults allow
+cuDNN's nondeterministic algorithms); with both lists, a row per pair.
 --torch-profile FILE: no timing and no tally side; PyTorch's profiler over --steps steps after the
 warm-up, its table of ops by GPU time (CPU time on the CPU) written to FILE and printed — the
 PyTorch half of the GPU check's profile step, beside `tally train --profile`.
@@ -135,7 +137,7 @@ def profile_steps(args, dev, step):
     return None
 
 
-def tally_side(args, hw, classes, conv_api=None):
+def tally_side(args, hw, classes, conv_api=None, deterministic=None):
     data = "synthetic" if hw == 32 else f"synthetic:3x{hw}x{hw}"
     with tempfile.TemporaryDirectory() as out:
         cmd = [args.tally, "train", "--model", args.model, "--data", data, "--num-classes", str(classes),
@@ -146,6 +148,8 @@ def tally_side(args, hw, classes, conv_api=None):
             cmd += ["--threads", str(args.threads)]
         if args.tf32:
             cmd += ["--tf32"]
+        if deterministic:
+            cmd += ["--deterministic", deterministic]
         env = dict(os.environ)
         if conv_api:
             env["TALLY_CUDNN_CONV_API"] = conv_api
@@ -175,6 +179,8 @@ def main():
                    help="PyTorch in channels_last on the CPU too (its default there is NCHW)")
     p.add_argument("--tally-conv-api", default="",
                    help="comma-separated cuDNN convolution APIs (legacy, graph): the tally side once per API, a row each")
+    p.add_argument("--tally-deterministic", default="",
+                   help="comma-separated on/off: tally's --deterministic, the tally side once per value, a row each")
     p.add_argument("--torch-profile", default="", metavar="FILE",
                    help="profile --steps PyTorch steps (no timing, no tally side) and write the op table to FILE")
     args = p.parse_args()
@@ -182,6 +188,12 @@ def main():
     for a in apis:
         if a not in (None, "legacy", "graph"):
             p.error(f"--tally-conv-api: expected legacy and/or graph, got '{a}'")
+    dets = [d for d in args.tally_deterministic.split(",") if d] or [None]
+    for d in dets:
+        if d not in (None, "on", "off"):
+            p.error(f"--tally-deterministic: expected on and/or off, got '{d}'")
+    # The tally rows: one per (API, determinism) pair, named by what was given.
+    variants = [(a, d, "-".join([x for x in (a, d and f"det-{d}") if x])) for a in apis for d in dets]
     if args.threads:
         torch.set_num_threads(args.threads)
     hw = 32 if args.model in ("resnet20", "resnet32", "resnet44", "resnet56", "resnet110") else 224
@@ -193,16 +205,16 @@ def main():
     # the other rows: on an H100 the graph API's failure once took the legacy and PyTorch numbers with it.
     failed = []
 
-    def one_tally(a):
+    def one_tally(a, d, label):
         try:
-            return (a, *tally_side(args, hw, classes, a))
+            return (label, *tally_side(args, hw, classes, a, d))
         except subprocess.CalledProcessError as e:
-            failed.append(a or "tally")
-            return (a, None, None, f"exit {e.returncode}")
+            failed.append(label or "tally")
+            return (label, None, None, f"exit {e.returncode}")
 
     rounds = []
     for _ in range(max(args.rounds, 1)):
-        tallies = [one_tally(a) for a in apis]
+        tallies = [one_tally(*v) for v in variants]
         p_ips, p_peak, p_kind = torch_side(args, hw, classes)
         if tallies[0][1] is not None:
             rounds.append((tallies[0][1], p_ips))
@@ -213,20 +225,20 @@ def main():
     print(f"{args.model} batch {args.batch}, {prec}{' (TF32 on)' if args.tf32 else ''}, {args.device}, {args.steps} timed steps, "
           f"{'cudnn.benchmark on, ' if args.cudnn_benchmark else ''}"
           f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
-    print(f"{'':12} {'images/s':>10} {'peak MiB':>10}")
+    print(f"{'':18} {'images/s':>10} {'peak MiB':>10}")
     for a, t_ips, t_peak, k in tallies:
         name = f"tally-{a}" if a else "tally"
         if t_ips is None:
-            print(f"{name:12} {'failed':>10} {'':>10}   ({k}; its error is above)")
+            print(f"{name:18} {'failed':>10} {'':>10}   ({k}; its error is above)")
             continue
-        print(f"{name:12} {t_ips:10.1f} {t_peak / mib:10.1f}   (arena step peak; {k} micro-batch(es))")
-    print(f"{'pytorch':12} {p_ips:10.1f} {p_peak / mib:10.1f}   ({p_kind})")
+        print(f"{name:18} {t_ips:10.1f} {t_peak / mib:10.1f}   (arena step peak; {k} micro-batch(es))")
+    print(f"{'pytorch':18} {p_ips:10.1f} {p_peak / mib:10.1f}   ({p_kind})")
     for a, t_ips, t_peak, k in tallies:
         if t_ips is None:
             continue
         ratio_mem = f"{t_peak / p_peak:.2f}" if args.device != "cpu" and p_peak > 0 else "n/a"
         name = f"ratio-{a}" if a else "ratio"
-        print(f"{name:12} {t_ips / p_ips:10.2f} {ratio_mem:>10}   (tally / pytorch)")
+        print(f"{name:18} {t_ips / p_ips:10.2f} {ratio_mem:>10}   (tally / pytorch)")
     if len(rounds) > 1:
         ratios = sorted(t / q for t, q in rounds)
         print("rounds (tally, pytorch images/s, ratio): " +

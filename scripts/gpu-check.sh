@@ -11,20 +11,25 @@
 #                                      largest parts.
 #   scripts/gpu-check.sh run [STEP...]  on the GPU machine, from the repository root, .gpu-bundle/
 #                                      carried along. The whole run stops starting commands after
-#                                      RUN_SECONDS (default 540: one call of 9 minutes); each command
-#                                      has its own cap. With no steps: all of them, in this order
-#                                      (most important first, so a run cut short has done those):
+#                                      RUN_SECONDS (default 540: one call of 9 minutes), each step
+#                                      after its cap (step_caps), and each command has its own cap.
+#                                      With no steps: all of them, in this order (most important
+#                                      first, so a run cut short has done those):
 #        env       nvidia-smi, the CUDA/cuBLAS/cuDNN versions loaded, `tally --version`,
 #                  the PyTorch there                                                    (~10 s)
-#        tests     every gpu test once (cuDNN's choices logged); the convolution, ResNet-20
-#                  step and recomputation tests again through each cuDNN API forced; resume.cuda
-#                  (tests/resume_test.sh cuda)                                          (~2 min)
-#        train     `make train`'s recipe on the GPU (ResNet-20 on Fashion-MNIST, packed by
-#                  `pack`, batch 512 in 32 MiB, 2 epochs) in float32 and bf16, then 40 steps
-#                  of an MBP demo with the convolutions through cuDNN's graph API       (~1 min)
+#        tests     every gpu test once (cuDNN's choices logged); the convolution tests again
+#                  through each cuDNN API forced; resume.cuda (tests/resume_test.sh cuda) (~2 min)
+#        compare   bench/compare_pytorch.py, ResNet-50 batch 256: float32 and TF32 with tally's
+#                  --deterministic on and off, bf16 (PyTorch: autocast + channels_last +
+#                  cudnn.benchmark), against one PyTorch run each                       (~2 min)
+#        profile   the same three precisions, both sides: `tally train --profile` and PyTorch's
+#                  profiler (compare_pytorch.py --torch-profile), a few steps each      (~1 min)
 #        resnet50  `tally plan --device cuda` for ResNet-50 224x224 batch 4096 in 8 GiB and
 #                  a step of it, float32 and bf16; a step with --recompute all; 3 steps of
 #                  3x1024x1024 batch 2 in 1 GiB (auto recomputation), exact peaks        (~1.5 min)
+#        train     `make train`'s recipe on the GPU (ResNet-20 on Fashion-MNIST, packed by
+#                  `pack`, batch 512 in 32 MiB, 2 epochs) in float32 and bf16, then 40 steps
+#                  of an MBP demo with the convolutions through cuDNN's graph API       (~1 min)
 #        host      the host tier (docs/host-tier.md): ResNet-50 224x224 AdamW batch 64 in a
 #                  400 MiB device budget, 3 steps with the optimizer on the pinned host tier and
 #                  with the gradients there too (their --save files must be identical), and
@@ -34,11 +39,6 @@
 #                  auto: the cost model's choice), 3 steps, against the all-device run at
 #                  micro-batch 1 in 4 GiB (--save files must be identical); the plan's estimated
 #                  step time beside the measured one                                     (~1 min)
-#        compare   bench/compare_pytorch.py, ResNet-50 batch 256: float32, TF32 and bf16 (PyTorch:
-#                  autocast + channels_last + cudnn.benchmark), tally through the legacy and the
-#                  graph convolution API against one PyTorch run each                   (~2 min)
-#        profile   the same three precisions, both sides: `tally train --profile` and PyTorch's
-#                  profiler (compare_pytorch.py --torch-profile), a few steps each      (~1 min)
 #        sanitize  compute-sanitizer runs of scripts/gpu-sanitize.list, in its order, while
 #                  the run's time lasts                                                 (the rest)
 #        bench     bench_train on the GPU (not in the default run)                      (~2 min)
@@ -70,7 +70,11 @@ bundle=.gpu-bundle
 debs=.gpu-debs
 tests=(gpu_test gpu_kernels_test gpu_ops_test gpu_bf16_test)
 # The GPU check's order, most important first: a run cut at its deadline has done these.
-all_steps=(env tests train resnet50 host offload compare profile sanitize)
+all_steps=(env tests compare profile resnet50 train host offload sanitize)
+# Each step's cap in seconds (docs/gpu.md, "The order and the caps"): a step stops starting
+# commands at its cap as the whole run does at RUN_SECONDS; the sanitizer takes what is left.
+declare -A step_caps=([env]=20 [tests]=150 [compare]=140 [profile]=80 [resnet50]=90 [train]=100 [host]=70
+  [offload]=70 [bench]=120 [repeat]=120)
 programs=("${tests[@]/#/tests/}" apps/tally bench/bench_kernels bench/bench_train)
 # The GPU machine takes 64 MiB of working tree in all: the tracked files travel with the bundle.
 # The bundle and the tracked tree together stay under 60 MiB, a margin for untracked notes.
@@ -262,6 +266,7 @@ summary=""
 status=0
 rehearsal=0          # 1: `rehearse`, on a machine without a GPU (see the top of this file)
 deadline=0           # seconds since the epoch after which no command starts
+step_end=0           # the same for the step under way (its cap, step_caps)
 reserve=15           # seconds kept back at the end for packing the logs and the summary
 
 note() { echo "$*" | tee -a "$summary"; }
@@ -295,10 +300,13 @@ unpack_if_needed() {
 run_logged() {
   local name=$1 log=$2 cap=$3 rc=0
   shift 3
-  local left=$((deadline - $(date +%s) - reserve))
+  local now left
+  now=$(date +%s)
+  left=$((deadline - now - reserve))
+  ((step_end - now < left)) && left=$((step_end - now))
   ((cap < left)) || cap=$left
   if ((cap < 5)); then
-    note "$(printf '%-44s NOT RUN: the run is out of time' "$name")"
+    note "$(printf '%-44s NOT RUN: the %s is out of time' "$name" "$( ((step_end < deadline - reserve)) && echo step || echo run)")"
     last_rc=125
     status=1
     return 0
@@ -353,7 +361,7 @@ step_tests() {
   for t in "${tests[@]}"; do
     local log=$logs/$t.log
     : >"$log"
-    TALLY_LOG_CONV=1 run_logged "$t" "$log" 150 "$bundle/run" "$bundle/bin/$t" --gtest_color=no
+    TALLY_LOG_CONV=1 run_logged "$t" "$log" 90 "$bundle/run" "$bundle/bin/$t" --gtest_color=no
     local line
     line=$(gtest_line "$log")
     if grep -q 'no GPU present' "$log"; then  # a check that skipped for want of a GPU checked nothing
@@ -362,14 +370,14 @@ step_tests() {
     fi
     result "$t" "$line"
   done
-  # The convolution tests and the whole ResNet-20 steps through each cuDNN API forced (by default
-  # float32 goes through the legacy API and bf16 through the graph API).
-  local filter='*Convolution*:*ResNet20*:*Recomputed*:-*EveryCudnnAlgorithm*' api
+  # The convolution tests through each cuDNN API forced (by default float32 goes through the legacy
+  # API and bf16 through the graph API); the whole steps run each precision's default API above.
+  local filter='*Convolution*:-*EveryCudnnAlgorithm*' api
   for api in graph legacy; do
     for t in gpu_kernels_test gpu_bf16_test gpu_ops_test; do
       local glog=$logs/$t-$api-api.log
       : >"$glog"
-      TALLY_CUDNN_CONV_API=$api run_logged "$t ($api API)" "$glog" 120 "$bundle/run" "$bundle/bin/$t" \
+      TALLY_CUDNN_CONV_API=$api run_logged "$t ($api API)" "$glog" 40 "$bundle/run" "$bundle/bin/$t" \
         --gtest_color=no --gtest_filter="$filter"
       result "$t $api API" "$(gtest_line "$glog")"
     done
@@ -377,7 +385,7 @@ step_tests() {
   # Killed runs resume bit for bit on the GPU (tests/resume_test.sh cuda; exit 77: no GPU).
   local rlog=$logs/resume-cuda.log
   : >"$rlog"
-  run_logged "resume.cuda" "$rlog" 150 "$bundle/run" bash tests/resume_test.sh cuda "$bundle/bin/tally"
+  run_logged "resume.cuda" "$rlog" 60 "$bundle/run" bash tests/resume_test.sh cuda "$bundle/bin/tally"
   result "resume.cuda" \
     "$(grep -c '^ok:' "$rlog") ok, $(grep -c '^FAIL' "$rlog") failed$(grep -q 'skipped: no GPU' "$rlog" && echo ' (skipped: no GPU)')"
 }
@@ -492,20 +500,22 @@ step_offload() {
   same_saves "offload" "$run-offload.safetensors" "$run-device.safetensors"
 }
 
-# The three-precision table (bench/RESULTS.md): ResNet-50 batch 256, tally through each cuDNN
-# convolution API against one PyTorch run — float32 (TF32 off on both sides), TF32 (on for both),
-# bf16 (tally --precision bf16 against PyTorch autocast + channels_last + cudnn.benchmark).
+# The three-precision table (bench/RESULTS.md): ResNet-50 batch 256, tally with its default cuDNN
+# convolution API per precision against one PyTorch run — float32 (TF32 off on both sides) and TF32
+# (on for both), tally with --deterministic on and off (PyTorch's defaults allow nondeterministic
+# algorithms), and bf16 (tally --precision bf16 against PyTorch autocast + channels_last +
+# cudnn.benchmark).
 step_compare() {
   local log=$logs/compare.log row extra
   : >"$log"
-  for row in "fp32" "tf32 --tf32" "bf16 --precision bf16 --cudnn-benchmark"; do
+  for row in "fp32 --tally-deterministic on,off" "tf32 --tf32 --tally-deterministic on,off" \
+    "bf16 --precision bf16 --cudnn-benchmark"; do
     read -r row extra <<<"$row"
     # shellcheck disable=SC2086  # $extra is a list of flags
-    run_logged "compare_pytorch resnet50 256 $row" "$log" 150 "$bundle/run" "${PYTHON:-python3}" bench/compare_pytorch.py \
-      --model resnet50 --batch 256 --steps 8 --warmup 2 --device cuda --tally "$bundle/bin/tally" \
-      --tally-conv-api legacy,graph $extra
+    run_logged "compare_pytorch resnet50 256 $row" "$log" 60 "$bundle/run" "${PYTHON:-python3}" bench/compare_pytorch.py \
+      --model resnet50 --batch 256 --steps 8 --warmup 2 --device cuda --tally "$bundle/bin/tally" $extra
     result "compare resnet50 256 $row" \
-      "$(tail -n 8 "$log" | grep -E '^(tally|pytorch|ratio)' | tr -s ' ' | cut -d' ' -f1-3 | tr '\n' ';')"
+      "$(tail -n 12 "$log" | grep -E '^(tally|pytorch|ratio)' | tr -s ' ' | cut -d' ' -f1-3 | tr '\n' ';')"
   done
 }
 
@@ -518,14 +528,14 @@ step_profile() {
     read -r row extra <<<"$row"
     rm -rf "$run-$row"
     # shellcheck disable=SC2086  # $extra is a list of flags
-    run_logged "tally train --profile resnet50 $row" "$log" 60 "$bundle/run" "$bundle/bin/tally" train \
+    run_logged "tally train --profile resnet50 $row" "$log" 30 "$bundle/run" "$bundle/bin/tally" train \
       --model resnet50 --data synthetic:3x224x224 --num-classes 1000 --batch-size 256 --steps 4 --lr 0.01 \
       --schedule constant --no-augment --no-eval --device cuda --no-progress --profile --out "$run-$row" $extra
     [[ -f $run-$row/profile.txt ]] && cp "$run-$row/profile.txt" "$logs/profile-tally-$row.txt"
     local bench=""
     [[ $row == bf16 ]] && bench=--cudnn-benchmark
     # shellcheck disable=SC2086
-    run_logged "torch profile resnet50 $row" "$log" 60 "$bundle/run" "${PYTHON:-python3}" bench/compare_pytorch.py \
+    run_logged "torch profile resnet50 $row" "$log" 30 "$bundle/run" "${PYTHON:-python3}" bench/compare_pytorch.py \
       --model resnet50 --batch 256 --steps 2 --warmup 2 --device cuda --torch-profile "$logs/profile-torch-$row.txt" \
       $extra $bench
     result "profiles resnet50 $row (tally, torch)"
@@ -603,6 +613,7 @@ run() {
   local t0
   for s in "$@"; do
     t0=$SECONDS
+    step_end=$(($(date +%s) + ${step_caps[$s]:-${RUN_SECONDS:-540}}))
     "step_$s" || { note "gpu-check: step $s ended early (exit $?)"; status=1; }
     note "-- step $s: $((SECONDS - t0))s"
     publish
