@@ -508,8 +508,9 @@ const std::vector<Option> kTable = {
     {.name = "precision", .field = field(&StepOptions::precision), .commands = kAll,
      .help = "fp32 | bf16 (mixed precision: bf16 activations, float32 weights, gradients, optimizer state and loss)"},
     {.name = "memory-format", .field = field(&StepOptions::memory_format), .commands = kAll,
-     .help = "the activations' layout: channels_last runs the CPU's convolutions and batch norms on NHWC, with no "
-             "reorder around each convolution; auto: channels_last on a CPU with oneDNN, else contiguous",
+     .help = "the activations' layout: channels_last runs the convolutions, batch norms and max pooling on NHWC "
+             "(CPU: oneDNN with no reorder around each convolution; CUDA: cuDNN's NHWC engines through its graph "
+             "API); auto: channels_last on a CPU with oneDNN, else contiguous",
      .absent = "contiguous"},
     {.name = "checkpoint-every", .field = field(&TrainOptions::checkpoint_every), .commands = kRun,
      .help = "write a training-state checkpoint into the run folder every N steps (500) or after a time (90s, 10m, "

@@ -24,7 +24,8 @@ convolutions want; tally's CUDA activations stay NCHW).
 --tally-conv-api legacy,graph: the tally side once per cuDNN convolution API
 (TALLY_CUDNN_CONV_API, docs/gpu.md), a row each, against the one PyTorch run.
 --tally-deterministic on,off: the same for tally's `--deterministic` (CUDA; PyTorch's defaults allow
-cuDNN's nondeterministic algorithms); with both lists, a row per pair.
+cuDNN's nondeterministic algorithms); --tally-memory-format contiguous,channels_last: for tally's
+`--memory-format`; with several lists, a row per combination.
 --torch-profile FILE: no timing and no tally side; PyTorch's profiler over --steps steps after the
 warm-up, its table of ops by GPU time (CPU time on the CPU) written to FILE and printed — the
 PyTorch half of the GPU check's profile step, beside `tally train --profile`.
@@ -137,7 +138,7 @@ def profile_steps(args, dev, step):
     return None
 
 
-def tally_side(args, hw, classes, conv_api=None, deterministic=None):
+def tally_side(args, hw, classes, conv_api=None, deterministic=None, memory_format=None):
     data = "synthetic" if hw == 32 else f"synthetic:3x{hw}x{hw}"
     with tempfile.TemporaryDirectory() as out:
         cmd = [args.tally, "train", "--model", args.model, "--data", data, "--num-classes", str(classes),
@@ -150,6 +151,8 @@ def tally_side(args, hw, classes, conv_api=None, deterministic=None):
             cmd += ["--tf32"]
         if deterministic:
             cmd += ["--deterministic", deterministic]
+        if memory_format:
+            cmd += ["--memory-format", memory_format]
         env = dict(os.environ)
         if conv_api:
             env["TALLY_CUDNN_CONV_API"] = conv_api
@@ -179,6 +182,8 @@ def main():
                    help="PyTorch in channels_last on the CPU too (its default there is NCHW)")
     p.add_argument("--tally-conv-api", default="",
                    help="comma-separated cuDNN convolution APIs (legacy, graph): the tally side once per API, a row each")
+    p.add_argument("--tally-memory-format", default="",
+                   help="comma-separated contiguous/channels_last: tally's --memory-format, a row each")
     p.add_argument("--tally-deterministic", default="",
                    help="comma-separated on/off: tally's --deterministic, the tally side once per value, a row each")
     p.add_argument("--torch-profile", default="", metavar="FILE",
@@ -192,8 +197,14 @@ def main():
     for d in dets:
         if d not in (None, "on", "off"):
             p.error(f"--tally-deterministic: expected on and/or off, got '{d}'")
-    # The tally rows: one per (API, determinism) pair, named by what was given.
-    variants = [(a, d, "-".join([x for x in (a, d and f"det-{d}") if x])) for a in apis for d in dets]
+    fmts = [f for f in args.tally_memory_format.split(",") if f] or [None]
+    for f in fmts:
+        if f not in (None, "contiguous", "channels_last"):
+            p.error(f"--tally-memory-format: expected contiguous and/or channels_last, got '{f}'")
+    # The tally rows: one per (API, determinism, memory format), named by what was given.
+    variants = [(a, d, f, "-".join([x for x in (a, d and f"det-{d}", f and {"contiguous": "nchw",
+                                                                            "channels_last": "nhwc"}[f]) if x]))
+                for a in apis for d in dets for f in fmts]
     if args.threads:
         torch.set_num_threads(args.threads)
     hw = 32 if args.model in ("resnet20", "resnet32", "resnet44", "resnet56", "resnet110") else 224
@@ -205,9 +216,9 @@ def main():
     # the other rows: on an H100 the graph API's failure once took the legacy and PyTorch numbers with it.
     failed = []
 
-    def one_tally(a, d, label):
+    def one_tally(a, d, f, label):
         try:
-            return (label, *tally_side(args, hw, classes, a, d))
+            return (label, *tally_side(args, hw, classes, a, d, f))
         except subprocess.CalledProcessError as e:
             failed.append(label or "tally")
             return (label, None, None, f"exit {e.returncode}")

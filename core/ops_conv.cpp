@@ -74,7 +74,7 @@ Tensor conv2d(const Tensor& x_, const Tensor& w_, const Tensor& b, const Conv2dO
                                  w_.size(1) * o.groups, o.groups, x_.str()));
   check_matching(op, x_, b, "bias", w_.size(0));
   // A channels-last input gives a channels-last output where the backend runs the convolution so
-  // (the CPU's oneDNN, no bias); otherwise the convolution runs row-major.
+  // (the CPU's oneDNN, CUDA's graph API; no bias); otherwise the convolution runs row-major.
   kernels::Conv2dShape s = conv_shape(x_, w_, o);
   s.bias = b.defined();
   if (x_.suggest_memory_format() == MemoryFormat::ChannelsLast)

@@ -72,7 +72,7 @@ struct BatchNormBackward : Node {
   bool has_weight, has_bias;
   const char* name() const override { return relu || has_residual ? "batch_norm_relu" : "batch_norm"; }
   void release() override { saved.release(); running.release(); output.release(); }
-  // Training on the CPU keeps a channels-last x channels-last (x, y, dy and dx alike).
+  // Training keeps a channels-last x channels-last (x, y, dy and dx alike).
   bool channels_last() const { return saved.t[0].suggest_memory_format() == MemoryFormat::ChannelsLast; }
   // The fused backward (take_incoming_gradient: with no residual nothing at all is allocated for dx).
   void fused_backward(const Tensor& gy, std::vector<GradSlot>& g) {
@@ -251,10 +251,9 @@ BatchNormResult batch_norm_any(const Tensor& x_, const Tensor& weight, const Ten
     throw ShapeError(fmt::format("batch_norm: expected more than 1 value per channel when training, got input {}", x_.str()));
   // y over x: x's handle given up and nothing else holding its buffer, and no backward to keep it.
   const bool in_place = given_up && reusable(x_) && !any_requires_grad({&x_, &weight, &bias, &residual_});
-  // Training on the CPU runs channels-last in place (x, the residual and y in x's layout); the
-  // CUDA kernels and evaluation take row-major tensors.
-  const MemoryFormat format =
-      opt.training && x_.device().is_cpu() ? x_.suggest_memory_format() : MemoryFormat::Contiguous;
+  // Training runs channels-last in place on both backends (x, the residual and y in x's layout);
+  // evaluation takes row-major tensors.
+  const MemoryFormat format = opt.training ? x_.suggest_memory_format() : MemoryFormat::Contiguous;
   const Tensor x = x_.contiguous(format);
   if (opt.training)
     return batch_norm_train(x_, x, weight, bias, running_mean, running_var, opt, residual_,

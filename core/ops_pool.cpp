@@ -60,9 +60,9 @@ struct AvgPoolBackward : Node {
 
 Tensor max_pool2d(const Tensor& x_, std::array<i64, 2> kernel, std::array<i64, 2> stride, std::array<i64, 2> padding) {
   kernels::Pool2dShape s = pool_shape(x_, kernel, stride, padding, "max_pool2d");
-  // The CPU pools a channels-last input as it is (ResNet's stem: the convolutions after it stay
-  // channels-last); CUDA takes row-major tensors.
-  s.channels_last = x_.device().is_cpu() && x_.suggest_memory_format() == MemoryFormat::ChannelsLast;
+  // A channels-last input is pooled as it is, on both backends (ResNet's stem: the convolutions
+  // after it stay channels-last).
+  s.channels_last = x_.suggest_memory_format() == MemoryFormat::ChannelsLast;
   const MemoryFormat format = s.channels_last ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous;
   const Tensor x = x_.contiguous(format);
   Tensor y = out_like(x, {s.N, s.C, s.P(), s.Q()}, "max_pool2d", format);

@@ -87,7 +87,7 @@ using compute_t = typename Compute<T>::type;
 // forward y = relu(bn(x) + residual); backward folds ReLU's mask (y > 0) into the norm's gradient
 // and hands the residual its gradient dz = dy * (y > 0). The defaults are the plain batch norm.
 // channels_last: x, y and the residual are stored (N, HW, C) — a channels-last tensor's bytes —
-// instead of (N, C, HW); the CPU runs it (kernels/cpu/norm.cpp), the CUDA kernels refuse it.
+// instead of (N, C, HW); both backends' batch norms run it, their group norms refuse it.
 template <class T>
 struct NormAct {
   const T* residual = nullptr;  // (N, C, HW) added before the ReLU, or null
@@ -136,8 +136,8 @@ struct Conv2dShape {
 struct Pool2dShape {
   i64 N, C, H, W;
   i64 kh, kw, stride_h, stride_w, pad_h = 0, pad_w = 0;
-  // Max pooling on the CPU: x, y, argmax, dx and dy channels-last, (N, H, W, C) / (N, P, Q, C); the
-  // argmax is still h * W + w. Other pooling kernels, and CUDA, take NCHW only.
+  // Max pooling (both backends): x, y, argmax, dx and dy channels-last, (N, H, W, C) / (N, P, Q, C);
+  // the argmax is still h * W + w. The other pooling kernels take NCHW only.
   bool channels_last = false;
   i64 P() const { return (H + 2 * pad_h - kh) / stride_h + 1; }
   i64 Q() const { return (W + 2 * pad_w - kw) / stride_w + 1; }

@@ -21,11 +21,13 @@
 #                  through each cuDNN API forced; resume.cuda (tests/resume_test.sh cuda) (~2 min)
 #        compare   bench/compare_pytorch.py, ResNet-50 batch 256: float32 and TF32 with tally's
 #                  --deterministic on and off, bf16 (PyTorch: autocast + channels_last +
-#                  cudnn.benchmark), against one PyTorch run each                       (~2 min)
-#        profile   the same three precisions, both sides: `tally train --profile` and PyTorch's
-#                  profiler (compare_pytorch.py --torch-profile), a few steps each      (~1 min)
+#                  cudnn.benchmark), tally in both memory formats, against one PyTorch run each
+#                                                                                       (~3 min)
+#        profile   the same three precisions, both sides: `tally train --profile` (bf16 in both
+#                  memory formats) and PyTorch's profiler (compare_pytorch.py --torch-profile),
+#                  a few steps each                                                     (~1.5 min)
 #        resnet50  `tally plan --device cuda` for ResNet-50 224x224 batch 4096 in 8 GiB and
-#                  a step of it, float32 and bf16; a step with --recompute all; 3 steps of
+#                  a step of it, float32, bf16 and bf16 channels-last; a step with --recompute all; 3 steps of
 #                  3x1024x1024 batch 2 in 1 GiB (auto recomputation), exact peaks        (~1.5 min)
 #        train     `make train`'s recipe on the GPU (ResNet-20 on Fashion-MNIST, packed by
 #                  `pack`, batch 512 in 32 MiB, 2 epochs) in float32 and bf16, then 40 steps
@@ -47,7 +49,9 @@
 #   scripts/gpu-check.sh rehearse [STEP...]  here, after `pack`: the same invocation without a GPU,
 #                                      so that a path, a library or a missing file fails here and
 #                                      not on the GPU machine; a command that fails only because
-#                                      no GPU is present counts as passed, any other failure fails.
+#                                      no GPU is present (or, for compare and profile, no PyTorch:
+#                                      the GPU machine's is used) counts as passed, any other failure
+#                                      fails.
 #   scripts/gpu-check.sh build-deps    here: download the Debian packages a build on the GPU
 #                                      machine needs into .gpu-debs/ (git-ignored).
 #   scripts/gpu-check.sh build-there   on the GPU machine, .gpu-debs/ carried: unpack them into a
@@ -73,7 +77,7 @@ tests=(gpu_test gpu_kernels_test gpu_ops_test gpu_bf16_test)
 all_steps=(env tests compare profile resnet50 train host offload sanitize)
 # Each step's cap in seconds (docs/gpu.md, "The order and the caps"): a step stops starting
 # commands at its cap as the whole run does at RUN_SECONDS; the sanitizer takes what is left.
-declare -A step_caps=([env]=20 [tests]=150 [compare]=140 [profile]=80 [resnet50]=90 [train]=100 [host]=70
+declare -A step_caps=([env]=20 [tests]=150 [compare]=170 [profile]=90 [resnet50]=90 [train]=100 [host]=70
   [offload]=70 [bench]=120 [repeat]=120)
 programs=("${tests[@]/#/tests/}" apps/tally bench/bench_kernels bench/bench_train)
 # The GPU machine takes 64 MiB of working tree in all: the tracked files travel with the bundle.
@@ -317,7 +321,7 @@ run_logged() {
   local t0=$SECONDS
   timeout --kill-after=10 "$cap" "$@" </dev/null >>"$log" 2>&1 || rc=$?
   echo "==== exit $rc after $((SECONDS - t0)) s" >>"$log"
-  if ((rc != 0 && rehearsal)) && tail -n +"$((mark + 1))" "$log" | grep -qE 'no GPU (is )?present|skipped: no GPU|Torch not compiled with CUDA|Found no NVIDIA driver|expected a GPU to describe, found none'; then
+  if ((rc != 0 && rehearsal)) && tail -n +"$((mark + 1))" "$log" | grep -qE "no GPU (is )?present|skipped: no GPU|Torch not compiled with CUDA|Found no NVIDIA driver|expected a GPU to describe, found none|No module named 'torch'"; then
     echo "==== rehearsal: failed for want of a GPU only (counted as passed here)" >>"$log"
     rc=0
   fi
@@ -425,16 +429,19 @@ step_resnet50() {
   # The plan and a step of batch 4096 in 8 GiB, float32 and bf16 (one step is enough for the exact
   # peak, and a bf16 step took 35 s at 2026-11-26's speed); a step with every level recomputed;
   # 3x1024x1024 batch 2 in 1 GiB, where not one sample fits without recomputation.
-  for name in fp32 bf16 all 1024; do
+  for name in fp32 bf16 bf16-nhwc all 1024; do
     case $name in
       fp32) args=(--data synthetic:3x224x224 --batch-size 4096 --memory-limit 8GiB --steps 1) ;;
       bf16) args=(--data synthetic:3x224x224 --batch-size 4096 --memory-limit 8GiB --steps 1 --precision bf16) ;;
+      bf16-nhwc) args=(--data synthetic:3x224x224 --batch-size 4096 --memory-limit 8GiB --steps 1 --precision bf16
+        --memory-format channels_last) ;;
       all) args=(--data synthetic:3x224x224 --batch-size 4096 --memory-limit 8GiB --steps 1 --recompute all) ;;
       1024) args=(--data synthetic:3x1024x1024 --batch-size 2 --memory-limit 1GiB --steps 3 --recompute auto) ;;
     esac
-    if [[ $name == fp32 || $name == bf16 ]]; then
+    if [[ $name == fp32 || $name == bf16* ]]; then
       local prec=()
       [[ $name == bf16 ]] && prec=(--precision bf16)
+      [[ $name == bf16-nhwc ]] && prec=(--precision bf16 --memory-format channels_last)
       run_logged "tally plan resnet50 $name" "$log" 60 "$bundle/run" "$bundle/bin/tally" plan --model resnet50 \
         --input 3x224x224 --batch-size 4096 --memory-limit 8GiB --device cuda "${prec[@]}"
       result "tally plan cuda resnet50 $name" "$(grep 'plan:' "$log" | tail -1)"
@@ -500,22 +507,23 @@ step_offload() {
   same_saves "offload" "$run-offload.safetensors" "$run-device.safetensors"
 }
 
-# The three-precision table (bench/RESULTS.md): ResNet-50 batch 256, tally with its default cuDNN
-# convolution API per precision against one PyTorch run — float32 (TF32 off on both sides) and TF32
-# (on for both), tally with --deterministic on and off (PyTorch's defaults allow nondeterministic
-# algorithms), and bf16 (tally --precision bf16 against PyTorch autocast + channels_last +
-# cudnn.benchmark).
+# The three-precision table (bench/RESULTS.md): ResNet-50 batch 256, tally in both memory formats
+# (row-major and channels-last activations) with its default cuDNN convolution API for each, against
+# one PyTorch run — float32 (TF32 off on both sides) and TF32 (on for both), tally also with
+# --deterministic off (PyTorch's defaults allow nondeterministic algorithms), and bf16 (tally
+# --precision bf16 against PyTorch autocast + channels_last + cudnn.benchmark).
 step_compare() {
   local log=$logs/compare.log row extra
   : >"$log"
+  local formats="--tally-memory-format contiguous,channels_last"
   for row in "fp32 --tally-deterministic on,off" "tf32 --tf32 --tally-deterministic on,off" \
     "bf16 --precision bf16 --cudnn-benchmark"; do
     read -r row extra <<<"$row"
     # shellcheck disable=SC2086  # $extra is a list of flags
-    run_logged "compare_pytorch resnet50 256 $row" "$log" 60 "$bundle/run" "${PYTHON:-python3}" bench/compare_pytorch.py \
-      --model resnet50 --batch 256 --steps 8 --warmup 2 --device cuda --tally "$bundle/bin/tally" $extra
+    run_logged "compare_pytorch resnet50 256 $row" "$log" 80 "$bundle/run" "${PYTHON:-python3}" bench/compare_pytorch.py \
+      --model resnet50 --batch 256 --steps 8 --warmup 2 --device cuda --tally "$bundle/bin/tally" $formats $extra
     result "compare resnet50 256 $row" \
-      "$(tail -n 12 "$log" | grep -E '^(tally|pytorch|ratio)' | tr -s ' ' | cut -d' ' -f1-3 | tr '\n' ';')"
+      "$(tail -n 16 "$log" | grep -E '^(tally|pytorch|ratio)' | tr -s ' ' | cut -d' ' -f1-3 | tr '\n' ';')"
   done
 }
 
@@ -524,7 +532,7 @@ step_compare() {
 step_profile() {
   local log=$logs/profile.log row extra run=/tmp/tally-gpu-profile
   : >"$log"
-  for row in "fp32" "tf32 --tf32" "bf16 --precision bf16"; do
+  for row in "fp32" "tf32 --tf32" "bf16 --precision bf16" "bf16-nhwc --precision bf16 --memory-format channels_last"; do
     read -r row extra <<<"$row"
     rm -rf "$run-$row"
     # shellcheck disable=SC2086  # $extra is a list of flags
@@ -532,6 +540,7 @@ step_profile() {
       --model resnet50 --data synthetic:3x224x224 --num-classes 1000 --batch-size 256 --steps 4 --lr 0.01 \
       --schedule constant --no-augment --no-eval --device cuda --no-progress --profile --out "$run-$row" $extra
     [[ -f $run-$row/profile.txt ]] && cp "$run-$row/profile.txt" "$logs/profile-tally-$row.txt"
+    [[ $row == bf16-nhwc ]] && { result "profile resnet50 $row (tally)"; continue; }  # PyTorch's bf16: above
     local bench=""
     [[ $row == bf16 ]] && bench=--cudnn-benchmark
     # shellcheck disable=SC2086

@@ -378,11 +378,7 @@ void check_conv(const kernels::Conv2dShape& s) {
   const auto w = uniform(nw, rng, -0.5f, 0.5f), b = uniform(s.K, rng);  // float32 master weights and bias
   Buf<bf16> dx_in = dev(x), ddy = dev(dy);
   Buf<float> dw_in = dev(w), db_in = dev(b);
-  struct UseReference {
-    kc::ConvAlgorithm before = kc::conv_algorithm();
-    UseReference() { kc::set_conv_algorithm(kc::ConvAlgorithm::reference); }
-    ~UseReference() { kc::set_conv_algorithm(before); }
-  } use_reference;
+  const UseCpuReferenceConvolutions use_reference;
   using kernels::ConvPass;
   auto cpu_ws = [&](ConvPass pass) { return std::vector<unsigned char>(kc::conv2d_workspace_bytes<bf16>(s, pass) + 1); };
   std::vector<unsigned char> cws_f = cpu_ws(ConvPass::forward), cws_d = cpu_ws(ConvPass::backward_data),
@@ -852,10 +848,11 @@ TEST(GpuBf16Ops, EveryOpForwardAndBackwardMatchesTheCpu) {
 // ratio of their mean errors. So, per tensor (loss, gradients, parameters after the step compared
 // as updates, running statistics): the GPU's error <= 2 x the CPU's + 0.05; over the gradients and
 // over the updates, the GPU's mean error <= 1.5 x the CPU's; the loss within 5e-3 of the CPU's.
-TEST(GpuBf16Ops, ResNet20TrainingStepMatchesTheCpuStep) {
-  REQUIRE_GPU();
+// `format`: the GPU's activations (channels-last: NHWC convolutions through the graph API and NHWC
+// batch norms); the CPU's are row-major.
+static void bf16_resnet20_step_matches_the_cpu(MemoryFormat format) {
   const auto seed = fresh_seed();
-  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  SCOPED_TRACE(testing::Message() << "seed " << seed << ", the GPU's input " << memory_format_name(format));
   nn::manual_seed(seed);
   auto ref = nn::make_model({"resnet20"});
   ref->to(DType::Float64);
@@ -886,7 +883,7 @@ TEST(GpuBf16Ops, ResNet20TrainingStepMatchesTheCpuStep) {
   const Tensor y = Tensor::from_vector(labels, {8});
   Tensor lr = cross_entropy((*ref)(x.to(DType::Float64)), y);
   Tensor lc = cross_entropy((*cpu)(x.to(DType::BFloat16)), y);
-  Tensor lg = cross_entropy((*gpu)(x.to(Device::cuda()).to(DType::BFloat16)), y.to(Device::cuda()));
+  Tensor lg = cross_entropy((*gpu)(x.to(Device::cuda()).to(DType::BFloat16).contiguous(format)), y.to(Device::cuda()));
   ASSERT_EQ(lg.dtype(), DType::Float32) << "the loss of bf16 logits is float32";
   EXPECT_NEAR(lg.item(), lc.item(), 5e-3 * std::abs(lc.item())) << "loss; float64: " << lr.item();
   like_cpu(lg, lc, lr, "loss", nullptr);
@@ -923,6 +920,16 @@ TEST(GpuBf16Ops, ResNet20TrainingStepMatchesTheCpuStep) {
     EXPECT_LE(mg, 1.5 * mc) << what << ": mean error against float64 of the GPU's bf16 step " << mg << ", the CPU's " << mc;
     EXPECT_LT(mc, 0.5) << what << ": even the CPU's bf16 step is far from float64: the comparison says nothing";
   }
+}
+
+TEST(GpuBf16Ops, ResNet20TrainingStepMatchesTheCpuStep) {
+  REQUIRE_GPU();
+  bf16_resnet20_step_matches_the_cpu(MemoryFormat::Contiguous);
+}
+
+TEST(GpuBf16Ops, ResNet20TrainingStepChannelsLastMatchesTheCpuStep) {
+  REQUIRE_GPU();
+  bf16_resnet20_step_matches_the_cpu(MemoryFormat::ChannelsLast);
 }
 
 // Mixed-precision MBP steps on the GPU (mbp::Precision::bf16, as `tally train --precision bf16

@@ -18,6 +18,7 @@
 #include "core/device.h"
 #include "core/memory.h"
 #include "core/tensor.h"
+#include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cuda/cuda_kernels.h"
 
 namespace tally::test {
@@ -88,6 +89,38 @@ inline double norm_rel_err(const Tensor& got, const Tensor& want) {
   }
   return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
 }
+
+// A (N, C, HW) array's values stored channels-last, (N, HW, C), and back: the bytes of a
+// channels-last tensor, for kernels compared with the CPU's row-major reference.
+template <class T>
+std::vector<T> nhwc_permuted(const std::vector<T>& v, std::int64_t N, std::int64_t C, std::int64_t HW, bool to_nhwc) {
+  std::vector<T> out(v.size());
+  for (std::int64_t n = 0; n < N; ++n)
+    for (std::int64_t c = 0; c < C; ++c)
+      for (std::int64_t j = 0; j < HW; ++j) {
+        const std::int64_t rows = (n * C + c) * HW + j, nhwc = (n * HW + j) * C + c;
+        out[to_nhwc ? nhwc : rows] = v[to_nhwc ? rows : nhwc];
+      }
+  return out;
+}
+template <class T>
+std::vector<T> to_nhwc(const std::vector<T>& v, std::int64_t N, std::int64_t C, std::int64_t HW) {
+  return nhwc_permuted(v, N, C, HW, true);
+}
+template <class T>
+std::vector<T> from_nhwc(const std::vector<T>& v, std::int64_t N, std::int64_t C, std::int64_t HW) {
+  return nhwc_permuted(v, N, C, HW, false);
+}
+
+// For a scope, the CPU's convolutions through its reference (im2col + GEMM), not oneDNN: what the
+// CUDA kernels are compared with.
+struct UseCpuReferenceConvolutions {
+  kernels::cpu::ConvAlgorithm before = kernels::cpu::conv_algorithm();
+  UseCpuReferenceConvolutions() { kernels::cpu::set_conv_algorithm(kernels::cpu::ConvAlgorithm::reference); }
+  ~UseCpuReferenceConvolutions() { kernels::cpu::set_conv_algorithm(before); }
+  UseCpuReferenceConvolutions(const UseCpuReferenceConvolutions&) = delete;
+  UseCpuReferenceConvolutions& operator=(const UseCpuReferenceConvolutions&) = delete;
+};
 
 // For a scope, the GPU convolutions through one cuDNN API (the API before, after).
 struct UseCudnnConvApi {

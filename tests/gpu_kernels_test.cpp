@@ -339,11 +339,7 @@ void check_conv(const tally::kernels::Conv2dShape& s, bool bias, double tol) {
   Buf<float> dx_in = dev(x), dw_in = dev(w), db_in = dev(b), ddy = dev(dy);
   // The CUDA kernels against the CPU reference (im2col + GEMM; its workspace is the same for every
   // pass), not against the CPU's oneDNN fast path.
-  struct UseReference {
-    kc::ConvAlgorithm before = kc::conv_algorithm();
-    UseReference() { kc::set_conv_algorithm(kc::ConvAlgorithm::reference); }
-    ~UseReference() { kc::set_conv_algorithm(before); }
-  } use_reference;
+  const UseCpuReferenceConvolutions use_reference;
   std::vector<unsigned char> cpu_ws(kc::conv2d_workspace_bytes<float>(s, kernels::ConvPass::forward));
   using kernels::ConvPass;
   const auto ws_f = scratch(kg::conv2d_workspace_bytes<float>(s, ConvPass::forward));
@@ -438,6 +434,54 @@ TEST(GpuKernels, ConvolutionThroughTheGraphApiMatchesTheCpu) {
     EXPECT_CLOSE(graph[0], legacy[0], kMathTol) << "forward: graph API against legacy";
     EXPECT_CLOSE(graph[1], legacy[1], kMathTol) << "backward data: graph API against legacy";
     EXPECT_CLOSE(graph[2], legacy[2], kMathTol) << "backward filter: graph API against legacy";
+  }
+}
+
+// Channels-last activations (x, y, dx, dy stored NHWC; the weights as stored) on every test shape,
+// through the API that takes them (the graph API: kernels::cuda::conv2d_takes_channels_last), each
+// pass against the CPU's row-major reference on the same values (beta 0 NaN-poisoned, beta 1 from
+// random values); the plan must say it is channels-last's and through the graph API.
+TEST(GpuKernels, ConvolutionChannelsLastMatchesTheCpu) {
+  REQUIRE_GPU();
+  const UseCudnnConvApi use_auto(kernels::cuda::CudnnConvApi::automatic);
+  const UseCpuReferenceConvolutions use_reference;
+  using kernels::ConvPass;
+  for (const ConvCase& c : conv_cases()) {
+    SCOPED_TRACE(c.name);
+    tally::kernels::Conv2dShape g = c.s, r = c.s;  // the GPU's (channels-last) and the CPU's (row-major)
+    g.channels_last = true;
+    ASSERT_TRUE(kg::conv2d_takes_channels_last<float>(g));
+    const std::string plan = kg::conv2d_plan_description(g);
+    EXPECT_NE(plan.find("through the graph API"), std::string::npos) << plan;
+    const auto seed = fresh_seed();
+    SCOPED_TRACE(testing::Message() << "seed " << seed << "\n" << plan);
+    std::mt19937 rng(seed);
+    const i64 HW = r.H * r.W, PQ = r.P() * r.Q();
+    const i64 nx = r.N * r.C * HW, nw = r.K * (r.C / r.groups) * r.R * r.S, ny = r.N * r.K * PQ;
+    const auto x = uniform(nx, rng), w = uniform(nw, rng), dy = uniform(ny, rng);
+    Buf<float> gx = dev(to_nhwc(x, r.N, r.C, HW)), gw = dev(w), gdy = dev(to_nhwc(dy, r.N, r.K, PQ));
+    std::vector<unsigned char> cpu_ws(kc::conv2d_workspace_bytes<float>(r, ConvPass::forward));
+    const auto ws_f = scratch(kg::conv2d_workspace_bytes<float>(g, ConvPass::forward));
+    const auto ws_d = scratch(kg::conv2d_workspace_bytes<float>(g, ConvPass::backward_data));
+    const auto ws_w = scratch(kg::conv2d_workspace_bytes<float>(g, ConvPass::backward_filter));
+
+    std::vector<float> want(ny, NAN);
+    kc::conv2d_forward<float>(r, x.data(), w.data(), nullptr, want.data(), cpu_ws.data());
+    Buf<float> y = dev(nans(ny));
+    kg::conv2d_forward<float>(g, P(gx), P(gw), nullptr, P(y), ws_ptr(ws_f));
+    EXPECT_CLOSE(from_nhwc(host(y), r.N, r.K, PQ), want, kMathTol) << "forward";
+    for (float beta : {0.f, 1.f}) {
+      SCOPED_TRACE(testing::Message() << "beta " << beta);
+      const std::vector<float> init = beta == 0.f ? nans(nx) : uniform(nx, rng);
+      std::vector<float> dx = init;
+      kc::conv2d_backward_data<float>(r, dy.data(), w.data(), dx.data(), beta, cpu_ws.data());
+      Buf<float> gdx = dev(to_nhwc(init, r.N, r.C, HW));
+      kg::conv2d_backward_data<float>(g, P(gdy), P(gw), P(gdx), beta, ws_ptr(ws_d));
+      EXPECT_CLOSE(from_nhwc(host(gdx), r.N, r.C, HW), dx, kMathTol) << "backward data";
+    }
+    check_beta(nw, rng, kMathTol,
+               [&](float* o, float beta) { kc::conv2d_backward_filter<float>(r, x.data(), dy.data(), o, beta, cpu_ws.data()); },
+               [&](float* o, float beta) { kg::conv2d_backward_filter<float>(g, P(gx), P(gdy), o, beta, ws_ptr(ws_w)); });
   }
 }
 
@@ -651,6 +695,79 @@ TEST(GpuKernels, BatchNormMatchesTheCpu) {
   }
 }
 
+// Batch norm on channels-last x (N, HW, C), plain and fused with the residual add and ReLU, against
+// the CPU's row-major kernels on the same values: the statistics, y, and the backward (dx at beta 0
+// and 1, dgamma, dbeta, the residual's gradient); run twice, bit for bit. The shapes: fewer channels
+// than a tile (32), more but not a multiple, one value per channel and image, and ResNet sizes
+// where a channel's rows span several blocks.
+TEST(GpuKernels, BatchNormChannelsLastMatchesTheCpu) {
+  REQUIRE_GPU();
+  for (auto [N, C, HW] : std::vector<std::array<i64, 3>>{{3, 5, 63}, {2, 16, 1}, {4, 40, 49}, {8, 3, 1024}, {16, 64, 784}, {32, 16, 1024}}) {
+    for (bool fused : {false, true}) {
+      const auto seed = fresh_seed();
+      SCOPED_TRACE(testing::Message() << "N " << N << " C " << C << " HW " << HW << " fused " << fused << " seed " << seed);
+      std::mt19937 rng(seed);
+      const i64 n = N * C * HW;
+      const auto nhwc = [&](const std::vector<float>& v) { return to_nhwc(v, N, C, HW); };
+      const auto back = [&](const Buf<float>& b) { return from_nhwc(host(b), N, C, HW); };
+      const auto bnws = scratch(kg::batch_norm_workspace_bytes(N, C, HW, true));
+      const auto x = uniform(n, rng, 2.f, 6.f), res = uniform(n, rng, -6.f, 2.f), dy = uniform(n, rng);
+      const auto gamma = uniform(C, rng, 0.5f, 1.5f), beta_ = uniform(C, rng);
+      auto rm = uniform(C, rng), rv = uniform(C, rng, 0.5f, 2.f);
+      Buf<float> gx = dev(nhwc(x)), gres = dev(nhwc(res)), gdy = dev(nhwc(dy)), ggm = dev(gamma), gbt = dev(beta_),
+                 grm = dev(rm), grv = dev(rv);
+      kernels::NormAct<float> cact, gact;
+      if (fused) cact.relu = gact.relu = true, cact.residual = res.data(), gact.residual = P(gres);
+      gact.channels_last = true;
+
+      std::vector<float> y(n, NAN), sm(C, NAN), si(C, NAN);
+      kc::batch_norm_forward_train<float>(N, C, HW, x.data(), gamma.data(), beta_.data(), 1e-5f, 0.1f, rm.data(),
+                                          rv.data(), y.data(), sm.data(), si.data(), nullptr, cact);
+      Buf<float> gy = dev(nans(n)), gsm = dev(nans(C)), gsi = dev(nans(C));
+      kg::batch_norm_forward_train<float>(N, C, HW, P(gx), P(ggm), P(gbt), 1e-5f, 0.1f, P(grm), P(grv), P(gy), P(gsm),
+                                          P(gsi), ws_ptr(bnws), gact);
+      EXPECT_CLOSE(back(gy), y, kNormTol) << "y";
+      EXPECT_CLOSE(host(gsm), sm, kNormTol) << "save_mean";
+      EXPECT_CLOSE(host(gsi), si, kNormTol) << "save_invstd";
+      EXPECT_CLOSE(host(grm), rm, kNormTol) << "running_mean";
+      EXPECT_CLOSE(host(grv), rv, kNormTol) << "running_var";
+
+      // The backward from the CPU's statistics and (fused) the CPU's y on both sides.
+      Buf<float> csm = dev(sm), csi = dev(si), cy = dev(nhwc(y));
+      for (float beta : {0.f, 1.f}) {
+        SCOPED_TRACE(testing::Message() << "beta " << beta);
+        const std::vector<float> init = beta == 0.f ? nans(n) : uniform(n, rng);
+        const std::vector<float> pinit = beta == 0.f ? nans(C) : uniform(C, rng);
+        std::vector<float> dx = init, dres = init, dg = pinit, db = pinit;
+        kernels::NormActGrad<float> cg, gg;
+        Buf<float> gdx = dev(nhwc(init)), gdres = dev(nhwc(init)), gdg = dev(pinit), gdb = dev(pinit);
+        if (fused) {
+          cg.relu = gg.relu = true, cg.y = y.data(), gg.y = P(cy);
+          cg.dresidual = dres.data(), gg.dresidual = P(gdres), cg.beta_residual = gg.beta_residual = beta;
+        }
+        gg.channels_last = true;
+        kc::batch_norm_backward<float>(N, C, HW, dy.data(), x.data(), gamma.data(), sm.data(), si.data(), dx.data(), beta,
+                                       dg.data(), db.data(), beta, nullptr, cg);
+        kg::batch_norm_backward<float>(N, C, HW, P(gdy), P(gx), P(ggm), P(csm), P(csi), P(gdx), beta, P(gdg), P(gdb),
+                                       beta, ws_ptr(bnws), gg);
+        EXPECT_CLOSE(back(gdx), dx, kNormTol) << "dx";
+        EXPECT_CLOSE(host(gdg), dg, kNormTol) << "dgamma";
+        EXPECT_CLOSE(host(gdb), db, kNormTol) << "dbeta";
+        if (fused) {
+          EXPECT_CLOSE(back(gdres), dres, kNormTol) << "the residual's gradient";
+        }
+      }
+      Buf<float> r1 = dev(nans(n)), r2 = dev(nans(n));
+      kernels::NormActGrad<float> plain;
+      plain.channels_last = true;
+      for (Buf<float>* r : {&r1, &r2})
+        kg::batch_norm_backward<float>(N, C, HW, P(gdy), P(gx), P(ggm), P(csm), P(csi), P(*r), 0.f, nullptr, nullptr, 0.f,
+                                       ws_ptr(bnws), plain);
+      EXPECT_EQ(host(r1), host(r2)) << "batch norm backward must be deterministic";
+    }
+  }
+}
+
 TEST(GpuKernels, GroupNormMatchesTheCpu) {
   REQUIRE_GPU();
   for (auto [N, C, HW, G] : std::vector<std::array<i64, 4>>{{3, 6, 63, 3}, {2, 5, 35, 5}, {2, 5, 35, 1}, {4, 32, 64, 8}}) {
@@ -729,6 +846,25 @@ TEST(GpuKernels, PoolingMatchesTheCpu) {
     check_beta(nx, rng, kElementwiseTol,
                [&](float* o, float beta) { kc::max_pool2d_backward<float>(s, dy.data(), am.data(), o, beta); },
                [&](float* o, float beta) { kg::max_pool2d_backward<float>(s, P(ddy), P(gam), o, beta); });
+    {  // channels-last max pooling: the same values stored (N, H, W, C), the same argmax (h * W + w)
+      SCOPED_TRACE("channels-last max pool");
+      tally::kernels::Pool2dShape c = s;
+      c.channels_last = true;
+      const i64 HW = s.H * s.W, PQ = s.P() * s.Q();
+      Buf<float> cx = dev(to_nhwc(x, s.N, s.C, HW)), cdy = dev(to_nhwc(dy, s.N, s.C, PQ)), cy = dev(nans(ny));
+      Buf<std::int32_t> cam(std::vector<std::int32_t>(ny, -7));
+      kg::max_pool2d_forward<float>(c, P(cx), P(cy), P(cam));
+      EXPECT_CLOSE(from_nhwc(host(cy), s.N, s.C, PQ), y, kElementwiseTol) << "max pool y";
+      EXPECT_EQ(from_nhwc(host(cam), s.N, s.C, PQ), am) << "max pool argmax";
+      for (float beta : {0.f, 1.f}) {
+        const std::vector<float> init = beta == 0.f ? nans(nx) : uniform(nx, rng);
+        std::vector<float> want = init;
+        kc::max_pool2d_backward<float>(s, dy.data(), am.data(), want.data(), beta);
+        Buf<float> cdx = dev(to_nhwc(init, s.N, s.C, HW));
+        kg::max_pool2d_backward<float>(c, P(cdy), P(cam), P(cdx), beta);
+        EXPECT_CLOSE(from_nhwc(host(cdx), s.N, s.C, HW), want, kElementwiseTol) << "max pool dx, beta " << beta;
+      }
+    }
 
     for (bool cip : {true, false}) {
       SCOPED_TRACE(testing::Message() << "count_include_pad " << cip);

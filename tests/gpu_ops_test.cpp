@@ -47,6 +47,18 @@ Tensor leaf(const Tensor& host, Device device) {
   return t;
 }
 
+// The same, stored in `format` (a channels-last leaf: its gradient may come back in either layout).
+Tensor leaf(const Tensor& host, Device device, MemoryFormat format) {
+  Tensor t = Tensor::empty(host.shape(), host.dtype(), device, Category::parameter, "leaf", format);
+  t.copy_(host.to(device));
+  t.set_requires_grad(true);
+  t.allocate_grad();
+  return t;
+}
+
+const char* format_name(MemoryFormat f) { return memory_format_name(f); }
+constexpr MemoryFormat kBothFormats[] = {MemoryFormat::Contiguous, MemoryFormat::ChannelsLast};
+
 std::string names(const char* what, const std::string& name) { return fmt::format("{} of {}", what, name); }
 
 // Sets every batch norm bias of a ResNet (bn1, layerI.J.bnK, the projections' downsample.1) to v.
@@ -140,9 +152,11 @@ TEST(GpuOps, FusedBatchNormReluMatchesTheCpu) {
   std::mt19937 rng(seed);
   // The second shape is ResNet-20's first stage, where a channel's sums span two blocks (P = 2):
   // ResNet-20's GPU gradients parted from the CPU's from there back, on an H100.
-  for (const auto& shape : std::vector<std::vector<i64>>{{3, 6, 7, 9}, {8, 16, 32, 32}}) {
+  for (const MemoryFormat format : kBothFormats)
+  for (const auto& shape : std::vector<std::vector<i64>>{{3, 6, 7, 9}, {8, 16, 32, 32}, {4, 40, 7, 7}}) {
     const i64 C = shape[1];
-    SCOPED_TRACE(testing::Message() << "N " << shape[0] << " C " << C << " H " << shape[2] << " W " << shape[3]);
+    SCOPED_TRACE(testing::Message() << "N " << shape[0] << " C " << C << " H " << shape[2] << " W " << shape[3]
+                                    << ", the GPU's input " << format_name(format));
     const std::map<std::string, Tensor> host = {{"x", host_tensor(shape, rng)},
                                                 {"res", host_tensor(shape, rng)},
                                                 {"w", host_tensor({C}, rng, 0.5f, 1.5f)},
@@ -150,7 +164,8 @@ TEST(GpuOps, FusedBatchNormReluMatchesTheCpu) {
     const Tensor probe = host_tensor(shape, rng);
     for (bool residual : {false, true}) {
       auto run = [&](Device d, std::map<std::string, Tensor>& L, Tensor& rm, Tensor& rv) {
-        for (const auto& [k, v] : host) L[k] = leaf(v, d);
+        for (const auto& [k, v] : host)
+          L[k] = leaf(v, d, d.is_cuda() && v.dim() == 4 ? format : MemoryFormat::Contiguous);
         rm = Tensor::zeros({C}, DType::Float32, d, Category::parameter);
         rv = Tensor::full({C}, 1.0, DType::Float32, d, Category::parameter);
         BatchNormOptions fused;
@@ -162,6 +177,7 @@ TEST(GpuOps, FusedBatchNormReluMatchesTheCpu) {
       std::map<std::string, Tensor> lc, lg;
       Tensor rmc, rvc, rmg, rvg;
       const Tensor yc = run(Device::cpu(), lc, rmc, rvc), yg = run(Device::cuda(), lg, rmg, rvg);
+      EXPECT_EQ(yg.suggest_memory_format(), format) << "the fused batch norm keeps its input's layout";
       EXPECT_LE(norm_rel_err(yg, yc), 1e-5) << "y, residual " << residual;
       EXPECT_LE(norm_rel_err(rmg, rmc), 1e-5) << "running_mean";
       EXPECT_LE(norm_rel_err(rvg, rvc), 1e-5) << "running_var";
@@ -228,11 +244,13 @@ TEST(GpuOps, BasicBlockForwardBackwardMatchesTheCpu) {
   // A projection shortcut (1x1 stride-2 conv + norm) at odd sizes, then ResNet-20's own blocks at
   // its first stage's size (8x16x32x32: the identity block, and the block entering stage 2).
   struct Case { i64 N, H, W, out, stride; };
+  for (const MemoryFormat format : kBothFormats)
   for (const Case c : {Case{3, 9, 11, 32, 2}, Case{8, 32, 32, 16, 1}, Case{8, 32, 32, 32, 2}})
   for (nn::Norm norm : {nn::Norm::Batch, nn::Norm::Group}) {
     const auto seed = fresh_seed();
     SCOPED_TRACE(testing::Message() << "norm " << nn::norm_name(norm) << " input " << c.N << "x16x" << c.H << "x"
-                                    << c.W << " -> " << c.out << " stride " << c.stride << " seed " << seed);
+                                    << c.W << " -> " << c.out << " stride " << c.stride << ", the GPU's input "
+                                    << format_name(format) << " seed " << seed);
     nn::manual_seed(seed);
     nn::BasicBlock cpu(16, c.out, c.stride, norm);
     nn::manual_seed(seed);
@@ -241,8 +259,11 @@ TEST(GpuOps, BasicBlockForwardBackwardMatchesTheCpu) {
     std::mt19937 rng(seed);
     const i64 P = (c.H - 1) / c.stride + 1, Q = (c.W - 1) / c.stride + 1;
     const Tensor x = host_tensor({c.N, 16, c.H, c.W}, rng), r = host_tensor({c.N, c.out, P, Q}, rng);
-    Tensor xc = leaf(x, Device::cpu()), xg = leaf(x, Device::cuda());
+    Tensor xc = leaf(x, Device::cpu()), xg = leaf(x, Device::cuda(), format);
     const Tensor yc = cpu(xc), yg = gpu(xg);
+    if (norm == nn::Norm::Batch) {  // group norm has no channels-last kernel: its block ends row-major
+      EXPECT_EQ(yg.suggest_memory_format(), format) << "a batch-norm block keeps its input's layout";
+    }
     EXPECT_LE(norm_rel_err(yg, yc), 1e-4) << "output";
     sum(mul(yc, r)).backward();
     sum(mul(yg, r.to(Device::cuda()))).backward();
@@ -317,9 +338,10 @@ static double expect_like_cpu(const Tensor& g, const Tensor& c, const Tensor& r6
 // The floor of 1e-4: with every activation well above 0, the weight gradient of the 1x1 stride-2
 // projection sums 2,048 products of a positive input and a gradient of zero mean per weight; cuDNN's
 // float32 order leaves 3-5e-5 of it there (4 of those 13 seeds), the CPU's blocked sums 1e-6.
-static void resnet20_steps_match_the_cpu(double bn_bias) {
+static void resnet20_steps_match_the_cpu(double bn_bias, MemoryFormat format = MemoryFormat::Contiguous) {
   const auto seed = fresh_seed();
-  SCOPED_TRACE(testing::Message() << "seed " << seed << ", batch norm biases " << bn_bias);
+  SCOPED_TRACE(testing::Message() << "seed " << seed << ", batch norm biases " << bn_bias << ", the GPU's input "
+                                  << format_name(format));
   const ResNet20s models = resnet20_three_ways(seed, bn_bias);
   const auto &ref = models.ref, &cpu = models.cpu, &gpu = models.gpu;
   std::vector<Tensor> initial;
@@ -336,7 +358,7 @@ static void resnet20_steps_match_the_cpu(double bn_bias) {
     const Tensor y = Tensor::from_vector(labels, {8});
     Tensor lr = cross_entropy((*ref)(x.to(DType::Float64)), y);
     Tensor lc = cross_entropy((*cpu)(x), y);
-    Tensor lg = cross_entropy((*gpu)(x.to(Device::cuda())), y.to(Device::cuda()));
+    Tensor lg = cross_entropy((*gpu)(x.to(Device::cuda()).contiguous(format)), y.to(Device::cuda()));
     expect_like_cpu(lg, lc, lr, "loss");
     lr.backward();
     lc.backward();
@@ -375,6 +397,48 @@ static void resnet20_steps_match_the_cpu(double bn_bias) {
 TEST(GpuOps, ResNet20TrainingStepsMatchTheCpu) {
   REQUIRE_GPU();
   resnet20_steps_match_the_cpu(3.0);
+}
+
+// The same with the GPU's activations channels-last (NHWC convolutions through cuDNN's graph API,
+// the NHWC batch norms), the CPU's row-major: within the same bounds of float64.
+TEST(GpuOps, ResNet20TrainingStepsChannelsLastMatchTheCpu) {
+  REQUIRE_GPU();
+  resnet20_steps_match_the_cpu(3.0, MemoryFormat::ChannelsLast);
+}
+
+// ResNet-50's stem and first bottleneck at 64x64 on channels-last input: every op that has a
+// channels-last CUDA kernel keeps the layout (convolution, batch norm with its fused ReLU and
+// residual, max pooling), the classifier's pooling ends it, and the outputs and every gradient
+// match the CPU's row-major run.
+TEST(GpuOps, ChannelsLastResNet50StemAndBlockMatchTheCpu) {
+  REQUIRE_GPU();
+  const auto seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  nn::manual_seed(seed);
+  auto cpu = nn::make_model({"resnet50"});
+  nn::manual_seed(seed);
+  auto gpu = nn::make_model({"resnet50"});
+  gpu->to(Device::cuda());
+  auto sc = cpu->segments(), sg = gpu->segments();
+  ASSERT_GE(sc.size(), 3u);
+  std::mt19937 rng(seed);
+  const Tensor x = host_tensor({2, 3, 64, 64}, rng);
+  Tensor xc = leaf(x, Device::cpu()), xg = leaf(x, Device::cuda(), MemoryFormat::ChannelsLast);
+  // The stem (conv, batch norm + ReLU, max pool) and the first bottleneck, then a probe.
+  const Tensor hc = sc[1].forward(sc[0].forward(xc)), hg = sg[1].forward(sg[0].forward(xg));
+  EXPECT_EQ(hg.suggest_memory_format(), MemoryFormat::ChannelsLast) << "stem and block keep channels-last";
+  EXPECT_LE(norm_rel_err(hg, hc), 1e-4) << "output";
+  const Tensor probe = host_tensor(hc.shape(), rng);
+  sum(mul(hc, probe)).backward();
+  sum(mul(hg, probe.to(Device::cuda()))).backward();
+  EXPECT_LE(norm_rel_err(xg.grad(), xc.grad()), 1e-4) << "input gradient";
+  for (std::size_t s = 0; s < 2; ++s)
+    for (std::size_t m = 0; m < sc[s].modules.size(); ++m) {
+      const auto pc = sc[s].modules[m]->named_parameters(), pg = sg[s].modules[m]->named_parameters();
+      for (std::size_t i = 0; i < pc.size(); ++i)
+        EXPECT_LE(norm_rel_err(pg[i].second.grad(), pc[i].second.grad()), 1e-4)
+            << names("gradient", fmt::format("segment {} module {} {}", s, m, pc[i].first));
+    }
 }
 
 // ResNet-20's segments (stem, nine blocks, head) one at a time, each on the input and the upstream
@@ -442,8 +506,9 @@ TEST(GpuOps, ResNet20SegmentsOneByOneMatchTheCpu) {
 // weight copy, cuBLAS's workspace) is decided identically without running anything.
 TEST(GpuOps, DryRunPeakOfAResNet20StepEqualsTheRealStepToTheByte) {
   REQUIRE_GPU();
+  for (const MemoryFormat format : kBothFormats)
   for (const DType activations : {DType::Float32, DType::BFloat16}) {
-    SCOPED_TRACE(fmt::format("activations {}", dtype_name(activations)));
+    SCOPED_TRACE(fmt::format("activations {}, {}", dtype_name(activations), format_name(format)));
     auto arena = std::make_shared<Arena>(Device::cuda(0), std::size_t(768) << 20);
     ArenaScope scope(arena);
     nn::manual_seed(11);
@@ -451,7 +516,7 @@ TEST(GpuOps, DryRunPeakOfAResNet20StepEqualsTheRealStepToTheByte) {
     model->to(Device::cuda());
     optim::SGD opt(model->parameters(), {.lr = 0.1, .momentum = 0.9, .weight_decay = 5e-4});
     std::mt19937 rng(fresh_seed());
-    const Tensor x = host_tensor({16, 3, 32, 32}, rng).to(activations).to(Device::cuda());
+    const Tensor x = host_tensor({16, 3, 32, 32}, rng).to(activations).to(Device::cuda()).contiguous(format);
     std::vector<i64> labels(16);
     for (auto& l : labels) l = static_cast<i64>(rng() % 10);
     const Tensor y = Tensor::from_vector(labels, {16}, Device::cuda(), Category::input);

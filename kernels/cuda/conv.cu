@@ -360,10 +360,11 @@ CudnnConvApi conv_api_from_env() {
   return CudnnConvApi::automatic;
 }
 std::atomic<CudnnConvApi> g_conv_api{conv_api_from_env()};
-// Automatic: the graph API for bf16, the legacy API for float32 (cuda_kernels.h says why).
-bool use_graph_api(bool bf16) {
+// Automatic: the graph API for bf16 and for channels-last activations, the legacy API for row-major
+// float32 (cuda_kernels.h says why).
+bool use_graph_api(bool bf16, bool channels_last) {
   const CudnnConvApi api = g_conv_api.load();
-  return api == CudnnConvApi::graph || (api == CudnnConvApi::automatic && bf16);
+  return api == CudnnConvApi::graph || (api == CudnnConvApi::automatic && (bf16 || channels_last));
 }
 
 bool log_conv_from_env() {
@@ -382,8 +383,11 @@ std::unique_ptr<Plan> make_plan(const Conv2dShape& s, bool bf16) {
             S = to_int(s.S, "S", s), P = to_int(s.P(), "P", s), Q = to_int(s.Q(), "Q", s);
   to_int(s.N * s.C * s.H * s.W, "input elements", s);  // cuDNN's legacy API indexes with int
   to_int(s.N * s.K * s.P() * s.Q(), "output elements", s);
-  TALLY_CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->x, CUDNN_TENSOR_NCHW, data, N, C, H, W));
-  TALLY_CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->y, CUDNN_TENSOR_NCHW, data, N, K, P, Q));
+  // The legacy API sees channels-last activations only when called with them directly (core/ routes
+  // them to the graph API): NHWC tensor descriptors, the weights as stored.
+  const cudnnTensorFormat_t layout = s.channels_last ? CUDNN_TENSOR_NHWC : CUDNN_TENSOR_NCHW;
+  TALLY_CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->x, layout, data, N, C, H, W));
+  TALLY_CUDNN_CHECK(cudnnSetTensor4dDescriptor(p->y, layout, data, N, K, P, Q));
   TALLY_CUDNN_CHECK(cudnnSetFilter4dDescriptor(p->w, data, CUDNN_TENSOR_NCHW, K, Cg, R, S));
   set_conv_desc(p->fwd_conv, s, bf16);
   set_conv_desc(p->bwd_data_conv, s, bf16);
@@ -765,7 +769,7 @@ std::size_t conv2d_workspace_bytes(const Conv2dShape& s, ConvPass pass) {
   if (empty_output(s) || s.C <= 0) return 0;
 #if TALLY_HAVE_CUDNN
   std::size_t cudnn_bytes = 0;
-  if (use_graph_api(is_bf16<T>)) {
+  if (use_graph_api(is_bf16<T>, s.channels_last)) {
     cudnn_bytes = graph_workspace(s, is_bf16<T>, pass);
   } else {
     const Plan& p = plan_for(s, is_bf16<T>);
@@ -786,7 +790,7 @@ template <class T>
 std::string conv2d_plan_description(const Conv2dShape& s) {
   if (empty_output(s) || s.C <= 0) return "conv2d: empty, no cuDNN call";
 #if TALLY_HAVE_CUDNN
-  if (use_graph_api(is_bf16<T>)) {
+  if (use_graph_api(is_bf16<T>, s.channels_last)) {
     std::string d = std::string(is_bf16<T> ? "bf16 " : "") + "conv2d " + shape_text(s) + " through the graph API:";
     for (ConvPass pass : {ConvPass::forward, ConvPass::backward_data, ConvPass::backward_filter})
       d += "\n  " + graph_plan(s, is_bf16<T>, pass, 0.f).description;
@@ -876,7 +880,7 @@ void conv2d_forward(const Conv2dShape& s,
                     void* workspace) {
   if (empty_output(s)) return;
 #if TALLY_HAVE_CUDNN
-  const bool graph = use_graph_api(is_bf16<T>);
+  const bool graph = use_graph_api(is_bf16<T>, s.channels_last);
   const Plan* p = graph ? nullptr : &plan_for(s, is_bf16<T>);
   const std::size_t cudnn_ws = graph ? graph_workspace(s, is_bf16<T>, ConvPass::forward) : p->fwd_ws;
   const float one = 1.f, zero = 0.f;
@@ -920,7 +924,7 @@ void conv2d_backward_data(const Conv2dShape& s,
     return;
   }
 #if TALLY_HAVE_CUDNN
-  const bool graph = use_graph_api(is_bf16<T>);
+  const bool graph = use_graph_api(is_bf16<T>, s.channels_last);
   const Plan* p = graph ? nullptr : &plan_for(s, is_bf16<T>);
   const std::size_t cudnn_ws = graph ? graph_workspace(s, is_bf16<T>, ConvPass::backward_data) : p->bwd_data_ws;
   const float one = 1.f, b = static_cast<float>(beta);
@@ -957,7 +961,7 @@ void conv2d_backward_filter(const Conv2dShape& s,
     return;
   }
 #if TALLY_HAVE_CUDNN
-  const bool graph = use_graph_api(is_bf16<T>);
+  const bool graph = use_graph_api(is_bf16<T>, s.channels_last);
   const Plan* p = graph ? nullptr : &plan_for(s, is_bf16<T>);
   const float one = 1.f, b = static_cast<float>(beta);
   if constexpr (is_bf16<T>) {

@@ -67,12 +67,6 @@ std::size_t gemm_workspace_bytes(std::size_t budget, i64 /*M*/, i64 /*N*/, i64 /
 // the output cuDNN has rounded to bf16 and rounds the sum again (the CPU sums in float32 first and
 // rounds once). float32 backward filter: cuDNN writes with beta = 1 straight into the persistent
 // gradient buffer. conv2d_backward_bias: a deterministic reduction kernel, not cuDNN.
-// The CUDA convolutions run on row-major (NCHW) tensors: never channels-last (core/ converts a
-// channels-last input).
-template <class T>
-bool conv2d_takes_channels_last(const Conv2dShape&) {
-  return false;
-}
 // The cached plan of a shape in words: each pass's algorithm, workspace and the candidates seen
 // (float or bf16: a plan per data type).
 template <class T = float>
@@ -82,7 +76,7 @@ void set_log_conv_algorithms(bool on);
 // The cuDNN API the convolutions go through (kernels/cuda/conv.cu): legacy (cudnnConvolution*),
 // graph (the backend API of cudnn_graph.h: one operation graph per pass, engines from heuristics
 // mode A, then the fallback mode, under the same rules) or automatic, the default: the graph API
-// for bf16 and the legacy API for float32 — on an H100 (2026-11-26, ResNet-50 batch 256) bf16
+// for bf16 and for channels-last activations, the legacy API for row-major float32 — on an H100 (2026-11-26, ResNet-50 batch 256) bf16
 // trained 10x faster through the graph API (1,202 against 117 images/s), float32 as fast through
 // either (692 / 693) and TF32 3% faster through the legacy one (1,406 / 1,358).
 // TALLY_CUDNN_CONV_API=legacy|graph|auto in the environment selects it at start (another value:
@@ -91,6 +85,14 @@ void set_log_conv_algorithms(bool on);
 enum class CudnnConvApi { automatic, legacy, graph };
 void set_cudnn_conv_api(CudnnConvApi api);
 CudnnConvApi cudnn_conv_api();
+// Channels-last (NHWC) activations go through cuDNN's graph API, whose NHWC engines take the weights
+// as stored, (K, C/g, R, S) (the plan's workspace holds cuDNN's reorder of them): so a convolution
+// with no bias takes them unless the legacy API is forced (TALLY_CUDNN_CONV_API=legacy), where
+// core/ converts a channels-last input to row-major first.
+template <class T>
+bool conv2d_takes_channels_last(const Conv2dShape& s) {
+  return !s.bias && cudnn_conv_api() != CudnnConvApi::legacy;
+}
 
 // Plans without the device (cuDNN 9.8+'s deviceless ahead-of-time compilation; docs/gpu.md,
 // "Plans without the GPU"). cudnn_device_properties: cuDNN's serialized description of GPU

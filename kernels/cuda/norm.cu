@@ -15,6 +15,11 @@
 // P = batch_norm_chunks(N, C, HW) depends only on the shape, so a dry run sizes the workspace as
 // the real run does. Forward sums are taken about a pivot (the channel's first element): the
 // shifted sum of squares keeps the variance exact when the mean is large.
+// Channels-last (NormAct::channels_last: x, y, dy, dx and the residual stored (N, HW, C)): the same
+// three launches and formulas over M = N * HW rows of C channels; a partial-sum block takes a tile of
+// 32 channels (a warp's lanes: one coalesced read of each row's tile) by 8 row lanes over its chunk
+// of rows, and adds its 8 lanes in order; the elementwise passes run over the bytes (c = index % C).
+// The partial sums keep the row-major layout (2, C, P), so the finalize kernels are shared.
 // Group norm: one block per (n, group) and per channel for the weight gradients, in double.
 // bf16 (x, y, dy, dx): the same launches and double formulas on widened values; gamma, beta, the
 // running and saved statistics and dgamma/dbeta are float32 (S below: compute_t<T>, the CPU's
@@ -68,6 +73,20 @@ struct BnWorkspace {
   double* coef;   // (3, C), then (2, C) of statistics
   static std::size_t doubles(i64 C, i64 P) { return static_cast<std::size_t>(2 * C * P + 5 * C); }
 };
+
+// Channels-last: row chunks per channel, from the shape alone. A block covers a tile of kTileC
+// channels by kTileRows row lanes; each chunk has at least kMinChunkRows rows.
+constexpr int kTileC = 32, kTileRows = kNormThreads / kTileC;
+constexpr i64 kMinChunkRows = kMinChunk / kTileC;
+i64 batch_norm_chunks_nhwc(i64 N, i64 C, i64 HW) {
+  const i64 M = N * HW, tiles = (C + kTileC - 1) / kTileC;
+  const i64 by_size = std::max<i64>(1, M / kMinChunkRows);
+  const i64 by_grid = std::max<i64>(1, (kTargetBlocks + tiles - 1) / std::max<i64>(tiles, 1));
+  return std::min<i64>(65535, std::max<i64>(1, std::min(by_size, by_grid)));
+}
+i64 chunks_for(i64 N, i64 C, i64 HW, bool channels_last) {
+  return channels_last ? batch_norm_chunks_nhwc(N, C, HW) : batch_norm_chunks(N, C, HW);
+}
 
 // Rows [n0, n1) of channel c of block p.
 __device__ __forceinline__ void chunk_rows(i64 N, i64 P, i64 p, i64* n0, i64* n1) {
@@ -130,11 +149,75 @@ __global__ void bn_backward_partial_kernel(i64 N, i64 C, i64 HW, i64 P, const T*
   }
 }
 
+// Channels-last partial sums: block (tile, p) sums channels [tile * 32, tile * 32 + 32) over rows
+// [p M / P, (p + 1) M / P) of x (M, C); lane c of row lane k takes rows k, k + 8, ...; the 8 row
+// lanes are then added in order. Written to part (2, C, P) as the row-major kernels write it.
+__device__ __forceinline__ void tile_store(double s1, double s2, i64 c, i64 C, i64 P, i64 p, double* part) {
+  __shared__ double sh[2][kTileRows][kTileC + 1];
+  const int lane = static_cast<int>(threadIdx.x % kTileC), row = static_cast<int>(threadIdx.x / kTileC);
+  sh[0][row][lane] = s1;
+  sh[1][row][lane] = s2;
+  __syncthreads();
+  if (row == 0 && c < C) {
+    double a = 0, b = 0;
+    for (int k = 0; k < kTileRows; ++k) {
+      a += sh[0][k][lane];
+      b += sh[1][k][lane];
+    }
+    part[c * P + p] = a;
+    part[(C + c) * P + p] = b;
+  }
+}
+
+// Forward: s1 = sum (x - K), s2 = sum (x - K)^2, K = the channel's first element x[c].
+template <class T>
+__global__ void bn_forward_partial_nhwc_kernel(i64 M, i64 C, i64 P, const T* __restrict__ x, double* part) {
+  const i64 c = static_cast<i64>(blockIdx.x) * kTileC + threadIdx.x % kTileC, p = blockIdx.y;
+  const i64 r0 = p * M / P, r1 = (p + 1) * M / P;
+  double s1 = 0, s2 = 0;
+  if (c < C) {
+    const double K = static_cast<double>(x[c]);
+    for (i64 r = r0 + threadIdx.x / kTileC; r < r1; r += kTileRows) {
+      const double d = static_cast<double>(x[r * C + c]) - K;
+      s1 += d;
+      s2 += d * d;
+    }
+  }
+  tile_store(s1, s2, c, C, P, p, part);
+}
+
+// Backward, as bn_backward_partial_kernel: s1 = sum dz, s2 = sum dz (x - mean) invstd; dz stored into
+// dres when given, by the thread that reads it.
+template <class T>
+__global__ void bn_backward_partial_nhwc_kernel(i64 M, i64 C, i64 P, const T* dy, const T* __restrict__ y,
+                                                const T* __restrict__ x, const double* __restrict__ mean,
+                                                const double* __restrict__ invstd, T* dres, S<T> beta_res,
+                                                double* part) {
+  const i64 c = static_cast<i64>(blockIdx.x) * kTileC + threadIdx.x % kTileC, p = blockIdx.y;
+  const i64 r0 = p * M / P, r1 = (p + 1) * M / P;
+  double s1 = 0, s2 = 0;
+  if (c < C) {
+    const double mu = mean[c], is = invstd[c];
+    for (i64 r = r0 + threadIdx.x / kTileC; r < r1; r += kTileRows) {
+      const i64 o = r * C + c;
+      const double d = masked_dy(dy, y, o);
+      if (dres) store(dres + o, beta_res, d);
+      s1 += d;
+      s2 += d * ((static_cast<double>(x[o]) - mu) * is);
+    }
+  }
+  tile_store(s1, s2, c, C, P, p, part);
+}
+
+dim3 nhwc_partial_grid(i64 C, i64 P) {
+  return dim3(static_cast<unsigned>((C + kTileC - 1) / kTileC), static_cast<unsigned>(P));
+}
+
 // ---- batch norm: per-channel finalize ------------------------------------------------------------
 
 // Statistics of the forward: coef = (mean, scale, shift) for the elementwise pass.
 template <class T>
-__global__ void bn_forward_finalize_kernel(i64 N, i64 C, i64 HW, i64 P, const T* __restrict__ x,
+__global__ void bn_forward_finalize_kernel(i64 N, i64 C, i64 HW, i64 P, i64 pivot_stride, const T* __restrict__ x,
                                            const S<T>* __restrict__ gamma, const S<T>* __restrict__ beta_, double eps,
                                            double momentum, S<T>* running_mean, S<T>* running_var, S<T>* save_mean,
                                            S<T>* save_invstd, const double* __restrict__ part, double* coef) {
@@ -146,7 +229,7 @@ __global__ void bn_forward_finalize_kernel(i64 N, i64 C, i64 HW, i64 P, const T*
     s2 += part[(C + c) * P + p];
   }
   const double M = static_cast<double>(N * HW);
-  const double K = static_cast<double>(x[c * HW]);
+  const double K = static_cast<double>(x[c * pivot_stride]);  // the partial sums' pivot
   const double mean = K + s1 / M;
   const double ssd = s2 - s1 * s1 / M > 0 ? s2 - s1 * s1 / M : 0.0;  // sum of squared deviations
   const double var = ssd / M;                                          // biased
@@ -234,6 +317,31 @@ __global__ void bn_backward_dx_kernel(i64 planes, i64 C, i64 HW, const T* dy /* 
                                       S<T> beta_dx) {
   TALLY_PLANE_LOOP(plane, j, planes, HW) {
     const i64 c = plane % C, o = plane * HW + j;
+    const double xhat = (static_cast<double>(x[o]) - mean[c]) * invstd[c];
+    store(dx + o, beta_dx, coef[c] * (masked_dy(dy, y, o) - coef[C + c] - xhat * coef[2 * C + c]));
+  }
+}
+
+// Channels-last twins of the two above: element o of (M, C) is channel o % C.
+template <class T>
+__global__ void bn_normalize_nhwc_kernel(i64 n, i64 C, const T* __restrict__ x, const double* __restrict__ coef,
+                                         const T* __restrict__ residual, bool relu, T* __restrict__ y) {
+  TALLY_GRID_LOOP(o, n) {
+    const i64 c = o % C;
+    T v = static_cast<T>((static_cast<double>(x[o]) - coef[c]) * coef[C + c] + coef[2 * C + c]);
+    if (residual) v = static_cast<T>(static_cast<S<T>>(v) + static_cast<S<T>>(residual[o]));
+    if (relu && static_cast<S<T>>(v) < S<T>(0)) v = static_cast<T>(S<T>(0));
+    y[o] = v;
+  }
+}
+
+template <class T>
+__global__ void bn_backward_dx_nhwc_kernel(i64 n, i64 C, const T* dy /* dx may be dy */, const T* __restrict__ y,
+                                           const T* __restrict__ x, const double* __restrict__ mean,
+                                           const double* __restrict__ invstd, const double* __restrict__ coef, T* dx,
+                                           S<T> beta_dx) {
+  TALLY_GRID_LOOP(o, n) {
+    const i64 c = o % C;
     const double xhat = (static_cast<double>(x[o]) - mean[c]) * invstd[c];
     store(dx + o, beta_dx, coef[c] * (masked_dy(dy, y, o) - coef[C + c] - xhat * coef[2 * C + c]));
   }
@@ -407,22 +515,22 @@ __global__ void masked_store_kernel(i64 n, const T* __restrict__ dy, const T* __
 
 // ---- kernel launchers ----------------------------------------------------------------------------
 
-std::size_t batch_norm_workspace_bytes(i64 N, i64 C, i64 HW, bool /*channels_last: refused by the kernels*/) {
+std::size_t batch_norm_workspace_bytes(i64 N, i64 C, i64 HW, bool channels_last) {
   if (N <= 0 || C <= 0 || HW <= 0) return 0;
-  return BnWorkspace::doubles(C, batch_norm_chunks(N, C, HW)) * sizeof(double);
+  return BnWorkspace::doubles(C, chunks_for(N, C, HW, channels_last)) * sizeof(double);
 }
 
 namespace {
-BnWorkspace bn_workspace(void* workspace, i64 N, i64 C, i64 HW, const char* who) {
+BnWorkspace bn_workspace(void* workspace, i64 N, i64 C, i64 HW, bool channels_last, const char* who) {
   if (!workspace) detail::fail(std::string(who) + ": the CUDA batch norm needs its workspace (batch_norm_workspace_bytes)");
   auto* d = static_cast<double*>(workspace);
-  const i64 P = batch_norm_chunks(N, C, HW);
+  const i64 P = chunks_for(N, C, HW, channels_last);
   return {d, d + 2 * C * P};
 }
-// The CUDA kernels index (N, C, HW): a channels-last batch norm is made row-major by core/ first.
+// The group norm kernels index (N, C, HW): a channels-last group norm is made row-major by core/ first.
 void refuse_channels_last(bool channels_last, const char* who) {
   if (channels_last)
-    detail::fail(std::string(who) + ": expected x in (N, C, HW) layout, found channels_last (the CUDA batch norm "
+    detail::fail(std::string(who) + ": expected x in (N, C, HW) layout, found channels_last (the CUDA group norm "
                  "runs on row-major tensors; core/ converts a channels-last input before calling it)");
 }
 unsigned per_channel_blocks(i64 C) { return static_cast<unsigned>((C + kNormThreads - 1) / kNormThreads); }
@@ -432,14 +540,18 @@ template <class T>
 void bn_backward_sums(i64 N, i64 C, i64 HW, const T* dy, const T* x, const S<T>* gamma, const S<T>* mean,
                       const S<T>* invstd_or_var, bool is_var, double eps, S<T>* dgamma, S<T>* dbeta, S<T> beta_param,
                       const BnWorkspace& ws, double* stats, const NormActGrad<T>& act = {}) {
-  const i64 P = batch_norm_chunks(N, C, HW);
+  const i64 P = chunks_for(N, C, HW, act.channels_last);
   double* smean = stats;
   double* sinvstd = stats + C;
   bn_backward_stats_kernel<<<per_channel_blocks(C), kNormThreads, 0, detail::stream()>>>(C, mean, invstd_or_var, is_var,
                                                                                          eps, smean, sinvstd);
   TALLY_LAUNCH_CHECK("batch_norm_backward.stats");
-  bn_backward_partial_kernel<<<static_cast<unsigned>(C * P), kNormThreads, 0, detail::stream()>>>(
-      N, C, HW, P, dy, act.relu ? act.y : nullptr, x, smean, sinvstd, act.dresidual, act.beta_residual, ws.part);
+  if (act.channels_last)
+    bn_backward_partial_nhwc_kernel<<<nhwc_partial_grid(C, P), kNormThreads, 0, detail::stream()>>>(
+        N * HW, C, P, dy, act.relu ? act.y : nullptr, x, smean, sinvstd, act.dresidual, act.beta_residual, ws.part);
+  else
+    bn_backward_partial_kernel<<<static_cast<unsigned>(C * P), kNormThreads, 0, detail::stream()>>>(
+        N, C, HW, P, dy, act.relu ? act.y : nullptr, x, smean, sinvstd, act.dresidual, act.beta_residual, ws.part);
   TALLY_LAUNCH_CHECK("batch_norm_backward.partial");
   bn_backward_finalize_kernel<<<per_channel_blocks(C), kNormThreads, 0, detail::stream()>>>(
       N, C, HW, P, gamma, sinvstd, ws.part, dgamma, dbeta, beta_param, ws.coef);
@@ -452,17 +564,26 @@ void batch_norm_forward_train(i64 N, i64 C, i64 HW, const T* x, const P<T>* gamm
                               P<T> momentum, P<T>* running_mean, P<T>* running_var, T* y, P<T>* save_mean,
                               P<T>* save_invstd, void* workspace, NormAct<T> act) {
   if (C <= 0 || N * HW <= 0) return;
-  refuse_channels_last(act.channels_last, "batch_norm_forward_train");
-  const BnWorkspace ws = bn_workspace(workspace, N, C, HW, "batch_norm_forward_train");
-  const i64 P = batch_norm_chunks(N, C, HW);
-  bn_forward_partial_kernel<<<static_cast<unsigned>(C * P), kNormThreads, 0, detail::stream()>>>(N, C, HW, P, x, ws.part);
+  const bool nhwc = act.channels_last;
+  const BnWorkspace ws = bn_workspace(workspace, N, C, HW, nhwc, "batch_norm_forward_train");
+  const i64 P = chunks_for(N, C, HW, nhwc);
+  if (nhwc)
+    bn_forward_partial_nhwc_kernel<<<nhwc_partial_grid(C, P), kNormThreads, 0, detail::stream()>>>(N * HW, C, P, x,
+                                                                                                  ws.part);
+  else
+    bn_forward_partial_kernel<<<static_cast<unsigned>(C * P), kNormThreads, 0, detail::stream()>>>(N, C, HW, P, x,
+                                                                                                   ws.part);
   TALLY_LAUNCH_CHECK("batch_norm_forward_train.partial");
   bn_forward_finalize_kernel<<<per_channel_blocks(C), kNormThreads, 0, detail::stream()>>>(
-      N, C, HW, P, x, gamma, beta_, static_cast<double>(eps), static_cast<double>(momentum), running_mean, running_var,
-      save_mean, save_invstd, ws.part, ws.coef);
+      N, C, HW, P, nhwc ? 1 : HW, x, gamma, beta_, static_cast<double>(eps), static_cast<double>(momentum), running_mean,
+      running_var, save_mean, save_invstd, ws.part, ws.coef);
   TALLY_LAUNCH_CHECK("batch_norm_forward_train.finalize");
-  bn_normalize_kernel<<<plane_grid(N * C, HW), kNormThreads, 0, detail::stream()>>>(N * C, C, HW, x, ws.coef,
-                                                                                    act.residual, act.relu, y);
+  if (nhwc)
+    bn_normalize_nhwc_kernel<<<detail::grid_for(N * HW * C), kNormThreads, 0, detail::stream()>>>(
+        N * HW * C, C, x, ws.coef, act.residual, act.relu, y);
+  else
+    bn_normalize_kernel<<<plane_grid(N * C, HW), kNormThreads, 0, detail::stream()>>>(N * C, C, HW, x, ws.coef,
+                                                                                      act.residual, act.relu, y);
   TALLY_LAUNCH_CHECK("batch_norm_forward_train.normalize");
 }
 
@@ -480,13 +601,16 @@ void batch_norm_backward(i64 N, i64 C, i64 HW, const T* dy, const T* x, const P<
                          const P<T>* save_invstd, T* dx, P<T> beta_dx, P<T>* dgamma, P<T>* dbeta, P<T> beta_param,
                          void* workspace, NormActGrad<T> act) {
   if (C <= 0 || N * HW <= 0) return;
-  refuse_channels_last(act.channels_last, "batch_norm_backward");
-  const BnWorkspace ws = bn_workspace(workspace, N, C, HW, "batch_norm_backward");
+  const BnWorkspace ws = bn_workspace(workspace, N, C, HW, act.channels_last, "batch_norm_backward");
   bn_backward_sums(N, C, HW, dy, x, gamma, save_mean, save_invstd, false, 0.0, dgamma, dbeta, beta_param, ws,
                    ws.coef + 3 * C, act);
   if (dx) {
-    bn_backward_dx_kernel<<<plane_grid(N * C, HW), kNormThreads, 0, detail::stream()>>>(
-        N * C, C, HW, dy, act.relu ? act.y : nullptr, x, ws.coef + 3 * C, ws.coef + 4 * C, ws.coef, dx, beta_dx);
+    if (act.channels_last)
+      bn_backward_dx_nhwc_kernel<<<detail::grid_for(N * HW * C), kNormThreads, 0, detail::stream()>>>(
+          N * HW * C, C, dy, act.relu ? act.y : nullptr, x, ws.coef + 3 * C, ws.coef + 4 * C, ws.coef, dx, beta_dx);
+    else
+      bn_backward_dx_kernel<<<plane_grid(N * C, HW), kNormThreads, 0, detail::stream()>>>(
+          N * C, C, HW, dy, act.relu ? act.y : nullptr, x, ws.coef + 3 * C, ws.coef + 4 * C, ws.coef, dx, beta_dx);
     TALLY_LAUNCH_CHECK("batch_norm_backward.dx");
   }
 }
@@ -496,7 +620,7 @@ void batch_norm_backward_eval(i64 N, i64 C, i64 HW, const T* dy, const T* x, con
                               const P<T>* running_mean, const P<T>* running_var, P<T> eps, T* dx, P<T> beta_dx,
                               P<T>* dgamma, P<T>* dbeta, P<T> beta_param, void* workspace) {
   if (C <= 0 || N * HW <= 0) return;
-  const BnWorkspace ws = bn_workspace(workspace, N, C, HW, "batch_norm_backward_eval");
+  const BnWorkspace ws = bn_workspace(workspace, N, C, HW, false, "batch_norm_backward_eval");
   bn_backward_sums(N, C, HW, dy, x, gamma, running_mean, running_var, true, static_cast<double>(eps), dgamma, dbeta,
                    beta_param, ws, ws.coef + 3 * C);
   if (dx) {

@@ -8,6 +8,9 @@
 // scatter adds them — so overlapping windows need no atomics and the sums match the CPU's.
 // bf16: the same, each window's comparisons and each gradient's sum in float32 (compute_t<T>, the
 // CPU's P<T>), rounded once to bf16 as the CPU's float32 gradient plane is.
+// Max pooling also runs channels-last (Pool2dShape::channels_last: x, y, argmax, dx, dy stored
+// (N, H, W, C) / (N, P, Q, C), the argmax still h * W + w): the same threads, indexed so that a
+// warp's lanes are neighbouring channels of one position.
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/instantiate.h"
 #include "kernels/cuda/launch.cuh"
@@ -49,13 +52,28 @@ __device__ __forceinline__ i64 adaptive_end(i64 i, i64 n, i64 out) { return ((i 
 
 // ---- CUDA kernels ------------------------------------------------------------------------------
 
+// Element i of an (N, C, A, B) tensor stored row-major or channels-last: its (plane = n * C + c, a, b),
+// and the offset of (a', b') of the same plane in a tensor of A' x B' positions: `base + (a' * B' + b') * step`.
+struct PlaneIndex {
+  i64 a, b, base, step;
+};
+__device__ __forceinline__ PlaneIndex plane_index(i64 i, i64 C, i64 A, i64 B, i64 A2, i64 B2, bool channels_last) {
+  if (channels_last) {  // i = ((n * A + a) * B + b) * C + c
+    const i64 c = i % C, b = (i / C) % B, a = (i / (C * B)) % A, n = i / (C * B * A);
+    return {a, b, n * A2 * B2 * C + c, C};
+  }
+  const i64 b = i % B, a = (i / B) % A, plane = i / (A * B);
+  return {a, b, plane * A2 * B2, 1};
+}
+
 template <class T>
 __global__ void max_pool2d_forward_kernel(Pool2dShape s, i64 P, i64 Q, const T* __restrict__ x, T* __restrict__ y,
                                           std::int32_t* __restrict__ argmax) {
   const i64 total = s.N * s.C * P * Q;
   TALLY_GRID_LOOP(i, total) {
-    const i64 q = i % Q, p = (i / Q) % P, plane = i / (P * Q);
-    const T* xp = x + plane * s.H * s.W;  // (H, W)
+    const PlaneIndex at = plane_index(i, s.C, P, Q, s.H, s.W, s.channels_last);
+    const i64 p = at.a, q = at.b, step = at.step;
+    const T* xp = x + at.base;  // (H, W), `step` apart
     const i64 h0 = imax(p * s.stride_h - s.pad_h, 0), h1 = imin(p * s.stride_h - s.pad_h + s.kh, s.H);
     const i64 w0 = imax(q * s.stride_w - s.pad_w, 0), w1 = imin(q * s.stride_w - s.pad_w + s.kw, s.W);
     // As the CPU (and PyTorch): start at -inf; a NaN always replaces the current max.
@@ -64,7 +82,7 @@ __global__ void max_pool2d_forward_kernel(Pool2dShape s, i64 P, i64 Q, const T* 
     i64 best_i = (h0 < h1 && w0 < w1) ? h0 * s.W + w0 : -1;
     for (i64 h = h0; h < h1; ++h) {
       for (i64 w = w0; w < w1; ++w) {
-        const M v = M(xp[h * s.W + w]);
+        const M v = M(xp[(h * s.W + w) * step]);
         if (v > best || v != v) {
           best = v;
           best_i = h * s.W + w;
@@ -83,17 +101,18 @@ __global__ void max_pool2d_backward_kernel(Pool2dShape s, i64 P, i64 Q, const T*
   using M = compute_t<T>;
   const i64 total = s.N * s.C * s.H * s.W;
   TALLY_GRID_LOOP(i, total) {
-    const i64 w = i % s.W, h = (i / s.W) % s.H, plane = i / (s.H * s.W);
+    const PlaneIndex at = plane_index(i, s.C, s.H, s.W, P, Q, s.channels_last);
+    const i64 h = at.a, w = at.b, step = at.step;
     const std::int32_t me = static_cast<std::int32_t>(h * s.W + w);
-    const T* dyp = dy + plane * P * Q;                // (P, Q)
-    const std::int32_t* ap = argmax + plane * P * Q;  // (P, Q)
+    const T* dyp = dy + at.base;                // (P, Q), `step` apart
+    const std::int32_t* ap = argmax + at.base;  // (P, Q), `step` apart
     i64 p_lo, p_hi, q_lo, q_hi;
     windows_holding(h, s.kh, s.stride_h, s.pad_h, P, &p_lo, &p_hi);
     windows_holding(w, s.kw, s.stride_w, s.pad_w, Q, &q_lo, &q_hi);
     M acc = beta == M(0) ? M(0) : beta * M(dx[i]);
     for (i64 p = p_lo; p <= p_hi; ++p)
       for (i64 q = q_lo; q <= q_hi; ++q)
-        if (ap[p * Q + q] == me) acc += M(dyp[p * Q + q]);
+        if (ap[(p * Q + q) * step] == me) acc += M(dyp[(p * Q + q) * step]);
     dx[i] = static_cast<T>(acc);
   }
 }
@@ -198,9 +217,6 @@ void max_pool2d_forward(const Pool2dShape& s,
                         T* y,                    // (N, C, P, Q)
                         std::int32_t* argmax) {  // (N, C, P, Q)
   const i64 P = s.P(), Q = s.Q(), total = s.N * s.C * P * Q;
-  if (s.channels_last)
-    detail::fail("max_pool2d_forward: expected NCHW tensors, found channels_last (the CUDA pooling kernels are "
-                 "row-major; core/ converts a channels-last input first)");
   if (P <= 0 || Q <= 0 || total <= 0) return;
   max_pool2d_forward_kernel<<<grid_for(total), kThreads, 0, detail::stream()>>>(s, P, Q, x, y, argmax);
   TALLY_LAUNCH_CHECK("max_pool2d_forward");
@@ -213,9 +229,6 @@ void max_pool2d_backward(const Pool2dShape& s,
                          T* dx,                       // (N, C, H, W)
                          P<T> beta) {
   const i64 total = s.N * s.C * s.H * s.W;
-  if (s.channels_last)
-    detail::fail("max_pool2d_backward: expected NCHW tensors, found channels_last (the CUDA pooling kernels are "
-                 "row-major)");
   if (total <= 0) return;
   max_pool2d_backward_kernel<<<grid_for(total), kThreads, 0, detail::stream()>>>(s, s.P(), s.Q(), dy, argmax, dx,
                                                                                   beta);
