@@ -6,11 +6,15 @@
 // kernels (kernels/cuda) with the same shapes, so the two read side by side. Counters:
 //   FLOP/s  for GEMM and convolutions (2 * multiply-adds of the mathematical operation),
 //   bytes/s for memory-bound kernels (bytes that must be read and written at least once).
+// On CUDA also: the fused batch norm + residual add + ReLU at ResNet-50's norm shapes in both memory
+// formats and both activation types, against a device-to-device copy measured in the same process
+// (counter of_copy: the norm's bytes/s over the copy's; the memory-bound issue's goal is >= 0.7).
 // Inputs are fresh random numbers; kRotate independent input sets are cycled so that repeated
 // iterations do not find their operands in cache. CUDA iterations end with a device
 // synchronization (the time includes it; a launch is ~5 us, negligible at these sizes).
 #include <benchmark/benchmark.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -295,6 +299,136 @@ void BM_NormNhwc(benchmark::State& st) {
   st.counters["avx512"] = kc::avx512_kernels() ? 1 : 0;
 }
 
+#if TALLY_HAVE_CUDA
+namespace kg = tally::kernels::cuda;
+
+// N(0.2, 1) numbers drawn once per process (the largest tensor's count and a margin), so that the
+// many large buffers of the norm benchmarks cost a copy each rather than a draw each.
+const std::vector<float>& random_pool(std::size_t n) {
+  static std::vector<float> pool;
+  if (pool.size() < n) {
+    std::mt19937 rng(7);
+    std::normal_distribution<float> d(0.2f, 1.f);
+    pool.resize(n);
+    for (auto& x : pool) x = d(rng);
+  }
+  return pool;
+}
+
+// n values of T on GPU 0 from the pool at `offset` (each buffer its own values; outside any
+// arena: kernels alone).
+template <class T>
+struct DeviceValues {
+  T* p = nullptr;
+  DeviceValues(std::size_t n, std::size_t offset) {
+    const std::vector<float>& pool = random_pool(n + 4096);
+    std::vector<T> h(n);
+    for (std::size_t i = 0; i < n; ++i) h[i] = T(pool[(i + offset) % pool.size()]);
+    p = static_cast<T*>(device_copy(h.data(), n * sizeof(T)));
+  }
+  DeviceValues(const DeviceValues&) = delete;
+  DeviceValues& operator=(const DeviceValues&) = delete;
+  ~DeviceValues() { tally::cuda_release(p); }
+};
+
+// The ceiling: a device-to-device copy of 1 GiB (bytes read + bytes written per second), the best
+// of 10 after a warm-up; measured once per process.
+double device_copy_bandwidth() {
+  static const double bandwidth = [] {
+    const std::size_t bytes = std::size_t(1) << 30;
+    void* a = tally::cuda_reserve(0, bytes);
+    void* b = tally::cuda_reserve(0, bytes);
+    kg::fill<float>(static_cast<i64>(bytes / sizeof(float)), 1.f, static_cast<float*>(a));
+    kg::copy_bytes(b, a, bytes);
+    tally::synchronize(tally::Device::cuda(0));
+    double best = 0;
+    for (int i = 0; i < 10; ++i) {
+      const auto t0 = std::chrono::steady_clock::now();
+      kg::copy_bytes(b, a, bytes);
+      tally::synchronize(tally::Device::cuda(0));
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      best = std::max(best, 2.0 * static_cast<double>(bytes) / s);
+    }
+    tally::cuda_release(a);
+    tally::cuda_release(b);
+    return best;
+  }();
+  return bandwidth;
+}
+
+void BM_CudaCopy(benchmark::State& st) {
+  const std::size_t bytes = std::size_t(1) << 30;
+  void* a = tally::cuda_reserve(0, bytes);
+  void* b = tally::cuda_reserve(0, bytes);
+  for (auto _ : st) {
+    kg::copy_bytes(b, a, bytes);
+    tally::synchronize(tally::Device::cuda(0));
+  }
+  st.counters["bytes/s"] = benchmark::Counter(2.0 * static_cast<double>(bytes), benchmark::Counter::kIsIterationInvariantRate);
+  tally::cuda_release(a);
+  tally::cuda_release(b);
+}
+
+// The fused batch norm + residual add + ReLU that ends every ResNet block, on CUDA: forward
+// (x -> y with the residual) or backward (dx and the residual's gradient from dy and the mask y),
+// NCHW or NHWC, float32 or bf16 activations. Bytes counted are the fewest that must move — each
+// input read once, each output written once: forward x, r, y (3 n); backward dy, y, x, dx, dres
+// (5 n) — so of_copy is the kernels' distance from the memory's limit, re-reads included.
+template <class T, bool backward, bool nhwc>
+void BM_CudaNormRelu(benchmark::State& st) {
+  const i64 N = st.range(0), C = st.range(1), HW = st.range(2) * st.range(2);
+  const std::size_t n = static_cast<std::size_t>(N * C * HW);
+  std::vector<std::unique_ptr<DeviceValues<T>>> x;
+  for (std::size_t r = 0; r < 2; ++r) x.push_back(std::make_unique<DeviceValues<T>>(n, 1009 * r));
+  DeviceValues<T> res(n, 2003), y(n, 3001), dy(n, 4001), dx(n, 5003), dres(n, 6007);
+  Buffer gamma(true, C, 215), beta(true, C, 216), mean(true, C, 217), invstd(true, C, 218), dg(true, C, 219),
+      db(true, C, 220);
+  Buffer work(true, kg::batch_norm_workspace_bytes(N, C, HW, nhwc) / sizeof(float) + 1, 221);
+  tally::kernels::NormAct<T> act;
+  act.residual = res.p, act.relu = true, act.channels_last = nhwc;
+  kg::batch_norm_forward_train<T>(N, C, HW, x[0]->p, gamma.p, beta.p, 1e-5f, 0.1f, nullptr, nullptr, y.p, mean.p,
+                                  invstd.p, work.p, act);
+  tally::kernels::NormActGrad<T> grad;
+  grad.y = y.p, grad.relu = true, grad.dresidual = dres.p, grad.channels_last = nhwc;
+  int i = 0;
+  const double copy = device_copy_bandwidth();  // measured before the clock starts
+  const auto t0 = std::chrono::steady_clock::now();
+  for (auto _ : st) {
+    const T* xr = x[static_cast<std::size_t>(i++ % 2)]->p;
+    if constexpr (!backward)
+      kg::batch_norm_forward_train<T>(N, C, HW, xr, gamma.p, beta.p, 1e-5f, 0.1f, nullptr, nullptr, y.p, mean.p,
+                                      invstd.p, work.p, act);
+    else
+      kg::batch_norm_backward<T>(N, C, HW, dy.p, xr, gamma.p, mean.p, invstd.p, dx.p, 0.f, dg.p, db.p, 0.f, work.p,
+                                 grad);
+    tally::synchronize(tally::Device::cuda(0));
+  }
+  const double bytes = (backward ? 5.0 : 3.0) * static_cast<double>(n) * sizeof(T);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  st.counters["bytes/s"] = benchmark::Counter(bytes, benchmark::Counter::kIsIterationInvariantRate);
+  st.counters["of_copy"] = seconds > 0 ? bytes * static_cast<double>(st.iterations()) / seconds / copy : 0.0;
+}
+
+void register_cuda_norms() {
+  benchmark::RegisterBenchmark("device_copy/cuda/1GiB", BM_CudaCopy)->UseRealTime();
+  // ResNet-50's norm shapes at batch 64: the stem's 64x112², then each stage's widest (4x the
+  // bottleneck's width) at its resolution; every tensor is several times the L2.
+  const std::vector<std::vector<std::int64_t>> shapes = {{64, 64, 112}, {64, 256, 56}, {64, 512, 28},
+                                                         {64, 1024, 14}, {64, 2048, 7}};
+  using tally::kernels::bf16;
+  for (const auto& a : shapes) {
+    benchmark::RegisterBenchmark("batch_norm_relu_fwd/cuda/float32/nchw", BM_CudaNormRelu<float, false, false>)->Args(a)->UseRealTime();
+    benchmark::RegisterBenchmark("batch_norm_relu_bwd/cuda/float32/nchw", BM_CudaNormRelu<float, true, false>)->Args(a)->UseRealTime();
+    benchmark::RegisterBenchmark("batch_norm_relu_fwd/cuda/float32/nhwc", BM_CudaNormRelu<float, false, true>)->Args(a)->UseRealTime();
+    benchmark::RegisterBenchmark("batch_norm_relu_bwd/cuda/float32/nhwc", BM_CudaNormRelu<float, true, true>)->Args(a)->UseRealTime();
+    benchmark::RegisterBenchmark("batch_norm_relu_fwd/cuda/bf16/nchw", BM_CudaNormRelu<bf16, false, false>)->Args(a)->UseRealTime();
+    benchmark::RegisterBenchmark("batch_norm_relu_bwd/cuda/bf16/nchw", BM_CudaNormRelu<bf16, true, false>)->Args(a)->UseRealTime();
+    benchmark::RegisterBenchmark("batch_norm_relu_fwd/cuda/bf16/nhwc", BM_CudaNormRelu<bf16, false, true>)->Args(a)->UseRealTime();
+    benchmark::RegisterBenchmark("batch_norm_relu_bwd/cuda/bf16/nhwc", BM_CudaNormRelu<bf16, true, true>)->Args(a)->UseRealTime();
+  }
+}
+#endif
+
 // Shapes: ResNet-20 (3x32x32) and ResNet-50 (224x224) layers at modest batch sizes.
 template <class B>
 void register_all(const std::string& dev) {
@@ -336,8 +470,12 @@ int main(int argc, char** argv) {
     benchmark::RegisterBenchmark("batch_norm_relu_nhwc_bwd/cpu/bf16", BM_NormNhwc<tally::kernels::bf16, true>)->Args(a);
   }
 #if TALLY_HAVE_CUDA
-  if (tally::cuda_device_count() > 0) register_all<Cuda>("cuda");
-  else std::fprintf(stderr, "no GPU present: CUDA kernel benchmarks skipped\n");
+  if (tally::cuda_device_count() > 0) {
+    register_all<Cuda>("cuda");
+    register_cuda_norms();
+  } else {
+    std::fprintf(stderr, "no GPU present: CUDA kernel benchmarks skipped\n");
+  }
 #else
   std::fprintf(stderr, "CUDA backend not built: CUDA kernel benchmarks skipped\n");
 #endif

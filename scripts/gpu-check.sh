@@ -29,6 +29,8 @@
 #        resnet50  `tally plan --device cuda` for ResNet-50 224x224 batch 4096 in 8 GiB and
 #                  a step of it, float32, bf16 and bf16 channels-last; a step with --recompute all; 3 steps of
 #                  3x1024x1024 batch 2 in 1 GiB (auto recomputation), exact peaks        (~1.5 min)
+#        norms     bench_kernels' fused batch norm + residual + ReLU at ResNet-50's norm shapes,
+#                  both formats and activation types, against a device copy (of_copy)   (~40 s)
 #        train     `make train`'s recipe on the GPU (ResNet-20 on Fashion-MNIST, packed by
 #                  `pack`, batch 512 in 32 MiB, 2 epochs) in float32 and bf16, then 40 steps
 #                  of an MBP demo with the convolutions through cuDNN's graph API       (~1 min)
@@ -43,7 +45,8 @@
 #                  step time beside the measured one                                     (~1 min)
 #        sanitize  compute-sanitizer runs of scripts/gpu-sanitize.list, in its order, while
 #                  the run's time lasts                                                 (the rest)
-#        bench     bench_train on the GPU (not in the default run)                      (~2 min)
+#        bench     bench_train on the GPU: ResNet-20 and ResNet-50 native and micro-batched,
+#                  batch 256 as 8 x 32 beside 1 x 256 (not in the default run)          (~2 min)
 #        repeat    the tests of REPEAT_FILTER (default GpuOps.ResNet20*) REPEAT times (default 10)
 #                  with fresh seeds, then each seed of REPEAT_SEEDS twice (not in the default run)
 #   scripts/gpu-check.sh rehearse [STEP...]  here, after `pack`: the same invocation without a GPU,
@@ -74,10 +77,10 @@ bundle=.gpu-bundle
 debs=.gpu-debs
 tests=(gpu_test gpu_kernels_test gpu_ops_test gpu_bf16_test)
 # The GPU check's order, most important first: a run cut at its deadline has done these.
-all_steps=(env tests compare profile resnet50 train host offload sanitize)
+all_steps=(env tests compare profile resnet50 norms train host offload sanitize)
 # Each step's cap in seconds (docs/gpu.md, "The order and the caps"): a step stops starting
 # commands at its cap as the whole run does at RUN_SECONDS; the sanitizer takes what is left.
-declare -A step_caps=([env]=20 [tests]=150 [compare]=170 [profile]=90 [resnet50]=90 [train]=100 [host]=70
+declare -A step_caps=([env]=20 [tests]=150 [compare]=170 [profile]=90 [resnet50]=90 [norms]=60 [train]=100 [host]=70
   [offload]=70 [bench]=120 [repeat]=120)
 programs=("${tests[@]/#/tests/}" apps/tally bench/bench_kernels bench/bench_train)
 # The GPU machine takes 64 MiB of working tree in all: the tracked files travel with the bundle.
@@ -595,6 +598,19 @@ step_repeat() {
   done
 }
 
+# The norm kernels' bandwidth against a device-to-device copy of the same run (bench_kernels'
+# counter of_copy; the memory-bound issue's goal is >= 0.7).
+step_norms() {
+  local log=$logs/norms.log
+  : >"$log"
+  run_logged "bench_kernels norms (cuda)" "$log" 60 "$bundle/run" "$bundle/bin/bench_kernels" \
+    --benchmark_filter='device_copy/cuda|batch_norm_relu_(fwd|bwd)/cuda' --benchmark_min_time=0.1s \
+    --benchmark_counters_tabular=true
+  result "norms: of_copy, worst and best" \
+    "$(grep -oE 'batch_norm_relu_[a-z]+/cuda/[a-z0-9]+/[a-z]+/[0-9/]+|[0-9.]+ *$' "$log" | paste - - 2>/dev/null |
+      sort -k2 -n | sed -n '1p;$p' | tr -s ' \t' ' ' | tr '\n' ';')"
+}
+
 step_bench() {
   local log=$logs/bench.log
   run_logged "bench_train (cuda)" "$log" 120 "$bundle/run" "$bundle/bin/bench_train" --benchmark_filter='cuda' \
@@ -615,8 +631,8 @@ run() {
   local s
   for s in "$@"; do
     case $s in
-      env | tests | sanitize | train | resnet50 | host | offload | compare | profile | bench | repeat) ;;
-      *) echo "gpu-check: unknown step '$s': expected env, tests, train, resnet50, host, offload, compare, profile, sanitize, bench or repeat" >&2; exit 2 ;;
+      env | tests | sanitize | train | resnet50 | norms | host | offload | compare | profile | bench | repeat) ;;
+      *) echo "gpu-check: unknown step '$s': expected env, tests, train, resnet50, norms, host, offload, compare, profile, sanitize, bench or repeat" >&2; exit 2 ;;
     esac
   done
   local t0
