@@ -606,9 +606,9 @@ step_norms() {
   run_logged "bench_kernels norms (cuda)" "$log" 60 "$bundle/run" "$bundle/bin/bench_kernels" \
     --benchmark_filter='device_copy/cuda|batch_norm_relu_(fwd|bwd)/cuda' --benchmark_min_time=0.1s \
     --benchmark_counters_tabular=true
+  # A row: name, time, unit, CPU time, unit, iterations, bytes/s, of_copy (the last column).
   result "norms: of_copy, worst and best" \
-    "$(grep -oE 'batch_norm_relu_[a-z]+/cuda/[a-z0-9]+/[a-z]+/[0-9/]+|[0-9.]+ *$' "$log" | paste - - 2>/dev/null |
-      sort -k2 -n | sed -n '1p;$p' | tr -s ' \t' ' ' | tr '\n' ';')"
+    "$(grep -E '^batch_norm_relu_' "$log" | awk '{ print $1, $NF }' | sort -k2 -g | sed -n '1p;$p' | tr '\n' ';')"
 }
 
 step_bench() {
