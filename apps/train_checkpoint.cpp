@@ -16,6 +16,7 @@ nlohmann::json TrainingRun::checkpoint_state(const std::vector<double>& limits) 
           {"world_size", rank_.ranks},
           {"micro_batch_limits", limits},  // per rank; 0: no out-of-memory retry lowered it
           {"steps_per_epoch", per_epoch_},
+          {"data_fingerprint", {{"train", split_.train.fingerprint}, {"val", split_.test.fingerprint}}},
           {"total_steps", steps_.total},
           {"epoch_loss", epoch_loss_},
           {"epoch_steps", epoch_steps_},
@@ -49,6 +50,29 @@ void TrainingRun::write_checkpoint() {
                1000.0 * std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
 }
 
+// The data set's files against the checkpoint's record of them (data/folder.h: files_fingerprint):
+// another set of files is an error; a checkpoint written before the record existed resumes with a
+// note that the data could not be checked.
+void TrainingRun::check_data_fingerprint(const nlohmann::json& s) const {
+  const bool ours = !split_.train.fingerprint.empty() || !split_.test.fingerprint.empty();
+  if (!s.contains("data_fingerprint")) {
+    if (ours)
+      fmt::print(log_, "note: --resume {}: the checkpoint records no fingerprint of the data set's files (written by an "
+                       "earlier tally): the folder could not be checked against it\n", rank_options_.resume);
+    return;
+  }
+  const nlohmann::json& was = s.at("data_fingerprint");
+  for (const auto& [split, now] : {std::pair<const char*, const std::string&>{"train", split_.train.fingerprint},
+                                   std::pair<const char*, const std::string&>{"val", split_.test.fingerprint}}) {
+    const std::string then = was.at(split).get<std::string>();
+    if (then != now)
+      throw Error(fmt::format("--resume {}: the data set changed since the run began: its {} files were {}, found {} "
+                              "(a run resumes bit for bit only on the same files; start a new run to train on these)",
+                              rank_options_.resume, split, then.empty() ? "not recorded" : then,
+                              now.empty() ? "none recorded" : now));
+  }
+}
+
 // A resumed run: the newest checkpoint of the run folder into the model, the optimizer, the
 // executor's micro-batch limit and the run's counters, after checking that it belongs to this run.
 void TrainingRun::restore() {
@@ -68,6 +92,7 @@ void TrainingRun::restore() {
       throw Error(fmt::format("--resume {}: the run used {} CPU threads and this process has {}; a CPU run resumes bit "
                               "for bit only with as many (give --threads {})", rank_options_.resume, threads,
                               omp_get_max_threads(), threads));
+    check_data_fingerprint(s);  // before the step counts: it names what changed
     if (s.at("steps_per_epoch").get<std::int64_t>() != per_epoch_ || s.at("total_steps").get<std::int64_t>() != steps_.total)
       throw Error(fmt::format("--resume {}: the run had {} steps of which {} per epoch, this one has {} and {} (has "
                               "the data set changed?)", rank_options_.resume, s.at("total_steps").dump(),

@@ -25,6 +25,9 @@ struct Dataset {  // images in [0,1] float, CHW; labels int64
   std::function<void(std::int64_t i, std::uint64_t draw, float* dst)> generate_augmented;
   std::array<float, 3> mean{}, stddev{};  // usual per-channel normalisation (first `channels` used)
   std::string name;
+  // What a resumed run checks the data set against (docs/checkpoints.md): a folder's files (their
+  // paths within it, sizes and content, data/folder.h); empty where the data set has none.
+  std::string fingerprint;
 
   std::int64_t size() const { return static_cast<std::int64_t>(labels.size()); }
   std::int64_t sample_numel() const { return channels * height * width; }  // C*H*W

@@ -4,7 +4,9 @@
 #include <algorithm>
 #include <array>
 #include <cctype>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
@@ -12,6 +14,7 @@
 #include <numeric>
 
 #include <fmt/format.h>
+#include <zlib.h>
 
 #include "core/error.h"
 #include "data/resample.h"
@@ -311,6 +314,42 @@ const std::vector<std::string>& folder_transform_names() {
   return names;
 }
 
+std::string files_fingerprint(const std::string& root, const std::vector<std::string>& files,
+                              const std::vector<std::int64_t>& labels) {
+  constexpr std::size_t kEdge = 16 * 1024;
+  uLong crc = crc32(0L, Z_NULL, 0);
+  auto fold = [&crc](const void* p, std::size_t n) { crc = crc32(crc, static_cast<const Bytef*>(p), static_cast<uInt>(n)); };
+  std::uintmax_t total = 0;
+  std::vector<char> buf(kEdge);
+  for (std::size_t i = 0; i < files.size(); ++i) {
+    const fs::path path(files[i]);
+    const std::string rel = path.lexically_relative(root).generic_string();
+    std::ifstream in(path, std::ios::binary);
+    if (!in) throw Error(fmt::format("{}: cannot read it to check the data set ({})", files[i], std::strerror(errno)));
+    in.seekg(0, std::ios::end);
+    const auto size = static_cast<std::uintmax_t>(in.tellg());
+    total += size;
+    const std::int64_t label = i < labels.size() ? labels[i] : -1;
+    fold(rel.data(), rel.size() + 1);  // with its terminating zero: "a" + "bc" differs from "ab" + "c"
+    fold(&label, sizeof label);
+    fold(&size, sizeof size);
+    auto read_at = [&](std::uintmax_t at, std::uintmax_t n) {
+      in.seekg(static_cast<std::streamoff>(at));
+      in.read(buf.data(), static_cast<std::streamsize>(n));
+      if (static_cast<std::uintmax_t>(in.gcount()) != n)
+        throw Error(fmt::format("{}: expected {} bytes, read {} (the file changed while it was read?)", files[i], size,
+                                at + static_cast<std::uintmax_t>(in.gcount())));
+      fold(buf.data(), static_cast<std::size_t>(n));
+    };
+    read_at(0, std::min<std::uintmax_t>(size, kEdge));  // its start,
+    if (size > kEdge) {                                // and the end that is not in the start
+      const std::uintmax_t at = std::max<std::uintmax_t>(kEdge, size - kEdge);
+      read_at(at, size - at);
+    }
+  }
+  return fmt::format("{} files, {} bytes, crc32 {:08x}", files.size(), total, static_cast<std::uint32_t>(crc));
+}
+
 FolderSet load_folder(const std::string& dir, const FolderOptions& o) {
   if (o.channels != 1 && o.channels != 3)
     throw Error(fmt::format("folder:{}: expected 1 or 3 channels (--input 1xHxW or 3xHxW), found {}", dir, o.channels));
@@ -373,6 +412,8 @@ FolderSet load_folder(const std::string& dir, const FolderOptions& o) {
   out.split.train = folder_dataset(fmt::format("folder:{} (train)", dir), tr.files, tr.labels, classes, o, out.bad_images);
   out.split.test = folder_dataset(fmt::format("folder:{} (val)", dir), te.files, te.labels, classes, o, out.bad_images);
   out.statistics = measure_statistics(out.split.train, tr.files);
+  out.split.train.fingerprint = files_fingerprint(dir, tr.files, tr.labels);
+  out.split.test.fingerprint = files_fingerprint(dir, te.files, te.labels);
   out.split.test.mean = out.split.train.mean;
   out.split.test.stddev = out.split.train.stddev;
   out.train_files = std::move(tr.files);

