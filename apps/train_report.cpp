@@ -206,7 +206,7 @@ void print_bad_images(const std::shared_ptr<data::BadImages>& bad_images, std::o
 }  // namespace
 
 void TrainingRun::finish() {
-  print_bad_images(bad_images_, log_);
+  print_bad_images(bad_images_.train, log_);
   const StepMeter& meter = meter_;
   const std::int64_t step = meter.steps;
   const int ranks = rank_.ranks;

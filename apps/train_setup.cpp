@@ -119,7 +119,7 @@ std::string options_text(const TrainOptions& o) {
 // with a real data set's.
 // A folder of pictures (data/folder.h) needs --input; --val-fraction and --max-image-pixels are its.
 static data::Split load_folder_data(const TrainOptions& opt, const data::DataSpec& spec, std::ostream& log,
-                                    std::shared_ptr<data::BadImages>* bad) {
+                                    BadImageLists* bad) {
   if (opt.input == "auto")
     throw Error(fmt::format("--data {}: expected --input CxHxW (one sample's shape: 3x224x224 or 1x28x28), found none",
                             opt.data));
@@ -137,7 +137,7 @@ static data::Split load_folder_data(const TrainOptions& opt, const data::DataSpe
     fo.val_fraction = std::strtod(opt.val_fraction.c_str(), nullptr);
   }
   data::FolderSet set = data::load_folder(spec.dir, fo);
-  if (bad) *bad = set.bad_images;
+  if (bad) *bad = {set.bad_images, set.bad_val_images};
   std::string skipped;
   for (const auto& [ext, n] : set.skipped) skipped += fmt::format("{}{} {}", skipped.empty() ? "" : ", ", n, ext.empty() ? "without an extension" : ext);
   const std::size_t prefetch = static_cast<std::size_t>(opt.batch_size * chw[0] * chw[1] * chw[2]) * sizeof(float);
@@ -151,7 +151,7 @@ static data::Split load_folder_data(const TrainOptions& opt, const data::DataSpe
 }
 
 data::Split load_data(const TrainOptions& opt, const data::DataSpec& spec, std::ostream& log,
-                      std::shared_ptr<data::BadImages>* bad) {
+                      BadImageLists* bad) {
   if (spec.kind == data::DataSpec::Kind::folder) return load_folder_data(opt, spec, log, bad);
   if (opt.input != "auto" || opt.val_fraction != "none" || opt.transform != "imagenet" || opt.skip_bad_images)
     throw Error(fmt::format("--{}: for --data folder:DIR only, found --data {}",

@@ -197,6 +197,18 @@ void TrainingRun::end_epoch(std::int64_t epoch, std::int64_t epochs) {
     eval_ = evaluate(*setup_.model, split_.test, rank_options_.normalize, rank_.dev, executor_->activation_dtype(),
                      result_.micro_batch);
   profiler_.resume();
+  // Bad images of the evaluation set are skipped, never fatal (data/folder.h): each named once.
+  if (bad_images_.val) {
+    std::vector<std::string> fresh;
+    for (const auto& [file, why] : bad_images_.val->list())
+      if (bad_val_named_.insert(file).second) fresh.push_back(why);
+    if (!fresh.empty()) {
+      fmt::print(log_, "warning: {} bad image{} in the evaluation set, each replaced by the next one of its class "
+                       "(the test loss and accuracy count that one twice):\n",
+                 fresh.size(), fresh.size() == 1 ? "" : "s");
+      for (const std::string& why : fresh) fmt::print(log_, "  {}\n", why);
+    }
+  }
   result_.train_loss = epoch_steps_ > 0 ? epoch_loss_ / static_cast<double>(epoch_steps_) : last_loss_;
   if (rank_options_.evaluate)
     fmt::print(log_, "{}: train loss {:.4f} | test loss {:.4f} | test accuracy {:.2f}%\n", epoch_label(epoch, epochs),

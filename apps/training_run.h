@@ -10,6 +10,8 @@
 #include <fstream>
 #include <optional>
 #include <ostream>
+#include <set>
+#include <string>
 
 #include <fmt/format.h>
 #include <fmt/ostream.h>
@@ -141,8 +143,13 @@ void write_summary(const TrainOptions& opt, const TrainResult& result);
 // stops when a signal asked it to.
 // apps/train_setup.cpp: a run's pieces from its options (checked before any work).
 const RankSetup& rank_setup(RankSetup& r, const TrainOptions& options, std::ostream& all_log);
+// A folder's images found bad as they were read: the training set's (with --skip-bad-images) and
+// the evaluation set's (always skipped, data/folder.h: FolderSet::bad_val_images).
+struct BadImageLists {
+  std::shared_ptr<data::BadImages> train, val;
+};
 data::Split load_data(const TrainOptions& opt, const data::DataSpec& spec, std::ostream& log,
-                      std::shared_ptr<data::BadImages>* bad = nullptr);
+                      BadImageLists* bad = nullptr);
 data::LoaderOptions loader_options(const TrainOptions& opt, bool augment);
 std::int64_t checked_per_epoch(const data::Loader& loader, const TrainOptions& opt, const data::Dataset& train_set);
 std::shared_ptr<Arena> make_arena(const TrainOptions& opt, Device dev, std::ostream& log);
@@ -191,7 +198,8 @@ class TrainingRun {
   std::ostream& progress_;  // the progress bar's stream: log_, or the caller's (tally sweep: the terminal)
   Profiler profiler_;  // --profile: time per op over the steps after the first
   data::DataSpec data_spec_;  // --data, parsed
-  std::shared_ptr<data::BadImages> bad_images_;  // a folder's images skipped as bad (--skip-bad-images)
+  BadImageLists bad_images_;  // a folder's images skipped as bad
+  std::set<std::string> bad_val_named_;  // the evaluation set's bad images named so far
   data::Split split_;
   data::Loader loader_;
   std::int64_t per_epoch_;

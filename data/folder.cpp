@@ -410,7 +410,11 @@ FolderSet load_folder(const std::string& dir, const FolderOptions& o) {
   const auto classes = static_cast<std::int64_t>(out.classes.size());
   out.bad_images = std::make_shared<BadImages>();
   out.split.train = folder_dataset(fmt::format("folder:{} (train)", dir), tr.files, tr.labels, classes, o, out.bad_images);
-  out.split.test = folder_dataset(fmt::format("folder:{} (val)", dir), te.files, te.labels, classes, o, out.bad_images);
+  out.bad_val_images = std::make_shared<BadImages>();
+  FolderOptions val_options = o;
+  val_options.skip_bad_images = true;  // (FolderSet::bad_val_images says why)
+  out.split.test = folder_dataset(fmt::format("folder:{} (val)", dir), te.files, te.labels, classes, val_options,
+                                  out.bad_val_images);
   out.statistics = measure_statistics(out.split.train, tr.files);
   out.split.train.fingerprint = files_fingerprint(dir, tr.files, tr.labels);
   out.split.test.fingerprint = files_fingerprint(dir, te.files, te.labels);

@@ -84,6 +84,10 @@ struct FolderSet {
   std::map<std::string, std::int64_t> skipped;       // files skipped, by extension ("" : none)
   std::string statistics;                            // "mean 0.2860 0.2860 0.2860, std ... over 512 images"
   std::shared_ptr<BadImages> bad_images;             // filled while samples are read (skip_bad_images)
+  // The evaluation set's bad images, always skipped (each replaced by the next one of its class,
+  // whatever skip_bad_images says) and recorded here: a bad val image found when a run evaluates,
+  // after its training steps, must not cost the run.
+  std::shared_ptr<BadImages> bad_val_images;
 };
 FolderSet load_folder(const std::string& dir, const FolderOptions& options);
 // The transforms by name: imagenet, none.

@@ -341,6 +341,48 @@ TEST(Folder, WorkersChangeNoBatchAndAResumedRunNoBit) {
   fs::remove_all(out);
 }
 
+// A bad image in val/ never stops a run after its training (it was found only by the first
+// epoch's evaluation, and the run folder could then be neither resumed nor reused): the evaluation
+// set skips it whatever --skip-bad-images says — replaced by the next image of its class, listed in
+// FolderSet::bad_val_images — and `tally train` names it in a warning and finishes.
+TEST(Folder, ABadEvaluationImageIsNamedAndSkipped) {
+  TempDir t;
+  std::vector<std::uint8_t> grey(28 * 28);
+  for (const char* c : {"a", "b"}) {
+    fs::create_directories(t.path / "train" / c);
+    fs::create_directories(t.path / "val" / c);
+    for (int i = 0; i < 3; ++i) {
+      for (std::size_t k = 0; k < grey.size(); ++k) grey[k] = static_cast<std::uint8_t>(k * (i + 2) + c[0]);
+      write_png(t.path / "train" / c / fmt::format("{}.png", i), grey.data(), 28, 28);
+    }
+    write_png(t.path / "val" / c / "1.png", grey.data(), 28, 28);
+  }
+  write_file(t.path / "val" / "a" / "2.png", {0x89, 'P', 'N', 'G', 0x0d, 0x0a, 0x1a, 0x0a, 0, 0});
+  const data::FolderSet s = data::load_folder(t.path.string(), grey28());  // skip_bad_images off
+  ASSERT_EQ(s.split.test.size(), 3);
+  std::vector<float> bad(784), good(784);
+  s.split.test.generate(1, bad.data());  // val/a/2.png: the next image of class a, val/a/1.png
+  s.split.test.generate(0, good.data());
+  EXPECT_EQ(bad, good);
+  const auto list = s.bad_val_images->list();
+  ASSERT_EQ(list.size(), 1u);
+  EXPECT_EQ(fs::path(list.begin()->first).filename(), "2.png");
+  EXPECT_TRUE(s.bad_images->list().empty()) << "the training set's list holds the training set's alone";
+
+  const fs::path out = test::fresh_dir("tally-folder-bad-val");
+  const std::string log = (out / "run.log").string();
+  EXPECT_EQ(test::run_command(fmt::format("{} train --data folder:{} --input 1x28x28 --model resnet20 --batch-size 4 "
+                                          "--steps 2 --threads 2 --no-progress --memory-limit 64MiB --out {} > {} 2>&1",
+                                          TALLY_EXE, t.path.string(), (out / "run").string(), log)), 0)
+      << file_text(log);
+  const std::string said = file_text(log);
+  EXPECT_NE(said.find("warning: 1 bad image in the evaluation set"), std::string::npos) << said;
+  EXPECT_NE(said.find("2.png: expected a PNG header"), std::string::npos) << said;
+  EXPECT_EQ(said.find("warning: 1 bad image in the evaluation set"), said.rfind("warning: 1 bad image in the evaluation set"))
+      << "named once, not at every evaluation";
+  fs::remove_all(out);
+}
+
 // The data set's identity for resume (data/folder.h: files_fingerprint): the same files copied
 // elsewhere give the same fingerprint; one image more, one changed byte, one renamed file each give
 // another. A run resumed after its folder gained an image is an error naming the change (it was
