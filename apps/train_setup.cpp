@@ -138,15 +138,14 @@ static data::Split load_folder_data(const TrainOptions& opt, const data::DataSpe
   }
   data::FolderSet set = data::load_folder(spec.dir, fo);
   if (bad) *bad = {set.bad_images, set.bad_val_images};
-  std::string skipped;
-  for (const auto& [ext, n] : set.skipped) skipped += fmt::format("{}{} {}", skipped.empty() ? "" : ", ", n, ext.empty() ? "without an extension" : ext);
+  std::string skipped = data::skipped_text(set.skipped);
   const std::size_t prefetch = static_cast<std::size_t>(opt.batch_size * chw[0] * chw[1] * chw[2]) * sizeof(float);
   fmt::print(log, "data {}: {} classes, {} training images, {} for evaluation{}, read by {} workers{} into the next "
                   "batch while a step runs ({} of host memory a batch), transform {}; {}; {}\n",
              opt.data, set.classes.size(), set.train_files.size(), set.test_files.size(),
              opt.val_fraction != "none" ? fmt::format(" (--val-fraction {})", opt.val_fraction) : "",
              opt.workers > 0 ? opt.workers : omp_get_max_threads(), opt.workers > 0 ? "" : " (--workers 0: OpenMP's count)",
-             format_bytes(prefetch), opt.transform, skipped.empty() ? "no other files" : "skipped (not .jpg, .jpeg or .png): " + skipped, set.statistics);
+             format_bytes(prefetch), opt.transform, skipped.empty() ? "no other files" : "skipped: " + skipped, set.statistics);
   return std::move(set.split);
 }
 

@@ -78,6 +78,7 @@ TrainingRun::TrainingRun(const TrainOptions& options, std::ostream& all_log, std
   if (!run_options_.out.empty() && !setup_.stage) signals_.emplace(rank_.ranks == 1);
   if (split_.test.size() == 0 && rank_.opt.evaluate) {  // a folder with no val/ and no --val-fraction
     rank_.opt.evaluate = false;
+    not_evaluated_ = "no evaluation set";
     fmt::print(log_, "no evaluation: {} has no val folder and --val-fraction is none\n", rank_options_.data);
   }
   print_header(setup_);
@@ -214,8 +215,8 @@ void TrainingRun::end_epoch(std::int64_t epoch, std::int64_t epochs) {
     fmt::print(log_, "{}: train loss {:.4f} | test loss {:.4f} | test accuracy {:.2f}%\n", epoch_label(epoch, epochs),
                result_.train_loss, eval_.loss, 100.0 * eval_.accuracy);
   else
-    fmt::print(log_, "{}: train loss {:.4f} | test set not evaluated (--no-eval)\n", epoch_label(epoch, epochs),
-               result_.train_loss);
+    fmt::print(log_, "{}: train loss {:.4f} | test set not evaluated ({})\n", epoch_label(epoch, epochs),
+               result_.train_loss, not_evaluated_);
 }
 
 std::string TrainingRun::epoch_label(std::int64_t epoch, std::int64_t epochs) const {

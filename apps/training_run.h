@@ -200,6 +200,7 @@ class TrainingRun {
   data::DataSpec data_spec_;  // --data, parsed
   BadImageLists bad_images_;  // a folder's images skipped as bad
   std::set<std::string> bad_val_named_;  // the evaluation set's bad images named so far
+  std::string not_evaluated_ = "--no-eval";  // why the epochs' lines have no test loss
   data::Split split_;
   data::Loader loader_;
   std::int64_t per_epoch_;

@@ -12,6 +12,7 @@
 #include <iterator>
 #include <memory>
 #include <numeric>
+#include <set>
 
 #include <fmt/format.h>
 #include <zlib.h>
@@ -45,17 +46,43 @@ std::vector<std::string> class_folders(const fs::path& root) {
 }
 
 // The images under `dir` in torchvision's order (os.walk sorted by folder, then the files of each
-// sorted by name); other files counted in `skipped` by extension.
+// sorted by name); every other entry but a folder counted in `skipped`: regular files by extension,
+// broken links and special files (FIFOs, sockets, devices) by kind. A folder that cannot be listed
+// (a symbolic link that leads back into the folder, no permission) is an error naming it.
 std::vector<std::string> images_in(const fs::path& dir, std::map<std::string, std::int64_t>& skipped) {
   std::vector<std::pair<std::string, std::string>> found;  // (folder, name)
-  for (const fs::directory_entry& e :
-       fs::recursive_directory_iterator(dir, fs::directory_options::follow_directory_symlink)) {
-    if (!e.is_regular_file()) continue;
-    if (!is_image_name(e.path())) {
-      ++skipped[lower(e.path().extension().string())];
-      continue;
+  std::set<fs::path> folders{fs::weakly_canonical(dir)};   // each folder listed once: a loop is found at its link
+  try {
+    for (const fs::directory_entry& e :
+         fs::recursive_directory_iterator(dir, fs::directory_options::follow_directory_symlink)) {
+      std::error_code ec;
+      const fs::file_status st = e.status(ec);  // what a link leads to
+      if (ec && ec != std::errc::no_such_file_or_directory)  // (a link to nothing: counted below)
+        throw fs::filesystem_error("status", e.path(), ec);
+      if (fs::is_directory(st)) {
+        const fs::path target = fs::weakly_canonical(e.path());
+        if (!folders.insert(target).second)
+          throw FormatError(fmt::format("{}: expected a folder of images, found a second way into {} ({} leads there: "
+                                        "a symbolic link loop, or two links to one folder, whose images would count "
+                                        "twice)", dir.string(), target.string(), e.path().string()));
+        continue;
+      }
+      if (!fs::is_regular_file(st)) {
+        ++skipped[e.is_symlink(ec) && !fs::exists(st) ? kBrokenLink : kSpecialFile];
+        continue;
+      }
+      if (!is_image_name(e.path())) {
+        ++skipped[lower(e.path().extension().string())];
+        continue;
+      }
+      found.emplace_back(e.path().parent_path().string(), e.path().filename().string());
     }
-    found.emplace_back(e.path().parent_path().string(), e.path().filename().string());
+  } catch (const fs::filesystem_error& e) {
+    const bool loop = e.code() == std::errc::too_many_symbolic_link_levels;
+    throw FormatError(fmt::format("{}: expected a folder of images that can be listed, found {}{}", dir.string(),
+                                  e.path1().empty() ? std::string("an error") : e.path1().string() + ": ",
+                                  loop ? "too many levels of symbolic links (a link that leads back into the folder?)"
+                                       : e.code().message()));
   }
   std::sort(found.begin(), found.end());
   std::vector<std::string> paths;
@@ -350,6 +377,27 @@ std::string files_fingerprint(const std::string& root, const std::vector<std::st
   return fmt::format("{} files, {} bytes, crc32 {:08x}", files.size(), total, static_cast<std::uint32_t>(crc));
 }
 
+std::string skipped_text(const std::map<std::string, std::int64_t>& skipped) {
+  std::string others;
+  std::int64_t n_others = 0, broken = 0, special = 0;
+  for (const auto& [key, n] : skipped) {
+    if (key == kBrokenLink) {
+      broken += n;
+    } else if (key == kSpecialFile) {
+      special += n;
+    } else {
+      n_others += n;
+      others += fmt::format("{}{} {}", others.empty() ? "" : ", ", n, key.empty() ? "without an extension" : key);
+    }
+  }
+  std::vector<std::string> parts;
+  if (n_others > 0) parts.push_back(fmt::format("{} not .jpg, .jpeg or .png ({})", n_others, others));
+  if (broken > 0) parts.push_back(fmt::format("{} broken symbolic link{}", broken, broken == 1 ? "" : "s"));
+  if (special > 0)
+    parts.push_back(fmt::format("{} not {} (FIFOs, sockets or devices)", special, special == 1 ? "a regular file" : "regular files"));
+  return fmt::format("{}", fmt::join(parts, ", "));
+}
+
 FolderSet load_folder(const std::string& dir, const FolderOptions& o) {
   if (o.channels != 1 && o.channels != 3)
     throw Error(fmt::format("folder:{}: expected 1 or 3 channels (--input 1xHxW or 3xHxW), found {}", dir, o.channels));
@@ -367,6 +415,10 @@ FolderSet load_folder(const std::string& dir, const FolderOptions& o) {
   if (out.classes.empty())
     throw FormatError(fmt::format("{}: expected one folder of images per class, found no folder in it", train.string()));
   Listing tr = list_split(train, out.classes, out.skipped), te;
+  if (fs::exists(fs::symlink_status(val, ec)) && !fs::is_directory(val, ec))
+    throw FormatError(fmt::format("{}: expected the evaluation set, a folder of class folders of images, found {}", val.string(),
+                                  fs::is_symlink(fs::symlink_status(val, ec)) && !fs::exists(val, ec)
+                                      ? "a broken symbolic link" : "something else (a file?)"));
   if (fs::is_directory(val, ec)) {
     for (const std::string& c : class_folders(val))
       if (!std::binary_search(out.classes.begin(), out.classes.end(), c))
@@ -382,6 +434,10 @@ FolderSet load_folder(const std::string& dir, const FolderOptions& o) {
     if (o.val_fraction)
       throw Error(fmt::format("folder:{}: --val-fraction splits the training images when there is no {}, found one",
                               dir, val.string()));
+    if (te.files.empty())
+      throw FormatError(fmt::format("{}: expected the evaluation set's images in class folders, found none (remove the "
+                                    "empty folder to train without evaluation, or to hold out training images with "
+                                    "--val-fraction)", val.string()));
   } else if (o.val_fraction) {
     const double f = *o.val_fraction;
     if (!(f > 0 && f < 1)) throw Error(fmt::format("--val-fraction: expected a number in (0, 1), found {}", f));

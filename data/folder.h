@@ -77,11 +77,18 @@ class BadImages {
 std::string files_fingerprint(const std::string& root, const std::vector<std::string>& files,
                               const std::vector<std::int64_t>& labels);
 
+// FolderSet::skipped's keys for entries that are not regular files: a symbolic link to nothing, and
+// a FIFO, socket or device (or a link to one).
+inline constexpr const char* kBrokenLink = "(broken symbolic link)";
+inline constexpr const char* kSpecialFile = "(not a regular file)";
+
 struct FolderSet {
   Split split;
   std::vector<std::string> classes;
   std::vector<std::string> train_files, test_files;  // in sample order
-  std::map<std::string, std::int64_t> skipped;       // files skipped, by extension ("" : none)
+  // Entries skipped, by extension ("": none) for regular files that are not images, and under
+  // kBrokenLink and kSpecialFile for the others.
+  std::map<std::string, std::int64_t> skipped;
   std::string statistics;                            // "mean 0.2860 0.2860 0.2860, std ... over 512 images"
   std::shared_ptr<BadImages> bad_images;             // filled while samples are read (skip_bad_images)
   // The evaluation set's bad images, always skipped (each replaced by the next one of its class,
@@ -90,6 +97,9 @@ struct FolderSet {
   std::shared_ptr<BadImages> bad_val_images;
 };
 FolderSet load_folder(const std::string& dir, const FolderOptions& options);
+// FolderSet::skipped in words: "3 not .jpg, .jpeg or .png (2 .txt, 1 without an extension), 1 broken
+// symbolic link, 2 not regular files (FIFOs, sockets or devices)"; "" when nothing was skipped.
+std::string skipped_text(const std::map<std::string, std::int64_t>& skipped);
 // The transforms by name: imagenet, none.
 const std::vector<std::string>& folder_transform_names();
 

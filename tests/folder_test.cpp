@@ -7,6 +7,7 @@
 // class order, skipped files, the held-out share, and every bad layout an error naming it.
 #include <gtest/gtest.h>
 #include <png.h>
+#include <sys/stat.h>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -239,6 +240,25 @@ TEST(Folder, LayoutRulesAndErrorsNameWhatWasWrong) {
   EXPECT_EQ(s.skipped.at(".txt"), 1);
   EXPECT_EQ(s.skipped.at(""), 1);
   EXPECT_EQ(s.split.test.size(), 0) << "no val folder, no fraction: no evaluation";
+  // Entries that are not regular files are counted and said, not passed over in silence: a link
+  // to nothing, a FIFO; a link that leads back into the folder is an error naming it.
+  fs::create_symlink(root / "nowhere.png", root / "train" / "a" / "gone.png");
+  ASSERT_EQ(::mkfifo((root / "train" / "a" / "pipe.png").c_str(), 0600), 0);
+  s = data::load_folder(root.string(), grey28());
+  EXPECT_EQ(s.train_files.size(), 3u);
+  EXPECT_EQ(s.skipped.at(data::kBrokenLink), 1);
+  EXPECT_EQ(s.skipped.at(data::kSpecialFile), 1);
+  EXPECT_EQ(data::skipped_text(s.skipped), "2 not .jpg, .jpeg or .png (1 without an extension, 1 .txt), 1 broken "
+                                           "symbolic link, 1 not a regular file (FIFOs, sockets or devices)");
+  fs::remove(root / "train" / "a" / "gone.png");
+  fs::remove(root / "train" / "a" / "pipe.png");
+  fs::create_directory_symlink(root / "train" / "a", root / "train" / "a" / "sub" / "loop");
+  const std::string looped = error_of(root, grey28());
+  EXPECT_NE(looped.find(fmt::format("{}: expected a folder of images, found a second way into {} ({} leads there",
+                                    (root / "train" / "a").string(), fs::weakly_canonical(root / "train" / "a").string(),
+                                    (root / "train" / "a" / "sub" / "loop").string())),
+            std::string::npos) << looped;
+  fs::remove(root / "train" / "a" / "sub" / "loop");
   // A held-out share, by the seed.
   data::FolderOptions o = grey28();
   o.val_fraction = 0.34;
@@ -247,6 +267,15 @@ TEST(Folder, LayoutRulesAndErrorsNameWhatWasWrong) {
   EXPECT_EQ(s.split.test.size(), 1);
   o.val_fraction = 1.5;
   EXPECT_NE(error_of(root, o).find("--val-fraction: expected a number in (0, 1), found 1.5"), std::string::npos);
+  // val as a file, or an empty val folder: errors, not a silent "no evaluation".
+  write_file(root / "val", {'x'});
+  EXPECT_NE(error_of(root, grey28()).find("/val: expected the evaluation set, a folder of class folders of images, found "
+                                          "something else (a file?)"), std::string::npos) << error_of(root, grey28());
+  fs::remove(root / "val");
+  fs::create_directories(root / "val" / "a");
+  EXPECT_NE(error_of(root, grey28()).find("/val: expected the evaluation set's images in class folders, found none"),
+            std::string::npos) << error_of(root, grey28());
+  fs::remove_all(root / "val");
   // A val class that train lacks; a wrong size; a file that is not an image.
   fs::create_directories(root / "val" / "zebra");
   EXPECT_NE(error_of(root, grey28()).find("class folder 'zebra' is not a class of"), std::string::npos);
@@ -380,6 +409,13 @@ TEST(Folder, ABadEvaluationImageIsNamedAndSkipped) {
   EXPECT_NE(said.find("2.png: expected a PNG header"), std::string::npos) << said;
   EXPECT_EQ(said.find("warning: 1 bad image in the evaluation set"), said.rfind("warning: 1 bad image in the evaluation set"))
       << "named once, not at every evaluation";
+  // Without val/ the epochs' lines say why there is no test loss (not "--no-eval", which was not given).
+  fs::remove_all(t.path / "val");
+  EXPECT_EQ(test::run_command(fmt::format("{} train --data folder:{} --input 1x28x28 --model resnet20 --batch-size 4 "
+                                          "--steps 1 --threads 2 --no-progress --memory-limit 64MiB --out {} > {} 2>&1",
+                                          TALLY_EXE, t.path.string(), (out / "run2").string(), log)), 0)
+      << file_text(log);
+  EXPECT_NE(file_text(log).find("test set not evaluated (no evaluation set)"), std::string::npos) << file_text(log);
   fs::remove_all(out);
 }
 
