@@ -18,12 +18,44 @@ const std::vector<std::string>& recompute_policy_names() {
   return names;
 }
 
+namespace {
+// What is wrong with a list of segments and modes ("stem=offload,layer1.0=recompute"): the first bad
+// entry and why; "" if none is.
+std::string segment_list_error(const std::string& value) {
+  static const std::regex name(R"([A-Za-z0-9_.]+)");
+  std::size_t start = 0;
+  for (int k = 1;; ++k) {
+    const std::size_t comma = std::min(value.find(',', start), value.size());
+    const std::string item = value.substr(start, comma - start);
+    const std::size_t eq = item.find('=');
+    const std::string seg = item.substr(0, eq), mode = eq == std::string::npos ? "" : item.substr(eq + 1);
+    if (item.empty())
+      return fmt::format("entry {} is empty (two commas in a row, or one at the start or the end)", k);
+    if (eq == std::string::npos)
+      return fmt::format("entry {} '{}' has no mode: expected SEGMENT=keep|recompute|offload", k, item);
+    if (!std::regex_match(seg, name))
+      return fmt::format("entry {} '{}': expected a segment's name (letters, digits, '_' and '.', no spaces) before "
+                         "'=', found '{}'", k, item, seg);
+    if (mode != "keep" && mode != "recompute" && mode != "offload")
+      return fmt::format("entry {} '{}': expected the mode keep, recompute or offload after '=', found '{}'", k, item, mode);
+    if (comma == value.size()) return "";
+    start = comma + 1;
+  }
+}
+}  // namespace
+
 void check_recompute_policy(const std::string& value) {
   static const std::regex level(R"(blocks\+layer[0-9]+(-layer[0-9]+)?)");
   const auto& names = recompute_policy_names();
   if (std::find(names.begin(), names.end(), value) != names.end() || std::regex_match(value, level) ||
       is_segment_policy(value))
     return;
+  if (value.find_first_of("=,") != std::string::npos) {  // meant as a list of segments and modes
+    const std::string why = segment_list_error(value);
+    if (!why.empty())
+      throw Error(fmt::format("--recompute '{}': {} (segments and modes such as stem=offload,layer1.0=recompute; tally "
+                              "plan prints the segments)", value, why));
+  }
   throw Error(fmt::format("--recompute '{}': expected {}|offload, a level such as blocks+layer1, or segments and modes "
                           "such as stem=offload,layer1.0=recompute (tally plan prints them)",
                           value, fmt::join(names, "|")));
