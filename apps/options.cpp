@@ -7,6 +7,7 @@
 #include <functional>
 #include <limits>
 #include <stdexcept>
+#include <tuple>
 #include <type_traits>
 
 #include <CLI/CLI.hpp>
@@ -114,10 +115,14 @@ void check_step_options(const StepOptions& o) {
   if (o.placement && *o.placement != mbp::Placement::device && o.host_memory_limit == "none")
     throw Error(fmt::format("--placement {} puts state in host memory: give --host-memory-limit (a size or auto)",
                             name_of(*o.placement)));
-  for (const auto& [flag, value] : {std::pair<const char*, const std::string&>{"--copy-bandwidth", o.copy_bandwidth},
-                                     {"--compute-rate", o.compute_rate}})
-    if (value != "measure" && (!number_error(kNonNegative, value).empty() || std::strtod(value.c_str(), nullptr) <= 0))
-      throw Error(fmt::format("{}: expected measure or a number > 0, found {}", flag, value.empty() ? std::string("an empty value") : value));
+  for (const auto& [flag, value, rule, unit] :
+       {std::tuple<const char*, const std::string&, const NumberRule&, const char*>{"--copy-bandwidth", o.copy_bandwidth,
+                                                                                  kCopyBandwidth, "GB/s"},
+        {"--compute-rate", o.compute_rate, kComputeRate, "GFLOP/s"}})
+    if (value != "measure") {
+      const std::string why = number_error(rule, value);
+      if (!why.empty()) throw Error(fmt::format("{}: expected measure or a rate in {}; it {}", flag, unit, why));
+    }
   if (o.host_memory_limit != "none" && o.pipeline_stages > 1)
     throw Error(fmt::format("--host-memory-limit {}: the host tier is not available to pipeline stages",
                             o.host_memory_limit));

@@ -43,6 +43,13 @@ inline const NumberRule kNonNegative{0, std::nullopt, false};
 inline const NumberRule kPositiveWhole{1, std::nullopt, true};
 inline const NumberRule kNonNegativeWhole{0, std::nullopt, true};
 inline const NumberRule kFraction{0, 1, false};
+// A learning rate: a schedule multiplies it by up to 2 (cosine: lr (1 + cos) / 2), so a bound far
+// below the largest double keeps every step's rate finite (1e308 became inf after planning).
+inline const NumberRule kLearningRate{0, 1e6, false};
+// The cost model's rates as given (--copy-bandwidth in GB/s, --compute-rate in GFLOP/s): positive,
+// and within what a machine could have, so that their products and quotients stay finite.
+inline const NumberRule kCopyBandwidth{1e-6, 1e6, false};
+inline const NumberRule kComputeRate{1e-6, 1e9, false};
 // What a value of `rule` must be: "a positive whole number", "a number in [0, 1]".
 std::string rule_text(const NumberRule& rule);
 // "" when the text `value` is a finite number that keeps `rule`, else what it must be ("must be a

@@ -69,7 +69,7 @@ Device validate(const TrainOptions& opt) {
     throw Error(fmt::format("--schedule: expected one of {}, found {}", fmt::join(schedules, ", "), opt.schedule));
   if (!opt.steps) check_number("--epochs", kPositiveWhole, static_cast<double>(opt.epochs));
   if (opt.steps) check_number("--steps", kPositiveWhole, static_cast<double>(*opt.steps));
-  check_number("--lr", kNonNegative, opt.lr);
+  check_number("--lr", kLearningRate, opt.lr);
   check_number("--weight-decay", kNonNegative, opt.weight_decay);
   check_number("--warmup-epochs", kNonNegative, opt.warmup_epochs);
   check_number("--label-smoothing", kFraction, opt.label_smoothing);
