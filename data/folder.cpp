@@ -131,8 +131,9 @@ const Image& decoded(const std::string& path, const FolderOptions& o) {
   thread_local Image img;
   decode_image(read_bytes(path), path, d, img);
   if (o.transform == "none" && (img.height != o.height || img.width != o.width))
-    throw FormatError(fmt::format("{}: expected a {}x{} image (--input {}x{}x{} with --transform none), found {}x{}",
-                                  path, o.height, o.width, o.channels, o.height, o.width, img.height, img.width));
+    throw FormatError(fmt::format("{}: expected an image {} wide and {} high (--input {}x{}x{}, channels x height x "
+                                  "width, with --transform none), found one {} wide and {} high",
+                                  path, o.width, o.height, o.channels, o.height, o.width, img.width, img.height));
   return img;
 }
 

@@ -32,10 +32,10 @@ bool is_png(Bytes b) { return b.size() >= 8 && std::memcmp(b.data(), kPngSignatu
 
 void check_size(const ImageHeader& h, const std::string& name, std::int64_t max_pixels) {
   if (h.width < 1 || h.height < 1)
-    fail(name, fmt::format("expected an image of at least 1x1 pixels, found {}x{}", h.width, h.height));
+    fail(name, fmt::format("expected an image of at least 1 pixel, found {} wide and {} high", h.width, h.height));
   if (h.width > max_pixels / h.height)  // width * height > max_pixels, without overflow
-    fail(name, fmt::format("the {} header declares {}x{} = {} pixels, more than the bound of {} (a decompression "
-                           "bomb? --max-image-pixels raises the bound)",
+    fail(name, fmt::format("the {} header declares {} wide x {} high = {} pixels, more than the bound of {} (a "
+                           "decompression bomb? --max-image-pixels raises the bound)",
                            image_format_name(h.format), h.width, h.height, h.width * h.height, max_pixels));
 }
 

@@ -282,7 +282,8 @@ TEST(Folder, LayoutRulesAndErrorsNameWhatWasWrong) {
   fs::remove_all(root / "val");
   data::FolderOptions big = grey28();
   big.height = 32;
-  EXPECT_NE(error_of(root, big).find("expected a 32x28 image (--input 1x32x28 with --transform none), found 28x28"),
+  EXPECT_NE(error_of(root, big).find("expected an image 28 wide and 32 high (--input 1x32x28, channels x height x width, "
+                                     "with --transform none), found one 28 wide and 28 high"),
             std::string::npos)
       << error_of(root, big);
   // A file that is not what its name says: an error naming it when it is read (here, already while

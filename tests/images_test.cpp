@@ -108,8 +108,8 @@ TEST(Images, BadFilesAreErrorsNamingTheFileAndWhatWasWrong) {
   // The pixel bound, checked on the header before decoding; and the scale a PNG cannot take.
   data::DecodeOptions small;
   small.max_pixels = 37 * 23 - 1;
-  expect(error_of(png, small), "the PNG header declares 37x23 = 851 pixels, more than the bound of 850");
-  expect(error_of(jpg, small), "the JPEG header declares 37x23 = 851 pixels");
+  expect(error_of(png, small), "the PNG header declares 37 wide x 23 high = 851 pixels, more than the bound of 850");
+  expect(error_of(jpg, small), "the JPEG header declares 37 wide x 23 high = 851 pixels");
   small.max_pixels = 37 * 23;
   EXPECT_EQ(error_of(png, small), "decoded");
   data::DecodeOptions third;
@@ -139,7 +139,7 @@ TEST(Images, ABombIsRefusedFromItsHeader) {
   EXPECT_EQ(h.width, 100000);
   EXPECT_EQ(h.height, 100000);
   const std::string e = error_of(png);
-  EXPECT_NE(e.find("declares 100000x100000 = 10000000000 pixels, more than the bound of 89478485"), std::string::npos)
+  EXPECT_NE(e.find("declares 100000 wide x 100000 high = 10000000000 pixels, more than the bound of 89478485"), std::string::npos)
       << e;
 }
 
