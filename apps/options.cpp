@@ -380,8 +380,8 @@ const std::vector<Option> kTable = {
              "(DIR/train/<class>/*.jpg|png, DIR/val/<class>/... optional; with --input)"},
     {.name = "input", .field = field(&PlanOptions::input), .commands = kPlan, .help = "one sample's shape CxHxW"},
     {.name = "input", .field = field(&TrainOptions::input), .commands = kRun,
-     .help = "one sample's shape CxHxW for --data folder:DIR (C 3: RGB, 1: grey; with --transform none every image "
-             "must be HxW)",
+     .help = "one sample's shape CxHxW for --data folder:DIR, which needs it (C 3: RGB, 1: grey; with --transform none "
+             "every image must be HxW); other data sets have their own",
      .absent = "auto"},
     {.name = "transform", .field = choice(&TrainOptions::transform, data::folder_transform_names), .commands = kRun,
      .help = "--data folder:DIR: imagenet (training: random resized crop and flip; evaluation: resize to --input / "

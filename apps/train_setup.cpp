@@ -137,6 +137,10 @@ static data::Split load_folder_data(const TrainOptions& opt, const data::DataSpe
     fo.val_fraction = std::strtod(opt.val_fraction.c_str(), nullptr);
   }
   data::FolderSet set = data::load_folder(spec.dir, fo);
+  if (opt.num_classes && *opt.num_classes != static_cast<std::int64_t>(set.classes.size()))
+    throw Error(fmt::format("--num-classes {} does not match {}, which has {} classes, one per folder of {}/train "
+                            "(--num-classes is for synthetic data)", *opt.num_classes, opt.data, set.classes.size(),
+                            spec.dir));
   if (bad) *bad = {set.bad_images, set.bad_val_images};
   std::string skipped = data::skipped_text(set.skipped);
   const std::size_t prefetch = static_cast<std::size_t>(opt.batch_size * chw[0] * chw[1] * chw[2]) * sizeof(float);

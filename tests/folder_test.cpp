@@ -417,6 +417,11 @@ TEST(Folder, ABadEvaluationImageIsNamedAndSkipped) {
                                           TALLY_EXE, t.path.string(), (out / "run2").string(), log)), 0)
       << file_text(log);
   EXPECT_NE(file_text(log).find("test set not evaluated (no evaluation set)"), std::string::npos) << file_text(log);
+  // --num-classes that disagrees with the folder's classes: an error (it was ignored).
+  EXPECT_NE(test::run_command(fmt::format("{} train --data folder:{} --input 1x28x28 --num-classes 5 --steps 1 > {} 2>&1",
+                                          TALLY_EXE, t.path.string(), log)), 0);
+  EXPECT_NE(file_text(log).find("--num-classes 5 does not match folder:" + t.path.string() + ", which has 2 classes"),
+            std::string::npos) << file_text(log);
   fs::remove_all(out);
 }
 
