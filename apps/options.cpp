@@ -351,6 +351,7 @@ struct Option {
   Form form = Form::value;
   std::string off_help{};      // Form::on_off: the --no- flag's
   bool changeable = false;     // a resumed run may change it (it does not change the run's results)
+  const char* change_note = "";  // where that holds only in part: when it may (the resume lists say so)
   bool stored = true;          // in a checkpoint's options (not --resume itself)
   bool show_default = true;    // the help shows the command's default
   std::string excludes{};      // an option it cannot be given with
@@ -444,7 +445,8 @@ const std::vector<Option> kTable = {
      .help = "cpu|cuda|cuda:N|auto (auto: the GPU when there is one)",
      .help_for = {{kPlan, "cpu|cuda|cuda:N"}, {kDevice, "the GPU to describe: cuda|cuda:N"}}},
     {.name = "threads", .field = field(&TrainOptions::threads, kNonNegativeWhole), .commands = kRun,
-     .help = "CPU threads (0: default)", .changeable = true, .show_default = false},
+     .help = "CPU threads (0: default; a CPU run resumes bit for bit only with the count it ran with)",
+     .changeable = true, .change_note = "a CUDA run's; a CPU run keeps its count", .show_default = false},
     {.name = "tf32", .field = field(&StepOptions::tf32), .commands = kAll,
      .help = "CUDA: let float32 GEMMs and convolutions use TF32 tensor cores (off by default)", .form = Form::on},
     {.name = "deterministic", .field = field(&StepOptions::deterministic), .commands = kAll,
@@ -673,7 +675,8 @@ std::string changeable_flags() {
   std::vector<std::string> flags;
   const std::string refused = find("resume")->excludes;
   for (const Option& o : table())
-    if (o.changeable && o.name != refused && (o.commands & kTrain)) flags.push_back("--" + o.flags().back());
+    if (o.changeable && o.name != refused && (o.commands & kTrain))
+      flags.push_back("--" + o.flags().back() + (*o.change_note ? fmt::format(" ({})", o.change_note) : ""));
   return fmt::format("{}", fmt::join(flags, ", "));
 }
 
