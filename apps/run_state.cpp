@@ -3,6 +3,7 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -27,6 +28,8 @@
 namespace tally::app {
 
 TrainOptions resume_options(const std::string& run_dir) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(run_dir, ec)) check_run_folder_free(run_dir, "--resume");  // a run going there
   const auto dir = mbp::latest_checkpoint(run_dir);
   if (!dir)
     throw Error(fmt::format("--resume {}: no checkpoint in it (expected a folder checkpoint-<step>/, written by "
@@ -54,8 +57,11 @@ TrainOptions resume_options(const std::string& run_dir) {
 }
 
 void check_run_folder(const TrainOptions& opt) {
-  if (!opt.resume.empty()) return;  // a resumed run continues in its own folder
   std::error_code ec;
+  const std::string& dir = opt.resume.empty() ? opt.out : opt.resume;
+  if (!dir.empty() && std::filesystem::is_directory(dir, ec))  // a run going there: say so first
+    check_run_folder_free(dir, opt.resume.empty() ? "--out" : "--resume");
+  if (!opt.resume.empty()) return;  // a resumed run continues in its own folder
   if (!opt.out.empty() && std::filesystem::is_directory(opt.out, ec)) {
     if (const auto old = mbp::latest_checkpoint(opt.out))
       throw Error(fmt::format("--out {}: it holds {} of an earlier run; continue that run with --resume {}, or choose "
@@ -91,21 +97,44 @@ CheckpointEvery parse_checkpoint_every(const std::string& text) {
   return every;
 }
 
-RunFolderLock::RunFolderLock(const std::string& dir, const std::string& flag) {
-  const std::string path = (std::filesystem::path(dir) / ".lock").string();
-  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-  if (fd_ < 0) throw Error(fmt::format("{} {}: cannot create its lock {}: {}", flag, dir, path, std::strerror(errno)));
-  if (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
-    char pid[32] = {};
-    const ssize_t n = ::pread(fd_, pid, sizeof(pid) - 1, 0);
-    ::close(fd_);
-    fd_ = -1;
-    std::string holder(pid, n > 0 ? static_cast<std::size_t>(n) : 0);
-    while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
-    throw Error(fmt::format("{} {}: another tally process{} is using this run folder (it holds {}); wait for it to "
-                            "end, or give another folder", flag, dir, holder.empty() ? "" : " (pid " + holder + ")",
-                            path));
+namespace {
+// Takes the lock of `path` without waiting: its descriptor, or -1 with the holder's pid text (maybe
+// empty) when another process holds it. A lock taken on a file that was removed meanwhile (its
+// holder ending) is let go and taken again on the path's new file.
+int take_lock(const std::string& path, const std::string& flag, const std::string& dir, std::string* holder) {
+  for (int attempt = 0; attempt < 8; ++attempt) {
+    const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) throw Error(fmt::format("{} {}: cannot create its lock {}: {}", flag, dir, path, std::strerror(errno)));
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      char pid[32] = {};
+      const ssize_t n = ::pread(fd, pid, sizeof(pid) - 1, 0);
+      ::close(fd);
+      holder->assign(pid, n > 0 ? static_cast<std::size_t>(n) : 0);
+      while (!holder->empty() && (holder->back() == '\n' || holder->back() == ' ')) holder->pop_back();
+      return -1;
+    }
+    struct stat mine {}, named {};
+    if (::fstat(fd, &mine) == 0 && ::stat(path.c_str(), &named) == 0 && mine.st_ino == named.st_ino &&
+        mine.st_dev == named.st_dev)
+      return fd;
+    ::close(fd);  // removed under us by the holder that just ended: again, on the new file
   }
+  throw Error(fmt::format("{} {}: its lock {} kept changing under this process; is another tally starting there?", flag,
+                          dir, path));
+}
+
+[[noreturn]] void folder_in_use(const std::string& flag, const std::string& dir, const std::string& path,
+                                const std::string& holder) {
+  throw Error(fmt::format("{} {}: another tally process{} is using this run folder (it holds {}); wait for it to "
+                          "end, or give another folder", flag, dir, holder.empty() ? "" : " (pid " + holder + ")", path));
+}
+}  // namespace
+
+RunFolderLock::RunFolderLock(const std::string& dir, const std::string& flag)
+    : path_((std::filesystem::path(dir) / ".lock").string()) {
+  std::string holder;
+  fd_ = take_lock(path_, flag, dir, &holder);
+  if (fd_ < 0) folder_in_use(flag, dir, path_, holder);
   const std::string mine = fmt::format("{}\n", ::getpid());
   if (::ftruncate(fd_, 0) != 0 || ::pwrite(fd_, mine.data(), mine.size(), 0) < 0) {
     // The lock holds without the pid in it; a second process is refused all the same.
@@ -113,7 +142,26 @@ RunFolderLock::RunFolderLock(const std::string& dir, const std::string& flag) {
 }
 
 RunFolderLock::~RunFolderLock() {
-  if (fd_ >= 0) ::close(fd_);  // closing releases the flock
+  if (fd_ < 0) return;
+  ::unlink(path_.c_str());  // while still held: a process that opened it meanwhile finds it removed (take_lock)
+  ::close(fd_);             // closing releases the flock
+}
+
+void check_run_folder_free(const std::string& dir, const std::string& flag) {
+  const std::string path = (std::filesystem::path(dir) / ".lock").string();
+  std::error_code ec;
+  if (!std::filesystem::exists(path, ec)) return;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return;  // gone meanwhile
+  if (::flock(fd, LOCK_SH | LOCK_NB) != 0) {
+    char pid[32] = {};
+    const ssize_t n = ::pread(fd, pid, sizeof(pid) - 1, 0);
+    ::close(fd);
+    std::string holder(pid, n > 0 ? static_cast<std::size_t>(n) : 0);
+    while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
+    folder_in_use(flag, dir, path, holder);
+  }
+  ::close(fd);
 }
 
 namespace {

@@ -34,8 +34,9 @@ struct CheckpointEvery {
 CheckpointEvery parse_checkpoint_every(const std::string& text);
 
 // While alive, this process holds the lock of the run folder `dir` (an flock on dir/.lock, with its
-// pid written in): a second tally on the same folder — two resumes of one run — is an Error naming
-// `flag`, the folder and the first one's pid. The lock ends with the process, however it ends.
+// pid written in): a second tally on the same folder — two resumes of one run, or a new run started
+// while one is going — is an Error naming `flag`, the folder and the first one's pid. The lock ends
+// with the process, however it ends; a process that ends normally also removes dir/.lock.
 class RunFolderLock {
  public:
   RunFolderLock(const std::string& dir, const std::string& flag);
@@ -45,7 +46,11 @@ class RunFolderLock {
 
  private:
   int fd_ = -1;
+  std::string path_;
 };
+// If another process holds the lock of run folder `dir` now: an Error as RunFolderLock's, naming
+// `flag` (checked before anything else looks at the folder's files).
+void check_run_folder_free(const std::string& dir, const std::string& flag);
 
 // While alive, SIGINT and SIGTERM (one process) or SIGUSR1 (every run; the one mpirun forwards to
 // its ranks) set a flag instead of ending the process; a second signal of the same kind ends it
