@@ -179,8 +179,24 @@ std::shared_ptr<Arena> make_host_arena(const std::string& text, Device dev, std:
     bytes = parse_size(text);
     if (bytes < Arena::kAlignment)
       throw Error(fmt::format("--host-memory-limit {} is below the arena's {}-byte granularity", text, Arena::kAlignment));
+    // More than this machine can give: a plan may be meant for another machine, a run may not need
+    // it all — a warning either way (as --memory-limit's); a reservation the system refuses is an
+    // error naming the flag.
+    const HostMemory usable = usable_host_memory();
+    if (log && !usable.bound.empty() && bytes > usable.bytes)
+      fmt::print(*log, "warning: --host-memory-limit {} is more than {} now ({}, {}){}\n", text,
+                 dry ? "this machine can give" : "this process can use", format_bytes(usable.bytes), usable.bound,
+                 dry ? ": a plan for another machine? Here a step that needs more would fail with the system's "
+                       "out-of-memory"
+                     : ": a step that needs more fails with the system's out-of-memory, not with tally's plan");
   }
-  return dry ? dry->virtual_arena(Device::cpu(), bytes) : Arena::make_host(bytes);
+  if (dry) return dry->virtual_arena(Device::cpu(), bytes);
+  try {
+    return Arena::make_host(bytes);
+  } catch (const Error& e) {
+    throw Error(fmt::format("--host-memory-limit {}: this machine refused to reserve {} for the host tier ({}); give "
+                            "less, or auto", text, format_bytes(bytes), e.what()));
+  }
 }
 
 namespace {

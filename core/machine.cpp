@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <fstream>
 #include <optional>
 #include <sstream>
@@ -57,6 +58,11 @@ HostMemory usable_host_memory() {
   auto consider = [&m](std::uint64_t bytes, const char* bound) {
     if (m.bound.empty() || bytes < m.bytes) m.bytes = static_cast<std::size_t>(bytes), m.bound = bound;
   };
+  // Tests fake a machine of this many usable bytes, so that no test depends on the machine's size.
+  if (const char* fake = std::getenv("TALLY_TEST_HOST_MEMORY"); fake && *fake) {
+    consider(std::strtoull(fake, nullptr, 10), "TALLY_TEST_HOST_MEMORY");
+    return m;
+  }
   if (const auto available = proc_kb("/proc/meminfo", "MemAvailable")) consider(*available, "MemAvailable");
   const auto v2_max = number_in("/sys/fs/cgroup/memory.max"), v2_cur = number_in("/sys/fs/cgroup/memory.current");
   if (v2_max && v2_cur) consider(*v2_max > *v2_cur ? *v2_max - *v2_cur : 0, "the cgroup's memory.max");

@@ -16,6 +16,7 @@ int hardware_threads();
 // (memory.max - memory.current, cgroup v2; v1's memory.limit_in_bytes - usage), and the address
 // space left under RLIMIT_AS — each where the machine states it. `bound` names the smallest
 // ("MemAvailable", "the cgroup's memory.max", "RLIMIT_AS (ulimit -v)"); bytes 0 when none is known.
+// TALLY_TEST_HOST_MEMORY=BYTES in the environment stands for all of them (tests fake the machine).
 struct HostMemory {
   std::size_t bytes = 0;
   std::string bound;
