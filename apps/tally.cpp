@@ -4,11 +4,15 @@
 //   tally plan [options]   the memory plan of a training step: per-layer table, micro-batch
 //                          size, predicted peak (see apps/plan.h); nothing is computed
 //   tally sweep [options]  the batch-size experiment: a run per batch size (see apps/sweep.h)
+#include <unistd.h>
+
 #include <cstdio>
+#include <cstdlib>
 #include <algorithm>
 #include <exception>
 #include <fstream>
 #include <iostream>
+#include <sstream>
 #include <string>
 
 #include <CLI/CLI.hpp>
@@ -56,7 +60,85 @@ void complete_sweep_options(app::SweepOptions& so, const std::vector<std::string
   so = saved;
 }
 
+namespace {
+// The cores' worth of CPU time others used over 40 ms, 20 ms from now (from /proc/stat's "cpu" line: the time
+// not idle, over the elapsed time, times the cores); a negative number when it cannot be read.
+double busy_cores() {
+  auto sample = [](double* busy, double* total) {
+    std::ifstream in("/proc/stat");
+    std::string cpu;
+    double v[8] = {};
+    if (!(in >> cpu) || cpu != "cpu") return false;
+    for (double& x : v) in >> x;  // user nice system idle iowait irq softirq steal
+    *total = 0;
+    for (const double x : v) *total += x;
+    *busy = *total - v[3] - v[4];
+    // Less this process's own time (its threads, started by the libraries): fields 14 and 15 of
+    // /proc/self/stat, after the command's name in parentheses.
+    std::ifstream self("/proc/self/stat");
+    std::string line;
+    std::getline(self, line);
+    const std::size_t close = line.rfind(')');
+    if (close == std::string::npos) return false;
+    std::istringstream rest(line.substr(close + 2));
+    std::string field;
+    double utime = 0, stime = 0;
+    for (int k = 3; k <= 15 && rest >> field; ++k) {
+      if (k == 14) utime = std::atof(field.c_str());
+      if (k == 15) stime = std::atof(field.c_str());
+    }
+    *busy -= utime + stime;
+    return static_cast<bool>(in);
+  };
+  double b0 = 0, t0 = 0, b1 = 0, t1 = 0;
+  // The kernel books a core's busy time when it next goes idle: this process's own start (loading
+  // its libraries) would land in a window that begins at once. So the window begins 20 ms later.
+  ::usleep(20000);
+  if (!sample(&b0, &t0)) return -1;
+  ::usleep(40000);
+  if (!sample(&b1, &t1) || t1 <= t0) return -1;
+  const long cores = ::sysconf(_SC_NPROCESSORS_ONLN);
+  return (b1 - b0) / (t1 - t0) * static_cast<double>(cores > 0 ? cores : 1);
+}
+
+// OpenMP's threads spin a while when they wait for work (libgomp's default), which is ~10-15%
+// faster on an idle machine (ResNet-20 batch 128 on 2 cores: 325 against 277 images/s, medians of
+// 3) but on a loaded or oversubscribed one takes the cores the other threads need — the decoding
+// workers and the other processes: ResNet-20 batch 64, 3 steps, beside two busy loops on 2 cores
+// took 11.5 s against 2.0 s with passive waiting (1.2 s idle; bench/RESULTS.md, "OpenMP's
+// waiting"). So when others keep half a core or more busy at the start (over 40 ms), tally makes
+// its threads wait passively. libgomp reads the policy when it loads, before main: tally sets it and runs itself
+// again, once — unless the user chose (OMP_WAIT_POLICY or GOMP_SPINCOUNT set), or /proc/self/exe
+// cannot be run (then it carries on as it is). A load that begins after the start is not seen.
+void wait_passively_if_loaded(char** argv) {
+  if (std::getenv("OMP_WAIT_POLICY") != nullptr || std::getenv("GOMP_SPINCOUNT") != nullptr) return;
+  const char* fake = std::getenv("TALLY_TEST_BUSY_CORES");  // tests fake the machine's load
+  const double busy = fake != nullptr ? std::atof(fake) : busy_cores();
+  if (busy < 0.5) return;  // half a core's worth or more in use by others: loaded
+  const std::string why = fmt::format("{:.1f}", busy);
+  if (::setenv("OMP_WAIT_POLICY", "passive", 1) != 0 || ::setenv("TALLY_SET_OMP_WAIT_POLICY", why.c_str(), 1) != 0)
+    return;
+  ::execv("/proc/self/exe", argv);  // returns only if it failed
+  ::unsetenv("TALLY_SET_OMP_WAIT_POLICY");
+  ::unsetenv("OMP_WAIT_POLICY");
+}
+
+// For --version: how this process's OpenMP threads wait, and who chose it.
+std::string omp_waiting() {
+  const char* policy = std::getenv("OMP_WAIT_POLICY");
+  const char* spin = std::getenv("GOMP_SPINCOUNT");
+  if (const char* others = std::getenv("TALLY_SET_OMP_WAIT_POLICY"); others != nullptr && policy != nullptr)
+    return fmt::format("OpenMP waiting: {} (set by tally: {} cores busy at the start; OMP_WAIT_POLICY or "
+                       "GOMP_SPINCOUNT chooses)", policy, others);
+  if (policy == nullptr && spin == nullptr)
+    return "OpenMP waiting: libgomp's default, spinning a while (the machine was idle at the start)";
+  return fmt::format("OpenMP waiting: the environment's ({}{}{})", policy ? fmt::format("OMP_WAIT_POLICY={}", policy) : "",
+                     policy && spin ? ", " : "", spin ? fmt::format("GOMP_SPINCOUNT={}", spin) : "");
+}
+}  // namespace
+
 int main(int argc, char** argv) {
+  wait_passively_if_loaded(argv);
   // Line by line into a file or a pipe too: a run's log (its checkpoints above all) is there when
   // the run is killed.
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
@@ -91,7 +173,7 @@ int main(int argc, char** argv) {
   }
   try {
     if (version) {
-      fmt::print("{}\n", build_info());
+      fmt::print("{}\n{}\n", build_info(), omp_waiting());
       return 0;
     }
     if (app.get_subcommands().empty()) {
