@@ -1,5 +1,5 @@
 // apps/tally.cpp — the tally command line.
-//   tally --version        build configuration (CUDA, cuDNN) and whether a GPU is present
+//   tally --version        build configuration (CUDA, cuDNN), whether a GPU is present, how OpenMP waits
 //   tally train [options]  train a ResNet (see apps/trainer.h and README.md for the options)
 //   tally plan [options]   the memory plan of a training step: per-layer table, micro-batch
 //                          size, predicted peak (see apps/plan.h); nothing is computed

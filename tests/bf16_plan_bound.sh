@@ -10,7 +10,7 @@ tally=${1:?usage: bf16_plan_bound.sh TALLY}
 native=1
 for f in avx512f avx512bw avx512vl avx512dq; do grep -qw "$f" /proc/cpuinfo || native=0; done
 case ${ONEDNN_MAX_CPU_ISA:-} in AVX2* | SSE*) native=0 ;; esac
-"$tally" --version | grep -q "CPU conv: oneDNN" || native=0
+grep -q "CPU conv: oneDNN" <<<"$("$tally" --version)" || native=0
 bound=164 why="widened route: 1.7x"
 ((native)) && bound=173 why="oneDNN runs bf16 here: 1.8x"
 out=$("$tally" plan --model resnet50 --batch-size 4096 --memory-limit 8GiB --recompute none --precision bf16 --no-layers 2>&1)

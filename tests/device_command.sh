@@ -11,7 +11,8 @@ fail() { echo "FAIL: $*"; exit 1; }
 out=$("$tally" device --device cpu 2>&1) && fail "--device cpu accepted: $out"
 grep -q "expected a GPU (cuda or cuda:N), found cpu" <<<"$out" || fail "--device cpu: $out"
 
-if ! "$tally" --version | grep -qE "GPU: none detected|no CUDA backend"; then
+version=$("$tally" --version)  # whole first: grep -q quitting early would end tally with SIGPIPE (pipefail)
+if ! grep -qE "GPU: none detected|no CUDA backend" <<<"$version"; then
   out=$("$tally" device --save "$dir/gpu.json" 2>&1) || fail "tally device on a GPU machine: $out"
   grep -q "compute capability" <<<"$out" || fail "no description printed: $out"
   for field in '"format": "tally device file"' '"compute_capability"' '"cudnn_version"' '"cudnn_properties"'; do

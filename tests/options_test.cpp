@@ -156,7 +156,8 @@ TEST(Options, EachCommandStartsFromItsOwnDefaults) {
   EXPECT_NE(sweep_cli.help().find("NUMBER >= 0=0.5"), std::string::npos);
   EXPECT_NE(plan_cli.help().find("fp32|bf16"), std::string::npos);
   // --resume's help names the flags that may change, from the table.
-  EXPECT_NE(train_cli.help().find("--workers, --threads, --profile, --save, --no-progress, --host-memory-limit, "
+  EXPECT_NE(train_cli.help().find("--workers, --threads (a CUDA run's; a CPU run keeps its count), --profile, --save, "
+                                   "--no-progress, --host-memory-limit, "
                                    "--placement, --copy-bandwidth, --compute-rate, --checkpoint-every"),
             std::string::npos)
       << train_cli.help();
@@ -238,7 +239,7 @@ TEST(Options, AResumedRunTakesOnlyTheChangeableFlags) {
     ADD_FAILURE() << "a changed --lr was accepted";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("--lr: the run has 0.3, given 0.1"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("only --workers, --threads, --profile, --save, --no-progress, "
+    EXPECT_NE(std::string(e.what()).find("only --workers, --threads (a CUDA run's; a CPU run keeps its count), --profile, --save, --no-progress, "
                                          "--host-memory-limit, --placement, --copy-bandwidth, --compute-rate, "
                                          "--checkpoint-every may change"),
               std::string::npos)

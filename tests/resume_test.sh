@@ -29,7 +29,7 @@ work=$(mktemp -d "${TMPDIR:-/tmp}/tally-resume.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 device=cpu
 if [[ $case_name == cuda ]]; then
-  if "$tally" --version | grep -q "GPU: none"; then
+  if grep -q "GPU: none" <<<"$("$tally" --version)"; then
     echo "skipped: no GPU is present ($("$tally" --version))"
     exit 77
   fi

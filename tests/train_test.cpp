@@ -143,7 +143,7 @@ TEST(Train, BadOptionValuesListTheAllowedValues) {
   // in the same words; NaN is no number.
   o = {};
   o.lr = -1;
-  expect_error(o, "--lr: must be a non-negative number, found -1");
+  expect_error(o, "--lr: must be a number in [0, 1000000], found -1");
   o = {};
   o.label_smoothing = std::nan("");
   expect_error(o, "--label-smoothing: must be a number in [0, 1], found nan");
