@@ -118,6 +118,12 @@ Prepared prepare(const SweepOptions& opt) {
     if (b > data.train_size)
       throw Error(fmt::format("--batch-sizes: batch size {} is larger than the {} training samples of {}", b,
                               data.train_size, opt.train.data));
+    // Each run's learning rate, scaled from the first batch size's, within --lr's bound: checked here,
+    // before the first run, rather than when the run that exceeds it starts.
+    const double lr = scaled_lr(opt.train.lr, b, p.sizes.front(), opt.lr_scaling);
+    if (const std::string why = number_error(kLearningRate, fmt::format("{}", lr)); !why.empty())
+      throw Error(fmt::format("batch size {}: its learning rate, --lr {} scaled {} from batch size {}, {}", b,
+                              opt.train.lr, name_of(opt.lr_scaling), p.sizes.front(), why));
     const std::int64_t per_epoch = data.train_size / b;  // the loader drops the last partial batch
     const RunSteps run = run_steps(opt.train, per_epoch);
     if (run.warmup > 0 && run.warmup >= run.total) {

@@ -61,8 +61,8 @@ void complete_sweep_options(app::SweepOptions& so, const std::vector<std::string
 }
 
 namespace {
-// The cores' worth of CPU time others used over 40 ms, 20 ms from now (from /proc/stat's "cpu" line: the time
-// not idle, over the elapsed time, times the cores); a negative number when it cannot be read.
+// The cores' worth of CPU time others used over 40 ms, 20 ms from now (/proc/stat's "cpu" line:
+// the time not idle, over the elapsed time, times the cores); negative when it cannot be read.
 double busy_cores() {
   auto sample = [](double* busy, double* total) {
     std::ifstream in("/proc/stat");
@@ -107,9 +107,9 @@ double busy_cores() {
 // workers and the other processes: ResNet-20 batch 64, 3 steps, beside two busy loops on 2 cores
 // took 11.5 s against 2.0 s with passive waiting (1.2 s idle; bench/RESULTS.md, "OpenMP's
 // waiting"). So when others keep half a core or more busy at the start (over 40 ms), tally makes
-// its threads wait passively. libgomp reads the policy when it loads, before main: tally sets it and runs itself
-// again, once — unless the user chose (OMP_WAIT_POLICY or GOMP_SPINCOUNT set), or /proc/self/exe
-// cannot be run (then it carries on as it is). A load that begins after the start is not seen.
+// its threads wait passively. libgomp reads the policy when it loads, before main: tally sets it
+// and runs itself again, once — unless the user chose (OMP_WAIT_POLICY or GOMP_SPINCOUNT set), or
+// /proc/self/exe cannot be run (then it carries on as it is). A load that begins later is not seen.
 void wait_passively_if_loaded(char** argv) {
   if (std::getenv("OMP_WAIT_POLICY") != nullptr || std::getenv("GOMP_SPINCOUNT") != nullptr) return;
   const char* fake = std::getenv("TALLY_TEST_BUSY_CORES");  // tests fake the machine's load
