@@ -98,6 +98,15 @@ CheckpointEvery parse_checkpoint_every(const std::string& text) {
 }
 
 namespace {
+// The pid the holder of a lock file wrote in it ("" when none).
+std::string lock_holder(int fd) {
+  char pid[32] = {};
+  const ssize_t n = ::pread(fd, pid, sizeof(pid) - 1, 0);
+  std::string holder(pid, n > 0 ? static_cast<std::size_t>(n) : 0);
+  while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
+  return holder;
+}
+
 // Takes the lock of `path` without waiting: its descriptor, or -1 with the holder's pid text (maybe
 // empty) when another process holds it. A lock taken on a file that was removed meanwhile (its
 // holder ending) is let go and taken again on the path's new file.
@@ -106,11 +115,8 @@ int take_lock(const std::string& path, const std::string& flag, const std::strin
     const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
     if (fd < 0) throw Error(fmt::format("{} {}: cannot create its lock {}: {}", flag, dir, path, std::strerror(errno)));
     if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
-      char pid[32] = {};
-      const ssize_t n = ::pread(fd, pid, sizeof(pid) - 1, 0);
+      *holder = lock_holder(fd);
       ::close(fd);
-      holder->assign(pid, n > 0 ? static_cast<std::size_t>(n) : 0);
-      while (!holder->empty() && (holder->back() == '\n' || holder->back() == ' ')) holder->pop_back();
       return -1;
     }
     struct stat mine {}, named {};
@@ -154,11 +160,8 @@ void check_run_folder_free(const std::string& dir, const std::string& flag) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return;  // gone meanwhile
   if (::flock(fd, LOCK_SH | LOCK_NB) != 0) {
-    char pid[32] = {};
-    const ssize_t n = ::pread(fd, pid, sizeof(pid) - 1, 0);
+    const std::string holder = lock_holder(fd);
     ::close(fd);
-    std::string holder(pid, n > 0 ? static_cast<std::size_t>(n) : 0);
-    while (!holder.empty() && (holder.back() == '\n' || holder.back() == ' ')) holder.pop_back();
     folder_in_use(flag, dir, path, holder);
   }
   ::close(fd);

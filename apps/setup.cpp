@@ -149,6 +149,17 @@ std::size_t parse_memory_limit(const std::string& text, Device dev) {
   return limit;
 }
 
+void warn_beyond_host_memory(const std::string& flag, const std::string& text, std::size_t bytes, bool planning,
+                             std::ostream& log) {
+  const HostMemory usable = usable_host_memory();
+  if (usable.bound.empty() || bytes <= usable.bytes) return;
+  fmt::print(log, "warning: {} {} is more than {} now ({}, {}){}\n", flag, text,
+             planning ? "this machine can give" : "this process can use", format_bytes(usable.bytes), usable.bound,
+             planning ? ": a plan for another machine? Here a step that needs more would fail with the system's "
+                        "out-of-memory"
+                      : ": a step that needs more fails with the system's out-of-memory, not with tally's plan");
+}
+
 std::shared_ptr<Arena> make_host_arena(const std::string& text, Device dev, std::size_t device_limit,
                                        const DryRun* dry, std::ostream* log) {
   if (text == "none") return nullptr;
@@ -179,16 +190,8 @@ std::shared_ptr<Arena> make_host_arena(const std::string& text, Device dev, std:
     bytes = parse_size(text);
     if (bytes < Arena::kAlignment)
       throw Error(fmt::format("--host-memory-limit {} is below the arena's {}-byte granularity", text, Arena::kAlignment));
-    // More than this machine can give: a plan may be meant for another machine, a run may not need
-    // it all — a warning either way (as --memory-limit's); a reservation the system refuses is an
-    // error naming the flag.
-    const HostMemory usable = usable_host_memory();
-    if (log && !usable.bound.empty() && bytes > usable.bytes)
-      fmt::print(*log, "warning: --host-memory-limit {} is more than {} now ({}, {}){}\n", text,
-                 dry ? "this machine can give" : "this process can use", format_bytes(usable.bytes), usable.bound,
-                 dry ? ": a plan for another machine? Here a step that needs more would fail with the system's "
-                       "out-of-memory"
-                     : ": a step that needs more fails with the system's out-of-memory, not with tally's plan");
+    // A reservation the system refuses is an error naming the flag (below).
+    if (log) warn_beyond_host_memory("--host-memory-limit", text, bytes, dry != nullptr, *log);
   }
   if (dry) return dry->virtual_arena(Device::cpu(), bytes);
   try {

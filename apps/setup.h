@@ -79,6 +79,12 @@ void check_writable_folder(const std::string& flag, const std::string& dir);
 // --memory-limit: a size ("48MiB", "2GiB") or "auto" (core/memory.h's default capacity for the device).
 std::size_t parse_memory_limit(const std::string& text, Device dev);
 
+// A warning on `log` when `bytes` of host memory (`flag` given as `text`) is more than this process
+// can use now (core/machine.h): a step that needs more would fail with the system's out-of-memory,
+// not with tally's plan; `planning` (tally plan): the plan may be meant for another machine.
+void warn_beyond_host_memory(const std::string& flag, const std::string& text, std::size_t bytes, bool planning,
+                             std::ostream& log);
+
 // --host-memory-limit (docs/host-tier.md): null for "none"; else the host tier's arena — a size, or
 // "auto": 3/4 of what this process may use (core/machine.h; the rest is its own, as for the CPU's
 // --memory-limit auto), less `device_limit` when the device is the CPU (both arenas are host

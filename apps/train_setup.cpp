@@ -130,6 +130,7 @@ static data::Split load_folder_data(const TrainOptions& opt, const data::DataSpe
   fo.transform = opt.transform;
   fo.skip_bad_images = opt.skip_bad_images;
   fo.seed = opt.seed;
+  fo.fingerprint = !opt.out.empty() || !opt.resume.empty();  // what checkpoints record and resumes check
   if (opt.val_fraction != "none") {
     if (!number_error(kFraction, opt.val_fraction).empty() || std::strtod(opt.val_fraction.c_str(), nullptr) <= 0 ||
         std::strtod(opt.val_fraction.c_str(), nullptr) >= 1)
@@ -175,11 +176,7 @@ data::Split load_data(const TrainOptions& opt, const data::DataSpec& spec, std::
 // else holds is given back first, so that "auto" (measured with it counted as free) fits.
 std::shared_ptr<Arena> make_arena(const TrainOptions& opt, Device dev, std::ostream& log) {
   const std::size_t limit = parse_memory_limit(opt.memory_limit, dev);
-  if (dev.is_cpu() && opt.memory_limit != "auto")
-    if (const HostMemory usable = usable_host_memory(); !usable.bound.empty() && limit > usable.bytes)
-      fmt::print(log, "warning: --memory-limit {} is more than this process can use now ({}, {}): a step that needs "
-                      "more fails with the system's out-of-memory, not with tally's plan\n",
-                 opt.memory_limit, format_bytes(usable.bytes), usable.bound);
+  if (dev.is_cpu() && opt.memory_limit != "auto") warn_beyond_host_memory("--memory-limit", opt.memory_limit, limit, false, log);
   release_default_arena(dev);
   return std::make_shared<Arena>(dev, limit);
 }
