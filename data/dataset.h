@@ -26,7 +26,8 @@ struct Dataset {  // images in [0,1] float, CHW; labels int64
   std::array<float, 3> mean{}, stddev{};  // usual per-channel normalisation (first `channels` used)
   std::string name;
   // What a resumed run checks the data set against (docs/checkpoints.md): a folder's files (their
-  // paths within it, sizes and content, data/folder.h); empty where the data set has none.
+  // paths within it, sizes and content, data/folder.h, when FolderOptions::fingerprint asks for
+  // them); empty where the data set has none.
   std::string fingerprint;
 
   std::int64_t size() const { return static_cast<std::int64_t>(labels.size()); }

@@ -473,8 +473,10 @@ FolderSet load_folder(const std::string& dir, const FolderOptions& o) {
   out.split.test = folder_dataset(fmt::format("folder:{} (val)", dir), te.files, te.labels, classes, val_options,
                                   out.bad_val_images);
   out.statistics = measure_statistics(out.split.train, tr.files);
-  out.split.train.fingerprint = files_fingerprint(dir, tr.files, tr.labels);
-  out.split.test.fingerprint = files_fingerprint(dir, te.files, te.labels);
+  if (o.fingerprint) {
+    out.split.train.fingerprint = files_fingerprint(dir, tr.files, tr.labels);
+    out.split.test.fingerprint = files_fingerprint(dir, te.files, te.labels);
+  }
   out.split.test.mean = out.split.train.mean;
   out.split.test.stddev = out.split.train.stddev;
   out.train_files = std::move(tr.files);

@@ -57,6 +57,9 @@ struct FolderOptions {
   // DCT scaling; the pixels then are not PIL's full-scale ones); counted in *dct_scaled if set.
   bool dct_scaling = false;
   std::shared_ptr<std::atomic<std::int64_t>> dct_scaled;
+  // Each split's Dataset::fingerprint (files_fingerprint, below): for a run that writes or resumes
+  // checkpoints; it reads up to 32 KiB of every file, so a load that only counts does not.
+  bool fingerprint = false;
 };
 
 // The files a data set skipped as bad (skip_bad_images), shared by the threads that decode.

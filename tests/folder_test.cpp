@@ -433,7 +433,10 @@ TEST(Folder, ADataSetThatChangedIsRefusedOnResume) {
   const TempDir a, b;
   fs::copy(twins().pngs.path, a.path, fs::copy_options::recursive);
   fs::copy(twins().pngs.path, b.path, fs::copy_options::recursive);
-  const data::FolderSet fa = data::load_folder(a.path.string(), grey28()), fb = data::load_folder(b.path.string(), grey28());
+  data::FolderOptions o = grey28();
+  EXPECT_TRUE(data::load_folder(a.path.string(), o).split.train.fingerprint.empty()) << "not asked for: not read";
+  o.fingerprint = true;
+  const data::FolderSet fa = data::load_folder(a.path.string(), o), fb = data::load_folder(b.path.string(), o);
   EXPECT_FALSE(fa.split.train.fingerprint.empty());
   EXPECT_EQ(fa.split.train.fingerprint, fb.split.train.fingerprint) << "a copy elsewhere is the same data set";
   EXPECT_EQ(fa.split.test.fingerprint, fb.split.test.fingerprint);
@@ -441,7 +444,7 @@ TEST(Folder, ADataSetThatChangedIsRefusedOnResume) {
   const fs::path one = fa.train_files.at(7);
   auto changed = [&](const char* what) {
     SCOPED_TRACE(what);
-    const data::FolderSet f = data::load_folder(b.path.string(), grey28());
+    const data::FolderSet f = data::load_folder(b.path.string(), o);
     EXPECT_NE(f.split.train.fingerprint, fa.split.train.fingerprint);
   };
   const fs::path in_b = b.path / one.lexically_relative(a.path);
