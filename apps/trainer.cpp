@@ -64,7 +64,10 @@ TrainingRun::TrainingRun(const TrainOptions& options, std::ostream& all_log, std
       host_arena_(make_host_arena(rank_options_.host_memory_limit, rank_.dev, arena_->capacity(), nullptr, &log_)),
       in_budget_(arena_),
       setup_(model_setup(rank_options_, split_.train, arena_, options.memory_limit)),
-      comm_(distributed::for_device(rank_.world, rank_.dev)),
+      // A process mpirun did not start works alone: the local communicator on any device (no NCCL
+      // communicator of one, whose buffers lie outside the arena and which made the run data-parallel,
+      // refusing the host tier's gradients placement).
+      comm_(rank_.world->backend() == "local" ? rank_.world : distributed::for_device(rank_.world, rank_.dev)),
       schedule_(schedule_options(rank_options_, steps_)),
       executor_(std::make_unique<mbp::Executor>(
           *setup_.model, *setup_.optimizer, arena_,
