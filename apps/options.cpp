@@ -145,8 +145,11 @@ mbp::ExecutorOptions executor_options(const StepOptions& o, const Shape& sample_
   eo.placement = o.placement;
   eo.cost_rates = given_cost_rates(o);
   eo.precision = o.precision;
-  // "auto": the device's layout; a pipeline stage's activations travel between ranks contiguous.
-  eo.memory_format = o.memory_format.value_or(pipeline_stage ? MemoryFormat::Contiguous : preferred_memory_format(device));
+  // "auto": the device's layout for this precision; a pipeline stage's activations travel between
+  // ranks contiguous.
+  const bool tensor_cores = o.precision == mbp::Precision::bf16 || o.tf32;
+  eo.memory_format = o.memory_format.value_or(pipeline_stage ? MemoryFormat::Contiguous
+                                                             : preferred_memory_format(device, tensor_cores));
   return eo;
 }
 

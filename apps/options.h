@@ -114,7 +114,8 @@ struct StepOptions {
   bool tf32 = false;
   OnOff deterministic = OnOff::on;
   // The activations' layout (ExecutorOptions::memory_format, docs/memory-format.md); unset ("auto"):
-  // channels_last on a CPU with oneDNN, contiguous on CUDA and for pipeline stages.
+  // channels_last on a CPU with oneDNN and on CUDA in bf16 or with TF32, contiguous for plain float32
+  // on CUDA and for pipeline stages.
   std::optional<MemoryFormat> memory_format;
   // Pipeline stages (mbp/pipeline.h; docs/distributed.md): 1 (the whole model on every rank), or S
   // with mpirun -np S: rank s runs stage s, a contiguous part of the model's segments (stem, residual

@@ -45,8 +45,10 @@ std::string sample_shape_error(const Shape& sample);
 enum class MemoryFormat { Contiguous, ChannelsLast };
 const char* memory_format_name(MemoryFormat f);  // "contiguous", "channels_last"
 // The layout `device`'s convolutions run fastest in, as tally is built and set now: ChannelsLast on
-// a CPU whose convolutions run on oneDNN, else Contiguous (CUDA runs row-major; docs/memory-format.md).
-MemoryFormat preferred_memory_format(Device device);
+// a CPU whose convolutions run on oneDNN; on CUDA ChannelsLast where the convolutions run on tensor
+// cores (`tensor_cores`: bf16, or float32 with TF32 on) and Contiguous for plain float32, whose
+// NHWC engines are slower (docs/gpu.md, "Channels-last on the GPU"); else Contiguous.
+MemoryFormat preferred_memory_format(Device device, bool tensor_cores = false);
 
 class Storage {
  public:

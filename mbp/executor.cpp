@@ -144,8 +144,8 @@ const std::vector<std::string>& memory_format_names() {
   static const std::vector<std::string> names{"auto", "contiguous", "channels_last"};
   return names;
 }
-MemoryFormat parse_memory_format(const std::string& name, Device device, bool pipeline) {
-  if (name == "auto") return pipeline ? MemoryFormat::Contiguous : preferred_memory_format(device);
+MemoryFormat parse_memory_format(const std::string& name, Device device, bool pipeline, bool tensor_cores) {
+  if (name == "auto") return pipeline ? MemoryFormat::Contiguous : preferred_memory_format(device, tensor_cores);
   if (name == "contiguous") return MemoryFormat::Contiguous;
   if (name == "channels_last") return MemoryFormat::ChannelsLast;
   throw Error(fmt::format("--memory-format '{}': expected {}", name, fmt::join(memory_format_names(), "|")));

@@ -84,8 +84,10 @@ const char* precision_name(Precision p);
 Precision parse_precision(const std::string& name);
 const std::vector<std::string>& precision_names();
 // --memory-format: auto | contiguous | channels_last (ExecutorOptions::memory_format); auto is
-// preferred_memory_format(device) (core/tensor.h), or contiguous for pipeline stages.
-MemoryFormat parse_memory_format(const std::string& name, Device device, bool pipeline = false);
+// preferred_memory_format(device, tensor_cores) (core/tensor.h: `tensor_cores` when the convolutions
+// run in bf16 or with TF32), or contiguous for pipeline stages.
+MemoryFormat parse_memory_format(const std::string& name, Device device, bool pipeline = false,
+                                 bool tensor_cores = false);
 const std::vector<std::string>& memory_format_names();
 
 struct ExecutorOptions {

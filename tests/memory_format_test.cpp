@@ -352,7 +352,10 @@ TEST_F(MemoryFormatTest, ExecutorRefusesChannelsLastWhereItCannotApply) {
   EXPECT_EQ(mbp::parse_memory_format("contiguous", Device::cpu()), MF::Contiguous);
   EXPECT_EQ(mbp::parse_memory_format("auto", Device::cpu()), preferred_memory_format(Device::cpu()));
   EXPECT_EQ(mbp::parse_memory_format("auto", Device::cpu(), true), MF::Contiguous);  // pipeline stages
+  // CUDA: channels-last where the convolutions run on tensor cores (bf16, TF32), not plain float32.
   EXPECT_EQ(mbp::parse_memory_format("auto", Device::cuda(0)), MF::Contiguous);
+  EXPECT_EQ(mbp::parse_memory_format("auto", Device::cuda(0), false, true), MF::ChannelsLast);
+  EXPECT_EQ(mbp::parse_memory_format("auto", Device::cuda(0), true, true), MF::Contiguous);  // a stage
   EXPECT_EQ(preferred_memory_format(Device::cpu()), kernels::cpu::conv_algorithm() == kernels::cpu::ConvAlgorithm::onednn
                                                         ? MF::ChannelsLast
                                                         : MF::Contiguous);
