@@ -3,6 +3,7 @@
 #include "core/staging.h"
 
 #include <cstring>
+#include <functional>
 #include <vector>
 
 #include <fmt/format.h>
@@ -14,17 +15,34 @@ namespace tally {
 struct InputStager::Impl {
   virtual ~Impl() = default;
   virtual void begin_step(std::size_t bytes) = 0;
-  virtual std::size_t stage(const Tensor& dst, const void* src, std::size_t bytes, std::size_t offset) = 0;
+  // Fills dst's `bytes` of staging at `offset` by calling write(where) once, then uploads them.
+  virtual std::size_t stage(const Tensor& dst, std::size_t bytes, std::size_t offset,
+                            const std::function<void(void*)>& write) = 0;
   virtual void wait(std::size_t ticket) = 0;
 };
 
 namespace {
 
+// `count` floats converted to `dtype` at `dst`, in parallel over the host's threads (kernels/cpu's
+// convert; a plain parallel copy for float32).
+void write_converted(void* dst, const float* src, std::size_t count, DType dtype) {
+  namespace kc = kernels::cpu;
+  const auto n = static_cast<std::int64_t>(count);
+  switch (dtype) {
+    case DType::Float32: return kc::convert(n, src, static_cast<float*>(dst));
+    case DType::BFloat16: return kc::convert(n, src, static_cast<kernels::bf16*>(dst));
+    case DType::Float64: return kc::convert(n, src, static_cast<double*>(dst));
+    default: break;
+  }
+  throw Error(fmt::format("input staging: floats cannot become {} values (expected float32, bf16 or float64)",
+                          dtype_name(dtype)));
+}
+
 // The CPU: the inputs are copied when stage() is called; nothing to wait for.
 struct HostStager final : InputStager::Impl {
   void begin_step(std::size_t) override {}
-  std::size_t stage(const Tensor& dst, const void* src, std::size_t bytes, std::size_t) override {
-    TALLY_DISPATCH("stage", dst, ANY, kk::copy_from_host(dst.raw_data(), src, bytes));
+  std::size_t stage(const Tensor& dst, std::size_t, std::size_t, const std::function<void(void*)>& write) override {
+    write(dst.raw_data());
     return 0;
   }
   void wait(std::size_t) override {}
@@ -43,14 +61,15 @@ struct GpuStager final : InputStager::Impl {
       buffer = PinnedBuffer(bytes);
     }
   }
-  std::size_t stage(const Tensor& dst, const void* src, std::size_t bytes, std::size_t offset) override {
+  std::size_t stage(const Tensor& dst, std::size_t bytes, std::size_t offset,
+                    const std::function<void(void*)>& write) override {
     if (offset + bytes > buffer.size())
       throw Error(fmt::format("input staging: bytes [{}, {}) are outside the step's {} staged bytes (begin_step)",
                               offset, offset + bytes, buffer.size()));
     namespace kcu = kernels::cuda;
     kcu::use_device(device);
     void* slot = static_cast<char*>(buffer.data()) + offset;
-    std::memcpy(slot, src, bytes);
+    write(slot);
     kcu::copy_wait(Event::record(kcu::compute_stream()));
     uploads.push_back(kcu::upload_async(dst.raw_data(), slot, bytes));
     return uploads.size() - 1;
@@ -79,11 +98,24 @@ InputStager::InputStager(Device device) : device_(device) {
 InputStager::~InputStager() = default;
 
 void InputStager::begin_step(std::size_t bytes) { impl_->begin_step(bytes); }
-std::size_t InputStager::stage(const Tensor& dst, const void* src, std::size_t bytes, std::size_t offset) {
-  if (dst.device() != device_ || dst.nbytes() != bytes || !dst.is_contiguous())
+namespace {
+void check_fills(const Tensor& dst, std::size_t bytes, Device device) {
+  if (dst.device() != device || dst.nbytes() != bytes || !dst.is_contiguous())
     throw ShapeError(fmt::format("input staging on {}: {} bytes cannot fill {} (a dense tensor of that size on the "
-                                 "stager's device)", device_.str(), bytes, dst.str()));
-  return impl_->stage(dst, src, bytes, offset);
+                                 "stager's device)", device.str(), bytes, dst.str()));
+}
+}  // namespace
+
+std::size_t InputStager::stage(const Tensor& dst, const void* src, std::size_t bytes, std::size_t offset) {
+  check_fills(dst, bytes, device_);
+  return impl_->stage(dst, bytes, offset, [&](void* to) {
+    if (bytes > 0) std::memcpy(to, src, bytes);
+  });
+}
+std::size_t InputStager::stage_floats(const Tensor& dst, const float* src, std::size_t count, std::size_t offset) {
+  check_fills(dst, count * dtype_size(dst.dtype()), device_);
+  return impl_->stage(dst, count * dtype_size(dst.dtype()), offset,
+                      [&](void* to) { write_converted(to, src, count, dst.dtype()); });
 }
 void InputStager::wait(std::size_t ticket) { impl_->wait(ticket); }
 

@@ -36,6 +36,10 @@ class InputStager {
   // Copies `bytes` from host memory at `src` into the dense tensor `dst` (on this stager's device)
   // through staging bytes [offset, offset + bytes); returns the ticket of this upload.
   std::size_t stage(const Tensor& dst, const void* src, std::size_t bytes, std::size_t offset);
+  // The same for `count` float32 values at `src` converted to dst's dtype (float32, bf16 or
+  // float64) on their way: written straight into the staging bytes (a GPU's pinned memory, the
+  // CPU's tensor itself) by the host's threads, with no converted copy in between.
+  std::size_t stage_floats(const Tensor& dst, const float* src, std::size_t count, std::size_t offset);
   // Work enqueued on the device from now on sees the upload `ticket` and every upload staged
   // before it (they share one copy stream); no host wait.
   void wait(std::size_t ticket);

@@ -54,21 +54,17 @@ std::size_t staging_bytes(std::int64_t batch, std::int64_t sample_numel, DType d
 }
 
 // Stages images [offset, offset + n) of the host batch into `x` (float images converted to the
-// activations' dtype first where it is not float32), at their place in the step's staging layout
-// (all images, then all labels); returns the upload's ticket.
+// activations' dtype on their way into the staging, by the host's threads), at their place in the
+// step's staging layout (all images, then all labels); returns the upload's ticket.
 std::size_t stage_images(Tensor& x, InputStager& stager, const float* images, std::int64_t offset, std::int64_t n,
                          std::int64_t sample_numel, DType dtype) {
   const float* src = images + offset * sample_numel;
   const std::size_t count = static_cast<std::size_t>(n * sample_numel);
-  const std::size_t es = dtype_size(dtype), image_offset = static_cast<std::size_t>(offset * sample_numel) * es;
-  if (dtype == DType::Float32) return stager.stage(x, src, count * es, image_offset);
-  if (dtype == DType::BFloat16) {
-    std::vector<kernels::bf16> converted(count);
-    for (std::size_t i = 0; i < count; ++i) converted[i] = kernels::bf16(src[i]);
-    return stager.stage(x, converted.data(), count * es, image_offset);
-  }
-  const std::vector<double> converted(src, src + count);
-  return stager.stage(x, converted.data(), count * es, image_offset);
+  const std::size_t image_offset = static_cast<std::size_t>(offset * sample_numel) * dtype_size(dtype);
+  if (x.dtype() != dtype)
+    throw Error(fmt::format("MBP executor: staging images of {} into a tensor of {}", dtype_name(dtype),
+                            dtype_name(x.dtype())));
+  return stager.stage_floats(x, src, count, image_offset);
 }
 
 // The labels [offset, offset + n) into `y`, after the images in the staging layout.

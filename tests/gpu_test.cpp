@@ -15,6 +15,7 @@
 #include "core/tensor.h"
 #include "tally/config.h"
 #include "tests/gpu_common.h"
+#include "tests/staging_check.h"
 #if TALLY_HAVE_CUDNN
 #include "kernels/cuda/cuda_kernels.h"
 #endif
@@ -77,6 +78,13 @@ TEST(Gpu, TensorRoundTripThroughDevice) {
   EXPECT_EQ(d.to_vector<float>(), v);
   Tensor d2 = Tensor::from_vector(v, {1000}, Device::cuda(0));
   EXPECT_EQ(d2.to(Device::cpu()).to_vector<float>(), v);
+}
+
+// core/staging.h on a GPU: floats converted on their way into pinned memory, uploaded on the copy
+// stream, arrive as the host's conversions; labels as they were (tensor_test: the same on the CPU).
+TEST(Gpu, StagedInputsArriveConverted) {
+  REQUIRE_GPU();
+  test::check_input_staging(Device::cuda(0), test::fresh_seed());
 }
 
 TEST(Gpu, ReservingMoreThanTheDeviceHasIsAClearError) {

@@ -12,6 +12,7 @@
 #include "core/ops.h"
 #include "core/safetensors.h"
 #include "core/tensor.h"
+#include "tests/staging_check.h"
 
 using namespace tally;
 
@@ -267,4 +268,10 @@ TEST(BFloat16, TensorsConvertFillGatherAndCountTwoBytes) {
   const std::vector<std::uint16_t> read = safetensors::as_bf16_bits(e);
   for (std::size_t i = 0; i < got.size(); ++i) EXPECT_EQ(read[i], got[i].bits);
   EXPECT_THROW(safetensors::as_f32(e), FormatError);
+}
+
+// core/staging.h on the CPU: floats converted on their way into float32, bf16 and float64 inputs,
+// labels copied (gpu_test runs the same body through pinned memory and uploads).
+TEST(Staging, FloatsArriveConvertedAndLabelsAsTheyWere) {
+  tally::test::check_input_staging(Device::cpu(), std::random_device{}());
 }

@@ -1,0 +1,68 @@
+// tests/staging_check.h — one test body for core/staging.h's InputStager on any device: floats
+// staged into float32, bf16 and float64 tensors (converted on their way) and int64 labels arrive
+// as the host's own conversions, at their offsets in one step's staging; a size that does not
+// fill the tensor is a clear error. tensor_test runs it on the CPU, gpu_test on a GPU.
+#pragma once
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/device.h"
+#include "core/error.h"
+#include "core/memory.h"
+#include "core/staging.h"
+#include "core/tensor.h"
+#include "kernels/common.h"
+
+namespace tally::test {
+
+inline void check_input_staging(Device device, std::uint32_t seed) {
+  SCOPED_TRACE("seed " + std::to_string(seed) + " on " + device.str());
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(-3.f, 3.f);
+  const std::size_t count = 3 * 1000 + 7;  // not a multiple of any vector width
+  std::vector<float> images(count);
+  for (auto& v : images) v = u(rng);
+  std::vector<std::int64_t> labels(5);
+  for (auto& l : labels) l = static_cast<std::int64_t>(rng() % 1000) - 7;
+
+  InputStager stager(device);
+  const std::size_t labels_at = count * (4 + 2 + 8);  // the three images' staging, then the labels
+  stager.begin_step(labels_at + labels.size() * sizeof(std::int64_t));
+  std::size_t offset = 0;
+  std::vector<Tensor> staged;
+  std::size_t last = 0;
+  for (DType t : {DType::Float32, DType::BFloat16, DType::Float64}) {
+    staged.push_back(Tensor::empty({static_cast<std::int64_t>(count)}, t, device, Category::input, "input"));
+    last = stager.stage_floats(staged.back(), images.data(), count, offset);
+    offset += count * dtype_size(t);
+  }
+  Tensor y = Tensor::empty({static_cast<std::int64_t>(labels.size())}, DType::Int64, device, Category::input, "labels");
+  last = stager.stage(y, labels.data(), labels.size() * sizeof(std::int64_t), labels_at);
+  stager.wait(last);  // every upload staged before it too
+  synchronize(device);
+
+  const std::vector<float> as_f32 = staged[0].to(Device::cpu()).to_vector<float>();
+  const std::vector<float> from_bf16 = staged[1].to(Device::cpu()).to(DType::Float32).to_vector<float>();
+  const std::vector<double> as_f64 = staged[2].to(Device::cpu()).to_vector<double>();
+  std::size_t wrong = 0;
+  for (std::size_t i = 0; i < count; ++i) {
+    const float rounded = static_cast<float>(kernels::bf16(images[i]));
+    wrong += as_f32[i] != images[i] || from_bf16[i] != rounded || as_f64[i] != static_cast<double>(images[i]);
+  }
+  EXPECT_EQ(wrong, 0u) << "of " << count << " staged values";
+  EXPECT_EQ(y.to(Device::cpu()).to_vector<std::int64_t>(), labels);
+
+  // A count that does not fill the tensor: an error naming both, nothing written.
+  try {
+    stager.stage_floats(staged[0], images.data(), count - 1, 0);
+    ADD_FAILURE() << "staging too few floats was accepted";
+  } catch (const ShapeError& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot fill"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace tally::test
