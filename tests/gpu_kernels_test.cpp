@@ -521,6 +521,50 @@ TEST(GpuKernels, ConvolutionWorkspaceFollowsTheLimit) {
   EXPECT_GT(narrowed, 0) << "no case had a choice that needed a workspace: the limit was never exercised";
 }
 
+// With determinism on, the automatic API never plans a row-major float32 pass nondeterministically
+// where the graph API has a deterministic engine within the same limit: a shape whose legacy plan
+// found none goes through the graph API (kernels/cuda/conv.cu, use_graph_api). ResNet-50's 1x1
+// stride-2 projection at 64x256x56x56, TF32 off and on, limits from 0 to 1 GiB (on an H200 the
+// legacy API had no deterministic backward passes for it at batch 256 in 1 GiB with TF32). The
+// count of cases where the legacy API fell back is printed: 0 means the rule was not exercised.
+TEST(GpuKernels, AutomaticApiTakesTheGraphApiWhereTheLegacyOneIsNotDeterministic) {
+  REQUIRE_GPU();
+  const ScopedSwitch determinism(kg::set_deterministic, kg::deterministic, true);
+  int legacy_fell_back = 0, switched = 0;
+  for (bool on : {false, true}) {
+    const auto t = tf32(on);
+    for (std::size_t limit : {std::size_t(0), std::size_t(1) << 20, std::size_t(8) << 20, std::size_t(64) << 20,
+                              std::size_t(1) << 30}) {
+      SCOPED_TRACE(std::string("TF32 ") + (on ? "on" : "off") + ", limit " + std::to_string(limit));
+      const tally::kernels::Conv2dShape s = conv_shape(64, 256, 56, 56, 512, 1, 1, 2, 0, 1, 1, limit);
+      auto plan = [&](kg::CudnnConvApi api) -> std::string {
+        const UseCudnnConvApi use(api);
+        try {
+          return kg::conv2d_plan_description(s);
+        } catch (const Error& e) {  // nothing at all within the limit: the same clear error either way
+          EXPECT_NE(std::string(e.what()).find("workspace limit of"), std::string::npos) << e.what();
+          return "none";
+        }
+      };
+      const std::string legacy = plan(kg::CudnnConvApi::legacy), graph = plan(kg::CudnnConvApi::graph),
+                        automatic = plan(kg::CudnnConvApi::automatic);
+      const bool legacy_nondet = legacy.find("NOT deterministic") != std::string::npos;
+      legacy_fell_back += legacy_nondet;
+      if (automatic.find("NOT deterministic") != std::string::npos) {
+        EXPECT_TRUE(graph == "none" || graph.find("NOT deterministic") != std::string::npos)
+            << "automatic: " << automatic << "\ngraph: " << graph;
+      }
+      if (legacy_nondet && automatic.find("through the graph API") != std::string::npos) {
+        ++switched;
+        const UseCudnnConvApi use(kg::CudnnConvApi::automatic);
+        check_conv(s, false, on ? 1e-2 : kMathTol);  // and its values, deterministic, through the graph API
+      }
+    }
+  }
+  std::printf("legacy API not deterministic in %d of 10 cases; the automatic API took the graph API in %d\n",
+              legacy_fell_back, switched);
+}
+
 // Every algorithm cuDNN offers at ResNet shapes, run directly with FMA math, against the CPU: the
 // table (printed) says which algorithms are accurate to float32 rounding; the plan's own choice
 // must be (checked in ConvolutionMatchesTheCpu).

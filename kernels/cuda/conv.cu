@@ -17,8 +17,9 @@
 // The heuristics' own workspace estimate is not trusted: the size is asked again for the math
 // type that runs. When no ranked candidate passes, every algorithm of the pass is tried in enum
 // order under the same rules (cuDNN 9's heuristics list only some). If deterministic() is on and
-// no deterministic algorithm fits, the search runs again without that rule, with a warning (as
-// PyTorch, whose default is not deterministic, would run); none at all: a clear error.
+// no deterministic algorithm fits, the search runs again without that rule, with a warning when
+// the plan runs (as PyTorch, whose default is not deterministic, would run; the automatic API
+// takes the graph API for such a shape instead, use_graph_api); none at all: a clear error.
 // Each pass has its own workspace (conv2d_workspace_bytes(s, pass)). TALLY_LOG_CONV=1 in the
 // environment (or set_log_conv_algorithms(true)) prints every plan's choice and candidates.
 //
@@ -153,6 +154,11 @@ struct Plan {
   cudnnConvolutionBwdFilterAlgo_t bwd_filter_algo{};
   std::size_t fwd_ws = 0, bwd_data_ws = 0, bwd_filter_ws = 0;
   std::string description;  // the choice and the candidates, for the log and for tests
+  // With deterministic() on, the passes that found no deterministic algorithm within the limit and
+  // took another: the warning, printed once when the plan first runs or is sized (legacy_plan),
+  // not when it is only asked (the automatic API may take the graph API for the shape instead).
+  std::string nondeterministic;
+  mutable std::once_flag warned;
 };
 
 // Everything a plan depends on.
@@ -264,7 +270,7 @@ bool choose_among(cudnnHandle_t h, const Plan& p, cudnnConvolutionDescriptor_t c
 
 template <class Pass>
 typename Pass::Algo choose(cudnnHandle_t h, const Plan& p, cudnnConvolutionDescriptor_t conv, const Conv2dShape& s,
-                           std::size_t* ws, std::string* log) {
+                           std::size_t* ws, std::string* log, std::string* warning) {
   typename Pass::Algo algo{};
   std::string seen;
   if (choose_among<Pass>(h, p, conv, s, deterministic(), &algo, ws, log, &seen)) return algo;
@@ -274,9 +280,9 @@ typename Pass::Algo choose(cudnnHandle_t h, const Plan& p, cudnnConvolutionDescr
     std::string seen2;
     if (choose_among<Pass>(h, p, conv, s, false, &algo, ws, log, &seen2)) {
       *log += " -- NOT deterministic: no deterministic algorithm fits";
-      std::fprintf(stderr, "tally: warning: conv2d %s of %s: no deterministic cuDNN algorithm fits the workspace limit "
-                   "of %zu bytes; using algorithm %d, which is not deterministic\n", Pass::name, shape_text(s).c_str(),
-                   s.workspace_limit, static_cast<int>(algo));
+      *warning += "tally: warning: conv2d " + std::string(Pass::name) + " of " + shape_text(s) +
+                  ": no deterministic cuDNN algorithm fits the workspace limit of " + std::to_string(s.workspace_limit) +
+                  " bytes; using algorithm " + std::to_string(static_cast<int>(algo)) + ", which is not deterministic\n";
       return algo;
     }
   }
@@ -360,12 +366,8 @@ CudnnConvApi conv_api_from_env() {
   return CudnnConvApi::automatic;
 }
 std::atomic<CudnnConvApi> g_conv_api{conv_api_from_env()};
-// Automatic: the graph API for bf16 and for channels-last activations, the legacy API for row-major
-// float32 (cuda_kernels.h says why).
-bool use_graph_api(bool bf16, bool channels_last) {
-  const CudnnConvApi api = g_conv_api.load();
-  return api == CudnnConvApi::graph || (api == CudnnConvApi::automatic && (bf16 || channels_last));
-}
+// Whether a shape's convolutions go through the graph API (defined with it, below).
+bool use_graph_api(const Conv2dShape& s, bool bf16);
 
 bool log_conv_from_env() {
   const char* v = std::getenv("TALLY_LOG_CONV");
@@ -396,11 +398,12 @@ std::unique_ptr<Plan> make_plan(const Conv2dShape& s, bool bf16) {
                     std::to_string(s.workspace_limit) +
                     (bf16 ? " B, bf16 products summed in float32" : allow_tf32() ? " B, TF32" : " B, no TF32") +
                     (deterministic() ? ", deterministic" : "") + ":\n  ";
-  p->fwd_algo = choose<FwdPass>(h, *p, p->fwd_conv, s, &p->fwd_ws, &log);
+  p->fwd_algo = choose<FwdPass>(h, *p, p->fwd_conv, s, &p->fwd_ws, &log, &p->nondeterministic);
   log += "\n  ";
-  p->bwd_data_algo = choose<BwdDataPass>(h, *p, p->bwd_data_conv, s, &p->bwd_data_ws, &log);
+  p->bwd_data_algo = choose<BwdDataPass>(h, *p, p->bwd_data_conv, s, &p->bwd_data_ws, &log, &p->nondeterministic);
   log += "\n  ";
-  p->bwd_filter_algo = choose<BwdFilterPass>(h, *p, p->bwd_filter_conv, s, &p->bwd_filter_ws, &log);
+  p->bwd_filter_algo =
+      choose<BwdFilterPass>(h, *p, p->bwd_filter_conv, s, &p->bwd_filter_ws, &log, &p->nondeterministic);
   p->description = log;
   if (g_log_conv) std::fprintf(stderr, "%s\n", log.c_str());
   return p;
@@ -415,6 +418,15 @@ const Plan& plan_for(const Conv2dShape& s, bool bf16) {
   auto it = cache->find(key);
   if (it == cache->end()) it = cache->emplace(key, make_plan(s, bf16)).first;
   return *it->second;
+}
+
+// The plan of a shape that is about to be sized or run through the legacy API: its warning, if it
+// has one, printed once.
+const Plan& legacy_plan(const Conv2dShape& s, bool bf16) {
+  const Plan& p = plan_for(s, bf16);
+  if (!p.nondeterministic.empty())
+    std::call_once(p.warned, [&] { std::fputs(p.nondeterministic.c_str(), stderr); });
+  return p;
 }
 
 // ---- the graph (backend) API ---------------------------------------------------------------------
@@ -719,6 +731,28 @@ std::size_t graph_workspace(const Conv2dShape& s, bool bf16, ConvPass pass) {
   return std::max(write, graph_plan(s, bf16, pass, 1.f).workspace);
 }
 
+// Automatic: the graph API for bf16 and for channels-last activations, the legacy API for row-major
+// float32 (cuda_kernels.h says why) — unless deterministic() is on and the legacy API has no
+// deterministic algorithm within the limit for one of the shape's passes (on an H200, 2026-11-28:
+// the 1x1 stride-2 projections' backward passes at ResNet-50 batch 256 with TF32, and 1x1
+// convolutions of 256x256 images in a 62.5 MiB limit, where the graph API's runs had none
+// missing): then the graph API for that shape, if it plans all three passes within the limit
+// (its own fallback, with its own warning, where it too has none). A function of the shape and
+// the switches, cached below it, so a dry run and the real step choose alike.
+bool use_graph_api(const Conv2dShape& s, bool bf16) {
+  const CudnnConvApi api = g_conv_api.load();
+  if (api != CudnnConvApi::automatic) return api == CudnnConvApi::graph;
+  if (bf16 || s.channels_last) return true;
+  if (!deterministic() || plan_for(s, false).nondeterministic.empty()) return false;
+  try {
+    for (ConvPass pass : {ConvPass::forward, ConvPass::backward_data, ConvPass::backward_filter})
+      (void)graph_workspace(s, false, pass);
+    return true;
+  } catch (const std::exception&) {  // no graph engine at all within the limit: the legacy plan, warned
+    return false;
+  }
+}
+
 // Runs a plan on (x, w, y) — for the backward passes dx, dw, dy in the same slots.
 void graph_execute(const GraphPlan& g, const void* x, const void* w, const void* y, void* workspace) {
   auto pack = backend(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR);
@@ -769,10 +803,10 @@ std::size_t conv2d_workspace_bytes(const Conv2dShape& s, ConvPass pass) {
   if (empty_output(s) || s.C <= 0) return 0;
 #if TALLY_HAVE_CUDNN
   std::size_t cudnn_bytes = 0;
-  if (use_graph_api(is_bf16<T>, s.channels_last)) {
+  if (use_graph_api(s, is_bf16<T>)) {
     cudnn_bytes = graph_workspace(s, is_bf16<T>, pass);
   } else {
-    const Plan& p = plan_for(s, is_bf16<T>);
+    const Plan& p = legacy_plan(s, is_bf16<T>);
     switch (pass) {
       case ConvPass::forward: cudnn_bytes = p.fwd_ws; break;
       case ConvPass::backward_data: cudnn_bytes = p.bwd_data_ws; break;
@@ -790,7 +824,7 @@ template <class T>
 std::string conv2d_plan_description(const Conv2dShape& s) {
   if (empty_output(s) || s.C <= 0) return "conv2d: empty, no cuDNN call";
 #if TALLY_HAVE_CUDNN
-  if (use_graph_api(is_bf16<T>, s.channels_last)) {
+  if (use_graph_api(s, is_bf16<T>)) {
     std::string d = std::string(is_bf16<T> ? "bf16 " : "") + "conv2d " + shape_text(s) + " through the graph API:";
     for (ConvPass pass : {ConvPass::forward, ConvPass::backward_data, ConvPass::backward_filter})
       d += "\n  " + graph_plan(s, is_bf16<T>, pass, 0.f).description;
@@ -880,8 +914,8 @@ void conv2d_forward(const Conv2dShape& s,
                     void* workspace) {
   if (empty_output(s)) return;
 #if TALLY_HAVE_CUDNN
-  const bool graph = use_graph_api(is_bf16<T>, s.channels_last);
-  const Plan* p = graph ? nullptr : &plan_for(s, is_bf16<T>);
+  const bool graph = use_graph_api(s, is_bf16<T>);
+  const Plan* p = graph ? nullptr : &legacy_plan(s, is_bf16<T>);
   const std::size_t cudnn_ws = graph ? graph_workspace(s, is_bf16<T>, ConvPass::forward) : p->fwd_ws;
   const float one = 1.f, zero = 0.f;
   const void* wk = w;
@@ -924,8 +958,8 @@ void conv2d_backward_data(const Conv2dShape& s,
     return;
   }
 #if TALLY_HAVE_CUDNN
-  const bool graph = use_graph_api(is_bf16<T>, s.channels_last);
-  const Plan* p = graph ? nullptr : &plan_for(s, is_bf16<T>);
+  const bool graph = use_graph_api(s, is_bf16<T>);
+  const Plan* p = graph ? nullptr : &legacy_plan(s, is_bf16<T>);
   const std::size_t cudnn_ws = graph ? graph_workspace(s, is_bf16<T>, ConvPass::backward_data) : p->bwd_data_ws;
   const float one = 1.f, b = static_cast<float>(beta);
   const void* wk = w;
@@ -961,8 +995,8 @@ void conv2d_backward_filter(const Conv2dShape& s,
     return;
   }
 #if TALLY_HAVE_CUDNN
-  const bool graph = use_graph_api(is_bf16<T>, s.channels_last);
-  const Plan* p = graph ? nullptr : &plan_for(s, is_bf16<T>);
+  const bool graph = use_graph_api(s, is_bf16<T>);
+  const Plan* p = graph ? nullptr : &legacy_plan(s, is_bf16<T>);
   const float one = 1.f, b = static_cast<float>(beta);
   if constexpr (is_bf16<T>) {
     // cuDNN writes the bf16 gradient into the workspace (beta = 0); it is added into dw in float32.

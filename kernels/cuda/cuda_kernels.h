@@ -78,7 +78,9 @@ void set_log_conv_algorithms(bool on);
 // mode A, then the fallback mode, under the same rules) or automatic, the default: the graph API
 // for bf16 and for channels-last activations, the legacy API for row-major float32 — on an H100 (2026-11-26, ResNet-50 batch 256) bf16
 // trained 10x faster through the graph API (1,202 against 117 images/s), float32 as fast through
-// either (692 / 693) and TF32 3% faster through the legacy one (1,406 / 1,358).
+// either (692 / 693) and TF32 3% faster through the legacy one (1,406 / 1,358) — except a
+// row-major float32 shape for which the legacy API has no deterministic algorithm within the
+// workspace limit while deterministic() is on: that shape goes through the graph API.
 // TALLY_CUDNN_CONV_API=legacy|graph|auto in the environment selects it at start (another value:
 // a warning, and auto). Change it only between steps: a plan's dry run and its real step must
 // choose alike.
