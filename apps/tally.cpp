@@ -25,6 +25,7 @@
 #include "apps/sweep.h"
 #include "apps/trainer.h"
 #include "core/device.h"
+#include "core/option_names.h"
 #include "distributed/communicator.h"
 
 using namespace tally;
@@ -142,6 +143,7 @@ int main(int argc, char** argv) {
   // Line by line into a file or a pipe too: a run's log (its checkpoints above all) is there when
   // the run is killed.
   std::setvbuf(stdout, nullptr, _IOLBF, 0);
+  name_options_as_flags(true);  // the library's errors name what this program's users typed: its flags
   CLI::App app{"tally — deep learning with micro-batch processing and exact memory accounting"};
   app.require_subcommand(0, 1);
   bool version = false;

@@ -13,6 +13,7 @@
 #include "core/error.h"
 #include "core/memory.h"
 #include "core/ops.h"
+#include "core/option_names.h"
 #include "kernels/cuda/context.h"
 #include "kernels/cuda/cuda_kernels.h"
 
@@ -123,7 +124,7 @@ Tensor offload(const std::function<Tensor(const Tensor&)>& f, const Tensor& x, c
   const std::shared_ptr<Arena>& host = current_host_arena();
   if (!host)
     throw Error(fmt::format("offload of segment '{}': expected a host tier to move its activations to (a host "
-                            "arena: --host-memory-limit), found none", name));
+                            "arena: {}), found none", name, option_name(Option::host_tier)));
   const double flops_before = flop_count().forward;
   Tensor y;
   auto set = std::make_shared<OffloadSet>();

@@ -18,6 +18,7 @@
 #include <zlib.h>
 
 #include "core/error.h"
+#include "core/option_names.h"
 #include "data/resample.h"
 
 namespace tally::data {
@@ -131,9 +132,10 @@ const Image& decoded(const std::string& path, const FolderOptions& o) {
   thread_local Image img;
   decode_image(read_bytes(path), path, d, img);
   if (o.transform == "none" && (img.height != o.height || img.width != o.width))
-    throw FormatError(fmt::format("{}: expected an image {} wide and {} high (--input {}x{}x{}, channels x height x "
-                                  "width, with --transform none), found one {} wide and {} high",
-                                  path, o.width, o.height, o.channels, o.height, o.width, img.width, img.height));
+    throw FormatError(fmt::format("{}: expected an image {} wide and {} high ({} {}x{}x{}, channels x height x "
+                                  "width, with {} none), found one {} wide and {} high",
+                                  path, o.width, o.height, option_name(Option::image_size), o.channels, o.height,
+                                  o.width, option_name(Option::transform), img.width, img.height));
   return img;
 }
 
@@ -265,8 +267,9 @@ void with_good_image(const std::vector<std::string>& files, const std::vector<st
       bad.add(path, e.what());
     }
   }
-  throw FormatError(fmt::format("{}: expected at least one image of its class that decodes, found none "
-                                "(--skip-bad-images)", fs::path(files[static_cast<std::size_t>(i)]).parent_path().string()));
+  throw FormatError(fmt::format("{}: expected at least one image of its class that decodes, found none ({})",
+                                fs::path(files[static_cast<std::size_t>(i)]).parent_path().string(),
+                                option_name(Option::skip_bad_images)));
 }
 
 Dataset folder_dataset(const std::string& name, const std::vector<std::string>& files,
@@ -401,11 +404,14 @@ std::string skipped_text(const std::map<std::string, std::int64_t>& skipped) {
 
 FolderSet load_folder(const std::string& dir, const FolderOptions& o) {
   if (o.channels != 1 && o.channels != 3)
-    throw Error(fmt::format("folder:{}: expected 1 or 3 channels (--input 1xHxW or 3xHxW), found {}", dir, o.channels));
+    throw Error(fmt::format("folder:{}: expected 1 or 3 channels ({} 1xHxW or 3xHxW), found {}", dir,
+                            option_name(Option::image_size), o.channels));
   if (o.height < 1 || o.width < 1)
-    throw Error(fmt::format("folder:{}: expected an image size (--input CxHxW), found {}x{}", dir, o.height, o.width));
+    throw Error(fmt::format("folder:{}: expected an image size ({} CxHxW), found {}x{}", dir,
+                            option_name(Option::image_size), o.height, o.width));
   if (o.transform != "none" && o.transform != "imagenet")
-    throw Error(fmt::format("folder:{}: expected --transform imagenet or none, found '{}'", dir, o.transform));
+    throw Error(fmt::format("folder:{}: expected {} imagenet or none, found '{}'", dir, option_name(Option::transform),
+                            o.transform));
   const fs::path root(dir), train = root / "train", val = root / "val";
   std::error_code ec;
   if (!fs::is_directory(train, ec))
@@ -433,15 +439,15 @@ FolderSet load_folder(const std::string& dir, const FolderOptions& o) {
       }
     }
     if (o.val_fraction)
-      throw Error(fmt::format("folder:{}: --val-fraction splits the training images when there is no {}, found one",
-                              dir, val.string()));
+      throw Error(fmt::format("folder:{}: {} splits the training images when there is no {}, found one",
+                              dir, option_name(Option::val_fraction), val.string()));
     if (te.files.empty())
       throw FormatError(fmt::format("{}: expected the evaluation set's images in class folders, found none (remove the "
                                     "empty folder to train without evaluation, or to hold out training images with "
-                                    "--val-fraction)", val.string()));
+                                    "{})", val.string(), option_name(Option::val_fraction)));
   } else if (o.val_fraction) {
     const double f = *o.val_fraction;
-    if (!(f > 0 && f < 1)) throw Error(fmt::format("--val-fraction: expected a number in (0, 1), found {}", f));
+    if (!(f > 0 && f < 1)) throw Error(fmt::format("{}: expected a number in (0, 1), found {}", option_name(Option::val_fraction), f));
     // A permutation of the files by the seed (splitmix64 keys); its first share is held out.
     std::vector<std::size_t> order(tr.files.size());
     std::iota(order.begin(), order.end(), std::size_t{0});

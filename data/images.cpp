@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "core/option_names.h"
 
 namespace tally::data {
 
@@ -35,8 +36,9 @@ void check_size(const ImageHeader& h, const std::string& name, std::int64_t max_
     fail(name, fmt::format("expected an image of at least 1 pixel, found {} wide and {} high", h.width, h.height));
   if (h.width > max_pixels / h.height)  // width * height > max_pixels, without overflow
     fail(name, fmt::format("the {} header declares {} wide x {} high = {} pixels, more than the bound of {} (a "
-                           "decompression bomb? --max-image-pixels raises the bound)",
-                           image_format_name(h.format), h.width, h.height, h.width * h.height, max_pixels));
+                           "decompression bomb? {} raises the bound)",
+                           image_format_name(h.format), h.width, h.height, h.width * h.height, max_pixels,
+                           option_name(Option::max_image_pixels)));
 }
 
 // ---- conversions, as PIL's Image.convert --------------------------------------------------------

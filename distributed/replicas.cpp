@@ -10,6 +10,7 @@
 
 #include "core/dry_run.h"
 #include "core/error.h"
+#include "core/option_names.h"
 
 namespace tally::distributed {
 
@@ -18,7 +19,7 @@ Shard shard(std::int64_t batch, int ranks, int rank) {
     throw Error(fmt::format("shard: rank {} is not a rank of a world of {}", rank, ranks));
   if (batch < ranks)
     throw Error(fmt::format("a global batch of {} samples cannot be split over {} ranks (each needs at least one); "
-                            "expected --batch-size >= {}", batch, ranks, ranks));
+                            "expected {} >= {}", batch, ranks, option_name(Option::batch_size), ranks));
   const std::int64_t begin = batch * rank / ranks, end = batch * (rank + 1) / ranks;
   return {begin, end - begin};
 }

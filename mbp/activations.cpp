@@ -14,6 +14,7 @@
 #include "core/dry_run.h"
 #include "core/error.h"
 #include "core/offload.h"
+#include "core/option_names.h"
 #include "nn/recompute.h"
 
 namespace tally::mbp {
@@ -26,7 +27,7 @@ std::string CostRates::str() const {
 CostRates measure_cost_rates(Device device, DType dtype) {
   if (skip_side_effects())
     throw Error("measure_cost_rates: not in a dry run, where nothing runs — measure before it, or give the rates "
-                "(--copy-bandwidth, --compute-rate)");
+                "(" + option_name(Option::cost_rates) + ")");
   static std::mutex mutex;
   static std::map<std::pair<std::string, int>, CostRates> cache;
   const std::lock_guard<std::mutex> lock(mutex);
@@ -93,7 +94,8 @@ bool is_segment_policy(const std::string& policy) {
 std::vector<nn::SegmentMode> segment_policy_modes(nn::Module& model, const std::string& policy) {
   const std::vector<std::string> names = nn::segment_names(model);
   if (names.empty())
-    throw Error(fmt::format("--recompute {}: this model has no segments to keep, recompute or offload", policy));
+    throw Error(fmt::format("{} {}: this model has no segments to keep, recompute or offload", option_name(Option::recompute),
+                            policy));
   if (policy == "offload") return std::vector<nn::SegmentMode>(names.size(), nn::SegmentMode::offload);
   std::vector<nn::SegmentMode> modes(names.size(), nn::SegmentMode::keep);
   std::vector<bool> named(names.size(), false);
@@ -105,10 +107,11 @@ std::vector<nn::SegmentMode> segment_policy_modes(nn::Module& model, const std::
     const std::string name = item.substr(0, eq), mode = item.substr(eq + 1);
     const auto it = std::find(names.begin(), names.end(), name);
     if (it == names.end())
-      throw Error(fmt::format("--recompute {}: '{}' is not a segment of this model; expected one of {}", policy, name,
+      throw Error(fmt::format("{} {}: '{}' is not a segment of this model; expected one of {}", option_name(Option::recompute), policy, name,
                               fmt::join(names, ", ")));
     const std::size_t i = static_cast<std::size_t>(it - names.begin());
-    if (named[i]) throw Error(fmt::format("--recompute {}: segment '{}' is named twice", policy, name));
+    if (named[i])
+      throw Error(fmt::format("{} {}: segment '{}' is named twice", option_name(Option::recompute), policy, name));
     named[i] = true;
     modes[i] = mode == "offload" ? nn::SegmentMode::offload
                : mode == "recompute" ? nn::SegmentMode::recompute

@@ -12,6 +12,7 @@
 #include "core/dry_run.h"
 #include "core/memory.h"
 #include "core/offload.h"
+#include "core/option_names.h"
 #include "mbp/executor.h"
 #include "nn/recompute.h"
 #include "optim/optimizer.h"
@@ -199,8 +200,8 @@ const Plan& Chooser::measure(std::int64_t batch, std::optional<std::int64_t> mic
 void Chooser::check_host_holds(Placement p, const StateLayout& now) const {
   if (p == Placement::device) return;
   if (!opt_.host_arena)
-    throw Error(fmt::format("MBP chooser: placement {} needs a host tier (--host-memory-limit), found none",
-                            placement_name(p)));
+    throw Error(fmt::format("MBP chooser: placement {} needs a host tier ({}), found none",
+                            placement_name(p), option_name(Option::host_tier)));
   if (p == Placement::gradients && data_parallel_)
     throw Error("MBP chooser: placement gradients is not available with data parallelism");
   // What the host tier must hold: the state (and the gradient accumulators), then one parameter's
@@ -324,9 +325,10 @@ const Plan& Chooser::ladder(std::int64_t batch) {
       } catch (const OutOfMemory& e) {
         if (level < all) continue;
         nn::set_recompute_level(model_, 0);
-        throw OutOfMemory(fmt::format("{} (with --recompute {}, the most recomputation there is: {}; without "
+        throw OutOfMemory(fmt::format("{} (with {} {}, the most recomputation there is: {}; without "
                                       "recomputation at least {})",
-                                      e.what(), nn::recompute_level_name(model_, all), choice_.description, format_bytes(without.requested())),
+                                      e.what(), option_name(Option::recompute), nn::recompute_level_name(model_, all),
+                                      choice_.description, format_bytes(without.requested())),
                           e.requested());
       }
     }
@@ -345,12 +347,12 @@ void Chooser::throw_none_too_small(const OutOfMemory& without, std::int64_t batc
       const nn::RecomputeStateScope restore(model_);
       nn::set_recompute_level(model_, all);
       const Plan p = as_set(batch, std::nullopt);
-      with = fmt::format("; --recompute {} ({}) fits micro-batches of {} (predicted peak {})",
+      with = fmt::format("; {} {} ({}) fits micro-batches of {} (predicted peak {})", option_name(Option::recompute),
                          nn::recompute_level_name(model_, all), description,
                          p.micro_batch, format_bytes(p.predicted_peak));
     } catch (const OutOfMemory& e) {
-      with = fmt::format("; with --recompute {} ({}) it needs at least {}", nn::recompute_level_name(model_, all),
-                         description, format_bytes(e.requested()));
+      with = fmt::format("; with {} {} ({}) it needs at least {}", option_name(Option::recompute),
+                         nn::recompute_level_name(model_, all), description, format_bytes(e.requested()));
     }
   }
   throw OutOfMemory(fmt::format("{}{}", without.what(), with), without.requested());
@@ -424,8 +426,8 @@ RecomputeChoice Chooser::segment_choice(const std::vector<nn::SegmentMode>& mode
 const Plan& Chooser::named_segments(std::int64_t batch) {
   const std::vector<nn::SegmentMode> modes = segment_policy_modes(model_, opt_.recompute);
   if (!opt_.host_arena && std::count(modes.begin(), modes.end(), nn::SegmentMode::offload) > 0)
-    throw Error(fmt::format("--recompute {}: offloading a segment needs a host tier to move its activations to "
-                            "(--host-memory-limit; ExecutorOptions::host_arena), found none", opt_.recompute));
+    throw Error(fmt::format("{} {}: offloading a segment needs a host tier to move its activations to ({}), found none",
+                            option_name(Option::recompute), opt_.recompute, option_name(Option::host_tier)));
   choice_ = segment_choice(modes, "per segment");
   nn::set_segment_modes(model_, modes);
   return as_set(batch, std::nullopt);

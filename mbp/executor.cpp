@@ -13,6 +13,7 @@
 #include "core/autograd.h"
 #include "core/dry_run.h"
 #include "core/memory.h"
+#include "core/option_names.h"
 #include "mbp/data_parallel.h"
 #include "mbp/stage_runner.h"
 #include "mbp/step_inputs.h"
@@ -144,7 +145,8 @@ MemoryFormat parse_memory_format(const std::string& name, Device device, bool pi
   if (name == "auto") return pipeline ? MemoryFormat::Contiguous : preferred_memory_format(device, tensor_cores);
   if (name == "contiguous") return MemoryFormat::Contiguous;
   if (name == "channels_last") return MemoryFormat::ChannelsLast;
-  throw Error(fmt::format("--memory-format '{}': expected {}", name, fmt::join(memory_format_names(), "|")));
+  throw Error(fmt::format("{} '{}': expected {}", option_name(Option::memory_format), name,
+                          fmt::join(memory_format_names(), "|")));
 }
 const char* precision_name(Precision p) { return p == Precision::bf16 ? "bf16" : "fp32"; }
 const char* placement_name(Placement p) {  // (mbp/chooser.h)
@@ -158,7 +160,7 @@ const char* placement_name(Placement p) {  // (mbp/chooser.h)
 Precision parse_precision(const std::string& name) {
   if (name == "fp32") return Precision::fp32;
   if (name == "bf16") return Precision::bf16;
-  throw Error(fmt::format("--precision '{}': expected {}", name, fmt::join(precision_names(), "|")));
+  throw Error(fmt::format("{} '{}': expected {}", option_name(Option::precision), name, fmt::join(precision_names(), "|")));
 }
 
 Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, ExecutorOptions options)
@@ -218,8 +220,8 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_p
   if (opt_.host_arena && opt_.host_arena == arena_)
     throw Error("MBP executor: the host tier's arena must be an arena of its own, not the device's");
   if (opt_.placement && *opt_.placement != Placement::device && !opt_.host_arena)
-    throw Error(fmt::format("MBP executor: placement {} needs a host tier (ExecutorOptions::host_arena; "
-                            "--host-memory-limit), found none", placement_name(*opt_.placement)));
+    throw Error(fmt::format("MBP executor: placement {} needs a host tier ({}), found none",
+                            placement_name(*opt_.placement), option_name(Option::host_tier)));
   if (data_parallel && opt_.placement == Placement::gradients)
     throw Error("MBP executor: placement gradients is not available with data parallelism (the gradients' all-reduce "
                 "sums device buffers); placement optimizer is");

@@ -14,6 +14,7 @@
 #include "core/error.h"
 #include "core/memory.h"
 #include "core/ops.h"
+#include "core/option_names.h"
 #include "mbp/planner.h"
 
 namespace tally::mbp {
@@ -26,7 +27,8 @@ const std::vector<std::string>& pipeline_schedule_names() {
 PipelineSchedule parse_pipeline_schedule(const std::string& name) {
   if (name == "1f1b") return PipelineSchedule::one_f_one_b;
   if (name == "gpipe") return PipelineSchedule::gpipe;
-  throw Error(fmt::format("--pipeline-schedule '{}': expected {}", name, fmt::join(pipeline_schedule_names(), "|")));
+  throw Error(fmt::format("{} '{}': expected {}", option_name(Option::pipeline_schedule), name,
+                          fmt::join(pipeline_schedule_names(), "|")));
 }
 
 const char* pipeline_schedule_name(PipelineSchedule s) { return s == PipelineSchedule::gpipe ? "gpipe" : "1f1b"; }
@@ -144,12 +146,13 @@ namespace {
 // At least one stage, and no more than segments.
 void check_stage_count(const std::vector<SegmentCost>& costs, int stages) {
   const std::size_t n = costs.size();
-  if (stages < 1) throw Error(fmt::format("--pipeline-stages: expected at least 1, found {}", stages));
+  if (stages < 1)
+    throw Error(fmt::format("{}: expected at least 1, found {}", option_name(Option::pipeline_stages), stages));
   if (static_cast<std::size_t>(stages) > n) {
     std::vector<std::string> names;
     for (const auto& c : costs) names.push_back(c.name);
-    throw Error(fmt::format("--pipeline-stages {}: the model has {} segments to cut between ({}), so at most {} stages",
-                            stages, n, fmt::join(names, ", "), n));
+    throw Error(fmt::format("{} {}: the model has {} segments to cut between ({}), so at most {} stages",
+                            option_name(Option::pipeline_stages), stages, n, fmt::join(names, ", "), n));
   }
 }
 
@@ -239,18 +242,22 @@ std::vector<std::size_t> parse_pipeline_split(const std::string& text, const std
     start = comma + 1;
   }
   if (static_cast<int>(items.size()) != stages - 1)
-    throw Error(fmt::format("--pipeline-split {}: expected {} segment name{} (where each stage after the first begins) "
-                            "for {} stages, found {}", text, stages - 1, stages == 2 ? "" : "s", stages, items.size()));
+    throw Error(fmt::format("{} {}: expected {} segment name{} (where each stage after the first begins) "
+                            "for {} stages, found {}",
+                            option_name(Option::pipeline_split), text, stages - 1, stages == 2 ? "" : "s", stages,
+                            items.size()));
   std::vector<std::size_t> bounds{0};
   for (const std::string& item : items) {
     const auto it = std::find(names.begin(), names.end(), item);
     if (it == names.end())
-      throw Error(fmt::format("--pipeline-split {}: '{}' names no segment of the model; its segments are {}", text, item,
+      throw Error(fmt::format("{} {}: '{}' names no segment of the model; its segments are {}",
+                              option_name(Option::pipeline_split), text, item,
                               fmt::join(names, ", ")));
     const auto at = static_cast<std::size_t>(it - names.begin());
     if (at <= bounds.back())
-      throw Error(fmt::format("--pipeline-split {}: '{}' does not come after the start of the stage before it (each "
-                              "stage needs at least one segment, in the model's order: {})", text, item,
+      throw Error(fmt::format("{} {}: '{}' does not come after the start of the stage before it (each "
+                              "stage needs at least one segment, in the model's order: {})",
+                              option_name(Option::pipeline_split), text, item,
                               fmt::join(names, ", ")));
     bounds.push_back(at);
   }

@@ -8,6 +8,7 @@
 
 #include "core/arena.h"
 #include "core/memory.h"
+#include "core/option_names.h"
 #include "mbp/recompute.h"
 #include "nn/recompute.h"
 
@@ -53,12 +54,12 @@ void check_recompute_policy(const std::string& value) {
   if (value.find_first_of("=,") != std::string::npos) {  // meant as a list of segments and modes
     const std::string why = segment_list_error(value);
     if (!why.empty())
-      throw Error(fmt::format("--recompute '{}': {} (segments and modes such as stem=offload,layer1.0=recompute; tally "
-                              "plan prints the segments)", value, why));
+      throw Error(fmt::format("{} '{}': {} (segments and modes such as stem=offload,layer1.0=recompute; tally "
+                              "plan prints the segments)", option_name(Option::recompute), value, why));
   }
-  throw Error(fmt::format("--recompute '{}': expected {}|offload, a level such as blocks+layer1, or segments and modes "
+  throw Error(fmt::format("{} '{}': expected {}|offload, a level such as blocks+layer1, or segments and modes "
                           "such as stem=offload,layer1.0=recompute (tally plan prints them)",
-                          value, fmt::join(names, "|")));
+                          option_name(Option::recompute), value, fmt::join(names, "|")));
 }
 
 // The level a policy names on `model`'s ladder: none, blocks, all, or an intermediate level as
@@ -76,7 +77,8 @@ int recompute_policy_level(nn::Module& model, const std::string& policy) {
     if (name == policy) return level;
     names += (names.empty() ? "" : "|") + name;
   }
-  throw Error(fmt::format("--recompute '{}': expected auto or one of this model's levels {}", policy, names));
+  throw Error(fmt::format("{} '{}': expected auto or one of this model's levels {}", option_name(Option::recompute),
+                          policy, names));
 }
 
 RecomputeChoice set_recompute_choice(nn::Module& model, int level) {

@@ -11,6 +11,7 @@
 #include "core/autograd.h"
 #include "core/dry_run.h"
 #include "core/memory.h"
+#include "core/option_names.h"
 #include "mbp/executor.h"
 #include "mbp/step_inputs.h"
 #include "nn/recompute.h"
@@ -53,8 +54,8 @@ StageRunner::StageRunner(nn::Module& model, const ExecutorOptions& options, std:
   if (options.normalization != LossNormalization::exact)
     throw Error("MBP executor: a pipeline uses the exact loss normalization");
   if (options.recompute != "none" && options.recompute != "auto" && options.recompute != "blocks")
-    throw Error(fmt::format("--recompute {}: a pipeline stage recomputes its residual blocks at most (none|blocks|auto)",
-                            options.recompute));
+    throw Error(fmt::format("{} {}: a pipeline stage recomputes its residual blocks at most (none|blocks|auto)",
+                            option_name(Option::recompute), options.recompute));
   if (options.host_arena)
     throw Error("MBP executor: the host tier is not available to pipeline stages (each stage's state stays on its "
                 "device)");

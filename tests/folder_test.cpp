@@ -266,7 +266,10 @@ TEST(Folder, LayoutRulesAndErrorsNameWhatWasWrong) {
   EXPECT_EQ(s.split.train.size() + s.split.test.size(), 3);
   EXPECT_EQ(s.split.test.size(), 1);
   o.val_fraction = 1.5;
-  EXPECT_NE(error_of(root, o).find("--val-fraction: expected a number in (0, 1), found 1.5"), std::string::npos);
+  // A C++ caller set FolderOptions::val_fraction; `tally` names its flag (core/option_names.h).
+  EXPECT_NE(error_of(root, o).find("FolderOptions::val_fraction: expected a number in (0, 1), found 1.5"),
+            std::string::npos)
+      << error_of(root, o);
   // val as a file, or an empty val folder: errors, not a silent "no evaluation".
   write_file(root / "val", {'x'});
   EXPECT_NE(error_of(root, grey28()).find("/val: expected the evaluation set, a folder of class folders of images, found "
@@ -282,8 +285,9 @@ TEST(Folder, LayoutRulesAndErrorsNameWhatWasWrong) {
   fs::remove_all(root / "val");
   data::FolderOptions big = grey28();
   big.height = 32;
-  EXPECT_NE(error_of(root, big).find("expected an image 28 wide and 32 high (--input 1x32x28, channels x height x width, "
-                                     "with --transform none), found one 28 wide and 28 high"),
+  EXPECT_NE(error_of(root, big).find("expected an image 28 wide and 32 high (FolderOptions::channels, height, width "
+                                     "1x32x28, channels x height x width, with FolderOptions::transform none), found "
+                                     "one 28 wide and 28 high"),
             std::string::npos)
       << error_of(root, big);
   // A file that is not what its name says: an error naming it when it is read (here, already while

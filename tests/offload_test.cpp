@@ -214,7 +214,7 @@ TEST(Offload, SegmentPoliciesNameTheModelsSegments) {
     (void)ex.plan(8);
     ADD_FAILURE() << "offload without a host tier was planned";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("--recompute offload: offloading a segment needs a host tier"),
+    EXPECT_NE(std::string(e.what()).find("ExecutorOptions::recompute offload: offloading a segment needs a host tier"),
               std::string::npos)
         << e.what();
   }
