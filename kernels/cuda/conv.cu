@@ -738,19 +738,28 @@ std::size_t graph_workspace(const Conv2dShape& s, bool bf16, ConvPass pass) {
 // convolutions of 256x256 images in a 62.5 MiB limit, where the graph API's runs had none
 // missing): then the graph API for that shape, if it plans all three passes within the limit
 // (its own fallback, with its own warning, where it too has none). A function of the shape and
-// the switches, cached below it, so a dry run and the real step choose alike.
+// the switches, cached (with the plans it reads), so a dry run and the real step choose alike.
 bool use_graph_api(const Conv2dShape& s, bool bf16) {
   const CudnnConvApi api = g_conv_api.load();
   if (api != CudnnConvApi::automatic) return api == CudnnConvApi::graph;
   if (bf16 || s.channels_last) return true;
   if (!deterministic() || plan_for(s, false).nondeterministic.empty()) return false;
+  static std::mutex mu;
+  static auto* decided = new std::map<PlanKey, bool>;  // never destroyed, as the plans
+  const PlanKey key = key_of(s, false);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    if (const auto it = decided->find(key); it != decided->end()) return it->second;
+  }
+  bool graph = true;
   try {
     for (ConvPass pass : {ConvPass::forward, ConvPass::backward_data, ConvPass::backward_filter})
       (void)graph_workspace(s, false, pass);
-    return true;
   } catch (const std::exception&) {  // no graph engine at all within the limit: the legacy plan, warned
-    return false;
+    graph = false;
   }
+  std::lock_guard<std::mutex> lock(mu);
+  return decided->emplace(key, graph).first->second;
 }
 
 // Runs a plan on (x, w, y) — for the backward passes dx, dw, dy in the same slots.
