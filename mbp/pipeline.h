@@ -97,8 +97,9 @@ std::string split_text(const std::vector<SegmentCost>& costs, const std::vector<
 std::string work_shares(const std::vector<SegmentCost>& costs, const std::vector<std::size_t>& bounds);
 
 // --pipeline-split "layer2.1,layer3.0": the first segment of every stage after the first, in
-// order. An Error naming the flag, what was expected and what was found otherwise. (The words
-// "memory" and "work" name the two cuts above; apps/setup.cpp's build_setup reads all three.)
+// order. An Error naming the option (core/option_names.h), what was expected and what was found
+// otherwise. (The words "memory" and "work" name the two cuts above; apps/setup.cpp's build_setup
+// reads all three.)
 std::vector<std::size_t> parse_pipeline_split(const std::string& text, const std::vector<nn::Module::Segment>& segments,
                                               int stages);
 // "stem .. layer2.0" (the segments of [first, last)).
