@@ -35,7 +35,7 @@
 #                  micro-batch 1 in 4 GiB (--save files must be identical); the plan's estimated
 #                  step time beside the measured one                                     (~1 min)
 #        resnet50  `tally plan --device cuda` for ResNet-50 224x224 batch 4096 in 8 GiB and
-#                  a step of it, float32, bf16 and bf16 channels-last; a step with --recompute all; 3 steps of
+#                  a step of it, float32, bf16 (auto: NHWC) and bf16 NCHW; a step with --recompute all; 3 steps of
 #                  3x1024x1024 batch 2 in 1 GiB (auto recomputation), exact peaks        (~1.5 min)
 #        profile   the same three precisions, both sides: `tally train --profile` (bf16 in both
 #                  memory formats) and PyTorch's profiler (compare_pytorch.py --torch-profile),
@@ -439,19 +439,20 @@ step_resnet50() {
   # The plan and a step of batch 4096 in 8 GiB, float32 and bf16 (one step is enough for the exact
   # peak, and a bf16 step took 35 s at 2026-11-26's speed); a step with every level recomputed;
   # 3x1024x1024 batch 2 in 1 GiB, where not one sample fits without recomputation.
-  for name in fp32 bf16 bf16-nhwc all 1024; do
+  # (bf16's `auto` is channels-last on CUDA since 2026-11-28: bf16-nchw keeps the other format.)
+  for name in fp32 bf16 bf16-nchw all 1024; do
     case $name in
       fp32) args=(--data synthetic:3x224x224 --batch-size 4096 --memory-limit 8GiB --steps 1) ;;
       bf16) args=(--data synthetic:3x224x224 --batch-size 4096 --memory-limit 8GiB --steps 1 --precision bf16) ;;
-      bf16-nhwc) args=(--data synthetic:3x224x224 --batch-size 4096 --memory-limit 8GiB --steps 1 --precision bf16
-        --memory-format channels_last) ;;
+      bf16-nchw) args=(--data synthetic:3x224x224 --batch-size 4096 --memory-limit 8GiB --steps 1 --precision bf16
+        --memory-format contiguous) ;;
       all) args=(--data synthetic:3x224x224 --batch-size 4096 --memory-limit 8GiB --steps 1 --recompute all) ;;
       1024) args=(--data synthetic:3x1024x1024 --batch-size 2 --memory-limit 1GiB --steps 3 --recompute auto) ;;
     esac
     if [[ $name == fp32 || $name == bf16* ]]; then
       local prec=()
       [[ $name == bf16 ]] && prec=(--precision bf16)
-      [[ $name == bf16-nhwc ]] && prec=(--precision bf16 --memory-format channels_last)
+      [[ $name == bf16-nchw ]] && prec=(--precision bf16 --memory-format contiguous)
       run_logged "tally plan resnet50 $name" "$log" 60 "$bundle/run" "$bundle/bin/tally" plan --model resnet50 \
         --input 3x224x224 --batch-size 4096 --memory-limit 8GiB --device cuda "${prec[@]}"
       result "tally plan cuda resnet50 $name" "$(grep 'plan:' "$log" | tail -1)"
@@ -545,7 +546,8 @@ step_compare() {
 step_profile() {
   local log=$logs/profile.log row extra run=/tmp/tally-gpu-profile
   : >"$log"
-  for row in "fp32" "tf32 --tf32" "bf16 --precision bf16" "bf16-nhwc --precision bf16 --memory-format channels_last"; do
+  # `auto` formats: float32 row-major, TF32 and bf16 channels-last (since 2026-11-28); bf16 row-major too.
+  for row in "fp32" "tf32 --tf32" "bf16 --precision bf16" "bf16-nchw --precision bf16 --memory-format contiguous"; do
     read -r row extra <<<"$row"
     rm -rf "$run-$row"
     # shellcheck disable=SC2086  # $extra is a list of flags
@@ -553,7 +555,7 @@ step_profile() {
       --model resnet50 --data synthetic:3x224x224 --num-classes 1000 --batch-size 256 --steps 4 --lr 0.01 \
       --schedule constant --no-augment --no-eval --device cuda --no-progress --profile --out "$run-$row" $extra
     [[ -f $run-$row/profile.txt ]] && cp "$run-$row/profile.txt" "$logs/profile-tally-$row.txt"
-    [[ $row == bf16-nhwc ]] && { result "profile resnet50 $row (tally)"; continue; }  # PyTorch's bf16: above
+    [[ $row == bf16-nchw ]] && { result "profile resnet50 $row (tally)"; continue; }  # PyTorch's bf16: above
     local bench=""
     [[ $row == bf16 ]] && bench=--cudnn-benchmark
     # shellcheck disable=SC2086
