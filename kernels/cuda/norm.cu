@@ -322,12 +322,29 @@ __global__ void bn_backward_dx_kernel(i64 planes, i64 C, i64 HW, const T* dy /* 
   }
 }
 
-// Channels-last twins of the two above: element o of (M, C) is channel o % C.
+// Channels-last twins of the two above: element o of (M, C) is channel o % C. Along a thread's
+// grid-stride loop the channel is kept by addition (ChannelCursor): one 64-bit remainder per
+// thread instead of one per element (a 64-bit remainder is a software routine on the GPU, tens of
+// instructions, in a loop that otherwise moves a few bytes an element). The same values, bit for bit.
+struct ChannelCursor {
+  i64 c, step, C;
+  __device__ ChannelCursor(i64 C_)
+      : c((static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x) % C_),
+        step((static_cast<i64>(blockDim.x) * gridDim.x) % C_),
+        C(C_) {}
+  __device__ void next() {  // the channel of o + the grid's stride
+    c += step;
+    if (c >= C) c -= C;
+  }
+};
+
 template <class T>
 __global__ void bn_normalize_nhwc_kernel(i64 n, i64 C, const T* __restrict__ x, const double* __restrict__ coef,
                                          const T* __restrict__ residual, bool relu, T* __restrict__ y) {
+  ChannelCursor ch(C);
   TALLY_GRID_LOOP(o, n) {
-    const i64 c = o % C;
+    const i64 c = ch.c;
+    ch.next();
     T v = static_cast<T>((static_cast<double>(x[o]) - coef[c]) * coef[C + c] + coef[2 * C + c]);
     if (residual) v = static_cast<T>(static_cast<S<T>>(v) + static_cast<S<T>>(residual[o]));
     if (relu && static_cast<S<T>>(v) < S<T>(0)) v = static_cast<T>(S<T>(0));
@@ -340,8 +357,10 @@ __global__ void bn_backward_dx_nhwc_kernel(i64 n, i64 C, const T* dy /* dx may b
                                            const T* __restrict__ x, const double* __restrict__ mean,
                                            const double* __restrict__ invstd, const double* __restrict__ coef, T* dx,
                                            S<T> beta_dx) {
+  ChannelCursor ch(C);
   TALLY_GRID_LOOP(o, n) {
-    const i64 c = o % C;
+    const i64 c = ch.c;
+    ch.next();
     const double xhat = (static_cast<double>(x[o]) - mean[c]) * invstd[c];
     store(dx + o, beta_dx, coef[c] * (masked_dy(dy, y, o) - coef[C + c] - xhat * coef[2 * C + c]));
   }
