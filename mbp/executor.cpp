@@ -54,17 +54,14 @@ std::size_t staging_bytes(std::int64_t batch, std::int64_t sample_numel, DType d
   return static_cast<std::size_t>(batch) * (static_cast<std::size_t>(sample_numel) * dtype_size(dtype) + sizeof(std::int64_t));
 }
 
-// Stages images [offset, offset + n) of the host batch into `x` (float images converted to the
-// activations' dtype on their way into the staging, by the host's threads), at their place in the
-// step's staging layout (all images, then all labels); returns the upload's ticket.
+// Stages images [offset, offset + n) of the host batch into `x` (float images converted to x's
+// dtype, the activations', on their way into the staging, by the host's threads), at their place in
+// the step's staging layout (all images, then all labels); returns the upload's ticket.
 std::size_t stage_images(Tensor& x, InputStager& stager, const float* images, std::int64_t offset, std::int64_t n,
-                         std::int64_t sample_numel, DType dtype) {
+                         std::int64_t sample_numel) {
   const float* src = images + offset * sample_numel;
   const std::size_t count = static_cast<std::size_t>(n * sample_numel);
-  const std::size_t image_offset = static_cast<std::size_t>(offset * sample_numel) * dtype_size(dtype);
-  if (x.dtype() != dtype)
-    throw Error(fmt::format("MBP executor: staging images of {} into a tensor of {}", dtype_name(dtype),
-                            dtype_name(x.dtype())));
+  const std::size_t image_offset = static_cast<std::size_t>(offset * sample_numel) * dtype_size(x.dtype());
   return stager.stage_floats(x, src, count, image_offset);
 }
 
@@ -110,7 +107,7 @@ Inputs allocate_inputs(std::int64_t n, const Shape& sample_shape, DType dtype, D
 void fill_inputs(Inputs& in, InputStager& stager, const float* images, const std::int64_t* labels, std::int64_t offset,
                  std::int64_t n, std::int64_t batch, std::int64_t sample_numel, DType dtype) {
   if (skip_side_effects()) return;
-  stage_images(in.x, stager, images, offset, n, sample_numel, dtype);
+  stage_images(in.x, stager, images, offset, n, sample_numel);
   in.uploaded = stage_labels(in.y, stager, labels, offset, n, batch, sample_numel, dtype);
 }
 
@@ -160,7 +157,8 @@ const char* placement_name(Placement p) {  // (mbp/chooser.h)
 Precision parse_precision(const std::string& name) {
   if (name == "fp32") return Precision::fp32;
   if (name == "bf16") return Precision::bf16;
-  throw Error(fmt::format("{} '{}': expected {}", option_name(Option::precision), name, fmt::join(precision_names(), "|")));
+  throw Error(fmt::format("{} '{}': expected {}", option_name(Option::precision), name,
+                          fmt::join(precision_names(), "|")));
 }
 
 Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, ExecutorOptions options)

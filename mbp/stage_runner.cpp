@@ -175,7 +175,7 @@ void StageRunner::forward(Run& r, std::size_t i) {
   Tensor x;
   if (r.first) {
     x = Tensor::empty(batch_shape(n, model_sample_shape_), activation_dtype_, device_, Category::input, "input");
-    if (!r.dry) stager_.wait(stage_images(x, stager_, r.images, r.offsets[i], n, model_sample_numel_, activation_dtype_));
+    if (!r.dry) stager_.wait(stage_images(x, stager_, r.images, r.offsets[i], n, model_sample_numel_));
   } else {
     x = Tensor::empty(input_shape(n), activation_dtype_, device_, Category::input, "stage_input");
     r.waiting([&] { comm.recv(x, stage - 1); }, true);

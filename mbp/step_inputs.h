@@ -21,10 +21,10 @@ std::int64_t checked_batch(const std::vector<std::int64_t>& sizes);
 double batch_divisor(const std::int64_t* labels, std::int64_t batch, const CrossEntropyOptions& loss);
 // The bytes of staging one step of `batch` samples takes: all images, then all labels.
 std::size_t staging_bytes(std::int64_t batch, std::int64_t sample_numel, DType dtype);
-// Stages images [offset, offset + n) of the host batch into `x` (converted to the activations'
-// dtype), at their place in the step's staging layout; returns the upload's ticket.
+// Stages images [offset, offset + n) of the host batch into `x` (converted to x's dtype, the
+// activations'), at their place in the step's staging layout; returns the upload's ticket.
 std::size_t stage_images(Tensor& x, InputStager& stager, const float* images, std::int64_t offset, std::int64_t n,
-                         std::int64_t sample_numel, DType dtype);
+                         std::int64_t sample_numel);
 // The labels [offset, offset + n) into `y`, after the images in the staging layout.
 std::size_t stage_labels(Tensor& y, InputStager& stager, const std::int64_t* labels, std::int64_t offset, std::int64_t n,
                          std::int64_t batch, std::int64_t sample_numel, DType dtype);
