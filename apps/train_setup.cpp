@@ -176,7 +176,8 @@ data::Split load_data(const TrainOptions& opt, const data::DataSpec& spec, std::
 // else holds is given back first, so that "auto" (measured with it counted as free) fits.
 std::shared_ptr<Arena> make_arena(const TrainOptions& opt, Device dev, std::ostream& log) {
   const std::size_t limit = parse_memory_limit(opt.memory_limit, dev);
-  if (dev.is_cpu() && opt.memory_limit != "auto") warn_beyond_host_memory("--memory-limit", opt.memory_limit, limit, false, log);
+  if (dev.is_cpu() && opt.memory_limit != "auto")
+    warn_beyond_host_memory("--memory-limit", opt.memory_limit, limit, false, log);
   release_default_arena(dev);
   return std::make_shared<Arena>(dev, limit);
 }

@@ -447,7 +447,8 @@ FolderSet load_folder(const std::string& dir, const FolderOptions& o) {
                                     "{})", val.string(), option_name(Option::val_fraction)));
   } else if (o.val_fraction) {
     const double f = *o.val_fraction;
-    if (!(f > 0 && f < 1)) throw Error(fmt::format("{}: expected a number in (0, 1), found {}", option_name(Option::val_fraction), f));
+    if (!(f > 0 && f < 1))
+      throw Error(fmt::format("{}: expected a number in (0, 1), found {}", option_name(Option::val_fraction), f));
     // A permutation of the files by the seed (splitmix64 keys); its first share is held out.
     std::vector<std::size_t> order(tr.files.size());
     std::iota(order.begin(), order.end(), std::size_t{0});

@@ -94,8 +94,8 @@ bool is_segment_policy(const std::string& policy) {
 std::vector<nn::SegmentMode> segment_policy_modes(nn::Module& model, const std::string& policy) {
   const std::vector<std::string> names = nn::segment_names(model);
   if (names.empty())
-    throw Error(fmt::format("{} {}: this model has no segments to keep, recompute or offload", option_name(Option::recompute),
-                            policy));
+    throw Error(fmt::format("{} {}: this model has no segments to keep, recompute or offload",
+                            option_name(Option::recompute), policy));
   if (policy == "offload") return std::vector<nn::SegmentMode>(names.size(), nn::SegmentMode::offload);
   std::vector<nn::SegmentMode> modes(names.size(), nn::SegmentMode::keep);
   std::vector<bool> named(names.size(), false);
@@ -107,8 +107,8 @@ std::vector<nn::SegmentMode> segment_policy_modes(nn::Module& model, const std::
     const std::string name = item.substr(0, eq), mode = item.substr(eq + 1);
     const auto it = std::find(names.begin(), names.end(), name);
     if (it == names.end())
-      throw Error(fmt::format("{} {}: '{}' is not a segment of this model; expected one of {}", option_name(Option::recompute), policy, name,
-                              fmt::join(names, ", ")));
+      throw Error(fmt::format("{} {}: '{}' is not a segment of this model; expected one of {}",
+                              option_name(Option::recompute), policy, name, fmt::join(names, ", ")));
     const std::size_t i = static_cast<std::size_t>(it - names.begin());
     if (named[i])
       throw Error(fmt::format("{} {}: segment '{}' is named twice", option_name(Option::recompute), policy, name));

@@ -281,8 +281,9 @@ typename Pass::Algo choose(cudnnHandle_t h, const Plan& p, cudnnConvolutionDescr
     if (choose_among<Pass>(h, p, conv, s, false, &algo, ws, log, &seen2)) {
       *log += " -- NOT deterministic: no deterministic algorithm fits";
       *warning += "tally: warning: conv2d " + std::string(Pass::name) + " of " + shape_text(s) +
-                  ": no deterministic cuDNN algorithm fits the workspace limit of " + std::to_string(s.workspace_limit) +
-                  " bytes; using algorithm " + std::to_string(static_cast<int>(algo)) + ", which is not deterministic\n";
+                  ": no deterministic cuDNN algorithm fits the workspace limit of " +
+                  std::to_string(s.workspace_limit) + " bytes; using algorithm " +
+                  std::to_string(static_cast<int>(algo)) + ", which is not deterministic\n";
       return algo;
     }
   }
