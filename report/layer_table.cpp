@@ -95,7 +95,7 @@ class Observer : public nn::ForwardObserver {
 }  // namespace
 
 std::vector<LayerRow> layer_table(nn::Module& model, const Arena& arena, const Shape& sample_shape, std::int64_t batch,
-                                  std::optional<DType> input) {
+                                  std::optional<DType> input, MemoryFormat format) {
   const auto params = model.parameters();
   if (params.empty()) throw Error("layer_table: the model has no parameters");
   if (batch < 1) throw Error(fmt::format("layer_table: batch must be >= 1, found {}", batch));
@@ -111,6 +111,7 @@ std::vector<LayerRow> layer_table(nn::Module& model, const Arena& arena, const S
     Shape xs{batch};
     xs.insert(xs.end(), sample_shape.begin(), sample_shape.end());
     Tensor x = Tensor::empty(xs, input.value_or(params.front().dtype()), dev, Category::input, "input");
+    x = x.contiguous(format);  // as the step converts its staged input
     Tensor y = model(x);
   }
   return obs.rows;

@@ -33,9 +33,11 @@ struct LayerRow {
 // is current: offloaded segments, core/offload.h, need it, and their rows then show what stays on
 // the device).
 // `input` is the dtype of the input (and so of the activations): bfloat16 for a bf16 mixed-precision
-// step, the model's dtype if left out.
+// step, the model's dtype if left out; `format` the activations' layout, as the step's (a
+// convolution's workspace depends on it).
 std::vector<LayerRow> layer_table(nn::Module& model, const Arena& arena, const Shape& sample_shape, std::int64_t batch,
-                                  std::optional<DType> input = std::nullopt);
+                                  std::optional<DType> input = std::nullopt,
+                                  MemoryFormat format = MemoryFormat::Contiguous);
 
 // A fixed-width text table (kept bytes shown per sample) with totals.
 std::string format_layer_table(const std::vector<LayerRow>& rows, std::int64_t batch);
