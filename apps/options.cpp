@@ -543,6 +543,10 @@ const std::vector<Option> kTable = {
              "the peak explained, the plan and the per-layer table (docs/memory-report.md)"},
     {.name = "layers", .field = field(&PlanOptions::layers), .commands = kPlan, .help = "skip the per-layer table",
      .form = Form::off},
+    {.name = "device-file", .field = field(&PlanOptions::device_file), .commands = kPlan,
+     .help = "plan --device cuda for the GPU this file describes (written by tally device --save on it), on any "
+             "machine with the CUDA build: convolutions through cuDNN's graph API, --memory-limit as a size "
+             "(docs/gpu.md, \"Plans without the GPU\")"},
 };
 
 const std::vector<Option>& table() { return kTable; }

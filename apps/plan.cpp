@@ -10,6 +10,7 @@
 #include <fmt/ranges.h>
 
 #include "apps/setup.h"
+#include "core/device_file.h"
 #include "core/dry_run.h"
 #include "core/memory.h"
 #include "mbp/stage_runner.h"
@@ -148,15 +149,57 @@ void write_report(const PlanOptions& opt, mbp::Executor& executor, const mbp::Pl
   fmt::print(out, "wrote the memory report {} ({} allocation and free events)\n", opt.report, traced->trace().size());
 }
 
+// --device-file: the described GPU, checked against the options a plan without it cannot honour.
+std::optional<DeviceFile> described_gpu(const PlanOptions& opt, Device dev) {
+  if (opt.device_file.empty()) return std::nullopt;
+  if (!kHaveCudaBackend)
+    throw Error(fmt::format("--device-file {}: plans of a GPU need the CUDA build; this build of tally has no CUDA "
+                            "backend", opt.device_file));
+  if (!dev.is_cuda())
+    throw Error(fmt::format("--device-file: expected --device cuda (the file describes a GPU), found --device {}",
+                            opt.device));
+  DeviceFile f = load_device_file(opt.device_file);
+  if (opt.memory_limit == "auto")
+    throw Error(fmt::format("--memory-limit auto with --device-file: expected a size (auto is the free memory of a GPU "
+                            "that is here; the {} of {} has {} in all)",
+                            f.name, opt.device_file, format_bytes(f.total_memory)));
+  if (opt.host_memory_limit != "none" && (opt.copy_bandwidth == "measure" || opt.compute_rate == "measure"))
+    throw Error(fmt::format("--host-memory-limit with --device-file: expected --copy-bandwidth and --compute-rate as "
+                            "numbers (the rates of a GPU that is not here cannot be measured), found {} and {}",
+                            opt.copy_bandwidth, opt.compute_rate));
+  return f;
+}
+
+// The line that says whose plan this is when the GPU is not here.
+void print_described(const DeviceFile& f, const PlanOptions& opt, const mbp::ExecutorOptions& eo, std::ostream& out) {
+  fmt::print(out, "planned without the GPU, from {}: {} (compute capability {}.{}, {} multiprocessors, {}), cuDNN {}; "
+                  "convolutions through cuDNN's graph API{}\n",
+             opt.device_file, f.name, f.compute_major, f.compute_minor, f.multiprocessors, format_bytes(f.total_memory),
+             cudnn_version_text(f.cudnn_version),
+             opt.precision == mbp::Precision::fp32 && eo.memory_format == MemoryFormat::Contiguous
+                 ? " (on the GPU, row-major float32 takes the legacy API unless TALLY_CUDNN_CONV_API=graph: this is "
+                   "the plan of the graph API's choices)"
+                 : "");
+}
+
 }  // namespace
 
 mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   check_step_options(opt);
   const Shape sample = parse_input(opt.input);
   const Device dev = parse_device(opt.device);
-  if (dev.is_cuda() && !cuda_available())
-    throw Error(fmt::format("--device {}: no GPU is present (CUDA workspace sizes come from the GPU's libraries)",
+  const std::optional<DeviceFile> described = described_gpu(opt, dev);
+  std::optional<DescribedGpuScope> describing;
+  if (described) {
+    describing.emplace(*described);
+    if (const std::size_t limit = parse_memory_limit(opt.memory_limit, dev); limit > described->total_memory)
+      fmt::print(stderr, "tally plan: warning: --memory-limit {} is more than the {} has ({})\n", opt.memory_limit,
+                 described->name, format_bytes(described->total_memory));
+  } else if (dev.is_cuda() && !cuda_available()) {
+    throw Error(fmt::format("--device {}: no GPU is present (CUDA workspace sizes come from the GPU's libraries; "
+                            "--device-file plans a GPU that is not here)",
                             opt.device));
+  }
   if (dev.is_cuda()) set_allow_tf32(opt.tf32), set_deterministic(opt.deterministic == OnOff::on);
   nn::ModelConfig mc;
   mc.name = opt.model;
@@ -196,6 +239,7 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
              name_of(opt.optimizer), dev.str(), name_of(opt.precision), memory_format_name(eo.memory_format));
   fmt::print(out, "memory limit {} ({} bytes): {} allocated first{}\n", format_bytes(limit), limit,
              persistent_summary(*arena, setup.optimizer.get()), deferred_state_note(*setup.optimizer));
+  if (described) print_described(*described, opt, eo, out);
   if (eo.host_arena)
     fmt::print(out, "host memory limit {} ({} bytes): the host tier, for the state a placement puts there\n",
                format_bytes(eo.host_arena->capacity()), eo.host_arena->capacity());
@@ -205,7 +249,8 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   std::vector<report::LayerRow> rows;
   if (opt.layers || !opt.report.empty()) {
     const HostArenaScope host(eo.host_arena);  // offloaded segments move their activations there
-    rows = report::layer_table(*setup.model, *arena, sample, p.micro_batch, executor.activation_dtype());
+    rows = report::layer_table(*setup.model, *arena, sample, p.micro_batch, executor.activation_dtype(),
+                               eo.memory_format);
   }
   if (opt.layers) {
     fmt::print(out, "\nper layer, forward in training mode at the planned micro-batch of {}:\n", p.micro_batch);

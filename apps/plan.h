@@ -28,6 +28,10 @@ struct PlanOptions : StepOptions {
   // The memory report (report/memory_html.h): the plan's traced dry run as one HTML page,
   // written here when set.
   std::string report;
+  // A GPU's description saved by `tally device --save` (core/device_file.h): the plan of --device
+  // cuda is that GPU's, made without it (docs/gpu.md, "Plans without the GPU"). Needs --memory-limit
+  // as a size, and the cost model's rates given where a host tier needs them.
+  std::string device_file;
 };
 
 // Prints the table and the plan to `out`; returns the plan. Bad options and budgets that cannot

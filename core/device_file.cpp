@@ -67,6 +67,27 @@ void save_device_file(const DeviceFile& file, const std::filesystem::path& path)
   write_file(path, j.dump(2) + "\n", "device file");
 }
 
+DescribedGpuScope::DescribedGpuScope(const DeviceFile& file) {
+  if constexpr (kHaveCudaBackend) {
+    if (kernels::cuda::described_device())
+      throw Error(fmt::format("a plan without the GPU: expected one described GPU at a time, found {} described "
+                              "already while {} was asked for", kernels::cuda::described_device()->name, file.name));
+    kernels::cuda::set_described_device(
+        kernels::cuda::DescribedDevice{file.name, file.compute_major, file.compute_minor, file.cudnn_properties});
+  } else {
+    throw Error(fmt::format("a plan of {} without the GPU: this build of tally has no CUDA backend", file.name));
+  }
+}
+
+DescribedGpuScope::~DescribedGpuScope() {
+  if constexpr (kHaveCudaBackend) kernels::cuda::set_described_device(std::nullopt);
+}
+
+bool gpu_described() {
+  if constexpr (kHaveCudaBackend) return kernels::cuda::described_device() != nullptr;
+  return false;
+}
+
 DeviceFile load_device_file(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in)

@@ -32,6 +32,21 @@ void save_device_file(const DeviceFile& file, const std::filesystem::path& path)
 // Read and checked: an Error naming the path and what was expected and found — unreadable, not
 // JSON, another format, a missing or mistyped field, saved by another cuDNN than this build's.
 DeviceFile load_device_file(const std::filesystem::path& path);
+// The GPU a file describes, made the CUDA device of this process's plans for the scope's lifetime
+// (`tally plan --device-file`): a dry run's questions of the GPU — the convolutions' workspaces
+// (through cuDNN's graph API, from cuDNN's description), cuBLAS's workspace — are answered from the
+// file and no CUDA call is made (kernels/cuda/context.h: set_described_device). Only dry runs may
+// run under it; one scope at a time (an Error otherwise, as in a build without the CUDA backend).
+class DescribedGpuScope {
+ public:
+  explicit DescribedGpuScope(const DeviceFile& file);
+  ~DescribedGpuScope();
+  DescribedGpuScope(const DescribedGpuScope&) = delete;
+  DescribedGpuScope& operator=(const DescribedGpuScope&) = delete;
+};
+// Whether a DescribedGpuScope is open.
+bool gpu_described();
+
 // The cuDNN version this build loads (0 without cuDNN), and a version number as text ("9.19.0").
 std::size_t loaded_cudnn_version();
 std::string cudnn_version_text(std::size_t version);

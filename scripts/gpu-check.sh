@@ -25,6 +25,10 @@
 #                                                                                       (~3 min)
 #        norms     bench_kernels' fused batch norm + residual + ReLU at ResNet-50's norm shapes,
 #                  both formats and activation types, against a device copy (of_copy)   (~40 s)
+#        deviceless  `tally plan --device-file` with the file env saved against `tally plan` on the
+#                  GPU (convolutions through the graph API on both): ResNet-20 TF32, ResNet-50 bf16
+#                  at micro-batches of 64, with a host tier, and batch 4096 in 8 GiB in bf16 and
+#                  float32 — the outputs must be the same                              (~40 s)
 #        host      the host tier (docs/host-tier.md): ResNet-50 224x224 AdamW batch 64 in a
 #                  400 MiB device budget, 3 steps with the optimizer on the pinned host tier and
 #                  with the gradients there too (their --save files must be identical), and
@@ -77,10 +81,10 @@ bundle=.gpu-bundle
 debs=.gpu-debs
 tests=(gpu_test gpu_kernels_test gpu_ops_test gpu_bf16_test)
 # The GPU check's order, most important first: a run cut at its deadline has done these.
-all_steps=(env tests compare norms host offload resnet50 profile train sanitize)
+all_steps=(env tests compare norms deviceless host offload resnet50 profile train sanitize)
 # Each step's cap in seconds (docs/gpu.md, "The order and the caps"): a step stops starting
 # commands at its cap as the whole run does at RUN_SECONDS; the sanitizer takes what is left.
-declare -A step_caps=([env]=20 [tests]=140 [compare]=150 [norms]=40 [host]=50 [offload]=60 [resnet50]=90 [profile]=90
+declare -A step_caps=([env]=20 [tests]=140 [compare]=150 [norms]=40 [deviceless]=60 [host]=50 [offload]=60 [resnet50]=90 [profile]=90
   [train]=100 [bench]=120 [repeat]=120)
 programs=("${tests[@]/#/tests/}" apps/tally bench/bench_kernels bench/bench_train)
 # The GPU machine takes 64 MiB of working tree in all: the tracked files travel with the bundle.
@@ -610,6 +614,51 @@ step_repeat() {
   done
 }
 
+# Plans without the GPU against the GPU's own (docs/gpu.md, "Plans without the GPU"): each case
+# planned on the device with the convolutions through the graph API, as a plan without it takes
+# them, and from the device file this run saved (env), then the two outputs compared — all but the
+# line saying the plan was made without the GPU and the timing line. The cases are
+# tests/plan_golden.sh's h200_* ones and ResNet-50 batch 4096 in 8 GiB in bf16 and float32.
+step_deviceless() {
+  local log=$logs/deviceless.log file=$out/device.json name args same=0 cases=0
+  : >"$log"
+  if [[ ! -s $file ]]; then
+    run_logged "tally device --save" "$log" 20 "$bundle/run" "$bundle/bin/tally" device --save "$file"
+  fi
+  # A rehearsal has no GPU to describe: the committed H200 file stands in (its plans run, none compared).
+  ((rehearsal)) && [[ ! -s $file ]] && file=tests/fixtures/devices/h200.json
+  for name in resnet20-tf32 resnet50-bf16-m64 resnet50-host-tier resnet50-bf16-4096 resnet50-fp32-4096; do
+    case $name in
+      resnet20-tf32) args=(--model resnet20 --input 3x32x32 --batch-size 512 --memory-limit 48MiB --tf32) ;;
+      resnet50-bf16-m64) args=(--model resnet50 --input 3x224x224 --batch-size 256 --micro-batch 64 --memory-limit 8GiB
+        --precision bf16) ;;
+      resnet50-host-tier) args=(--model resnet50 --input 3x224x224 --batch-size 4096 --optimizer adamw --recompute none
+        --memory-limit 600MiB --host-memory-limit 2GiB --copy-bandwidth 25 --compute-rate 200000 --no-layers) ;;
+      resnet50-bf16-4096) args=(--model resnet50 --input 3x224x224 --batch-size 4096 --memory-limit 8GiB --precision bf16) ;;
+      resnet50-fp32-4096) args=(--model resnet50 --input 3x224x224 --batch-size 4096 --memory-limit 8GiB) ;;
+    esac
+    local gpu=$logs/deviceless-$name-gpu.txt from=$logs/deviceless-$name-file.txt
+    : >"$gpu"
+    : >"$from"
+    run_logged "tally plan $name (on the GPU)" "$gpu" 40 env TALLY_CUDNN_CONV_API=graph "$bundle/run" \
+      "$bundle/bin/tally" plan --device cuda "${args[@]}"
+    run_logged "tally plan $name (from the file)" "$from" 40 "$bundle/run" "$bundle/bin/tally" plan --device cuda \
+      "${args[@]}" --device-file "$file"
+    local drop='^====|^run: |^planned without the GPU|dry runs in .* s; nothing was computed$'
+    if ((rehearsal)) && ! grep -q '^plan: ' "$gpu"; then
+      echo "$name: no GPU here, nothing to compare" >>"$log"
+    elif diff <(grep -Ev "$drop" "$gpu") <(grep -Ev "$drop" "$from") >>"$log" 2>&1 && grep -q '^plan: ' "$gpu"; then
+      same=$((same + 1))
+      echo "$name: the same plan" >>"$log"
+    else
+      echo "$name: the plans differ (above)" >>"$log"
+      status=1
+    fi
+    cases=$((cases + 1))
+  done
+  result "deviceless plans" "$same of $cases equal to the GPU's"
+}
+
 # The norm kernels' bandwidth against a device-to-device copy of the same run (bench_kernels'
 # counter of_copy; the memory-bound issue's goal is >= 0.7).
 step_norms() {
@@ -643,8 +692,8 @@ run() {
   local s
   for s in "$@"; do
     case $s in
-      env | tests | sanitize | train | resnet50 | norms | host | offload | compare | profile | bench | repeat) ;;
-      *) echo "gpu-check: unknown step '$s': expected env, tests, train, resnet50, norms, host, offload, compare, profile, sanitize, bench or repeat" >&2; exit 2 ;;
+      env | tests | sanitize | train | resnet50 | norms | deviceless | host | offload | compare | profile | bench | repeat) ;;
+      *) echo "gpu-check: unknown step '$s': expected env, tests, train, resnet50, norms, deviceless, host, offload, compare, profile, sanitize, bench or repeat" >&2; exit 2 ;;
     esac
   done
   local t0

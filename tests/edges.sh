@@ -131,5 +131,24 @@ expect "a corrupt image" error "train/b/3.jpg: " -- "${folder[@]}" --input 3x16x
 expect "a corrupt image skipped" 0 "train loss" -- "${folder[@]}" --input 3x16x16 --skip-bad-images
 rm "$f/train/b/3.jpg"
 
+# ---- plans without the GPU (tally plan --device-file; a build without CUDA says so instead) ---------
+h200=$(realpath "$images/../devices/h200.json")
+nocuda="|no CUDA backend"
+expect "a device file for the CPU" error "--device-file: expected --device cuda \\(the file describes a GPU\\), found --device cpu$nocuda" -- \
+  "${plan[@]}" --device cpu --device-file "$h200"
+expect "a device file that is not there" error "device file '.*missing.json': cannot read it$nocuda" -- \
+  "${plan[@]}" --device cuda --device-file "$dir/missing.json" --memory-limit 1GiB
+printf '{"format": "tally device file", "version": 1}' >"$dir/half.json"
+expect "a device file without its fields" error "device file '.*half.json': expected a field \"name\", found none$nocuda" -- \
+  "${plan[@]}" --device cuda --device-file "$dir/half.json" --memory-limit 1GiB
+expect "auto memory of a GPU not here" error "--memory-limit auto with --device-file: expected a size .*NVIDIA H200 .* has 139.80 GiB$nocuda" -- \
+  "${plan[@]}" --device cuda --device-file "$h200"
+expect "rates of a GPU not here" error "expected --copy-bandwidth and --compute-rate as numbers .* found measure and measure$nocuda" -- \
+  "${plan[@]}" --device cuda --device-file "$h200" --memory-limit 1GiB --host-memory-limit 1GiB
+if [[ $("$tally" --version) == *"GPU: none detected"* ]]; then  # on a GPU machine this plan is the GPU's
+  expect "a GPU without its file" error "--device cuda: no GPU is present .*--device-file plans a GPU that is not here" -- \
+    "${plan[@]}" --device cuda --memory-limit 1GiB
+fi
+
 echo "edges: $((cases - failures)) of $cases cases as documented, in $SECONDS s"
 ((failures == 0))

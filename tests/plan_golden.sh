@@ -31,14 +31,38 @@ cases=(
   "resnet9_fixed_micro_batch_too_large|--model resnet9 --norm none --input 3x32x32 --batch-size 1000 --memory-limit 128MiB --micro-batch 77 --no-layers --momentum 0 --memory-format contiguous"
   "resnet50_224_b4096_8GiB_none_bf16|${r50[*]} --recompute none --precision bf16"
   "resnet56_group_12MiB_none|--model resnet56 --norm group --input 3x32x32 --batch-size 64 --memory-limit 12MiB --recompute none --no-layers --memory-format contiguous"
+  # Plans of a GPU that is not here, from the device file an H200 saved (docs/gpu.md, "Plans without
+  # the GPU"): run from the devices folder, so the file's name in the output is the same everywhere.
+  # The GPU check compares the same commands' output on the GPU itself.
+  "h200_resnet20_32_b512_48MiB_tf32|--device cuda --device-file h200.json --model resnet20 --input 3x32x32 --batch-size 512 --memory-limit 48MiB --tf32"
+  "h200_resnet50_224_b256_m64_8GiB_bf16|--device cuda --device-file h200.json --model resnet50 --input 3x224x224 --batch-size 256 --micro-batch 64 --memory-limit 8GiB --precision bf16"
+  "h200_resnet50_224_b4096_600MiB_host_tier|--device cuda --device-file h200.json --model resnet50 --input 3x224x224 --batch-size 4096 --optimizer adamw --recompute none --memory-limit 600MiB --host-memory-limit 2GiB --copy-bandwidth 25 --compute-rate 200000 --no-layers"
 )
+devices=$(cd "$dir/../devices" && pwd)
+cuda=yes
+[[ $("$tally" --version) == *"no CUDA backend"* ]] && cuda=no
 
 failed=0
 for c in "${cases[@]}"; do
   name=${c%%|*}
   read -r -a args <<<"${c#*|}"
-  "$tally" plan "${args[@]}" >/tmp/plan_golden.$$.out 2>/tmp/plan_golden.$$.err
-  out=$(echo "exit status $?"; echo "-- stdout"; grep -v ' dry runs in .* s; nothing was computed$' /tmp/plan_golden.$$.out
+  if [[ " ${args[*]} " == *" --device-file "* ]]; then
+    (cd "$devices" && "$tally" plan "${args[@]}") >/tmp/plan_golden.$$.out 2>/tmp/plan_golden.$$.err
+    rc=$?
+    if [[ $cuda == no ]]; then  # a build without the CUDA backend refuses, saying so
+      if [[ $rc -ne 0 ]] && grep -q "no CUDA backend" /tmp/plan_golden.$$.err; then
+        echo "ok $name (refused: this build has no CUDA backend)"
+      else
+        echo "FAILED $name: a build without CUDA did not refuse --device-file clearly:"; cat /tmp/plan_golden.$$.err
+        failed=1
+      fi
+      continue
+    fi
+  else
+    "$tally" plan "${args[@]}" >/tmp/plan_golden.$$.out 2>/tmp/plan_golden.$$.err
+    rc=$?
+  fi
+  out=$(echo "exit status $rc"; echo "-- stdout"; grep -v ' dry runs in .* s; nothing was computed$' /tmp/plan_golden.$$.out
         echo "-- stderr"; cat /tmp/plan_golden.$$.err)
   file=$dir/$name.txt
   if [[ $update == --update ]]; then

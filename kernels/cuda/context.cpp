@@ -9,6 +9,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -195,14 +196,28 @@ void memory_info(std::size_t* free_bytes, std::size_t* total_bytes) {
   TALLY_CUDA_CHECK(cudaMemGetInfo(free_bytes, total_bytes));
 }
 
+// ---- a GPU described, not present ------------------------------------------------------------
+namespace {
+std::optional<DescribedDevice> g_described;
+int g_described_serial = 0;  // a new number for each description set, for current_device()
+}  // namespace
+
+void set_described_device(std::optional<DescribedDevice> device) {
+  g_described = std::move(device);
+  if (g_described) ++g_described_serial;
+}
+const DescribedDevice* described_device() { return g_described ? &*g_described : nullptr; }
+
 // ---- devices and streams ----------------------------------------------------------------------
 void use_device(int device) {
+  if (g_described) return;
   int cur = -1;
   TALLY_CUDA_CHECK(cudaGetDevice(&cur));
   if (cur != device) TALLY_CUDA_CHECK(cudaSetDevice(device));
 }
 
 int current_device() {
+  if (g_described) return -1 - g_described_serial;
   int cur = 0;
   TALLY_CUDA_CHECK(cudaGetDevice(&cur));
   return cur;

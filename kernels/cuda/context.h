@@ -60,9 +60,26 @@ void pinned_free(void* p) noexcept;
 // The current device's free and total memory (cudaMemGetInfo).
 void memory_info(std::size_t* free_bytes, std::size_t* total_bytes);
 
+// ---- a GPU described, not present ---------------------------------------------------------------
+// Plans without the GPU (docs/gpu.md, "Plans without the GPU"; core/device_file.h): while a
+// description is set, the questions a dry run asks of "the GPU" are answered from it and no CUDA
+// call is made — use_device does nothing, current_device() is negative (no real device's index,
+// so cached choices never mix), gemm_workspace_bytes reads the description's compute capability
+// and the convolutions plan through cuDNN's graph API from cuDNN's description (conv.cu). Only dry
+// runs may run then: a kernel has no device to run on. Set it before planning and clear it after,
+// never while another thread plans.
+struct DescribedDevice {
+  std::string name;
+  int compute_major = 0, compute_minor = 0;
+  std::string cudnn_properties;  // cuDNN's description (CUDNN_ATTR_DEVICEPROP_JSON_REPRESENTATION)
+};
+void set_described_device(std::optional<DescribedDevice> device);
+const DescribedDevice* described_device();  // null when none is set
+
 // ---- devices and streams --------------------------------------------------------------------
 // Makes `device` current on this thread (cudaSetDevice only when it is not already).
 void use_device(int device);
+// The current device's index; with a described device, -1 - the description's serial number.
 int current_device();
 // Streams of the current device.
 CUstream_st* compute_stream();

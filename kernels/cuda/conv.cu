@@ -709,7 +709,38 @@ std::unique_ptr<GraphPlan> make_graph_plan(const Conv2dShape& s, bool bf16, Conv
   return g;
 }
 
-// The cached graph plan of a shape, dtype, pass and beta (0 or 1).
+// cuDNN's device-properties descriptor read from its saved description (a description cuDNN
+// refuses: an Error naming cuDNN's reason).
+Backend properties_descriptor(const std::string& device_properties) {
+  auto props = backend(CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR);
+  const cudnnStatus_t set = cudnnBackendSetAttribute(props->get(), CUDNN_ATTR_DEVICEPROP_JSON_REPRESENTATION,
+                                                     CUDNN_TYPE_CHAR, static_cast<std::int64_t>(device_properties.size()),
+                                                     device_properties.data());
+  const cudnnStatus_t done = set == CUDNN_STATUS_SUCCESS ? cudnnBackendFinalize(props->get()) : set;
+  if (done != CUDNN_STATUS_SUCCESS) {
+    char why[1024] = "";
+    cudnnGetLastErrorString(why, sizeof why);
+    detail::fail(std::string("cuDNN ") + std::to_string(cudnnGetVersion()) + " refused the saved device properties: " +
+                 cudnnGetErrorString(done) + (why[0] ? std::string(" (") + why + ")" : std::string()));
+  }
+  return props;
+}
+
+// Whom the graph plans of this moment are made for: the current device, or the described one
+// (context.h: set_described_device), whose properties descriptor is made once per description.
+PlanTarget current_target() {
+  const DescribedDevice* d = described_device();
+  if (!d) return {detail::cudnn(), nullptr};
+  static std::mutex mu;
+  static auto* made = new std::map<std::string, Backend>;  // never destroyed, as the plans made from them
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = made->find(d->cudnn_properties);
+  if (it == made->end()) it = made->emplace(d->cudnn_properties, properties_descriptor(d->cudnn_properties)).first;
+  return {nullptr, it->second->get()};
+}
+
+// The cached graph plan of a shape, dtype, pass and beta (0 or 1): for a described device, one that
+// sizes its workspace and cannot run.
 const GraphPlan& graph_plan(const Conv2dShape& s, bool bf16, ConvPass pass, float beta) {
   if (beta != 0.f && beta != 1.f)
     detail::fail("conv2d " + std::string(pass_name(pass)) + " (graph API): beta must be 0 or 1, found " +
@@ -720,7 +751,7 @@ const GraphPlan& graph_plan(const Conv2dShape& s, bool bf16, ConvPass pass, floa
   const Key key{key_of(s, bf16), static_cast<int>(pass), beta == 1.f};
   std::lock_guard<std::mutex> lock(mu);
   auto it = cache->find(key);
-  if (it == cache->end()) it = cache->emplace(key, make_graph_plan(s, bf16, pass, beta, {detail::cudnn(), nullptr})).first;
+  if (it == cache->end()) it = cache->emplace(key, make_graph_plan(s, bf16, pass, beta, current_target())).first;
   return *it->second;
 }
 
@@ -742,6 +773,12 @@ std::size_t graph_workspace(const Conv2dShape& s, bool bf16, ConvPass pass) {
 // the switches, cached (with the plans it reads), so a dry run and the real step choose alike.
 bool use_graph_api(const Conv2dShape& s, bool bf16) {
   const CudnnConvApi api = g_conv_api.load();
+  if (described_device()) {  // the legacy API's queries need the GPU: a plan without it has the graph API's
+    if (api == CudnnConvApi::legacy)
+      detail::fail("conv2d: expected the graph API (or automatic) in a plan without the GPU, found the legacy API "
+                   "forced (TALLY_CUDNN_CONV_API=legacy), whose algorithm queries need the GPU");
+    return true;
+  }
   if (api != CudnnConvApi::automatic) return api == CudnnConvApi::graph;
   if (bf16 || s.channels_last) return true;
   if (!deterministic() || plan_for(s, false).nondeterministic.empty()) return false;
@@ -888,17 +925,7 @@ std::string cudnn_device_properties(int device) {
 OfflineConvPlan conv2d_plan_offline(const Conv2dShape& s, bool bf16, ConvPass pass, float beta,
                                     const std::string& device_properties) {
 #if TALLY_HAVE_CUDNN
-  auto props = backend(CUDNN_BACKEND_DEVICEPROP_DESCRIPTOR);
-  const cudnnStatus_t set = cudnnBackendSetAttribute(props->get(), CUDNN_ATTR_DEVICEPROP_JSON_REPRESENTATION,
-                                                     CUDNN_TYPE_CHAR, static_cast<std::int64_t>(device_properties.size()),
-                                                     device_properties.data());
-  const cudnnStatus_t done = set == CUDNN_STATUS_SUCCESS ? cudnnBackendFinalize(props->get()) : set;
-  if (done != CUDNN_STATUS_SUCCESS) {
-    char why[1024] = "";
-    cudnnGetLastErrorString(why, sizeof why);
-    detail::fail(std::string("cuDNN ") + std::to_string(cudnnGetVersion()) + " refused the saved device properties: " +
-                 cudnnGetErrorString(done) + (why[0] ? std::string(" (") + why + ")" : std::string()));
-  }
+  const Backend props = properties_descriptor(device_properties);
   const std::unique_ptr<GraphPlan> g = make_graph_plan(s, bf16, pass, beta, {nullptr, props->get()});
   return {g->engine, g->workspace, g->description};
 #else

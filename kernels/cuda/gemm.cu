@@ -92,9 +92,14 @@ TALLY_INSTANTIATE_GEMM(bf16, bf16)
 TALLY_INSTANTIATE_GEMM(bf16, float)
 
 std::size_t gemm_workspace_bytes(std::size_t budget) {
-  int dev = 0, major = 0;
-  TALLY_CUDA_CHECK(cudaGetDevice(&dev));
-  TALLY_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  int major = 0;
+  if (const DescribedDevice* d = described_device()) {  // a plan without the GPU
+    major = d->compute_major;
+  } else {
+    int dev = 0;
+    TALLY_CUDA_CHECK(cudaGetDevice(&dev));
+    TALLY_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  }
   const std::size_t recommended = std::size_t(major >= 9 ? 32 : 4) << 20;  // cuBLAS's documentation
   const std::size_t bytes = std::clamp(budget / 16, kGemmMinWorkspace, recommended);
   return bytes / 256 * 256;
