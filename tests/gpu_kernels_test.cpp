@@ -812,6 +812,79 @@ TEST(GpuKernels, BatchNormChannelsLastMatchesTheCpu) {
   }
 }
 
+// The vectorized channels-last passes (4 channels a thread, norm.cu) against the scalar ones they
+// replace where C is a multiple of 4: the forward's y and the backward's dx (beta 0 and 1, plain
+// and fused with the residual add and ReLU), bit for bit, in float32 and bf16; and an array at an
+// odd offset (not aligned to a vector) takes the scalar pass and gives the same bits too.
+template <class T>
+void vectorized_batch_norm_gives_the_scalar_bits() {
+  const auto to = [](const std::vector<float>& v) {
+    std::vector<T> o(v.size());
+    for (std::size_t i = 0; i < v.size(); ++i) o[i] = static_cast<T>(v[i]);
+    return o;
+  };
+  const auto bits = [](const std::vector<T>& v) {
+    std::vector<std::uint32_t> b(v.size());
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      std::uint32_t u = 0;
+      std::memcpy(&u, &v[i], sizeof(T));
+      b[i] = u;
+    }
+    return b;
+  };
+  struct Vectorized {  // the switch for the scope
+    bool on;
+    explicit Vectorized(bool v) : on(v) { kg::set_batch_norm_vectorized(v); }
+    ~Vectorized() { kg::set_batch_norm_vectorized(true); }
+  };
+  for (auto [N, C, HW] : std::vector<std::array<i64, 3>>{{4, 40, 49}, {16, 64, 784}, {2, 2048, 49}, {3, 12, 5}}) {
+    for (bool fused : {false, true}) {
+      const auto seed = fresh_seed();
+      SCOPED_TRACE(testing::Message() << "N " << N << " C " << C << " HW " << HW << " fused " << fused << " seed " << seed);
+      std::mt19937 rng(seed);
+      const i64 n = N * C * HW;
+      const auto bnws = scratch(kg::batch_norm_workspace_bytes(N, C, HW, true));
+      // One element more than the tensor: +1 gives each array an offset no vector is aligned to.
+      Buf<T> gx = dev(to(uniform(n + 1, rng, 2.f, 6.f))), gres = dev(to(uniform(n + 1, rng, -6.f, 2.f))),
+             gdy = dev(to(uniform(n + 1, rng)));
+      Buf<float> ggm = dev(uniform(C, rng, 0.5f, 1.5f)), gbt = dev(uniform(C, rng)), grm = dev(uniform(C, rng)),
+                 grv = dev(uniform(C, rng, 0.5f, 2.f)), gsm = dev(nans(C)), gsi = dev(nans(C));
+      const std::vector<T> init = to(uniform(n + 1, rng));
+      std::vector<std::vector<std::uint32_t>> runs[2];  // [vectorized]: y, then dx for each beta, each offset
+      for (int offset : {0, 1}) {
+        for (bool vec : {true, false}) {
+          const Vectorized scope(vec);
+          kernels::NormAct<T> act;
+          act.channels_last = true;
+          if (fused) act.relu = true, act.residual = P(gres) + offset;
+          Buf<T> gy = dev(to(nans(n + 1)));
+          kg::batch_norm_forward_train<T>(N, C, HW, P(gx) + offset, P(ggm), P(gbt), 1e-5f, 0.1f, P(grm), P(grv),
+                                          P(gy) + offset, P(gsm), P(gsi), ws_ptr(bnws), act);
+          runs[vec].push_back(bits(host(gy)));
+          for (float beta : {0.f, 1.f}) {
+            kernels::NormActGrad<T> g;
+            g.channels_last = true;
+            if (fused) g.relu = true, g.y = P(gy) + offset;
+            Buf<T> gdx = dev(init);
+            kg::batch_norm_backward<T>(N, C, HW, P(gdy) + offset, P(gx) + offset, P(ggm), P(gsm), P(gsi),
+                                       P(gdx) + offset, beta, nullptr, nullptr, 0.f, ws_ptr(bnws), g);
+            runs[vec].push_back(bits(host(gdx)));
+          }
+        }
+      }
+      ASSERT_EQ(runs[0].size(), runs[1].size());
+      for (std::size_t i = 0; i < runs[0].size(); ++i)
+        EXPECT_EQ(runs[1][i], runs[0][i]) << "run " << i << " (y, dx beta 0, dx beta 1; aligned, then offset by one)";
+    }
+  }
+}
+
+TEST(GpuKernels, BatchNormVectorizedPassesGiveTheScalarBits) {
+  REQUIRE_GPU();
+  vectorized_batch_norm_gives_the_scalar_bits<float>();
+  vectorized_batch_norm_gives_the_scalar_bits<kernels::bf16>();
+}
+
 TEST(GpuKernels, GroupNormMatchesTheCpu) {
   REQUIRE_GPU();
   for (auto [N, C, HW, G] : std::vector<std::array<i64, 4>>{{3, 6, 63, 3}, {2, 5, 35, 5}, {2, 5, 35, 1}, {4, 32, 64, 8}}) {

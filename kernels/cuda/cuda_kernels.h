@@ -113,6 +113,11 @@ struct OfflineConvPlan {
 OfflineConvPlan conv2d_plan_offline(const Conv2dShape& s, bool bf16, ConvPass pass, float beta,
                                     const std::string& device_properties);
 
+// Channels-last batch norm's elementwise passes run vectorized (kVec channels a thread, norm.cu) where
+// the shape and alignment allow; off, the scalar passes run everywhere — the same values bit for
+// bit (a test compares them). For tests; on by default.
+void set_batch_norm_vectorized(bool on);
+
 // ---- context.cpp, elementwise.cu, norm.cu, pool.cu, loss.cu, optim.cu ---------------------------
 // copy_from_host and copy_to_host return once the copy is done (the host buffer may be reused or
 // read at once), copy_bytes without waiting; all are enqueued on the compute stream after every

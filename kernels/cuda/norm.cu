@@ -18,12 +18,18 @@
 // Channels-last (NormAct::channels_last: x, y, dy, dx and the residual stored (N, HW, C)): the same
 // three launches and formulas over M = N * HW rows of C channels; a partial-sum block takes a tile of
 // 32 channels (a warp's lanes: one coalesced read of each row's tile) by 8 row lanes over its chunk
-// of rows, and adds its 8 lanes in order; the elementwise passes run over the bytes (c = index % C).
+// of rows, 4 rows' loads in flight at once, and adds its 8 lanes in order; the elementwise passes
+// give each thread 4 adjacent channels (their coefficients in registers, one vector load per array
+// and row) where C is a multiple of 4, else run over the elements (c = index % C).
 // The partial sums keep the row-major layout (2, C, P), so the finalize kernels are shared.
 // Group norm: one block per (n, group) and per channel for the weight gradients, in double.
 // bf16 (x, y, dy, dx): the same launches and double formulas on widened values; gamma, beta, the
 // running and saved statistics and dgamma/dbeta are float32 (S below: compute_t<T>, the CPU's
 // P<T>); each bf16 element stored is rounded once, from double.
+#include <atomic>
+#include <cstdint>
+#include <initializer_list>
+
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/instantiate.h"
 #include "kernels/cuda/launch.cuh"
@@ -39,6 +45,7 @@ using detail::kThreads;
 constexpr int kNormThreads = 256;
 constexpr i64 kTargetBlocks = 1024;  // partial-sum blocks to aim for (several waves on 132 SMs)
 constexpr i64 kMinChunk = 4096;      // elements a partial-sum block should have at least
+constexpr int kUnroll = 4;           // elements (or rows) a partial-sum thread loads before it adds them
 
 // The type of the parameters and statistics beside T's activations (kernels/common.h).
 template <class T>
@@ -104,10 +111,26 @@ __global__ void bn_forward_partial_kernel(i64 N, i64 C, i64 HW, i64 P, const T* 
   chunk_rows(N, P, p, &n0, &n1);
   const double K = static_cast<double>(x[c * HW]);
   const unsigned count = static_cast<unsigned>((n1 - n0) * HW), hw = static_cast<unsigned>(HW);
-  double s1 = 0, s2 = 0;
-  for (unsigned i = threadIdx.x; i < count; i += blockDim.x) {
+  const auto at = [&](unsigned i) {  // element i of the chunk: row n0 + i / HW, column i % HW
     const unsigned r = i / hw, j = i - r * hw;
-    const double d = static_cast<double>(x[((n0 + r) * C + c) * HW + j]) - K;
+    return ((n0 + r) * C + c) * HW + j;
+  };
+  double s1 = 0, s2 = 0;
+  unsigned i = threadIdx.x;
+  // kUnroll elements loaded before any is added (their loads in flight together), added in order.
+  for (; i + (kUnroll - 1) * blockDim.x < count; i += kUnroll * blockDim.x) {
+    T v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) v[u] = x[at(i + u * blockDim.x)];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const double d = static_cast<double>(v[u]) - K;
+      s1 += d;
+      s2 += d * d;
+    }
+  }
+  for (; i < count; i += blockDim.x) {
+    const double d = static_cast<double>(x[at(i)]) - K;
     s1 += d;
     s2 += d * d;
   }
@@ -132,10 +155,31 @@ __global__ void bn_backward_partial_kernel(i64 N, i64 C, i64 HW, i64 P, const T*
   chunk_rows(N, P, p, &n0, &n1);
   const double mu = mean[c], is = invstd[c];
   const unsigned count = static_cast<unsigned>((n1 - n0) * HW), hw = static_cast<unsigned>(HW);
-  double s1 = 0, s2 = 0;
-  for (unsigned i = threadIdx.x; i < count; i += blockDim.x) {
+  const auto at = [&](unsigned i) {
     const unsigned r = i / hw, j = i - r * hw;
-    const i64 o = ((n0 + r) * C + c) * HW + j;
+    return ((n0 + r) * C + c) * HW + j;
+  };
+  double s1 = 0, s2 = 0;
+  unsigned i = threadIdx.x;
+  // As the forward (dres, which may be dy, written only after its element was read, by this thread).
+  for (; i + (kUnroll - 1) * blockDim.x < count; i += kUnroll * blockDim.x) {
+    i64 o[kUnroll];
+    double d[kUnroll], xv[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      o[u] = at(i + u * blockDim.x);
+      d[u] = masked_dy(dy, y, o[u]);
+      xv[u] = static_cast<double>(x[o[u]]);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (dres) store(dres + o[u], beta_res, d[u]);
+      s1 += d[u];
+      s2 += d[u] * ((xv[u] - mu) * is);
+    }
+  }
+  for (; i < count; i += blockDim.x) {
+    const i64 o = at(i);
     const double d = masked_dy(dy, y, o);
     if (dres) store(dres + o, beta_res, d);
     s1 += d;
@@ -177,7 +221,20 @@ __global__ void bn_forward_partial_nhwc_kernel(i64 M, i64 C, i64 P, const T* __r
   double s1 = 0, s2 = 0;
   if (c < C) {
     const double K = static_cast<double>(x[c]);
-    for (i64 r = r0 + threadIdx.x / kTileC; r < r1; r += kTileRows) {
+    i64 r = r0 + threadIdx.x / kTileC;
+    // kUnroll rows loaded before any is added (their loads in flight together), added in row order.
+    for (; r + (kUnroll - 1) * kTileRows < r1; r += kUnroll * kTileRows) {
+      T v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) v[u] = x[(r + u * kTileRows) * C + c];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const double d = static_cast<double>(v[u]) - K;
+        s1 += d;
+        s2 += d * d;
+      }
+    }
+    for (; r < r1; r += kTileRows) {
       const double d = static_cast<double>(x[r * C + c]) - K;
       s1 += d;
       s2 += d * d;
@@ -198,7 +255,25 @@ __global__ void bn_backward_partial_nhwc_kernel(i64 M, i64 C, i64 P, const T* dy
   double s1 = 0, s2 = 0;
   if (c < C) {
     const double mu = mean[c], is = invstd[c];
-    for (i64 r = r0 + threadIdx.x / kTileC; r < r1; r += kTileRows) {
+    i64 r = r0 + threadIdx.x / kTileC;
+    // As the forward: kUnroll rows' dy, y and x loaded first, then taken in row order (dres, which may
+    // be dy, is written only after its element was read, by this thread).
+    for (; r + (kUnroll - 1) * kTileRows < r1; r += kUnroll * kTileRows) {
+      double d[kUnroll], xv[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const i64 o = (r + u * kTileRows) * C + c;
+        d[u] = masked_dy(dy, y, o);
+        xv[u] = static_cast<double>(x[o]);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (dres) store(dres + (r + u * kTileRows) * C + c, beta_res, d[u]);
+        s1 += d[u];
+        s2 += d[u] * ((xv[u] - mu) * is);
+      }
+    }
+    for (; r < r1; r += kTileRows) {
       const i64 o = r * C + c;
       const double d = masked_dy(dy, y, o);
       if (dres) store(dres + o, beta_res, d);
@@ -293,12 +368,38 @@ dim3 plane_grid(i64 planes, i64 HW) {
   return dim3(static_cast<unsigned>(x), static_cast<unsigned>(y));
 }
 
+// The training passes below run over the flat index instead (a block over planes of 49 elements,
+// ResNet-50's last stage, left 207 of its 256 lanes idle): element o is column o % HW of plane
+// o / HW, of channel plane % C, kept along a thread's grid-stride loop by addition (PlaneCursor: one
+// 64-bit division per thread, not per element). The same formulas, so the same values bit for bit.
+struct PlaneCursor {
+  i64 j, c;                 // the current element's column and channel
+  i64 HW, C, step_j, step_c;  // the grid's stride as (planes, columns): step_c = its planes % C
+  __device__ PlaneCursor(i64 HW_, i64 C_) : HW(HW_), C(C_) {
+    const i64 o = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x;
+    const i64 plane = o / HW;
+    j = o - plane * HW;
+    c = plane % C;
+    const i64 stride = static_cast<i64>(blockDim.x) * gridDim.x, q = stride / HW;
+    step_j = stride - q * HW;
+    step_c = q % C;
+  }
+  __device__ void next() {  // the column and channel of o + the grid's stride
+    j += step_j;
+    c += step_c;
+    if (j >= HW) j -= HW, ++c;
+    if (c >= C) c -= C;  // c < 2C here: step_c < C and one plane carried
+  }
+};
+
 // y = (x - mean) * scale + shift (coef = mean, scale, shift per channel).
 template <class T>
-__global__ void bn_normalize_kernel(i64 planes, i64 C, i64 HW, const T* __restrict__ x, const double* __restrict__ coef,
+__global__ void bn_normalize_kernel(i64 n, i64 C, i64 HW, const T* __restrict__ x, const double* __restrict__ coef,
                                     const T* __restrict__ residual, bool relu, T* __restrict__ y) {
-  TALLY_PLANE_LOOP(plane, j, planes, HW) {
-    const i64 c = plane % C, o = plane * HW + j;
+  PlaneCursor at(HW, C);
+  TALLY_GRID_LOOP(o, n) {
+    const i64 c = at.c;
+    at.next();
     T v = static_cast<T>((static_cast<double>(x[o]) - coef[c]) * coef[C + c] + coef[2 * C + c]);
     // Fused after it (NormAct): the residual added to the rounded value, then relu_forward's ReLU
     // (NaN and -0 pass) — what the unfused add and relu kernels compute.
@@ -311,12 +412,14 @@ __global__ void bn_normalize_kernel(i64 planes, i64 C, i64 HW, const T* __restri
 
 // Training: dx = k (dy - mean_dy - xhat mean_dy_xhat), xhat = (x - mean) invstd.
 template <class T>
-__global__ void bn_backward_dx_kernel(i64 planes, i64 C, i64 HW, const T* dy /* dx may be dy */, const T* __restrict__ y,
+__global__ void bn_backward_dx_kernel(i64 n, i64 C, i64 HW, const T* dy /* dx may be dy */, const T* __restrict__ y,
                                       const T* __restrict__ x, const double* __restrict__ mean,
                                       const double* __restrict__ invstd, const double* __restrict__ coef, T* dx,
                                       S<T> beta_dx) {
-  TALLY_PLANE_LOOP(plane, j, planes, HW) {
-    const i64 c = plane % C, o = plane * HW + j;
+  PlaneCursor at(HW, C);
+  TALLY_GRID_LOOP(o, n) {
+    const i64 c = at.c;
+    at.next();
     const double xhat = (static_cast<double>(x[o]) - mean[c]) * invstd[c];
     store(dx + o, beta_dx, coef[c] * (masked_dy(dy, y, o) - coef[C + c] - xhat * coef[2 * C + c]));
   }
@@ -364,6 +467,113 @@ __global__ void bn_backward_dx_nhwc_kernel(i64 n, i64 C, const T* dy /* dx may b
     const double xhat = (static_cast<double>(x[o]) - mean[c]) * invstd[c];
     store(dx + o, beta_dx, coef[c] * (masked_dy(dy, y, o) - coef[C + c] - xhat * coef[2 * C + c]));
   }
+}
+
+// Channels-last, vectorized: a thread owns kVec adjacent channels — their coefficients loaded once,
+// into registers — and steps over rows, one aligned kVec-element load per array and row (8 bytes of
+// bf16, 16 of float); x lanes of a block take a row's channel vectors, y lanes rows. Each element's
+// formula is the scalar kernel's above, term for term, so the values are the same bit for bit
+// (GpuKernels.BatchNormVectorizedPassesGiveTheScalarBits); the scalar kernels remain for a C that
+// is not a multiple of kVec and for arrays not aligned to a vector.
+constexpr int kVec = 4;
+template <class T>
+struct alignas(sizeof(T) * kVec) Vec {
+  T v[kVec];
+};
+template <class T>
+__device__ __forceinline__ Vec<T> load_vec(const T* p) {
+  return *reinterpret_cast<const Vec<T>*>(p);
+}
+template <class T>
+__device__ __forceinline__ void store_vec(T* p, const Vec<T>& v) {
+  *reinterpret_cast<Vec<T>*>(p) = v;
+}
+
+#define TALLY_VEC_ROW_LOOP(r, M) \
+  for (i64 r = static_cast<i64>(blockIdx.y) * blockDim.y + threadIdx.y; r < (M); r += static_cast<i64>(blockDim.y) * gridDim.y)
+
+template <class T>
+__global__ void bn_normalize_nhwc_vec_kernel(i64 M, i64 C, const T* __restrict__ x, const double* __restrict__ coef,
+                                             const T* __restrict__ residual, bool relu, T* __restrict__ y) {
+  const i64 c0 = (static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x) * kVec;
+  if (c0 >= C) return;
+  double mean[kVec], scale[kVec], shift[kVec];
+#pragma unroll
+  for (int v = 0; v < kVec; ++v) mean[v] = coef[c0 + v], scale[v] = coef[C + c0 + v], shift[v] = coef[2 * C + c0 + v];
+  TALLY_VEC_ROW_LOOP(r, M) {
+    const i64 o = r * C + c0;
+    const Vec<T> xv = load_vec(x + o);
+    Vec<T> rv;
+    if (residual) rv = load_vec(residual + o);
+    Vec<T> out;
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) {
+      T e = static_cast<T>((static_cast<double>(xv.v[v]) - mean[v]) * scale[v] + shift[v]);
+      if (residual) e = static_cast<T>(static_cast<S<T>>(e) + static_cast<S<T>>(rv.v[v]));
+      if (relu && static_cast<S<T>>(e) < S<T>(0)) e = static_cast<T>(S<T>(0));
+      out.v[v] = e;
+    }
+    store_vec(y + o, out);
+  }
+}
+
+template <class T>
+__global__ void bn_backward_dx_nhwc_vec_kernel(i64 M, i64 C, const T* dy /* dx may be dy */, const T* __restrict__ y,
+                                               const T* __restrict__ x, const double* __restrict__ mean_,
+                                               const double* __restrict__ invstd_, const double* __restrict__ coef, T* dx,
+                                               S<T> beta_dx) {
+  const i64 c0 = (static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x) * kVec;
+  if (c0 >= C) return;
+  double mean[kVec], invstd[kVec], k[kVec], m1[kVec], m2[kVec];
+#pragma unroll
+  for (int v = 0; v < kVec; ++v) {
+    mean[v] = mean_[c0 + v], invstd[v] = invstd_[c0 + v];
+    k[v] = coef[c0 + v], m1[v] = coef[C + c0 + v], m2[v] = coef[2 * C + c0 + v];
+  }
+  TALLY_VEC_ROW_LOOP(r, M) {
+    const i64 o = r * C + c0;
+    const Vec<T> xv = load_vec(x + o), dv = load_vec(dy + o);
+    Vec<T> yv, out;
+    if (y) yv = load_vec(y + o);
+    if (beta_dx != S<T>(0)) out = load_vec(dx + o);
+#pragma unroll
+    for (int v = 0; v < kVec; ++v) {
+      const double xhat = (static_cast<double>(xv.v[v]) - mean[v]) * invstd[v];
+      const double d = y && static_cast<S<T>>(yv.v[v]) <= S<T>(0) ? 0.0 : static_cast<double>(dv.v[v]);  // masked_dy
+      const double e = k[v] * (d - m1[v] - xhat * m2[v]);
+      out.v[v] = beta_dx == S<T>(0) ? static_cast<T>(e)  // store()
+                                    : static_cast<T>(static_cast<double>(beta_dx) * static_cast<double>(out.v[v]) + e);
+    }
+    store_vec(dx + o, out);
+  }
+}
+
+// The vectorized passes' launch shape for M rows of C channels: x lanes over the C / kVec channel
+// vectors of a row (at most kNormThreads), y lanes over rows; about kVecBlocks blocks in all, so that
+// each thread's coefficients serve many rows.
+constexpr i64 kVecBlocks = 2048;
+struct VecLaunch {
+  dim3 grid, block;
+};
+VecLaunch vec_launch(i64 M, i64 C) {
+  const i64 G = C / kVec;
+  const i64 tx = std::min<i64>(G, kNormThreads), ty = std::max<i64>(1, kNormThreads / tx);
+  const i64 gx = (G + tx - 1) / tx;
+  const i64 gy = std::clamp<i64>((kVecBlocks + gx - 1) / gx, 1, std::min<i64>((M + ty - 1) / ty, 65535));
+  return {dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), dim3(static_cast<unsigned>(tx), static_cast<unsigned>(ty))};
+}
+
+// Tests compare the vectorized passes with the scalar ones (set_batch_norm_vectorized).
+std::atomic<bool> g_vectorized{true};
+
+// Whether the vectorized passes take these arrays: C a multiple of kVec and each array (null: absent)
+// aligned to a vector — arena blocks are 256-byte aligned, a view at an odd offset may not be.
+template <class T>
+bool vectorizable(i64 C, std::initializer_list<const T*> arrays) {
+  if (!g_vectorized.load() || C % kVec != 0) return false;
+  for (const T* a : arrays)
+    if (a && reinterpret_cast<std::uintptr_t>(a) % sizeof(Vec<T>) != 0) return false;
+  return true;
 }
 
 // Eval: dx = k dy.
@@ -597,12 +807,17 @@ void batch_norm_forward_train(i64 N, i64 C, i64 HW, const T* x, const P<T>* gamm
       N, C, HW, P, nhwc ? 1 : HW, x, gamma, beta_, static_cast<double>(eps), static_cast<double>(momentum), running_mean,
       running_var, save_mean, save_invstd, ws.part, ws.coef);
   TALLY_LAUNCH_CHECK("batch_norm_forward_train.finalize");
-  if (nhwc)
+  if (nhwc && vectorizable<T>(C, {x, act.residual, y})) {
+    const VecLaunch l = vec_launch(N * HW, C);
+    bn_normalize_nhwc_vec_kernel<<<l.grid, l.block, 0, detail::stream()>>>(N * HW, C, x, ws.coef, act.residual,
+                                                                            act.relu, y);
+  } else if (nhwc) {
     bn_normalize_nhwc_kernel<<<detail::grid_for(N * HW * C), kNormThreads, 0, detail::stream()>>>(
         N * HW * C, C, x, ws.coef, act.residual, act.relu, y);
-  else
-    bn_normalize_kernel<<<plane_grid(N * C, HW), kNormThreads, 0, detail::stream()>>>(N * C, C, HW, x, ws.coef,
-                                                                                      act.residual, act.relu, y);
+  } else {
+    bn_normalize_kernel<<<detail::grid_for(N * C * HW, kNormThreads), kNormThreads, 0, detail::stream()>>>(
+        N * C * HW, C, HW, x, ws.coef, act.residual, act.relu, y);
+  }
   TALLY_LAUNCH_CHECK("batch_norm_forward_train.normalize");
 }
 
@@ -624,12 +839,18 @@ void batch_norm_backward(i64 N, i64 C, i64 HW, const T* dy, const T* x, const P<
   bn_backward_sums(N, C, HW, dy, x, gamma, save_mean, save_invstd, false, 0.0, dgamma, dbeta, beta_param, ws,
                    ws.coef + 3 * C, act);
   if (dx) {
-    if (act.channels_last)
+    const T* y = act.relu ? act.y : nullptr;
+    if (act.channels_last && vectorizable<T>(C, {dy, y, x, dx})) {
+      const VecLaunch l = vec_launch(N * HW, C);
+      bn_backward_dx_nhwc_vec_kernel<<<l.grid, l.block, 0, detail::stream()>>>(
+          N * HW, C, dy, y, x, ws.coef + 3 * C, ws.coef + 4 * C, ws.coef, dx, beta_dx);
+    } else if (act.channels_last) {
       bn_backward_dx_nhwc_kernel<<<detail::grid_for(N * HW * C), kNormThreads, 0, detail::stream()>>>(
-          N * HW * C, C, dy, act.relu ? act.y : nullptr, x, ws.coef + 3 * C, ws.coef + 4 * C, ws.coef, dx, beta_dx);
-    else
-      bn_backward_dx_kernel<<<plane_grid(N * C, HW), kNormThreads, 0, detail::stream()>>>(
-          N * C, C, HW, dy, act.relu ? act.y : nullptr, x, ws.coef + 3 * C, ws.coef + 4 * C, ws.coef, dx, beta_dx);
+          N * HW * C, C, dy, y, x, ws.coef + 3 * C, ws.coef + 4 * C, ws.coef, dx, beta_dx);
+    } else {
+      bn_backward_dx_kernel<<<detail::grid_for(N * C * HW, kNormThreads), kNormThreads, 0, detail::stream()>>>(
+          N * C * HW, C, HW, dy, y, x, ws.coef + 3 * C, ws.coef + 4 * C, ws.coef, dx, beta_dx);
+    }
     TALLY_LAUNCH_CHECK("batch_norm_backward.dx");
   }
 }
@@ -701,6 +922,8 @@ void group_norm_backward(i64 N, i64 C, i64 HW, i64 G, const T* dy, const T* x, c
     TALLY_LAUNCH_CHECK("group_norm_backward.residual");
   }
 }
+
+void set_batch_norm_vectorized(bool on) { g_vectorized = on; }
 
 TALLY_INSTANTIATE_NORM(float)
 TALLY_INSTANTIATE_NORM(bf16)
