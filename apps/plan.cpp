@@ -149,9 +149,16 @@ void write_report(const PlanOptions& opt, mbp::Executor& executor, const mbp::Pl
   fmt::print(out, "wrote the memory report {} ({} allocation and free events)\n", opt.report, traced->trace().size());
 }
 
-// --device-file: the described GPU, checked against the options a plan without it cannot honour.
+// --device-file: the described GPU, checked against the options a plan without it cannot honour;
+// without one, --device cuda needs the GPU.
 std::optional<DeviceFile> described_gpu(const PlanOptions& opt, Device dev) {
-  if (opt.device_file.empty()) return std::nullopt;
+  if (opt.device_file.empty()) {
+    if (dev.is_cuda() && !cuda_available())
+      throw Error(fmt::format("--device {}: no GPU is present (CUDA workspace sizes come from the GPU's libraries; "
+                              "--device-file plans a GPU that is not here)",
+                              opt.device));
+    return std::nullopt;
+  }
   if (!kHaveCudaBackend)
     throw Error(fmt::format("--device-file {}: plans of a GPU need the CUDA build; this build of tally has no CUDA "
                             "backend", opt.device_file));
@@ -167,6 +174,9 @@ std::optional<DeviceFile> described_gpu(const PlanOptions& opt, Device dev) {
     throw Error(fmt::format("--host-memory-limit with --device-file: expected --copy-bandwidth and --compute-rate as "
                             "numbers (the rates of a GPU that is not here cannot be measured), found {} and {}",
                             opt.copy_bandwidth, opt.compute_rate));
+  if (const std::size_t limit = parse_memory_limit(opt.memory_limit, dev); limit > f.total_memory)
+    fmt::print(stderr, "tally plan: warning: --memory-limit {} is more than the {} has ({})\n", opt.memory_limit, f.name,
+               format_bytes(f.total_memory));
   return f;
 }
 
@@ -190,16 +200,7 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   const Device dev = parse_device(opt.device);
   const std::optional<DeviceFile> described = described_gpu(opt, dev);
   std::optional<DescribedGpuScope> describing;
-  if (described) {
-    describing.emplace(*described);
-    if (const std::size_t limit = parse_memory_limit(opt.memory_limit, dev); limit > described->total_memory)
-      fmt::print(stderr, "tally plan: warning: --memory-limit {} is more than the {} has ({})\n", opt.memory_limit,
-                 described->name, format_bytes(described->total_memory));
-  } else if (dev.is_cuda() && !cuda_available()) {
-    throw Error(fmt::format("--device {}: no GPU is present (CUDA workspace sizes come from the GPU's libraries; "
-                            "--device-file plans a GPU that is not here)",
-                            opt.device));
-  }
+  if (described) describing.emplace(*described);
   if (dev.is_cuda()) set_allow_tf32(opt.tf32), set_deterministic(opt.deterministic == OnOff::on);
   nn::ModelConfig mc;
   mc.name = opt.model;
