@@ -137,10 +137,13 @@ void TrainingRun::train_epoch(std::int64_t epoch, std::int64_t epochs) {
   if (first_batch == 0) epoch_loss_ = 0, epoch_steps_ = 0;
   const std::int64_t in_epoch = std::min(per_epoch_, steps_.total - epoch * per_epoch_);
   Progress bar(progress_, rank_options_.progress, in_epoch, epoch_label(epoch, epochs));
+  std::optional<EnqueuedStep> enqueued;  // a step whose loss is still on its way
   while (meter_.steps < steps_.total && epoch_steps_ < in_epoch) {
     const std::int64_t step = meter_.steps;
     // A step's time runs from asking for its batch (a loader that cannot keep up counts) to the
-    // end of its optimizer step; writing the traced step's files and checkpoints does not count.
+    // bookkeeping of the step before it, whose loss — on a GPU read a step late — paces the loop:
+    // in steady state, the device's time per step. Writing the traced step's files and checkpoints
+    // does not count.
     const auto t0 = clock::now();
     std::optional<data::Batch> b = loader_.next();
     if (!b) break;
@@ -153,16 +156,18 @@ void TrainingRun::train_epoch(std::int64_t epoch, std::int64_t epochs) {
       if (host_arena_) host_arena_->set_tracing(true);
     }
     faults_.before_step(step, *arena_);
-    const mbp::StepResult r = executor_->step(b->images.data() + share_.offset * sample_numel,
-                                             b->labels.data() + share_.offset, share_.size);
+    mbp::StepResult r = executor_->step_enqueued(b->images.data() + share_.offset * sample_numel,
+                                                 b->labels.data() + share_.offset, share_.size);
     arena_->fail_allocation_after(0);
     result_.placement = mbp::placement_name(executor_->placement_choice().placement);
-    last_loss_ = r.loss;
-    if (!std::isfinite(last_loss_)) throw diverged(step);
-    const auto t1 = clock::now();
     if (trace) {
       arena_->set_tracing(false);
       if (host_arena_) host_arena_->set_tracing(false);
+    }
+    // The last step's bookkeeping, now that this one is enqueued (its loss came while this computes).
+    if (enqueued) finish_step(*enqueued, bar), enqueued.reset();
+    const auto t1 = clock::now();
+    if (trace) {
       if (stage_page) {  // into rank 0's run folder where this machine sees it (ranks on one machine)
         const std::filesystem::path dir(run_options_.out);
         if (std::filesystem::is_directory(dir))
@@ -174,21 +179,34 @@ void TrainingRun::train_epoch(std::int64_t epoch, std::int64_t epochs) {
     }
     if (setup_.stage && step == traced_step && !run_options_.out.empty()) write_schedule(step, r);
     const double ips = meter_.add(r, b->size, std::chrono::duration<double>(t1 - t0).count(), result_);
-    loader_.give_back(std::move(*b));  // its buffer for a later batch
+    loader_.give_back(std::move(*b));  // its buffer for a later batch (its images are staged)
     profiler_.step_done(meter_.measured == 1);
     ++epoch_steps_;
-    epoch_loss_ += last_loss_;
-    bar.update(epoch_steps_, last_loss_, ips, static_cast<std::int64_t>(r.peak), epoch_steps_ == in_epoch);
-    if (metrics_.is_open()) {
-      const std::string row = fmt::format("{},{},{:.6f},{:.6g},{:.2f},{},{},{},{}\n", step + 1, epoch, last_loss_,
-                                          setup_.optimizer->lr(), ips, r.peak, r.predicted_peak, r.micro_batch,
-                                          r.micro_batches);
-      append_metrics(row);  // an interrupted run keeps every step it measured
-      metrics_text_ += row;
-    }
-    if (step_boundary()) return;  // stopped: this epoch's evaluation waits for the resumed run
+    enqueued = EnqueuedStep{step, epoch, epoch_steps_, std::move(r), ips, setup_.optimizer->lr(),
+                            epoch_steps_ == in_epoch};
+    // A checkpoint or a stop after this step, or the epoch's end, needs its loss first; a loss
+    // already there (always on the CPU) is taken at once.
+    const Boundary next = boundary();
+    if (next.acts() || enqueued->last || enqueued->result.pending_loss.ready())
+      finish_step(*enqueued, bar), enqueued.reset();
+    if (act(next)) return;  // stopped: this epoch's evaluation waits for the resumed run
   }
+  if (enqueued) finish_step(*enqueued, bar);  // the loader ran dry
   end_epoch(epoch, epochs);
+}
+
+void TrainingRun::finish_step(EnqueuedStep& s, Progress& bar) {
+  s.result.loss = last_loss_ = s.result.pending_loss.get();
+  if (!std::isfinite(last_loss_)) throw diverged(s.step, s.lr);
+  epoch_loss_ += last_loss_;
+  bar.update(s.position, last_loss_, s.ips, static_cast<std::int64_t>(s.result.peak), s.last);
+  if (metrics_.is_open()) {
+    const mbp::StepResult& r = s.result;
+    const std::string row = fmt::format("{},{},{:.6f},{:.6g},{:.2f},{},{},{},{}\n", s.step + 1, s.epoch, last_loss_,
+                                        s.lr, s.ips, r.peak, r.predicted_peak, r.micro_batch, r.micro_batches);
+    append_metrics(row);  // an interrupted run keeps every step it measured
+    metrics_text_ += row;
+  }
 }
 
 // The end of an epoch: the test set (rank 0) and the epoch's line.
@@ -228,11 +246,8 @@ std::string TrainingRun::epoch_label(std::int64_t epoch, std::int64_t epochs) co
   return fmt::format("epoch {}/{} ({} of its {} steps)", epoch + 1, epochs, in_epoch, per_epoch_);
 }
 
-// After every step: a checkpoint when one is due (every N steps, after the time given, at the
-// run's end, or when a signal asks the run to stop), then whether to stop. Under mpirun every
-// rank takes the same decision: the flags are summed over the ranks first.
-Error TrainingRun::diverged(std::int64_t step) const {
-  const double lr = setup_.optimizer->lr(), wd = rank_options_.weight_decay;
+Error TrainingRun::diverged(std::int64_t step, double lr) const {
+  const double wd = rank_options_.weight_decay;
   const std::string what = fmt::format("training diverged at step {}: the loss is {} (--lr {:.4g} at this step, "
                                        "--weight-decay {:.4g})", step, std::isnan(last_loss_) ? "NaN" : "infinite",
                                        lr, wd);
@@ -242,7 +257,10 @@ Error TrainingRun::diverged(std::int64_t step) const {
   return Error(fmt::format("{}: try a smaller --lr, or a warm-up (--warmup-epochs)", what));
 }
 
-bool TrainingRun::step_boundary() {
+// After every step: a checkpoint when one is due (every N steps, after the time given, at the
+// run's end, or when a signal asks the run to stop), then whether to stop. Under mpirun every
+// rank takes the same decision: the flags are summed over the ranks first.
+TrainingRun::Boundary TrainingRun::boundary() {
   const std::int64_t done = meter_.steps;
   int stop = signals_ ? signals_->pending() : 0;
   bool due = (every_.steps > 0 && done % every_.steps == 0) || (every_.on() && done == steps_.total);
@@ -256,10 +274,14 @@ bool TrainingRun::step_boundary() {
     due = flags[1] > 0;
   }
   if (stop && !run_options_.out.empty()) due = true;
-  if (due) write_checkpoint();
-  faults_.after_step(done);
-  stopped_ = stop;
-  return stop != 0;
+  return {stop, due};
+}
+
+bool TrainingRun::act(const Boundary& b) {
+  if (b.checkpoint) write_checkpoint();
+  faults_.after_step(meter_.steps);
+  stopped_ = b.stop;
+  return b.stop != 0;
 }
 
 TrainResult train(const TrainOptions& options, std::ostream& all_log, std::ostream* progress) {

@@ -139,7 +139,7 @@ void write_summary(const TrainOptions& opt, const TrainResult& result);
 // One `tally train` run on this rank: everything before the first step is built by the
 // constructor (ranks, device, data, the budget with the model and optimizer inside it, the
 // executor and its plan, printed; a resumed run's state from its checkpoint); run() trains the
-// epochs and reports. Between two steps (step_boundary) it writes the checkpoints that are due and
+// epochs and reports. Between two steps (boundary, act) it writes the checkpoints that are due and
 // stops when a signal asked it to.
 // apps/train_setup.cpp: a run's pieces from its options (checked before any work).
 const RankSetup& rank_setup(RankSetup& r, const TrainOptions& options, std::ostream& all_log);
@@ -179,7 +179,26 @@ class TrainingRun {
   void append_metrics(const std::string& text);  // to metrics.csv; an Error naming it when the write fails
   void train_epoch(std::int64_t epoch, std::int64_t epochs);
   void end_epoch(std::int64_t epoch, std::int64_t epochs);
-  bool step_boundary();  // true: stop here
+  // A step enqueued (mbp::Executor::step_enqueued) whose loss-dependent bookkeeping waits for its
+  // loss — on a GPU until the next step is enqueued (docs/mbp.md, "The loss, a step late").
+  struct EnqueuedStep {
+    std::int64_t step = 0, epoch = 0, position = 0;  // position: the epoch's steps done with it
+    mbp::StepResult result;
+    double ips = 0, lr = 0;
+    bool last = false;  // the epoch's last step
+  };
+  // Its loss (waiting for it if need be), then the divergence check, the epoch's loss, the progress
+  // line and the metrics row.
+  void finish_step(EnqueuedStep& s, Progress& bar);
+  // Between steps: whether a checkpoint or a stop comes now (signals, the checkpoint schedule, and
+  // under mpirun every rank's view, a collective), then doing it. Every rank decides every step.
+  struct Boundary {
+    int stop = 0;
+    bool checkpoint = false;
+    bool acts() const { return stop != 0 || checkpoint; }
+  };
+  Boundary boundary();
+  bool act(const Boundary& b);  // true: stop here
   void write_checkpoint();
   nlohmann::json checkpoint_state(const std::vector<double>& limits) const;
   void restore();
@@ -187,7 +206,7 @@ class TrainingRun {
   void report_stop() const;
   void write_schedule(std::int64_t step, const mbp::StepResult& r);
   void finish();
-  Error diverged(std::int64_t step) const;
+  Error diverged(std::int64_t step, double lr) const;
   // "epoch 2/5", or for an epoch --steps ends early "epoch 1/1 (3 of its 117 steps)".
   std::string epoch_label(std::int64_t epoch, std::int64_t epochs) const;  // a loss that is not finite, with what may have caused it
 
@@ -216,7 +235,7 @@ class TrainingRun {
   TrainResult result_;
   Eval eval_;
   StepMeter meter_;
-  double last_loss_ = 0;                // of the last step run
+  double last_loss_ = 0;                // of the last step whose loss was read
   double epoch_loss_ = 0;               // the losses of this epoch's steps so far, summed
   std::int64_t epoch_steps_ = 0;
   bool epoch_end_pending_ = false;      // resumed right after an epoch's last step, before its evaluation

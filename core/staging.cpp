@@ -53,9 +53,15 @@ struct HostStager final : InputStager::Impl {
 template <class PinnedBuffer = kernels::cuda::PinnedBuffer, class Event = kernels::cuda::Event>
 struct GpuStager final : InputStager::Impl {
   explicit GpuStager(int device) : device(device) {}
+  // Two buffers, one step each in turn: a step may begin while the last one's uploads are still
+  // in flight (its loss read a step late, core/pending.h), never while the one before it is.
   void begin_step(std::size_t bytes) override {
     kernels::cuda::use_device(device);
-    uploads.clear();
+    current = 1 - current;
+    std::vector<Event>& mine = uploads[current];
+    if (!mine.empty() && !mine.back().done()) mine.back().wait();  // one copy stream: the last one says all
+    mine.clear();
+    PinnedBuffer& buffer = buffers[current];
     if (buffer.size() < bytes) {
       buffer = PinnedBuffer();  // the old block first: both at once may not fit
       buffer = PinnedBuffer(bytes);
@@ -63,6 +69,7 @@ struct GpuStager final : InputStager::Impl {
   }
   std::size_t stage(const Tensor& dst, std::size_t bytes, std::size_t offset,
                     const std::function<void(void*)>& write) override {
+    const PinnedBuffer& buffer = buffers[current];
     if (offset + bytes > buffer.size())
       throw Error(fmt::format("input staging: bytes [{}, {}) are outside the step's {} staged bytes (begin_step)",
                               offset, offset + bytes, buffer.size()));
@@ -71,16 +78,17 @@ struct GpuStager final : InputStager::Impl {
     void* slot = static_cast<char*>(buffer.data()) + offset;
     write(slot);
     kcu::copy_wait(Event::record(kcu::compute_stream()));
-    uploads.push_back(kcu::upload_async(dst.raw_data(), slot, bytes));
-    return uploads.size() - 1;
+    uploads[current].push_back(kcu::upload_async(dst.raw_data(), slot, bytes));
+    return uploads[current].size() - 1;
   }
   void wait(std::size_t ticket) override {
     kernels::cuda::use_device(device);
-    kernels::cuda::compute_wait(uploads.at(ticket));
+    kernels::cuda::compute_wait(uploads[current].at(ticket));
   }
   int device;
-  PinnedBuffer buffer;
-  std::vector<Event> uploads;
+  int current = 1;  // the buffer of the step under way (begin_step turns to the other)
+  PinnedBuffer buffers[2];
+  std::vector<Event> uploads[2];
 };
 
 }  // namespace

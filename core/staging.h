@@ -8,8 +8,9 @@
 // upload only when wait() is called for it, and the host never waits for one. So the upload of
 // micro-batch i+1 overlaps the compute of micro-batch i when the caller stages one ahead
 // (overlaps() says whether that pays). The pinned memory holds the whole step's inputs, at
-// offsets the caller chooses, never reused within a step; begin_step() of the next step reuses it
-// after the step's one wait for the device (reading its loss).
+// offsets the caller chooses, never reused within a step; there are two such buffers, a step's
+// each in turn, so that a step may be staged while the last one still computes (its loss read a
+// step late: core/pending.h) — begin_step() waits only for the uploads of the step before that.
 //
 // Device-neutral: the executor writes one path for both; the GPU half lives in
 // kernels/cuda/context.h (PinnedBuffer, Event, upload_async) and is compiled out of a build
@@ -30,8 +31,9 @@ class InputStager {
   InputStager(const InputStager&) = delete;
   InputStager& operator=(const InputStager&) = delete;
 
-  // A step of `bytes` of inputs begins: a GPU's pinned memory grows to hold them (and the last
-  // step's uploads are forgotten: the step that made them has waited for its device).
+  // A step of `bytes` of inputs begins: a GPU's other pinned buffer, once the uploads of the step
+  // that last used it are done (the step before last: long done unless the host ran ahead),
+  // grows to hold them.
   void begin_step(std::size_t bytes);
   // Copies `bytes` from host memory at `src` into the dense tensor `dst` (on this stager's device)
   // through staging bytes [offset, offset + bytes); returns the ticket of this upload.

@@ -359,7 +359,7 @@ Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels
 }
 
 void Executor::run_step(Placement placement, const float* images, const std::int64_t* labels,
-                        const std::vector<std::int64_t>& sizes, double* loss) {
+                        const std::vector<std::int64_t>& sizes, PendingScalar* loss) {
   struct EndStep {  // a step that fails leaves no state gathering (after apply(), a no-op)
     const std::vector<nn::StepState*>& states;
     ~EndStep() {
@@ -384,8 +384,9 @@ void Executor::run_step(Placement placement, const float* images, const std::int
   if (skip_side_effects()) optimizer_.dry_step({placement != Placement::device, placement == Placement::gradients});
   else optimizer_.step();
   optimizer_.zero_grad();
-  // The step's one wait for the device: the loss value (a pipeline's: on its last stage).
-  if (loss) *loss = skip_side_effects() || !total.defined() ? 0.0 : total.item();
+  // The loss value (a pipeline's: on its last stage), read without waiting: step() then waits for
+  // it, the step's one wait for the device; step_enqueued() leaves that to its caller.
+  if (loss) *loss = skip_side_effects() || !total.defined() ? PendingScalar(0.0) : PendingScalar::read(total);
 }
 
 // The parts that want each parameter's gradient as it completes, told through the engine's hook
@@ -433,6 +434,14 @@ void Executor::discard_partial_step() {
 }
 
 StepResult Executor::step(const float* images, const std::int64_t* labels, std::int64_t batch) {
+  return run(images, labels, batch, true);
+}
+
+StepResult Executor::step_enqueued(const float* images, const std::int64_t* labels, std::int64_t batch) {
+  return run(images, labels, batch, false);
+}
+
+StepResult Executor::run(const float* images, const std::int64_t* labels, std::int64_t batch, bool wait) {
   if (stage_)
     stage_->check_step_data(images, labels);
   else if (images == nullptr || labels == nullptr)
@@ -448,7 +457,9 @@ StepResult Executor::step(const float* images, const std::int64_t* labels, std::
     HostArenaScope host(placed_host_arena(), opt_.offload_prefetch_on_cpu);
     if (on_host) opt_.host_arena->reset_peak();
     try {
-      run_step(placed_, images, labels, p.sizes(), &r.loss);
+      run_step(placed_, images, labels, p.sizes(), &r.pending_loss);
+      // A pipeline's stages agree on the loss at once (finish_step); a value already there is taken.
+      if (wait || stage_ || r.pending_loss.ready()) r.loss = r.pending_loss.get();
       if (on_host) {
         r.host_predicted_peak = p.host_predicted_peak;
         r.host_peak = static_cast<std::size_t>(opt_.host_arena->stats().total.peak);
@@ -458,7 +469,10 @@ StepResult Executor::step(const float* images, const std::int64_t* labels, std::
       r.micro_batches = p.micro_batches;
       r.predicted_peak = p.predicted_peak;
       r.peak = static_cast<std::size_t>(arena_->stats().total.peak);
-      if (stage_) stage_->finish_step(r);
+      if (stage_) {
+        stage_->finish_step(r);
+        r.pending_loss = PendingScalar(r.loss);  // the stages' agreed loss
+      }
       return r;
     } catch (const OutOfMemory& e) {
       discard_partial_step();

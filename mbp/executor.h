@@ -43,6 +43,7 @@
 
 #include "core/autograd.h"
 #include "core/ops.h"
+#include "core/pending.h"
 #include "core/staging.h"
 #include "core/tensor.h"
 #include "distributed/communicator.h"
@@ -152,7 +153,11 @@ struct ExecutorOptions {
 };
 
 struct StepResult {
-  double loss = 0;                 // the full batch's mean loss
+  // The full batch's mean loss: set by step(); from step_enqueued(), 0 — read `pending_loss`.
+  double loss = 0;
+  // The same value as a read under way (core/pending.h): ready after step(); after
+  // step_enqueued(), on a GPU, get() waits for the step to finish.
+  PendingScalar pending_loss;
   std::int64_t micro_batch = 0;    // m used (after any retry)
   std::int64_t micro_batches = 0;  // k used
   std::size_t predicted_peak = 0;  // the plan's prediction for the split used
@@ -213,6 +218,12 @@ class Executor {
   // With a communicator of N > 1 ranks: this rank's share of the global batch (distributed::shard), and
   // every rank calls step() for every global step.
   StepResult step(const float* images, const std::int64_t* labels, std::int64_t batch);
+  // The same step, returning as soon as it is enqueued: the loss is read later through
+  // StepResult::pending_loss, so that on a GPU the host prepares the next step while this one
+  // computes and the device never waits for it (tally train's loop; docs/mbp.md, "The loss, a
+  // step late"). Everything else of the result is known at once (the peaks are the arena's, kept
+  // on the host). On the CPU the loss is there at once, as from step().
+  StepResult step_enqueued(const float* images, const std::int64_t* labels, std::int64_t batch);
 
   // Forward and backward of every micro-batch of `sizes` (sum = batch), accumulating into the
   // gradient buffers and BatchNorm moment accumulators; returns the full-batch loss (0 in a dry
@@ -288,8 +299,10 @@ class Executor {
   // The allocation sequence of a step, on the current arena; real data when images != nullptr,
   // else a dry run.
   std::vector<StepPart*> parts_for(Placement placement, std::unique_ptr<HostGradients>& simulated) const;
+  // step() (wait: the loss read) and step_enqueued() (not).
+  StepResult run(const float* images, const std::int64_t* labels, std::int64_t batch, bool wait);
   void run_step(Placement placement, const float* images, const std::int64_t* labels,
-                const std::vector<std::int64_t>& sizes, double* loss);
+                const std::vector<std::int64_t>& sizes, PendingScalar* loss);
   // The hooks that tell the parts each parameter's gradient as it completes and when it is first
   // needed without a buffer (empty: no part wants it), and a backward under them.
   GradientReadyHook gradient_ready_hook() const;

@@ -15,8 +15,10 @@
 #include "core/tensor.h"
 #include "tally/config.h"
 #include "tests/gpu_common.h"
+#include "tests/pending_check.h"
 #include "tests/staging_check.h"
 #if TALLY_HAVE_CUDNN
+#include "kernels/cuda/context.h"
 #include "kernels/cuda/cuda_kernels.h"
 #endif
 
@@ -85,6 +87,25 @@ TEST(Gpu, TensorRoundTripThroughDevice) {
 TEST(Gpu, StagedInputsArriveConverted) {
   REQUIRE_GPU();
   test::check_input_staging(Device::cuda(0), test::fresh_seed());
+}
+
+// core/pending.h on a GPU: a value read without the host waiting, its tensor freed and its block
+// written over at once, arrives as it was (the device's later work waited for the copy); the first
+// get() is the one host wait (tensor_test: the same body on the CPU).
+TEST(Gpu, AValueReadWithoutWaitingArrivesAsItWas) {
+  REQUIRE_GPU();
+  test::check_pending_scalar(Device::cuda(0), test::fresh_seed());
+#if TALLY_HAVE_CUDA  // the host-wait counter is the CUDA context's
+  const Tensor x = Tensor::full({1}, 7.5, DType::Float32, Device::cuda(0));
+  synchronize(Device::cuda(0));
+  const std::uint64_t before = kernels::cuda::host_sync_count();
+  PendingScalar p = PendingScalar::read(x);
+  EXPECT_EQ(kernels::cuda::host_sync_count(), before) << "read() must not wait for the device";
+  EXPECT_EQ(p.get(), 7.5);
+  EXPECT_LE(kernels::cuda::host_sync_count(), before + 1) << "get() waits at most once";
+  EXPECT_EQ(p.get(), 7.5);
+  EXPECT_LE(kernels::cuda::host_sync_count(), before + 1) << "a second get() must not wait";
+#endif
 }
 
 TEST(Gpu, ReservingMoreThanTheDeviceHasIsAClearError) {

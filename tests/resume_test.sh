@@ -23,6 +23,10 @@
 #   mpi              two ranks (MPIEXEC): killed and resumed; SIGUSR1 stops both at one step;
 #                    resuming on another number of ranks is an error
 #   cuda             the kill points on the GPU (exit 77, skipped, when no GPU is present)
+#   deferred         the losses read a step late, as on a GPU (TALLY_TEST_DEFER_READS=1 holds the
+#                    CPU's back: docs/mbp.md, "The loss, a step late"): a whole run, a kill after a
+#                    step and one inside the next, and SIGINT, each against the plain reference —
+#                    the same checkpoints, metrics and weights
 set -u
 case_name=$1 tally=$2 mpiexec=${3:-}
 work=$(mktemp -d "${TMPDIR:-/tmp}/tally-resume.XXXXXX")
@@ -183,6 +187,31 @@ case $case_name in
     resume "$out" || { fail "offloaded: resume failed"; tail -5 "$out.log"; }
     grep -q "host tier: measured step peak .* — exact" "$out.log" || fail "offloaded: the host tier's peak was not exact"
     same_values "$out" "segments offloaded to the host tier, killed after step 7 and resumed"
+    ;;
+  deferred)
+    shortened_args
+    ARGS=("${base[@]}")
+    reference
+    out="$work/deferred"
+    run "$out" TALLY_TEST_DEFER_READS=1 || fail "the run with deferred losses failed"
+    same "$out" "$work/ref" "losses read a step late, uninterrupted"
+    for point in after-step:7 in-step:7:40; do
+      out="$work/deferred-${point//:/-}"
+      run "$out" TALLY_TEST_DEFER_READS=1 TALLY_TEST_SIGKILL="$point"
+      rc=$?
+      [[ $rc -eq 137 ]] || { fail "deferred, SIGKILL $point: expected exit 137, found $rc"; continue; }
+      TALLY_TEST_DEFER_READS=1 resume "$out" && same "$out" "$work/ref" "losses read a step late, SIGKILL $point, resumed"
+    done
+    out="$work/deferred-sigint"
+    TALLY_TEST_DEFER_READS=1 "$tally" train "${ARGS[@]}" --out "$out" --save "$out.safetensors" >"$out.log" 2>&1 & pid=$!
+    for _ in $(seq 100); do [[ $( (wc -l <"$out/metrics.csv") 2>/dev/null || echo 0) -ge 3 ]] && break; sleep 0.1; done
+    kill -INT $pid
+    wait $pid; rc=$?
+    [[ $rc -eq 130 ]] || fail "deferred, SIGINT: expected exit 130, found $rc"
+    last=$(grep -o "stopped by SIGINT after step [0-9]*" "$out.log" | grep -o "[0-9]*$")
+    rows=$(($(wc -l <"$out/metrics.csv") - 1))
+    [[ -n $last && $rows -eq $last ]] || fail "deferred, SIGINT after step ${last:-?}: metrics.csv has $rows steps"
+    TALLY_TEST_DEFER_READS=1 resume "$out" && same "$out" "$work/ref" "losses read a step late, SIGINT, resumed"
     ;;
   signals)
     reference

@@ -12,6 +12,7 @@
 #include "core/ops.h"
 #include "core/safetensors.h"
 #include "core/tensor.h"
+#include "tests/pending_check.h"
 #include "tests/staging_check.h"
 
 using namespace tally;
@@ -274,4 +275,20 @@ TEST(BFloat16, TensorsConvertFillGatherAndCountTwoBytes) {
 // labels copied (gpu_test runs the same body through pinned memory and uploads).
 TEST(Staging, FloatsArriveConvertedAndLabelsAsTheyWere) {
   tally::test::check_input_staging(Device::cpu(), std::random_device{}());
+}
+
+// core/pending.h on the CPU: a value read, then its tensor's block written over, reads as it was;
+// and with the CPU's reads held back (TALLY_TEST_DEFER_READS, tally train's deferred path) a read
+// is not ready until its get() (gpu_test: the same body on a GPU).
+TEST(Pending, AValueReadArrivesAsItWasAndDeferredReadsWaitForGet) {
+  tally::test::check_pending_scalar(Device::cpu(), std::random_device{}());
+  PendingScalar::defer_cpu_reads_for_tests(true);
+  struct Restore {
+    ~Restore() { PendingScalar::defer_cpu_reads_for_tests(false); }
+  } restore;
+  tally::test::check_pending_scalar(Device::cpu(), std::random_device{}());
+  PendingScalar p = PendingScalar::read(Tensor::full({1}, 3.25));
+  EXPECT_FALSE(p.ready()) << "a deferred CPU read must stay pending until get()";
+  EXPECT_EQ(p.get(), 3.25);
+  EXPECT_TRUE(p.ready());
 }
