@@ -1,12 +1,15 @@
 // nn/module.cpp — registration, recursive traversal, train/eval, zero_grad, to(Device).
 #include "nn/module.h"
 
+#include <algorithm>
+
 #include "core/offload.h"
 
 #include <fmt/format.h>
 
 #include "core/error.h"
 #include "core/memory.h"
+#include "nn/modules.h"
 
 namespace tally::nn {
 
@@ -192,6 +195,30 @@ void move_to_arena(Module& module, const std::shared_ptr<Arena>& arena) {
     if (t.storage()->arena() != arena) replace_in_place(t, into);
   for (auto& [name, t] : module.named_buffers())
     if (t.storage()->arena() != arena) replace_in_place(t, into);
+}
+
+namespace {
+// The stages under `m` (m itself not included) and their blocks, as Module::recompute_parts says.
+void find_stages(Module& m, Module::RecomputeParts& parts) {
+  for (const auto& [name, child] : m.named_children()) {
+    const auto kids = child->named_children();
+    const bool stage = dynamic_cast<Sequential*>(child.get()) != nullptr && !kids.empty() &&
+                       std::all_of(kids.begin(), kids.end(), [](const auto& k) { return !k.second->named_children().empty(); });
+    if (!stage) {
+      find_stages(*child, parts);
+      continue;
+    }
+    parts.stages.emplace_back(child->path(), child.get());
+    for (const auto& [index, block] : kids) parts.blocks.push_back(block.get());
+  }
+}
+}  // namespace
+
+Module::RecomputeParts Module::recompute_parts() {
+  RecomputeParts parts;
+  parts.block_noun = "block";
+  find_stages(*this, parts);
+  return parts;
 }
 
 }  // namespace tally::nn

@@ -125,15 +125,21 @@ class Module {
   // The parts of this model that recomputation may turn into segments, for the ladder of levels
   // of nn/recompute.h: its repeated blocks in forward order, the stages that group them (named,
   // in forward order), and a switch for a part of its forward that is not a module of its own (an
-  // ImageNet ResNet's stem). A model overrides it to take part in MBP's automatic recomputation;
-  // the default offers nothing (its only level is none).
+  // ImageNet ResNet's stem). A model may override it (the zoo's do); the default reads them from
+  // the module tree, so a model that says nothing still takes part in MBP's recomputation and
+  // per-segment offload: a stage is a Sequential whose children are all composite modules (each
+  // with children of its own: blocks, not single layers), named by its path ("layer2"); its
+  // children are the blocks. Stages are found outermost first, in registration order, taken to
+  // be the order forward() runs them; a stage's blocks are not searched further. A tree without
+  // one offers nothing (its only level is none). Each block must be called as a module
+  // ((*block)(x), not block->forward(x)) for its segment mode to apply.
   struct RecomputeParts {
     std::vector<Module*> blocks;
     std::vector<std::pair<std::string, Module*>> stages;
     SegmentMode* stem = nullptr;  // the mode of a non-module part run as one segment; null: none
     std::string block_noun = "residual block";  // "every residual block but the last"
   };
-  virtual RecomputeParts recompute_parts() { return {}; }
+  virtual RecomputeParts recompute_parts();
 
   // The model as a chain of segments whose composition, in order, is forward(): the cut points a
   // pipeline of stages may split it at (mbp/pipeline.h). A ResNet offers its stem, each residual
