@@ -261,6 +261,10 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   if (!opt.report.empty()) write_report(opt, executor, p, rows, sample, dev, limit, eo, out);
   fmt::print(out, "\nplan: {}\n", p.summary());
   fmt::print(out, "      live at the peak: {}\n", p.at_peak.str());
+  if (const std::size_t staging = executor.input_staging_bytes(p); staging > 0)
+    fmt::print(out, "      input staging: {} of page-locked host memory outside the budget (a ring of the inputs as {}: "
+                    "two steps, at most {}, at least three micro-batches)\n",
+               format_bytes(staging), dtype_name(executor.activation_dtype()), format_bytes(InputStager::kStagingBudget));
   if (eo.host_arena) print_placement(executor, p, out);
   print_recompute(executor, p, out);
   fmt::print(out, "      {} dry runs in {:.2f} s; nothing was computed\n", p.probes, p.seconds);

@@ -2,7 +2,9 @@
 // uploads on the copy stream on a GPU.
 #include "core/staging.h"
 
+#include <algorithm>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <vector>
 
@@ -14,10 +16,9 @@ namespace tally {
 
 struct InputStager::Impl {
   virtual ~Impl() = default;
-  virtual void begin_step(std::size_t bytes) = 0;
-  // Fills dst's `bytes` of staging at `offset` by calling write(where) once, then uploads them.
-  virtual std::size_t stage(const Tensor& dst, std::size_t bytes, std::size_t offset,
-                            const std::function<void(void*)>& write) = 0;
+  virtual void reserve(std::size_t capacity) = 0;
+  // Fills dst's `bytes` of staging by calling write(where) once, then uploads them.
+  virtual std::size_t stage(const Tensor& dst, std::size_t bytes, const std::function<void(void*)>& write) = 0;
   virtual void wait(std::size_t ticket) = 0;
 };
 
@@ -40,55 +41,76 @@ void write_converted(void* dst, const float* src, std::size_t count, DType dtype
 
 // The CPU: the inputs are copied when stage() is called; nothing to wait for.
 struct HostStager final : InputStager::Impl {
-  void begin_step(std::size_t) override {}
-  std::size_t stage(const Tensor& dst, std::size_t, std::size_t, const std::function<void(void*)>& write) override {
+  void reserve(std::size_t) override {}
+  std::size_t stage(const Tensor& dst, std::size_t, const std::function<void(void*)>& write) override {
     TALLY_DISPATCH("stage", dst, ANY, write(dst.raw_data()));  // timed by the profiler as "stage"
     return 0;
   }
   void wait(std::size_t) override {}
 };
 
-// A GPU: pinned staging and uploads on the copy stream. A template on the CUDA context's types,
-// so that a build without the CUDA backend, which creates none, never instantiates it.
+// A GPU: a ring of pinned staging and uploads on the copy stream (core/staging.h). A template on
+// the CUDA context's types, so that a build without the CUDA backend, which creates none, never
+// instantiates it.
 template <class PinnedBuffer = kernels::cuda::PinnedBuffer, class Event = kernels::cuda::Event>
 struct GpuStager final : InputStager::Impl {
   explicit GpuStager(int device) : device(device) {}
-  // Two buffers, one step each in turn: a step may begin while the last one's uploads are still
-  // in flight (its loss read a step late, core/pending.h), never while the one before it is.
-  void begin_step(std::size_t bytes) override {
+  void reserve(std::size_t capacity) override {
+    if (buffer.size() >= capacity) return;
     kernels::cuda::use_device(device);
-    current = 1 - current;
-    std::vector<Event>& mine = uploads[current];
-    if (!mine.empty() && !mine.back().done()) mine.back().wait();  // one copy stream: the last one says all
-    mine.clear();
-    PinnedBuffer& buffer = buffers[current];
-    if (buffer.size() < bytes) {
-      buffer = PinnedBuffer();  // the old block first: both at once may not fit
-      buffer = PinnedBuffer(bytes);
-    }
+    while (!inflight.empty()) retire();  // every upload from the old ring done before it goes
+    buffer = PinnedBuffer();  // the old block first: both at once may not fit
+    buffer = PinnedBuffer(capacity);
+    head = 0;
   }
-  std::size_t stage(const Tensor& dst, std::size_t bytes, std::size_t offset,
-                    const std::function<void(void*)>& write) override {
-    const PinnedBuffer& buffer = buffers[current];
-    if (offset + bytes > buffer.size())
-      throw Error(fmt::format("input staging: bytes [{}, {}) are outside the step's {} staged bytes (begin_step)",
-                              offset, offset + bytes, buffer.size()));
+  std::size_t stage(const Tensor& dst, std::size_t bytes, const std::function<void(void*)>& write) override {
+    const std::size_t size = aligned(bytes);
+    if (size > buffer.size())
+      throw Error(fmt::format("input staging: {} bytes at once, more than the {} reserved (reserve)", bytes,
+                              buffer.size()));
     namespace kcu = kernels::cuda;
     kcu::use_device(device);
-    void* slot = static_cast<char*>(buffer.data()) + offset;
+    // The bytes [head, head + size), after the tail the ring skips when it wraps: the uploads still
+    // reading them are the oldest in flight (handed out in ring order), waited for and retired.
+    const std::size_t skip_from = head;
+    if (head + size > buffer.size()) head = 0;
+    while (!inflight.empty()) {
+      const Upload& u = inflight.front();
+      const bool in_skipped = head == 0 && skip_from > 0 && u.start >= skip_from;
+      if (!in_skipped && !(u.start < head + size && head < u.end)) break;
+      retire();
+    }
+    void* slot = static_cast<char*>(buffer.data()) + head;
     write(slot);
     kcu::copy_wait(Event::record(kcu::compute_stream()));
-    uploads[current].push_back(kcu::upload_async(dst.raw_data(), slot, bytes));
-    return uploads[current].size() - 1;
+    inflight.push_back({next_ticket, head, head + size, kcu::upload_async(dst.raw_data(), slot, bytes)});
+    head += size;
+    return next_ticket++;
   }
   void wait(std::size_t ticket) override {
-    kernels::cuda::use_device(device);
-    kernels::cuda::compute_wait(uploads[current].at(ticket));
+    for (const Upload& u : inflight)
+      if (u.ticket == ticket) {
+        kernels::cuda::use_device(device);
+        kernels::cuda::compute_wait(u.done);
+        return;
+      }
+    // Retired: the host waited for it when its bytes were handed out again.
   }
+  static std::size_t aligned(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
+  void retire() {
+    const Upload& u = inflight.front();
+    if (!u.done.done()) u.done.wait();
+    inflight.pop_front();
+  }
+  struct Upload {
+    std::size_t ticket, start, end;
+    Event done;
+  };
   int device;
-  int current = 1;  // the buffer of the step under way (begin_step turns to the other)
-  PinnedBuffer buffers[2];
-  std::vector<Event> uploads[2];
+  PinnedBuffer buffer;
+  std::size_t head = 0;         // where the next bytes begin
+  std::size_t next_ticket = 0;
+  std::deque<Upload> inflight;  // in ring order, oldest first
 };
 
 }  // namespace
@@ -105,7 +127,14 @@ InputStager::InputStager(Device device) : device_(device) {
 
 InputStager::~InputStager() = default;
 
-void InputStager::begin_step(std::size_t bytes) { impl_->begin_step(bytes); }
+std::size_t InputStager::staging_capacity(std::size_t micro_batch_bytes, std::size_t step_bytes) {
+  constexpr auto aligned = [](std::size_t b) { return (b + 255) / 256 * 256; };
+  return std::max(std::min(2 * aligned(step_bytes), kStagingBudget), 3 * aligned(micro_batch_bytes));
+}
+
+void InputStager::reserve(std::size_t micro_batch_bytes, std::size_t step_bytes) {
+  impl_->reserve(staging_capacity(micro_batch_bytes, step_bytes));
+}
 namespace {
 void check_fills(const Tensor& dst, std::size_t bytes, Device device) {
   if (dst.device() != device || dst.nbytes() != bytes || !dst.is_contiguous())
@@ -114,16 +143,15 @@ void check_fills(const Tensor& dst, std::size_t bytes, Device device) {
 }
 }  // namespace
 
-std::size_t InputStager::stage(const Tensor& dst, const void* src, std::size_t bytes, std::size_t offset) {
+std::size_t InputStager::stage(const Tensor& dst, const void* src, std::size_t bytes) {
   check_fills(dst, bytes, device_);
-  return impl_->stage(dst, bytes, offset, [&](void* to) {
+  return impl_->stage(dst, bytes, [&](void* to) {
     if (bytes > 0) std::memcpy(to, src, bytes);
   });
 }
-std::size_t InputStager::stage_floats(const Tensor& dst, const float* src, std::size_t count, std::size_t offset) {
+std::size_t InputStager::stage_floats(const Tensor& dst, const float* src, std::size_t count) {
   check_fills(dst, count * dtype_size(dst.dtype()), device_);
-  return impl_->stage(dst, count * dtype_size(dst.dtype()), offset,
-                      [&](void* to) { write_converted(to, src, count, dst.dtype()); });
+  return impl_->stage(dst, count * dtype_size(dst.dtype()), [&](void* to) { write_converted(to, src, count, dst.dtype()); });
 }
 void InputStager::wait(std::size_t ticket) { impl_->wait(ticket); }
 

@@ -5,12 +5,16 @@
 // samples are copied into page-locked (pinned) host memory and uploaded from there on the
 // device's copy stream, after the compute work enqueued so far (the arena may have handed the
 // input's blocks over from tensors that work still reads); the compute stream waits for an
-// upload only when wait() is called for it, and the host never waits for one. So the upload of
+// upload only when wait() is called for it, and the host only when the ring below needs its bytes
+// again. So the upload of
 // micro-batch i+1 overlaps the compute of micro-batch i when the caller stages one ahead
-// (overlaps() says whether that pays). The pinned memory holds the whole step's inputs, at
-// offsets the caller chooses, never reused within a step; there are two such buffers, a step's
-// each in turn, so that a step may be staged while the last one still computes (its loss read a
-// step late: core/pending.h) — begin_step() waits only for the uploads of the step before that.
+// (overlaps() says whether that pays). The pinned memory is a ring the stager hands out in order:
+// each stage() takes the next bytes and, before it writes them, waits for the uploads that last
+// read them — so a step may be staged while the one before still computes (its loss read a step
+// late, core/pending.h), and the host runs at most a ring ahead of the device. The ring holds two
+// whole steps where they are small, else kStagingBudget bytes, and never fewer than three of the
+// largest micro-batches (the one computing, the next uploading, one more being written):
+// staging_capacity() says how much, and `tally plan` shows it.
 //
 // Device-neutral: the executor writes one path for both; the GPU half lives in
 // kernels/cuda/context.h (PinnedBuffer, Event, upload_async) and is compiled out of a build
@@ -31,19 +35,25 @@ class InputStager {
   InputStager(const InputStager&) = delete;
   InputStager& operator=(const InputStager&) = delete;
 
-  // A step of `bytes` of inputs begins: a GPU's other pinned buffer, once the uploads of the step
-  // that last used it are done (the step before last: long done unless the host ran ahead),
-  // grows to hold them.
-  void begin_step(std::size_t bytes);
+  // The most pinned memory a ring takes when its steps are larger than two of them fit: 256 MiB.
+  static constexpr std::size_t kStagingBudget = std::size_t(256) << 20;
+  // The ring's size for steps of `step_bytes` staged in micro-batches of at most
+  // `micro_batch_bytes` (a GPU's; the CPU stages nothing): 2 x step_bytes up to kStagingBudget,
+  // and at least 3 x micro_batch_bytes (256-byte aligned parts).
+  static std::size_t staging_capacity(std::size_t micro_batch_bytes, std::size_t step_bytes);
+  // A step's staging needs: a GPU's ring grows to staging_capacity (after the uploads that read the
+  // old one are done); nothing on the CPU.
+  void reserve(std::size_t micro_batch_bytes, std::size_t step_bytes);
   // Copies `bytes` from host memory at `src` into the dense tensor `dst` (on this stager's device)
-  // through staging bytes [offset, offset + bytes); returns the ticket of this upload.
-  std::size_t stage(const Tensor& dst, const void* src, std::size_t bytes, std::size_t offset);
+  // through the ring's next bytes; returns the ticket of this upload.
+  std::size_t stage(const Tensor& dst, const void* src, std::size_t bytes);
   // The same for `count` float32 values at `src` converted to dst's dtype (float32, bf16 or
   // float64) on their way: written straight into the staging bytes (a GPU's pinned memory, the
   // CPU's tensor itself) by the host's threads, with no converted copy in between.
-  std::size_t stage_floats(const Tensor& dst, const float* src, std::size_t count, std::size_t offset);
+  std::size_t stage_floats(const Tensor& dst, const float* src, std::size_t count);
   // Work enqueued on the device from now on sees the upload `ticket` and every upload staged
-  // before it (they share one copy stream); no host wait.
+  // before it (they share one copy stream); no host wait. A ticket whose bytes the ring has
+  // handed out again was waited for then: nothing to do.
   void wait(std::size_t ticket);
   // Whether staging runs beside compute (a GPU), so that staging one micro-batch ahead pays.
   bool overlaps() const { return device_.is_cuda(); }

@@ -49,28 +49,31 @@ double batch_divisor(const std::int64_t* labels, std::int64_t batch, const Cross
   return divisor;
 }
 
-// The bytes of staging one step of `batch` samples takes: all images, then all labels.
-std::size_t staging_bytes(std::int64_t batch, std::int64_t sample_numel, DType dtype) {
-  return static_cast<std::size_t>(batch) * (static_cast<std::size_t>(sample_numel) * dtype_size(dtype) + sizeof(std::int64_t));
+// The bytes of staging `n` samples take: their images, then their labels.
+std::size_t staging_bytes(std::int64_t n, std::int64_t sample_numel, DType dtype) {
+  return static_cast<std::size_t>(n) * (static_cast<std::size_t>(sample_numel) * dtype_size(dtype) + sizeof(std::int64_t));
+}
+
+void reserve_staging(InputStager& stager, const std::vector<std::int64_t>& sizes, std::int64_t sample_numel,
+                     DType dtype) {
+  std::int64_t largest = 0, batch = 0;
+  for (std::int64_t n : sizes) largest = std::max(largest, n), batch += n;
+  stager.reserve(staging_bytes(largest, sample_numel, dtype), staging_bytes(batch, sample_numel, dtype));
 }
 
 // Stages images [offset, offset + n) of the host batch into `x` (float images converted to x's
-// dtype, the activations', on their way into the staging, by the host's threads), at their place in
-// the step's staging layout (all images, then all labels); returns the upload's ticket.
+// dtype, the activations', on their way into the staging, by the host's threads); returns the
+// upload's ticket.
 std::size_t stage_images(Tensor& x, InputStager& stager, const float* images, std::int64_t offset, std::int64_t n,
                          std::int64_t sample_numel) {
   const float* src = images + offset * sample_numel;
-  const std::size_t count = static_cast<std::size_t>(n * sample_numel);
-  const std::size_t image_offset = static_cast<std::size_t>(offset * sample_numel) * dtype_size(x.dtype());
-  return stager.stage_floats(x, src, count, image_offset);
+  return stager.stage_floats(x, src, static_cast<std::size_t>(n * sample_numel));
 }
 
-// The labels [offset, offset + n) into `y`, after the images in the staging layout.
-std::size_t stage_labels(Tensor& y, InputStager& stager, const std::int64_t* labels, std::int64_t offset, std::int64_t n,
-                         std::int64_t batch, std::int64_t sample_numel, DType dtype) {
-  const std::size_t label_offset =
-      static_cast<std::size_t>(batch * sample_numel) * dtype_size(dtype) + offset * sizeof(std::int64_t);
-  return stager.stage(y, labels + offset, static_cast<std::size_t>(n) * sizeof(std::int64_t), label_offset);
+// The labels [offset, offset + n) into `y`.
+std::size_t stage_labels(Tensor& y, InputStager& stager, const std::int64_t* labels, std::int64_t offset,
+                         std::int64_t n) {
+  return stager.stage(y, labels + offset, static_cast<std::size_t>(n) * sizeof(std::int64_t));
 }
 
 }  // namespace detail
@@ -105,10 +108,10 @@ Inputs allocate_inputs(std::int64_t n, const Shape& sample_shape, DType dtype, D
 
 // Both, for one micro-batch of the whole model.
 void fill_inputs(Inputs& in, InputStager& stager, const float* images, const std::int64_t* labels, std::int64_t offset,
-                 std::int64_t n, std::int64_t batch, std::int64_t sample_numel, DType dtype) {
+                 std::int64_t n, std::int64_t sample_numel) {
   if (skip_side_effects()) return;
   stage_images(in.x, stager, images, offset, n, sample_numel);
-  in.uploaded = stage_labels(in.y, stager, labels, offset, n, batch, sample_numel, dtype);
+  in.uploaded = stage_labels(in.y, stager, labels, offset, n);
 }
 
 // Data parallelism: any communicator but the local one (an MPI or NCCL world of one too); a
@@ -300,7 +303,7 @@ Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels
   // State across micro-batches (BatchNorm's moments) gathers from here; run_step applies it.
   for (nn::StepState* s : states_) s->begin_step();
 
-  if (!dry) stager_->begin_step(staging_bytes(batch, sample_numel_, activation_dtype_));
+  if (!dry) reserve_staging(*stager_, sizes, sample_numel_, activation_dtype_);
 
   EnableGradGuard grad_on;  // the step records its tape even if the caller is in a NoGradGuard
   // The loss of the step, summed where it is computed: read once, after the optimizer step.
@@ -314,7 +317,7 @@ Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels
   Inputs next;
   if (prefetch) {
     next = allocate_inputs(sizes[0], opt_.sample_shape, activation_dtype_, device_);
-    fill_inputs(next, *stager_, images, labels, 0, sizes[0], batch, sample_numel_, activation_dtype_);
+    fill_inputs(next, *stager_, images, labels, 0, sizes[0], sample_numel_);
   }
   for (std::size_t i = 0; i < k; ++i) {
     mark_trace(device_, fmt::format("micro-batch {}/{} ({} samples)", i + 1, k, sizes[i]));
@@ -324,11 +327,11 @@ Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels
       next = Inputs{};
       if (i + 1 < k) {
         next = allocate_inputs(sizes[i + 1], opt_.sample_shape, activation_dtype_, device_);
-        fill_inputs(next, *stager_, images, labels, offset + sizes[i], sizes[i + 1], batch, sample_numel_, activation_dtype_);
+        fill_inputs(next, *stager_, images, labels, offset + sizes[i], sizes[i + 1], sample_numel_);
       }
     } else {
       cur = allocate_inputs(sizes[i], opt_.sample_shape, activation_dtype_, device_);
-      fill_inputs(cur, *stager_, images, labels, offset, sizes[i], batch, sample_numel_, activation_dtype_);
+      fill_inputs(cur, *stager_, images, labels, offset, sizes[i], sample_numel_);
     }
     if (!dry) stager_->wait(cur.uploaded);
     cur.x = cur.x.contiguous(opt_.memory_format);  // the staged row-major input is freed when converted
@@ -431,6 +434,12 @@ void Executor::discard_partial_step() {
   if (host_gradients_) host_gradients_->drop_transient();
   optimizer_.zero_grad();
   for (nn::StepState* s : states_) s->discard();
+}
+
+std::size_t Executor::input_staging_bytes(const Plan& plan) const {
+  if (!stager_->overlaps()) return 0;
+  return InputStager::staging_capacity(staging_bytes(plan.micro_batch, sample_numel_, activation_dtype_),
+                                       staging_bytes(plan.batch_size, sample_numel_, activation_dtype_));
 }
 
 StepResult Executor::step(const float* images, const std::int64_t* labels, std::int64_t batch) {

@@ -252,6 +252,10 @@ class Executor {
   Device device() const { return device_; }
   // The dtype of the step's activations: the model's, or bfloat16 under Precision::bf16.
   DType activation_dtype() const { return activation_dtype_; }
+  // The page-locked host memory the steps of `plan` stage their inputs through (core/staging.h: a
+  // GPU's ring; 0 on the CPU, which copies straight into the inputs). Outside both budgets;
+  // `tally plan` shows it.
+  std::size_t input_staging_bytes(const Plan& plan) const;
   MemoryFormat memory_format() const { return opt_.memory_format; }
 
   ~Executor();

@@ -136,7 +136,7 @@ Tensor StageRunner::run(const float* images, const std::int64_t* labels, const s
   for (std::int64_t n : sizes) r.offsets.push_back(r.offsets.back() + n);
   if (r.last && !r.dry) r.divisor = batch_divisor(labels, r.batch, loss_);  // on the stage that has the targets
   for (nn::StepState* s : states_) s->begin_step();
-  if (!r.dry && (r.first || r.last)) stager_.begin_step(staging_bytes(r.batch, model_sample_numel_, activation_dtype_));
+  if (!r.dry && (r.first || r.last)) reserve_staging(stager_, sizes, model_sample_numel_, activation_dtype_);
   EnableGradGuard grad_on;
   if (r.last) r.total = Tensor::zeros({}, dtype_, device_, Category::temporary, "step_loss");
   const auto k = static_cast<std::int64_t>(sizes.size());
@@ -191,7 +191,7 @@ void StageRunner::forward(Run& r, std::size_t i) {
   // The last stage: the loss with the whole batch's divisor, and its backward at once.
   Tensor y = Tensor::empty({n}, DType::Int64, device_, Category::input, "labels");
   if (!r.dry) {
-    stager_.wait(stage_labels(y, stager_, r.labels, r.offsets[i], n, r.batch, model_sample_numel_, activation_dtype_));
+    stager_.wait(stage_labels(y, stager_, r.labels, r.offsets[i], n));
     if (!r.targets_checked) {
       check_cross_entropy_targets(r.labels, r.batch, out.size(1), loss_.ignore_index);
       r.targets_checked = true;

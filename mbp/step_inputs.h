@@ -19,14 +19,17 @@ Shape batch_shape(std::int64_t n, const Shape& sample);
 std::int64_t checked_batch(const std::vector<std::int64_t>& sizes);
 // The loss divisor D of a whole batch, counted on the host; an Error when it counts no target.
 double batch_divisor(const std::int64_t* labels, std::int64_t batch, const CrossEntropyOptions& loss);
-// The bytes of staging one step of `batch` samples takes: all images, then all labels.
-std::size_t staging_bytes(std::int64_t batch, std::int64_t sample_numel, DType dtype);
+// The bytes of staging `n` samples take: their images in `dtype`, then their labels.
+std::size_t staging_bytes(std::int64_t n, std::int64_t sample_numel, DType dtype);
+// The stager's needs for a step of micro-batches of `sizes` (InputStager::reserve).
+void reserve_staging(InputStager& stager, const std::vector<std::int64_t>& sizes, std::int64_t sample_numel,
+                     DType dtype);
 // Stages images [offset, offset + n) of the host batch into `x` (converted to x's dtype, the
-// activations'), at their place in the step's staging layout; returns the upload's ticket.
+// activations'); returns the upload's ticket.
 std::size_t stage_images(Tensor& x, InputStager& stager, const float* images, std::int64_t offset, std::int64_t n,
                          std::int64_t sample_numel);
-// The labels [offset, offset + n) into `y`, after the images in the staging layout.
-std::size_t stage_labels(Tensor& y, InputStager& stager, const std::int64_t* labels, std::int64_t offset, std::int64_t n,
-                         std::int64_t batch, std::int64_t sample_numel, DType dtype);
+// The labels [offset, offset + n) into `y`.
+std::size_t stage_labels(Tensor& y, InputStager& stager, const std::int64_t* labels, std::int64_t offset,
+                         std::int64_t n);
 
 }  // namespace tally::mbp::detail

@@ -1,6 +1,6 @@
 // tests/staging_check.h — one test body for core/staging.h's InputStager on any device: floats
 // staged into float32, bf16 and float64 tensors (converted on their way) and int64 labels arrive
-// as the host's own conversions, at their offsets in one step's staging; a size that does not
+// as the host's own conversions, through a ring of staging that wraps; a size that does not
 // fill the tensor is a clear error. tensor_test runs it on the CPU, gpu_test on a GPU.
 #pragma once
 #include <gtest/gtest.h>
@@ -30,19 +30,28 @@ inline void check_input_staging(Device device, std::uint32_t seed) {
   for (auto& l : labels) l = static_cast<std::int64_t>(rng() % 1000) - 7;
 
   InputStager stager(device);
-  const std::size_t labels_at = count * (4 + 2 + 8);  // the three images' staging, then the labels
-  stager.begin_step(labels_at + labels.size() * sizeof(std::int64_t));
-  std::size_t offset = 0;
+  // The ring's size: two steps up to the budget, three micro-batches at least.
+  constexpr std::size_t MiB = std::size_t(1) << 20;
+  EXPECT_EQ(InputStager::staging_capacity(MiB, 100 * MiB), 200 * MiB);
+  EXPECT_EQ(InputStager::staging_capacity(MiB, 1024 * MiB), InputStager::kStagingBudget);
+  EXPECT_EQ(InputStager::staging_capacity(100 * MiB, 1024 * MiB), 300 * MiB);
+  // A ring of three float64 stagings: the float32, bf16 and float64 images and the labels, four
+  // rounds, so the ring wraps and each stage waits for the upload that last read its bytes (on a GPU).
+  const std::size_t largest = count * 8;
+  stager.reserve(largest, largest);
   std::vector<Tensor> staged;
-  std::size_t last = 0;
-  for (DType t : {DType::Float32, DType::BFloat16, DType::Float64}) {
-    staged.push_back(Tensor::empty({static_cast<std::int64_t>(count)}, t, device, Category::input, "input"));
-    last = stager.stage_floats(staged.back(), images.data(), count, offset);
-    offset += count * dtype_size(t);
+  Tensor y;
+  for (int round = 0; round < 4; ++round) {
+    staged.clear();
+    std::size_t last = 0;
+    for (DType t : {DType::Float32, DType::BFloat16, DType::Float64}) {
+      staged.push_back(Tensor::empty({static_cast<std::int64_t>(count)}, t, device, Category::input, "input"));
+      last = stager.stage_floats(staged.back(), images.data(), count);
+    }
+    y = Tensor::empty({static_cast<std::int64_t>(labels.size())}, DType::Int64, device, Category::input, "labels");
+    last = stager.stage(y, labels.data(), labels.size() * sizeof(std::int64_t));
+    stager.wait(last);  // every upload staged before it too
   }
-  Tensor y = Tensor::empty({static_cast<std::int64_t>(labels.size())}, DType::Int64, device, Category::input, "labels");
-  last = stager.stage(y, labels.data(), labels.size() * sizeof(std::int64_t), labels_at);
-  stager.wait(last);  // every upload staged before it too
   synchronize(device);
 
   const std::vector<float> as_f32 = staged[0].to(Device::cpu()).to_vector<float>();
@@ -58,7 +67,7 @@ inline void check_input_staging(Device device, std::uint32_t seed) {
 
   // A count that does not fill the tensor: an error naming both, nothing written.
   try {
-    stager.stage_floats(staged[0], images.data(), count - 1, 0);
+    stager.stage_floats(staged[0], images.data(), count - 1);
     ADD_FAILURE() << "staging too few floats was accepted";
   } catch (const ShapeError& e) {
     EXPECT_NE(std::string(e.what()).find("cannot fill"), std::string::npos) << e.what();
