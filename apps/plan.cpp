@@ -175,8 +175,8 @@ std::optional<DeviceFile> described_gpu(const PlanOptions& opt, Device dev) {
                             "numbers (the rates of a GPU that is not here cannot be measured), found {} and {}",
                             opt.copy_bandwidth, opt.compute_rate));
   if (const std::size_t limit = parse_memory_limit(opt.memory_limit, dev); limit > f.total_memory)
-    fmt::print(stderr, "tally plan: warning: --memory-limit {} is more than the {} has ({})\n", opt.memory_limit, f.name,
-               format_bytes(f.total_memory));
+    fmt::print(stderr, "tally plan: warning: --memory-limit {} is more than the {} has ({})\n", opt.memory_limit,
+               f.name, format_bytes(f.total_memory));
   return f;
 }
 
@@ -262,9 +262,10 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   fmt::print(out, "\nplan: {}\n", p.summary());
   fmt::print(out, "      live at the peak: {}\n", p.at_peak.str());
   if (const std::size_t staging = executor.input_staging_bytes(p); staging > 0)
-    fmt::print(out, "      input staging: {} of page-locked host memory outside the budget (a ring of the inputs as {}: "
-                    "two steps, at most {}, at least three micro-batches)\n",
-               format_bytes(staging), dtype_name(executor.activation_dtype()), format_bytes(InputStager::kStagingBudget));
+    fmt::print(out, "      input staging: {} of page-locked host memory outside the budget (a ring of the inputs as "
+                    "{}: two steps, at most {}, at least three micro-batches)\n",
+               format_bytes(staging), dtype_name(executor.activation_dtype()),
+               format_bytes(InputStager::kStagingBudget));
   if (eo.host_arena) print_placement(executor, p, out);
   print_recompute(executor, p, out);
   fmt::print(out, "      {} dry runs in {:.2f} s; nothing was computed\n", p.probes, p.seconds);

@@ -151,7 +151,8 @@ std::size_t InputStager::stage(const Tensor& dst, const void* src, std::size_t b
 }
 std::size_t InputStager::stage_floats(const Tensor& dst, const float* src, std::size_t count) {
   check_fills(dst, count * dtype_size(dst.dtype()), device_);
-  return impl_->stage(dst, count * dtype_size(dst.dtype()), [&](void* to) { write_converted(to, src, count, dst.dtype()); });
+  return impl_->stage(dst, count * dtype_size(dst.dtype()),
+                      [&](void* to) { write_converted(to, src, count, dst.dtype()); });
 }
 void InputStager::wait(std::size_t ticket) { impl_->wait(ticket); }
 

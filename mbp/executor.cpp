@@ -51,7 +51,8 @@ double batch_divisor(const std::int64_t* labels, std::int64_t batch, const Cross
 
 // The bytes of staging `n` samples take: their images, then their labels.
 std::size_t staging_bytes(std::int64_t n, std::int64_t sample_numel, DType dtype) {
-  return static_cast<std::size_t>(n) * (static_cast<std::size_t>(sample_numel) * dtype_size(dtype) + sizeof(std::int64_t));
+  return static_cast<std::size_t>(n) *
+         (static_cast<std::size_t>(sample_numel) * dtype_size(dtype) + sizeof(std::int64_t));
 }
 
 void reserve_staging(InputStager& stager, const std::vector<std::int64_t>& sizes, std::int64_t sample_numel,

@@ -202,8 +202,9 @@ namespace {
 void find_stages(Module& m, Module::RecomputeParts& parts) {
   for (const auto& [name, child] : m.named_children()) {
     const auto kids = child->named_children();
+    const auto composite = [](const auto& k) { return !k.second->named_children().empty(); };
     const bool stage = dynamic_cast<Sequential*>(child.get()) != nullptr && !kids.empty() &&
-                       std::all_of(kids.begin(), kids.end(), [](const auto& k) { return !k.second->named_children().empty(); });
+                       std::all_of(kids.begin(), kids.end(), composite);
     if (!stage) {
       find_stages(*child, parts);
       continue;

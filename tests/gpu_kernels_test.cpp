@@ -840,7 +840,8 @@ void vectorized_batch_norm_gives_the_scalar_bits() {
   for (auto [N, C, HW] : std::vector<std::array<i64, 3>>{{4, 40, 49}, {16, 64, 784}, {2, 2048, 49}, {3, 12, 5}}) {
     for (bool fused : {false, true}) {
       const auto seed = fresh_seed();
-      SCOPED_TRACE(testing::Message() << "N " << N << " C " << C << " HW " << HW << " fused " << fused << " seed " << seed);
+      SCOPED_TRACE(testing::Message() << "N " << N << " C " << C << " HW " << HW << " fused " << fused << " seed "
+                                      << seed);
       std::mt19937 rng(seed);
       const i64 n = N * C * HW;
       const auto bnws = scratch(kg::batch_norm_workspace_bytes(N, C, HW, true));

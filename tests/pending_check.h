@@ -44,7 +44,8 @@ inline void check_pending_scalar(Device device, std::uint32_t seed) {
       EXPECT_EQ(reads[static_cast<std::size_t>(i)].get(), value + i) << "read " << i << " again";
     }
   }
-  for (const Tensor& bad : {Tensor::full({2}, 1.0, DType::Float32, device), Tensor::full({1}, 1.0, DType::Int64, device)}) {
+  for (const Tensor& bad :
+       {Tensor::full({2}, 1.0, DType::Float32, device), Tensor::full({1}, 1.0, DType::Int64, device)}) {
     try {
       (void)PendingScalar::read(bad);
       ADD_FAILURE() << "read of " << bad.str() << " was accepted";

@@ -35,9 +35,10 @@ class ResBlock : public nn::Module {
     conv2 = register_module("conv2", std::make_shared<nn::Conv2d>(out, out, 3, 1, 1, 1, 1, false));
     bn2 = register_module("bn2", std::make_shared<nn::BatchNorm2d>(out));
     if (stride != 1 || in != out)  // a projection where the shape changes
-      downsample = register_module("downsample", std::make_shared<nn::Sequential>(std::initializer_list<std::shared_ptr<nn::Module>>{
-                                                     std::make_shared<nn::Conv2d>(in, out, 1, stride, 0, 1, 1, false),
-                                                     std::make_shared<nn::BatchNorm2d>(out)}));
+      downsample = register_module("downsample", std::make_shared<nn::Sequential>(
+                                           std::initializer_list<std::shared_ptr<nn::Module>>{
+                                               std::make_shared<nn::Conv2d>(in, out, 1, stride, 0, 1, 1, false),
+                                               std::make_shared<nn::BatchNorm2d>(out)}));
   }
   Tensor forward(const Tensor& x) override {
     const Tensor y = (*bn2)((*conv2)(relu((*bn1)((*conv1)(x)))));
@@ -62,7 +63,8 @@ class SmallResNet : public nn::Module {
     for (int s = 0; s < 3; ++s) {
       auto stage = std::make_shared<nn::Sequential>();
       const std::int64_t out = std::int64_t{16} << s;
-      for (int b = 0; b < blocks; ++b) stage->push_back(std::make_shared<ResBlock>(b == 0 ? in : out, out, b == 0 && s > 0 ? 2 : 1));
+      for (int b = 0; b < blocks; ++b)
+        stage->push_back(std::make_shared<ResBlock>(b == 0 ? in : out, out, b == 0 && s > 0 ? 2 : 1));
       layers.push_back(register_module(fmt::format("layer{}", s + 1), stage));
       in = out;
     }

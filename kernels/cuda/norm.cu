@@ -489,8 +489,9 @@ __device__ __forceinline__ void store_vec(T* p, const Vec<T>& v) {
   *reinterpret_cast<Vec<T>*>(p) = v;
 }
 
-#define TALLY_VEC_ROW_LOOP(r, M) \
-  for (i64 r = static_cast<i64>(blockIdx.y) * blockDim.y + threadIdx.y; r < (M); r += static_cast<i64>(blockDim.y) * gridDim.y)
+#define TALLY_VEC_ROW_LOOP(r, M)                                                       \
+  for (i64 r = static_cast<i64>(blockIdx.y) * blockDim.y + threadIdx.y; r < (M); \
+       r += static_cast<i64>(blockDim.y) * gridDim.y)
 
 template <class T>
 __global__ void bn_normalize_nhwc_vec_kernel(i64 M, i64 C, const T* __restrict__ x, const double* __restrict__ coef,
@@ -520,8 +521,8 @@ __global__ void bn_normalize_nhwc_vec_kernel(i64 M, i64 C, const T* __restrict__
 template <class T>
 __global__ void bn_backward_dx_nhwc_vec_kernel(i64 M, i64 C, const T* dy /* dx may be dy */, const T* __restrict__ y,
                                                const T* __restrict__ x, const double* __restrict__ mean_,
-                                               const double* __restrict__ invstd_, const double* __restrict__ coef, T* dx,
-                                               S<T> beta_dx) {
+                                               const double* __restrict__ invstd_, const double* __restrict__ coef,
+                                               T* dx, S<T> beta_dx) {
   const i64 c0 = (static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x) * kVec;
   if (c0 >= C) return;
   double mean[kVec], invstd[kVec], k[kVec], m1[kVec], m2[kVec];
@@ -560,7 +561,8 @@ VecLaunch vec_launch(i64 M, i64 C) {
   const i64 tx = std::min<i64>(G, kNormThreads), ty = std::max<i64>(1, kNormThreads / tx);
   const i64 gx = (G + tx - 1) / tx;
   const i64 gy = std::clamp<i64>((kVecBlocks + gx - 1) / gx, 1, std::min<i64>((M + ty - 1) / ty, 65535));
-  return {dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)), dim3(static_cast<unsigned>(tx), static_cast<unsigned>(ty))};
+  return {dim3(static_cast<unsigned>(gx), static_cast<unsigned>(gy)),
+          dim3(static_cast<unsigned>(tx), static_cast<unsigned>(ty))};
 }
 
 // Tests compare the vectorized passes with the scalar ones (set_batch_norm_vectorized).
