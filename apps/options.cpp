@@ -293,6 +293,7 @@ struct Field {
   std::function<std::string(const Targets&, const std::string& name)> text;
   std::function<std::string(const Targets&, const std::string& name, const std::string& value)> read;
   std::string type;
+  std::function<std::string()> type_of;  // the type, asked when the command line is made (a choice's names)
   std::string on = "true", off = "false";  // a flag's values (augment: on and off)
 };
 
@@ -333,7 +334,8 @@ Field choice(std::string C::*member, const std::vector<std::string>& (*names)())
     part<C>(t, name).*member = value;
     return std::string();
   };
-  f.type = fmt::format("{}", fmt::join(names(), "|"));
+  // Asked when a command line is made, not when this table is: nn::register_model may add --model's.
+  f.type_of = [names] { return fmt::format("{}", fmt::join(names(), "|")); };
   return f;
 }
 
@@ -590,7 +592,7 @@ void register_options(CLI::App& cli, const Targets& t, unsigned command) {
         };
         CLI::Option* opt = cli.add_option(flag, CLI::callback_t(set_given), help);
         opt->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
-        opt->type_name(o.field.type);
+        opt->type_name(o.field.type_of ? o.field.type_of() : o.field.type);
         if (o.show_default) opt->default_str(o.field.text(t, o.name));
         break;
       }

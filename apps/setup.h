@@ -31,7 +31,7 @@ namespace tally::app {
 std::optional<std::int64_t> parse_positive_integer(const std::string& s);
 
 // The rule of a number option: the smallest value it takes, the largest if any, and whether it
-// must be whole. One rule per flag, used by the command line's validators (apps/tally.cpp) and by
+// must be whole. One rule per flag, used by the command line's validators (apps/command_line.cpp) and by
 // the checks of the C++ entry points (check_train_options, plan), so both say the same thing:
 // "--lr: must be a non-negative number, found -1".
 struct NumberRule {

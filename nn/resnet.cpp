@@ -2,6 +2,7 @@
 #include "nn/resnet.h"
 
 #include <algorithm>
+#include <map>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -334,16 +335,38 @@ std::vector<Module::Segment> ResNet9::segments() {
 }
 
 // ---- factory ------------------------------------------------------------------------------------
-const std::vector<std::string>& model_names() {
-  static const std::vector<std::string> names = {"resnet20", "resnet32", "resnet44", "resnet56", "resnet110",
-                                                 "resnet18", "resnet34", "resnet50", "resnet9"};
-  return names;
+namespace {
+std::vector<std::string>& names() {
+  static std::vector<std::string> all = {"resnet20", "resnet32", "resnet44", "resnet56", "resnet110",
+                                         "resnet18", "resnet34", "resnet50", "resnet9"};
+  return all;
+}
+std::map<std::string, ModelFactory>& registered() {
+  static std::map<std::string, ModelFactory> factories;
+  return factories;
+}
+}  // namespace
+
+const std::vector<std::string>& model_names() { return names(); }
+
+void register_model(const std::string& name, ModelFactory factory) {
+  if (name.empty() || !factory) throw Error("register_model: expected a name and a factory, found an empty one");
+  if (std::find(names().begin(), names().end(), name) != names().end())
+    throw Error(fmt::format("register_model: expected a new name, found '{}', which is taken (models: {})", name,
+                            fmt::join(names(), ", ")));
+  registered().emplace(name, std::move(factory));
+  names().push_back(name);
 }
 
 std::shared_ptr<Module> make_model(const ModelConfig& c) {
   if (c.in_channels < 1 || c.num_classes < 1)
     throw Error(fmt::format("make_model: in_channels and num_classes must be >= 1, found {} and {}", c.in_channels,
                             c.num_classes));
+  if (const auto it = registered().find(c.name); it != registered().end()) {
+    std::shared_ptr<Module> m = it->second(c);
+    if (!m) throw Error(fmt::format("make_model: the factory registered for '{}' made no model", c.name));
+    return m;
+  }
   for (std::int64_t depth : {20, 32, 44, 56, 110})
     if (c.name == fmt::format("resnet{}", depth)) return std::make_shared<CifarResNet>(depth, c.in_channels, c.num_classes, c.norm);
   if (c.name == "resnet18")

@@ -35,6 +35,7 @@
 // module names (bn1, bn2, downsample.1, prep.1, ...) stay the same whatever the norm.
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -139,8 +140,15 @@ struct ModelConfig {
   Norm norm = Norm::Batch;
 };
 // resnet20 | resnet32 | resnet44 | resnet56 | resnet110 | resnet18 | resnet34 | resnet50 |
-// resnet9; tally::Error listing these otherwise.
+// resnet9, then the names registered (register_model); tally::Error listing them otherwise.
 std::shared_ptr<Module> make_model(const ModelConfig& config);
 const std::vector<std::string>& model_names();
+// A model of one's own by name: from now on make_model and model_names know it, and so does every
+// part of tally that makes a model by name — `tally`'s command line (apps/command_line.h:
+// `--model NAME` for train, plan and sweep, a run's checkpoints and --resume). The factory gets
+// the run's ModelConfig (its input channels, classes and --norm, which it may ignore). Register
+// before anything asks for the name; an Error for an empty name or one already taken.
+using ModelFactory = std::function<std::shared_ptr<Module>(const ModelConfig& config)>;
+void register_model(const std::string& name, ModelFactory factory);
 
 }  // namespace tally::nn

@@ -15,3 +15,4 @@ cmake -S "$work/consumer" -B "$work/build" -DCMAKE_PREFIX_PATH="$work/prefix" -D
 cmake --build "$work/build" >"$work/build.log" 2>&1 || { cat "$work/build.log"; exit 1; }
 cd "$work" && "$work/build/consumer"
 "$work/build/my_resnet"
+"$src/tests/my_cli.sh" "$work/build/my_cli"

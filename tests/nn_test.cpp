@@ -154,6 +154,36 @@ TEST(ResNetNames, BuffersIncludeNumBatchesTrackedAsInt64Scalar) {
   EXPECT_TRUE(batch_norm_layers(*make_model({"resnet20", 3, 10, Norm::None})).empty());
 }
 
+// A model of one's own by name (nn::register_model): make_model builds it with the run's
+// configuration, model_names lists it after the zoo's; a name taken, an empty one, and a factory
+// that makes nothing are errors, and an unknown name's error lists the registered ones.
+TEST(ModelRegistry, ARegisteredModelIsMadeByNameAndListed) {
+  register_model("registry_test_linear", [](const ModelConfig& c) -> std::shared_ptr<Module> {
+    auto m = std::make_shared<Sequential>();
+    m->push_back(std::make_shared<Flatten>());
+    m->push_back(std::make_shared<Linear>(c.in_channels * 4, c.num_classes));
+    return m;
+  });
+  const auto m = make_model({"registry_test_linear", 2, 7});
+  EXPECT_EQ(count_parameters(*m), 2 * 4 * 7 + 7);
+  const auto& names = model_names();
+  ASSERT_FALSE(names.empty());
+  EXPECT_EQ(names.front(), "resnet20");
+  EXPECT_EQ(names.back(), "registry_test_linear");
+  EXPECT_THROW(register_model("registry_test_linear", [](const ModelConfig&) { return std::shared_ptr<Module>(); }),
+               Error);
+  EXPECT_THROW(register_model("resnet50", [](const ModelConfig&) { return std::shared_ptr<Module>(); }), Error);
+  EXPECT_THROW(register_model("", [](const ModelConfig&) { return std::shared_ptr<Module>(); }), Error);
+  register_model("registry_test_nothing", [](const ModelConfig&) { return std::shared_ptr<Module>(); });
+  EXPECT_THROW(make_model({"registry_test_nothing"}), Error);
+  try {
+    make_model({"registry_test_unknown"});
+    ADD_FAILURE() << "an unknown name was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("registry_test_linear"), std::string::npos) << e.what();
+  }
+}
+
 TEST(ResNetNames, ParameterCounts) {
   EXPECT_EQ(count_parameters(*make_model({"resnet20", 3, 10})), 272474);
   EXPECT_EQ(count_parameters(*make_model({"resnet18", 3, 1000})), 11689512);

@@ -24,6 +24,7 @@
 #include "mbp/executor.h"
 #include "optim/optimizer.h"
 #include "tests/model_common.h"
+#include "examples/consumer/small_resnet.h"
 
 using namespace tally;
 using namespace tally::test;
@@ -125,64 +126,15 @@ INSTANTIATE_TEST_SUITE_P(NormsDtypesAndLevels, RecomputeBitForBit,
 
 // ---- a model that says nothing: its ladder from its module tree (Module::recompute_parts) ----------
 
-// A CIFAR ResNet-20 as a user writes one with the public API alone: its own residual block, its
-// stages as Sequentials, no recompute_parts() or segments() of its own.
-class MyBlock : public nn::Module {
- public:
-  MyBlock(std::int64_t in, std::int64_t out, std::int64_t stride) {
-    conv1 = register_module("conv1", std::make_shared<nn::Conv2d>(in, out, 3, stride, 1, 1, 1, false));
-    bn1 = register_module("bn1", std::make_shared<nn::BatchNorm2d>(out));
-    conv2 = register_module("conv2", std::make_shared<nn::Conv2d>(out, out, 3, 1, 1, 1, 1, false));
-    bn2 = register_module("bn2", std::make_shared<nn::BatchNorm2d>(out));
-    if (stride != 1 || in != out)
-      shortcut = register_module("shortcut", std::make_shared<nn::Sequential>(
-                                           std::initializer_list<std::shared_ptr<nn::Module>>{
-                                               std::make_shared<nn::Conv2d>(in, out, 1, stride, 0, 1, 1, false),
-                                               std::make_shared<nn::BatchNorm2d>(out)}));
-  }
-  Tensor forward(const Tensor& x) override {
-    const Tensor y = (*bn2)((*conv2)(relu((*bn1)((*conv1)(x)))));
-    return relu(add(y, shortcut ? (*shortcut)(x) : x));
-  }
-  std::shared_ptr<nn::Conv2d> conv1, conv2;
-  std::shared_ptr<nn::BatchNorm2d> bn1, bn2;
-  std::shared_ptr<nn::Sequential> shortcut;
-};
-
-class MyResNet : public nn::Module {
- public:
-  MyResNet() {
-    conv = register_module("conv", std::make_shared<nn::Conv2d>(3, 16, 3, 1, 1, 1, 1, false));
-    bn = register_module("bn", std::make_shared<nn::BatchNorm2d>(16));
-    std::int64_t in = 16;
-    for (int s = 0; s < 3; ++s) {
-      auto stage = std::make_shared<nn::Sequential>();
-      const std::int64_t out = 16 << s;
-      for (int b = 0; b < 3; ++b)
-        stage->push_back(std::make_shared<MyBlock>(b == 0 ? in : out, out, b == 0 && s > 0 ? 2 : 1));
-      stages.push_back(register_module("layer" + std::to_string(s + 1), stage));
-      in = out;
-    }
-    fc = register_module("fc", std::make_shared<nn::Linear>(64, 10));
-  }
-  Tensor forward(const Tensor& x) override {
-    Tensor y = relu((*bn)((*conv)(x)));
-    for (auto& stage : stages) y = (*stage)(y);
-    return (*fc)(flatten(adaptive_avg_pool2d(y, {1, 1}), 1));
-  }
-  std::shared_ptr<nn::Conv2d> conv;
-  std::shared_ptr<nn::BatchNorm2d> bn;
-  std::vector<std::shared_ptr<nn::Sequential>> stages;
-  std::shared_ptr<nn::Linear> fc;
-};
-
-// The user's model gets the zoo ResNet-20's ladder — the same levels, names and segments — from its
-// module tree, and at each level two micro-batched steps are exact (predicted == measured) and bit
-// for bit the plain run's; each segment can also be offloaded on its own (segment_names).
+// docs/models.md's model (examples/consumer/small_resnet.h: its own residual block, its stages as
+// Sequentials, no recompute_parts() or segments() of its own) at ResNet-20's shape, three blocks a
+// stage, gets the zoo ResNet-20's ladder — the same levels, names and segments — from its module
+// tree, and at each level two micro-batched steps are exact (predicted == measured) and bit for bit
+// the plain run's; each segment can also be offloaded on its own (segment_names).
 TEST_F(Recompute, AModelThatSaysNothingGetsItsLadderFromItsModuleTree) {
   const auto zoo = model("resnet20", "batch", 7);
   nn::manual_seed(7);
-  auto mine = std::make_shared<MyResNet>();
+  auto mine = std::make_shared<my::SmallResNet>(3, 10);
   mine->train();
   const int levels = nn::recompute_levels(*zoo);
   ASSERT_EQ(nn::recompute_levels(*mine), levels);
@@ -198,7 +150,7 @@ TEST_F(Recompute, AModelThatSaysNothingGetsItsLadderFromItsModuleTree) {
   for (int level = 0; level < levels; ++level) {
     SCOPED_TRACE(nn::recompute_level_name(*mine, level));
     nn::manual_seed(7);
-    auto m = std::make_shared<MyResNet>();
+    auto m = std::make_shared<my::SmallResNet>(3, 10);
     m->train();
     EXPECT_EQ(nn::set_recompute_level(*m, level), level == 0 ? 0 : 8 + (level - 1));
     auto opt = sgd(*m);

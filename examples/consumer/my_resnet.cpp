@@ -1,6 +1,6 @@
-// examples/consumer/my_resnet.cpp — docs/models.md's example, whole: a residual block of one's own,
-// a small ResNet made of it, its plan in a memory budget, a few steps through MBP's executor, the
-// memory report of one step and the weights saved. Built in tally's tree (examples/, run by the
+// examples/consumer/my_resnet.cpp — docs/models.md's example: a residual block of one's own and a
+// small ResNet made of it (small_resnet.h), its plan in a memory budget, a few steps through MBP's
+// executor, the memory report of one step and the weights saved. Built in tally's tree (examples/, run by the
 // test example.my_resnet) and, as a user builds it, against the installed package
 // (examples/consumer, tests/consumer_test.sh). Exits non-zero unless every step's peak is the
 // plan's to the byte and the loss stays finite.
@@ -22,66 +22,9 @@
 #include "nn/state_dict.h"
 #include "optim/optimizer.h"
 #include "report/memory_html.h"
+#include "small_resnet.h"
 
 using namespace tally;
-
-// A basic residual block, named as torchvision names its own (conv1, bn1, conv2, bn2,
-// downsample.0, downsample.1), so its state dict reads like theirs.
-class ResBlock : public nn::Module {
- public:
-  ResBlock(std::int64_t in, std::int64_t out, std::int64_t stride) {
-    conv1 = register_module("conv1", std::make_shared<nn::Conv2d>(in, out, 3, stride, 1, 1, 1, /*bias=*/false));
-    bn1 = register_module("bn1", std::make_shared<nn::BatchNorm2d>(out));
-    conv2 = register_module("conv2", std::make_shared<nn::Conv2d>(out, out, 3, 1, 1, 1, 1, false));
-    bn2 = register_module("bn2", std::make_shared<nn::BatchNorm2d>(out));
-    if (stride != 1 || in != out)  // a projection where the shape changes
-      downsample = register_module("downsample", std::make_shared<nn::Sequential>(
-                                           std::initializer_list<std::shared_ptr<nn::Module>>{
-                                               std::make_shared<nn::Conv2d>(in, out, 1, stride, 0, 1, 1, false),
-                                               std::make_shared<nn::BatchNorm2d>(out)}));
-  }
-  Tensor forward(const Tensor& x) override {
-    const Tensor y = (*bn2)((*conv2)(relu((*bn1)((*conv1)(x)))));
-    return relu(add(y, downsample ? (*downsample)(x) : x));
-  }
-
- private:
-  std::shared_ptr<nn::Conv2d> conv1, conv2;
-  std::shared_ptr<nn::BatchNorm2d> bn1, bn2;
-  std::shared_ptr<nn::Sequential> downsample;
-};
-
-// Three stages of `blocks` blocks (16, 32 and 64 channels) on 3x32x32 images. Each stage is a
-// Sequential of blocks, called as a module: that is all the planner needs to offer recomputation
-// and per-segment offload for it (Module::recompute_parts' default, docs/models.md).
-class SmallResNet : public nn::Module {
- public:
-  SmallResNet(int blocks, std::int64_t classes) {
-    conv1 = register_module("conv1", std::make_shared<nn::Conv2d>(3, 16, 3, 1, 1, 1, 1, false));
-    bn1 = register_module("bn1", std::make_shared<nn::BatchNorm2d>(16));
-    std::int64_t in = 16;
-    for (int s = 0; s < 3; ++s) {
-      auto stage = std::make_shared<nn::Sequential>();
-      const std::int64_t out = std::int64_t{16} << s;
-      for (int b = 0; b < blocks; ++b)
-        stage->push_back(std::make_shared<ResBlock>(b == 0 ? in : out, out, b == 0 && s > 0 ? 2 : 1));
-      layers.push_back(register_module(fmt::format("layer{}", s + 1), stage));
-      in = out;
-    }
-    fc = register_module("fc", std::make_shared<nn::Linear>(in, classes));
-  }
-  Tensor forward(const Tensor& x) override {
-    Tensor y = relu((*bn1)((*conv1)(x)));
-    for (const auto& stage : layers) y = (*stage)(y);
-    return (*fc)(flatten(adaptive_avg_pool2d(y, {1, 1}), 1));
-  }
-
- private:
-  std::shared_ptr<nn::Conv2d> conv1;
-  std::shared_ptr<nn::BatchNorm2d> bn1;
-  std::vector<std::shared_ptr<nn::Sequential>> layers;
-  std::shared_ptr<nn::Linear> fc;
-};
 
 int main() {
   // 1. The budget: every byte of the model, its gradients, its optimizer state and each step's
@@ -89,7 +32,7 @@ int main() {
   auto budget = std::make_shared<Arena>(Device::cpu(), std::size_t(24) << 20);
   ArenaScope in_budget(budget);
   nn::manual_seed(0);
-  auto model = std::make_shared<SmallResNet>(/*blocks=*/2, /*classes=*/10);
+  auto model = std::make_shared<my::SmallResNet>(/*blocks=*/2, /*classes=*/10);
   model->train();
   optim::SGD sgd(model->parameters(), {.lr = 0.1, .momentum = 0.9, .weight_decay = 5e-4});
 

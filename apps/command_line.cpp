@@ -1,4 +1,4 @@
-// apps/tally.cpp — the tally command line.
+// apps/command_line.cpp — the tally command line (apps/command_line.h); `tally` is apps/main.cpp.
 //   tally --version        build configuration (CUDA, cuDNN), whether a GPU is present, how OpenMP waits
 //   tally train [options]  train a ResNet (see apps/trainer.h and README.md for the options)
 //   tally plan [options]   the memory plan of a training step: per-layer table, micro-batch
@@ -18,6 +18,7 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include "apps/command_line.h"
 #include "apps/device.h"
 #include "apps/options.h"
 #include "apps/plan.h"
@@ -29,6 +30,8 @@
 #include "distributed/communicator.h"
 
 using namespace tally;
+
+namespace {
 
 // An error ends the run with a non-zero exit. Under mpirun it ends every rank: the others would
 // otherwise wait in their next collective for this one forever.
@@ -61,7 +64,6 @@ void complete_sweep_options(app::SweepOptions& so, const std::vector<std::string
   so = saved;
 }
 
-namespace {
 // The cores' worth of CPU time others used over 40 ms, 20 ms from now (/proc/stat's "cpu" line:
 // the time not idle, over the elapsed time, times the cores); negative when it cannot be read.
 double busy_cores() {
@@ -138,7 +140,9 @@ std::string omp_waiting() {
 }
 }  // namespace
 
-int main(int argc, char** argv) {
+namespace tally::app {
+
+int command_line(int argc, char** argv) {
   wait_passively_if_loaded(argv);
   // Line by line into a file or a pipe too: a run's log (its checkpoints above all) is there when
   // the run is killed.
@@ -211,3 +215,5 @@ int main(int argc, char** argv) {
   }
   return 0;
 }
+
+}  // namespace tally::app
