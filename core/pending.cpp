@@ -49,7 +49,7 @@ template <class PinnedBuffer = kernels::cuda::PinnedBuffer, class Event = kernel
 struct GpuCopy final : PendingScalar::Slot {
   static constexpr std::size_t kSlotBytes = 64;
 
-  GpuCopy(const Tensor& t) : dtype(t.dtype()) {
+  explicit GpuCopy(const Tensor& t) : dtype(t.dtype()) {
     namespace kcu = kernels::cuda;
     buffer = acquire();
     kcu::use_device(t.device().index);

@@ -502,10 +502,12 @@ ProfileTable profile_table() {
 }
 
 void profile_reset() {
-  profile_collect();
   ProfileState& p = profile_state();
   std::lock_guard<std::mutex> lock(p.mu);
+  // Work enqueued before the reset is not counted, finished or not: a step whose loss is read a
+  // step late (core/pending.h) may still be running when the profile restarts after it.
   p.table.clear();
+  p.pending.clear();
 }
 
 }  // namespace tally::kernels::cuda
