@@ -205,6 +205,20 @@ void print_bad_images(const std::shared_ptr<data::BadImages>& bad_images, std::o
 }
 }  // namespace
 
+// --profile: the table of the steps after the first, with each step's wall time split into the ops'
+// and the rest; printed and written to profile.txt.
+void TrainingRun::write_profile(std::int64_t step) {
+  const StepMeter& meter = meter_;
+  const double wall_ms =
+      meter.steady_images > 0 ? 1000.0 * meter.steady_seconds / static_cast<double>(meter.measured - 1) : 0.0;
+  const std::string report = profiler_.report(
+      fmt::format("over steps 2..{} ({:.1f} ms of wall time per step, data included)", step, wall_ms),
+      meter.measured - 1, wall_ms);
+  fmt::print(log_, "{}", report);
+  if (!rank_options_.out.empty()) write_text(std::filesystem::path(rank_options_.out) / "profile.txt", report);
+  profiler_.pause();
+}
+
 void TrainingRun::finish() {
   print_bad_images(bad_images_.train, log_);
   const StepMeter& meter = meter_;
@@ -266,14 +280,7 @@ void TrainingRun::finish() {
                format_bytes(static_cast<std::size_t>(result_.host_peak_bytes)), result_.host_peak_bytes,
                format_bytes(static_cast<std::size_t>(result_.host_predicted_peak_bytes)), result_.host_predicted_peak_bytes,
                meter.mismatches == 0 ? " — exact" : "", format_bytes(host_arena_->capacity()));
-  if (profiler_.on()) {
-    const std::string report = profiler_.report(fmt::format(
-        "over steps 2..{} ({:.1f} ms of wall time per step, data included)", step,
-        meter.steady_images > 0 ? 1000.0 * meter.steady_seconds / static_cast<double>(meter.measured - 1) : 0.0));
-    fmt::print(log_, "{}", report);
-    if (!rank_options_.out.empty()) write_text(std::filesystem::path(rank_options_.out) / "profile.txt", report);
-    profiler_.pause();
-  }
+  if (profiler_.on()) write_profile(step);
   if (!rank_options_.save.empty()) {
     nn::save_state_dict(*setup_.model, rank_options_.save);
     fmt::print(log_, "saved {}\n", rank_options_.save);

@@ -206,6 +206,7 @@ class TrainingRun {
   void report_stop() const;
   void write_schedule(std::int64_t step, const mbp::StepResult& r);
   void finish();
+  void write_profile(std::int64_t step);
   Error diverged(std::int64_t step, double lr) const;
   // "epoch 2/5", or for an epoch --steps ends early "epoch 1/1 (3 of its 117 steps)".
   std::string epoch_label(std::int64_t epoch, std::int64_t epochs) const;  // a loss that is not finite, with what may have caused it

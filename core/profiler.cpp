@@ -59,12 +59,22 @@ std::string format_profile(const std::string& title, const std::string& what, co
 
 }  // namespace
 
-std::string Profiler::report(const std::string& what) const {
+std::string Profiler::report(const std::string& what, std::int64_t steps, double wall_ms_per_step) const {
   kernels::ProfileTable table;
   TALLY_ON_PROFILER(table = kp::profile_table());
   if (!on_) return "";
-  return device_.is_cpu() ? format_profile("host time per op " + what, "op (host time of its kernels)", table)
-                          : format_profile("GPU time per op " + what, "op (GPU time between its events)", table);
+  std::string out = device_.is_cpu()
+                        ? format_profile("host time per op " + what, "op (host time of its kernels)", table)
+                        : format_profile("GPU time per op " + what, "op (GPU time between its events)", table);
+  if (steps > 0 && wall_ms_per_step > 0) {
+    double ops = 0;
+    for (const auto& [name, row] : table) ops += row.ms;
+    ops /= static_cast<double>(steps);
+    out += fmt::format("per step: {:.1f} ms of wall time, {:.1f} ms in ops, {:.1f} ms outside them{}\n",
+                       wall_ms_per_step, ops, std::max(0.0, wall_ms_per_step - ops),
+                       device_.is_cpu() ? "" : " (the GPU idle)");
+  }
+  return out;
 }
 
 #undef TALLY_ON_PROFILER

@@ -23,11 +23,15 @@ class Profiler {
   // Off while doing what the profile is not about (evaluation), on again after.
   void pause() const;
   void resume() const;
-  // After a step whose device work has completed (on a GPU: after the step's one wait): its times
-  // join the table; `restart` empties the table first (the first step warms caches up).
+  // After a step is enqueued: its ops' times join the table as their events complete (on a GPU a
+  // step still running is counted at a later call, or by report()); `restart` empties the table
+  // and drops what is still running (the first step warms caches up).
   void step_done(bool restart) const;
   // The table, largest first: "GPU time per op <what>" or "host time per op <what>".
-  std::string report(const std::string& what) const;
+  // With `steps` > 0 (the steps the table covers) and their wall time per step, a last line splits
+  // each step's wall time into the ops' and the rest — on a GPU, the time the device sat idle
+  // (waiting for the host: its data, its enqueueing, its reads).
+  std::string report(const std::string& what, std::int64_t steps = 0, double wall_ms_per_step = 0) const;
   bool on() const { return on_; }
 
  private:
