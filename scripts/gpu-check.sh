@@ -27,8 +27,8 @@
 #                  both formats and activation types, against a device copy (of_copy)   (~40 s)
 #        deviceless  `tally plan --device-file` with the file env saved against `tally plan` on the
 #                  GPU (convolutions through the graph API on both): ResNet-20 TF32, ResNet-50 bf16
-#                  at micro-batches of 64, with a host tier, and batch 4096 in 8 GiB in bf16 and
-#                  float32 — the outputs must be the same                              (~40 s)
+#                  at micro-batches of 64, with a host tier (float32), and batch 4096 in 8 GiB in
+#                  bf16 — the outputs must be the same                                 (~40 s)
 #        host      the host tier (docs/host-tier.md): ResNet-50 224x224 AdamW batch 64 in a
 #                  400 MiB device budget, 3 steps with the optimizer on the pinned host tier and
 #                  with the gradients there too (their --save files must be identical), and
@@ -621,7 +621,8 @@ step_repeat() {
 # planned on the device with the convolutions through the graph API, as a plan without it takes
 # them, and from the device file this run saved (env), then the two outputs compared — all but the
 # line saying the plan was made without the GPU and the timing line. The cases are
-# tests/plan_golden.sh's h200_* ones and ResNet-50 batch 4096 in 8 GiB in bf16 and float32.
+# tests/plan_golden.sh's h200_* ones (the host tier's is row-major float32) and ResNet-50 batch 4096
+# in 8 GiB in bf16 (channels-last).
 step_deviceless() {
   local log=$logs/deviceless.log file=$out/device.json name args same=0 cases=0
   : >"$log"
@@ -630,7 +631,7 @@ step_deviceless() {
   fi
   # A rehearsal has no GPU to describe: the committed H200 file stands in (its plans run, none compared).
   ((rehearsal)) && [[ ! -s $file ]] && file=tests/fixtures/devices/h200.json
-  for name in resnet20-tf32 resnet50-bf16-m64 resnet50-host-tier resnet50-bf16-4096 resnet50-fp32-4096; do
+  for name in resnet20-tf32 resnet50-bf16-m64 resnet50-host-tier resnet50-bf16-4096; do
     case $name in
       resnet20-tf32) args=(--model resnet20 --input 3x32x32 --batch-size 512 --memory-limit 48MiB --tf32) ;;
       resnet50-bf16-m64) args=(--model resnet50 --input 3x224x224 --batch-size 256 --micro-batch 64 --memory-limit 8GiB
@@ -638,7 +639,6 @@ step_deviceless() {
       resnet50-host-tier) args=(--model resnet50 --input 3x224x224 --batch-size 4096 --optimizer adamw --recompute none
         --memory-limit 600MiB --host-memory-limit 2GiB --copy-bandwidth 25 --compute-rate 200000 --no-layers) ;;
       resnet50-bf16-4096) args=(--model resnet50 --input 3x224x224 --batch-size 4096 --memory-limit 8GiB --precision bf16) ;;
-      resnet50-fp32-4096) args=(--model resnet50 --input 3x224x224 --batch-size 4096 --memory-limit 8GiB) ;;
     esac
     local gpu=$logs/deviceless-$name-gpu.txt from=$logs/deviceless-$name-file.txt
     : >"$gpu"
