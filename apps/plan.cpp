@@ -174,9 +174,6 @@ std::optional<DeviceFile> described_gpu(const PlanOptions& opt, Device dev) {
     throw Error(fmt::format("--host-memory-limit with --device-file: expected --copy-bandwidth and --compute-rate as "
                             "numbers (the rates of a GPU that is not here cannot be measured), found {} and {}",
                             opt.copy_bandwidth, opt.compute_rate));
-  if (const std::size_t limit = parse_memory_limit(opt.memory_limit, dev); limit > f.total_memory)
-    fmt::print(stderr, "tally plan: warning: --memory-limit {} is more than the {} has ({})\n", opt.memory_limit,
-               f.name, format_bytes(f.total_memory));
   return f;
 }
 
@@ -215,6 +212,9 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   }
   if (!opt.report.empty()) check_writable_file("--report", opt.report);
   const std::size_t limit = parse_memory_limit(opt.memory_limit, dev);
+  if (described && limit > described->total_memory)
+    fmt::print(stderr, "tally plan: warning: --memory-limit {} is more than the {} has ({})\n", opt.memory_limit,
+               described->name, format_bytes(described->total_memory));
 
   // The cost model's rates (mbp/activations.h), for a host tier's choice per segment, measured now:
   // in the dry run below nothing runs.

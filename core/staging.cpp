@@ -24,6 +24,9 @@ struct InputStager::Impl {
 
 namespace {
 
+// Staging is handed out in 256-byte aligned parts (the converting writes' vectors stay aligned).
+std::size_t aligned(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
+
 // `count` floats converted to `dtype` at `dst`, in parallel over the host's threads (kernels/cpu's
 // convert; a plain parallel copy for float32).
 void write_converted(void* dst, const float* src, std::size_t count, DType dtype) {
@@ -96,7 +99,6 @@ struct GpuStager final : InputStager::Impl {
       }
     // Retired: the host waited for it when its bytes were handed out again.
   }
-  static std::size_t aligned(std::size_t bytes) { return (bytes + 255) / 256 * 256; }
   void retire() {
     const Upload& u = inflight.front();
     if (!u.done.done()) u.done.wait();
@@ -128,7 +130,6 @@ InputStager::InputStager(Device device) : device_(device) {
 InputStager::~InputStager() = default;
 
 std::size_t InputStager::staging_capacity(std::size_t micro_batch_bytes, std::size_t step_bytes) {
-  constexpr auto aligned = [](std::size_t b) { return (b + 255) / 256 * 256; };
   return std::max(std::min(2 * aligned(step_bytes), kStagingBudget), 3 * aligned(micro_batch_bytes));
 }
 

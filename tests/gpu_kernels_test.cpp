@@ -833,8 +833,7 @@ void vectorized_batch_norm_gives_the_scalar_bits() {
     return b;
   };
   struct Vectorized {  // the switch for the scope
-    bool on;
-    explicit Vectorized(bool v) : on(v) { kg::set_batch_norm_vectorized(v); }
+    explicit Vectorized(bool v) { kg::set_batch_norm_vectorized(v); }
     ~Vectorized() { kg::set_batch_norm_vectorized(true); }
   };
   for (auto [N, C, HW] : std::vector<std::array<i64, 3>>{{4, 40, 49}, {16, 64, 784}, {2, 2048, 49}, {3, 12, 5}}) {
