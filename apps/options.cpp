@@ -19,6 +19,8 @@
 #include "apps/setup.h"
 #include "apps/sweep.h"
 #include "apps/trainer.h"
+#include "core/conv_tuning.h"
+#include "core/device_file.h"
 #include "core/error.h"
 #include "data/folder.h"
 #include "data/loader.h"
@@ -126,6 +128,8 @@ void check_step_options(const StepOptions& o) {
   if (o.host_memory_limit != "none" && o.pipeline_stages > 1)
     throw Error(fmt::format("--host-memory-limit {}: the host tier is not available to pipeline stages",
                             o.host_memory_limit));
+  if (o.tuning_file.empty())
+    throw Error("--tuning-file: expected a file, default or none, found an empty value");
 }
 
 std::optional<mbp::CostRates> given_cost_rates(const StepOptions& o) {
@@ -150,7 +154,18 @@ mbp::ExecutorOptions executor_options(const StepOptions& o, const Shape& sample_
   const bool tensor_cores = o.precision == mbp::Precision::bf16 || o.tf32;
   eo.memory_format = o.memory_format.value_or(pipeline_stage ? MemoryFormat::Contiguous
                                                              : preferred_memory_format(device, tensor_cores));
+  if (device.is_cuda() && !pipeline_stage) eo.conv_tuning = conv_tuning(o.tuning_file, !gpu_described(), o.tuning_seconds);
   return eo;
+}
+
+std::shared_ptr<ConvTuning> conv_tuning(const std::string& file, bool measure, double seconds) {
+  if (file == "none") return nullptr;
+  const std::filesystem::path path = file == "default" ? ConvTuning::default_path() : std::filesystem::path(file);
+  // One per file and process: a sweep's runs share what the first measured.
+  static std::map<std::tuple<std::string, bool, double>, std::shared_ptr<ConvTuning>> made;
+  std::shared_ptr<ConvTuning>& t = made[{path.string(), measure, seconds}];
+  if (!t) t = std::make_shared<ConvTuning>(path, measure ? seconds : 0.0);
+  return t;
 }
 
 // ---- one option's value, as text --------------------------------------------------------------
@@ -458,6 +473,16 @@ const std::vector<Option> kTable = {
      .help = "CUDA: cuDNN's deterministic convolution algorithms only (on: bit-for-bit resume; off: its others "
              "too, as PyTorch's default)",
      .absent = "on"},
+    {.name = "tuning-file", .field = field(&StepOptions::tuning_file), .commands = kAll,
+     .help = "CUDA: the convolutions' engines chosen by measurement, kept in this file (default: the user's cache "
+             "folder, ~/.cache/tally/conv-tuning.json; none: cuDNN's heuristics alone)",
+     .help_for = {{kPlan, "CUDA: plan with the engines this tuning file chose (default: the user's cache folder's; "
+                          "none: cuDNN's heuristics alone); nothing is measured"}},
+     .changeable = true, .change_note = "a resumed run replays its checkpoint's engines", .absent = "none"},
+    {.name = "tuning-seconds", .field = field(&StepOptions::tuning_seconds, kNonNegative), .commands = kRun,
+     .help = "CUDA: the most seconds a process spends measuring convolution engines (the passes left keep cuDNN's "
+             "heuristics' choice, and a later run measures them; 0: the file's alone)",
+     .changeable = true, .absent = "60"},
     {.name = "profile", .field = field(&TrainOptions::profile), .commands = kTrain,
      .help = "time per op (GPU time on CUDA, host time on the CPU) over the steps after the first, printed and "
              "written to profile.txt",

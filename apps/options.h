@@ -23,6 +23,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/conv_tuning.h"
 #include "core/device.h"
 #include "core/tensor.h"
 #include "mbp/executor.h"
@@ -113,6 +114,13 @@ struct StepOptions {
   // the CPU, whose kernels are deterministic.
   bool tf32 = false;
   OnOff deterministic = OnOff::on;
+  // CUDA: convolution engines chosen by measurement (core/conv_tuning.h, docs/gpu.md "Tuning"), kept
+  // in this file: "default" (ConvTuning::default_path(), the user's cache folder), a path, or "none"
+  // (the heuristics' choices). tally plan replays the file and measures nothing.
+  std::string tuning_file = "default";
+  // The cap on measuring in one process, seconds (passes past it keep the heuristics' choice and are
+  // measured by a later run).
+  double tuning_seconds = ConvTuning::kDefaultSeconds;
   // The activations' layout (ExecutorOptions::memory_format, docs/memory-format.md); unset ("auto"):
   // channels_last on a CPU with oneDNN and on CUDA in bf16 or with TF32, contiguous for plain float32
   // on CUDA and for pipeline stages.
@@ -138,6 +146,10 @@ std::optional<mbp::CostRates> given_cost_rates(const StepOptions& options);
 // The executor's options that a step's options decide (the caller adds the loss, the log, the
 // communicator and the pipeline stage): the sample's shape, the micro-batch, recomputation,
 // precision and the memory format resolved for `device` ("auto": contiguous for a pipeline stage).
+// The convolution tuning of a --tuning-file value (StepOptions::tuning_file): null for "none", else
+// one per file and process; `measure`: false replays the file only (tally plan, a described GPU);
+// `seconds`: the cap on measuring.
+std::shared_ptr<ConvTuning> conv_tuning(const std::string& file, bool measure, double seconds);
 mbp::ExecutorOptions executor_options(const StepOptions& options, const Shape& sample_shape, Device device,
                                       bool pipeline_stage);
 

@@ -191,6 +191,26 @@ void print_described(const DeviceFile& f, const PlanOptions& opt, const mbp::Exe
 
 }  // namespace
 
+namespace {
+
+// The plan's lines: the split and its peak, what is live there, the input staging, the placement, the
+// recomputation, the convolutions' tuning.
+void print_plan(mbp::Executor& executor, const mbp::Plan& p, const mbp::ExecutorOptions& eo, std::ostream& out) {
+  fmt::print(out, "\nplan: {}\n", p.summary());
+  fmt::print(out, "      live at the peak: {}\n", p.at_peak.str());
+  if (const std::size_t staging = executor.input_staging_bytes(p); staging > 0)
+    fmt::print(out, "      input staging: {} of page-locked host memory outside the budget (a ring of the inputs as "
+                    "{}: two steps, at most {}, at least three micro-batches)\n",
+               format_bytes(staging), dtype_name(executor.activation_dtype()),
+               format_bytes(InputStager::kStagingBudget));
+  if (eo.host_arena) print_placement(executor, p, out);
+  print_recompute(executor, p, out);
+  if (eo.conv_tuning && !eo.conv_tuning->report().empty()) fmt::print(out, "      {}\n", eo.conv_tuning->report());
+  fmt::print(out, "      {} dry runs in {:.2f} s; nothing was computed\n", p.probes, p.seconds);
+}
+
+}  // namespace
+
 mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   check_step_options(opt);
   const Shape sample = parse_input(opt.input);
@@ -232,6 +252,8 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   oc.state_when_placed = opt.host_memory_limit != "none";
   const Setup setup = build_setup(arena, mc, "", oc, format_bytes(limit));
   mbp::ExecutorOptions eo = executor_options(opt, sample, dev, false);
+  // A plan measures nothing: it replays the tuning file (docs/gpu.md, "Tuning").
+  if (eo.conv_tuning) eo.conv_tuning = conv_tuning(opt.tuning_file, false, 0);
   eo.host_arena = make_host_arena(opt.host_memory_limit, dev, limit, &dry, &out);
   if (rates) eo.cost_rates = rates;
   fmt::print(out, "model {} (norm {}), {} parameters, {} classes | input {} | batch {} | optimizer {} | device {} | "
@@ -259,16 +281,7 @@ mbp::Plan plan(const PlanOptions& opt, std::ostream& out) {
   }
   // Before any comparison below re-plans at other levels: the trace is of the step as chosen.
   if (!opt.report.empty()) write_report(opt, executor, p, rows, sample, dev, limit, eo, out);
-  fmt::print(out, "\nplan: {}\n", p.summary());
-  fmt::print(out, "      live at the peak: {}\n", p.at_peak.str());
-  if (const std::size_t staging = executor.input_staging_bytes(p); staging > 0)
-    fmt::print(out, "      input staging: {} of page-locked host memory outside the budget (a ring of the inputs as "
-                    "{}: two steps, at most {}, at least three micro-batches)\n",
-               format_bytes(staging), dtype_name(executor.activation_dtype()),
-               format_bytes(InputStager::kStagingBudget));
-  if (eo.host_arena) print_placement(executor, p, out);
-  print_recompute(executor, p, out);
-  fmt::print(out, "      {} dry runs in {:.2f} s; nothing was computed\n", p.probes, p.seconds);
+  print_plan(executor, p, eo, out);
   return p;
 }
 

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "apps/training_run.h"
+#include "core/conv_tuning.h"
 
 namespace tally::app {
 
@@ -26,7 +27,10 @@ nlohmann::json TrainingRun::checkpoint_state(const std::vector<double>& limits) 
           {"meter", {{"peak_bytes", result_.peak_bytes}, {"predicted_peak_bytes", result_.predicted_peak_bytes},
                      {"oom_retries", result_.oom_retries}, {"mismatches", meter_.mismatches},
                      {"micro_batch", result_.micro_batch}, {"micro_batches_per_step", result_.micro_batches_per_step}}},
-          {"lr", setup_.optimizer->lr()}};
+          {"lr", setup_.optimizer->lr()},
+          // The convolution engines the run used (core/conv_tuning.h): a resumed run replays them.
+          {"conv_tuning", executor_->conv_tuning() ? nlohmann::json::parse(executor_->conv_tuning()->record())
+                                                   : nlohmann::json()}};
 }
 
 // Every rank's micro-batch limit to rank 0 (a collective), which writes the checkpoint.
@@ -73,11 +77,28 @@ void TrainingRun::check_data_fingerprint(const nlohmann::json& s) const {
   }
 }
 
+// A resumed GPU run plans with the convolution engines its checkpoint records (core/conv_tuning.h),
+// whatever the tuning file holds now: the same engines, the same bits. A checkpoint of a run without
+// tuning (or from before the record) resumes without it.
+void TrainingRun::replay_conv_tuning(const std::filesystem::path& dir) {
+  if (!executor_->conv_tuning()) return;
+  const std::string where = fmt::format("{}/state.json", dir.string());
+  const nlohmann::json s = nlohmann::json::parse(mbp::peek_training_state(dir).state, nullptr, false);
+  if (s.is_discarded() || !s.contains("conv_tuning") || s["conv_tuning"].is_null()) {
+    executor_->set_conv_tuning(nullptr);
+    fmt::print(log_, "note: --resume {}: the checkpoint records no convolution tuning: resumed with cuDNN's "
+                     "heuristics' engines\n", rank_options_.resume);
+    return;
+  }
+  executor_->set_conv_tuning(ConvTuning::replaying(s["conv_tuning"].dump(), where));
+}
+
 // A resumed run: the newest checkpoint of the run folder into the model, the optimizer, the
 // executor's micro-batch limit and the run's counters, after checking that it belongs to this run.
 void TrainingRun::restore() {
   const auto dir = mbp::latest_checkpoint(rank_options_.resume);
   if (!dir) throw Error(fmt::format("--resume {}: no checkpoint in it", rank_options_.resume));
+  replay_conv_tuning(*dir);
   // State created where the plan places it is created by the plan: the checkpoint's values go there.
   if (!setup_.optimizer->state_created()) (void)executor_->plan(share_.size);
   const mbp::TrainingState st = mbp::load_training_state(*dir, *setup_.model, *setup_.optimizer);

@@ -202,6 +202,7 @@ class TrainingRun {
   void write_checkpoint();
   nlohmann::json checkpoint_state(const std::vector<double>& limits) const;
   void restore();
+  void replay_conv_tuning(const std::filesystem::path& checkpoint_dir);
   void check_data_fingerprint(const nlohmann::json& state) const;
   void report_stop() const;
   void write_schedule(std::int64_t step, const mbp::StepResult& r);

@@ -153,6 +153,8 @@ def tally_side(args, hw, classes, conv_api=None, deterministic=None, memory_form
             cmd += ["--deterministic", deterministic]
         if memory_format:
             cmd += ["--memory-format", memory_format]
+        if args.tally_tuning_seconds is not None:
+            cmd += ["--tuning-seconds", str(args.tally_tuning_seconds)]
         env = dict(os.environ)
         if conv_api:
             env["TALLY_CUDNN_CONV_API"] = conv_api
@@ -186,6 +188,9 @@ def main():
                    help="comma-separated contiguous/channels_last: tally's --memory-format, a row each")
     p.add_argument("--tally-deterministic", default="",
                    help="comma-separated on/off: tally's --deterministic, the tally side once per value, a row each")
+    p.add_argument("--tally-tuning-seconds", type=float, default=None, metavar="S",
+                   help="tally's --tuning-seconds (CUDA: the most time it measures convolution engines; "
+                        "its first step, which is not timed)")
     p.add_argument("--torch-profile", default="", metavar="FILE",
                    help="profile --steps PyTorch steps (no timing, no tally side) and write the op table to FILE")
     args = p.parse_args()

@@ -132,6 +132,32 @@ struct Conv2dShape {
   i64 Q() const { return (W + 2 * pad_w - dil_w * (S - 1) - 1) / stride_w + 1; }
 };
 
+// One convolution pass as a plan runs it: what a GPU's tuning measures (kernels/cuda/cuda_kernels.h).
+struct ConvPassKey {
+  Conv2dShape shape;
+  bool bf16 = false;
+  ConvPass pass = ConvPass::forward;
+  float beta = 0;  // 0 writes, 1 accumulates
+};
+// A pass's engines as measured on a GPU (docs/gpu.md, "Tuning"): the fastest configuration of the
+// heuristics' list — its rank there, cuDNN's global engine index, workspace and time a run — and the
+// fastest whose workspace is at most the heuristics' own choice's (the within_* fields: what a plan
+// takes when the fastest would shrink its micro-batch), beside the heuristics' choice and its time.
+// Ranks and engines -1: nothing measured. Times in milliseconds.
+struct TunedConvPass {
+  std::int64_t rank = -1, engine = -1;
+  std::size_t workspace = 0;
+  double ms = 0;
+  std::int64_t within_rank = -1, within_engine = -1;
+  std::size_t within_workspace = 0;
+  double within_ms = 0;
+  std::int64_t heuristic_rank = -1, heuristic_engine = -1;
+  std::size_t heuristic_workspace = 0;
+  double heuristic_ms = 0;
+  int candidates = 0;  // configurations timed
+  friend bool operator==(const TunedConvPass&, const TunedConvPass&) = default;
+};
+
 // A 2-d pooling window, as both backends take it.
 struct Pool2dShape {
   i64 N, C, H, W;

@@ -9,6 +9,7 @@
 #include <fmt/ranges.h>
 
 #include "core/arena.h"
+#include "core/conv_tuning.h"
 #include "core/dry_run.h"
 #include "core/memory.h"
 #include "core/offload.h"
@@ -63,7 +64,17 @@ StepConfig Chooser::config(const Plan& plan) {
   return {plan, choice_, placement_, nn::recompute_state(model_)};
 }
 
+// The convolutions' tuning table changed (core/conv_tuning.h): every choice made under the old one
+// is made again (the plans themselves are keyed by its version, measure()).
+void Chooser::kernels_changed() {
+  if (kernels_ == conv_tuning_version()) return;
+  kernels_ = conv_tuning_version();
+  auto_choices_.clear();
+  placement_choices_.clear();
+}
+
 StepConfig Chooser::choose(std::int64_t batch, std::int64_t limit, const StateLayout& now) {
+  kernels_changed();
   const nn::RecomputeStateScope restore(model_);
   limit_ = limit, now_ = now;
   return config(by_policy(batch));
@@ -71,6 +82,7 @@ StepConfig Chooser::choose(std::int64_t batch, std::int64_t limit, const StateLa
 
 StepConfig Chooser::choose_with(std::int64_t batch, std::int64_t micro_batch, std::int64_t limit,
                                 const StateLayout& now) {
+  kernels_changed();
   const nn::RecomputeStateScope restore(model_);
   limit_ = limit, now_ = now;
   (void)by_policy(batch);  // the recomputation of this batch, set on the model
@@ -79,6 +91,7 @@ StepConfig Chooser::choose_with(std::int64_t batch, std::int64_t micro_batch, st
 
 Plan Chooser::at_level(std::int64_t batch, std::optional<std::int64_t> micro_batch, int level, std::int64_t limit,
                        const StateLayout& now) {
+  kernels_changed();
   const nn::RecomputeStateScope restore(model_);
   limit_ = limit, now_ = now;
   const RecomputeChoice choice = choice_;  // what the last choose() said stays said
@@ -194,7 +207,8 @@ const Plan& Chooser::measure(std::int64_t batch, std::optional<std::int64_t> mic
       c.planner_.set_prepare({});
     }
   } measuring(*this, p);
-  return planner_.plan(batch, micro_batch, limit_, fmt::format("{}|{}", nn::recompute_state(model_).str(), layout));
+  return planner_.plan(batch, micro_batch, limit_,
+                       fmt::format("{}|{}|kernels {}", nn::recompute_state(model_).str(), layout, kernels_));
 }
 
 void Chooser::check_host_holds(Placement p, const StateLayout& now) const {

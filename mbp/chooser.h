@@ -143,6 +143,7 @@ class Chooser {
   RecomputeChoice segment_choice(const std::vector<nn::SegmentMode>& modes, const std::string& name);
   bool offloading() const;
   StepConfig config(const Plan& plan);
+  void kernels_changed();
 
   nn::Module& model_;
   const optim::Optimizer& optimizer_;
@@ -162,6 +163,7 @@ class Chooser {
   // The placement chosen per (batch size, recomputation state) when the chooser chooses.
   std::map<std::pair<std::int64_t, std::string>, PlacementChoice> placement_choices_;
   std::optional<CostRates> rates_;
+  std::uint64_t kernels_ = 0;  // the convolutions' tuning table the choices were made under (conv_tuning_version)
   std::optional<std::vector<ActivationCost>> segment_costs_;
 };
 

@@ -38,6 +38,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -56,6 +57,10 @@
 #include "mbp/recompute.h"
 #include "mbp/step_part.h"
 #include "optim/optimizer.h"
+
+namespace tally {
+class ConvTuning;  // core/conv_tuning.h
+}
 
 namespace tally::mbp {
 
@@ -150,6 +155,12 @@ struct ExecutorOptions {
   // segments, rank s of `communicator` running stage s, its micro-batches run by a StageRunner
   // (mbp/stage_runner.h, which says what differs).
   std::optional<PipelineStage> pipeline{};
+  // Convolution engines chosen by measurement on a GPU (core/conv_tuning.h): when a plan is first
+  // applied, the passes its step runs are measured (or found in the tuning file, or replayed from a
+  // checkpoint's record), the fastest engines installed and the plan made again under them — never
+  // with a smaller micro-batch than the heuristics' engines allow (the "within" choices, else none,
+  // are taken then). Null: the heuristics' choices. Nothing on the CPU; not for pipeline stages.
+  std::shared_ptr<ConvTuning> conv_tuning{};
 };
 
 struct StepResult {
@@ -257,6 +268,13 @@ class Executor {
   // `tally plan` shows it.
   std::size_t input_staging_bytes(const Plan& plan) const;
   MemoryFormat memory_format() const { return opt_.memory_format; }
+  // The convolution tuning in use (ExecutorOptions::conv_tuning; null: none), and another in its
+  // place from the next plan on (a resumed run's replay of its checkpoint's record).
+  const std::shared_ptr<ConvTuning>& conv_tuning() const { return opt_.conv_tuning; }
+  void set_conv_tuning(std::shared_ptr<ConvTuning> tuning) {
+    opt_.conv_tuning = std::move(tuning);
+    tuned_.clear();
+  }
 
   ~Executor();
   Executor(const Executor&) = delete;
@@ -267,6 +285,9 @@ class Executor {
   void check_trained(const nn::Module& model, const std::vector<Tensor>& trained) const;
   // Applies a configuration: the segment modes, then the placement (apply_placement).
   void apply(const StepConfig& config);
+  // Tunes the convolutions of the applied plan's step once per configuration (conv_tuning) and
+  // applies the plan made again under the tuned engines.
+  void tune(std::int64_t batch);
   // Moves the persistent state to `p` (a no-op when there), creating the optimizer's state there
   // if it does not exist yet: the one place real state moves.
   void apply_placement(Placement p);
@@ -292,6 +313,7 @@ class Executor {
   std::unique_ptr<HostGradients> host_gradients_;  // the part accumulating gradients on the host (Placement::gradients)
   std::vector<StepPart*> step_parts_;     // the parts of the step running now (run_step)
   std::unique_ptr<StageRunner> stage_;    // a pipeline stage's micro-batch loop (ExecutorOptions::pipeline)
+  std::set<std::string> tuned_;           // the configurations tune() has seen
 
   void discard_partial_step();
   // accumulate() with the loss left where it was computed (undefined in a dry run: no values).

@@ -9,6 +9,7 @@
 #include <fmt/ranges.h>
 
 #include "core/arena.h"
+#include "core/conv_tuning.h"
 #include "core/memory.h"
 #include "core/offload.h"
 #include "mbp/host_gradients.h"
@@ -47,7 +48,36 @@ void pack_model_state(nn::Module& model, const std::shared_ptr<Arena>& device, c
 
 const Plan& Executor::plan(std::int64_t batch) {
   apply(choose(batch));  // measured: nothing moved until here
+  if (opt_.conv_tuning && device_.is_cuda() && !stage_) tune(batch);
   return config_.plan;
+}
+
+void Executor::tune(std::int64_t batch) {
+  if (!tuned_.insert(fmt::format("{} {} {}", batch, config_.plan.summary(), layout_)).second) return;
+  ConvTuning& t = *opt_.conv_tuning;
+  const std::int64_t untuned = config_.plan.micro_batch;
+  const bool changed = t.tune(device_, *arena_, [&] {
+    ArenaScope scope(arena_);
+    HostArenaScope host(placed_host_arena(), opt_.offload_prefetch_on_cpu);
+    (void)chooser_.planner().probe(config_.plan.split.shortened(1), false, unbounded_capacity(*arena_));
+  });
+  if (opt_.log && !t.report().empty()) opt_.log(t.report());
+  if (!changed) return;
+  // Under the tuned engines the plan is made again; where its micro-batch would be smaller, the
+  // choices within the heuristics' workspaces, then none.
+  for (const ConvTuning::Use use : {ConvTuning::Use::fastest, ConvTuning::Use::within, ConvTuning::Use::none}) {
+    if (use < t.in_use()) continue;
+    t.install(use);
+    StepConfig c = choose(batch);
+    if (c.plan.micro_batch >= untuned || use == ConvTuning::Use::none) {
+      if (use != ConvTuning::Use::fastest && opt_.log)
+        opt_.log(fmt::format("tuning: the fastest engines would lower the micro-batch below {}: {} in use", untuned,
+                             use == ConvTuning::Use::within ? "those within the heuristics' workspaces" : "none"));
+      apply(c);
+      tuned_.insert(fmt::format("{} {} {}", batch, config_.plan.summary(), layout_));
+      return;
+    }
+  }
 }
 
 StepConfig Executor::choose(std::int64_t batch) {

@@ -81,10 +81,10 @@ bundle=.gpu-bundle
 debs=.gpu-debs
 tests=(gpu_test gpu_kernels_test gpu_ops_test gpu_bf16_test)
 # The GPU check's order, most important first: a run cut at its deadline has done these.
-all_steps=(env tests compare norms deviceless host offload resnet50 profile train sanitize)
+all_steps=(env tests tuning compare norms deviceless host offload resnet50 profile train sanitize)
 # Each step's cap in seconds (docs/gpu.md, "The order and the caps"): a step stops starting
 # commands at its cap as the whole run does at RUN_SECONDS; the sanitizer takes what is left.
-declare -A step_caps=([env]=20 [tests]=140 [compare]=150 [norms]=40 [deviceless]=60 [host]=50 [offload]=60 [resnet50]=90 [profile]=90
+declare -A step_caps=([env]=20 [tests]=140 [tuning]=120 [compare]=150 [norms]=40 [deviceless]=60 [host]=50 [offload]=60 [resnet50]=90 [profile]=90
   [train]=100 [bench]=120 [repeat]=120)
 programs=("${tests[@]/#/tests/}" apps/tally bench/bench_kernels bench/bench_train)
 # The GPU machine takes 64 MiB of working tree in all: the tracked files travel with the bundle.
@@ -463,7 +463,8 @@ step_resnet50() {
     fi
     rm -rf "$run-$name"
     run_logged "tally train resnet50 $name" "$log" 90 "$bundle/run" "$bundle/bin/tally" train --model resnet50 \
-      "${args[@]}" --lr 0.1 --schedule constant --no-augment --no-eval --device cuda --out "$run-$name" --no-progress
+      "${args[@]}" --lr 0.1 --schedule constant --no-augment --no-eval --device cuda --out "$run-$name" --no-progress \
+      --tuning-seconds 15
     [[ -f $run-$name/summary.json ]] && cp "$run-$name/summary.json" "$logs/resnet50-$name-summary.json"
     result "train resnet50 $name ${args[1]#synthetic:} B=${args[3]}" \
       "$(grep -E '^ *recompute:' "$log" | tail -1 | cut -c1-50) $(grep -E '^memory:|img/s' "$log" | tail -1 | cut -c1-110)"
@@ -530,7 +531,8 @@ step_offload() {
 step_compare() {
   local log=$logs/compare.log row extra
   : >"$log"
-  local formats="--tally-memory-format contiguous,channels_last"
+  # The engines the tuning step measured are replayed; what it did not see is measured for 10 s at most.
+  local formats="--tally-memory-format contiguous,channels_last --tally-tuning-seconds 10"
   for row in "fp32 --tally-deterministic on,off" "tf32 --tf32 --tally-deterministic on,off" \
     "bf16 --precision bf16 --cudnn-benchmark"; do
     read -r row extra <<<"$row"
@@ -557,7 +559,8 @@ step_profile() {
     # shellcheck disable=SC2086  # $extra is a list of flags
     run_logged "tally train --profile resnet50 $row" "$log" 30 "$bundle/run" "$bundle/bin/tally" train \
       --model resnet50 --data synthetic:3x224x224 --num-classes 1000 --batch-size 256 --steps 4 --lr 0.01 \
-      --schedule constant --no-augment --no-eval --device cuda --no-progress --profile --out "$run-$row" $extra
+      --schedule constant --no-augment --no-eval --device cuda --no-progress --profile --out "$run-$row" \
+      --tuning-seconds 10 $extra
     [[ -f $run-$row/profile.txt ]] && cp "$run-$row/profile.txt" "$logs/profile-tally-$row.txt"
     # The step's wall time split into the ops' and the GPU's idle time (the memory-bound issue's goal:
     # idle <= 2 ms a step).
@@ -662,6 +665,35 @@ step_deviceless() {
   result "deviceless plans" "$same of $cases equal to the GPU's"
 }
 
+# Convolution engines chosen by measurement (docs/gpu.md, "Tuning"): ResNet-50 batch 256 in one
+# micro-batch, as the compare step runs it, tuned into the check's cache folder (so the later steps
+# replay the file and measure only what is new), then the same run without tuning: the tuning line
+# (passes, seconds, the time saved a run by cuDNN's own measure) and both runs' images/s. bf16 and
+# TF32 go through the graph API by default; float32 is tuned through it (TALLY_CUDNN_CONV_API=graph)
+# and compared with its default, the legacy API.
+step_tuning() {
+  local log=$logs/tuning.log run=/tmp/tally-gpu-tuning row extra tuning api
+  : >"$log"
+  for row in "bf16 --precision bf16" "tf32 --tf32" "fp32"; do
+    read -r row extra <<<"$row"
+    for tuning in tuned none; do
+      api=auto
+      [[ $row == fp32 && $tuning == tuned ]] && api=graph
+      local flags=(--tuning-seconds 20)
+      [[ $tuning == none ]] && flags=(--tuning-file none)
+      rm -rf "$run-$row-$tuning"
+      # shellcheck disable=SC2086  # $extra is a list of flags
+      TALLY_CUDNN_CONV_API=$api run_logged "tally train resnet50 256 $row $tuning" "$log" 60 "$bundle/run" \
+        "$bundle/bin/tally" train --model resnet50 --data synthetic:3x224x224 --num-classes 1000 --batch-size 256 \
+        --steps 6 --lr 0.01 --schedule constant --no-augment --no-eval --device cuda --no-progress \
+        --out "$run-$row-$tuning" "${flags[@]}" $extra
+      result "resnet50 256 $row $tuning ($api API)" \
+        "$( [[ $tuning == tuned ]] && grep -E '^tuning:' "$log" | tail -1 | cut -c9-140) $(grep -E 'img/s' "$log" | tail -1 | cut -c1-80)"
+    done
+  done
+  [[ -f ${XDG_CACHE_HOME:-}/tally/conv-tuning.json ]] && cp "$XDG_CACHE_HOME/tally/conv-tuning.json" "$logs/"
+}
+
 # The norm kernels' bandwidth against a device-to-device copy of the same run (bench_kernels'
 # counter of_copy; the memory-bound issue's goal is >= 0.7).
 step_norms() {
@@ -687,6 +719,8 @@ run() {
   mkdir -p "$logs" "$out"
   summary=$logs/summary.txt
   deadline=$(($(date +%s) + ${RUN_SECONDS:-540}))
+  # Every tally of the check tunes into one file of its own, which comes back with the logs.
+  export XDG_CACHE_HOME=$logs/cache
   {
     echo "== gpu-check $(date -u +%Y-%m-%dT%H:%M:%SZ): $*$( ((rehearsal)) && echo ' (rehearsal, no GPU)')"
     head -1 "$bundle/BUILD_INFO" 2>/dev/null || true
@@ -695,8 +729,8 @@ run() {
   local s
   for s in "$@"; do
     case $s in
-      env | tests | sanitize | train | resnet50 | norms | deviceless | host | offload | compare | profile | bench | repeat) ;;
-      *) echo "gpu-check: unknown step '$s': expected env, tests, train, resnet50, norms, deviceless, host, offload, compare, profile, sanitize, bench or repeat" >&2; exit 2 ;;
+      env | tests | tuning | sanitize | train | resnet50 | norms | deviceless | host | offload | compare | profile | bench | repeat) ;;
+      *) echo "gpu-check: unknown step '$s': expected env, tests, tuning, train, resnet50, norms, deviceless, host, offload, compare, profile, sanitize, bench or repeat" >&2; exit 2 ;;
     esac
   done
   local t0

@@ -18,6 +18,8 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include "core/arena.h"
+#include "core/conv_tuning.h"
 #include "core/device_file.h"
 #include "core/error.h"
 #include "kernels/cuda/context.h"
@@ -215,5 +217,197 @@ TEST(Deviceless, ADamagedOrForeignDeviceFileIsAClearError) {
     EXPECT_NE(std::string(e.what()).find("refused the saved device properties"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("maxGridSize"), std::string::npos) << e.what();
   }
+  std::filesystem::remove_all(dir);
+}
+
+// ---- convolution engines chosen by measurement (core/conv_tuning.h) --------------------------------
+
+namespace {
+
+struct NoTuning {  // the convolutions' tuning table emptied when the test ends, however it ends
+  ~NoTuning() { kc::set_conv_tuning({}, false); }
+};
+
+std::filesystem::path scratch(const std::string& what) {
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / fmt::format("tally-tuning-{}-{}", what, ::getpid());
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+void write_text(const std::filesystem::path& p, const std::string& text) {
+  std::ofstream out(p, std::ios::binary);
+  out << text;
+}
+
+}  // namespace
+
+// A tuning entry names a configuration of the heuristics' list by rank and engine: a plan takes it
+// where the list holds that engine at that rank, the rules allow it and it fits the shape's limit
+// — and says so — and the heuristics' choice anywhere else, saying why. Planned from the H200's
+// description, so it runs here.
+TEST(Tuning, ATunedEngineIsReplayedWhereTheHeuristicsOfferItAndOnlyThere) {
+  const auto files = device_files();
+  REQUIRE_DEVICE_FILES(files);
+  const DeviceFile device = load_device_file(files.front());
+  DescribedGpuScope gpu(device);
+  NoTuning reset;
+  kernels::Conv2dShape s{32, 64, 56, 56, 64, 3, 3};  // ResNet-50 layer1's 3x3, channels-last
+  s.pad_h = s.pad_w = 1;
+  s.channels_last = true;
+  s.workspace_limit = std::size_t(256) << 20;
+  const auto pass = kernels::ConvPass::forward;
+  const std::string key = kc::conv2d_tuning_key(s, true, pass, 0.f);
+  const auto plan = [&](const kernels::Conv2dShape& shape) {
+    return kc::conv2d_plan_offline(shape, true, pass, 0.f, device.cudnn_properties);
+  };
+  const kc::OfflineConvPlan untuned = plan(s);
+  const std::vector<std::int64_t> engines = kc::conv2d_graph_engines(s, true, pass, 0.f);
+  ASSERT_GE(engines.size(), 2u) << "the heuristics list one configuration: nothing to tune";
+  bool replayed = false;
+  for (std::size_t r = 0; r < engines.size() && !replayed; ++r) {
+    if (engines[r] == untuned.engine) continue;
+    kernels::TunedConvPass e;
+    e.rank = static_cast<std::int64_t>(r), e.engine = engines[r];
+    kc::set_conv_tuning({{key, e}}, false);
+    const kc::OfflineConvPlan tuned = plan(s);
+    if (tuned.engine != engines[r]) {  // a configuration the rules refuse: the heuristics' choice, and why
+      EXPECT_EQ(tuned.engine, untuned.engine);
+      EXPECT_NE(tuned.description.find("not usable"), std::string::npos) << tuned.description;
+      continue;
+    }
+    replayed = true;
+    EXPECT_NE(tuned.description.find("tuned: the fastest measured"), std::string::npos) << tuned.description;
+    // Another engine at that rank (another cuDNN, another GPU): the heuristics' choice, said.
+    kernels::TunedConvPass other = e;
+    other.engine = engines[r] + 100000;
+    kc::set_conv_tuning({{key, other}}, false);
+    const kc::OfflineConvPlan wrong = plan(s);
+    EXPECT_EQ(wrong.engine, untuned.engine);
+    EXPECT_EQ(wrong.workspace, untuned.workspace);
+    EXPECT_NE(wrong.description.find("tuned engine"), std::string::npos) << wrong.description;
+    // "within" in use and no within choice measured: the heuristics' choice.
+    kc::set_conv_tuning({{key, e}}, true);
+    EXPECT_EQ(plan(s).engine, untuned.engine);
+    // A limit below the tuned workspace: not that engine.
+    if (tuned.workspace > 0) {
+      kc::set_conv_tuning({{key, e}}, false);
+      kernels::Conv2dShape tight = s;
+      tight.workspace_limit = tuned.workspace - 1;
+      EXPECT_EQ(plan(tight).description.find("tuned: the fastest"), std::string::npos);
+    }
+  }
+  EXPECT_TRUE(replayed) << "no configuration other than the heuristics' choice could be replayed";
+  kc::set_conv_tuning({}, false);
+  EXPECT_EQ(plan(s).engine, untuned.engine);
+  EXPECT_EQ(plan(s).description, untuned.description);
+}
+
+// The tuning file of a described GPU is read under that GPU's name: `tally plan --device-file` replays
+// what a run on it measured. install() reports whether the table in use changed.
+TEST(Tuning, ATuningFileIsReadForTheGpuItWasMeasuredOn) {
+  const auto files = device_files();
+  REQUIRE_DEVICE_FILES(files);
+  const DeviceFile device = load_device_file(files.front());
+  DescribedGpuScope gpu(device);
+  NoTuning reset;
+  kernels::Conv2dShape s{16, 128, 28, 28, 128, 3, 3};
+  s.pad_h = s.pad_w = 1;
+  s.channels_last = true;
+  s.workspace_limit = std::size_t(256) << 20;
+  const auto pass = kernels::ConvPass::backward_data;
+  const std::vector<std::int64_t> engines = kc::conv2d_graph_engines(s, true, pass, 1.f);
+  ASSERT_FALSE(engines.empty());
+  const std::string name = fmt::format("{}, compute capability {}.{}, cuDNN {}", device.name, device.compute_major,
+                                       device.compute_minor, cudnn_version_text(loaded_cudnn_version()));
+  const std::filesystem::path dir = scratch("file");
+  const std::string entry = fmt::format(
+      "{{\"rank\": 0, \"engine\": {}, \"workspace\": 0, \"ms\": 1.5, \"within_rank\": 0, \"within_engine\": {}, "
+      "\"within_workspace\": 0, \"within_ms\": 1.5, \"heuristic_rank\": 0, \"heuristic_engine\": {}, "
+      "\"heuristic_workspace\": 0, \"heuristic_ms\": 1.5, \"candidates\": 3}}", engines[0], engines[0], engines[0]);
+  write_text(dir / "tuning.json", fmt::format("{{\"format\": \"tally convolution tuning\", \"version\": 1, \"devices\": "
+                                              "{{\"{}\": {{\"{}\": {}}}, \"another GPU\": {{}}}}}}",
+                                              name, kc::conv2d_tuning_key(s, true, pass, 1.f), entry));
+  ConvTuning t(dir / "tuning.json", 0);
+  ASSERT_EQ(t.table().size(), 1u);
+  EXPECT_EQ(t.table().begin()->second.engine, engines[0]);
+  EXPECT_EQ(t.table().begin()->second.candidates, 3);
+  EXPECT_TRUE(t.install(ConvTuning::Use::fastest));
+  EXPECT_FALSE(t.install(ConvTuning::Use::fastest)) << "the same table again changes nothing";
+  const std::uint64_t version = conv_tuning_version();
+  const kc::OfflineConvPlan p = kc::conv2d_plan_offline(s, true, pass, 1.f, device.cudnn_properties);
+  EXPECT_NE(p.description.find("tuned: the fastest measured"), std::string::npos) << p.description;
+  EXPECT_TRUE(t.install(ConvTuning::Use::none));
+  EXPECT_GT(conv_tuning_version(), version);
+  std::filesystem::remove_all(dir);
+}
+
+// A damaged tuning file stops the run with its name, what was expected, and the way out; a record
+// a checkpoint keeps reads back as it was written, and a damaged one is named too.
+TEST(Tuning, ADamagedFileOrRecordIsAClearErrorAndARecordReadsBackAsWritten) {
+  const std::filesystem::path dir = scratch("damaged");
+  const auto expect_error = [&](const std::string& name, const std::string& text, const std::string& words) {
+    write_text(dir / name, text);
+    try {
+      ConvTuning t(dir / name);
+      ADD_FAILURE() << name << " was accepted";
+    } catch (const Error& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find(words), std::string::npos) << what;
+      EXPECT_NE(what.find((dir / name).string()), std::string::npos) << "the path is named: " << what;
+      EXPECT_NE(what.find("--tuning-file none"), std::string::npos) << "the way out is named: " << what;
+    }
+  };
+  expect_error("cut.json", "{\"format\": \"tally convolution tun", "not JSON");
+  expect_error("other.json", "{\"format\": \"tally device file\", \"version\": 1}",
+               "expected \"format\": \"tally convolution tuning\"");
+  expect_error("version.json", "{\"format\": \"tally convolution tuning\", \"version\": 7, \"devices\": {}}",
+               "expected version 1, found 7");
+  expect_error("devices.json", "{\"format\": \"tally convolution tuning\", \"version\": 1, \"devices\": []}",
+               "expected an object \"devices\"");
+  expect_error("entry.json",
+               "{\"format\": \"tally convolution tuning\", \"version\": 1, \"devices\": {\"GPU\": {\"pass\": "
+               "{\"rank\": \"first\"}}}}",
+               "expected an integer \"rank\", found \"first\"");
+  EXPECT_NO_THROW(ConvTuning(dir / "absent.json")) << "no file yet: an empty table";
+  EXPECT_THROW(ConvTuning(dir / "absent.json", -1), Error);
+
+  const std::string record =
+      "{\"device\":\"NVIDIA H200, compute capability 9.0, cuDNN 9.19.0\",\"use\":\"within\",\"passes\":{\"bf16 nhwc "
+      "forward beta 0: n 8\":{\"rank\":3,\"engine\":61,\"workspace\":4096,\"ms\":0.25,\"within_rank\":1,"
+      "\"within_engine\":7,\"within_workspace\":0,\"within_ms\":0.5,\"heuristic_rank\":0,\"heuristic_engine\":5,"
+      "\"heuristic_workspace\":0,\"heuristic_ms\":0.75,\"candidates\":9}}}";
+  const std::shared_ptr<ConvTuning> replay = ConvTuning::replaying(record, "state.json");
+  EXPECT_EQ(replay->record(), record);
+  EXPECT_EQ(replay->in_use(), ConvTuning::Use::within);
+  ASSERT_EQ(replay->table().size(), 1u);
+  EXPECT_EQ(replay->table().begin()->second.within_engine, 7);
+  for (const auto& [bad, words] : std::vector<std::pair<std::string, std::string>>{
+           {"[1, 2]", "expected a record with \"device\", \"use\" and \"passes\""},
+           {"{\"device\": \"GPU\", \"use\": \"fast\", \"passes\": {}}", "expected \"use\" fastest, within or none"},
+           {"{\"device\": \"GPU\", \"use\": \"none\", \"passes\": {\"p\": {\"rank\": 1}}}", "expected an integer \"engine\""},
+       }) {
+    try {
+      (void)ConvTuning::replaying(bad, "run/checkpoint-5/state.json");
+      ADD_FAILURE() << bad << " was accepted";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find("run/checkpoint-5/state.json"), std::string::npos) << e.what();
+    }
+  }
+  std::filesystem::remove_all(dir);
+}
+
+// On the CPU there is nothing to tune: no dry run, no file, no table.
+TEST(Tuning, OnTheCpuNothingIsMeasuredOrWritten) {
+  const std::filesystem::path dir = scratch("cpu");
+  ConvTuning t(dir / "tuning.json");
+  Arena arena(Device::cpu(), std::size_t(1) << 20);
+  bool ran = false;
+  EXPECT_FALSE(t.tune(Device::cpu(), arena, [&] { ran = true; }));
+  EXPECT_FALSE(ran);
+  EXPECT_FALSE(std::filesystem::exists(dir / "tuning.json"));
+  EXPECT_EQ(arena.stats().total.allocations, 0);
   std::filesystem::remove_all(dir);
 }

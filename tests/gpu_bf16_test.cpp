@@ -30,14 +30,17 @@
 // value; the CPU's oneDNN does so): there the per-element bound is at least 2^-8 max|want|, half a
 // bf16 ulp of the larger addend.
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <array>
 #include <cmath>
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <type_traits>
 
 #include "core/autograd.h"
+#include "core/conv_tuning.h"
 #include "core/dry_run.h"
 #include "core/ops.h"
 #include "mbp/executor.h"
@@ -974,4 +977,78 @@ TEST(GpuBf16Ops, MicroBatchedBf16StepsArePlannedExactly) {
   const double gpu_loss = first_loss(Device::cuda(0));
   const double cpu_loss = first_loss(Device::cpu());
   EXPECT_NEAR(gpu_loss, cpu_loss, 5e-3 * std::abs(cpu_loss));
+}
+
+// Convolution engines chosen by measurement (core/conv_tuning.h): a bf16 channels-last ResNet-20
+// trained with tuning on measures its passes once, writes them to its tuning file, plans exactly
+// (predicted == measured) under the tuned engines; a second run from the file measures nothing and
+// gives the same bits; so does a run replaying the first's record (a resumed run's). Without tuning
+// the step stays within the tuned one's rounding.
+TEST(GpuBf16Ops, TunedConvolutionsPlanExactlyAndReplayBitForBit) {
+  REQUIRE_GPU();
+  const i64 B = 32;
+  const Shape sample{3, 32, 32};
+  std::mt19937 rng(fresh_seed());
+  const auto images = random_values<float>(static_cast<std::size_t>(B * shape_numel(sample)), rng);
+  std::vector<i64> labels(B);
+  for (auto& l : labels) l = static_cast<i64>(rng() % 10);
+  const std::filesystem::path file =
+      std::filesystem::temp_directory_path() / fmt::format("tally-tuning-{}.json", ::getpid());
+  std::filesystem::remove(file);
+  struct Reset {
+    std::filesystem::path file;
+    ~Reset() {
+      kernels::cuda::set_conv_tuning({}, false);
+      std::filesystem::remove(file);
+    }
+  } reset{file};
+  // Two steps; returns the parameters after them.
+  auto train = [&](const std::shared_ptr<ConvTuning>& tuning) {
+    const Device d = Device::cuda(0);
+    auto arena = std::make_shared<Arena>(d, std::size_t(256) << 20);
+    std::shared_ptr<nn::Module> model;
+    std::unique_ptr<optim::SGD> opt;
+    {
+      ArenaScope scope(arena);
+      nn::manual_seed(21);
+      model = nn::make_model({"resnet20"});
+      model->to(d);
+      opt = std::make_unique<optim::SGD>(model->parameters(), optim::SGDOptions{.lr = 0.05, .momentum = 0.9});
+    }
+    mbp::ExecutorOptions eo;
+    eo.sample_shape = sample;
+    eo.micro_batch = 16;
+    eo.precision = mbp::Precision::bf16;
+    eo.memory_format = MemoryFormat::ChannelsLast;
+    eo.conv_tuning = tuning;
+    mbp::Executor ex(*model, *opt, arena, eo);
+    for (int step = 0; step < 2; ++step) {
+      const mbp::StepResult r = ex.step(images.data(), labels.data(), B);
+      EXPECT_EQ(r.peak, r.predicted_peak) << "step " << step << (tuning ? ", " + tuning->report() : "");
+      EXPECT_TRUE(std::isfinite(r.loss));
+    }
+    std::vector<float> values;
+    for (const Tensor& p : model->parameters()) {
+      const auto v = p.to(Device::cpu()).to_vector<float>();
+      values.insert(values.end(), v.begin(), v.end());
+    }
+    return values;
+  };
+  const auto first = std::make_shared<ConvTuning>(file);
+  const std::vector<float> tuned = train(first);
+  EXPECT_NE(first->report().find("measured"), std::string::npos) << first->report();
+  ASSERT_TRUE(std::filesystem::exists(file)) << first->report();
+  EXPECT_FALSE(first->table().empty());
+  const std::string record = first->record();
+  const auto again = std::make_shared<ConvTuning>(file);
+  kernels::cuda::set_conv_tuning({}, false);
+  EXPECT_EQ(train(again), tuned) << "the same engines from the file: the same bits";
+  EXPECT_NE(again->report().find(", 0 measured"), std::string::npos) << again->report();
+  kernels::cuda::set_conv_tuning({}, false);
+  EXPECT_EQ(train(ConvTuning::replaying(record, "the first run's record")), tuned) << "replayed: the same bits";
+  kernels::cuda::set_conv_tuning({}, false);
+  const std::vector<float> plain = train(nullptr);
+  ASSERT_EQ(plain.size(), tuned.size());
+  for (std::size_t i = 0; i < plain.size(); ++i)
+    ASSERT_NEAR(plain[i], tuned[i], 2e-2 * (1 + std::abs(tuned[i]))) << "parameter element " << i;
 }

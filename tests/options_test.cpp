@@ -156,7 +156,8 @@ TEST(Options, EachCommandStartsFromItsOwnDefaults) {
   EXPECT_NE(sweep_cli.help().find("NUMBER >= 0=0.5"), std::string::npos);
   EXPECT_NE(plan_cli.help().find("fp32|bf16"), std::string::npos);
   // --resume's help names the flags that may change, from the table.
-  EXPECT_NE(train_cli.help().find("--workers, --threads (a CUDA run's; a CPU run keeps its count), --profile, --save, "
+  EXPECT_NE(train_cli.help().find("--workers, --threads (a CUDA run's; a CPU run keeps its count), --tuning-file (a resumed run replays its "
+                                 "checkpoint's engines), --tuning-seconds, --profile, --save, "
                                    "--no-progress, --host-memory-limit, "
                                    "--placement, --copy-bandwidth, --compute-rate, --checkpoint-every"),
             std::string::npos)
@@ -196,7 +197,7 @@ TEST(Options, TheTextFormKeepsEveryOptionAndTheSameStrings) {
   EXPECT_EQ(values.at("transform"), "imagenet");
   EXPECT_EQ(values.at("skip-bad-images"), "false");
   EXPECT_EQ(values.at("deterministic"), "on");
-  EXPECT_EQ(values.size(), 49u);
+  EXPECT_EQ(values.size(), 51u);
   EXPECT_EQ(values.count("resume"), 0u);
   EXPECT_EQ(option_values(options_from_values(values, "test")), option_values(o));
   // A checkpoint from before --memory-format ran contiguous; one from before the pipeline had one
@@ -239,14 +240,15 @@ TEST(Options, AResumedRunTakesOnlyTheChangeableFlags) {
     ADD_FAILURE() << "a changed --lr was accepted";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("--lr: the run has 0.3, given 0.1"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("only --workers, --threads (a CUDA run's; a CPU run keeps its count), --profile, --save, --no-progress, "
+    EXPECT_NE(std::string(e.what()).find("only --workers, --threads (a CUDA run's; a CPU run keeps its count), --tuning-file (a resumed run replays "
+                      "its checkpoint's engines), --tuning-seconds, --profile, --save, --no-progress, "
                                          "--host-memory-limit, --placement, --copy-bandwidth, --compute-rate, "
                                          "--checkpoint-every may change"),
               std::string::npos)
         << e.what();
   }
   EXPECT_EQ(options_changeable_on_resume(),
-            (std::vector<std::string>{"workers", "threads", "profile", "save", "out", "progress", "host-memory-limit",
+            (std::vector<std::string>{"workers", "threads", "tuning-file", "tuning-seconds", "profile", "save", "out", "progress", "host-memory-limit",
                                       "placement", "copy-bandwidth", "compute-rate", "checkpoint-every"}));
 }
 

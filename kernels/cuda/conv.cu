@@ -37,13 +37,17 @@
 // once before its float32 accumulation, as under PyTorch's autocast (the CPU forms it in float32).
 // A bf16 pass's workspace is that bf16 buffer, 256-byte aligned, then cuDNN's; plans are cached
 // per dtype.
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <climits>
+#include <exception>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -525,6 +529,8 @@ struct GraphPlan {
   Backend plan;
   std::size_t workspace = 0;
   std::int64_t engine = -1;  // cuDNN's global engine index
+  std::int64_t rank = -1;    // its configuration's place in the heuristics' list
+  bool tuned = false;        // taken from the tuning table
   std::string description;
 };
 
@@ -568,11 +574,20 @@ struct PlanTarget {
   cudnnBackendDescriptor_t device_properties = nullptr;
 };
 
-std::unique_ptr<GraphPlan> make_graph_plan(const Conv2dShape& s, bool bf16, ConvPass pass, float beta,
-                                           const PlanTarget& target) {
+// The operation graph of one pass and the engine configurations the heuristics list for it: mode
+// A's, then the fallback mode's (cuDNN's own advice when A offers nothing usable: for float32
+// without TF32 A can list tensor-core engines alone, as for the weight gradient of ResNet-50's 1x1
+// stride-2 projections at batch 64 on an H100). A configuration's rank is its place in that list.
+struct PassGraph {
+  std::vector<Backend> parts;  // tensors, convolution, operation, graph, heuristics
+  std::vector<Backend> configs;
+  std::vector<const char*> mode;  // the heuristics mode that listed each configuration
+};
+
+PassGraph pass_graph(const Conv2dShape& s, bool bf16, ConvPass pass, float beta, const PlanTarget& target) {
   cudnnHandle_t h = target.handle;
   cudnnBackendDescriptor_t props = target.device_properties;
-  auto g = std::make_unique<GraphPlan>();
+  PassGraph pg;
   const cudnnDataType_t data = bf16 ? CUDNN_DATA_BFLOAT16 : CUDNN_DATA_FLOAT;
   // The weight gradient of a float32 pass is float32; of a bf16 pass, bf16 (added into float32 after).
   // Channels-last activations take the weights as they are stored, (K, C/g, R, S): cuDNN reorders
@@ -617,11 +632,6 @@ std::unique_ptr<GraphPlan> make_graph_plan(const Conv2dShape& s, bool bf16, Conv
   set_desc(graph, CUDNN_ATTR_OPERATIONGRAPH_OPS, op);
   if (h) set_attr(graph, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &h);
   TALLY_CUDNN_CHECK(cudnnBackendFinalize(graph->get()));
-  // Heuristics mode A's list, then the fallback mode's (cuDNN's own advice when A offers nothing
-  // usable: for float32 without TF32 A can list tensor-core engines alone, as for the weight
-  // gradient of ResNet-50's 1x1 stride-2 projections at batch 64 on an H100).
-  std::vector<Backend> heurs, configs;
-  std::vector<const char*> config_mode;
   for (const auto& [mode, label] : {std::pair{CUDNN_HEUR_MODE_A, "mode A"}, std::pair{CUDNN_HEUR_MODE_FALLBACK, "fallback mode"}}) {
     auto heur = backend(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR);
     set_desc(heur, CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, graph);
@@ -642,68 +652,141 @@ std::unique_ptr<GraphPlan> make_graph_plan(const Conv2dShape& s, bool bf16, Conv
       TALLY_CUDNN_CHECK(cudnnBackendGetAttribute(heur->get(), CUDNN_ATTR_ENGINEHEUR_RESULTS,
                                                 CUDNN_TYPE_BACKEND_DESCRIPTOR, count, &got, raw.data()));
     for (std::int64_t i = 0; i < got; ++i) {
-      configs.push_back(std::move(mine[static_cast<std::size_t>(i)]));
-      config_mode.push_back(label);
+      pg.configs.push_back(std::move(mine[static_cast<std::size_t>(i)]));
+      pg.mode.push_back(label);
     }
-    heurs.push_back(std::move(heur));
+    pg.parts.push_back(std::move(heur));
   }
-  const auto got = static_cast<std::int64_t>(configs.size());
-  const bool tc_allowed = tensor_ops_allowed(bf16);
-  std::string seen;
-  auto try_configs = [&](bool require_deterministic) -> bool {
-    for (std::int64_t i = 0; i < got; ++i) {
-      const EngineInfo info = engine_info(configs[static_cast<std::size_t>(i)]);
-      std::string note;
-      bool ok = false;
-      if (require_deterministic && info.nondeterministic) {
-        note = "not deterministic";
-      } else if (!tc_allowed && info.tensor_core) {
-        note = "tensor cores (TF32)";
-      } else if (bf16 && info.transformed) {
-        note = "FFT/Winograd on bf16";
+  for (Backend* part : {&x, &w, &y, &conv, &op, &graph}) pg.parts.push_back(std::move(*part));
+  return pg;
+}
+
+// One configuration of the list under the rules (file top): its finalized plan and workspace when
+// usable (ok), else why not (note).
+struct Tried {
+  Backend plan;
+  std::size_t workspace = 0;
+  EngineInfo info;
+  std::string note;
+  bool ok = false;
+};
+Tried try_config(const PassGraph& pg, std::size_t i, bool bf16, bool require_deterministic, std::size_t limit,
+                 const PlanTarget& target) {
+  Tried t;
+  t.info = engine_info(pg.configs[i]);
+  if (require_deterministic && t.info.nondeterministic) {
+    t.note = "not deterministic";
+  } else if (!tensor_ops_allowed(bf16) && t.info.tensor_core) {
+    t.note = "tensor cores (TF32)";
+  } else if (bf16 && t.info.transformed) {
+    t.note = "FFT/Winograd on bf16";
+  } else {
+    auto plan = backend(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
+    if (target.handle) set_attr(plan, CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &target.handle);
+    if (target.device_properties)
+      set_attr(plan, CUDNN_ATTR_EXECUTION_PLAN_DEVICEPROP, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &target.device_properties);
+    set_desc(plan, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, pg.configs[i]);
+    const cudnnStatus_t st = cudnnBackendFinalize(plan->get());
+    std::int64_t ws = 0, n = 0;
+    if (st != CUDNN_STATUS_SUCCESS) {
+      t.note = std::string("plan: ") + cudnnGetErrorString(st);
+    } else if (cudnnBackendGetAttribute(plan->get(), CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1, &n,
+                                        &ws) != CUDNN_STATUS_SUCCESS || ws < 0) {
+      t.note = "no workspace size";
+    } else if (static_cast<std::size_t>(ws) > limit) {
+      t.note = std::to_string(ws) + " B > limit";
+    } else {
+      t.note = std::to_string(ws) + " B";
+      t.plan = std::move(plan);
+      t.workspace = static_cast<std::size_t>(ws);
+      t.ok = true;
+    }
+  }
+  return t;
+}
+
+// ---- tuning: the table plans replay, and the record of the passes a dry run plans --------------
+
+struct Tuning {
+  std::mutex mu;
+  std::map<std::string, TunedConvPass> table;
+  bool within = false;
+  std::atomic<std::uint64_t> generation{0};  // the table's version: graph plans are cached under it
+  bool recording = false;
+  std::map<std::string, ConvPassKey> recorded;
+};
+Tuning& tuning() {
+  static auto* t = new Tuning;  // never destroyed, as the plans
+  return *t;
+}
+
+// The tuned choice of a pass — its rank and engine — if the table has one.
+std::optional<std::pair<std::int64_t, std::int64_t>> tuned_choice(const std::string& key) {
+  Tuning& t = tuning();
+  std::lock_guard<std::mutex> lock(t.mu);
+  const auto it = t.table.find(key);
+  if (it == t.table.end()) return std::nullopt;
+  const TunedConvPass& e = it->second;
+  const std::int64_t rank = t.within ? e.within_rank : e.rank, engine = t.within ? e.within_engine : e.engine;
+  if (rank < 0) return std::nullopt;
+  return std::pair{rank, engine};
+}
+
+// The pass's plan: the tuned configuration when the table has one that is usable here, else the
+// first configuration of the list the rules allow within the limit. If no deterministic one fits,
+// the first other one that does is taken with a warning (as the legacy path does).
+std::unique_ptr<GraphPlan> make_graph_plan(const Conv2dShape& s, bool bf16, ConvPass pass, float beta,
+                                           const PlanTarget& target, bool use_tuning = true) {
+  PassGraph pg = pass_graph(s, bf16, pass, beta, target);
+  auto g = std::make_unique<GraphPlan>();
+  const auto got = pg.configs.size();
+  std::string seen, tuned_note;
+  auto take = [&](Tried& t, std::size_t i, const std::string& how) {
+    g->plan = std::move(t.plan);
+    g->workspace = t.workspace;
+    g->engine = t.info.index;
+    g->rank = static_cast<std::int64_t>(i);
+    g->description = std::string(pass_name(pass)) + " (graph API, beta " + std::to_string(static_cast<int>(beta)) +
+                     ") engine " + std::to_string(t.info.index) + " (" + std::to_string(g->workspace) + " B, rank " +
+                     std::to_string(i) + " of heuristics " + pg.mode[i] + how + ")";
+  };
+  if (const auto tuned = use_tuning ? tuned_choice(conv2d_tuning_key(s, bf16, pass, beta)) : std::nullopt) {
+    const auto [rank, engine] = *tuned;
+    if (rank < static_cast<std::int64_t>(got)) {
+      Tried t = try_config(pg, static_cast<std::size_t>(rank), bf16, deterministic(), s.workspace_limit, target);
+      if (t.ok && t.info.index == engine) {
+        take(t, static_cast<std::size_t>(rank), "; tuned: the fastest measured");
+        g->tuned = true;
       } else {
-        auto plan = backend(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
-        if (h) set_attr(plan, CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &h);
-        if (props) set_attr(plan, CUDNN_ATTR_EXECUTION_PLAN_DEVICEPROP, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &props);
-        set_desc(plan, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, configs[static_cast<std::size_t>(i)]);
-        const cudnnStatus_t st = cudnnBackendFinalize(plan->get());
-        std::int64_t ws = 0, n = 0;
-        if (st != CUDNN_STATUS_SUCCESS) {
-          note = std::string("plan: ") + cudnnGetErrorString(st);
-        } else if (cudnnBackendGetAttribute(plan->get(), CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1,
-                                            &n, &ws) != CUDNN_STATUS_SUCCESS || ws < 0) {
-          note = "no workspace size";
-        } else if (static_cast<std::size_t>(ws) > s.workspace_limit) {
-          note = std::to_string(ws) + " B > limit";
-        } else {
-          note = std::to_string(ws) + " B";
-          g->plan = std::move(plan);
-          g->workspace = static_cast<std::size_t>(ws);
-          g->engine = info.index;
-          ok = true;
-        }
+        tuned_note = "; tuned engine " + std::to_string(engine) + " at rank " + std::to_string(rank) + " not usable (" +
+                     (t.info.index != engine ? "the heuristics list engine " + std::to_string(t.info.index) + " there"
+                                             : t.note) + "): the heuristics' choice";
       }
-      seen += (seen.empty() ? "" : ", ") + std::string("engine ") + std::to_string(info.index) + " " + note;
-      if (ok) {
-        g->description = std::string(pass_name(pass)) + " (graph API, beta " + std::to_string(static_cast<int>(beta)) +
-                         ") engine " + std::to_string(info.index) + " (" + std::to_string(g->workspace) +
-                         " B, rank " + std::to_string(i) + " of heuristics " + config_mode[static_cast<std::size_t>(i)] +
-                         "; candidates: " + seen + ")";
+    } else {
+      tuned_note = "; tuned rank " + std::to_string(rank) + " beyond the heuristics' " + std::to_string(got) +
+                   " configurations: the heuristics' choice";
+    }
+  }
+  auto try_configs = [&](bool require_deterministic) -> bool {
+    for (std::size_t i = 0; i < got; ++i) {
+      Tried t = try_config(pg, i, bf16, require_deterministic, s.workspace_limit, target);
+      seen += (seen.empty() ? "" : ", ") + std::string("engine ") + std::to_string(t.info.index) + " " + t.note;
+      if (t.ok) {
+        take(t, i, tuned_note + "; candidates: " + seen);
         return true;
       }
     }
     return false;
   };
-  if (!try_configs(deterministic())) {
+  if (!g->plan && !try_configs(deterministic())) {
     if (!deterministic() || !try_configs(false)) no_algorithm(pass_name(pass), s, bf16, seen);
     g->description += " -- NOT deterministic: no deterministic engine fits";
     std::fprintf(stderr, "tally: warning: conv2d %s of %s (graph API): no deterministic cuDNN engine fits the workspace "
                  "limit of %zu bytes; using one that is not deterministic\n", pass_name(pass), shape_text(s).c_str(),
                  s.workspace_limit);
   }
-  for (Backend* part : {&x, &w, &y, &conv, &op, &graph}) g->parts.push_back(std::move(*part));
-  for (Backend& hd : heurs) g->parts.push_back(std::move(hd));
-  for (Backend& c : configs) g->parts.push_back(std::move(c));
+  g->parts = std::move(pg.parts);
+  for (Backend& c : pg.configs) g->parts.push_back(std::move(c));
   if (g_log_conv) std::fprintf(stderr, "%s conv2d %s: %s\n", bf16 ? "bf16" : "float32", shape_text(s).c_str(),
                                g->description.c_str());
   return g;
@@ -745,10 +828,15 @@ const GraphPlan& graph_plan(const Conv2dShape& s, bool bf16, ConvPass pass, floa
   if (beta != 0.f && beta != 1.f)
     detail::fail("conv2d " + std::string(pass_name(pass)) + " (graph API): beta must be 0 or 1, found " +
                  std::to_string(beta));
-  using Key = std::tuple<PlanKey, int, bool>;
+  Tuning& t = tuning();
+  if (t.recording) {  // set between steps only, as the table
+    std::lock_guard<std::mutex> lock(t.mu);
+    t.recorded.emplace(conv2d_tuning_key(s, bf16, pass, beta), ConvPassKey{s, bf16, pass, beta});
+  }
+  using Key = std::tuple<PlanKey, int, bool, std::uint64_t>;
   static std::mutex mu;
   static auto* cache = new std::map<Key, std::unique_ptr<GraphPlan>>;  // never destroyed, as the handles
-  const Key key{key_of(s, bf16), static_cast<int>(pass), beta == 1.f};
+  const Key key{key_of(s, bf16), static_cast<int>(pass), beta == 1.f, t.generation.load()};
   std::lock_guard<std::mutex> lock(mu);
   auto it = cache->find(key);
   if (it == cache->end()) it = cache->emplace(key, make_graph_plan(s, bf16, pass, beta, current_target())).first;
@@ -800,8 +888,8 @@ bool use_graph_api(const Conv2dShape& s, bool bf16) {
   return decided->emplace(key, graph).first->second;
 }
 
-// Runs a plan on (x, w, y) — for the backward passes dx, dw, dy in the same slots.
-void graph_execute(const GraphPlan& g, const void* x, const void* w, const void* y, void* workspace) {
+// Runs an execution plan on (x, w, y) — for the backward passes dx, dw, dy in the same slots.
+void plan_execute(cudnnBackendDescriptor_t plan, const void* x, const void* w, const void* y, void* workspace) {
   auto pack = backend(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR);
   const std::int64_t uids[3] = {kUidX, kUidW, kUidY};
   void* ptrs[3] = {const_cast<void*>(x), const_cast<void*>(w), const_cast<void*>(y)};
@@ -809,7 +897,10 @@ void graph_execute(const GraphPlan& g, const void* x, const void* w, const void*
   set_attr(pack, CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, 3, ptrs);
   set_attr(pack, CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &workspace);
   TALLY_CUDNN_CHECK(cudnnBackendFinalize(pack->get()));
-  TALLY_CUDNN_CHECK(cudnnBackendExecute(detail::cudnn(), g.plan->get(), pack->get()));
+  TALLY_CUDNN_CHECK(cudnnBackendExecute(detail::cudnn(), plan, pack->get()));
+}
+void graph_execute(const GraphPlan& g, const void* x, const void* w, const void* y, void* workspace) {
+  plan_execute(g.plan->get(), x, w, y, workspace);
 }
 
 // A bf16 pass's workspace: the bf16 weight (or weight-gradient) buffer, then cuDNN's part.
@@ -932,6 +1023,124 @@ OfflineConvPlan conv2d_plan_offline(const Conv2dShape& s, bool bf16, ConvPass pa
   (void)s, (void)bf16, (void)pass, (void)beta, (void)device_properties;
   no_cudnn();
 #endif
+}
+
+// ---- tuning ------------------------------------------------------------------------------------
+
+std::string conv2d_tuning_key(const Conv2dShape& s, bool bf16, ConvPass pass, float beta) {
+  static constexpr const char* kPass[3] = {"forward", "backward-data", "backward-filter"};
+  char text[256];
+  std::snprintf(text, sizeof text,
+                "%s %s %s beta %d: n %lld c %lld %lldx%lld, k %lld %lldx%lld, stride %lldx%lld, pad %lldx%lld, "
+                "dilation %lldx%lld, groups %lld%s%s",
+                bf16 ? "bf16" : "float32", s.channels_last ? "nhwc" : "nchw", kPass[static_cast<int>(pass)],
+                beta == 0.f ? 0 : 1, static_cast<long long>(s.N), static_cast<long long>(s.C),
+                static_cast<long long>(s.H), static_cast<long long>(s.W), static_cast<long long>(s.K),
+                static_cast<long long>(s.R), static_cast<long long>(s.S), static_cast<long long>(s.stride_h),
+                static_cast<long long>(s.stride_w), static_cast<long long>(s.pad_h), static_cast<long long>(s.pad_w),
+                static_cast<long long>(s.dil_h), static_cast<long long>(s.dil_w), static_cast<long long>(s.groups),
+                deterministic() ? ", deterministic" : "", !bf16 && allow_tf32() ? ", tf32" : "");
+  return text;
+}
+
+void set_conv_tuning(const std::map<std::string, TunedConvPass>& table, bool within) {
+#if TALLY_HAVE_CUDNN
+  Tuning& t = tuning();
+  std::lock_guard<std::mutex> lock(t.mu);
+  t.table = table;
+  t.within = within;
+  ++t.generation;
+#else
+  (void)table, (void)within;
+#endif
+}
+
+void conv2d_record_passes(bool on) {
+#if TALLY_HAVE_CUDNN
+  Tuning& t = tuning();
+  std::lock_guard<std::mutex> lock(t.mu);
+  if (on) t.recorded.clear();
+  t.recording = on;
+#else
+  (void)on;
+#endif
+}
+
+std::vector<ConvPassKey> conv2d_recorded_passes() {
+  std::vector<ConvPassKey> passes;
+#if TALLY_HAVE_CUDNN
+  Tuning& t = tuning();
+  std::lock_guard<std::mutex> lock(t.mu);
+  for (const auto& [key, pass] : t.recorded) passes.push_back(pass);
+#endif
+  return passes;
+}
+
+std::vector<std::int64_t> conv2d_graph_engines(const Conv2dShape& s, bool bf16, ConvPass pass, float beta) {
+  std::vector<std::int64_t> engines;
+#if TALLY_HAVE_CUDNN
+  const PassGraph pg = pass_graph(s, bf16, pass, beta, current_target());
+  for (const Backend& c : pg.configs) engines.push_back(engine_info(c).index);
+#else
+  (void)s, (void)bf16, (void)pass, (void)beta;
+  no_cudnn();
+#endif
+  return engines;
+}
+
+TunedConvPass conv2d_tune_pass(const ConvPassKey& p, void* x, void* w, void* y, void* workspace,
+                               std::size_t workspace_bytes, double seconds) {
+  TunedConvPass r;
+#if TALLY_HAVE_CUDNN
+  const Conv2dShape& s = p.shape;
+  const PlanTarget target{detail::cudnn(), nullptr};
+  // The heuristics' choice, as a plan without tuning takes it: its rank, engine and workspace.
+  const std::unique_ptr<GraphPlan> untuned = make_graph_plan(s, p.bf16, p.pass, p.beta, target, false);
+  r.heuristic_rank = untuned->rank;
+  r.heuristic_engine = untuned->engine;
+  r.heuristic_workspace = untuned->workspace;
+  const PassGraph pg = pass_graph(s, p.bf16, p.pass, p.beta, target);
+  const std::size_t limit = std::min(s.workspace_limit, workspace_bytes);
+  // With deterministic() on, only deterministic engines — unless the heuristics' choice itself is
+  // not (none fits): then any, as that plan runs.
+  const bool require_deterministic = deterministic() && !engine_info(pg.configs[static_cast<std::size_t>(
+      std::max<std::int64_t>(0, std::min<std::int64_t>(untuned->rank, static_cast<std::int64_t>(pg.configs.size()) - 1)))])
+      .nondeterministic;
+  cudaEvent_t start = nullptr, stop = nullptr;
+  TALLY_CUDA_CHECK(cudaEventCreate(&start));
+  TALLY_CUDA_CHECK(cudaEventCreate(&stop));
+  const auto began = std::chrono::steady_clock::now();
+  const auto n = std::min<std::size_t>(pg.configs.size(), kTuneCandidates);
+  for (std::size_t i = 0; i < n; ++i) {
+    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count() > seconds) break;
+    Tried t = try_config(pg, i, p.bf16, require_deterministic, limit, target);
+    if (!t.ok) continue;
+    float ms = 0;
+    try {
+      plan_execute(t.plan->get(), x, w, y, workspace);  // the first run: the engine's own set-up
+      TALLY_CUDA_CHECK(cudaEventRecord(start, detail::stream()));
+      for (int k = 0; k < kTuneRepeats; ++k) plan_execute(t.plan->get(), x, w, y, workspace);
+      TALLY_CUDA_CHECK(cudaEventRecord(stop, detail::stream()));
+      detail::host_wait(detail::stream());
+      TALLY_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    } catch (const std::exception&) {  // an engine that will not run on these buffers: not a candidate
+      continue;
+    }
+    const double each = static_cast<double>(ms) / kTuneRepeats;
+    ++r.candidates;
+    const auto rank = static_cast<std::int64_t>(i);
+    if (rank == untuned->rank) r.heuristic_ms = each;
+    if (r.rank < 0 || each < r.ms) r.rank = rank, r.engine = t.info.index, r.workspace = t.workspace, r.ms = each;
+    if (t.workspace <= untuned->workspace && (r.within_rank < 0 || each < r.within_ms))
+      r.within_rank = rank, r.within_engine = t.info.index, r.within_workspace = t.workspace, r.within_ms = each;
+  }
+  (void)cudaEventDestroy(start);
+  (void)cudaEventDestroy(stop);
+#else
+  (void)p, (void)x, (void)w, (void)y, (void)workspace, (void)workspace_bytes, (void)seconds;
+  no_cudnn();
+#endif
+  return r;
 }
 
 void set_log_conv_algorithms(bool on) {

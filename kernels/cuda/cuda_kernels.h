@@ -25,7 +25,9 @@
 //     calls take int sizes and throw a clear error beyond them.
 #pragma once
 #include <cstdint>
+#include <map>
 #include <string>
+#include <vector>
 
 #include "kernels/common.h"  // Conv2dShape, Pool2dShape
 
@@ -112,6 +114,37 @@ struct OfflineConvPlan {
 };
 OfflineConvPlan conv2d_plan_offline(const Conv2dShape& s, bool bf16, ConvPass pass, float beta,
                                     const std::string& device_properties);
+
+// Engines chosen by measurement (docs/gpu.md, "Tuning"): a graph-API pass's candidates timed on
+// the device, the fastest replayed by every later plan of the pass. Only passes that go through the
+// graph API are tuned (bf16, channels-last, TALLY_CUDNN_CONV_API=graph): the legacy API's choice of a
+// row-major float32 shape stays the heuristics'. A tuned pass is keyed by conv2d_tuning_key — its
+// shape without the workspace limit, data type, pass, beta and the switches deterministic() and
+// allow_tf32() — and replayed only where the heuristics list the same engine at the same rank, the
+// rules allow it and its workspace fits the shape's limit; anywhere else the pass takes the
+// heuristics' choice, saying so in its description.
+std::string conv2d_tuning_key(const Conv2dShape& s, bool bf16, ConvPass pass, float beta);
+// The table every graph-API plan made from now on replays (empty: none); `within`: each entry's
+// within_* choice instead of its fastest. Plans made before stay cached under the table they were
+// made with. Between steps only, like set_cudnn_conv_api.
+void set_conv_tuning(const std::map<std::string, TunedConvPass>& table, bool within);
+// While on, every graph-API pass a plan sizes or runs is recorded (a dry run's passes: what a
+// step will run); on clears the record.
+void conv2d_record_passes(bool on);
+std::vector<ConvPassKey> conv2d_recorded_passes();
+// The global engine index of each configuration the heuristics list for a graph-API pass, by rank
+// (for the current device, or the described one): what a tuning entry's rank and engine refer to.
+std::vector<std::int64_t> conv2d_graph_engines(const Conv2dShape& s, bool bf16, ConvPass pass, float beta);
+// Times the candidates of one pass on the current device: up to kTuneCandidates configurations of
+// the heuristics' list that the rules allow, each finalized, run once, then timed over kTuneRepeats
+// runs on the compute stream; candidates whose workspace is over min(the shape's limit,
+// workspace_bytes) are skipped, as is one that fails to run; past `seconds` of measuring no further
+// candidate starts. x, w and y are device buffers of the pass's shape and data type (w in the
+// data's type: bf16 weights for a bf16 pass), their contents overwritten. The result's rank and
+// engine are -1 when no candidate could be timed.
+inline constexpr int kTuneCandidates = 24, kTuneRepeats = 3;
+TunedConvPass conv2d_tune_pass(const ConvPassKey& p, void* x, void* w, void* y, void* workspace,
+                               std::size_t workspace_bytes, double seconds);
 
 // Channels-last batch norm's elementwise passes run vectorized (kVec channels a thread, norm.cu) where
 // the shape and alignment allow; off, the scalar passes run everywhere — the same values bit for
