@@ -36,15 +36,31 @@ bool any_requires_grad(std::initializer_list<const Tensor*> inputs) {
   return false;
 }
 
-void set_history(Tensor& out, const std::shared_ptr<Node>& node, std::initializer_list<const Tensor*> inputs) {
-  for (const Tensor* t : inputs) {
-    Edge e;
-    if (t && tensor_requires_grad(*t)) {
-      if (t->grad_fn()) e.node = t->grad_fn();
-      else e.leaf = t->impl_ptr();
-    }
-    node->next.push_back(std::move(e));
+bool any_requires_grad(const std::vector<Tensor>& inputs) {
+  if (!tl_grad_enabled) return false;
+  for (const Tensor& t : inputs)
+    if (tensor_requires_grad(t)) return true;
+  return false;
+}
+
+namespace {
+Edge edge_to(const Tensor* t) {
+  Edge e;
+  if (t && tensor_requires_grad(*t)) {
+    if (t->grad_fn()) e.node = t->grad_fn();
+    else e.leaf = t->impl_ptr();
   }
+  return e;
+}
+}  // namespace
+
+void set_history(Tensor& out, const std::shared_ptr<Node>& node, std::initializer_list<const Tensor*> inputs) {
+  for (const Tensor* t : inputs) node->next.push_back(edge_to(t));
+  out.impl().grad_fn = node;
+}
+
+void set_history(Tensor& out, const std::shared_ptr<Node>& node, const std::vector<Tensor>& inputs) {
+  for (const Tensor& t : inputs) node->next.push_back(edge_to(&t));
   out.impl().grad_fn = node;
 }
 

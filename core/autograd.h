@@ -94,8 +94,10 @@ class EnableGradGuard {
 
 // True if grad mode is on and any of the tensors requires grad (directly or via history).
 bool any_requires_grad(std::initializer_list<const Tensor*> inputs);
+bool any_requires_grad(const std::vector<Tensor>& inputs);  // a list of any length (concat's)
 // Connects `out` to `node`, whose edges point at `inputs` (undefined tensors get no edge).
 void set_history(Tensor& out, const std::shared_ptr<Node>& node, std::initializer_list<const Tensor*> inputs);
+void set_history(Tensor& out, const std::shared_ptr<Node>& node, const std::vector<Tensor>& inputs);
 
 // Returns the buffer to write an input's gradient into and sets `beta` (0 or 1): an existing
 // buffer (accumulate) or a new one of `like`'s shape, dtype, device and memory format

@@ -109,6 +109,14 @@ Tensor add(Tensor&& a, const Tensor& b);
 Tensor sub(const Tensor& a, const Tensor& b);
 Tensor mul(const Tensor& a, const Tensor& b);  // same shape
 Tensor scale(const Tensor& x, double alpha);
+// The logistic function 1 / (1 + exp(-x)), any shape, computed without overflow for any |x|; its
+// backward keeps the output y: dx = dy * y * (1 - y).
+Tensor sigmoid(const Tensor& x);
+// Squeeze-and-excitation's channel scaling: x (N, C, ...) times s (N, C, 1, 1) or (N, C), one
+// factor per sample and channel, y[n, c, ...] = x[n, c, ...] * s[n, c]. s has x's dtype and device
+// (an activation: bfloat16 with bfloat16 x). y has x's memory format (row-major or channels-last).
+// Backward: dx = dy * s; ds[n, c] = the sum over the spatial positions of dy * x, in double.
+Tensor scale_channels(const Tensor& x, const Tensor& s);
 // dst += src (same shape, dtype, device), no autograd: gradient accumulation.
 void add_into(Tensor& dst, const Tensor& src);
 
@@ -120,6 +128,13 @@ Tensor avg_pool2d(const Tensor& x, std::array<std::int64_t, 2> kernel, std::arra
 Tensor adaptive_avg_pool2d(const Tensor& x, std::array<std::int64_t, 2> output_size);
 Tensor flatten(const Tensor& x, std::int64_t start_dim = 1);
 Tensor reshape(const Tensor& x, const Shape& shape);  // differentiable view/copy
+// torch.cat along the channels: (N, Ci, ...) tensors of one dtype and device, equal in every
+// dimension but 1 -> (N, C0 + C1 + ..., ...); dim must be 1 (or -3 of 4-d tensors). The inputs
+// share one memory format, which the output has (channels-last 4-d tensors give channels-last; a
+// tensor dense in neither layout, a view, is converted first); a mismatch of shapes or formats
+// is a ShapeError naming the input, what was expected and what was found. Backward hands each
+// input its slice of the gradient.
+Tensor concat(const std::vector<Tensor>& tensors, std::int64_t dim = 1);
 
 // ---- reductions and loss ------------------------------------------------------------------------
 Tensor sum(const Tensor& x);   // scalar (shape [])

@@ -1,4 +1,5 @@
-// core/ops_elementwise.cpp — elementwise ops (ReLU, add, mul, ... and their in-place forms): forward, backward, autograd nodes (core/ops.h; the pattern is in core/ops.cpp).
+// core/ops_elementwise.cpp — elementwise ops (ReLU, add, mul, sigmoid, ... and the in-place forms) and channel
+// scaling: forward, backward, autograd nodes (core/ops.h; the pattern is in core/ops.cpp).
 #include "core/ops_internal.h"
 
 namespace tally {
@@ -171,6 +172,108 @@ Tensor scale(const Tensor& x_, double alpha) {
     n->alpha[0] = alpha;
     n->op = "scale";
     set_history(y, n, {&x_});
+  }
+  return y;
+}
+
+// =============================================================================================
+// sigmoid and channel scaling (squeeze-and-excitation)
+namespace {
+struct SigmoidBackward : Node {
+  Saved<1> saved;  // y (the output: dx = dy * y * (1 - y))
+  const char* name() const override { return "sigmoid"; }
+  void release() override { saved.release(); }
+  void backward(const Tensor& gy, std::vector<GradSlot>& g) override {
+    const Tensor& y = saved.t[0];
+    const Tensor dy = gy.contiguous(y.suggest_memory_format());
+    double beta = 0;
+    Tensor& dx = grad_target(g[0], y, beta, "sigmoid");
+    TALLY_DISPATCH("sigmoid", y, FLOATING,
+                   kk::sigmoid_backward<T>(y.numel(), dy.data<T>(), y.data<T>(), dx.data<T>(), TP(beta)));
+  }
+};
+
+struct ScaleChannelsBackward : Node {
+  Saved<2> saved;  // x (kept when s needs its gradient), s as (N, C) (kept when x needs its gradient)
+  i64 N = 0, C = 0, HW = 0;
+  MemoryFormat format = MemoryFormat::Contiguous;  // x's, y's, dy's and dx's
+  Shape s_shape;
+  const char* name() const override { return "scale_channels"; }
+  void release() override { saved.release(); }
+  void backward(const Tensor& gy, std::vector<GradSlot>& g) override {
+    const char* op = "scale_channels";
+    const bool cl = format == MemoryFormat::ChannelsLast;
+    const Tensor dy = gy.contiguous(format);
+    if (g[0].needed) {  // dx = dy * s
+      double beta = 0;
+      const Tensor& s = saved.t[1];
+      Tensor& dx = grad_target(g[0], dy, beta, op);
+      TALLY_DISPATCH(op, dy, FLOATING,
+                     kk::scale_channels<T>(N, C, HW, cl, dy.data<T>(), s.data<T>(), dx.data<T>(), TP(beta)));
+    }
+    if (g[1].needed) {  // ds = sum over HW of dy * x
+      double beta = 0;
+      const Tensor& x = saved.t[0];
+      Tensor& ds = grad_target(g[1], s_shape, dy.dtype(), dy.device(), beta, op);
+      TALLY_DISPATCH(op, dy, FLOATING,
+                     kk::scale_channels_backward_scale<T>(N, C, HW, cl, dy.data<T>(), x.data<T>(), ds.data<T>(),
+                                                          TP(beta)));
+    }
+  }
+};
+
+// s's shape must be (N, C) or (N, C, 1, ...) with x's number of dimensions.
+bool is_channel_scale_shape(const Tensor& x, const Tensor& s) {
+  if (s.dim() < 2 || s.size(0) != x.size(0) || s.size(1) != x.size(1)) return false;
+  if (s.dim() == 2) return true;
+  if (s.dim() != x.dim()) return false;
+  for (i64 d = 2; d < s.dim(); ++d)
+    if (s.size(d) != 1) return false;
+  return true;
+}
+}  // namespace
+
+Tensor sigmoid(const Tensor& x_) {
+  check_floating("sigmoid", x_);
+  const Tensor x = dense(x_);
+  Tensor y = out_like(x, x.shape(), "sigmoid", x.suggest_memory_format());
+  TALLY_DISPATCH("sigmoid", x, FLOATING, kk::sigmoid_forward<T>(x.numel(), x.data<T>(), y.data<T>()));
+  if (any_requires_grad({&x_})) {
+    auto n = std::make_shared<SigmoidBackward>();
+    set_history(y, n, {&x_});
+    n->saved.t[0] = y.detach();  // the node must not own a handle that points back at itself
+  }
+  return y;
+}
+
+Tensor scale_channels(const Tensor& x_, const Tensor& s_) {
+  const char* op = "scale_channels";
+  check_floating(op, x_);
+  if (x_.dim() < 2) throw ShapeError(fmt::format("{}: expected x of shape (N, C, ...), found {}", op, x_.str()));
+  if (!s_.defined()) throw ShapeError(fmt::format("{}: the scale s is undefined", op));
+  check_same_device(op, x_, s_);
+  check_same_dtype(op, x_, s_);
+  if (!is_channel_scale_shape(x_, s_)) {
+    Shape ones(static_cast<std::size_t>(x_.dim()), 1);
+    ones[0] = x_.size(0), ones[1] = x_.size(1);
+    throw ShapeError(fmt::format("{}: expected s of shape {} or [{}, {}] for x {}, found {}", op, shape_str(ones),
+                                 x_.size(0), x_.size(1), x_.str(), s_.str()));
+  }
+  // In x's memory format (channels-last stays channels-last); s as (N, C) row-major.
+  const MemoryFormat format = x_.suggest_memory_format();
+  const bool cl = format == MemoryFormat::ChannelsLast;
+  const Tensor x = x_.contiguous(format), s = s_.contiguous();
+  const i64 N = x.size(0), C = x.size(1), HW = spatial(x);
+  Tensor y = out_like(x, x.shape(), op, format);
+  TALLY_DISPATCH(op, x, FLOATING,
+                 kk::scale_channels<T>(N, C, HW, cl, x.data<T>(), s.data<T>(), y.data<T>(), TP(0)));
+  if (any_requires_grad({&x_, &s_})) {
+    auto n = std::make_shared<ScaleChannelsBackward>();
+    // Each gradient needs the other operand only.
+    if (any_requires_grad({&s_})) n->saved.t[0] = x.detach();
+    if (any_requires_grad({&x_})) n->saved.t[1] = s.detach();
+    n->N = N, n->C = C, n->HW = HW, n->format = format, n->s_shape = s_.shape();
+    set_history(y, n, {&x_, &s_});
   }
   return y;
 }

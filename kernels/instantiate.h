@@ -27,6 +27,11 @@
   template void mul_backward<T>(i64, const T*, const T*, T*, P<T>);         \
   template void relu_forward<T>(i64, const T*, T*);                         \
   template void relu_backward<T>(i64, const T*, const T*, T*, P<T>);        \
+  template void sigmoid_forward<T>(i64, const T*, T*);                      \
+  template void sigmoid_backward<T>(i64, const T*, const T*, T*, P<T>);     \
+  template void scale_channels<T>(i64, i64, i64, bool, const T*, const T*, T*, P<T>); \
+  template void scale_channels_backward_scale<T>(i64, i64, i64, bool, const T*, const T*, T*, P<T>); \
+  template void copy_rows<T>(i64, i64, const T*, i64, T*, i64, P<T>);       \
   template void add_bias_rows<T>(i64, i64, const T*, const P<T>*, T*);      \
   template void sum_rows<T>(i64, i64, const T*, P<T>*, P<T>);               \
   template T sum_all<T>(i64, const T*);                                     \

@@ -109,6 +109,11 @@ class ReLU : public Module {
   Tensor forward(const Tensor& x) override { return relu(x); }
 };
 
+class Sigmoid : public Module {
+ public:
+  Tensor forward(const Tensor& x) override { return sigmoid(x); }
+};
+
 class MaxPool2d : public Module {
  public:
   // stride defaults to kernel_size, as in PyTorch.

@@ -117,6 +117,52 @@ TEST(Autograd, DryRunAllocatesExactlyLikeTheRealRun) {
   EXPECT_EQ(virt->stats().total.peak, arena->stats().total.peak);
 }
 
+// The same for a squeeze-and-excitation block with a concatenation (sigmoid, scale_channels,
+// concat), row-major and channels-last: the dry run's allocations are the real run's, event by event.
+TEST(Autograd, DryRunOfASqueezeExcitationBlockAllocatesExactlyLikeTheRealRun) {
+  for (const MemoryFormat format : {MemoryFormat::Contiguous, MemoryFormat::ChannelsLast}) {
+    SCOPED_TRACE(memory_format_name(format));
+    auto arena = std::make_shared<Arena>(Device::cpu(), 64 << 20);
+    ArenaScope scope(arena);
+    std::mt19937 rng(5);
+    std::vector<Tensor> w;
+    for (const Shape& s : std::vector<Shape>{{2, 4}, {4, 2}}) {
+      w.push_back(randn(s, rng, Category::parameter, 0.3f));
+      w.back().set_requires_grad(true);
+      w.back().allocate_grad();
+    }
+    Tensor x = randn({3, 4, 6, 6}, rng, Category::input).contiguous(format);
+    x.set_requires_grad(true);
+    x.allocate_grad();
+    auto step = [&] {
+      // relu keeps the layout (a convolution keeps it only where oneDNN or cuDNN runs it).
+      const Tensor h = relu(x);                                                       // (3, 4, 6, 6)
+      const Tensor z = relu(linear(flatten(adaptive_avg_pool2d(h, {1, 1})), w[0]));  // (3, 2)
+      const Tensor s = sigmoid(linear(z, w[1]));                                      // (3, 4)
+      const Tensor y = concat({scale_channels(h, s), h, x});                          // (3, 12, 6, 6)
+      EXPECT_EQ(y.suggest_memory_format(), format);
+      sum(y).backward();
+    };
+    arena->reset_peak();
+    std::shared_ptr<Arena> virt;
+    {
+      const DryRun dry(*arena);
+      virt = dry.arena_ptr();
+      virt->set_tracing(true);
+      step();
+    }
+    arena->set_tracing(true);
+    step();
+    const auto dry = events(*virt), real = events(*arena);
+    ASSERT_GT(real.size(), 20u);
+    ASSERT_EQ(dry.size(), real.size());
+    for (std::size_t i = 0; i < real.size(); ++i) ASSERT_EQ(dry[i], real[i]) << "event " << i << " op " << real[i].op;
+    EXPECT_EQ(virt->stats().total.peak, arena->stats().total.peak);
+    for (const Tensor* p : {&w[0], &w[1], &x})
+      for (float g : p->grad().to_vector<float>()) ASSERT_TRUE(std::isfinite(g));
+  }
+}
+
 TEST(Autograd, GradientsAccumulateIntoPersistentBuffers) {
   std::mt19937 rng(3);
   Tensor w = randn({4, 3}, rng, Category::parameter);

@@ -274,6 +274,18 @@ TEST(BFloat16Ops, GemmsNormsPoolsElementwiseAndTheLossMatchFloat32) {
       {"sub", {{4, 9}, {4, 9}}, {}, [](auto& a, auto&) { return sub(a[0], a[1]); }},
       {"mul", {{4, 9}, {4, 9}}, {}, [](auto& a, auto&) { return mul(a[0], a[1]); }},
       {"scale", {{4, 9}}, {}, [](auto& a, auto&) { return scale(a[0], -0.37); }},
+      // The backward reads the saved bf16 output y: its rounding (2^-9 relative) reaches
+      // y * (1 - y) scaled by |1 - 2y| / (1 - y), and the gradient is rounded again: 2^-7.
+      {"sigmoid", {{5, 7, 3}}, {}, [](auto& a, auto&) { return sigmoid(a[0]); }, std::ldexp(1.0, -7)},
+      {"scale_channels by (N, C, 1, 1)", {{3, 6, 5, 4}, {3, 6, 1, 1}}, {}, [](auto& a, auto&) {
+         return scale_channels(a[0], a[1]);
+       }},
+      {"scale_channels by (N, C)", {{2, 5, 7, 3}, {2, 5}}, {}, [](auto& a, auto&) {
+         return scale_channels(a[0], a[1]);
+       }},
+      {"concat", {{2, 3, 4, 5}, {2, 1, 4, 5}, {2, 4, 4, 5}}, {}, [](auto& a, auto&) {
+         return concat({a[0], a[1], a[2]});
+       }},
       {"max_pool2d 3x3 stride 2 pad 1", {{2, 3, 9, 8}}, {}, [](auto& a, auto&) {
          return max_pool2d(a[0], {3, 3}, {2, 2}, {1, 1});
        }},

@@ -334,6 +334,50 @@ def scale():
     return {"x": x, "y": y, "dy": dy, "grad.x": x.grad}, meta(op="scale", alpha=alpha)
 
 
+@case
+def sigmoid():
+    seed_for("sigmoid")
+    x = randn(3, 4, 5) * 4
+    x[0, 0, :4] = torch.tensor([30.0, -30.0, 90.0, -90.0])  # far out: no overflow, no NaN
+    x = leaf(x)
+    y = torch.sigmoid(x)
+    dy = backward_with_dy(y)
+    return {"x": x, "y": y, "dy": dy, "grad.x": x.grad}, meta(op="sigmoid")
+
+
+def scale_channels_case(name, s_shape):
+    """Squeeze-and-excitation's channel scaling y = x * s, s (N, C, 1, 1) broadcast over H, W."""
+    seed_for(name)
+    x, s = leaf(randn(2, 3, 4, 5)), leaf(randn(*s_shape))
+    y = x * s.reshape(2, 3, 1, 1)
+    dy = backward_with_dy(y)
+    return ({"x": x, "s": s, "y": y, "dy": dy, "grad.x": x.grad, "grad.s": s.grad},
+            meta(op="scale_channels"))
+
+
+@case
+def scale_channels():
+    return scale_channels_case("scale_channels", (2, 3, 1, 1))
+
+
+@case
+def scale_channels_2d():
+    return scale_channels_case("scale_channels_2d", (2, 3))
+
+
+@case
+def concat():
+    seed_for("concat")
+    xs = [leaf(randn(2, c, 4, 3)) for c in (3, 1, 2)]
+    y = torch.cat(xs, dim=1)
+    dy = backward_with_dy(y)
+    out = {"y": y, "dy": dy}
+    for i, x in enumerate(xs):
+        out["x%d" % i] = x
+        out["grad.x%d" % i] = x.grad
+    return out, meta(op="concat", dim=1)
+
+
 # ----------------------------------------------------------------------------------------------
 # pooling
 

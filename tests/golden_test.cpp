@@ -141,6 +141,17 @@ TEST(Golden, Elementwise) {
   check(s, {"x"}, [&](auto& t) { return scale(t["x"], s.num("alpha")); }, 1e-5);
 }
 
+// sigmoid (some inputs at +-30 and +-90: no overflow), x * s broadcast over H and W with s
+// (N, C, 1, 1) or (N, C), torch.cat along the channels.
+TEST(Golden, SigmoidScaleChannelsAndConcat) {
+  check(load("sigmoid"), {"x"}, [](auto& t) { return sigmoid(t["x"]); }, 1e-5);
+  for (const char* c : {"scale_channels", "scale_channels_2d"}) {
+    SCOPED_TRACE(c);
+    check(load(c), {"x", "s"}, [](auto& t) { return scale_channels(t["x"], t["s"]); }, 1e-5);
+  }
+  check(load("concat"), {"x0", "x1", "x2"}, [](auto& t) { return concat({t["x0"], t["x1"], t["x2"]}); }, 1e-5);
+}
+
 TEST(Golden, Pooling) {
   const Fixture mp = load("max_pool2d");
   check(mp, {"x"}, [&](auto& t) { return max_pool2d(t["x"], pair(mp, "kernel_size"), pair(mp, "stride"), pair(mp, "padding")); }, 1e-5);

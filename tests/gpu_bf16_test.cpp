@@ -188,6 +188,52 @@ TEST(GpuBf16Kernels, ElementwiseMapsMatchTheCpu) {
   }
 }
 
+// sigmoid, squeeze-and-excitation's channel scaling (both layouts; the channel sums are double and
+// rounded once, as the CPU's) and concatenation's row-block copies (exact at beta 0).
+TEST(GpuBf16Kernels, SigmoidChannelScalingAndRowCopiesMatchTheCpu) {
+  REQUIRE_GPU();
+  const auto seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  const i64 N = 3, C = 70, HW = 49, n = N * C * HW;
+  const auto x = random_values<bf16>(n, rng, -8.f, 8.f), dy = random_values<bf16>(n, rng);
+  const auto s = random_values<bf16>(N * C, rng);
+  Buf<bf16> dx = dev(x), ddy = dev(dy), ds = dev(s);
+  std::vector<bf16> y(n);
+  kc::sigmoid_forward<bf16>(n, x.data(), y.data());
+  Buf<bf16> gy = dev(poisoned<bf16>(n));
+  kg::sigmoid_forward<bf16>(n, P(dx), P(gy));
+  EXPECT_TRUE(close(host(gy), y, kBf16)) << "sigmoid_forward";
+  Buf<bf16> dyv = dev(y);
+  {
+    SCOPED_TRACE("sigmoid_backward");
+    check_beta<bf16>(
+        n, rng, kBf16, [&](bf16* o, float beta) { kc::sigmoid_backward<bf16>(n, dy.data(), y.data(), o, beta); },
+        [&](bf16* o, float beta) { kg::sigmoid_backward<bf16>(n, P(ddy), P(dyv), o, beta); });
+  }
+  for (const bool cl : {false, true}) {
+    SCOPED_TRACE(cl ? "channels-last" : "row-major");
+    check_beta<bf16>(n, rng, kBf16,
+                     [&](bf16* o, float beta) { kc::scale_channels<bf16>(N, C, HW, cl, x.data(), s.data(), o, beta); },
+                     [&](bf16* o, float beta) { kg::scale_channels<bf16>(N, C, HW, cl, P(dx), P(ds), o, beta); });
+    check_beta<bf16>(
+        N * C, rng, kBf16,
+        [&](bf16* o, float beta) {
+          kc::scale_channels_backward_scale<bf16>(N, C, HW, cl, dy.data(), x.data(), o, beta);
+        },
+        [&](bf16* o, float beta) { kg::scale_channels_backward_scale<bf16>(N, C, HW, cl, P(ddy), P(dx), o, beta); });
+  }
+  const i64 rows = 500, cols = 7, ld = 19, off = 5;
+  std::vector<bf16> want = poisoned<bf16>(rows * ld);
+  kc::copy_rows<bf16>(rows, cols, x.data(), cols, want.data() + off, ld, 0.f);
+  Buf<bf16> wide = dev(poisoned<bf16>(rows * ld));
+  kg::copy_rows<bf16>(rows, cols, P(dx), cols, P(wide) + off, ld, 0.f);
+  EXPECT_EQ(bits(host(wide)), bits(want)) << "copy_rows copies the bits";
+  check_beta<bf16>(rows * cols, rng, kBf16,
+                   [&](bf16* o, float beta) { kc::copy_rows<bf16>(rows, cols, x.data() + off, ld, o, cols, beta); },
+                   [&](bf16* o, float beta) { kg::copy_rows<bf16>(rows, cols, P(dx) + off, ld, o, cols, beta); });
+}
+
 // ReLU is exact: the GPU keeps the CPU's bits, signed zeros, NaN and infinities included.
 TEST(GpuBf16Kernels, ReluMatchesTheCpuBitForBit) {
   REQUIRE_GPU();
@@ -824,6 +870,9 @@ TEST(GpuBf16Ops, EveryOpForwardAndBackwardMatchesTheCpu) {
       {"sub", {{4, 9}, {4, 9}}, {}, [](auto& a, auto&) { return sub(a[0], a[1]); }},
       {"mul", {{4, 9}, {4, 9}}, {}, [](auto& a, auto&) { return mul(a[0], a[1]); }},
       {"scale", {{4, 9}}, {}, [](auto& a, auto&) { return scale(a[0], -0.37); }},
+      {"sigmoid", {{5, 7, 3}}, {}, [](auto& a, auto&) { return sigmoid(a[0]); }, kBf16, {}, -6.f, 6.f},
+      {"scale_channels", {{3, 6, 5, 4}, {3, 6, 1, 1}}, {}, [](auto& a, auto&) { return scale_channels(a[0], a[1]); }},
+      {"concat", {{2, 3, 4, 5}, {2, 1, 4, 5}}, {}, [](auto& a, auto&) { return concat({a[0], a[1]}); }},
       {"max_pool2d 3x3 stride 2 pad 1", {{2, 3, 9, 8}}, {}, [](auto& a, auto&) { return max_pool2d(a[0], {3, 3}, {2, 2}, {1, 1}); }},
       {"avg_pool2d", {{2, 3, 9, 8}}, {}, [](auto& a, auto&) { return avg_pool2d(a[0], {3, 3}, {2, 2}, {1, 1}, true); }},
       {"adaptive_avg_pool2d 7x5 to 3x2", {{2, 4, 7, 5}}, {}, [](auto& a, auto&) { return adaptive_avg_pool2d(a[0], {3, 2}); }},

@@ -113,6 +113,76 @@ TEST(GpuKernels, ElementwiseMapsMatchTheCpu) {
   }
 }
 
+// sigmoid (over a range that would overflow exp(-x) in a naive formula), the channel scaling of
+// squeeze-and-excitation in both layouts, and concatenation's row-block copies, each with beta 0
+// (outputs NaN-poisoned) and 1; the channel sums run twice and must agree bit for bit.
+TEST(GpuKernels, SigmoidChannelScalingAndRowCopiesMatchTheCpu) {
+  REQUIRE_GPU();
+  for (i64 n : {i64{1}, i64{7}, i64{1000}, i64{65536 * 4 + 13}}) {
+    const auto seed = fresh_seed();
+    SCOPED_TRACE(testing::Message() << "n " << n << " seed " << seed);
+    std::mt19937 rng(seed);
+    auto x = uniform(n, rng, -20.f, 20.f);
+    if (n >= 4) x[0] = 100.f, x[1] = -100.f, x[2] = 1e30f, x[3] = -1e30f;
+    const auto dy = uniform(n, rng);
+    Buf<float> dx = dev(x), ddy = dev(dy);
+    std::vector<float> want(n);
+    kc::sigmoid_forward<float>(n, x.data(), want.data());
+    Buf<float> y = dev(nans(n));
+    kg::sigmoid_forward<float>(n, P(dx), P(y));
+    EXPECT_CLOSE(host(y), want, kElementwiseTol) << "sigmoid_forward";
+    const std::vector<float> yv = want;
+    Buf<float> dyv = dev(yv);
+    check_beta(
+        n, rng, kElementwiseTol,
+        [&](float* o, float beta) { kc::sigmoid_backward<float>(n, dy.data(), yv.data(), o, beta); },
+        [&](float* o, float beta) { kg::sigmoid_backward<float>(n, P(ddy), P(dyv), o, beta); });
+  }
+  struct Shape4 {
+    i64 N, C, HW;
+  };
+  for (const Shape4 sh : {Shape4{1, 1, 1}, Shape4{2, 3, 5}, Shape4{3, 70, 49}, Shape4{4, 64, 1000}, Shape4{2, 5, 4099}})
+    for (const bool cl : {false, true}) {
+      const auto seed = fresh_seed();
+      SCOPED_TRACE(testing::Message() << "N " << sh.N << " C " << sh.C << " HW " << sh.HW
+                                      << (cl ? " channels-last" : "") << " seed " << seed);
+      std::mt19937 rng(seed);
+      const i64 n = sh.N * sh.C * sh.HW, nc = sh.N * sh.C;
+      const auto x = uniform(n, rng), dy = uniform(n, rng), sc = uniform(nc, rng);
+      Buf<float> dx = dev(x), ddy = dev(dy), ds = dev(sc);
+      check_beta(
+          n, rng, kElementwiseTol,
+          [&](float* o, float beta) { kc::scale_channels<float>(sh.N, sh.C, sh.HW, cl, x.data(), sc.data(), o, beta); },
+          [&](float* o, float beta) { kg::scale_channels<float>(sh.N, sh.C, sh.HW, cl, P(dx), P(ds), o, beta); });
+      check_beta(nc, rng, kElementwiseTol,
+                 [&](float* o, float beta) {
+                   kc::scale_channels_backward_scale<float>(sh.N, sh.C, sh.HW, cl, dy.data(), x.data(), o, beta);
+                 },
+                 [&](float* o, float beta) {
+                   kg::scale_channels_backward_scale<float>(sh.N, sh.C, sh.HW, cl, P(ddy), P(dx), o, beta);
+                 });
+      Buf<float> r1 = dev(nans(nc)), r2 = dev(nans(nc));
+      kg::scale_channels_backward_scale<float>(sh.N, sh.C, sh.HW, cl, P(ddy), P(dx), P(r1), 0.f);
+      kg::scale_channels_backward_scale<float>(sh.N, sh.C, sh.HW, cl, P(ddy), P(dx), P(r2), 0.f);
+      EXPECT_EQ(host(r1), host(r2)) << "scale_channels_backward_scale must be deterministic";
+    }
+  // A (rows, cols) block of x (rows, ldx) into columns [off, off + cols) of y (rows, ldy), and back.
+  for (auto [rows, cols, ld, off] : std::vector<std::array<i64, 4>>{{1, 1, 1, 0}, {3, 5, 12, 7}, {1000, 33, 40, 2},
+                                                                     {4097, 10, 10, 0}}) {
+    const auto seed = fresh_seed();
+    SCOPED_TRACE(testing::Message() << "rows " << rows << " cols " << cols << " ld " << ld << " seed " << seed);
+    std::mt19937 rng(seed);
+    const auto x = uniform(rows * cols, rng), wide = uniform(rows * ld, rng);
+    Buf<float> dx = dev(x), dwide = dev(wide);
+    check_beta(rows * ld, rng, 0.0,
+               [&](float* o, float beta) { kc::copy_rows<float>(rows, cols, x.data(), cols, o + off, ld, beta); },
+               [&](float* o, float beta) { kg::copy_rows<float>(rows, cols, P(dx), cols, o + off, ld, beta); });
+    check_beta(rows * cols, rng, 0.0,
+               [&](float* o, float beta) { kc::copy_rows<float>(rows, cols, wide.data() + off, ld, o, cols, beta); },
+               [&](float* o, float beta) { kg::copy_rows<float>(rows, cols, P(dwide) + off, ld, o, cols, beta); });
+  }
+}
+
 TEST(GpuKernels, RowBroadcastsAndReductionsMatchTheCpu) {
   REQUIRE_GPU();
   for (auto [rows, cols] : std::vector<std::pair<i64, i64>>{{1, 1}, {3, 5}, {1000, 33}, {7, 100}, {4097, 10}}) {

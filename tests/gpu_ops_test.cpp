@@ -189,6 +189,45 @@ TEST(GpuOps, FusedBatchNormReluMatchesTheCpu) {
   }
 }
 
+// A squeeze-and-excitation block joined to its input (sigmoid, scale_channels, concat) on the GPU
+// against the CPU, float32 and bf16, the GPU's activations in either layout (the CPU's row-major):
+// the output keeps the layout, values and every gradient agree.
+TEST(GpuOps, SqueezeExcitationAndConcatMatchTheCpuInBothLayouts) {
+  REQUIRE_GPU();
+  const auto seed = fresh_seed();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937 rng(seed);
+  const i64 N = 4, C = 24, H = 7, W = 9;
+  const std::map<std::string, Tensor> host = {{"x", host_tensor({N, C, H, W}, rng)},
+                                              {"other", host_tensor({N, 5, H, W}, rng)},
+                                              {"w1", host_tensor({6, C}, rng, -0.5f, 0.5f)},
+                                              {"w2", host_tensor({C, 6}, rng, -0.5f, 0.5f)}};
+  const Tensor probe = host_tensor({N, 2 * C + 5, H, W}, rng);
+  for (const DType act : {DType::Float32, DType::BFloat16})
+    for (const MemoryFormat format : kBothFormats) {
+      SCOPED_TRACE(testing::Message() << dtype_name(act) << ", the GPU's input " << format_name(format));
+      auto run = [&](Device d, std::map<std::string, Tensor>& L) {
+        for (const auto& [k, v] : host)
+          L[k] = leaf(v.dim() == 4 ? v.to(act) : v, d, d.is_cuda() && v.dim() == 4 ? format : MemoryFormat::Contiguous);
+        const Tensor& x = L["x"];
+        const Tensor z = relu(linear(flatten(adaptive_avg_pool2d(x, {1, 1})).to(DType::Float32), L["w1"]));
+        const Tensor s = sigmoid(linear(z, L["w2"]).to(act));  // (N, C)
+        const Tensor y = concat({scale_channels(x, s), L["other"], sigmoid(x)});
+        sum(mul(y.to(DType::Float32), probe.to(d))).backward();
+        return y;
+      };
+      std::map<std::string, Tensor> lc, lg;
+      const Tensor yc = run(Device::cpu(), lc), yg = run(Device::cuda(), lg);
+      EXPECT_EQ(yg.suggest_memory_format(), format) << "sigmoid, scale_channels and concat keep the layout";
+      const auto f32 = [](const Tensor& t) { return t.to(DType::Float32); };
+      const bool bf = act == DType::BFloat16;  // bf16: one rounding apart, as gpu_bf16_test's whole-output bound
+      EXPECT_LE(norm_rel_err(f32(yg), f32(yc)), bf ? 1.0 / 256 : 1e-5) << "y";
+      for (const char* k : {"x", "other", "w1", "w2"})
+        EXPECT_LE(norm_rel_err(f32(lg.at(k).grad()), f32(lc.at(k).grad())), bf ? 1.0 / 256 : 1e-4)
+            << names("gradient", k);
+    }
+}
+
 // The fused group norm (+ residual add) + ReLU against the CPU's; also with x needing no gradient
 // (the residual's gradient written by its own kernel) and with the residual add alone.
 TEST(GpuOps, FusedGroupNormReluMatchesTheCpu) {

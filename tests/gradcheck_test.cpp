@@ -45,7 +45,9 @@ void gradcheck(const Fn& f, std::vector<Tensor> inputs, std::uint32_t seed = 1, 
     Tensor& x = inputs[k];
     if (!x.requires_grad()) continue;
     ASSERT_TRUE(x.grad().defined()) << "input " << k << " got no gradient";
-    const std::vector<double> analytic = x.grad().to_vector<double>();
+    // In x's storage order (a channels-last input is perturbed element by element of its bytes).
+    const Tensor grad = x.grad().contiguous(x.suggest_memory_format());
+    const std::vector<double> analytic(grad.data<double>(), grad.data<double>() + grad.numel());
     double* p = x.data<double>();
     double max_err = 0, max_ref = 0;
     for (std::int64_t i = 0; i < x.numel(); ++i) {
@@ -180,6 +182,48 @@ TEST(GradCheck, Elementwise) {
   gradcheck([](const std::vector<Tensor>& t) { return add(t[0], t[0]); }, {req(rand64({6}, rng))});
   gradcheck([](const std::vector<Tensor>& t) { Tensor h = scale(t[0], 2.0); return mul(add(h, t[0]), h); },
             {req(rand64({7}, rng))});
+}
+
+TEST(GradCheck, Sigmoid) {
+  std::mt19937 rng(19);
+  gradcheck([](const std::vector<Tensor>& t) { return sigmoid(t[0]); }, {req(rand64({3, 4, 5}, rng, -4, 4))});
+  gradcheck([](const std::vector<Tensor>& t) { return sigmoid(t[0]); },
+            {req(rand64({2, 3, 4, 2}, rng, -3, 3).contiguous(MemoryFormat::ChannelsLast))});
+  // composed: sigmoid(x) * x (the swish), x reaching the product twice
+  gradcheck([](const std::vector<Tensor>& t) { return mul(sigmoid(t[0]), t[0]); }, {req(rand64({7}, rng, -2, 2))});
+}
+
+// x (N, C, H, W) times s (N, C, 1, 1) or (N, C), both layouts of x; and a squeeze-and-excitation
+// gate, where x reaches the output directly and through s.
+TEST(GradCheck, ScaleChannels) {
+  std::mt19937 rng(20);
+  const auto f = [](const std::vector<Tensor>& t) { return scale_channels(t[0], t[1]); };
+  gradcheck(f, {req(rand64({2, 3, 4, 5}, rng)), req(rand64({2, 3, 1, 1}, rng))});
+  gradcheck(f, {req(rand64({3, 2, 3, 3}, rng)), req(rand64({3, 2}, rng))});
+  gradcheck(f, {req(rand64({2, 5, 3, 2}, rng).contiguous(MemoryFormat::ChannelsLast)), req(rand64({2, 5, 1, 1}, rng))});
+  gradcheck(f, {req(rand64({4, 3, 5}, rng)), req(rand64({4, 3, 1}, rng))});  // (N, C, L)
+  gradcheck(f, {rand64({2, 3, 4, 4}, rng), req(rand64({2, 3}, rng))});     // only s needs a gradient
+  gradcheck(f, {req(rand64({2, 3, 4, 4}, rng)), rand64({2, 3}, rng)});     // only x
+  gradcheck(
+      [](const std::vector<Tensor>& t) {
+        const Tensor squeeze = adaptive_avg_pool2d(t[0], {1, 1});  // (N, C, 1, 1)
+        return scale_channels(t[0], sigmoid(scale(squeeze, 3.0)));
+      },
+      {req(rand64({2, 4, 3, 3}, rng).contiguous(MemoryFormat::ChannelsLast))});
+}
+
+TEST(GradCheck, Concat) {
+  std::mt19937 rng(21);
+  gradcheck([](const std::vector<Tensor>& t) { return concat({t[0], t[1], t[2]}); },
+            {req(rand64({2, 3, 4, 4}, rng)), req(rand64({2, 1, 4, 4}, rng)), req(rand64({2, 2, 4, 4}, rng))});
+  const MemoryFormat cl = MemoryFormat::ChannelsLast;
+  gradcheck([](const std::vector<Tensor>& t) { return concat({t[0], t[1]}, -3); },
+            {req(rand64({2, 3, 3, 2}, rng).contiguous(cl)), req(rand64({2, 4, 3, 2}, rng).contiguous(cl))});
+  // one input twice (its gradient gets both slices), one without a gradient, 2-d tensors
+  gradcheck([](const std::vector<Tensor>& t) { return concat({t[0], t[1], t[0]}); },
+            {req(rand64({3, 2, 2, 2}, rng)), rand64({3, 3, 2, 2}, rng)});
+  gradcheck([](const std::vector<Tensor>& t) { return concat({t[0], t[1]}); },
+            {req(rand64({4, 3}, rng)), req(rand64({4, 5}, rng))});
 }
 
 TEST(GradCheck, Pooling) {

@@ -2,10 +2,11 @@
 //   * the layout itself: strides, is_contiguous / suggest_memory_format, conversions both ways,
 //     copy_ and fill_ into a channels-last tensor, the ambiguous shapes (C == 1, H == W == 1);
 //   * every op that keeps the layout (conv2d on oneDNN, batch norm with and without the fused
-//     residual and ReLU, relu, add, scale, cast, max_pool2d) against the same op on the row-major
-//     tensor: outputs and every gradient, float64 / float32 / bf16, fresh random inputs — the
-//     per-element formulas are the same, so the only differences are the order of the per-channel
-//     sums (float64: 1e-12) and oneDNN's summation order in its two layouts (float32: 1e-5);
+//     residual and ReLU, relu, add, scale, cast, sigmoid, scale_channels, concat, max_pool2d)
+//     against the same op on the row-major tensor: outputs and every gradient, float64 / float32 /
+//     bf16, fresh random inputs — the per-element formulas are the same, so the only differences
+//     are the order of the per-channel sums (float64: 1e-12) and oneDNN's summation order in its
+//     two layouts (float32: 1e-5);
 //   * gradients that meet in different layouts (one consumer writes channels-last, another
 //     row-major) add up exactly as in the all-row-major run;
 //   * ResNet-20 training steps with ExecutorOptions::memory_format = ChannelsLast: the same
@@ -172,6 +173,60 @@ TEST_F(MemoryFormatTest, ElementwiseOpsKeepTheLayoutAndAgree) {
   const Tensor y = add(a.contiguous(MF::ChannelsLast), b);
   EXPECT_EQ(y.suggest_memory_format(), MF::ChannelsLast);
   EXPECT_EQ(y.to_vector<float>(), add(a, b).to_vector<float>());
+}
+
+// sigmoid, scale_channels and concat keep the layout and agree bit for bit (the same per-element
+// formulas; scale_channels' ds sums each (n, c) in the same order in both layouts), float64,
+// float32 and bf16; a squeeze-and-excitation gate (pool, sigmoid, scale) on a channels-last x.
+TEST_F(MemoryFormatTest, SigmoidScaleChannelsAndConcatKeepTheLayoutAndAgree) {
+  const Shape s{3, 6, 5, 4};
+  expect_same_in_both_layouts(
+      "sigmoid", [](const Tensor& x, const Tensor& r, const std::vector<Tensor>&) { return sigmoid(add(x, r)); }, s, s,
+      {}, 0, 0, 0, always);
+  expect_same_in_both_layouts(
+      "scale_channels",
+      [](const Tensor& x, const Tensor& r, const std::vector<Tensor>&) { return scale_channels(x, r); }, s,
+      {3, 6, 1, 1}, {}, 0, 0, 0, always);
+  // x's gradient meets in two layouts here (the pool's is row-major): bf16 adds the pool's share
+  // rounded to bf16 once more than the all-row-major run, which accumulates it in float32 (one
+  // bf16 rounding apart, as the batch norm's 1/128 below).
+  expect_same_in_both_layouts(
+      "squeeze-and-excitation",
+      [](const Tensor& x, const Tensor&, const std::vector<Tensor>&) {
+        return scale_channels(x, sigmoid(adaptive_avg_pool2d(x, {1, 1})));
+      },
+      s, {3, 6, 1, 1}, {}, 0, 0, 1.0 / 128, always);
+  expect_same_in_both_layouts(
+      "concat",
+      [](const Tensor& x, const Tensor& r, const std::vector<Tensor>&) { return concat({x, r, sigmoid(x)}); }, s,
+      {3, 2, 5, 4}, {}, 0, 0, 0, always);
+}
+
+// concat's inputs share one layout: channels-last and row-major 4-d tensors mixed are an error
+// naming both; a tensor whose bytes are the same in both layouts (one channel) joins either; a
+// view dense in neither is converted.
+TEST_F(MemoryFormatTest, ConcatTakesOneLayout) {
+  std::mt19937 rng(5);
+  const Tensor a = random_tensor({2, 3, 4, 5}, DType::Float32, rng);
+  const Tensor b = random_tensor({2, 2, 4, 5}, DType::Float32, rng);
+  const Tensor one = random_tensor({2, 1, 4, 5}, DType::Float32, rng);
+  try {
+    concat({a.contiguous(MF::ChannelsLast), b});
+    ADD_FAILURE() << "mixed layouts were accepted";
+  } catch (const ShapeError& e) {
+    EXPECT_NE(std::string(e.what()).find("expected channels_last (as input 0), found contiguous at input 1"),
+              std::string::npos)
+        << e.what();
+  }
+  const Tensor want = concat({a, one, b});
+  const Tensor y = concat({a.contiguous(MF::ChannelsLast), one, b.contiguous(MF::ChannelsLast)});
+  EXPECT_EQ(y.suggest_memory_format(), MF::ChannelsLast);
+  EXPECT_EQ(y.to_vector<float>(), want.to_vector<float>());
+  // (2, 3, 4, 5), dense in neither layout
+  const Tensor view = random_tensor({2, 5, 4, 3}, DType::Float32, rng).transpose(1, 3);
+  const Tensor v = concat({a.contiguous(MF::ChannelsLast), view});
+  EXPECT_EQ(v.suggest_memory_format(), MF::ChannelsLast);
+  EXPECT_EQ(v.to_vector<float>(), concat({a, view.contiguous()}).to_vector<float>());
 }
 
 TEST_F(MemoryFormatTest, BatchNormFusedAndPlainAgreeInBothLayouts) {

@@ -602,6 +602,7 @@ TEST(Module, LayerShapesFollowPyTorch) {
   EXPECT_EQ(AdaptiveAvgPool2d(1, 1)(x).shape(), (Shape{2, 3, 1, 1}));
   EXPECT_EQ(Flatten()(x).shape(), (Shape{2, 243}));
   EXPECT_TRUE(Identity()(x).same(x));
+  EXPECT_EQ(Sigmoid()(x).to_vector<float>(), sigmoid(x).to_vector<float>());
   EXPECT_EQ(GroupNorm(3, 3)(x).shape(), x.shape());
   EXPECT_EQ(Conv2d(3, 8, 3, 2, 1)(x).shape(), (Shape{2, 8, 5, 5}));
   EXPECT_THROW(GroupNorm(4, 6), Error);

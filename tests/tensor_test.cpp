@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <optional>
 #include <random>
@@ -84,6 +85,36 @@ TEST(Tensor, MismatchErrorsNameTheOpAndBothOperands) {
   EXPECT_THROW(Tensor().shape(), Error);
   EXPECT_THROW(parse_device("tpu"), Error);
   EXPECT_EQ(parse_device("cuda:1"), Device::cuda(1));
+}
+
+// scale_channels and concat name what they expected and what they found.
+TEST(Tensor, ScaleChannelsAndConcatErrorsNameExpectedAndFound) {
+  auto message = [](const std::function<void()>& f) -> std::string {
+    try {
+      f();
+    } catch (const ShapeError& e) {
+      return e.what();
+    }
+    return "(no error)";
+  };
+  const Tensor x = Tensor::zeros({2, 3, 4, 5}), y = Tensor::zeros({2, 2, 4, 6});
+  std::string m = message([&] { scale_channels(x, Tensor::zeros({2, 4, 1, 1})); });
+  EXPECT_NE(m.find("scale_channels: expected s of shape [2, 3, 1, 1] or [2, 3] for x float32[2, 3, 4, 5] on cpu, "
+                   "found float32[2, 4, 1, 1]"),
+            std::string::npos)
+      << m;
+  m = message([&] { scale_channels(x, Tensor::zeros({2, 3, 1, 1}, DType::Float64)); });
+  EXPECT_NE(m.find("different dtypes"), std::string::npos) << m;
+  m = message([&] { concat({x, y}); });
+  EXPECT_NE(m.find("concat: input 1 has shape [2, 2, 4, 6], expected [2, *, 4, 5]"), std::string::npos) << m;
+  m = message([&] { concat({x, Tensor::zeros({2, 3, 4})}); });
+  EXPECT_NE(m.find("input 1 has shape [2, 3, 4], expected [2, *, 4, 5]"), std::string::npos) << m;
+  m = message([&] { concat({x, x}, 2); });
+  EXPECT_NE(m.find("concat: joins along dim 1 (the channels) only, found dim 2"), std::string::npos) << m;
+  m = message([&] { concat({}); });
+  EXPECT_NE(m.find("concat: no tensors"), std::string::npos) << m;
+  m = message([&] { concat({x, Tensor::zeros({2, 3, 4, 5}, DType::Float64)}); });
+  EXPECT_NE(m.find("different dtypes"), std::string::npos) << m;
 }
 
 TEST(Tensor, DryRunAllocatesButHasNoData) {

@@ -1,7 +1,9 @@
-// kernels/cpu/elementwise.cpp — elementwise maps, strided gather, row broadcasts and reductions.
+// kernels/cpu/elementwise.cpp — elementwise maps (ReLU, sigmoid, ...), channel scaling, row-block copies
+// (concatenation), strided gather, row broadcasts and reductions.
 // See kernels/cpu/cpu_kernels.h for the contract of each function and kernels/common.h for the
 // `beta` convention (beta == 0 never reads the output).
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -140,6 +142,118 @@ void relu_backward(i64 n, const T* dy, const T* y, T* dx, P<T> beta) {
     for (i64 i = 0; i < n; ++i) {
       const M g = M(dy[i]);
       dx[i] = T(beta * M(dx[i]) + (M(y[i]) <= M(0) ? M(0) : g));
+    }
+  }
+}
+
+namespace {
+// The logistic function without overflow: exp only of -|v| (at most 1), so neither exp(-v) for a
+// large negative v (Inf) nor 1 + exp(-v) can overflow; tiny results keep their precision
+// (e / (1 + e) rather than 1 - 1 / (1 + e)). A NaN gives NaN (exp(NaN) is NaN).
+template <class M>
+M logistic(M v) {
+  const M e = std::exp(v < M(0) ? v : -v);
+  return v < M(0) ? e / (M(1) + e) : M(1) / (M(1) + e);
+}
+}  // namespace
+
+template <class T>
+void sigmoid_forward(i64 n, const T* x, T* y) {
+  using M = P<T>;
+#pragma omp parallel for schedule(static) if (n > kElementwiseParallelThreshold)
+  for (i64 i = 0; i < n; ++i) y[i] = T(logistic(M(x[i])));
+}
+
+// PyTorch's order: (dy * (1 - y)) * y.
+template <class T>
+void sigmoid_backward(i64 n, const T* dy, const T* y, T* dx, P<T> beta) {
+  using M = P<T>;
+  if (beta == M(0)) {
+#pragma omp parallel for schedule(static) if (n > kElementwiseParallelThreshold)
+    for (i64 i = 0; i < n; ++i) {
+      const M v = M(y[i]);
+      dx[i] = T(M(dy[i]) * (M(1) - v) * v);
+    }
+  } else {
+#pragma omp parallel for schedule(static) if (n > kElementwiseParallelThreshold)
+    for (i64 i = 0; i < n; ++i) {
+      const M v = M(y[i]);
+      dx[i] = T(beta * M(dx[i]) + M(dy[i]) * (M(1) - v) * v);
+    }
+  }
+}
+
+// Row-major: one factor per row of HW values; channels-last: a row of C factors per (n, hw) row.
+// The same product per element in both layouts, so the two give the same bits.
+template <class T>
+void scale_channels(i64 N, i64 C, i64 HW, bool channels_last, const T* x, const T* s, T* y, P<T> beta) {
+  using M = P<T>;
+  const i64 total = N * C * HW;
+  const i64 rows = channels_last ? N * HW : N * C, cols = channels_last ? C : HW;
+#pragma omp parallel for schedule(static) if (total > kElementwiseParallelThreshold && rows > 1)
+  for (i64 r = 0; r < rows; ++r) {
+    const T* xr = x + r * cols;  // (cols)
+    T* yr = y + r * cols;
+    const T* sr = channels_last ? s + (r / HW) * C : s + r;  // (C) of sample n, or the row's one factor
+    if (beta == M(0)) {
+      for (i64 j = 0; j < cols; ++j) yr[j] = T(M(xr[j]) * M(sr[channels_last ? j : 0]));
+    } else {
+      for (i64 j = 0; j < cols; ++j) yr[j] = T(beta * M(yr[j]) + M(xr[j]) * M(sr[channels_last ? j : 0]));
+    }
+  }
+}
+
+namespace {
+// ds[n, c] from its double sum: beta 0 rounds the sum once; beta 1 adds the old value first.
+template <class T>
+T scale_gradient(double sum, const T& old, compute_t<T> beta) {
+  return beta == compute_t<T>(0) ? static_cast<T>(sum) : static_cast<T>(static_cast<double>(old) * beta + sum);
+}
+constexpr i64 kChannelBlock = 64;  // channels-last: channels summed together by one thread
+}  // namespace
+
+// Every (n, c) is summed by one thread in HW order: row-major along its row, channels-last in a
+// block of kChannelBlock channels walking the rows of sample n — the same order, so the same bits.
+template <class T>
+void scale_channels_backward_scale(i64 N, i64 C, i64 HW, bool channels_last, const T* dy, const T* x, T* ds,
+                                   P<T> beta) {
+  const i64 total = N * C * HW;
+  if (!channels_last) {
+#pragma omp parallel for schedule(static) if (total > kElementwiseParallelThreshold && N * C > 1)
+    for (i64 r = 0; r < N * C; ++r) {
+      const T* dyr = dy + r * HW;  // (HW)
+      const T* xr = x + r * HW;
+      double acc = 0.0;
+      for (i64 j = 0; j < HW; ++j) acc += static_cast<double>(dyr[j]) * static_cast<double>(xr[j]);
+      ds[r] = scale_gradient(acc, ds[r], beta);
+    }
+    return;
+  }
+  const i64 blocks = (C + kChannelBlock - 1) / kChannelBlock;
+#pragma omp parallel for schedule(static) if (total > kElementwiseParallelThreshold && N * blocks > 1)
+  for (i64 task = 0; task < N * blocks; ++task) {
+    const i64 n = task / blocks, c0 = (task % blocks) * kChannelBlock, cn = std::min(kChannelBlock, C - c0);
+    double acc[kChannelBlock] = {};
+    for (i64 j = 0; j < HW; ++j) {
+      const T* dyr = dy + (n * HW + j) * C + c0;  // (cn) channels of row (n, j)
+      const T* xr = x + (n * HW + j) * C + c0;
+      for (i64 c = 0; c < cn; ++c) acc[c] += static_cast<double>(dyr[c]) * static_cast<double>(xr[c]);
+    }
+    for (i64 c = 0; c < cn; ++c) ds[n * C + c0 + c] = scale_gradient(acc[c], ds[n * C + c0 + c], beta);
+  }
+}
+
+template <class T>
+void copy_rows(i64 rows, i64 cols, const T* x, i64 ldx, T* y, i64 ldy, P<T> beta) {
+  using M = P<T>;
+#pragma omp parallel for schedule(static) if (rows * cols > kElementwiseParallelThreshold && rows > 1)
+  for (i64 r = 0; r < rows; ++r) {
+    const T* xr = x + r * ldx;  // (cols)
+    T* yr = y + r * ldy;
+    if (beta == M(0)) {
+      for (i64 c = 0; c < cols; ++c) yr[c] = xr[c];
+    } else {
+      for (i64 c = 0; c < cols; ++c) yr[c] = T(beta * M(yr[c]) + M(xr[c]));
     }
   }
 }

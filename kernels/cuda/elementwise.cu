@@ -1,6 +1,7 @@
-// kernels/cuda/elementwise.cu — elementwise maps, strided gather, row broadcasts and reductions
-// on the GPU; the CUDA twin of kernels/cpu/elementwise.cpp (same functions, same order, same
-// formulas). See kernels/cuda/cuda_kernels.h for the contract and kernels/common.h for `beta`.
+// kernels/cuda/elementwise.cu — elementwise maps (ReLU, sigmoid, ...), channel scaling, row-block
+// copies (concatenation), strided gather, row broadcasts and reductions on the GPU; the CUDA twin
+// of kernels/cpu/elementwise.cpp (same functions, same order, same formulas).
+// See kernels/cuda/cuda_kernels.h for the contract and kernels/common.h for `beta`.
 #include "kernels/cuda/cuda_kernels.h"
 #include "kernels/instantiate.h"
 #include "kernels/cuda/launch.cuh"
@@ -74,6 +75,85 @@ __global__ void relu_backward_kernel(i64 n, const T* dy, const T* y, T* dx, comp
     TALLY_GRID_LOOP(i, n) dx[i] = M(y[i]) <= M(0) ? T(0) : dy[i];
   } else {
     TALLY_GRID_LOOP(i, n) dx[i] = static_cast<T>(beta * M(dx[i]) + (M(y[i]) <= M(0) ? M(0) : M(dy[i])));
+  }
+}
+
+// The CPU's logistic: exp only of -|v|, so nothing overflows; NaN propagates.
+__device__ __forceinline__ float logistic(float v) {
+  const float e = expf(v < 0.f ? v : -v);
+  return v < 0.f ? e / (1.f + e) : 1.f / (1.f + e);
+}
+
+template <class T>
+__global__ void sigmoid_forward_kernel(i64 n, const T* x, T* y) {
+  using M = compute_t<T>;
+  TALLY_GRID_LOOP(i, n) y[i] = static_cast<T>(logistic(M(x[i])));
+}
+
+// PyTorch's order, as the CPU: (dy * (1 - y)) * y.
+template <class T>
+__global__ void sigmoid_backward_kernel(i64 n, const T* dy, const T* y, T* dx, compute_t<T> beta) {
+  using M = compute_t<T>;
+  if (beta == M(0)) {
+    TALLY_GRID_LOOP(i, n) dx[i] = static_cast<T>(M(dy[i]) * (M(1) - M(y[i])) * M(y[i]));
+  } else {
+    TALLY_GRID_LOOP(i, n) dx[i] = static_cast<T>(beta * M(dx[i]) + M(dy[i]) * (M(1) - M(y[i])) * M(y[i]));
+  }
+}
+
+// y (N, C, HW) or channels-last (N, HW, C) (=|+=) x * s[n, c], s (N, C): one thread per element.
+template <class T>
+__global__ void scale_channels_kernel(i64 N, i64 C, i64 HW, bool channels_last, const T* x, const T* s, T* y,
+                                      compute_t<T> beta) {
+  using M = compute_t<T>;
+  TALLY_GRID_LOOP(i, N * C * HW) {
+    const i64 k = channels_last ? (i / (HW * C)) * C + i % C : i / HW;  // index of s[n, c]
+    const M v = M(x[i]) * M(s[k]);
+    y[i] = beta == M(0) ? static_cast<T>(v) : static_cast<T>(beta * M(y[i]) + v);
+  }
+}
+
+// ds (N, C) (=|+=) sum over HW of dy * x, row-major: one block per (n, c), each thread summing a
+// strided part of the row in double, then the block's fixed tree (detail::block_sum).
+template <class T>
+__global__ void scale_channels_backward_scale_rows_kernel(i64 NC, i64 HW, const T* __restrict__ dy,
+                                                          const T* __restrict__ x, T* ds, compute_t<T> beta) {
+  using M = compute_t<T>;
+  TALLY_BLOCK_LOOP(r, NC) {
+    double acc = 0.0;
+    for (i64 j = threadIdx.x; j < HW; j += blockDim.x)
+      acc += static_cast<double>(dy[r * HW + j]) * static_cast<double>(x[r * HW + j]);
+    acc = detail::block_sum(acc);
+    if (threadIdx.x == 0)
+      ds[r] = beta == M(0) ? static_cast<T>(acc) : static_cast<T>(static_cast<double>(ds[r]) * beta + acc);
+  }
+}
+
+// The same, channels-last (N, HW, C): one thread per (n, c) walking the rows of sample n in HW
+// order (the CPU's order), a warp reading 32 neighbouring channels of a row at once.
+template <class T>
+__global__ void scale_channels_backward_scale_nhwc_kernel(i64 N, i64 C, i64 HW, const T* __restrict__ dy,
+                                                          const T* __restrict__ x, T* ds, compute_t<T> beta) {
+  using M = compute_t<T>;
+  TALLY_GRID_LOOP(k, N * C) {
+    const i64 n = k / C, c = k % C;
+    double acc = 0.0;
+    for (i64 j = 0; j < HW; ++j) {
+      const i64 e = (n * HW + j) * C + c;
+      acc += static_cast<double>(dy[e]) * static_cast<double>(x[e]);
+    }
+    ds[k] = beta == M(0) ? static_cast<T>(acc) : static_cast<T>(static_cast<double>(ds[k]) * beta + acc);
+  }
+}
+
+// y[r * ldy + c] (=|+=) x[r * ldx + c]; beta 0 copies (bf16 keeps its bits).
+template <class T>
+__global__ void copy_rows_kernel(i64 rows, i64 cols, const T* __restrict__ x, i64 ldx, T* __restrict__ y, i64 ldy,
+                                 compute_t<T> beta) {
+  using M = compute_t<T>;
+  TALLY_GRID_LOOP(i, rows * cols) {
+    const i64 r = i / cols, c = i % cols;
+    y[r * ldy + c] = beta == M(0) ? x[r * ldx + c] : static_cast<T>(beta * M(y[r * ldy + c]) + M(x[r * ldx + c]));
   }
 }
 
@@ -228,6 +308,49 @@ void relu_backward(i64 n, const T* dy, const T* y, T* dx, P<T> beta) {
   if (n <= 0) return;
   relu_backward_kernel<<<grid_for(n), kThreads, 0, detail::stream()>>>(n, dy, y, dx, beta);
   TALLY_LAUNCH_CHECK("relu_backward");
+}
+
+template <class T>
+void sigmoid_forward(i64 n, const T* x, T* y) {
+  if (n <= 0) return;
+  sigmoid_forward_kernel<<<grid_for(n), kThreads, 0, detail::stream()>>>(n, x, y);
+  TALLY_LAUNCH_CHECK("sigmoid_forward");
+}
+
+template <class T>
+void sigmoid_backward(i64 n, const T* dy, const T* y, T* dx, P<T> beta) {
+  if (n <= 0) return;
+  sigmoid_backward_kernel<<<grid_for(n), kThreads, 0, detail::stream()>>>(n, dy, y, dx, beta);
+  TALLY_LAUNCH_CHECK("sigmoid_backward");
+}
+
+template <class T>
+void scale_channels(i64 N, i64 C, i64 HW, bool channels_last, const T* x, const T* s, T* y, P<T> beta) {
+  const i64 n = N * C * HW;
+  if (n <= 0) return;
+  scale_channels_kernel<<<grid_for(n), kThreads, 0, detail::stream()>>>(N, C, HW, channels_last, x, s, y, beta);
+  TALLY_LAUNCH_CHECK("scale_channels");
+}
+
+template <class T>
+void scale_channels_backward_scale(i64 N, i64 C, i64 HW, bool channels_last, const T* dy, const T* x, T* ds,
+                                   P<T> beta) {
+  if (N * C <= 0) return;
+  if (channels_last) {
+    scale_channels_backward_scale_nhwc_kernel<<<grid_for(N * C), kThreads, 0, detail::stream()>>>(N, C, HW, dy, x, ds,
+                                                                                                   beta);
+  } else {
+    scale_channels_backward_scale_rows_kernel<<<detail::blocks_for(N * C), kThreads, 0, detail::stream()>>>(
+        N * C, HW, dy, x, ds, beta);
+  }
+  TALLY_LAUNCH_CHECK("scale_channels_backward_scale");
+}
+
+template <class T>
+void copy_rows(i64 rows, i64 cols, const T* x, i64 ldx, T* y, i64 ldy, P<T> beta) {
+  if (rows <= 0 || cols <= 0) return;
+  copy_rows_kernel<<<grid_for(rows * cols), kThreads, 0, detail::stream()>>>(rows, cols, x, ldx, y, ldy, beta);
+  TALLY_LAUNCH_CHECK("copy_rows");
 }
 
 template <class T>
