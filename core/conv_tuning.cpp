@@ -22,14 +22,14 @@
 namespace tally {
 namespace {
 
-constexpr const char* kFormat = "tally convolution tuning";
-constexpr int kVersion = 1;
-std::atomic<std::uint64_t> g_version{0};
+constexpr const char* kTuningFormat = "tally convolution tuning";
+constexpr int kTuningVersion = 1;
+std::atomic<std::uint64_t> g_tuning_version{0};
 
-using json = nlohmann::ordered_json;
+using tuning_json = nlohmann::ordered_json;
 
-json to_json(const kernels::TunedConvPass& e) {
-  return json{{"rank", e.rank},
+tuning_json entry_json(const kernels::TunedConvPass& e) {
+  return tuning_json{{"rank", e.rank},
               {"engine", e.engine},
               {"workspace", e.workspace},
               {"ms", e.ms},
@@ -45,7 +45,7 @@ json to_json(const kernels::TunedConvPass& e) {
 }
 
 // One entry read back; `where` names it in errors (the file and the pass).
-kernels::TunedConvPass from_json(const json& j, const std::string& where) {
+kernels::TunedConvPass entry_from_json(const tuning_json& j, const std::string& where) {
   if (!j.is_object()) throw Error(fmt::format("{}: expected an object, found {}", where, j.dump()));
   kernels::TunedConvPass e;
   const auto integer = [&](const char* name, auto& to) {
@@ -71,10 +71,11 @@ kernels::TunedConvPass from_json(const json& j, const std::string& where) {
   return e;
 }
 
-ConvTuning::Table table_from_json(const json& j, const std::string& where) {
+ConvTuning::Table table_from_json(const tuning_json& j, const std::string& where) {
   if (!j.is_object()) throw Error(fmt::format("{}: expected an object of passes, found {}", where, j.dump()));
   ConvTuning::Table t;
-  for (const auto& [key, entry] : j.items()) t.emplace(key, from_json(entry, fmt::format("{}, pass '{}'", where, key)));
+  for (const auto& [key, entry] : j.items())
+    t.emplace(key, entry_from_json(entry, fmt::format("{}, pass '{}'", where, key)));
   return t;
 }
 
@@ -90,7 +91,8 @@ struct PassBytes {
 PassBytes pass_bytes(const kernels::ConvPassKey& p) {
   const kernels::Conv2dShape& s = p.shape;
   const std::size_t e = p.bf16 ? 2 : 4;
-  return {static_cast<std::size_t>(s.N * s.C * s.H * s.W) * e, static_cast<std::size_t>(s.K * (s.C / s.groups) * s.R * s.S) * e,
+  return {static_cast<std::size_t>(s.N * s.C * s.H * s.W) * e,
+          static_cast<std::size_t>(s.K * (s.C / s.groups) * s.R * s.S) * e,
           static_cast<std::size_t>(s.N * s.K * s.P() * s.Q()) * e};
 }
 
@@ -116,7 +118,7 @@ class Borrowed {
 
 }  // namespace
 
-std::uint64_t conv_tuning_version() { return g_version.load(); }
+std::uint64_t conv_tuning_version() { return g_tuning_version.load(); }
 
 std::filesystem::path ConvTuning::default_path() {
   if (const char* x = std::getenv("XDG_CACHE_HOME"); x != nullptr && x[0] == '/')
@@ -127,7 +129,8 @@ std::filesystem::path ConvTuning::default_path() {
 }
 
 ConvTuning::ConvTuning(std::filesystem::path path, double seconds) : path_(std::move(path)), seconds_(seconds) {
-  if (!(seconds_ >= 0)) throw Error(fmt::format("convolution tuning: expected a cap of 0 seconds or more, found {}", seconds_));
+  if (!(seconds_ >= 0))
+    throw Error(fmt::format("convolution tuning: expected a cap of 0 seconds or more, found {}", seconds_));
   if (path_.empty() || !std::filesystem::exists(path_)) return;
   std::ifstream in(path_, std::ios::binary);
   if (!in) throw Error(fmt::format("tuning file '{}': cannot read it: {}", path_.string(), std::strerror(errno)));
@@ -135,17 +138,18 @@ ConvTuning::ConvTuning(std::filesystem::path path, double seconds) : path_(std::
   text << in.rdbuf();
   const std::string where = fmt::format("tuning file '{}'", path_.string());
   const std::string fix = " (delete it to tune again, or run with --tuning-file none)";
-  json j;
+  tuning_json j;
   try {
-    j = json::parse(text.str());
-  } catch (const json::exception& e) {
-    throw Error(fmt::format("{}: expected JSON written by tally, found text that is not JSON ({}){}", where, e.what(), fix));
+    j = tuning_json::parse(text.str());
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(
+        fmt::format("{}: expected JSON written by tally, found text that is not JSON ({}){}", where, e.what(), fix));
   }
-  if (!j.is_object() || !j.contains("format") || j["format"] != kFormat)
-    throw Error(fmt::format("{}: expected \"format\": \"{}\", found {}{}", where, kFormat,
+  if (!j.is_object() || !j.contains("format") || j["format"] != kTuningFormat)
+    throw Error(fmt::format("{}: expected \"format\": \"{}\", found {}{}", where, kTuningFormat,
                             j.is_object() && j.contains("format") ? j["format"].dump() : std::string("none"), fix));
-  if (!j.contains("version") || j["version"] != kVersion)
-    throw Error(fmt::format("{}: expected version {}, found {}{}", where, kVersion,
+  if (!j.contains("version") || j["version"] != kTuningVersion)
+    throw Error(fmt::format("{}: expected version {}, found {}{}", where, kTuningVersion,
                             j.contains("version") ? j["version"].dump() : std::string("none"), fix));
   if (!j.contains("devices") || !j["devices"].is_object())
     throw Error(fmt::format("{}: expected an object \"devices\", found {}{}", where,
@@ -161,16 +165,17 @@ ConvTuning::ConvTuning(std::filesystem::path path, double seconds) : path_(std::
 std::shared_ptr<ConvTuning> ConvTuning::replaying(const std::string& record, const std::string& where) {
   std::shared_ptr<ConvTuning> t(new ConvTuning());
   t->replay_only_ = true;
-  json j;
+  tuning_json j;
   try {
-    j = json::parse(record);
-  } catch (const json::exception& e) {
+    j = tuning_json::parse(record);
+  } catch (const nlohmann::json::exception& e) {
     throw Error(fmt::format("{}: expected the convolution tuning's record (JSON), found text that is not JSON ({})",
                             where, e.what()));
   }
   if (!j.is_object() || !j.contains("device") || !j["device"].is_string() || !j.contains("use") ||
       !j["use"].is_string() || !j.contains("passes"))
-    throw Error(fmt::format("{}: expected a record with \"device\", \"use\" and \"passes\", found {}", where, j.dump()));
+    throw Error(
+        fmt::format("{}: expected a record with \"device\", \"use\" and \"passes\", found {}", where, j.dump()));
   const std::string use = j["use"].get<std::string>();
   if (use != "fastest" && use != "within" && use != "none")
     throw Error(fmt::format("{}: expected \"use\" fastest, within or none, found \"{}\"", where, use));
@@ -216,7 +221,7 @@ bool ConvTuning::install(Use use) {
   if (print == installed_) return false;
   installed_ = print;
   if constexpr (kHaveCudaBackend) kernels::cuda::set_conv_tuning(use == Use::none ? Table{} : t, use == Use::within);
-  ++g_version;
+  ++g_tuning_version;
   return true;
 }
 
@@ -281,10 +286,10 @@ bool ConvTuning::tune(Device device, Arena& arena, const std::function<void()>& 
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
   std::string unsaved;
   if (measured > 0 && !path_.empty()) {
-    json j{{"format", kFormat}, {"version", kVersion}, {"devices", json::object()}};
+    tuning_json j{{"format", kTuningFormat}, {"version", kTuningVersion}, {"devices", tuning_json::object()}};
     for (const auto& [dev, table] : devices_) {
-      json passes_json = json::object();
-      for (const auto& [key, e] : table) passes_json[key] = to_json(e);
+      tuning_json passes_json = tuning_json::object();
+      for (const auto& [key, e] : table) passes_json[key] = entry_json(e);
       j["devices"][dev] = passes_json;
     }
     // A cache: a run goes on without it, saying so.
@@ -315,12 +320,12 @@ bool ConvTuning::tune(Device device, Arena& arena, const std::function<void()>& 
 }
 
 std::string ConvTuning::record() const {
-  json j{{"device", replay_only_ ? devices_.begin()->first : device_key()}, {"use", use_name(use_)}};
-  json passes = json::object();
+  tuning_json j{{"device", replay_only_ ? devices_.begin()->first : device_key()}, {"use", use_name(use_)}};
+  tuning_json passes = tuning_json::object();
   const auto it = devices_.find(j["device"].get<std::string>());
   if (it != devices_.end())
     for (const std::string& key : seen_)
-      if (const auto e = it->second.find(key); e != it->second.end()) passes[key] = to_json(e->second);
+      if (const auto e = it->second.find(key); e != it->second.end()) passes[key] = entry_json(e->second);
   j["passes"] = passes;
   return j.dump();
 }
