@@ -33,6 +33,7 @@
 #include "nn/init.h"
 #include "nn/resnet.h"
 #include "mbp/executor.h"
+#include "mbp/graph_replay.h"
 #include "report/layer_table.h"
 #include "report/timeline.h"
 #include "optim/optimizer.h"
@@ -786,6 +787,47 @@ TEST_F(Mbp, TheTraceNamesTheModuleAndPhaseOfEveryAllocation) {
     if (e.value("cat", "") == "alloc" && e["args"]["module"] == "layer1.1.bn2" && e["args"]["phase"] == "backward")
       ++named;
   EXPECT_GT(named, 0);
+}
+
+// What replaying one micro-batch's captured work for the next (a CUDA graph) needs: the micro-batches
+// of one size allocate at the same offsets, event for event (mbp/graph_replay.h). Checked on the
+// traced dry run of a plan (the real step's allocations: the arena is deterministic), plain, with
+// recomputed blocks, and in bf16 channels-last.
+TEST_F(Mbp, MicroBatchesOfOneSizeAllocateAtTheSameAddresses) {
+  for (const std::string variant : {"plain", "recomputed", "bf16"}) {
+    SCOPED_TRACE(variant);
+    configure_arena(Device::cpu(), parse_size("64MiB"));
+    auto m = model("resnet20", "batch");
+    auto opt = sgd(*m);
+    if (variant == "recomputed") nn::set_recompute_blocks(*m, true);
+    mbp::ExecutorOptions eo;
+    eo.sample_shape = {3, 16, 16};
+    eo.micro_batch = 6;
+    if (variant == "bf16") eo.precision = mbp::Precision::bf16, eo.memory_format = MemoryFormat::ChannelsLast;
+    mbp::Executor ex(*m, *opt, eo);
+    const mbp::Plan& p = ex.plan(40);  // 7 micro-batches: 5 of 6, 2 of 5
+    ASSERT_EQ(p.micro_batches, 7);
+    const mbp::ReplayCheck c = mbp::check_replay(*ex.traced_dry_step(p));
+    ASSERT_EQ(c.same_as.size(), 7u) << c.summary();
+    EXPECT_GT(c.events, 7u * 20) << "each micro-batch allocates";
+    EXPECT_EQ(c.samples, (std::vector<std::int64_t>{6, 6, 6, 6, 6, 5, 5}));
+    for (std::size_t i = 2; i < 5; ++i)
+      EXPECT_EQ(c.same_as[i], c.same_as[1]) << "micro-batch " << i + 1 << ": " << c.summary();
+    EXPECT_EQ(c.same_as[6], 5u) << c.summary();
+    // The first micro-batch is a pattern of its own: it allocates the batch norms' moment
+    // accumulators, which live to the step's end (two per batch norm); nothing else differs.
+    EXPECT_EQ(c.same_as[1], 1u) << c.summary();
+    const auto traced = ex.traced_dry_step(p);
+    const auto& t = traced->trace();
+    const auto& marks = traced->marks();
+    std::map<std::string, int> first, second;
+    for (std::size_t e = marks[0].event_index; e < marks[1].event_index; ++e) first[t[e].op] += t[e].is_alloc;
+    for (std::size_t e = marks[1].event_index; e < marks[2].event_index; ++e) second[t[e].op] += t[e].is_alloc;
+    EXPECT_EQ(first["batch_norm_moments"], 2 * 21);  // the stem's, two a block, the two projections'
+    EXPECT_EQ(second["batch_norm_moments"], 0);
+    first.erase("batch_norm_moments"), second.erase("batch_norm_moments");
+    EXPECT_EQ(first, second);
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
