@@ -280,6 +280,9 @@ mbp::ExecutorOptions executor_options(const TrainOptions& opt, const data::Datas
   eo.loss.label_smoothing = opt.label_smoothing;
   eo.normalization = opt.loss_normalization;
   eo.log = [&log](const std::string& line) { fmt::print(log, "\n{}\n", line); };
+  // This rank's samples in the global batch (dropout's masks, as one process would draw them).
+  if (comm && comm->size() > 1 && !setup.stage)
+    eo.first_sample = distributed::shard(opt.batch_size, comm->size(), comm->rank()).offset;
   eo.communicator = std::move(comm);
   eo.pipeline = setup.stage;
   eo.host_arena = std::move(host_arena);

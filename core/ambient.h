@@ -3,13 +3,15 @@
 // in PyTorch — where a new tensor's bytes come from (per device), the host tier, whether this is a
 // dry run, and the log a planner's measure of offloaded segments reads. Set and restored only by
 // the scopes that own each field: ArenaScope and HostArenaScope (core/memory.h), DryRunGuard
-// (core/dry_run.h) — and DryRun, which sets arenas, host tier and switch together — and OffloadLog
-// (core/offload.h). Nothing above core/ includes this header.
+// (core/dry_run.h) — and DryRun, which sets arenas, host tier and switch together — OffloadLog
+// (core/offload.h) and SampleScope (core/ops.h). Nothing above core/ includes this header.
 #pragma once
 #include <memory>
+#include <optional>
 #include <unordered_map>
 
 #include "core/arena.h"
+#include "core/ops.h"  // SampleIndex
 
 namespace tally {
 class OffloadLog;  // core/offload.h
@@ -24,6 +26,7 @@ struct AmbientContext {
   bool offload_prefetch_on_cpu = false;                         // HostArenaScope's option (core/offload.h)
   bool dry_run = false;                                         // DryRunGuard
   OffloadLog* offload_log = nullptr;                            // the innermost OffloadLog alive
+  std::optional<SampleIndex> samples;                           // SampleScope (core/ops.h)
 };
 
 // This thread's.

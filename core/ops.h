@@ -117,6 +117,30 @@ Tensor sigmoid(const Tensor& x);
 // (an activation: bfloat16 with bfloat16 x). y has x's memory format (row-major or channels-last).
 // Backward: dx = dy * s; ds[n, c] = the sum over the spatial positions of dy * x, in double.
 Tensor scale_channels(const Tensor& x, const Tensor& s);
+// Dropout (docs/models.md, "Dropout"): y = x * m with m = 1 / (1 - p) for the elements kept and 0
+// for those dropped (probability p, 0 <= p <= 1), the mask a counter-based function of the layer's
+// `seed`, the training step and each element's sample in the step's whole batch (`at`) and place
+// in its sample (kernels/common.h: dropout_keeps) — nothing saved for the backward, which draws
+// the same mask. Any shape (N, ...), either memory format (the same elements kept in both).
+struct SampleIndex {
+  std::uint64_t step = 0;   // the training step (the optimizer's count of steps done)
+  std::int64_t first = 0;   // the index of the tensor's first sample in the step's whole batch
+};
+Tensor dropout(const Tensor& x, double p, std::uint64_t seed, SampleIndex at);
+// The samples a forward runs on, for ops whose randomness must not depend on how a batch is split:
+// the MBP executor sets it around each micro-batch (its step, and the micro-batch's first sample
+// in the step's batch across micro-batches, ranks and pipeline stages); none outside one.
+class SampleScope {
+ public:
+  explicit SampleScope(SampleIndex at);
+  ~SampleScope();
+  SampleScope(const SampleScope&) = delete;
+  SampleScope& operator=(const SampleScope&) = delete;
+
+ private:
+  std::optional<SampleIndex> previous_;
+};
+std::optional<SampleIndex> current_samples();
 // dst += src (same shape, dtype, device), no autograd: gradient accumulation.
 void add_into(Tensor& dst, const Tensor& src);
 

@@ -1,5 +1,6 @@
 // core/ops_elementwise.cpp — elementwise ops (ReLU, add, mul, sigmoid, ... and the in-place forms) and channel
 // scaling: forward, backward, autograd nodes (core/ops.h; the pattern is in core/ops.cpp).
+#include "core/ambient.h"
 #include "core/ops_internal.h"
 
 namespace tally {
@@ -277,6 +278,51 @@ Tensor scale_channels(const Tensor& x_, const Tensor& s_) {
   }
   return y;
 }
+
+// ---- dropout ----
+
+namespace {
+
+struct DropoutBackward : Node {
+  kernels::DropoutKey key;
+  i64 N = 0, C = 0, HW = 0;
+  MemoryFormat format = MemoryFormat::Contiguous;  // x's, y's, dy's and dx's
+  const char* name() const override { return "dropout"; }
+  void backward(const Tensor& gy, std::vector<GradSlot>& g) override {
+    const bool cl = format == MemoryFormat::ChannelsLast;
+    const Tensor dy = gy.contiguous(format);
+    double beta = 0;
+    Tensor& dx = grad_target(g[0], dy, beta, "dropout");
+    TALLY_DISPATCH("dropout", dy, FLOATING,
+                   kk::dropout_backward<T>(N, C, HW, cl, key, dy.data<T>(), dx.data<T>(), TP(beta)));
+  }
+};
+
+}  // namespace
+
+Tensor dropout(const Tensor& x_, double p, std::uint64_t seed, SampleIndex at) {
+  const char* op = "dropout";
+  check_floating(op, x_);
+  if (!(p >= 0 && p <= 1)) throw Error(fmt::format("{}: expected a probability p in [0, 1], found {}", op, p));
+  if (x_.dim() < 1) throw ShapeError(fmt::format("{}: expected x of shape (N, ...), found {}", op, x_.str()));
+  const MemoryFormat format = x_.suggest_memory_format();
+  const bool cl = format == MemoryFormat::ChannelsLast;
+  const Tensor x = x_.contiguous(format);
+  const i64 N = x.size(0), C = x.dim() >= 2 ? x.size(1) : 1, HW = N * C == 0 ? 0 : x.numel() / (N * C);
+  const kernels::DropoutKey key = kernels::dropout_key(p, seed, at.step, at.first);
+  Tensor y = out_like(x, x.shape(), op, format);
+  TALLY_DISPATCH(op, x, FLOATING, kk::dropout_forward<T>(N, C, HW, cl, key, x.data<T>(), y.data<T>()));
+  if (any_requires_grad({&x_})) {
+    auto n = std::make_shared<DropoutBackward>();
+    n->key = key, n->N = N, n->C = C, n->HW = HW, n->format = format;
+    set_history(y, n, {&x_});
+  }
+  return y;
+}
+
+SampleScope::SampleScope(SampleIndex at) : previous_(detail::ambient().samples) { detail::ambient().samples = at; }
+SampleScope::~SampleScope() { detail::ambient().samples = previous_; }
+std::optional<SampleIndex> current_samples() { return detail::ambient().samples; }
 
 void add_into(Tensor& dst, const Tensor& src_) {
   check_same_shape("add_into", dst, src_);

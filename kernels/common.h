@@ -158,6 +158,52 @@ struct TunedConvPass {
   friend bool operator==(const TunedConvPass&, const TunedConvPass&) = default;
 };
 
+// ---- dropout's mask (docs/models.md, "Dropout") ------------------------------------------------
+// Counter-based, so that it does not depend on how a batch is split, where, or how often it is
+// drawn: element e of sample s (e in the sample's logical (C, H, W) order, whatever the memory
+// format; s the sample's index in the step's whole batch, across micro-batches, ranks and pipeline
+// stages) at training step `step` of the layer with seed `seed` is kept when word e % 4 of
+// Philox4x32-10 (Salmon et al., SC 2011; PyTorch's and cuRAND's generator) with key `seed` and
+// counter (e / 4, s, step) is at least p * 2^32 — computed the same on the CPU and the GPU, so a
+// micro-batched step equals the full batch, a recomputed segment draws the same mask, and a
+// resumed run the same bits. A kept element is x * scale with scale = (float)(1 / (1 - p)), a
+// dropped one 0: PyTorch's formula (its mask's values are that scale).
+struct DropoutKey {
+  std::uint64_t seed = 0;
+  std::uint64_t step = 0;
+  std::int64_t first_sample = 0;  // the index of the tensor's sample 0 in the step's batch
+  std::uint64_t threshold = 0;    // p * 2^32, rounded: keep when the word is >= it (2^32 for p = 1)
+  float scale = 1;                // 1 / (1 - p) in float (0 for p = 1)
+};
+// The key of dropout with probability p (0 <= p <= 1) for these seed, step and first sample.
+inline DropoutKey dropout_key(double p, std::uint64_t seed, std::uint64_t step, std::int64_t first_sample) {
+  DropoutKey k;
+  k.seed = seed, k.step = step, k.first_sample = first_sample;
+  k.threshold = static_cast<std::uint64_t>(p * 4294967296.0 + 0.5);
+  k.scale = p >= 1 ? 0.f : static_cast<float>(1.0 / (1.0 - p));
+  return k;
+}
+// Philox4x32-10: the four 32-bit words of counter c under key k.
+TALLY_HOST_DEVICE inline void philox4x32_10(std::uint32_t c[4], std::uint32_t k0, std::uint32_t k1) {
+  for (int round = 0; round < 10; ++round) {
+    const std::uint64_t p0 = static_cast<std::uint64_t>(0xD2511F53u) * c[0];
+    const std::uint64_t p1 = static_cast<std::uint64_t>(0xCD9E8D57u) * c[2];
+    const std::uint32_t hi0 = static_cast<std::uint32_t>(p0 >> 32), lo0 = static_cast<std::uint32_t>(p0);
+    const std::uint32_t hi1 = static_cast<std::uint32_t>(p1 >> 32), lo1 = static_cast<std::uint32_t>(p1);
+    const std::uint32_t c1 = c[1], c3 = c[3];
+    c[0] = hi1 ^ c1 ^ k0, c[1] = lo1, c[2] = hi0 ^ c3 ^ k1, c[3] = lo0;
+    k0 += 0x9E3779B9u, k1 += 0xBB67AE85u;
+  }
+}
+// Whether element e of sample s (of the tensor: the key's first_sample is added) is kept.
+TALLY_HOST_DEVICE inline bool dropout_keeps(const DropoutKey& k, std::int64_t s, std::int64_t e) {
+  const std::uint64_t sample = static_cast<std::uint64_t>(k.first_sample + s);
+  std::uint32_t c[4] = {static_cast<std::uint32_t>(e >> 2), static_cast<std::uint32_t>(sample),
+                        static_cast<std::uint32_t>(k.step), static_cast<std::uint32_t>(k.step >> 32)};
+  philox4x32_10(c, static_cast<std::uint32_t>(k.seed), static_cast<std::uint32_t>(k.seed >> 32));
+  return static_cast<std::uint64_t>(c[e & 3]) >= k.threshold;
+}
+
 // A 2-d pooling window, as both backends take it.
 struct Pool2dShape {
   i64 N, C, H, W;

@@ -29,6 +29,8 @@
   template void relu_backward<T>(i64, const T*, const T*, T*, P<T>);        \
   template void sigmoid_forward<T>(i64, const T*, T*);                      \
   template void sigmoid_backward<T>(i64, const T*, const T*, T*, P<T>);     \
+  template void dropout_forward<T>(i64, i64, i64, bool, const DropoutKey&, const T*, T*); \
+  template void dropout_backward<T>(i64, i64, i64, bool, const DropoutKey&, const T*, T*, P<T>); \
   template void scale_channels<T>(i64, i64, i64, bool, const T*, const T*, T*, P<T>); \
   template void scale_channels_backward_scale<T>(i64, i64, i64, bool, const T*, const T*, T*, P<T>); \
   template void copy_rows<T>(i64, i64, const T*, i64, T*, i64, P<T>);       \

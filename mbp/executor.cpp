@@ -336,6 +336,9 @@ Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels
     }
     if (!dry) stager_->wait(cur.uploaded);
     cur.x = cur.x.contiguous(opt_.memory_format);  // the staged row-major input is freed when converted
+    // The micro-batch's samples in the step's whole batch (dropout's masks; its backward and a
+    // recomputed segment draw the same).
+    const SampleScope samples({static_cast<std::uint64_t>(optimizer_.steps()), opt_.first_sample + offset});
     Tensor logits = model_(cur.x);
     if (!dry && !targets_checked) {  // every target of the batch, on the host, once the class count is known
       check_cross_entropy_targets(labels, batch, logits.size(1), opt_.loss.ignore_index);
@@ -374,7 +377,7 @@ void Executor::run_step(Placement placement, const float* images, const std::int
   const ActiveParts active(step_parts_, parts_for(placement, simulated));
   Tensor total;
   if (stage_) {
-    total = stage_->run(images, labels, sizes);
+    total = stage_->run(images, labels, sizes, static_cast<std::uint64_t>(optimizer_.steps()));
   } else {
     std::optional<double> divisor;  // counted by a part (over every rank), else over this batch
     for (StepPart* part : step_parts_)

@@ -161,6 +161,10 @@ struct ExecutorOptions {
   // with a smaller micro-batch than the heuristics' engines allow (the "within" choices, else none,
   // are taken then). Null: the heuristics' choices. Nothing on the CPU; not for pipeline stages.
   std::shared_ptr<ConvTuning> conv_tuning{};
+  // The index of this process's first sample in the step's whole batch (data parallelism: its
+  // shard's offset, distributed::shard): what a sample's randomness is drawn by (dropout, SampleScope),
+  // so that ranks draw their samples' masks as one process would.
+  std::int64_t first_sample = 0;
 };
 
 struct StepResult {

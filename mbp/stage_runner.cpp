@@ -99,6 +99,7 @@ struct StageRunner::Run {
   std::vector<std::int64_t> offsets{0};
   std::int64_t batch = 0;
   double divisor = 1.0;
+  std::uint64_t step = 0;  // the training step (SampleScope)
   bool dry = false, first = false, last = false, targets_checked = false;
   Tensor total;  // the loss, summed (the last stage)
   // A micro-batch between its forward and its backward: its input (a leaf whose gradient goes
@@ -128,9 +129,11 @@ struct StageRunner::Run {
   }
 };
 
-Tensor StageRunner::run(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes) {
+Tensor StageRunner::run(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes,
+                        std::uint64_t step) {
   const PipelineStage& st = stage_;
   Run r(images, labels, sizes);
+  r.step = step;
   r.dry = skip_side_effects(), r.first = st.stage == 0, r.last = st.stage + 1 == st.stages;
   r.batch = checked_batch(sizes);
   for (std::int64_t n : sizes) r.offsets.push_back(r.offsets.back() + n);
@@ -172,6 +175,7 @@ void StageRunner::forward(Run& r, std::size_t i) {
   const int stage = stage_.stage;
   const std::int64_t n = r.sizes[i];
   mark_trace(device_, fmt::format("micro-batch {}/{} ({} samples) forward", i + 1, r.sizes.size(), n));
+  const SampleScope samples({r.step, r.offsets[i]});  // every stage draws micro-batch i's samples alike
   Tensor x;
   if (r.first) {
     x = Tensor::empty(batch_shape(n, model_sample_shape_), activation_dtype_, device_, Category::input, "input");
@@ -211,6 +215,7 @@ void StageRunner::forward(Run& r, std::size_t i) {
 void StageRunner::backward(Run& r, std::size_t i) {
   distributed::Communicator& comm = *comm_;
   mark_trace(device_, fmt::format("micro-batch {}/{} backward", i + 1, r.sizes.size()));
+  const SampleScope samples({r.step, r.offsets[i]});  // a recomputed segment draws the forward's mask
   Run::InFlight f = std::move(r.in_flight.front());
   r.in_flight.pop_front();
   Tensor g = Tensor::empty(f.out.shape(), f.out.dtype(), device_, Category::temporary, "stage_output_grad");

@@ -58,7 +58,9 @@ class StageRunner {
   void check_step_data(const float* images, const std::int64_t* labels) const;
   // The micro-batches' forwards and backwards in the schedule's order; the step's loss on the last
   // stage (undefined on the others, and in a dry run's values).
-  Tensor run(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes);
+  // `step`: the training step (the optimizer's count), for the samples' randomness (SampleScope).
+  Tensor run(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes,
+             std::uint64_t step);
   // What a real step's result adds: the time waited for the other stages, the loss on every rank.
   void finish_step(StepResult& r) const;
   // A pipeline does not retry a step that ran out of memory (more than one stage): throws.

@@ -232,3 +232,17 @@ std::vector<BatchNorm2d*> batch_norm_layers(Module& root) {
 }
 
 }  // namespace tally::nn
+
+namespace tally::nn {
+
+Dropout::Dropout(double p) : p_(p), seed_(default_generator()()) {
+  if (!(p >= 0 && p <= 1)) throw Error(fmt::format("Dropout: expected a probability p in [0, 1], found {}", p));
+}
+
+Tensor Dropout::forward(const Tensor& x) {
+  if (!is_training() || p_ == 0) return x;
+  if (const std::optional<SampleIndex> at = current_samples()) return dropout(x, p_, seed_, *at);
+  return dropout(x, p_, seed_, SampleIndex{calls_++, 0});
+}
+
+}  // namespace tally::nn

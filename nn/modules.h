@@ -114,6 +114,26 @@ class Sigmoid : public Module {
   Tensor forward(const Tensor& x) override { return sigmoid(x); }
 };
 
+// Dropout (torch.nn.Dropout; docs/models.md, "Dropout"): in training mode dropout(x, p, seed, at)
+// (core/ops.h), in eval mode x itself. Its mask depends on the layer's seed — drawn from nn's
+// generator (nn/init.h) when the layer is made, so manual_seed reproduces it and two layers differ
+// — on the training step and on each sample's index in the step's whole batch: inside the MBP
+// executor (SampleScope) the executor's, so a micro-batched step equals the full batch and a
+// recomputed segment draws the same mask; outside one, this layer's count of training forwards as
+// the step and 0 as the first sample.
+class Dropout : public Module {
+ public:
+  explicit Dropout(double p = 0.5);  // an Error unless 0 <= p <= 1
+  Tensor forward(const Tensor& x) override;
+  double p() const { return p_; }
+  std::uint64_t seed() const { return seed_; }
+
+ private:
+  double p_;
+  std::uint64_t seed_;
+  std::uint64_t calls_ = 0;  // training forwards outside an executor
+};
+
 class MaxPool2d : public Module {
  public:
   // stride defaults to kernel_size, as in PyTorch.

@@ -22,6 +22,7 @@
 #include "distributed/communicator.h"
 #include "mbp/executor.h"
 #include "optim/optimizer.h"
+#include "tests/dropout_check.h"
 #include "tests/gpu_common.h"
 #include "tally/config.h"
 #if TALLY_HAVE_CUDA
@@ -645,6 +646,12 @@ TEST(GpuOps, AMicroBatchedStepWaitsForTheDeviceOnce) {
 }
 
 // ---- tensors on the device ------------------------------------------------------------------------
+
+// Dropout's mask on the GPU is the host's, bit for bit (tests/dropout_check.h; the CPU runs the same body).
+TEST(GpuOps, DropoutDrawsTheCpusMask) {
+  REQUIRE_GPU();
+  test::check_dropout(Device::cuda(0), test::fresh_seed());
+}
 
 TEST(GpuOps, TensorsGatherConvertAndFillOnTheDevice) {
   REQUIRE_GPU();

@@ -193,6 +193,17 @@ TEST(GradCheck, Sigmoid) {
   gradcheck([](const std::vector<Tensor>& t) { return mul(sigmoid(t[0]), t[0]); }, {req(rand64({7}, rng, -2, 2))});
 }
 
+// Dropout with a fixed key (seed, step, first sample): a fixed mask, so y = x * m is checked like any
+// op; both layouts, and p = 0.5 so both kinds of element are there.
+TEST(GradCheck, Dropout) {
+  std::mt19937 rng(23);
+  const auto f = [](const std::vector<Tensor>& t) { return dropout(t[0], 0.5, 1234, SampleIndex{7, 100}); };
+  gradcheck(f, {req(rand64({3, 4, 5}, rng))});
+  gradcheck(f, {req(rand64({2, 3, 4, 2}, rng).contiguous(MemoryFormat::ChannelsLast))});
+  gradcheck([](const std::vector<Tensor>& t) { return mul(dropout(t[0], 0.3, 99, SampleIndex{}), t[0]); },
+            {req(rand64({4, 6}, rng))});
+}
+
 // x (N, C, H, W) times s (N, C, 1, 1) or (N, C), both layouts of x; and a squeeze-and-excitation
 // gate, where x reaches the output directly and through s.
 TEST(GradCheck, ScaleChannels) {

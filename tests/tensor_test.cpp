@@ -13,6 +13,7 @@
 #include "core/ops.h"
 #include "core/safetensors.h"
 #include "core/tensor.h"
+#include "tests/dropout_check.h"
 #include "tests/pending_check.h"
 #include "tests/staging_check.h"
 
@@ -322,4 +323,8 @@ TEST(Pending, AValueReadArrivesAsItWasAndDeferredReadsWaitForGet) {
   EXPECT_FALSE(p.ready()) << "a deferred CPU read must stay pending until get()";
   EXPECT_EQ(p.get(), 3.25);
   EXPECT_TRUE(p.ready());
+}
+
+TEST(Dropout, TheMaskIsTheKeysInEveryFormatSliceAndPass) {
+  tally::test::check_dropout(Device::cpu(), std::random_device{}());
 }

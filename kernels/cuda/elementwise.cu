@@ -101,6 +101,29 @@ __global__ void sigmoid_backward_kernel(i64 n, const T* dy, const T* y, T* dx, c
   }
 }
 
+// Dropout, one thread per element, the CPU's mask and formula (kernels/common.h: dropout_keeps).
+template <class T>
+__global__ void dropout_forward_kernel(i64 N, i64 C, i64 HW, bool channels_last, DropoutKey key, const T* x, T* y) {
+  using M = compute_t<T>;
+  const i64 F = C * HW;
+  TALLY_GRID_LOOP(j, N * F) {
+    const i64 n = j / F, i = j - n * F, e = channels_last ? (i % C) * HW + i / C : i;
+    y[j] = static_cast<T>(M(x[j]) * (dropout_keeps(key, n, e) ? M(key.scale) : M(0)));
+  }
+}
+
+template <class T>
+__global__ void dropout_backward_kernel(i64 N, i64 C, i64 HW, bool channels_last, DropoutKey key, const T* dy, T* dx,
+                                        compute_t<T> beta) {
+  using M = compute_t<T>;
+  const i64 F = C * HW;
+  TALLY_GRID_LOOP(j, N * F) {
+    const i64 n = j / F, i = j - n * F, e = channels_last ? (i % C) * HW + i / C : i;
+    const M g = M(dy[j]) * (dropout_keeps(key, n, e) ? M(key.scale) : M(0));
+    dx[j] = beta == M(0) ? static_cast<T>(g) : static_cast<T>(beta * M(dx[j]) + g);
+  }
+}
+
 // y (N, C, HW) or channels-last (N, HW, C) (=|+=) x * s[n, c], s (N, C): one thread per element.
 template <class T>
 __global__ void scale_channels_kernel(i64 N, i64 C, i64 HW, bool channels_last, const T* x, const T* s, T* y,
@@ -308,6 +331,24 @@ void relu_backward(i64 n, const T* dy, const T* y, T* dx, P<T> beta) {
   if (n <= 0) return;
   relu_backward_kernel<<<grid_for(n), kThreads, 0, detail::stream()>>>(n, dy, y, dx, beta);
   TALLY_LAUNCH_CHECK("relu_backward");
+}
+
+template <class T>
+void dropout_forward(i64 N, i64 C, i64 HW, bool channels_last, const DropoutKey& key, const T* x, T* y) {
+  const i64 n = N * C * HW;
+  if (n <= 0) return;
+  dropout_forward_kernel<<<grid_for(n), kThreads, 0, detail::stream()>>>(N, C, HW, channels_last, key, x, y);
+  TALLY_LAUNCH_CHECK("dropout_forward");
+}
+
+template <class T>
+void dropout_backward(i64 N, i64 C, i64 HW, bool channels_last, const DropoutKey& key, const T* dy, T* dx,
+                      P<T> beta) {
+  const i64 n = N * C * HW;
+  if (n <= 0) return;
+  dropout_backward_kernel<<<grid_for(n), kThreads, 0, detail::stream()>>>(N, C, HW, channels_last, key, dy, dx,
+                                                                          beta);
+  TALLY_LAUNCH_CHECK("dropout_backward");
 }
 
 template <class T>
