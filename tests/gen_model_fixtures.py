@@ -29,6 +29,21 @@ model_resnet18.safetensors, model_resnet50.safetensors
         anything else        0.05 * sin(0.37 * i + 1.3 * k)
     evaluated in float64 and rounded to float32. Tensors: x (2, 3, 64, 64) with
     x[i] = 0.5 * sin(0.01 * i) (flattened index) and the eval-mode output y (2, 10).
+model_resnext_tiny.safetensors
+    torchvision's own ResNet class at a small width, the ResNeXt bottleneck of tests/models_test.cpp:
+    torchvision.models.resnet.ResNet(Bottleneck, [1, 1, 1, 1], groups=4, width_per_group=4,
+    num_classes=10) (block widths 16, 32, 64, 128; grouped 3x3 convolutions). Weights by the formula
+    above (not stored). Tensors: x (2, 3, 64, 64) random, targets (2) int64, y the eval-mode output,
+    y_train the train-mode output (batch statistics), loss = cross_entropy(y_train, targets) (mean),
+    and grad.<name> for a few parameters after loss.backward() in train mode. The model runs in
+    float64 (x is float32, exactly widened) and every result is rounded to float32 once: with these
+    weights PyTorch's own float32 backward is off by up to 35% from its float64 one (layer1's
+    downsample norm bias; tally's float32, whose norm statistics are double, is within 1e-4), so
+    float32 PyTorch would not be a reference.
+resnext50_32x4d_names.json (JSON, not safetensors)
+    torchvision.models.resnext50_32x4d() at 1000 classes: its parameter count and its state dict's
+    names and shapes in order ("state_dict": [[name, [shape...]], ...]), named_parameters() and
+    named_buffers() names. No weights.
 
 Every file's __metadata__ holds, as compact JSON:
     "state_dict"  [[name, [shape...]], ...] in state-dict order
@@ -198,13 +213,75 @@ def torchvision_case(arch):
     return name, serialize({"x": x, "y": y}, meta)
 
 
+RESNEXT_TINY_GRADS = ["conv1.weight", "layer1.0.conv2.weight", "layer1.0.downsample.1.bias", "layer2.0.conv2.weight",
+                      "layer4.0.conv2.weight", "layer4.0.bn3.weight", "fc.weight", "fc.bias"]
+
+
+def formula_state_dict(model):
+    new_sd = {}
+    for k, (key, t) in enumerate(model.state_dict().items()):
+        if key.endswith("num_batches_tracked"):
+            new_sd[key] = torch.zeros_like(t)
+        else:
+            new_sd[key] = torch.from_numpy(formula_value(key, k, t.numel())).reshape(t.shape)
+    return new_sd
+
+
+def resnext_tiny_case():
+    name = "model_resnext_tiny"
+    torch.manual_seed(zlib.crc32(name.encode("utf-8")))
+    from torchvision.models.resnet import Bottleneck, ResNet
+    model = ResNet(Bottleneck, [1, 1, 1, 1], groups=4, width_per_group=4, num_classes=10)
+    model.load_state_dict(formula_state_dict(model))
+    names = names_metadata(model)  # before the conversion: the float32 model's state dict
+    model = model.double()
+    x = torch.randn(2, 3, 64, 64)
+    targets = torch.tensor([3, 7], dtype=torch.int64)
+    model.eval()
+    with torch.no_grad():
+        y = model(x.double())
+    model.train()
+    y_train = model(x.double())
+    loss = nn.functional.cross_entropy(y_train, targets)
+    loss.backward()
+    params = dict(model.named_parameters())
+    f32 = lambda t: t.detach().to(torch.float32)  # noqa: E731
+    tensors = {"x": x, "targets": targets, "y": f32(y), "y_train": f32(y_train), "loss": f32(loss)}
+    for k in RESNEXT_TINY_GRADS:
+        tensors["grad." + k] = f32(params[k].grad)
+    names.update(model="resnext_tiny", norm="batch", num_classes="10", case=name, groups="4", width_per_group="4",
+                 layers="1,1,1,1", computed_in="float64", torchvision_version=torchvision.__version__)
+    return name, serialize(tensors, names)
+
+
+def resnext50_names_case():
+    model = torchvision.models.resnext50_32x4d()
+    def one_per_line(items):
+        return "[\n" + ",\n".join(items) + "\n]"
+
+    lines = ['{', '"model": "resnext50_32x4d",',
+             '"source": "torchvision.models.resnext50_32x4d() (num_classes 1000)",',
+             '"torchvision_version": %s,' % json.dumps(torchvision.__version__),
+             '"parameter_count": %d,' % sum(p.numel() for p in model.parameters()),
+             '"parameters": %s,' % one_per_line([json.dumps(k) for k, _ in model.named_parameters()]),
+             '"buffers": %s,' % one_per_line([json.dumps(k) for k, _ in model.named_buffers()]),
+             '"state_dict": %s' % one_per_line(['[%s,%s]' % (json.dumps(k), json.dumps(list(v.shape)))
+                                                 for k, v in model.state_dict().items()]),
+             '}']
+    return "resnext50_32x4d_names", ("\n".join(lines) + "\n").encode("utf-8")
+
+
 BUILDERS = {
     "model_resnet20_batch": lambda: resnet20_case("batch"),
     "model_resnet20_group": lambda: resnet20_case("group"),
     "model_resnet20_none": lambda: resnet20_case("none"),
     "model_resnet18": lambda: torchvision_case("resnet18"),
     "model_resnet50": lambda: torchvision_case("resnet50"),
+    "model_resnext_tiny": resnext_tiny_case,
+    "resnext50_32x4d_names": resnext50_names_case,
 }
+
+EXTENSIONS = {"resnext50_32x4d_names": ".json"}
 
 
 def main(argv):
@@ -227,7 +304,8 @@ def main(argv):
     bad = 0
     for case in names:
         name, payload = BUILDERS[case]()
-        bad += emit(os.path.join(args.out, name + ".safetensors"), payload, args.check, MAX_FILE_BYTES)
+        path = os.path.join(args.out, name + EXTENSIONS.get(case, ".safetensors"))
+        bad += emit(path, payload, args.check, MAX_FILE_BYTES)
     return 1 if bad else 0
 
 

@@ -1,6 +1,8 @@
 // tests/model_common.h — what the MBP and data-parallel tests share: seeded random batches,
 // seeded ResNets, SGD with momentum, parameter snapshots and the comparisons (a NaN never passes).
 #pragma once
+#include <gtest/gtest.h>
+
 #include <cmath>
 #include <memory>
 #include <random>
@@ -91,6 +93,21 @@ std::vector<std::vector<double>> values(const nn::Module& m, bool buffers = fals
 }
 
 // ||a - b|| / ||b||, with a NaN anywhere reported as infinity so it never passes.
+// The relative error of float tensors a against b (shapes must agree; a non-finite value is
+// infinitely far): ||a - b|| / ||b||, or ||a - b|| when b is 0.
+inline double rel_err(const Tensor& a, const Tensor& b) {
+  EXPECT_EQ(a.shape(), b.shape());
+  if (a.shape() != b.shape()) return INFINITY;
+  const auto x = a.to_vector<float>(), y = b.to_vector<float>();
+  double num = 0, den = 0;
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    if (!std::isfinite(x[i])) return INFINITY;
+    num += (double(x[i]) - y[i]) * (double(x[i]) - y[i]);
+    den += double(y[i]) * y[i];
+  }
+  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
+}
+
 inline double rel_error(const std::vector<double>& a, const std::vector<double>& b) {
   double num = 0, den = 0;
   for (std::size_t i = 0; i < a.size(); ++i) {

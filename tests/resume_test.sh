@@ -9,8 +9,8 @@
 # metrics.csv identical but for its timing column, and summary.json but for its timings.
 #   kill_points      after a step, inside a step, during a checkpoint's write, twice in a row,
 #                    after an out-of-memory retry lowered the micro-batch
-#   kinds            bf16 mixed precision; AdamW with group norm and recomputation (kinds_bf16 and
-#                    kinds_adamw: each half alone)
+#   kinds            bf16 mixed precision; AdamW with group norm, recomputation and dropout (a
+#                    Wide ResNet) (kinds_bf16 and kinds_adamw: each half alone)
 #   signals          SIGKILL from outside at an arbitrary moment; SIGINT (exit 130, then resume)
 #   bad_checkpoints  truncated, damaged, missing and foreign files, wrong options, ranks, threads:
 #                    each a clear error and a non-zero exit, and the checkpoint left as it was
@@ -145,9 +145,11 @@ case $case_name in
       kill_and_resume bf16_inside_a_step in-step:7:40
     fi
     if [[ $case_name != kinds_bf16 ]]; then
-      ARGS=("${base[@]}" --optimizer adamw --lr 0.002 --norm group --recompute blocks)
+      # A Wide ResNet (WRN-10-1): its dropout's masks are drawn by step and sample, so a resumed run
+      # (and its recomputed blocks) draws the uninterrupted run's.
+      ARGS=("${base[@]/resnet20/wrn10_1}" --optimizer adamw --lr 0.002 --norm group --recompute blocks)
       reference ref_adamw
-      kill_and_resume adamw_group_norm_recompute after-step:7
+      kill_and_resume adamw_group_norm_recompute_dropout in-step:7:40
     fi
     ;;
   host_tier)
