@@ -217,6 +217,21 @@ Tensor Sequential::forward(const Tensor& x) {
   return y;
 }
 
+std::vector<Module::Segment> Sequential::segments() {
+  std::vector<Segment> out;
+  for (std::size_t i = 0; i < modules_.size(); ++i) {
+    const std::shared_ptr<Module>& m = modules_[i];
+    if (auto* inner = dynamic_cast<Sequential*>(m.get())) {
+      for (Segment& s : inner->segments()) out.push_back({fmt::format("{}.{}", i, s.name), std::move(s.modules),
+                                                          std::move(s.forward)});
+    } else {
+      Module* child = m.get();
+      out.push_back({std::to_string(i), {child}, [child](const Tensor& x) { return (*child)(x); }});
+    }
+  }
+  return out;
+}
+
 // ---- helpers ------------------------------------------------------------------------------------
 namespace {
 void find_batch_norms(Module& m, std::vector<BatchNorm2d*>& out) {

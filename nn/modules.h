@@ -171,6 +171,12 @@ class Sequential : public Module {
   Tensor forward(const Tensor& x) override;
   std::size_t size() const { return modules_.size(); }
   const std::shared_ptr<Module>& operator[](std::size_t i) const { return modules_.at(i); }
+  // A Sequential's forward is the chain of its children, so it is cut where they meet without help:
+  // one segment per child, a child that is a Sequential itself giving its own children's (a model
+  // built as Sequential(stem, Sequential(blocks...), Sequential(blocks...), head) is cut at every
+  // block). Named by each child's path below this module ("1.0"). A model of its own whose forward is
+  // more than a chain overrides segments() (docs/models.md, "Segments without help").
+  std::vector<Segment> segments() override;
 
  private:
   std::vector<std::shared_ptr<Module>> modules_;

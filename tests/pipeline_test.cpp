@@ -72,6 +72,39 @@ TEST_F(PipelineParts, SegmentsComposeToTheForwardBitForBit) {
   }
 }
 
+// A model built as a Sequential is cut without help (nn::Sequential::segments): one segment per
+// child, a Sequential child giving its own children's; they cover the model, compose to its forward
+// bit for bit, and a cut of them into two stages is made by the planner's model of the stages.
+TEST_F(PipelineParts, ASequentialModelIsCutWithoutHelp) {
+  using nn::Sequential;
+  nn::manual_seed(5);
+  const auto block = [](std::int64_t c) {
+    return std::make_shared<Sequential>(std::initializer_list<std::shared_ptr<nn::Module>>{
+        std::make_shared<nn::Conv2d>(c, c, 3, 1, 1, 1, 1, false), std::make_shared<nn::BatchNorm2d>(c),
+        std::make_shared<nn::ReLU>()});
+  };
+  auto stage = std::make_shared<Sequential>(std::initializer_list<std::shared_ptr<nn::Module>>{block(8), block(8)});
+  Sequential m{std::make_shared<nn::Conv2d>(3, 8, 3, 1, 1, 1, 1, false), std::make_shared<nn::BatchNorm2d>(8),
+               std::make_shared<nn::ReLU>(), stage, std::make_shared<nn::AdaptiveAvgPool2d>(1, 1),
+               std::make_shared<nn::Flatten>(1), std::make_shared<nn::Linear>(8, 10)};
+  const auto segments = m.segments();
+  std::vector<std::string> names;
+  for (const auto& sg : segments) names.push_back(sg.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"0", "1", "2", "3.0.0", "3.0.1", "3.0.2", "3.1.0", "3.1.1", "3.1.2",
+                                             "4", "5", "6"}));
+  EXPECT_NO_THROW(mbp::check_segments_cover(m, segments));
+  const Data d = make_data(3, {3, 8, 8}, 13);
+  const Tensor x = input_tensor<float>(d, 3, {3, 8, 8});
+  const auto want = m.forward(x).to_vector<float>();
+  Tensor y = x;
+  for (const auto& sg : segments) y = sg.forward(y);
+  EXPECT_EQ(y.to_vector<float>(), want);
+  const auto costs = mbp::segment_costs(m, {3, 8, 8}, DType::Float32, 3);
+  ASSERT_EQ(costs.size(), segments.size());
+  const auto cut = mbp::balanced_cut(costs, 2, {64 << 20, 64 << 20}, 16);
+  EXPECT_EQ(cut.size(), 3u) << "two stages: their bounds";
+}
+
 // Every micro-batch's forward and backward once, forward first; 1F1B holds at most S - s micro-batches
 // on stage s, GPipe all k; the last stage runs forwards only (each with its backward).
 TEST_F(PipelineParts, SchedulesRunEveryMicroBatchOnceAndHoldWhatTheySay) {
