@@ -345,6 +345,41 @@ def sigmoid():
     return {"x": x, "y": y, "dy": dy, "grad.x": x.grad}, meta(op="sigmoid")
 
 
+def philox4x32_10(counter, key):
+    """Philox4x32-10 (Salmon et al., SC 2011), written here independently of tally's C++."""
+    c, k0, k1 = list(counter), key & 0xFFFFFFFF, key >> 32
+    for _ in range(10):
+        p0, p1 = 0xD2511F53 * c[0], 0xCD9E8D57 * c[2]
+        c = [((p1 >> 32) ^ c[1] ^ k0) & 0xFFFFFFFF, p1 & 0xFFFFFFFF, ((p0 >> 32) ^ c[3] ^ k1) & 0xFFFFFFFF,
+             p0 & 0xFFFFFFFF]
+        k0, k1 = (k0 + 0x9E3779B9) & 0xFFFFFFFF, (k1 + 0xBB67AE85) & 0xFFFFFFFF
+    return c
+
+
+@case
+def dropout():
+    """tally's dropout: element e of sample s kept when Philox word e % 4 at counter (e / 4, first + s,
+    step) under the layer's seed is >= p * 2^32; y = x * noise with noise = (float)(1 / (1 - p)) or 0,
+    PyTorch's formula (F.dropout multiplies by a mask of those values; its own mask comes from its
+    generator, so the mask here is tally's, drawn by this independent Philox)."""
+    seed_for("dropout")
+    p, seed, step, first = 0.3, 987654321012345, 7, 1000
+    x = leaf(randn(2, 3, 4, 5))
+    n, f = x.shape[0], x[0].numel()
+    threshold = int(p * 4294967296.0 + 0.5)
+    keep = torch.zeros(n, f, dtype=torch.bool)
+    for s in range(n):
+        sample = first + s
+        for e in range(f):
+            w = philox4x32_10([e >> 2, sample & 0xFFFFFFFF, step & 0xFFFFFFFF, step >> 32], seed)[e & 3]
+            keep[s, e] = w >= threshold
+    scale = torch.tensor(1.0 / (1.0 - p), dtype=torch.float32)
+    noise = torch.where(keep, scale, torch.tensor(0.0)).reshape(x.shape)
+    y = x * noise
+    dy = backward_with_dy(y)
+    return {"x": x, "y": y, "dy": dy, "grad.x": x.grad}, meta(op="dropout", p=p, seed=seed, step=step, first=first)
+
+
 def scale_channels_case(name, s_shape):
     """Squeeze-and-excitation's channel scaling y = x * s, s (N, C, 1, 1) broadcast over H, W."""
     seed_for(name)

@@ -152,6 +152,15 @@ TEST(Golden, SigmoidScaleChannelsAndConcat) {
   check(load("concat"), {"x0", "x1", "x2"}, [](auto& t) { return concat({t["x0"], t["x1"], t["x2"]}); }, 1e-5);
 }
 
+// dropout: PyTorch's formula (x times a mask of 1 / (1 - p) and 0) on the mask an independent Philox
+// in the fixture script draws from the same key — tally's mask, word for word.
+TEST(Golden, Dropout) {
+  const Fixture fx = load("dropout");
+  const SampleIndex at{static_cast<std::uint64_t>(fx.num("step")), static_cast<std::int64_t>(fx.num("first"))};
+  const auto seed = static_cast<std::uint64_t>(fx.num("seed"));
+  check(fx, {"x"}, [&](auto& t) { return dropout(t["x"], fx.num("p"), seed, at); }, 0.0);
+}
+
 TEST(Golden, Pooling) {
   const Fixture mp = load("max_pool2d");
   check(mp, {"x"}, [&](auto& t) { return max_pool2d(t["x"], pair(mp, "kernel_size"), pair(mp, "stride"), pair(mp, "padding")); }, 1e-5);
