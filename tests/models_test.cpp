@@ -348,7 +348,9 @@ INSTANTIATE_TEST_SUITE_P(
                       TrainCase{"resnext50_32x4d", "none", mbp::Precision::fp32},
                       TrainCase{"resnetv2_18", "none", mbp::Precision::fp32},
                       TrainCase{"seresnet50", "all", mbp::Precision::fp32},
-                      TrainCase{"resnetv2_18", "all", mbp::Precision::bf16}),
+                      TrainCase{"resnetv2_18", "all", mbp::Precision::bf16},
+                      TrainCase{"wrn10_1", "none", mbp::Precision::fp32},
+                      TrainCase{"wrn10_1", "all", mbp::Precision::bf16}),
     [](const auto& info) {
       return fmt::format("{}_{}_{}", info.param.model, info.param.recompute,
                          info.param.precision == mbp::Precision::bf16 ? "bf16" : "fp32");
