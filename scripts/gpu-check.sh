@@ -691,7 +691,7 @@ step_tuning() {
         "$( [[ $tuning == tuned ]] && grep -E '^tuning:' "$log" | tail -1 | cut -c9-140) $(grep -E 'img/s' "$log" | tail -1 | cut -c1-80)"
     done
   done
-  [[ -f ${XDG_CACHE_HOME:-}/tally/conv-tuning.json ]] && cp "$XDG_CACHE_HOME/tally/conv-tuning.json" "$logs/"
+  if [[ -f ${XDG_CACHE_HOME:-}/tally/conv-tuning.json ]]; then cp "$XDG_CACHE_HOME/tally/conv-tuning.json" "$logs/"; fi
 }
 
 # The norm kernels' bandwidth against a device-to-device copy of the same run (bench_kernels'
