@@ -145,6 +145,13 @@ expect "auto memory of a GPU not here" error "--memory-limit auto with --device-
   "${plan[@]}" --device cuda --device-file "$h200"
 expect "rates of a GPU not here" error "expected --copy-bandwidth and --compute-rate as numbers .* found measure and measure$nocuda" -- \
   "${plan[@]}" --device cuda --device-file "$h200" --memory-limit 1GiB --host-memory-limit 1GiB
+# The convolutions' tuning file (core/conv_tuning.h): an empty flag, a negative cap, a damaged file
+# (read for the described GPU's plan, which replays it).
+expect "an empty tuning file" error "--tuning-file" -- "${train[@]}" --tuning-file ""
+expect "a negative tuning cap" error "--tuning-seconds" -- "${train[@]}" --tuning-seconds -1
+printf '{"format": "tally convolution tuning", "version": 1, "devices": [' >"$dir/tuning.json"
+expect "a damaged tuning file" error "tuning file '.*tuning.json': expected JSON written by tally.*--tuning-file none$nocuda" -- \
+  "${plan[@]}" --device cuda --device-file "$h200" --memory-limit 1GiB --tuning-file "$dir/tuning.json"
 if [[ $("$tally" --version) == *"GPU: none detected"* ]]; then  # on a GPU machine this plan is the GPU's
   expect "a GPU without its file" error "--device cuda: no GPU is present .*--device-file plans a GPU that is not here" -- \
     "${plan[@]}" --device cuda --memory-limit 1GiB
