@@ -274,9 +274,13 @@ TEST(BFloat16Ops, GemmsNormsPoolsElementwiseAndTheLossMatchFloat32) {
       {"sub", {{4, 9}, {4, 9}}, {}, [](auto& a, auto&) { return sub(a[0], a[1]); }},
       {"mul", {{4, 9}, {4, 9}}, {}, [](auto& a, auto&) { return mul(a[0], a[1]); }},
       {"scale", {{4, 9}}, {}, [](auto& a, auto&) { return scale(a[0], -0.37); }},
-      // The backward reads the saved bf16 output y: its rounding (2^-9 relative) reaches
-      // y * (1 - y) scaled by |1 - 2y| / (1 - y), and the gradient is rounded again: 2^-7.
-      {"sigmoid", {{5, 7, 3}}, {}, [](auto& a, auto&) { return sigmoid(a[0]); }, std::ldexp(1.0, -7)},
+      // The backward reads the saved bf16 output y (as PyTorch's): y's rounding, up to 2^-9 absolute
+      // near saturation, moves y * (1 - y) by as much absolutely, however small y * (1 - y) is there,
+      // so an element's error is up to about 2^-9 |dy| — against the largest reference gradient (at
+      // most max|dy| / 4, less where the largest dy meet a saturated y) more than 2^-7 of it — and
+      // the gradient is rounded once more. 2^-7 failed 21 of 200 fresh seeds (worst 1.5x it); 2^-5
+      // held in 300.
+      {"sigmoid", {{5, 7, 3}}, {}, [](auto& a, auto&) { return sigmoid(a[0]); }, std::ldexp(1.0, -5)},
       {"scale_channels by (N, C, 1, 1)", {{3, 6, 5, 4}, {3, 6, 1, 1}}, {}, [](auto& a, auto&) {
          return scale_channels(a[0], a[1]);
        }},
