@@ -50,6 +50,11 @@ const EnumNames<nn::Norm>& enum_names(nn::Norm) {
   }();
   return v;
 }
+const EnumNames<distributed::Collectives>& enum_names(distributed::Collectives) {
+  using C = distributed::Collectives;
+  static const EnumNames<C> v{{C::automatic, "auto"}, {C::nccl, "nccl"}, {C::mpi, "mpi"}};
+  return v;
+}
 const EnumNames<OnOff>& enum_names(OnOff) {
   static const EnumNames<OnOff> v{{OnOff::on, "on"}, {OnOff::off, "off"}};
   return v;
@@ -483,6 +488,10 @@ const std::vector<Option> kTable = {
      .help = "CUDA: the most seconds a process spends measuring convolution engines (the passes left keep cuDNN's "
              "heuristics' choice, and a later run measures them; 0: the file's alone)",
      .changeable = true, .absent = "60"},
+    {.name = "collectives", .field = field(&StepOptions::collectives), .commands = kRun,
+     .help = "CUDA under mpirun: how tensors travel between ranks: auto (NCCL where every rank of a machine has a "
+             "GPU of its own, else MPI through host memory) | nccl | mpi (through host memory: ranks may share a GPU)",
+     .changeable = true, .absent = "auto"},
     {.name = "profile", .field = field(&TrainOptions::profile), .commands = kTrain,
      .help = "time per op (GPU time on CUDA, host time on the CPU) over the steps after the first, printed and "
              "written to profile.txt",

@@ -54,6 +54,7 @@ const EnumNames<mbp::PipelineSchedule>& enum_names(mbp::PipelineSchedule);
 const EnumNames<LrScaling>& enum_names(LrScaling);
 const EnumNames<mbp::Placement>& enum_names(mbp::Placement);
 const EnumNames<OnOff>& enum_names(OnOff);
+const EnumNames<distributed::Collectives>& enum_names(distributed::Collectives);
 
 template <class E>
 std::string name_of(E value) {
@@ -121,6 +122,9 @@ struct StepOptions {
   // The cap on measuring in one process, seconds (passes past it keep the heuristics' choice and are
   // measured by a later run).
   double tuning_seconds = ConvTuning::kDefaultSeconds;
+  // CUDA under mpirun: how tensors travel between ranks (distributed::Collectives): auto (NCCL where
+  // every rank of a machine has a GPU of its own, else MPI through host memory), nccl or mpi.
+  distributed::Collectives collectives = distributed::Collectives::automatic;
   // The activations' layout (ExecutorOptions::memory_format, docs/memory-format.md); unset ("auto"):
   // channels_last on a CPU with oneDNN and on CUDA in bf16 or with TF32, contiguous for plain float32
   // on CUDA and for pipeline stages.

@@ -224,7 +224,7 @@ void set_up_rank(RankSetup& r, const TrainOptions& options, std::ostream& all_lo
   if (r.ranks > 1 && r.opt.loss_normalization != mbp::LossNormalization::exact)
     throw Error("--loss-normalization per-micro-batch is for one process; data parallelism uses exact");
   if (r.ranks > 1 && r.dev.is_cuda() && (r.opt.device == "auto" || r.opt.device == "cuda"))
-    r.dev = Device::cuda(distributed::local_rank());  // each rank of a machine on its own GPU
+    r.dev = Device::cuda(distributed::local_rank() % std::max(1, cuda_device_count()));  // ranks share GPUs in turn
   // Rank 0 speaks and writes the run folder; the others train silently.
   r.log = r.rank == 0 ? &all_log : &r.silent;
   if (r.rank != 0) r.opt.out.clear(), r.opt.save.clear(), r.opt.progress = false;

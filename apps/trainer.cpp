@@ -67,7 +67,9 @@ TrainingRun::TrainingRun(const TrainOptions& options, std::ostream& all_log, std
       // A process mpirun did not start works alone: the local communicator on any device (no NCCL
       // communicator of one, whose buffers lie outside the arena and which made the run data-parallel,
       // refusing the host tier's gradients placement).
-      comm_(rank_.world->backend() == "local" ? rank_.world : distributed::for_device(rank_.world, rank_.dev)),
+      comm_(rank_.world->backend() == "local" ? rank_.world
+                                                : distributed::for_device(rank_.world, rank_.dev,
+                                                                          rank_options_.collectives, &collectives_)),
       schedule_(schedule_options(rank_options_, steps_)),
       executor_(std::make_unique<mbp::Executor>(
           *setup_.model, *setup_.optimizer, arena_,
@@ -85,6 +87,7 @@ TrainingRun::TrainingRun(const TrainOptions& options, std::ostream& all_log, std
     fmt::print(log_, "no evaluation: {} has no val folder and --val-fraction is none\n", rank_options_.data);
   }
   print_header(setup_);
+  if (!collectives_.empty()) fmt::print(log_, "collectives: {}\n", collectives_);
   if (!rank_options_.resume.empty()) restore();
   // Every rank starts from rank 0's weights (a pipeline's stages: the same seed built the same model).
   if (!setup_.stage) distributed::broadcast_parameters(*setup_.model, *comm_);

@@ -230,6 +230,7 @@ class TrainingRun {
   std::shared_ptr<Arena> host_arena_;  // the host tier (--host-memory-limit), or null
   ArenaScope in_budget_;  // every tensor of the run (evaluation too) comes from the budget
   Setup setup_;
+  std::string collectives_;  // how CUDA tensors travel between ranks, in words (filled when comm_ is made)
   std::shared_ptr<distributed::Communicator> comm_;
   optim::LRSchedule schedule_;
   std::unique_ptr<mbp::Executor> executor_;  // the step (a pipeline stage's runs its micro-batches through a StageRunner)

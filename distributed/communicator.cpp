@@ -1,6 +1,7 @@
 // distributed/communicator.cpp — the local backend and the choice of backend; see distributed/communicator.h.
 #include "distributed/communicator.h"
 
+#include <algorithm>
 #include <cstdlib>
 
 #include <fmt/format.h>
@@ -9,6 +10,7 @@
 #include "core/error.h"
 #include "core/memory.h"
 #include "distributed/backends.h"
+#include "distributed/staged.h"
 #include "tally/config.h"
 
 namespace tally::distributed {
@@ -91,15 +93,39 @@ std::shared_ptr<Communicator> mpi_world() {
 #endif
 }
 
-std::shared_ptr<Communicator> for_device(const std::shared_ptr<Communicator>& host, Device device) {
+int local_size() {
+  for (const char* v : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMIX_LOCAL_SIZE"})
+    if (const char* s = std::getenv(v)) return std::max(1, std::atoi(s));
+  return 1;
+}
+
+std::shared_ptr<Communicator> for_device(const std::shared_ptr<Communicator>& host, Device device,
+                                         Collectives collectives, std::string* why) {
   if (!host) throw Error("distributed::for_device: expected a host communicator, found none");
   if (device.is_cpu()) return host;
+  const int ranks = local_size(), gpus = cuda_device_count();
+  const bool own_gpu = ranks <= gpus;
+  if (collectives == Collectives::automatic)
+    collectives = have_nccl() && (own_gpu || host->size() == 1) ? Collectives::nccl : Collectives::mpi;
+  if (collectives == Collectives::mpi) {
+    if (why)
+      *why = fmt::format("mpi through {} MiB of host memory ({} rank{} of this machine on {} GPU{})",
+                         kStagingBytes >> 20, ranks, ranks == 1 ? "" : "s", gpus, gpus == 1 ? "" : "s");
+    return make_staged(host, device);
+  }
 #if TALLY_HAVE_NCCL
+  if (host->size() > 1 && !own_gpu)
+    throw Error(fmt::format("--collectives nccl: NCCL needs a GPU for each rank, but this machine has {} rank{} on {} "
+                            "GPU{} (give --collectives mpi, or auto, to stage through host memory)",
+                            ranks, ranks == 1 ? "" : "s", gpus, gpus == 1 ? "" : "s"));
+  if (why)
+    *why = fmt::format("nccl ({} rank{} of this machine, each on a GPU of its own)", ranks, ranks == 1 ? "" : "s");
   return detail::make_nccl(host, device);
 #else
   if (host->size() == 1) return host;  // nothing travels in a world of one
-  throw Error(fmt::format("data parallelism on {} needs the NCCL backend, which this build lacks (configure with "
-                          "the CUDA toolkit's NCCL: nccl.h and libnccl)", device.str()));
+  throw Error(fmt::format("--collectives nccl: data parallelism on {} through NCCL needs the NCCL backend, which this "
+                          "build lacks (configure with the CUDA toolkit's NCCL: nccl.h and libnccl; or give "
+                          "--collectives mpi)", device.str()));
 #endif
 }
 

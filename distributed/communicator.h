@@ -20,7 +20,8 @@
 // Backends:
 //   local  one process, world size 1: every collective leaves the data as it is.
 //   mpi    Open MPI (or any MPI): processes on one machine or many, started by `mpirun`. Host
-//          buffers and CPU tensors travel over MPI; a CUDA tensor is an error (use nccl).
+//          buffers and CPU tensors travel over MPI; CUDA tensors through host memory when wrapped
+//          by the staged transport (distributed/staged.h), else an error.
 //   nccl   CUDA tensors over NCCL on the compute stream (no host wait), bootstrapped through MPI
 //          (rank 0 makes the unique id, MPI broadcasts it); host buffers still travel over MPI.
 //          NCCL's own internal buffers are outside tally's arena: docs/distributed.md.
@@ -82,9 +83,19 @@ bool have_nccl();
 // that says so.
 std::shared_ptr<Communicator> mpi_world();
 
-// The communicator for tensors on `device`: MPI for the CPU, NCCL for a CUDA device (each rank on
-// its own GPU), bootstrapped through `host` (which also carries its host buffers).
-std::shared_ptr<Communicator> for_device(const std::shared_ptr<Communicator>& host, Device device);
+// How CUDA tensors travel between ranks (--collectives): NCCL (each rank on a GPU of its own: NCCL
+// refuses two ranks on one device), MPI through host memory (distributed/staged.h: ranks may share a
+// GPU), or automatic: NCCL where this build has it and every rank of this machine has a GPU of its
+// own, the staged transport otherwise.
+enum class Collectives { automatic, nccl, mpi };
+// The communicator for tensors on `device`: `host` itself for the CPU; for a CUDA device NCCL
+// (bootstrapped through `host`, which also carries its host buffers) or the staged transport, as
+// `collectives` says. `why`, if given, receives the choice in words ("nccl: each of the 2 ranks of
+// this machine on a GPU of its own").
+std::shared_ptr<Communicator> for_device(const std::shared_ptr<Communicator>& host, Device device,
+                                         Collectives collectives = Collectives::automatic, std::string* why = nullptr);
+// The number of ranks on this machine (1 when not launched by mpirun).
+int local_size();
 
 // The communicator of a `tally` process: the MPI world when launched by mpirun (and the build has
 // MPI), else local(). Launched by mpirun without MPI in the build: an Error.

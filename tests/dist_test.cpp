@@ -27,6 +27,7 @@
 #include "core/safetensors.h"
 #include "distributed/communicator.h"
 #include "distributed/replicas.h"
+#include "distributed/staged.h"
 #include "mbp/executor.h"
 #include "nn/recompute.h"
 #include "tests/command_line.h"
@@ -96,6 +97,40 @@ TEST_F(Dist, CollectivesSumAndBroadcastOverTheRanks) {
   EXPECT_THROW(c.broadcast(b, 2), Error);
   Tensor ints = Tensor::from_vector(std::vector<std::int64_t>{1, 2}, {2});
   EXPECT_THROW(c.all_reduce_sum(ints), Error);
+}
+
+// The staged transport (distributed/staged.h: a device's tensors through host memory, for ranks that
+// share a GPU), here with the CPU as its "device" — the same Tensor copies a GPU's take: a float32
+// and a float64 tensor summed through a 1 KiB buffer, chunk by chunk, give the world's own sums bit
+// for bit; a broadcast from rank 1; host buffers pass through; pipeline messages are refused by name.
+TEST_F(Dist, TheStagedTransportGivesTheWorldsCollectivesChunkByChunk) {
+  REQUIRE_TWO_RANKS();
+  const auto staged = distributed::make_staged(world(), Device::cpu(), 1024);
+  EXPECT_EQ(staged->backend(), "mpi (staged)");
+  EXPECT_TRUE(staged->serves(Device::cpu()));
+  std::mt19937 rng(29 + static_cast<unsigned>(world()->rank()));
+  std::normal_distribution<double> nd;
+  std::vector<double> v(1000);
+  for (auto& x : v) x = nd(rng);
+  Tensor t32 = Tensor::from_vector(std::vector<float>(v.begin(), v.end()), {10, 100});
+  Tensor t64 = Tensor::from_vector(std::vector<double>(v.begin(), v.begin() + 300), {300});
+  Tensor w32 = t32.clone(Category::temporary), w64 = t64.clone(Category::temporary);
+  staged->all_reduce_sum(t32);
+  EXPECT_EQ(distributed::staged_chunks(*staged), 4u) << "4000 bytes through 1024";
+  staged->all_reduce_sum(t64);
+  EXPECT_EQ(distributed::staged_chunks(*staged), 7u) << "2400 bytes through 1024: three more";
+  world()->all_reduce_sum(w32);
+  world()->all_reduce_sum(w64);
+  EXPECT_EQ(t32.to_vector<float>(), w32.to_vector<float>());
+  EXPECT_EQ(t64.to_vector<double>(), w64.to_vector<double>());
+  Tensor b = Tensor::from_vector(std::vector<double>(300, 1.0 + world()->rank()), {300});
+  staged->broadcast(b, 1);
+  EXPECT_EQ(b.to_vector<double>(), std::vector<double>(300, 2.0));
+  double host = 1.0 + world()->rank();
+  staged->all_reduce_sum(&host, 1);
+  EXPECT_EQ(host, 3.0);
+  EXPECT_THROW((void)staged->send(b, 1 - world()->rank()), Error);
+  EXPECT_THROW(distributed::make_staged(world(), Device::cpu(), 8), Error);
 }
 
 TEST(Shard, EverySampleOnceSizesDifferByAtMostOne) {

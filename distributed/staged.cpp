@@ -1,0 +1,103 @@
+// distributed/staged.cpp — device tensors over the host's communicator through host memory; see
+// distributed/staged.h.
+#include "distributed/staged.h"
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+#include "core/arena.h"
+#include "core/dry_run.h"
+#include "core/error.h"
+#include "core/memory.h"
+
+namespace tally::distributed {
+
+namespace {
+
+class StagedCommunicator final : public Communicator {
+ public:
+  StagedCommunicator(std::shared_ptr<Communicator> host, Device device, std::size_t bytes)
+      : host_(std::move(host)), device_(device), staging_(Arena::make_host(bytes)) {}
+
+  int rank() const override { return host_->rank(); }
+  int size() const override { return host_->size(); }
+  std::string backend() const override { return host_->backend() + " (staged)"; }
+  void all_reduce_sum(double* data, std::size_t count) override { host_->all_reduce_sum(data, count); }
+  void broadcast(void* data, std::size_t bytes, int root) override { host_->broadcast(data, bytes, root); }
+  void all_reduce_sum(Tensor& t) override {
+    if (t.device() != device_) return host_->all_reduce_sum(t);
+    staged(t, "all_reduce_sum", [this](Tensor& h) { host_->all_reduce_sum(h); });
+  }
+  void broadcast(Tensor& t, int root) override {
+    if (t.device() != device_) return host_->broadcast(t, root);
+    staged(t, "broadcast", [this, root](Tensor& h) { host_->broadcast(h, root); });
+  }
+  void barrier() override { host_->barrier(); }
+  std::size_t send(const Tensor& t, int peer) override {
+    if (t.device() != device_) return host_->send(t, peer);
+    if (skip_side_effects()) return 0;
+    throw Error(fmt::format("send to rank {}: the staged transport ({}) carries no pipeline messages of {} tensors yet",
+                            peer, backend(), device_.str()));
+  }
+  void wait_send(std::size_t ticket) override { host_->wait_send(ticket); }
+  void recv(Tensor& t, int peer) override {
+    if (t.device() != device_) return host_->recv(t, peer);
+    if (skip_side_effects()) return;
+    throw Error(fmt::format("recv from rank {}: the staged transport ({}) carries no pipeline messages of {} tensors "
+                            "yet", peer, backend(), device_.str()));
+  }
+  void abort(int code) override { host_->abort(code); }
+  bool serves(Device device) const override { return device == device_ || host_->serves(device); }
+  std::size_t chunks() const { return chunks_; }
+
+ private:
+  // `collective` on t's bytes, a chunk at a time through the staging arena.
+  template <class F>
+  void staged(Tensor& t, const char* what, F&& collective) {
+    if (!t.is_contiguous())
+      throw Error(
+          fmt::format("{} through the staged transport: expected a contiguous tensor, found {}", what, t.str()));
+    if (skip_side_effects() || t.numel() == 0) return;
+    const std::int64_t n = t.numel();
+    const auto per = std::max<std::int64_t>(
+        1, static_cast<std::int64_t>(staging_->capacity() / dtype_size(t.dtype())));
+    Tensor flat = t.reshape({n});
+    Tensor buffer;
+    {
+      const ArenaScope scope(staging_);
+      buffer = Tensor::empty({std::min(per, n)}, t.dtype(), Device::cpu(), Category::temporary, "staged collective");
+    }
+    for (std::int64_t at = 0; at < n; at += per) {
+      const std::int64_t m = std::min(per, n - at);
+      Tensor part = flat.narrow(0, at, m), host = buffer.narrow(0, 0, m);
+      host.copy_(part);
+      collective(host);
+      part.copy_(host);
+      ++chunks_;
+    }
+  }
+
+  std::shared_ptr<Communicator> host_;
+  Device device_;
+  std::shared_ptr<Arena> staging_;
+  std::size_t chunks_ = 0;
+};
+
+}  // namespace
+
+std::shared_ptr<Communicator> make_staged(std::shared_ptr<Communicator> host, Device device,
+                                          std::size_t staging_bytes) {
+  if (!host) throw Error("distributed::make_staged: expected a host communicator, found none");
+  if (staging_bytes < Arena::kAlignment)
+    throw Error(fmt::format("distributed::make_staged: expected a staging buffer of at least {} bytes, found {}",
+                            Arena::kAlignment, staging_bytes));
+  return std::make_shared<StagedCommunicator>(std::move(host), device, staging_bytes);
+}
+
+std::size_t staged_chunks(const Communicator& c) {
+  const auto* s = dynamic_cast<const StagedCommunicator*>(&c);
+  return s ? s->chunks() : 0;
+}
+
+}  // namespace tally::distributed
