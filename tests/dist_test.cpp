@@ -133,6 +133,66 @@ TEST_F(Dist, TheStagedTransportGivesTheWorldsCollectivesChunkByChunk) {
   EXPECT_THROW(distributed::make_staged(world(), Device::cpu(), 8), Error);
 }
 
+// Two ranks on one GPU (label gpu; tests/CMakeLists.txt's dist.gpu_two_ranks_one_gpu): NCCL refuses
+// them, the staged transport carries their data parallelism. A float32 ResNet-20 (group norm) with
+// the global batch of 20 split 10 + 10, micro-batches of 5, against one process's full batch on the
+// same GPU: two SGD steps, the parameters within float32 rounding (1e-4), every peak predicted.
+TEST_F(Dist, GpuTwoRanksShareOneGpuThroughHostMemory) {
+  REQUIRE_TWO_RANKS();
+  if (!cuda_available()) GTEST_SKIP() << "no GPU present: " << build_info();
+  const Device gpu = Device::cuda(0);
+  const auto comm = distributed::for_device(world(), gpu, distributed::Collectives::mpi);
+  EXPECT_EQ(comm->backend(), "mpi (staged)");
+  const std::int64_t B = 20;
+  const Shape sample{3, 16, 16};
+  const auto build = [&](const std::shared_ptr<Arena>& arena) {
+    ArenaScope scope(arena);
+    auto m = model("resnet20", "group", 3, DType::Float32);
+    m->to(gpu);
+    return m;
+  };
+  const auto ref_arena = std::make_shared<Arena>(gpu, std::size_t(256) << 20);
+  const auto dp_arena = std::make_shared<Arena>(gpu, std::size_t(256) << 20);
+  auto ref = build(ref_arena), dp = build(dp_arena);
+  std::unique_ptr<optim::SGD> ref_opt, dp_opt;
+  {
+    ArenaScope scope(ref_arena);
+    ref_opt = sgd(*ref);
+  }
+  {
+    ArenaScope scope(dp_arena);
+    dp_opt = sgd(*dp);
+  }
+  mbp::Executor ex(*dp, *dp_opt, dp_arena, options(sample, 5, comm));
+  const distributed::Shard s = distributed::shard(B, comm->size(), comm->rank());
+  const std::int64_t numel = shape_numel(sample);
+  for (int step = 0; step < 2; ++step) {
+    const Data d = make_data(B, sample, 300 + static_cast<std::uint32_t>(step));
+    {
+      ArenaScope scope(ref_arena);
+      const Tensor x = input_tensor<float>(d, B, sample).to(gpu), y = Tensor::from_vector(d.labels, {B}).to(gpu);
+      Tensor loss = cross_entropy((*ref)(x), y);
+      loss.backward();
+      NoGradGuard ng;
+      ref_opt->step();
+      ref_opt->zero_grad();
+    }
+    const mbp::StepResult r = ex.step(d.images.data() + s.offset * numel, d.labels.data() + s.offset, s.size);
+    EXPECT_EQ(r.peak, r.predicted_peak) << "step " << step;
+  }
+  const auto host = [](const nn::Module& m) {
+    std::vector<std::vector<double>> out;
+    for (const Tensor& p : m.parameters()) {
+      const auto v = p.to(Device::cpu()).to_vector<float>();
+      out.emplace_back(v.begin(), v.end());
+    }
+    return out;
+  };
+  const auto a = host(*ref), b = host(*dp);
+  ASSERT_EQ(a.size(), b.size());
+  for (std::size_t i = 0; i < a.size(); ++i) EXPECT_LE(rel_error(b[i], a[i]), 1e-4) << "parameter " << i;
+}
+
 TEST(Shard, EverySampleOnceSizesDifferByAtMostOne) {
   for (int ranks : {1, 2, 3, 7})
     for (std::int64_t batch : {7, 8, 100, 129}) {

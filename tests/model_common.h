@@ -92,7 +92,6 @@ std::vector<std::vector<double>> values(const nn::Module& m, bool buffers = fals
   return out;
 }
 
-// ||a - b|| / ||b||, with a NaN anywhere reported as infinity so it never passes.
 // The relative error of float tensors a against b (shapes must agree; a non-finite value is
 // infinitely far): ||a - b|| / ||b||, or ||a - b|| when b is 0.
 inline double rel_err(const Tensor& a, const Tensor& b) {
@@ -108,6 +107,7 @@ inline double rel_err(const Tensor& a, const Tensor& b) {
   return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
 }
 
+// ||a - b|| / ||b||, with a NaN anywhere reported as infinity so it never passes.
 inline double rel_error(const std::vector<double>& a, const std::vector<double>& b) {
   double num = 0, den = 0;
   for (std::size_t i = 0; i < a.size(); ++i) {
