@@ -71,6 +71,7 @@ void write_summary(const TrainOptions& opt, const TrainResult& result) {
                       {"memory_format", result.memory_format},
                       {"data", opt.data},
                       {"world_size", result.world_size},
+                      {"communication_library_bytes", result.communication_library_bytes},
                       {"pipeline_stages", result.pipeline_stages},
                       {"communication_seconds_per_step", result.communication_seconds_per_step}};
   nlohmann::json ranks = nlohmann::json::array();

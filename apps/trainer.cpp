@@ -88,6 +88,10 @@ TrainingRun::TrainingRun(const TrainOptions& options, std::ostream& all_log, std
   }
   print_header(setup_);
   if (!collectives_.empty()) fmt::print(log_, "collectives: {}\n", collectives_);
+  result_.communication_library_bytes = static_cast<std::int64_t>(comm_->library_bytes());
+  if (const std::size_t bytes = comm_->library_bytes(); bytes > 0)
+    fmt::print(log_, "communication library, measured at start: {} of device memory outside the arena\n",
+               format_bytes(bytes));
   if (!rank_options_.resume.empty()) restore();
   // Every rank starts from rank 0's weights (a pipeline's stages: the same seed built the same model).
   if (!setup_.stage) distributed::broadcast_parameters(*setup_.model, *comm_);

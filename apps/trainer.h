@@ -92,6 +92,8 @@ struct TrainResult {
   std::string precision = "fp32";
   std::string memory_format = "contiguous";  // the activations' layout the run used (auto resolved)
   int world_size = 1;               // ranks of a data-parallel or pipeline run (mpirun -np N), else 1
+  // Device memory the communication library (NCCL) took outside the arena on rank 0, measured at start.
+  std::int64_t communication_library_bytes = 0;
   int pipeline_stages = 1;
   std::int64_t parameters = 0;      // elements this rank trains (a pipeline stage's)
   std::vector<RankResult> ranks;    // one per rank

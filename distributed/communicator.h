@@ -65,6 +65,9 @@ class Communicator {
   virtual void abort(int code) = 0;
   // Whether tensors on `device` can travel through this communicator.
   virtual bool serves(Device device) const = 0;
+  // The device memory this communicator's library took outside tally's arena, measured when it was
+  // made (NCCL: the device's free memory before and after ncclCommInitRank); 0 for the others.
+  virtual std::size_t library_bytes() const { return 0; }
 };
 
 // World size 1: the single-process run, and what every test compares with.

@@ -5,8 +5,10 @@
 // tally's compute stream, after the kernels that wrote the buffer and before those that read it,
 // so nothing waits on the host. Host buffers and CPU tensors go through the host communicator.
 // NCCL allocates its own device buffers (outside tally's arena; sized by NCCL_BUFFSIZE, see
-// docs/distributed.md).
+// docs/distributed.md), measured when the communicator is made (library_bytes()).
 #include <nccl.h>
+
+#include <cstdlib>
 
 #include <fmt/format.h>
 
@@ -29,13 +31,22 @@ ncclDataType_t nccl_type(DType d) { return d == DType::Float64 ? ncclFloat64 : n
 
 class Nccl final : public Communicator {
  public:
+  // NCCL connects its peers when the communicator is made (NCCL_RUNTIME_CONNECT=0, unless the
+  // environment says otherwise), so that the device memory it takes is there to be measured at once:
+  // the device's free memory before and after, library_bytes().
   Nccl(std::shared_ptr<Communicator> host, Device device) : host_(std::move(host)), device_(device) {
     kernels::cuda::use_device(device.index);
+    ::setenv("NCCL_RUNTIME_CONNECT", "0", 0);
     ncclUniqueId id{};
     if (host_->rank() == 0) check(ncclGetUniqueId(&id), "ncclGetUniqueId");
     host_->broadcast(&id, sizeof id, 0);
+    std::size_t before = 0, after = 0, total = 0;
+    cuda_memory_info(device.index, &before, &total);
     check(ncclCommInitRank(&comm_, host_->size(), id, host_->rank()), "ncclCommInitRank");
+    cuda_memory_info(device.index, &after, &total);
+    library_bytes_ = before > after ? before - after : 0;
   }
+  std::size_t library_bytes() const override { return library_bytes_; }
   ~Nccl() override {
     if (comm_ != nullptr) ncclCommDestroy(comm_);
   }
@@ -78,6 +89,7 @@ class Nccl final : public Communicator {
   }
 
   std::shared_ptr<Communicator> host_;
+  std::size_t library_bytes_ = 0;
   Device device_;
   ncclComm_t comm_ = nullptr;
 };

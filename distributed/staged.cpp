@@ -49,6 +49,7 @@ class StagedCommunicator final : public Communicator {
   }
   void abort(int code) override { host_->abort(code); }
   bool serves(Device device) const override { return device == device_ || host_->serves(device); }
+  std::size_t library_bytes() const override { return host_->library_bytes(); }
   std::size_t chunks() const { return chunks_; }
 
  private:

@@ -822,6 +822,12 @@ TEST(GpuDist, NcclStepOfOneRankEqualsThePlainStepBitForBit) {
   if (!distributed::have_nccl()) GTEST_SKIP() << "this build has no NCCL backend: " << build_info();
   const auto comm = distributed::for_device(distributed::local(), Device::cuda(0));
   ASSERT_EQ(comm->backend(), "nccl");
+  // NCCL's own device memory, measured when the communicator was made (the run's log prints it):
+  // a few MiB, far below the device's.
+  std::size_t free_bytes = 0, total = 0;
+  cuda_memory_info(0, &free_bytes, &total);
+  std::cout << "NCCL communicator of one rank: " << comm->library_bytes() << " bytes of device memory\n";
+  EXPECT_LT(comm->library_bytes(), total / 16);
   std::mt19937 rng(fresh_seed());
   const Tensor x = host_tensor({24, 3, 32, 32}, rng);
   std::vector<i64> labels(24);
