@@ -3,6 +3,7 @@
 #include "distributed/staged.h"
 
 #include <algorithm>
+#include <map>
 
 #include <fmt/format.h>
 
@@ -34,18 +35,28 @@ class StagedCommunicator final : public Communicator {
     staged(t, "broadcast", [this, root](Tensor& h) { host_->broadcast(h, root); });
   }
   void barrier() override { host_->barrier(); }
+  // A message is copied whole into the staging arena and stays there until its send is done
+  // (sends never block: the peer may be sending too); a received one lands there and is copied out.
   std::size_t send(const Tensor& t, int peer) override {
     if (t.device() != device_) return host_->send(t, peer);
-    if (skip_side_effects()) return 0;
-    throw Error(fmt::format("send to rank {}: the staged transport ({}) carries no pipeline messages of {} tensors yet",
-                            peer, backend(), device_.str()));
+    if (skip_side_effects() || t.numel() == 0) return host_->send(t, peer);
+    Tensor host = staging_tensor(t, "send");
+    host.copy_(t.reshape({t.numel()}));
+    const std::size_t ticket = host_->send(host, peer);
+    in_flight_[ticket] = std::move(host);
+    return ticket;
   }
-  void wait_send(std::size_t ticket) override { host_->wait_send(ticket); }
+  void wait_send(std::size_t ticket) override {
+    host_->wait_send(ticket);
+    in_flight_.erase(ticket);
+  }
   void recv(Tensor& t, int peer) override {
     if (t.device() != device_) return host_->recv(t, peer);
-    if (skip_side_effects()) return;
-    throw Error(fmt::format("recv from rank {}: the staged transport ({}) carries no pipeline messages of {} tensors "
-                            "yet", peer, backend(), device_.str()));
+    if (skip_side_effects() || t.numel() == 0) return host_->recv(t, peer);
+    Tensor host = staging_tensor(t, "recv");
+    host_->recv(host, peer);
+    Tensor flat = t.reshape({t.numel()});
+    flat.copy_(host);
   }
   void abort(int code) override { host_->abort(code); }
   bool serves(Device device) const override { return device == device_ || host_->serves(device); }
@@ -79,10 +90,26 @@ class StagedCommunicator final : public Communicator {
     }
   }
 
+  // A host tensor of t's elements in the staging arena; a message it cannot hold is an Error naming both.
+  Tensor staging_tensor(const Tensor& t, const char* what) {
+    if (!t.is_contiguous())
+      throw Error(
+          fmt::format("{} through the staged transport: expected a contiguous tensor, found {}", what, t.str()));
+    try {
+      const ArenaScope scope(staging_);
+      return Tensor::empty({t.numel()}, t.dtype(), Device::cpu(), Category::temporary, "staged message");
+    } catch (const OutOfMemory&) {
+      throw Error(fmt::format("{} through the staged transport: a message of {} bytes ({}) does not fit the {} bytes "
+                              "of host staging left ({} messages in flight)", what, t.nbytes(), t.str(),
+                              staging_->free_bytes(), in_flight_.size()));
+    }
+  }
+
   std::shared_ptr<Communicator> host_;
   Device device_;
   std::shared_ptr<Arena> staging_;
   std::size_t chunks_ = 0;
+  std::map<std::size_t, Tensor> in_flight_;  // the host copies of the sends not yet done, by ticket
 };
 
 }  // namespace

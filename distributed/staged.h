@@ -9,8 +9,9 @@
 // Chunking changes no value: a sum is element by element, in the host communicator's order for each
 // element whatever the chunk. The copies are the Tensor API's (views and copy_), so the logic is
 // device-neutral and runs on the CPU in tests with a CPU "device". Host buffers and tensors of
-// other devices go straight to the host communicator. Pipeline messages (send, recv) are not staged
-// yet: an Error naming the transport.
+// other devices go straight to the host communicator. Pipeline messages (send, recv) are staged
+// whole: a send's host copy stays in the staging arena until wait_send (sends never block), so the
+// messages in flight must fit it together — a message that does not is an Error naming the bytes.
 #pragma once
 #include <cstddef>
 #include <memory>
