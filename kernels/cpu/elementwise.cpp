@@ -185,19 +185,7 @@ void sigmoid_backward(i64 n, const T* dy, const T* y, T* dx, P<T> beta) {
 
 // Dropout: each element's logical index e = c * HW + hw, whatever the layout, so both layouts keep
 // the same elements. y = x * m with m the scale or 0, as PyTorch multiplies by its mask (a NaN
-// stays NaN where it is dropped).
-template <class T>
-void dropout_forward(i64 N, i64 C, i64 HW, bool channels_last, const DropoutKey& key, const T* x, T* y) {
-  using M = P<T>;
-  const i64 F = C * HW;
-#pragma omp parallel for schedule(static) if (N * F > kElementwiseParallelThreshold)
-  for (i64 n = 0; n < N; ++n)
-    for (i64 i = 0; i < F; ++i) {
-      const i64 e = channels_last ? (i % C) * HW + i / C : i;
-      y[n * F + i] = T(M(x[n * F + i]) * (dropout_keeps(key, n, e) ? M(key.scale) : M(0)));
-    }
-}
-
+// stays NaN where it is dropped). The forward is the backward's map at beta 0 (below).
 template <class T>
 void dropout_backward(i64 N, i64 C, i64 HW, bool channels_last, const DropoutKey& key, const T* dy, T* dx,
                       P<T> beta) {
@@ -210,6 +198,11 @@ void dropout_backward(i64 N, i64 C, i64 HW, bool channels_last, const DropoutKey
       const M g = M(dy[n * F + i]) * (dropout_keeps(key, n, e) ? M(key.scale) : M(0));
       dx[n * F + i] = beta == M(0) ? T(g) : T(beta * M(dx[n * F + i]) + g);
     }
+}
+
+template <class T>
+void dropout_forward(i64 N, i64 C, i64 HW, bool channels_last, const DropoutKey& key, const T* x, T* y) {
+  dropout_backward<T>(N, C, HW, channels_last, key, x, y, P<T>(0));
 }
 
 // Row-major: one factor per row of HW values; channels-last: a row of C factors per (n, hw) row.

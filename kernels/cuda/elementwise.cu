@@ -101,17 +101,8 @@ __global__ void sigmoid_backward_kernel(i64 n, const T* dy, const T* y, T* dx, c
   }
 }
 
-// Dropout, one thread per element, the CPU's mask and formula (kernels/common.h: dropout_keeps).
-template <class T>
-__global__ void dropout_forward_kernel(i64 N, i64 C, i64 HW, bool channels_last, DropoutKey key, const T* x, T* y) {
-  using M = compute_t<T>;
-  const i64 F = C * HW;
-  TALLY_GRID_LOOP(j, N * F) {
-    const i64 n = j / F, i = j - n * F, e = channels_last ? (i % C) * HW + i / C : i;
-    y[j] = static_cast<T>(M(x[j]) * (dropout_keeps(key, n, e) ? M(key.scale) : M(0)));
-  }
-}
-
+// Dropout, one thread per element, the CPU's mask and formula (kernels/common.h: dropout_keeps): dx
+// (=|+=) dy * m; the forward is this map at beta 0, y = x * m.
 template <class T>
 __global__ void dropout_backward_kernel(i64 N, i64 C, i64 HW, bool channels_last, DropoutKey key, const T* dy, T* dx,
                                         compute_t<T> beta) {
@@ -337,7 +328,7 @@ template <class T>
 void dropout_forward(i64 N, i64 C, i64 HW, bool channels_last, const DropoutKey& key, const T* x, T* y) {
   const i64 n = N * C * HW;
   if (n <= 0) return;
-  dropout_forward_kernel<<<grid_for(n), kThreads, 0, detail::stream()>>>(N, C, HW, channels_last, key, x, y);
+  dropout_backward_kernel<<<grid_for(n), kThreads, 0, detail::stream()>>>(N, C, HW, channels_last, key, x, y, P<T>(0));
   TALLY_LAUNCH_CHECK("dropout_forward");
 }
 
