@@ -11,6 +11,7 @@
 #include "core/autograd.h"
 #include "core/ops.h"
 #include "core/safetensors.h"
+#include "tests/model_common.h"
 
 using namespace tally;
 
@@ -40,17 +41,7 @@ Fixture load(const std::string& name) {
   return fx;
 }
 
-double rel_err(const Tensor& a, const Tensor& b) {
-  EXPECT_EQ(a.shape(), b.shape()) << a.str() << " vs " << b.str();
-  const auto x = a.to_vector<float>(), y = b.to_vector<float>();
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < x.size(); ++i) {
-    if (!std::isfinite(x[i])) return INFINITY;  // a NaN never passes
-    num += (double(x[i]) - y[i]) * (double(x[i]) - y[i]);
-    den += double(y[i]) * y[i];
-  }
-  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
-}
+using test::rel_err;
 
 Tensor grad_input(const Fixture& fx, const std::string& k) {
   Tensor t = fx[k].clone(Category::parameter);

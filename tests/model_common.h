@@ -92,10 +92,10 @@ std::vector<std::vector<double>> values(const nn::Module& m, bool buffers = fals
   return out;
 }
 
-// The relative error of float tensors a against b (shapes must agree; a non-finite value is
-// infinitely far): ||a - b|| / ||b||, or ||a - b|| when b is 0.
+// The relative error of float tensors a against b (shapes must agree; a non-finite value in a is
+// infinitely far: a NaN never passes): ||a - b|| / ||b||, or ||a - b|| when b is 0.
 inline double rel_err(const Tensor& a, const Tensor& b) {
-  EXPECT_EQ(a.shape(), b.shape());
+  EXPECT_EQ(a.shape(), b.shape()) << a.str() << " vs " << b.str();
   if (a.shape() != b.shape()) return INFINITY;
   const auto x = a.to_vector<float>(), y = b.to_vector<float>();
   double num = 0, den = 0;

@@ -23,6 +23,7 @@
 #include "nn/modules.h"
 #include "nn/module.h"
 #include "nn/resnet.h"
+#include "tests/model_common.h"
 
 using namespace tally;
 using namespace tally::nn;
@@ -48,18 +49,7 @@ Tensor to_tensor(const safetensors::Entry& e) {
   throw Error("unexpected fixture dtype " + e.dtype);
 }
 
-double rel_err(const Tensor& a, const Tensor& b) {
-  EXPECT_EQ(a.shape(), b.shape()) << a.str() << " vs " << b.str();
-  if (a.shape() != b.shape()) return INFINITY;
-  const auto x = a.to_vector<float>(), y = b.to_vector<float>();
-  double num = 0, den = 0;
-  for (std::size_t i = 0; i < x.size(); ++i) {
-    if (!std::isfinite(x[i])) return INFINITY;
-    num += (double(x[i]) - y[i]) * (double(x[i]) - y[i]);
-    den += double(y[i]) * y[i];
-  }
-  return den == 0 ? std::sqrt(num) : std::sqrt(num / den);
-}
+using test::rel_err;
 
 struct NameLists {
   std::vector<std::pair<std::string, Shape>> state_dict;  // state-dict order
