@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <random>
 
 #include "core/autograd.h"
@@ -61,6 +62,27 @@ std::vector<Ev> events(const Arena& a) {
   return e;
 }
 
+// `step` run as a dry run on a virtual clone of `arena`, then for real on it: the same allocations
+// and frees, event by event (at least `min_events` of them), and the same peak.
+void expect_dry_run_as_real(const std::shared_ptr<Arena>& arena, const std::function<void()>& step,
+                            std::size_t min_events) {
+  arena->reset_peak();
+  std::shared_ptr<Arena> virt;
+  {
+    const DryRun dry(*arena);
+    virt = dry.arena_ptr();
+    virt->set_tracing(true);
+    step();
+  }
+  arena->set_tracing(true);
+  step();
+  const auto dry = events(*virt), real = events(*arena);
+  ASSERT_GT(real.size(), min_events);
+  ASSERT_EQ(dry.size(), real.size());
+  for (std::size_t i = 0; i < real.size(); ++i) ASSERT_EQ(dry[i], real[i]) << "event " << i << " op " << real[i].op;
+  EXPECT_EQ(virt->stats().total.peak, arena->stats().total.peak);
+}
+
 }  // namespace
 
 TEST(Autograd, ActivationsRiseInForwardReturnToZeroAfterBackwardGradientsConstant) {
@@ -95,26 +117,11 @@ TEST(Autograd, DryRunAllocatesExactlyLikeTheRealRun) {
   Net net(rng);
   Tensor x = randn({3, 3, 8, 8}, rng, Category::input);
   Tensor y = Tensor::from_vector(std::vector<std::int64_t>{1, 2, 3}, {3});
-  arena->reset_peak();
   // dry run first, on a virtual clone of the arena in its current state
-  std::shared_ptr<Arena> virt;
-  {
-    const DryRun dry(*arena);
-    virt = dry.arena_ptr();
-    virt->set_tracing(true);
+  expect_dry_run_as_real(arena, [&] {
     Tensor l = net.loss(x, y);
     l.backward();
-  }
-  arena->set_tracing(true);
-  {
-    Tensor l = net.loss(x, y);
-    l.backward();
-  }
-  const auto dry = events(*virt), real = events(*arena);
-  ASSERT_GT(real.size(), 40u);
-  ASSERT_EQ(dry.size(), real.size());
-  for (std::size_t i = 0; i < real.size(); ++i) ASSERT_EQ(dry[i], real[i]) << "event " << i << " op " << real[i].op;
-  EXPECT_EQ(virt->stats().total.peak, arena->stats().total.peak);
+  }, 40);
 }
 
 // The same for a squeeze-and-excitation block with a concatenation (sigmoid, scale_channels,
@@ -143,21 +150,7 @@ TEST(Autograd, DryRunOfASqueezeExcitationBlockAllocatesExactlyLikeTheRealRun) {
       EXPECT_EQ(y.suggest_memory_format(), format);
       sum(y).backward();
     };
-    arena->reset_peak();
-    std::shared_ptr<Arena> virt;
-    {
-      const DryRun dry(*arena);
-      virt = dry.arena_ptr();
-      virt->set_tracing(true);
-      step();
-    }
-    arena->set_tracing(true);
-    step();
-    const auto dry = events(*virt), real = events(*arena);
-    ASSERT_GT(real.size(), 20u);
-    ASSERT_EQ(dry.size(), real.size());
-    for (std::size_t i = 0; i < real.size(); ++i) ASSERT_EQ(dry[i], real[i]) << "event " << i << " op " << real[i].op;
-    EXPECT_EQ(virt->stats().total.peak, arena->stats().total.peak);
+    expect_dry_run_as_real(arena, step, 20);
     for (const Tensor* p : {&w[0], &w[1], &x})
       for (float g : p->grad().to_vector<float>()) ASSERT_TRUE(std::isfinite(g));
   }
