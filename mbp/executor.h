@@ -40,6 +40,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "core/autograd.h"
@@ -317,7 +318,11 @@ class Executor {
   std::unique_ptr<HostGradients> host_gradients_;  // the part accumulating gradients on the host (Placement::gradients)
   std::vector<StepPart*> step_parts_;     // the parts of the step running now (run_step)
   std::unique_ptr<StageRunner> stage_;    // a pipeline stage's micro-batch loop (ExecutorOptions::pipeline)
-  std::set<std::string> tuned_;           // the configurations tune() has seen
+  // The configurations tune() has seen: batch, micro-batch, micro-batches, predicted peak, layout
+  // (plan() asks at every step: a comparison, no formatting).
+  using TunedKey = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::size_t, std::string>;
+  TunedKey tuned_key(std::int64_t batch) const;
+  std::set<TunedKey> tuned_;
 
   void discard_partial_step();
   // accumulate() with the loss left where it was computed (undefined in a dry run: no values).

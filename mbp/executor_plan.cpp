@@ -52,8 +52,12 @@ const Plan& Executor::plan(std::int64_t batch) {
   return config_.plan;
 }
 
+Executor::TunedKey Executor::tuned_key(std::int64_t batch) const {
+  return {batch, config_.plan.micro_batch, config_.plan.micro_batches, config_.plan.predicted_peak, layout_};
+}
+
 void Executor::tune(std::int64_t batch) {
-  if (!tuned_.insert(fmt::format("{} {} {}", batch, config_.plan.summary(), layout_)).second) return;
+  if (!tuned_.insert(tuned_key(batch)).second) return;
   ConvTuning& t = *opt_.conv_tuning;
   const std::int64_t untuned = config_.plan.micro_batch;
   const bool changed = t.tune(device_, *arena_, [&] {
@@ -74,7 +78,7 @@ void Executor::tune(std::int64_t batch) {
         opt_.log(fmt::format("tuning: the fastest engines would lower the micro-batch below {}: {} in use", untuned,
                              use == ConvTuning::Use::within ? "those within the heuristics' workspaces" : "none"));
       apply(c);
-      tuned_.insert(fmt::format("{} {} {}", batch, config_.plan.summary(), layout_));
+      tuned_.insert(tuned_key(batch));
       return;
     }
   }
