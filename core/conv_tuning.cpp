@@ -201,10 +201,11 @@ std::string ConvTuning::device_key() const {
   return "no GPU";
 }
 
-const ConvTuning::Table& ConvTuning::table() {
-  if (replay_only_) return devices_.begin()->second;  // the record's device, whatever this one is
-  return devices_[device_key()];
+std::string ConvTuning::table_key() const {
+  return replay_only_ ? devices_.begin()->first : device_key();  // a record's device, whatever this one is
 }
+
+const ConvTuning::Table& ConvTuning::table() { return devices_[table_key()]; }
 
 bool ConvTuning::install(Use use) {
   use_ = use;
@@ -239,7 +240,7 @@ bool ConvTuning::tune(Device device, Arena& arena, const std::function<void()>& 
     kernels::cuda::conv2d_record_passes(false);
     passes = kernels::cuda::conv2d_recorded_passes();
   }
-  Table& t = devices_[replay_only_ ? devices_.begin()->first : device_key()];
+  Table& t = devices_[table_key()];
   // Measuring needs real buffers: none on a virtual arena (a plan), none with a cap of 0.
   const bool measuring = seconds_ > 0 && !arena.is_virtual();
   int measured = 0, faster = 0, no_room = 0, left = 0, from_file = 0;
@@ -320,7 +321,7 @@ bool ConvTuning::tune(Device device, Arena& arena, const std::function<void()>& 
 }
 
 std::string ConvTuning::record() const {
-  tuning_json j{{"device", replay_only_ ? devices_.begin()->first : device_key()}, {"use", use_name(use_)}};
+  tuning_json j{{"device", table_key()}, {"use", use_name(use_)}};
   tuning_json passes = tuning_json::object();
   const auto it = devices_.find(j["device"].get<std::string>());
   if (it != devices_.end())

@@ -83,6 +83,7 @@ class ConvTuning {
  private:
   ConvTuning() = default;
   std::string device_key() const;
+  std::string table_key() const;  // the device whose entries are in use: a replayed record's, else this process's
 
   std::filesystem::path path_;
   double seconds_ = kDefaultSeconds;

@@ -10,26 +10,31 @@
 
 namespace tally::models {
 
-// timm/models/resnet.py, seresnet50: Bottleneck, layers (3, 4, 6, 3), block_args = dict(attn_layer = 'se').
-std::shared_ptr<nn::Module> make_seresnet50(const nn::ModelConfig& c) {
+namespace {
+
+// ResNet-50's layers (3, 4, 6, 3) of bottlenecks as `block` says, under `reference`'s names.
+std::shared_ptr<nn::Module> bottleneck_resnet50(const nn::ModelConfig& c, BottleneckOptions block,
+                                                Reference reference) {
   ResNetOptions o;
   o.layers = {3, 4, 6, 3};
-  o.block = {.groups = 1, .width_per_group = 64, .se = true, .norm = c.norm};
-  o.reference = Reference::timm;
+  o.block = block;
+  o.block.norm = c.norm;
+  o.reference = reference;
   o.in_channels = c.in_channels;
   o.num_classes = c.num_classes;
   return std::make_shared<ResNet>(o);
 }
 
+}  // namespace
+
+// timm/models/resnet.py, seresnet50: Bottleneck, layers (3, 4, 6, 3), block_args = dict(attn_layer = 'se').
+std::shared_ptr<nn::Module> make_seresnet50(const nn::ModelConfig& c) {
+  return bottleneck_resnet50(c, {.groups = 1, .width_per_group = 64, .se = true}, Reference::timm);
+}
+
 // torchvision.models.resnext50_32x4d: Bottleneck, layers [3, 4, 6, 3], groups 32, width_per_group 4.
 std::shared_ptr<nn::Module> make_resnext50_32x4d(const nn::ModelConfig& c) {
-  ResNetOptions o;
-  o.layers = {3, 4, 6, 3};
-  o.block = {.groups = 32, .width_per_group = 4, .se = false, .norm = c.norm};
-  o.reference = Reference::torchvision;
-  o.in_channels = c.in_channels;
-  o.num_classes = c.num_classes;
-  return std::make_shared<ResNet>(o);
+  return bottleneck_resnet50(c, {.groups = 32, .width_per_group = 4, .se = false}, Reference::torchvision);
 }
 
 // timm/models/resnetv2.py, resnetv2_18: layers [2, 2, 2, 2], channels (64, 128, 256, 512), basic.
