@@ -160,6 +160,7 @@ mbp::ExecutorOptions executor_options(const StepOptions& o, const Shape& sample_
   eo.memory_format = o.memory_format.value_or(pipeline_stage ? MemoryFormat::Contiguous
                                                              : preferred_memory_format(device, tensor_cores));
   if (device.is_cuda() && !pipeline_stage) eo.conv_tuning = conv_tuning(o.tuning_file, !gpu_described(), o.tuning_seconds);
+  eo.cuda_graphs = device.is_cuda() && o.cuda_graphs == OnOff::on;
   return eo;
 }
 
@@ -492,6 +493,10 @@ const std::vector<Option> kTable = {
      .help = "CUDA under mpirun: how tensors travel between ranks: auto (NCCL where every rank of a machine has a "
              "GPU of its own, else MPI through host memory) | nccl | mpi (through host memory: ranks may share a GPU)",
      .changeable = true, .absent = "auto"},
+    {.name = "cuda-graphs", .field = field(&StepOptions::cuda_graphs), .commands = kRun,
+     .help = "CUDA: record each micro-batch's forward and backward after a step's first as a CUDA graph and replay "
+             "it where the arena's layout repeats (the same bits; off: launched op by op)",
+     .changeable = true, .absent = "off"},
     {.name = "profile", .field = field(&TrainOptions::profile), .commands = kTrain,
      .help = "time per op (GPU time on CUDA, host time on the CPU) over the steps after the first, printed and "
              "written to profile.txt",
@@ -564,7 +569,8 @@ const std::vector<Option> kTable = {
      .changeable = true},
     {.name = "pipeline-stages", .field = field(&StepOptions::pipeline_stages, kPositiveWhole),
      .commands = kTrain | kPlan,
-     .help = "cut the model into S stages, one per rank (mpirun -np S), fed by the micro-batches (CPU)",
+     .help = "cut the model into S stages, one per rank (mpirun -np S), fed by the micro-batches (on GPUs their "
+             "messages go through host memory)",
      .help_for = {{kPlan, "plan S pipeline stages (memory limits: one, or one per stage)"}}, .absent = "1"},
     {.name = "pipeline-split", .field = field(&StepOptions::pipeline_split), .commands = kTrain | kPlan,
      .help = "memory (default: the largest micro-batch that fits, then the smallest largest stage) | work (the "

@@ -125,6 +125,9 @@ struct StepOptions {
   // CUDA under mpirun: how tensors travel between ranks (distributed::Collectives): auto (NCCL where
   // every rank of a machine has a GPU of its own, else MPI through host memory), nccl or mpi.
   distributed::Collectives collectives = distributed::Collectives::automatic;
+  // CUDA: micro-batches after a step's first recorded as CUDA graphs and replayed
+  // (ExecutorOptions::cuda_graphs, docs/gpu.md "CUDA graphs"). Off until a GPU run measures it.
+  OnOff cuda_graphs = OnOff::off;
   // The activations' layout (ExecutorOptions::memory_format, docs/memory-format.md); unset ("auto"):
   // channels_last on a CPU with oneDNN and on CUDA in bf16 or with TF32, contiguous for plain float32
   // on CUDA and for pipeline stages.

@@ -29,11 +29,10 @@ namespace {
 mbp::Plan plan_stages(const PlanOptions& opt, const nn::ModelConfig& mc, const Shape& sample, Device dev,
                       std::ostream& out) {
   const int S = opt.pipeline_stages;
-  if (!dev.is_cpu()) throw Error(fmt::format("--pipeline-stages: stages run on the CPU, found --device {}", opt.device));
   OptimizerConfig oc;
   oc.kind = opt.optimizer;
   oc.momentum = opt.momentum;
-  PipelineConfig pc = pipeline_config(opt, sample, opt.batch_size, opt.memory_limit);
+  PipelineConfig pc = pipeline_config(opt, sample, opt.batch_size, opt.memory_limit, dev);
   const DryRun dry;  // each stage on a virtual arena of its own (build_setup scopes it)
   struct Stage {
     std::shared_ptr<Arena> arena;
@@ -77,6 +76,10 @@ mbp::Plan plan_stages(const PlanOptions& opt, const nn::ModelConfig& mc, const S
                ps.in_flight(p.micro_batches), ps.in_flight(p.micro_batches) == 1 ? "" : "es");
     fmt::print(out, "  live at the peak: {}\n", p.at_peak.str());
     fmt::print(out, "  recompute: {}\n", st.executor->recompute_choice().summary(p));
+    if (const std::size_t staging = st.executor->message_staging_bytes(p); staging > 0 && dev.is_cuda())
+      fmt::print(out, "  message staging: {} ({} bytes) of page-locked host memory outside the budget (its "
+                      "activations and gradients in flight through the host at most)\n",
+                 format_bytes(staging), staging);
     last = p;
   }
   fmt::print(out, "\nevery stage runs micro-batches of {}: the largest that fits stage {}, the tightest\n", m, tightest);

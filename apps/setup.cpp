@@ -247,7 +247,7 @@ int state_per_parameter(const OptimizerConfig& optimizer) {
 }  // namespace
 
 PipelineConfig pipeline_config(const StepOptions& options, const Shape& sample_shape, std::int64_t batch,
-                               const std::string& memory_limits) {
+                               const std::string& memory_limits, Device device) {
   const int stages = options.pipeline_stages;
   PipelineConfig pc;
   pc.stages = stages;
@@ -262,7 +262,7 @@ PipelineConfig pipeline_config(const StepOptions& options, const Shape& sample_s
                             limits.size(), stages));
   for (int s = 0; s < stages; ++s)
     pc.limits.push_back(static_cast<std::int64_t>(
-        parse_memory_limit(limits.size() == 1 ? limits[0] : limits[static_cast<std::size_t>(s)], Device::cpu())));
+        parse_memory_limit(limits.size() == 1 ? limits[0] : limits[static_cast<std::size_t>(s)], device)));
   return pc;
 }
 
@@ -271,9 +271,9 @@ Setup build_setup(const std::shared_ptr<Arena>& arena, const nn::ModelConfig& mo
   const Device dev = arena->device();
   Setup s;
   if (pipeline && pipeline->stages > 1) {
-    if (!dev.is_cpu()) throw Error(fmt::format("--pipeline-stages: stages run on the CPU (MPI ranks), found {}", dev.str()));
-    // The whole model, built where the budget does not count it; then this stage's part moves in.
-    s.host = arena_like(*arena, dev, default_arena_capacity(dev));
+    // The whole model, built in host memory the budget does not count; then this stage's part moves
+    // into the budget (onto the stage's GPU where it has one).
+    s.host = arena_like(*arena, Device::cpu(), default_arena_capacity(Device::cpu()));
     {
       ArenaScope on_host(s.host);
       s.model = nn::make_model(model);

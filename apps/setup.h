@@ -121,9 +121,9 @@ struct PipelineConfig {
 // The pipeline of options.pipeline_stages stages (stage 0; the caller sets its own) for batches of
 // `batch` samples of `sample_shape`: --pipeline-split, --pipeline-schedule, --precision (the
 // activations' dtype); `memory_limits`: --memory-limit as given (one size, or one per stage; an Error
-// otherwise).
+// otherwise; `auto` is `device`'s default).
 PipelineConfig pipeline_config(const StepOptions& options, const Shape& sample_shape, std::int64_t batch,
-                               const std::string& memory_limits);
+                               const std::string& memory_limits, Device device);
 
 struct Setup {
   std::shared_ptr<nn::Module> model;

@@ -72,6 +72,8 @@ void write_summary(const TrainOptions& opt, const TrainResult& result) {
                       {"data", opt.data},
                       {"world_size", result.world_size},
                       {"communication_library_bytes", result.communication_library_bytes},
+                      {"cuda_graphs", {{"recorded", result.graphs_recorded}, {"replayed", result.graphs_replayed},
+                                       {"device_bytes", result.graph_device_bytes}}},
                       {"pipeline_stages", result.pipeline_stages},
                       {"communication_seconds_per_step", result.communication_seconds_per_step}};
   nlohmann::json ranks = nlohmann::json::array();
@@ -220,6 +222,17 @@ void TrainingRun::write_profile(std::int64_t step) {
   profiler_.pause();
 }
 
+// --cuda-graphs on: what was recorded and replayed, in the log and the summary.
+void TrainingRun::report_graphs() {
+  const mbp::Executor::GraphStats& g = executor_->graph_stats();
+  if (g.recorded == 0) return;
+  result_.graphs_recorded = g.recorded, result_.graphs_replayed = g.replayed;
+  result_.graph_device_bytes = static_cast<std::int64_t>(g.device_bytes);
+  fmt::print(log_, "cuda graphs: {} micro-batches recorded ({} graphs kept, {} nodes, {} of device memory outside "
+             "the arena), {} replayed{}\n", g.recorded, g.graphs, g.nodes, format_bytes(g.device_bytes), g.replayed,
+             g.unreplayable > 0 ? fmt::format(", {} not replayable", g.unreplayable) : std::string());
+}
+
 void TrainingRun::finish() {
   print_bad_images(bad_images_.train, log_);
   const StepMeter& meter = meter_;
@@ -276,6 +289,7 @@ void TrainingRun::finish() {
              format_bytes(static_cast<std::size_t>(result_.predicted_peak_bytes)), result_.predicted_peak_bytes,
              meter.mismatches == 0 ? " — exact" : fmt::format(" — {} steps differed", meter.mismatches),
              format_bytes(arena_->capacity()), result_.oom_retries);
+  report_graphs();
   if (host_arena_ && result_.host_peak_bytes > 0)  // state placed or activations offloaded there
     fmt::print(log_, "host tier: measured step peak {} ({} bytes), predicted {} ({} bytes){}, limit {}\n",
                format_bytes(static_cast<std::size_t>(result_.host_peak_bytes)), result_.host_peak_bytes,

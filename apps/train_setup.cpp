@@ -74,18 +74,22 @@ Device validate(const TrainOptions& opt) {
   check_number("--warmup-epochs", kNonNegative, opt.warmup_epochs);
   check_number("--label-smoothing", kFraction, opt.label_smoothing);
   check_number("--threads", kNonNegativeWhole, opt.threads);
+  if (opt.cuda_graphs == OnOff::on && opt.profile)
+    throw Error("--cuda-graphs on with --profile: a replayed micro-batch runs no op's host code, so its ops cannot be "
+                "timed one by one; profile with --cuda-graphs off");
   if (opt.pipeline_stages > 1) {
-    if (opt.device != "cpu" && opt.device != "auto")
-      throw Error(fmt::format("--pipeline-stages {} with --device {}: pipeline stages run on the CPU, one MPI rank each "
-                              "(a CUDA pipeline needs one GPU per rank and is not implemented)", opt.pipeline_stages,
-                              opt.device));
+    if (opt.collectives == distributed::Collectives::nccl)
+      throw Error(fmt::format("--pipeline-stages {} with --collectives nccl: stages exchange their messages point to "
+                              "point, which tally runs over MPI through host memory (--collectives mpi or auto); NCCL "
+                              "send/recv between stages needs one GPU per rank, which no machine tally is tested on "
+                              "has, so it is refused rather than untested", opt.pipeline_stages));
     if (!opt.checkpoint_every.empty() || !opt.resume.empty())
       throw Error(fmt::format("--pipeline-stages {} with {}: a pipeline run writes no training-state checkpoints yet",
                               opt.pipeline_stages, opt.resume.empty() ? "--checkpoint-every" : "--resume"));
     if (opt.loss_normalization != mbp::LossNormalization::exact)
       throw Error("--loss-normalization per-micro-batch is for one process; a pipeline uses exact");
   }
-  const Device dev = opt.pipeline_stages > 1 ? Device::cpu() : choose_device(opt.device);
+  const Device dev = choose_device(opt.device);
   for (const std::string& limit : split_list(opt.memory_limit))  // a bad size fails before any work
     if (limit != "auto") (void)parse_memory_limit(limit, dev);
   if (!opt.init.empty() && opt.resume.empty()) {  // resumed: weights from the checkpoint
@@ -225,6 +229,11 @@ void set_up_rank(RankSetup& r, const TrainOptions& options, std::ostream& all_lo
     throw Error("--loss-normalization per-micro-batch is for one process; data parallelism uses exact");
   if (r.ranks > 1 && r.dev.is_cuda() && (r.opt.device == "auto" || r.opt.device == "cuda"))
     r.dev = Device::cuda(distributed::local_rank() % std::max(1, cuda_device_count()));  // ranks share GPUs in turn
+  if (r.dev.is_cuda() && r.opt.memory_limit == "auto" && distributed::local_size() > cuda_device_count())
+    throw Error(fmt::format("--memory-limit auto: the {} ranks of this machine share {} GPU{}, and each would take "
+                            "what the others left free; give each rank its slice (--memory-limit SIZE, or one size "
+                            "per rank)", distributed::local_size(), cuda_device_count(),
+                            cuda_device_count() == 1 ? "" : "s"));
   // Rank 0 speaks and writes the run folder; the others train silently.
   r.log = r.rank == 0 ? &all_log : &r.silent;
   if (r.rank != 0) r.opt.out.clear(), r.opt.save.clear(), r.opt.progress = false;
@@ -267,7 +276,7 @@ Setup model_setup(const TrainOptions& opt, const data::Dataset& train_set, const
   const std::string init = opt.resume.empty() ? opt.init : "";  // resumed: the checkpoint's weights
   if (opt.pipeline_stages == 1) return build_setup(arena, mc, init, oc, format_bytes(arena->capacity()));
   PipelineConfig pc = pipeline_config(opt, {train_set.channels, train_set.height, train_set.width}, opt.batch_size,
-                                      all_limits);
+                                      all_limits, arena->device());
   pc.stage = distributed::process_world()->rank();
   return build_setup(arena, mc, init, oc, format_bytes(arena->capacity()), &pc);
 }

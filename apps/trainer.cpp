@@ -60,16 +60,19 @@ TrainingRun::TrainingRun(const TrainOptions& options, std::ostream& all_log, std
       loader_(split_.train, loader_options(rank_options_, augments(rank_options_, data_spec_))),
       per_epoch_(checked_per_epoch(loader_, rank_options_, split_.train)),
       steps_(run_steps(rank_options_, per_epoch_)),
-      arena_(make_arena(rank_options_, rank_.dev, log_)),
-      host_arena_(make_host_arena(rank_options_.host_memory_limit, rank_.dev, arena_->capacity(), nullptr, &log_)),
-      in_budget_(arena_),
-      setup_(model_setup(rank_options_, split_.train, arena_, options.memory_limit)),
       // A process mpirun did not start works alone: the local communicator on any device (no NCCL
       // communicator of one, whose buffers lie outside the arena and which made the run data-parallel,
       // refusing the host tier's gradients placement).
       comm_(rank_.world->backend() == "local" ? rank_.world
                                                 : distributed::for_device(rank_.world, rank_.dev,
-                                                                          rank_options_.collectives, &collectives_)),
+                                                                          rank_options_.pipeline_stages > 1
+                                                                              ? distributed::Collectives::mpi
+                                                                              : rank_options_.collectives,
+                                                                          &collectives_)),
+      arena_(make_arena(rank_options_, rank_.dev, log_)),
+      host_arena_(make_host_arena(rank_options_.host_memory_limit, rank_.dev, arena_->capacity(), nullptr, &log_)),
+      in_budget_(arena_),
+      setup_(model_setup(rank_options_, split_.train, arena_, options.memory_limit)),
       schedule_(schedule_options(rank_options_, steps_)),
       executor_(std::make_unique<mbp::Executor>(
           *setup_.model, *setup_.optimizer, arena_,

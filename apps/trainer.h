@@ -94,6 +94,9 @@ struct TrainResult {
   int world_size = 1;               // ranks of a data-parallel or pipeline run (mpirun -np N), else 1
   // Device memory the communication library (NCCL) took outside the arena on rank 0, measured at start.
   std::int64_t communication_library_bytes = 0;
+  // --cuda-graphs on: micro-batches recorded as CUDA graphs and replayed (mbp::Executor::GraphStats),
+  // and the device memory the graphs took outside the arena.
+  std::int64_t graphs_recorded = 0, graphs_replayed = 0, graph_device_bytes = 0;
   int pipeline_stages = 1;
   std::int64_t parameters = 0;      // elements this rank trains (a pipeline stage's)
   std::vector<RankResult> ranks;    // one per rank

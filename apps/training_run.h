@@ -207,6 +207,7 @@ class TrainingRun {
   void report_stop() const;
   void write_schedule(std::int64_t step, const mbp::StepResult& r);
   void finish();
+  void report_graphs();  // --cuda-graphs: recorded and replayed micro-batches (log, summary)
   void write_profile(std::int64_t step);
   Error diverged(std::int64_t step, double lr) const;
   // "epoch 2/5", or for an epoch --steps ends early "epoch 1/1 (3 of its 117 steps)".
@@ -226,12 +227,14 @@ class TrainingRun {
   data::Loader loader_;
   std::int64_t per_epoch_;
   RunSteps steps_;
+  std::string collectives_;  // how CUDA tensors travel between ranks, in words (filled when comm_ is made)
+  // Made before the arena: NCCL's device buffers are then already taken when `--memory-limit auto`
+  // measures the free memory (docs/distributed.md).
+  std::shared_ptr<distributed::Communicator> comm_;
   std::shared_ptr<Arena> arena_;
   std::shared_ptr<Arena> host_arena_;  // the host tier (--host-memory-limit), or null
   ArenaScope in_budget_;  // every tensor of the run (evaluation too) comes from the budget
   Setup setup_;
-  std::string collectives_;  // how CUDA tensors travel between ranks, in words (filled when comm_ is made)
-  std::shared_ptr<distributed::Communicator> comm_;
   optim::LRSchedule schedule_;
   std::unique_ptr<mbp::Executor> executor_;  // the step (a pipeline stage's runs its micro-batches through a StageRunner)
   distributed::Shard share_;  // this rank's share of every global batch (drop_last: always full)

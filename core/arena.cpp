@@ -229,6 +229,21 @@ std::size_t Arena::largest_free_block() const {
   return free_set_.empty() ? 0 : free_set_.rbegin()->first;
 }
 
+std::uint64_t Arena::layout_hash() const {
+  std::uint64_t h = 14695981039346656037ull;  // FNV-1a over the words below
+  const auto mix = [&h](std::uint64_t v) {
+    for (int i = 0; i < 8; ++i, v >>= 8) h = (h ^ (v & 0xff)) * 1099511628211ull;
+  };
+  mix(reinterpret_cast<std::uintptr_t>(base_));
+  mix(capacity_);
+  for (const auto& [offset, n] : blocks_) {
+    mix(offset);
+    mix(n.size);
+    mix(n.used ? 1 : 0);
+  }
+  return h;
+}
+
 ArenaStats Arena::stats() const {
   ArenaStats s;
   s.by_category = cat_;

@@ -172,6 +172,11 @@ class Arena {
   ArenaStats stats() const;
   std::size_t free_bytes() const { return capacity_ - static_cast<std::size_t>(total_.current); }
   std::size_t largest_free_block() const;
+  // A fingerprint of the arena's layout: its base, capacity and every block's offset, size and
+  // state. Equal layouts give equal fingerprints; the same requests on equal layouts get the same
+  // offsets (the algorithm above), which is what replaying recorded device work relies on
+  // (core/graphs.h).
+  std::uint64_t layout_hash() const;
   // Peak of every category and of the total set back to their current values.
   // The high-water mark goes back to the current extent (the end of the last used block).
   void reset_peak();

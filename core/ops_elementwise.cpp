@@ -1,6 +1,7 @@
 // core/ops_elementwise.cpp — elementwise ops (ReLU, add, mul, sigmoid, ... and the in-place forms) and channel
 // scaling: forward, backward, autograd nodes (core/ops.h; the pattern is in core/ops.cpp).
 #include "core/ambient.h"
+#include "core/graphs.h"
 #include "core/ops_internal.h"
 
 namespace tally {
@@ -305,6 +306,8 @@ Tensor dropout(const Tensor& x_, double p, std::uint64_t seed, SampleIndex at) {
   check_floating(op, x_);
   if (!(p >= 0 && p <= 1)) throw Error(fmt::format("{}: expected a probability p in [0, 1], found {}", op, p));
   if (x_.dim() < 1) throw ShapeError(fmt::format("{}: expected x of shape (N, ...), found {}", op, x_.str()));
+  // The mask's counter (the samples, the step) is a kernel argument that changes from call to call.
+  if (p > 0) not_replayable("dropout draws its mask from each call's sample index");
   const MemoryFormat format = x_.suggest_memory_format();
   const bool cl = format == MemoryFormat::ChannelsLast;
   const Tensor x = x_.contiguous(format);

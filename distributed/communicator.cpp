@@ -109,7 +109,8 @@ std::shared_ptr<Communicator> for_device(const std::shared_ptr<Communicator>& ho
     collectives = have_nccl() && (own_gpu || host->size() == 1) ? Collectives::nccl : Collectives::mpi;
   if (collectives == Collectives::mpi) {
     if (why)
-      *why = fmt::format("mpi through {} MiB of host memory ({} rank{} of this machine on {} GPU{})",
+      *why = fmt::format("mpi through host memory: {} MiB of staging, grown to a pipeline stage's messages ({} "
+                         "rank{} of this machine on {} GPU{})",
                          kStagingBytes >> 20, ranks, ranks == 1 ? "" : "s", gpus, gpus == 1 ? "" : "s");
     return make_staged(host, device);
   }

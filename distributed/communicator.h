@@ -60,6 +60,11 @@ class Communicator {
   virtual std::size_t send(const Tensor& t, int peer);
   virtual void wait_send(std::size_t ticket);
   virtual void recv(Tensor& t, int peer);
+  // Where messages travel through host memory (the staged transport): makes room for host copies
+  // of up to `bytes` in flight together (a pipeline stage's messages of one step, laid out as that
+  // step allocates them: mbp::message_staging_bytes), growing the staging buffer between steps.
+  // A no-op where messages are not staged.
+  virtual void reserve_message_bytes(std::size_t bytes) { (void)bytes; }
   // Ends every rank of the job with `code` (after an error on this one: the others would wait in
   // their next collective forever). Returns only for a world of one.
   virtual void abort(int code) = 0;

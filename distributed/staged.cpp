@@ -58,10 +58,20 @@ class StagedCommunicator final : public Communicator {
     Tensor flat = t.reshape({t.numel()});
     flat.copy_(host);
   }
+  void reserve_message_bytes(std::size_t bytes) override {
+    if (bytes <= staging_->capacity()) return;
+    if (!in_flight_.empty())
+      throw Error(fmt::format("the staged transport: {} bytes of host staging asked for while {} message{} still in "
+                              "flight (it grows between steps only)", bytes, in_flight_.size(),
+                              in_flight_.size() == 1 ? " is" : "s are"));
+    staging_.reset();  // one page-locked reservation at a time
+    staging_ = Arena::make_host(Arena::round_up(bytes));
+  }
   void abort(int code) override { host_->abort(code); }
   bool serves(Device device) const override { return device == device_ || host_->serves(device); }
   std::size_t library_bytes() const override { return host_->library_bytes(); }
   std::size_t chunks() const { return chunks_; }
+  const Arena& staging() const { return *staging_; }
 
  private:
   // `collective` on t's bytes, a chunk at a time through the staging arena.
@@ -126,6 +136,16 @@ std::shared_ptr<Communicator> make_staged(std::shared_ptr<Communicator> host, De
 std::size_t staged_chunks(const Communicator& c) {
   const auto* s = dynamic_cast<const StagedCommunicator*>(&c);
   return s ? s->chunks() : 0;
+}
+
+std::size_t staging_capacity(const Communicator& c) {
+  const auto* s = dynamic_cast<const StagedCommunicator*>(&c);
+  return s ? s->staging().capacity() : 0;
+}
+
+std::size_t staging_high_water(const Communicator& c) {
+  const auto* s = dynamic_cast<const StagedCommunicator*>(&c);
+  return s ? s->staging().stats().high_water : 0;
 }
 
 }  // namespace tally::distributed

@@ -12,6 +12,8 @@
 // other devices go straight to the host communicator. Pipeline messages (send, recv) are staged
 // whole: a send's host copy stays in the staging arena until wait_send (sends never block), so the
 // messages in flight must fit it together — a message that does not is an Error naming the bytes.
+// A pipeline stage sizes it per plan before its step (reserve_message_bytes: the high-water mark of
+// that step's messages, which the same best-fit arena lays out the same way every step).
 #pragma once
 #include <cstddef>
 #include <memory>
@@ -30,5 +32,10 @@ std::shared_ptr<Communicator> make_staged(std::shared_ptr<Communicator> host, De
 // The chunks a staged communicator has moved so far (each a copy out, a collective, a copy back),
 // for tests; 0 for any other communicator.
 std::size_t staged_chunks(const Communicator& c);
+// A staged communicator's staging buffer: its bytes, and the highest offset its host copies have
+// reached since it was made or last grown (tests compare it with the plan's message staging); 0
+// for any other communicator.
+std::size_t staging_capacity(const Communicator& c);
+std::size_t staging_high_water(const Communicator& c);
 
 }  // namespace tally::distributed

@@ -173,7 +173,8 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_p
     : model_(model),
       optimizer_(optimizer),
       opt_(std::move(options)),
-      device_(first_parameter(model).device()),
+      // A pipeline stage's device is its budget's: the model's other stages may live on the host.
+      device_(opt_.pipeline && arena ? arena->device() : first_parameter(model).device()),
       dtype_(first_parameter(model).dtype()),
       activation_dtype_(opt_.precision == Precision::bf16 ? DType::BFloat16 : dtype_),
       arena_(std::move(arena)),
@@ -336,33 +337,84 @@ Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels
     }
     if (!dry) stager_->wait(cur.uploaded);
     cur.x = cur.x.contiguous(opt_.memory_format);  // the staged row-major input is freed when converted
-    // The micro-batch's samples in the step's whole batch (dropout's masks; its backward and a
-    // recomputed segment draw the same).
-    const SampleScope samples({static_cast<std::uint64_t>(optimizer_.steps()), opt_.first_sample + offset});
-    Tensor logits = model_(cur.x);
-    if (!dry && !targets_checked) {  // every target of the batch, on the host, once the class count is known
-      check_cross_entropy_targets(labels, batch, logits.size(1), opt_.loss.ignore_index);
-      targets_checked = true;
+    const CrossEntropyOptions co = micro_batch_loss(labels, offset, sizes[i], i, k, divisor);
+    // The micro-batch's forward and backward: all device work, recorded and replayed where it may be.
+    const auto compute = [&] {
+      // The micro-batch's samples in the step's whole batch (dropout's masks; its backward and a
+      // recomputed segment draw the same).
+      const SampleScope samples({static_cast<std::uint64_t>(optimizer_.steps()), opt_.first_sample + offset});
+      Tensor logits = model_(cur.x);
+      if (!dry && !targets_checked) {  // every target of the batch, on the host, once the class count is known
+        check_cross_entropy_targets(labels, batch, logits.size(1), opt_.loss.ignore_index);
+        targets_checked = true;
+      }
+      Tensor loss = cross_entropy(logits, cur.y, co);
+      logits = Tensor();
+      backward_watched(loss, gradient_ready, gradient_slot);
+      add_into(total, loss);
+    };
+    if (graphs_for(i) && warmed_sizes_.count(sizes[i])) {
+      run_graphed({arena_->layout_hash(), sizes[i], co.divisor.value_or(0.0), cur.x.raw_data(), cur.y.raw_data(),
+                   total.raw_data()},
+                  compute);
+    } else {
+      compute();
+      if (opt_.cuda_graphs && !dry) warmed_sizes_.insert(sizes[i]);
     }
-    CrossEntropyOptions co = opt_.loss;
-    co.divisor = divisor;  // sum_i w_i loss_i / D: the full batch's mean, split
-    if (opt_.normalization == LossNormalization::per_micro_batch && !dry) {
-      // This micro-batch's own mean, divided by k: the mean of the micro-batch means.
-      const double own = cross_entropy_divisor(labels + offset, sizes[i], opt_.loss);
-      if (!(own > 0))
-        throw Error(fmt::format("MBP executor: micro-batch {} of {} has no counted target, so its own mean loss "
-                                "(per-micro-batch normalization) is undefined", i + 1, k));
-      co.divisor = own * static_cast<double>(k);
-    }
-    co.targets_checked = !dry;
-    Tensor loss = cross_entropy(logits, cur.y, co);
-    logits = Tensor();
-    backward_watched(loss, gradient_ready, gradient_slot);
-    add_into(total, loss);
     for (StepPart* part : step_parts_) part->after_micro_batch(i, k);
     offset += sizes[i];
   }
   return total;
+}
+
+CrossEntropyOptions Executor::micro_batch_loss(const std::int64_t* labels, std::int64_t offset, std::int64_t n,
+                                              std::size_t i, std::size_t k, double divisor) const {
+  const bool dry = skip_side_effects();
+  CrossEntropyOptions co = opt_.loss;
+  co.divisor = divisor;  // sum_i w_i loss_i / D: the full batch's mean, split
+  if (opt_.normalization == LossNormalization::per_micro_batch && !dry) {
+    // This micro-batch's own mean, divided by k: the mean of the micro-batch means.
+    const double own = cross_entropy_divisor(labels + offset, n, opt_.loss);
+    if (!(own > 0))
+      throw Error(fmt::format("MBP executor: micro-batch {} of {} has no counted target, so its own mean loss "
+                              "(per-micro-batch normalization) is undefined", i + 1, k));
+    co.divisor = own * static_cast<double>(k);
+  }
+  co.targets_checked = !dry;
+  return co;
+}
+
+bool Executor::graphs_for(std::size_t index) const {
+  // After the step's first micro-batch (it allocates the step's moments: the layout differs after
+  // it) and its targets' check; alone with the model's own ops (no part, no offload, no trace).
+  return opt_.cuda_graphs && device_.is_cuda() && index > 0 && !skip_side_effects() && step_parts_.empty() &&
+         !stage_ && placed_ == Placement::device && !config_.segments.offloads() && !arena_->tracing();
+}
+
+void Executor::run_graphed(const GraphKey& key, const std::function<void()>& compute) {
+  if (const auto it = graphs_.find(key); it != graphs_.end()) {
+    it->second.replay();
+    ++graph_stats_.replayed;
+    return;
+  }
+  if (unreplayable_.count(key)) {
+    compute();
+    return;
+  }
+  DeviceGraph g = record_device_work(device_, *arena_, compute);  // runs the micro-batch
+  ++graph_stats_.recorded;
+  graph_stats_.device_bytes += g.device_bytes();
+  if (!g.replayable()) {
+    ++graph_stats_.unreplayable;
+    unreplayable_.insert(key);
+    if (opt_.log && graph_stats_.unreplayable == 1)
+      opt_.log(fmt::format("cuda graphs: a micro-batch cannot be replayed ({}); such micro-batches run without",
+                           g.why_not()));
+    return;
+  }
+  graph_stats_.nodes += g.nodes();
+  graph_stats_.graphs = graphs_.size() + 1;
+  graphs_.emplace(key, std::move(g));
 }
 
 void Executor::run_step(Placement placement, const float* images, const std::int64_t* labels,
@@ -444,6 +496,11 @@ std::size_t Executor::input_staging_bytes(const Plan& plan) const {
   if (!stager_->overlaps()) return 0;
   return InputStager::staging_capacity(staging_bytes(plan.micro_batch, sample_numel_, activation_dtype_),
                                        staging_bytes(plan.batch_size, sample_numel_, activation_dtype_));
+}
+
+std::size_t Executor::message_staging_bytes(const Plan& plan) const {
+  if (!stage_) return 0;
+  return stage_->message_staging_bytes(plan.sizes());
 }
 
 StepResult Executor::step(const float* images, const std::int64_t* labels, std::int64_t batch) {

@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "core/autograd.h"
+#include "core/graphs.h"
 #include "core/ops.h"
 #include "core/pending.h"
 #include "core/staging.h"
@@ -166,6 +167,15 @@ struct ExecutorOptions {
   // shard's offset, distributed::shard): what a sample's randomness is drawn by (dropout, SampleScope),
   // so that ranks draw their samples' masks as one process would.
   std::int64_t first_sample = 0;
+  // CUDA graphs (core/graphs.h; docs/gpu.md, "CUDA graphs"): on a GPU, a micro-batch's forward and
+  // backward after the step's first are recorded once per arena layout, micro-batch size and loss
+  // divisor, and replayed for every later micro-batch that meets the same — its host code (the
+  // tape, the arena's bookkeeping, the launches) skipped; the same kernels on the same addresses,
+  // so the same bits and the same peak. Only where nothing else joins the micro-batch: no step
+  // parts (data parallelism, the host tier), no offloaded segment, no trace; a micro-batch whose
+  // work cannot be replayed (dropout's masks) is run as recorded once and then without graphs. Not
+  // with a Profiler on (a replay runs no op's host code to time). Nothing on the CPU.
+  bool cuda_graphs = false;
 };
 
 struct StepResult {
@@ -272,6 +282,18 @@ class Executor {
   // GPU's ring; 0 on the CPU, which copies straight into the inputs). Outside both budgets;
   // `tally plan` shows it.
   std::size_t input_staging_bytes(const Plan& plan) const;
+  // The page-locked host memory a pipeline stage's messages of `plan` take where they travel through
+  // host memory (a GPU's stages, distributed/staged.h; the CPU's stages send their arena tensors as
+  // they are); 0 for a step that is no stage. Outside both budgets; `tally plan` shows it for GPUs.
+  std::size_t message_staging_bytes(const Plan& plan) const;
+  // What CUDA graphs (ExecutorOptions::cuda_graphs) did so far: micro-batches recorded, replayed,
+  // and run without a graph because their recording could not be replayed; the graphs kept, their
+  // nodes and the device memory instantiating them took (outside the arena).
+  struct GraphStats {
+    std::int64_t recorded = 0, replayed = 0, unreplayable = 0;
+    std::size_t graphs = 0, nodes = 0, device_bytes = 0;
+  };
+  const GraphStats& graph_stats() const { return graph_stats_; }
   MemoryFormat memory_format() const { return opt_.memory_format; }
   // The convolution tuning in use (ExecutorOptions::conv_tuning; null: none), and another in its
   // place from the next plan on (a resumed run's replay of its checkpoint's record).
@@ -279,6 +301,9 @@ class Executor {
   void set_conv_tuning(std::shared_ptr<ConvTuning> tuning) {
     opt_.conv_tuning = std::move(tuning);
     tuned_.clear();
+    graphs_.clear();  // recorded with the engines before
+    unreplayable_.clear();
+    warmed_sizes_.clear();
   }
 
   ~Executor();
@@ -323,6 +348,25 @@ class Executor {
   using TunedKey = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::size_t, std::string>;
   TunedKey tuned_key(std::int64_t batch) const;
   std::set<TunedKey> tuned_;
+
+  // The loss options of micro-batch i of k (n samples from labels[offset]): the whole batch's
+  // `divisor`, or with per-micro-batch normalization its own mean's.
+  CrossEntropyOptions micro_batch_loss(const std::int64_t* labels, std::int64_t offset, std::int64_t n, std::size_t i,
+                                       std::size_t k, double divisor) const;
+  // CUDA graphs: a micro-batch's compute, recorded under `key` or replayed — the arena's layout
+  // (Arena::layout_hash), its size, its loss divisor, and where its inputs and the step's loss lie
+  // (two blocks of one layout may swap roles: the double-buffered inputs); whether micro-batch
+  // `index` of this step may be (ExecutorOptions::cuda_graphs).
+  using GraphKey = std::tuple<std::uint64_t, std::int64_t, double, const void*, const void*, const void*>;
+  bool graphs_for(std::size_t index) const;
+  void run_graphed(const GraphKey& key, const std::function<void()>& compute);
+  std::map<GraphKey, DeviceGraph> graphs_;  // of the configuration applied now (apply() clears them)
+  std::set<GraphKey> unreplayable_;
+  // Micro-batch sizes run without a graph since the configuration was applied: a size is recorded
+  // only after that (its first run builds cuDNN's and cuBLAS's plans for its shapes, which a
+  // capture must not).
+  std::set<std::int64_t> warmed_sizes_;
+  GraphStats graph_stats_;
 
   void discard_partial_step();
   // accumulate() with the loss left where it was computed (undefined in a dry run: no values).

@@ -67,6 +67,9 @@ void Executor::tune(std::int64_t batch) {
   });
   if (opt_.log && !t.report().empty()) opt_.log(t.report());
   if (!changed) return;
+  graphs_.clear();  // recorded with the engines before
+  unreplayable_.clear();
+  warmed_sizes_.clear();
   // Under the tuned engines the plan is made again; where its micro-batch would be smaller, the
   // choices within the heuristics' workspaces, then none.
   for (const ConvTuning::Use use : {ConvTuning::Use::fastest, ConvTuning::Use::within, ConvTuning::Use::none}) {
@@ -96,6 +99,14 @@ StepConfig Executor::choose_with(std::int64_t batch, std::int64_t micro_batch) {
 void Executor::apply(const StepConfig& config) {
   nn::set_recompute_state(model_, config.segments);
   apply_placement(config.placement.placement);
+  // Recorded micro-batches are of one configuration: another plan runs other host code.
+  const Plan &a = config.plan, &b = config_.plan;
+  if (a.batch_size != b.batch_size || a.micro_batch != b.micro_batch || a.predicted_peak != b.predicted_peak ||
+      !(config.segments == config_.segments) || config.placement.placement != config_.placement.placement) {
+    graphs_.clear();
+    unreplayable_.clear();
+    warmed_sizes_.clear();
+  }
   config_ = config;
 }
 

@@ -60,6 +60,36 @@ std::vector<PipelineOp> pipeline_order(PipelineSchedule schedule, int stage, int
   return order;
 }
 
+std::size_t message_staging_bytes(const PipelineStage& stage, const std::vector<std::int64_t>& sizes,
+                                  std::size_t input_bytes, std::size_t output_bytes) {
+  const bool first = stage.stage == 0, last = stage.stage + 1 == stage.stages;
+  const DryRun dry;  // nothing runs: the arena's algorithm alone
+  const auto arena = dry.virtual_arena(Device::cpu(), std::size_t(1) << 46);
+  const auto bytes = [&](std::size_t per_sample, std::size_t i) { return per_sample * static_cast<std::size_t>(sizes[i]); };
+  const auto receive = [&](std::size_t n) { arena->free(arena->allocate(n, Category::temporary, "recv").offset); };
+  std::vector<std::size_t> sent(sizes.size());  // each activation sent on, until its gradient is back
+  std::optional<std::size_t> sent_back;         // the last gradient sent back
+  const auto send_back = [&](std::size_t i) {
+    if (first) return;
+    if (sent_back) arena->free(*sent_back);
+    sent_back = arena->allocate(bytes(input_bytes, i), Category::temporary, "send").offset;
+  };
+  for (const PipelineOp& op : pipeline_order(stage.schedule, stage.stage, stage.stages,
+                                             static_cast<std::int64_t>(sizes.size()))) {
+    const auto i = static_cast<std::size_t>(op.index);
+    if (op.forward) {
+      if (!first) receive(bytes(input_bytes, i));
+      if (!last) sent[i] = arena->allocate(bytes(output_bytes, i), Category::temporary, "send").offset;
+      if (last) send_back(i);
+    } else {
+      receive(bytes(output_bytes, i));
+      arena->free(sent[i]);
+      send_back(i);
+    }
+  }
+  return arena->stats().high_water;
+}
+
 namespace {
 
 std::int64_t rounded(std::size_t bytes) {
@@ -343,7 +373,13 @@ void gather_stages(nn::Module& model, const std::vector<nn::Module::Segment>& se
   auto share = [&](const std::vector<std::pair<std::string, Tensor>>& named) {
     for (const auto& [name, t] : named) {
       if (!t.is_contiguous()) throw Error(fmt::format("gather_stages: {} is not contiguous", name));
-      comm.broadcast(t.raw_data(), t.nbytes(), stage_of(t));  // host memory: every stage is on the CPU
+      if (t.device().is_cpu()) {
+        comm.broadcast(t.raw_data(), t.nbytes(), stage_of(t));  // host memory
+        continue;
+      }
+      // On a GPU: this rank's own stage (the others' parts stay on the host), sent from a host copy.
+      const Tensor host = t.to(Device::cpu());
+      comm.broadcast(host.raw_data(), host.nbytes(), stage_of(t));
     }
   };
   share(model.named_parameters());

@@ -54,6 +54,16 @@ struct PipelineOp {
 // right after its forward: its order has forwards only (each one with its backward).
 std::vector<PipelineOp> pipeline_order(PipelineSchedule schedule, int stage, int stages, std::int64_t k);
 
+// The host memory a stage's messages of one step take where they travel through host memory (the
+// staged transport, distributed/staged.h: a CUDA stage's activations and gradients): the
+// high-water mark of a best-fit arena (core/arena.h) replaying the stage runner's messages in
+// `schedule`'s order — a send's host copy kept until the runner waits for it (an activation until
+// its gradient came back, a gradient until the next is sent), a receive's only while it arrives —
+// for micro-batches of `sizes` samples, `input_bytes` and `output_bytes` per sample of the stage's
+// input and output. The same arena lays the same messages out alike, so this is the exact size.
+std::size_t message_staging_bytes(const PipelineStage& stage, const std::vector<std::int64_t>& sizes,
+                                  std::size_t input_bytes, std::size_t output_bytes);
+
 // What a stage did in a real step, for the schedule's picture (report::pipeline_svg): each forward
 // and backward with its start and end in seconds from the step's start (the last stage's forwards
 // include their backward), and the time it waited for a message.
@@ -122,7 +132,7 @@ void check_segments_cover(nn::Module& model, const std::vector<nn::Module::Segme
 // After training, every rank gets every stage's parameters and buffers (each broadcast from the
 // rank of its stage) through host memory: on rank 0 the whole model can then be saved under its
 // usual names. Ranks hold the other stages' tensors outside their budget (the model was built
-// there), so nothing here touches the budget's arena.
+// there), so nothing here touches the budget's arena; a GPU stage's own tensors go through a host copy.
 void gather_stages(nn::Module& model, const std::vector<nn::Module::Segment>& segments,
                    const std::vector<std::size_t>& bounds, distributed::Communicator& comm);
 

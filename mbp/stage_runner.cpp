@@ -49,8 +49,6 @@ StageRunner::StageRunner(nn::Module& model, const ExecutorOptions& options, std:
   if (comm_->size() > 1 && comm_->rank() != st.stage)
     throw Error(fmt::format("MBP executor: rank {} must run stage {}, found stage {}", comm_->rank(), comm_->rank(),
                             st.stage));
-  if (!device_.is_cpu())
-    throw Error(fmt::format("MBP executor: pipeline stages run on the CPU (MPI ranks); the model is on {}", device_.str()));
   if (options.normalization != LossNormalization::exact)
     throw Error("MBP executor: a pipeline uses the exact loss normalization");
   if (options.recompute != "none" && options.recompute != "auto" && options.recompute != "blocks")
@@ -65,18 +63,34 @@ StageRunner::StageRunner(nn::Module& model, const ExecutorOptions& options, std:
   chooser.set_top_level(std::min(1, nn::recompute_levels(model) - 1));  // a stage's segments are blocks: no stage around them
   chooser.planner().set_repeats(st.schedule == PipelineSchedule::gpipe ? std::size_t(1) << 40
                                                                        : static_cast<std::size_t>(st.stages) + 1);
-  // The stage's input per sample: a gradient-free dry run of the segments before it.
-  sample_shape_ = model_sample_shape_;
-  if (st.first() > 0) {
-    const DryRun dry(device_, std::size_t(1) << 46);
-    NoGradGuard no_grad;
-    const bool training = model.is_training();
-    model.eval();
-    Tensor y = Tensor::empty(batch_shape(1, model_sample_shape_), activation_dtype_, device_, Category::input, "input");
-    for (std::size_t i = 0; i < st.first(); ++i) y = segments_[i].forward(y);
-    model.train(training);
-    sample_shape_.assign(y.shape().begin() + 1, y.shape().end());
-  }
+  // The stage's input and output per sample: gradient-free dry runs of the segments before it (where
+  // their parameters are: the host, where the trainer keeps the other stages) and of its own.
+  const bool training = model.is_training();
+  model.eval();
+  sample_shape_ = probe(model_sample_shape_, 0, st.first());
+  output_sample_shape_ = probe(sample_shape_, st.first(), st.last());
+  model.train(training);
+}
+
+Shape StageRunner::probe(const Shape& sample, std::size_t from, std::size_t to) const {
+  if (from == to) return sample;
+  Device where = device_;
+  for (std::size_t i = from; i < to && where == device_; ++i)
+    for (const Tensor& p : nn::parameters_of(segments_[i].modules)) where = p.device();
+  const DryRun dry(where, std::size_t(1) << 46);
+  NoGradGuard no_grad;
+  Tensor y = Tensor::empty(batch_shape(1, sample), activation_dtype_, where, Category::input, "input");
+  for (std::size_t i = from; i < to; ++i) y = segments_[i].forward(y);
+  return Shape(y.shape().begin() + 1, y.shape().end());
+}
+
+std::size_t StageRunner::message_staging_bytes(const std::vector<std::int64_t>& sizes) const {
+  const auto per_sample = [this](const Shape& s) {
+    std::size_t n = dtype_size(activation_dtype_);
+    for (std::int64_t d : s) n *= static_cast<std::size_t>(d);
+    return n;
+  };
+  return mbp::message_staging_bytes(stage_, sizes, per_sample(sample_shape_), per_sample(output_sample_shape_));
 }
 
 std::vector<Tensor> StageRunner::trained() const {
@@ -140,6 +154,7 @@ Tensor StageRunner::run(const float* images, const std::int64_t* labels, const s
   if (r.last && !r.dry) r.divisor = batch_divisor(labels, r.batch, loss_);  // on the stage that has the targets
   for (nn::StepState* s : states_) s->begin_step();
   if (!r.dry && (r.first || r.last)) reserve_staging(stager_, sizes, model_sample_numel_, activation_dtype_);
+  if (!r.dry) comm_->reserve_message_bytes(message_staging_bytes(sizes));  // where messages go through the host
   EnableGradGuard grad_on;
   if (r.last) r.total = Tensor::zeros({}, dtype_, device_, Category::temporary, "step_loss");
   const auto k = static_cast<std::int64_t>(sizes.size());
@@ -235,6 +250,7 @@ Tensor StageRunner::forward_through_stages(const Tensor& x, std::int64_t n) {
   const PipelineStage& st = stage_;
   distributed::Communicator& comm = *comm_;
   ArenaScope scope(arena_);
+  if (!skip_side_effects()) comm_->reserve_message_bytes(message_staging_bytes({n}));
   Tensor y = x;
   if (st.stage > 0) {
     y = Tensor::empty(input_shape(n), activation_dtype_, device_, Category::input, "stage_input");

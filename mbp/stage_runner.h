@@ -11,8 +11,9 @@
 //   * recomputation: none, blocks or auto (the blocks of the stage);
 //   * an out-of-memory step is not retried (the ranks would wait on each other's messages): it
 //     ends the run, which the exact plan makes a bug, not an event;
-//   * CPU only (MPI ranks), row-major activations, the exact loss normalization, no data
-//     parallelism besides (rank s runs stage s), no host tier.
+//   * row-major activations, the exact loss normalization, no data parallelism besides (rank s
+//     runs stage s), no host tier. On a GPU the messages travel through host memory (the staged
+//     transport, distributed/staged.h), sized per plan: message_staging_bytes.
 #pragma once
 #include <cstdint>
 #include <map>
@@ -75,12 +76,18 @@ class StageRunner {
   const PipelineTrace& trace() const { return trace_; }
   Device device() const { return device_; }
   DType activation_dtype() const { return activation_dtype_; }
+  // The host memory this stage's messages of a step in micro-batches of `sizes` take where they are
+  // staged (the communicator reserves it before the step; mbp::message_staging_bytes).
+  std::size_t message_staging_bytes(const std::vector<std::int64_t>& sizes) const;
 
  private:
   struct Run;  // one step under way: what its forwards and backwards share
   bool agrees_across_stages() const { return comm_->size() > 1; }
   void describe(StepConfig& c) const;
   Shape input_shape(std::int64_t n) const;  // one micro-batch's input: n samples of the stage's input shape
+  // The per-sample output shape of segments [from, to) for per-sample input `sample`: a no-grad dry
+  // run where their parameters live (this stage's device, or the host for the stages before).
+  Shape probe(const Shape& sample, std::size_t from, std::size_t to) const;
   Tensor run_segments(Tensor x);
   void forward(Run& r, std::size_t i);
   void backward(Run& r, std::size_t i);
@@ -99,6 +106,7 @@ class StageRunner {
   Shape model_sample_shape_;                     // the model's input, per sample (stage 0's)
   std::int64_t model_sample_numel_ = 1;
   Shape sample_shape_;                           // the stage's input, per sample
+  Shape output_sample_shape_;                    // the stage's output, per sample
   std::map<std::int64_t, std::int64_t> agreed_;  // the micro-batch agreed per batch size
   PipelineTrace trace_;
 };

@@ -190,11 +190,14 @@ std::vector<StepState*> step_states_of(const std::vector<Module*>& modules) {
 
 void move_to_arena(Module& module, const std::shared_ptr<Arena>& arena) {
   ArenaScope scope(arena);
-  auto into = [&](const Tensor& x) { return x.clone(x.storage()->category()); };
+  const Device dev = arena->device();
+  // Onto the arena's device where it is another (a GPU stage from the host), as Module::to moves.
+  auto into = [&](const Tensor& x) { return x.device() == dev ? x.clone(x.storage()->category()) : x.to(dev); };
   for (auto& [name, t] : module.named_parameters())
     if (t.storage()->arena() != arena) replace_in_place(t, into);
   for (auto& [name, t] : module.named_buffers())
-    if (t.storage()->arena() != arena) replace_in_place(t, into);
+    if (t.storage()->arena() != arena && (is_floating(t.dtype()) || t.device() == dev))  // counters stay on the host
+      replace_in_place(t, into);
 }
 
 namespace {

@@ -215,9 +215,9 @@ std::vector<StepState*> step_states(Module& root);
 // The parameters (in registration order, module by module) and the step states of `modules`.
 std::vector<Tensor> parameters_of(const std::vector<Module*>& modules);
 std::vector<StepState*> step_states_of(const std::vector<Module*>& modules);
-// Moves every parameter (with its gradient buffer) and buffer of `module` into `arena` (same
-// device), in place as Module::to does: a pipeline stage's share of a model built elsewhere moves
-// into its rank's budget.
+// Moves every parameter (with its gradient buffer) and buffer of `module` into `arena`, onto its
+// device, in place as Module::to does (integer counters stay on the host): a pipeline stage's share
+// of a model built elsewhere moves into its rank's budget, on its GPU where it has one.
 void move_to_arena(Module& module, const std::shared_ptr<Arena>& arena);
 
 }  // namespace tally::nn

@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "core/dry_run.h"
+#include "core/graphs.h"
 #include "core/memory.h"
 #include "nn/init.h"
 
@@ -125,6 +126,7 @@ Tensor BatchNorm2d::normalize(Tensor x, const Tensor& residual, bool relu) {
   }
   batch_norm_add_moments(r.mean, r.invstd, eps, values, sum_, sum_sq_);
   count_ += values;
+  on_replay([this, values] { count_ += values; });  // recorded device work (core/graphs.h) counts again
   return std::move(r.y);
 }
 

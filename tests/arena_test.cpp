@@ -11,6 +11,8 @@
 #include <nlohmann/json.hpp>
 
 #include "core/arena.h"
+#include "core/error.h"
+#include "core/graphs.h"
 #include "core/memory.h"
 #include "core/tensor.h"
 
@@ -370,4 +372,46 @@ TEST(Arena, TensorsComeFromTheCurrentArenaAndFreeOnDestruction) {
     EXPECT_EQ(arena->stats().total.allocations, 1);
   }
   EXPECT_EQ(arena->stats().total.current, 0);
+}
+
+// The layout fingerprint that CUDA graphs are keyed by (core/graphs.h): the same layout, the same
+// fingerprint — also in another arena of the same capacity and base, as a virtual clone is — and
+// any block that differs (used or free, where it ends) another one.
+TEST(Arena, LayoutHashIsTheLayout) {
+  const auto a = Arena::make_virtual(Device::cpu(), 1 << 20);
+  const std::uint64_t empty = a->layout_hash();
+  const Block x = a->allocate(1000, Category::activation, "x");
+  const std::uint64_t one = a->layout_hash();
+  EXPECT_NE(one, empty);
+  const Block y = a->allocate(3000, Category::temporary, "y");
+  EXPECT_NE(a->layout_hash(), one);
+  a->free(y.offset);
+  EXPECT_EQ(a->layout_hash(), one) << "what was allocated and freed leaves the layout as it was";
+  EXPECT_EQ(a->virtual_clone()->layout_hash(), one);
+  const Block z = a->allocate(5000, Category::temporary, "z");  // another size where y was
+  a->free(x.offset);
+  const std::uint64_t hole = a->layout_hash();
+  EXPECT_NE(hole, empty) << "a free block before a used one is not the empty arena";
+  a->free(z.offset);
+  EXPECT_EQ(a->layout_hash(), empty);
+  EXPECT_NE(Arena::make_virtual(Device::cpu(), 2 << 20)->layout_hash(), empty) << "another capacity";
+}
+
+// Recording device work needs a GPU: on the CPU it is an error naming the device, and the hooks
+// that ops call while work is recorded (on_replay, not_replayable) do nothing outside a recording.
+TEST(Arena, DeviceWorkIsRecordedOnAGpuOnly) {
+  const auto a = Arena::make_virtual(Device::cpu(), 1 << 20);
+  bool ran = false;
+  try {
+    (void)record_device_work(Device::cpu(), *a, [&] { ran = true; });
+    FAIL() << "recorded on the CPU";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("recorded on a GPU, found cpu"), std::string::npos) << e.what();
+  }
+  EXPECT_FALSE(ran);
+  EXPECT_FALSE(recording_device_work());
+  int effects = 0;
+  on_replay([&] { ++effects; });
+  not_replayable("a test");
+  EXPECT_EQ(effects, 0);
 }

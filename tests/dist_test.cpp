@@ -200,15 +200,7 @@ TEST_F(Dist, GpuTwoRanksShareOneGpuThroughHostMemory) {
     const mbp::StepResult r = ex.step(d.images.data() + s.offset * numel, d.labels.data() + s.offset, s.size);
     EXPECT_EQ(r.peak, r.predicted_peak) << "step " << step;
   }
-  const auto host = [](const nn::Module& m) {
-    std::vector<std::vector<double>> out;
-    for (const Tensor& p : m.parameters()) {
-      const auto v = p.to(Device::cpu()).to_vector<float>();
-      out.emplace_back(v.begin(), v.end());
-    }
-    return out;
-  };
-  const auto a = host(*ref), b = host(*dp);
+  const auto a = values<float>(*ref), b = values<float>(*dp);
   ASSERT_EQ(a.size(), b.size());
   for (std::size_t i = 0; i < a.size(); ++i) EXPECT_LE(rel_error(b[i], a[i]), 1e-4) << "parameter " << i;
 }

@@ -7,7 +7,8 @@
 # - checked: the block's first line begins with "$ ". Each "$ " line is a command (a line ending
 #   in "\" continues on the next), the lines after it up to the next "$ " line its expected
 #   output: its stdout, then its stderr (where tally's errors go, after what it printed). The
-#   command runs in bash (pipes allowed, with pipefail) in a fresh temporary folder, with `tally`
+#   command runs in bash (pipes allowed, with pipefail) in a fresh temporary folder (holding
+#   tests/fixtures/devices/, the GPUs' description files, as the source tree does), with `tally`
 #   the TALLY given; it must exit 0 unless its output shows a "tally: error:" line, then non-zero.
 #   Comparison is line by line and exact, but for two elisions, kept for what varies by run or
 #   machine (timings, rates measured at start-up):
@@ -103,7 +104,8 @@ run_checked() {
   cmds+=("$cmd"); outs+=("$exp")
   local k rc want_fail shown ok=1
   for k in "${!cmds[@]}"; do
-    rm -rf "$tmp/work" && mkdir "$tmp/work"
+    rm -rf "$tmp/work" && mkdir -p "$tmp/work/tests/fixtures"
+    ln -s "$src/tests/fixtures/devices" "$tmp/work/tests/fixtures/devices"  # the GPUs' files, as in the tree
     printf '%s' "${outs[k]}" >"$tmp/expected"
     (cd "$tmp/work" && bash -o pipefail -c "${cmds[k]}") >"$tmp/actual" 2>"$tmp/stderr"
     rc=$?

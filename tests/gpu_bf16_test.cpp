@@ -984,6 +984,23 @@ TEST(GpuBf16Ops, ResNet20TrainingStepChannelsLastMatchesTheCpuStep) {
   bf16_resnet20_step_matches_the_cpu(MemoryFormat::ChannelsLast);
 }
 
+// ResNet-20 on `d` with SGD momentum, every byte in an arena of its own of 256 MiB, from seed `seed`.
+struct Resnet20Run {
+  std::shared_ptr<Arena> arena;
+  std::shared_ptr<nn::Module> model;
+  std::unique_ptr<optim::SGD> opt;
+};
+static Resnet20Run resnet20_in_arena(Device d, std::uint64_t seed) {
+  Resnet20Run r;
+  r.arena = std::make_shared<Arena>(d, std::size_t(256) << 20);
+  ArenaScope scope(r.arena);
+  nn::manual_seed(seed);
+  r.model = nn::make_model({"resnet20"});
+  r.model->to(d);
+  r.opt = std::make_unique<optim::SGD>(r.model->parameters(), optim::SGDOptions{.lr = 0.05, .momentum = 0.9});
+  return r;
+}
+
 // Mixed-precision MBP steps on the GPU (mbp::Precision::bf16, as `tally train --precision bf16
 // --device cuda` runs them): a batch of 48 in micro-batches of 16, every step's peak as predicted
 // by its dry run, and the first step's loss near the CPU's for the same model, batch and split.
@@ -996,16 +1013,7 @@ TEST(GpuBf16Ops, MicroBatchedBf16StepsArePlannedExactly) {
   std::vector<i64> labels(B);
   for (auto& l : labels) l = static_cast<i64>(rng() % 10);
   auto first_loss = [&](Device d) {
-    auto arena = std::make_shared<Arena>(d, std::size_t(256) << 20);
-    std::shared_ptr<nn::Module> model;
-    std::unique_ptr<optim::SGD> opt;
-    {
-      ArenaScope scope(arena);
-      nn::manual_seed(21);
-      model = nn::make_model({"resnet20"});
-      model->to(d);
-      opt = std::make_unique<optim::SGD>(model->parameters(), optim::SGDOptions{.lr = 0.05, .momentum = 0.9});
-    }
+    auto [arena, model, opt] = resnet20_in_arena(d, 21);
     mbp::ExecutorOptions eo;
     eo.sample_shape = sample;
     eo.micro_batch = 16;
@@ -1054,16 +1062,7 @@ TEST(GpuBf16Ops, TunedConvolutionsPlanExactlyAndReplayBitForBit) {
   // Two steps; returns the parameters after them.
   auto train = [&](const std::shared_ptr<ConvTuning>& tuning) {
     const Device d = Device::cuda(0);
-    auto arena = std::make_shared<Arena>(d, std::size_t(256) << 20);
-    std::shared_ptr<nn::Module> model;
-    std::unique_ptr<optim::SGD> opt;
-    {
-      ArenaScope scope(arena);
-      nn::manual_seed(21);
-      model = nn::make_model({"resnet20"});
-      model->to(d);
-      opt = std::make_unique<optim::SGD>(model->parameters(), optim::SGDOptions{.lr = 0.05, .momentum = 0.9});
-    }
+    auto [arena, model, opt] = resnet20_in_arena(d, 21);
     mbp::ExecutorOptions eo;
     eo.sample_shape = sample;
     eo.micro_batch = 16;
@@ -1100,4 +1099,76 @@ TEST(GpuBf16Ops, TunedConvolutionsPlanExactlyAndReplayBitForBit) {
   ASSERT_EQ(plain.size(), tuned.size());
   for (std::size_t i = 0; i < plain.size(); ++i)
     ASSERT_NEAR(plain[i], tuned[i], 2e-2 * (1 + std::abs(tuned[i]))) << "parameter element " << i;
+}
+
+// CUDA graphs (ExecutorOptions::cuda_graphs, core/graphs.h): ResNet-20 with batch norm, a batch of
+// 44 in micro-batches of 8, 8, 7, 7, 7, 7 (two sizes, double-buffered inputs, a last micro-batch
+// without a next), three steps with graphs and three without — in float32, in bf16 channels-last,
+// and with every block recomputed: the same losses and the same parameters and running statistics
+// bit for bit (the same kernels on the same addresses), every peak as predicted, and most
+// micro-batches after the first step replayed (their host code skipped).
+TEST(GpuGraphs, ReplayedMicroBatchesGiveTheLaunchedStepsBitsAndPeaks) {
+  REQUIRE_GPU();
+  const i64 B = 44;
+  const Shape sample{3, 32, 32};
+  std::mt19937 rng(fresh_seed());
+  const auto images = random_values<float>(static_cast<std::size_t>(B * shape_numel(sample)), rng);
+  std::vector<i64> labels(B);
+  for (auto& l : labels) l = static_cast<i64>(rng() % 10);
+  struct Case {
+    const char* name;
+    mbp::Precision precision;
+    MemoryFormat format;
+    const char* recompute;
+  };
+  struct Run {
+    std::vector<float> values;
+    std::vector<double> losses;
+    mbp::Executor::GraphStats stats;
+  };
+  for (const Case c : {Case{"float32", mbp::Precision::fp32, MemoryFormat::Contiguous, "none"},
+                       Case{"bf16 channels-last", mbp::Precision::bf16, MemoryFormat::ChannelsLast, "none"},
+                       Case{"float32, blocks recomputed", mbp::Precision::fp32, MemoryFormat::Contiguous, "blocks"}}) {
+    SCOPED_TRACE(c.name);
+    auto train = [&](bool graphs) {
+      const Device d = Device::cuda(0);
+      auto [arena, model, opt] = resnet20_in_arena(d, 23);
+      mbp::ExecutorOptions eo;
+      eo.sample_shape = sample;
+      eo.micro_batch = 8;
+      eo.precision = c.precision;
+      eo.memory_format = c.format;
+      eo.recompute = c.recompute;
+      eo.cuda_graphs = graphs;
+      mbp::Executor ex(*model, *opt, arena, eo);
+      Run run;
+      for (int step = 0; step < 3; ++step) {
+        const mbp::StepResult r = ex.step(images.data(), labels.data(), B);
+        EXPECT_EQ(r.micro_batches, 6);
+        EXPECT_EQ(r.peak, r.predicted_peak) << "step " << step << (graphs ? ", graphs on" : ", graphs off");
+        EXPECT_TRUE(std::isfinite(r.loss));
+        run.losses.push_back(r.loss);
+      }
+      for (const Tensor& t : model->parameters()) {
+        const auto v = t.to(Device::cpu()).to_vector<float>();
+        run.values.insert(run.values.end(), v.begin(), v.end());
+      }
+      for (const auto& [name, t] : model->named_buffers()) {
+        if (t.dtype() != DType::Float32) continue;  // the batch counters: compared by the values they scale
+        const auto v = t.to(Device::cpu()).to_vector<float>();
+        run.values.insert(run.values.end(), v.begin(), v.end());
+      }
+      run.stats = ex.graph_stats();
+      return run;
+    };
+    const Run off = train(false), on = train(true);
+    EXPECT_EQ(off.stats.recorded, 0);
+    EXPECT_GT(on.stats.recorded, 0);
+    EXPECT_GE(on.stats.replayed, 8) << "steps 2 and 3 replay micro-batches 2..6 of step 1's layouts";
+    EXPECT_EQ(on.stats.unreplayable, 0);
+    EXPECT_EQ(on.losses, off.losses);
+    EXPECT_TRUE(on.values == off.values) << "parameters and running statistics, bit for bit";
+    std::cout << fmt::format("{}: {} micro-batches recorded, {} replayed, {} nodes, {} bytes of graph memory\n",
+                             c.name, on.stats.recorded, on.stats.replayed, on.stats.nodes, on.stats.device_bytes);
+  }
 }

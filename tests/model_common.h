@@ -86,7 +86,7 @@ std::vector<std::vector<double>> values(const nn::Module& m, bool buffers = fals
   std::vector<std::vector<double>> out;
   for (const auto& [name, t] : buffers ? m.named_buffers() : m.named_parameters()) {
     if (!is_floating(t.dtype())) continue;
-    const auto v = t.template to_vector<T>();
+    const auto v = t.to(Device::cpu()).template to_vector<T>();  // from any device
     out.emplace_back(v.begin(), v.end());
   }
   return out;

@@ -157,7 +157,7 @@ TEST(Options, EachCommandStartsFromItsOwnDefaults) {
   EXPECT_NE(plan_cli.help().find("fp32|bf16"), std::string::npos);
   // --resume's help names the flags that may change, from the table.
   EXPECT_NE(train_cli.help().find("--workers, --threads (a CUDA run's; a CPU run keeps its count), --tuning-file (a resumed run replays its "
-                                 "checkpoint's engines), --tuning-seconds, --collectives, --profile, --save, "
+                                 "checkpoint's engines), --tuning-seconds, --collectives, --cuda-graphs, --profile, --save, "
                                    "--no-progress, --host-memory-limit, "
                                    "--placement, --copy-bandwidth, --compute-rate, --checkpoint-every"),
             std::string::npos)
@@ -197,7 +197,7 @@ TEST(Options, TheTextFormKeepsEveryOptionAndTheSameStrings) {
   EXPECT_EQ(values.at("transform"), "imagenet");
   EXPECT_EQ(values.at("skip-bad-images"), "false");
   EXPECT_EQ(values.at("deterministic"), "on");
-  EXPECT_EQ(values.size(), 52u);
+  EXPECT_EQ(values.size(), 53u);
   EXPECT_EQ(values.count("resume"), 0u);
   EXPECT_EQ(option_values(options_from_values(values, "test")), option_values(o));
   // A checkpoint from before --memory-format ran contiguous; one from before the pipeline had one
@@ -241,14 +241,14 @@ TEST(Options, AResumedRunTakesOnlyTheChangeableFlags) {
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("--lr: the run has 0.3, given 0.1"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("only --workers, --threads (a CUDA run's; a CPU run keeps its count), --tuning-file (a resumed run replays "
-                      "its checkpoint's engines), --tuning-seconds, --collectives, --profile, --save, --no-progress, "
+                      "its checkpoint's engines), --tuning-seconds, --collectives, --cuda-graphs, --profile, --save, --no-progress, "
                                          "--host-memory-limit, --placement, --copy-bandwidth, --compute-rate, "
                                          "--checkpoint-every may change"),
               std::string::npos)
         << e.what();
   }
   EXPECT_EQ(options_changeable_on_resume(),
-            (std::vector<std::string>{"workers", "threads", "tuning-file", "tuning-seconds", "collectives", "profile", "save", "out", "progress", "host-memory-limit",
+            (std::vector<std::string>{"workers", "threads", "tuning-file", "tuning-seconds", "collectives", "cuda-graphs", "profile", "save", "out", "progress", "host-memory-limit",
                                       "placement", "copy-bandwidth", "compute-rate", "checkpoint-every"}));
 }
 

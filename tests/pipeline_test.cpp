@@ -6,6 +6,10 @@
 // (<= 1e-12), with BatchNorm its micro-batched step at the same micro-batch (<= 1e-12, running
 // statistics too) — under 1F1B and GPipe, with equal and with different limits per rank (the
 // micro-batch is then the smaller stage's); predicted == measured peak on every rank every step.
+// StagedPipelineStages.*: the same stages with their messages through host memory (the transport
+// of a GPU's stages) change no bit, and take exactly the staging the plan says. GpuStages.* (ctest
+// pipeline.gpu_two_stages_one_gpu; skips without a GPU, saying so): two ranks on one GPU as two
+// stages against one process on it.
 // PipelineCommandLine.* (no mpirun; they start it): `tally train --pipeline-stages 2` against one
 // process, and ResNet-50 in 300 MiB per stage.
 #include <gtest/gtest.h>
@@ -22,6 +26,7 @@
 #include "core/memory.h"
 #include "core/safetensors.h"
 #include "distributed/communicator.h"
+#include "distributed/staged.h"
 #include "mbp/executor.h"
 #include "mbp/pipeline.h"
 #include "mbp/stage_runner.h"
@@ -241,11 +246,12 @@ struct Stage {
 };
 
 Stage make_stage(const std::string& norm, int rank, const std::vector<std::size_t>& bounds,
-                 mbp::PipelineSchedule schedule, std::size_t budget_bytes) {
+                 mbp::PipelineSchedule schedule, std::size_t budget_bytes, Device device = Device::cpu(),
+                 DType dtype = DType::Float64) {
   Stage s;
-  s.model = model("resnet20", norm, 7, DType::Float64);
+  s.model = model("resnet20", norm, 7, dtype);
   s.segments = s.model->segments();
-  s.budget = std::make_shared<Arena>(Device::cpu(), budget_bytes);
+  s.budget = std::make_shared<Arena>(device, budget_bytes);
   s.stage.stage = rank, s.stage.stages = 2, s.stage.bounds = bounds, s.stage.schedule = schedule;
   std::vector<Tensor> params = mbp::place_stage(s.segments, bounds, rank, s.budget);
   ArenaScope in_budget(s.budget);
@@ -360,6 +366,124 @@ INSTANTIATE_TEST_SUITE_P(NormsSchedulesLimits, PipelineStages,
                                               mbp::pipeline_schedule_name(std::get<1>(i.param)),
                                               std::get<2>(i.param) ? "uneven" : "even");
                          });
+
+// Through the staged transport (distributed/staged.h: how a GPU's stages exchange activations and
+// gradients), here with the CPU as its device: the step is the direct transport's bit for bit, and
+// the staging buffer, made with 256 bytes, grows before the first step to exactly what the plan says
+// its messages take (mbp::message_staging_bytes) — and they reach exactly that.
+class StagedPipelineStages : public PipelineParts, public ::testing::WithParamInterface<mbp::PipelineSchedule> {};
+
+TEST_P(StagedPipelineStages, MessagesThroughHostMemoryChangeNoBitAndTakeWhatThePlanSays) {
+  if (world()->size() != 2) GTEST_SKIP() << "needs exactly 2 ranks: run under mpirun -np 2 (this world has "
+                                         << world()->size() << ")";
+  const mbp::PipelineSchedule schedule = GetParam();
+  const int rank = world()->rank();
+  const std::int64_t B = 11;
+  const Shape sample{3, 16, 16};
+  const std::vector<std::size_t> bounds{0, 5, 11};
+  const auto staged = distributed::make_staged(world(), Device::cpu(), Arena::kAlignment);
+  Stage direct = make_stage("group", rank, bounds, schedule, parse_size("64MiB"));
+  Stage through = make_stage("group", rank, bounds, schedule, parse_size("64MiB"));
+  const auto executor = [&](Stage& st, std::shared_ptr<distributed::Communicator> comm) {
+    mbp::ExecutorOptions eo;
+    eo.sample_shape = sample;
+    eo.micro_batch = 4;  // 4, 4, 3: micro-batches of two sizes
+    eo.communicator = std::move(comm);
+    eo.pipeline = st.stage;
+    return std::make_unique<mbp::Executor>(*st.model, *st.optimizer, st.budget, eo);
+  };
+  auto a = executor(direct, world()), b = executor(through, staged);
+  for (int step = 0; step < 2; ++step) {
+    const Data d = make_data(B, sample, 700 + static_cast<std::uint32_t>(step));
+    const mbp::StepResult ra = a->step(d.images.data(), d.labels.data(), B);
+    const mbp::StepResult rb = b->step(d.images.data(), d.labels.data(), B);
+    EXPECT_EQ(rb.loss, ra.loss) << "step " << step;
+    EXPECT_EQ(rb.peak, rb.predicted_peak) << "rank " << rank << " step " << step;
+    const std::size_t predicted = b->message_staging_bytes(b->plan(B));
+    // Two messages of 4 samples at least (32x8x8 float64 per sample cross the cut either way).
+    EXPECT_GE(predicted, std::size_t(2 * 4 * 32 * 8 * 8 * 8));
+    EXPECT_EQ(distributed::staging_capacity(*staged), predicted) << "grown to the plan's bytes";
+    EXPECT_EQ(distributed::staging_high_water(*staged), predicted) << "rank " << rank << " step " << step;
+  }
+  EXPECT_TRUE(bitwise_equal(values<double>(*through.model, true), values<double>(*direct.model, true)));
+  if (rank == 0)
+    std::cout << fmt::format("{}: message staging {} bytes on rank 0\n", mbp::pipeline_schedule_name(schedule),
+                             distributed::staging_high_water(*staged));
+}
+
+INSTANTIATE_TEST_SUITE_P(Schedules, StagedPipelineStages,
+                         ::testing::Values(mbp::PipelineSchedule::one_f_one_b, mbp::PipelineSchedule::gpipe),
+                         [](const auto& i) { return std::string(mbp::pipeline_schedule_name(i.param)); });
+
+// Two ranks on one GPU as two stages, their messages through host memory (the staged transport: NCCL
+// refuses two ranks on one device), against one process on the GPU at the same micro-batches:
+// float32 ResNet-20, group norm, both schedules; predicted == measured on both ranks, the message
+// staging exactly the plan's.
+class GpuStages : public PipelineParts, public ::testing::WithParamInterface<mbp::PipelineSchedule> {};
+
+TEST_P(GpuStages, TwoStagesShareOneGpuThroughHostMemory) {
+  if (world()->size() != 2) GTEST_SKIP() << "needs exactly 2 ranks: run under mpirun -np 2 (this world has "
+                                         << world()->size() << ")";
+  if (!cuda_available()) GTEST_SKIP() << "no GPU present: " << build_info();
+  const mbp::PipelineSchedule schedule = GetParam();
+  const Device gpu = Device::cuda(0);
+  const auto comm = distributed::for_device(world(), gpu, distributed::Collectives::mpi);
+  ASSERT_EQ(comm->backend(), "mpi (staged)");
+  const int rank = comm->rank();
+  const std::int64_t B = 12, m = 5;
+  const Shape sample{3, 16, 16};
+  const std::vector<std::size_t> bounds{0, 5, 11};
+  Stage st = make_stage("group", rank, bounds, schedule, parse_size("256MiB"), gpu, DType::Float32);
+  mbp::ExecutorOptions eo;
+  eo.sample_shape = sample;
+  eo.micro_batch = m;
+  eo.communicator = comm;
+  eo.pipeline = st.stage;
+  mbp::Executor ex(*st.model, *st.optimizer, st.budget, eo);
+  // One process: the same weights (same seed), the same micro-batches, on the same GPU.
+  const auto ref_arena = std::make_shared<Arena>(gpu, parse_size("256MiB"));
+  std::shared_ptr<nn::Module> ref;
+  std::unique_ptr<optim::SGD> ref_opt;
+  {
+    ArenaScope scope(ref_arena);
+    ref = model("resnet20", "group", 7, DType::Float32);
+    ref->to(gpu);
+    optim::SGDOptions so;
+    so.lr = 0.05, so.momentum = 0.9, so.weight_decay = 5e-4;
+    ref_opt = std::make_unique<optim::SGD>(ref->parameters(), so);
+  }
+  mbp::ExecutorOptions ro;
+  ro.sample_shape = sample;
+  ro.micro_batch = m;
+  mbp::Executor ref_ex(*ref, *ref_opt, ref_arena, ro);
+  double worst_loss = 0;
+  for (int step = 0; step < 3; ++step) {
+    const Data d = make_data(B, sample, 900 + static_cast<std::uint32_t>(step));
+    const mbp::StepResult r = ex.step(d.images.data(), d.labels.data(), B);
+    const double ref_loss = ref_ex.step(d.images.data(), d.labels.data(), B).loss;
+    EXPECT_EQ(r.peak, r.predicted_peak) << "rank " << rank << " step " << step;
+    EXPECT_EQ(distributed::staging_high_water(*comm), ex.message_staging_bytes(ex.plan(B))) << "rank " << rank;
+    EXPECT_TRUE(std::isfinite(r.loss));
+    EXPECT_NEAR(r.loss, ref_loss, 1e-5 * std::abs(ref_loss)) << "step " << step;
+    worst_loss = std::max(worst_loss, std::abs(r.loss - ref_loss) / std::abs(ref_loss));
+  }
+  mbp::gather_stages(*st.model, st.segments, bounds, *comm);
+  const auto a = values<float>(*st.model), b = values<float>(*ref);
+  ASSERT_EQ(a.size(), b.size());
+  double worst = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    worst = std::max(worst, rel_error(a[i], b[i]));
+    EXPECT_LE(rel_error(a[i], b[i]), 1e-5) << "parameter " << i;
+  }
+  if (rank == 0)
+    std::cout << fmt::format("{} on one GPU: worst loss difference {:.3g}, worst parameter {:.3g}, message staging "
+                             "{} bytes\n", mbp::pipeline_schedule_name(schedule), worst_loss, worst,
+                             distributed::staging_high_water(*comm));
+}
+
+INSTANTIATE_TEST_SUITE_P(Schedules, GpuStages,
+                         ::testing::Values(mbp::PipelineSchedule::one_f_one_b, mbp::PipelineSchedule::gpipe),
+                         [](const auto& i) { return std::string(mbp::pipeline_schedule_name(i.param)); });
 
 // ---------------------------------------------------------------------------------------------
 // The command line: `mpirun -np 2 tally train --pipeline-stages 2` (these tests start mpirun).

@@ -423,6 +423,67 @@ void copy_wait(const Event& e) {
   if (e.valid()) TALLY_CUDA_CHECK(cudaStreamWaitEvent(copy_stream(), e.get(), 0));
 }
 
+// ---- CUDA graphs ---------------------------------------------------------------------------------
+Graph::~Graph() {
+  if (exec_) (void)cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(exec_));
+}
+Graph::Graph(Graph&& o) noexcept : exec_(o.exec_), nodes_(o.nodes_), device_bytes_(o.device_bytes_) {
+  o.exec_ = nullptr;
+}
+Graph& Graph::operator=(Graph&& o) noexcept {
+  if (this != &o) {
+    if (exec_) (void)cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(exec_));
+    exec_ = o.exec_, nodes_ = o.nodes_, device_bytes_ = o.device_bytes_;
+    o.exec_ = nullptr;
+  }
+  return *this;
+}
+
+void Graph::launch() const {
+  if (!exec_) throw Error("CUDA graph: launch of an empty graph");
+  TALLY_CUDA_CHECK(cudaGraphLaunch(static_cast<cudaGraphExec_t>(exec_), context().compute));
+}
+
+void begin_capture() {
+  TALLY_CUDA_CHECK(cudaStreamBeginCapture(context().compute, cudaStreamCaptureModeThreadLocal));
+}
+
+Graph end_capture() {
+  cudaGraph_t graph = nullptr;
+  const cudaError_t ended = cudaStreamEndCapture(context().compute, &graph);
+  if (ended != cudaSuccess || graph == nullptr) {
+    (void)cudaGetLastError();  // the capture's error is reported here, not by the next call
+    throw Error(fmt::format("CUDA graph: the capture of the compute stream was broken ({}: {}); a call in the "
+                            "captured work waits for the device or is not allowed in a capture",
+                            cudaGetErrorName(ended), cudaGetErrorString(ended)));
+  }
+  Graph g;
+  std::size_t free_before = 0, free_after = 0, total = 0;
+  TALLY_CUDA_CHECK(cudaMemGetInfo(&free_before, &total));
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t made = cudaGraphInstantiate(&exec, graph, 0);
+  std::size_t nodes = 0;
+  (void)cudaGraphGetNodes(graph, nullptr, &nodes);
+  (void)cudaGraphDestroy(graph);
+  TALLY_CUDA_CHECK(made);
+  g.exec_ = exec;
+  g.nodes_ = nodes;
+  TALLY_CUDA_CHECK(cudaMemGetInfo(&free_after, &total));
+  g.device_bytes_ = free_before > free_after ? free_before - free_after : 0;
+  return g;
+}
+
+void abandon_capture() noexcept {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(context().compute, &status) != cudaSuccess || status == cudaStreamCaptureStatusNone) {
+    (void)cudaGetLastError();
+    return;
+  }
+  cudaGraph_t graph = nullptr;
+  if (cudaStreamEndCapture(context().compute, &graph) == cudaSuccess && graph) (void)cudaGraphDestroy(graph);
+  (void)cudaGetLastError();
+}
+
 // ---- per-op GPU time ----------------------------------------------------------------------------
 namespace {
 bool profile_from_env() {

@@ -173,6 +173,38 @@ void compute_wait(const Event& e);
 // Work enqueued on the copy stream from now on waits for `e` (no host wait).
 void copy_wait(const Event& e);
 
+// ---- CUDA graphs ------------------------------------------------------------------------------
+// The compute stream's work recorded once (stream capture) and launched again as one call: what a
+// micro-batch's forward and backward enqueue, replayed without their host code (core/graphs.h).
+// begin_capture() starts recording the current device's compute stream (thread-local mode: other
+// threads' CUDA calls are not affected); until end_capture() nothing enqueued there runs, and a
+// call that would wait for the stream is an error that ends the capture. end_capture() stops it
+// and instantiates the graph — or, if the capture was broken (an unsupported call in between),
+// throws tally::Error naming CUDA's reason. abandon_capture() stops a capture an exception left
+// open, discarding it (never throws). A Graph is move-only and destroys itself.
+class Graph {
+ public:
+  Graph() = default;
+  ~Graph();
+  Graph(Graph&& o) noexcept;
+  Graph& operator=(Graph&& o) noexcept;
+  Graph(const Graph&) = delete;
+  Graph& operator=(const Graph&) = delete;
+  bool valid() const { return exec_ != nullptr; }
+  void launch() const;  // on the compute stream (no host wait)
+  std::size_t nodes() const { return nodes_; }
+  // The device memory instantiating it took (free memory before and after), outside the arena.
+  std::size_t device_bytes() const { return device_bytes_; }
+
+ private:
+  friend Graph end_capture();
+  void* exec_ = nullptr;  // cudaGraphExec_t
+  std::size_t nodes_ = 0, device_bytes_ = 0;
+};
+void begin_capture();
+Graph end_capture();
+void abandon_capture() noexcept;
+
 // The per-op GPU time (set_profiling, OpTimer, profile_collect, ...) is the backend contract's:
 // kernels/backend.inc, declared through kernels/cuda/cuda_kernels.h.
 

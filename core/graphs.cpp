@@ -1,0 +1,107 @@
+// core/graphs.cpp — recorded device work and its replay; see core/graphs.h.
+#include "core/graphs.h"
+
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "core/arena.h"
+#include "core/error.h"
+#include "core/ops.h"
+#include "kernels/cuda/context.h"
+
+namespace tally {
+
+namespace {
+
+// What the recording on this thread has gathered so far (null: none under way).
+struct Recording {
+  std::vector<std::function<void()>> effects;
+  std::string why_not;
+};
+thread_local Recording* g_recording = nullptr;
+
+// The backend's side, a template so that a build without CUDA never needs its definitions (the
+// branch that names it is discarded there: core/staging.cpp does the same).
+template <class Graph = kernels::cuda::Graph>
+struct CudaCapture {
+  bool open = false;
+  void begin(int device) {
+    kernels::cuda::use_device(device);
+    kernels::cuda::begin_capture();
+    open = true;
+  }
+  std::shared_ptr<Graph> end() {
+    open = false;
+    return std::make_shared<Graph>(kernels::cuda::end_capture());
+  }
+  ~CudaCapture() {
+    if (open) kernels::cuda::abandon_capture();
+  }
+};
+
+FlopCount minus(const FlopCount& a, const FlopCount& b) {
+  return {a.forward - b.forward, a.recompute - b.recompute, a.backward - b.backward};
+}
+
+}  // namespace
+
+void on_replay(std::function<void()> effect) {
+  if (g_recording) g_recording->effects.push_back(std::move(effect));
+}
+
+void not_replayable(const std::string& why) {
+  if (g_recording && g_recording->why_not.empty()) g_recording->why_not = why;
+}
+
+bool recording_device_work() { return g_recording != nullptr; }
+
+DeviceGraph record_device_work(Device device, const Arena& arena, const std::function<void()>& work) {
+  if (!device.is_cuda())
+    throw Error(fmt::format("record_device_work: device work is recorded on a GPU, found {}", device.str()));
+  if (g_recording) throw Error("record_device_work: a recording is already under way on this thread");
+  DeviceGraph g;
+  if constexpr (kHaveCudaBackend) {
+    const std::uint64_t before = arena.layout_hash();
+    const FlopCount flops = flop_count();
+    Recording rec;
+    CudaCapture<> capture;
+    capture.begin(device.index);
+    g_recording = &rec;
+    try {
+      work();
+    } catch (...) {
+      g_recording = nullptr;
+      throw;  // the capture is abandoned on the way out
+    }
+    g_recording = nullptr;
+    auto graph = capture.end();
+    if (arena.layout_hash() != before)
+      throw Error("record_device_work: the recorded work left the arena's layout other than it found it (it "
+                  "allocated what it did not free), so a replay, which allocates nothing, would not match a run");
+    const FlopCount added = minus(flop_count(), flops);
+    rec.effects.push_back([added] {
+      FlopCount& f = flop_count();
+      f.forward += added.forward, f.recompute += added.recompute, f.backward += added.backward;
+    });
+    g.nodes_ = graph->nodes();
+    g.device_bytes_ = graph->device_bytes();
+    g.launch_ = [graph] { graph->launch(); };
+    g.graph_ = graph;
+    g.effects_ = std::move(rec.effects);
+    g.why_not_ = std::move(rec.why_not);
+    graph->launch();  // the recording is the micro-batch's run
+    return g;
+  } else {
+    (void)arena, (void)work;
+    throw Error(fmt::format("record_device_work on {}: this build of tally has no CUDA backend", device.str()));
+  }
+}
+
+void DeviceGraph::replay() const {
+  if (!replayable()) throw Error(fmt::format("DeviceGraph: this recording may not be replayed ({})", why_not_));
+  launch_();
+  for (const auto& effect : effects_) effect();
+}
+
+}  // namespace tally
