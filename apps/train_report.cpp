@@ -225,6 +225,7 @@ void TrainingRun::write_profile(std::int64_t step) {
 // --cuda-graphs on: what was recorded and replayed, in the log and the summary.
 void TrainingRun::report_graphs() {
   const mbp::Executor::GraphStats& g = executor_->graph_stats();
+  if (!g.failed.empty()) fmt::print(log_, "cuda graphs: off since a recording failed: {}\n", g.failed);
   if (g.recorded == 0) return;
   result_.graphs_recorded = g.recorded, result_.graphs_replayed = g.replayed;
   result_.graph_device_bytes = static_cast<std::int64_t>(g.device_bytes);

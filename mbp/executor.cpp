@@ -384,11 +384,20 @@ CrossEntropyOptions Executor::micro_batch_loss(const std::int64_t* labels, std::
   return co;
 }
 
+namespace {
+// A micro-batch's recording failed (a call CUDA does not allow in a capture): its work was not done,
+// so the step is run again from its start, without graphs (Executor::run).
+struct RecordingFailed : Error {
+  using Error::Error;
+};
+}  // namespace
+
 bool Executor::graphs_for(std::size_t index) const {
   // After the step's first micro-batch (it allocates the step's moments: the layout differs after
   // it) and its targets' check; alone with the model's own ops (no part, no offload, no trace).
-  return opt_.cuda_graphs && device_.is_cuda() && index > 0 && !skip_side_effects() && step_parts_.empty() &&
-         !stage_ && placed_ == Placement::device && !config_.segments.offloads() && !arena_->tracing();
+  return opt_.cuda_graphs && graph_stats_.failed.empty() && device_.is_cuda() && index > 0 && !skip_side_effects() &&
+         step_parts_.empty() && !stage_ && placed_ == Placement::device && !config_.segments.offloads() &&
+         !arena_->tracing();
 }
 
 void Executor::run_graphed(const GraphKey& key, const std::function<void()>& compute) {
@@ -401,7 +410,15 @@ void Executor::run_graphed(const GraphKey& key, const std::function<void()>& com
     compute();
     return;
   }
-  DeviceGraph g = record_device_work(device_, *arena_, compute);  // runs the micro-batch
+  DeviceGraph g;
+  try {
+    g = record_device_work(device_, *arena_, compute);  // runs the micro-batch
+  } catch (const OutOfMemory&) {
+    throw;  // the step's own retry (run)
+  } catch (const Error& e) {
+    graph_stats_.failed = e.what();  // graphs are off for the rest of the run
+    throw RecordingFailed(e.what());
+  }
   ++graph_stats_.recorded;
   graph_stats_.device_bytes += g.device_bytes();
   if (!g.replayable()) {
@@ -544,6 +561,12 @@ StepResult Executor::run(const float* images, const std::int64_t* labels, std::i
         r.pending_loss = PendingScalar(r.loss);  // the stages' agreed loss
       }
       return r;
+    } catch (const RecordingFailed& e) {
+      // Nothing of the step is kept (gradients zeroed, moments dropped): it runs again, without graphs.
+      discard_partial_step();
+      if (opt_.log)
+        opt_.log(fmt::format("cuda graphs: a micro-batch could not be recorded ({}); the step runs again and the "
+                             "run goes on without graphs", e.what()));
     } catch (const OutOfMemory& e) {
       discard_partial_step();
       if (stage_) stage_->before_retry(e, batch, p);

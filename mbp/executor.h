@@ -288,10 +288,13 @@ class Executor {
   std::size_t message_staging_bytes(const Plan& plan) const;
   // What CUDA graphs (ExecutorOptions::cuda_graphs) did so far: micro-batches recorded, replayed,
   // and run without a graph because their recording could not be replayed; the graphs kept, their
-  // nodes and the device memory instantiating them took (outside the arena).
+  // nodes and the device memory instantiating them took (outside the arena). A recording that fails
+  // (a call CUDA does not allow in a capture) discards the step, which runs again without graphs, as
+  // does the rest of the run; `failed` says why.
   struct GraphStats {
     std::int64_t recorded = 0, replayed = 0, unreplayable = 0;
     std::size_t graphs = 0, nodes = 0, device_bytes = 0;
+    std::string failed;
   };
   const GraphStats& graph_stats() const { return graph_stats_; }
   MemoryFormat memory_format() const { return opt_.memory_format; }

@@ -3,12 +3,13 @@
 #
 #   scripts/gpu-check.sh pack          on the build machine (no GPU needed): configures build-gpu/
 #                                      (Release, sm_90, line info for the sanitizer, no oneDNN),
-#                                      builds the GPU tests, tally, bench_kernels and bench_train,
-#                                      and packs them with their non-CUDA shared libraries and
-#                                      Fashion-MNIST into .gpu-bundle/bundle.tar.xz (git-ignored),
-#                                      which must travel with the tracked tree in 60 MiB; `run`
-#                                      unpacks it on arrival. Over the limit it fails, naming the
-#                                      largest parts.
+#                                      builds the GPU tests (the two-rank ones too: MPI required),
+#                                      tally, bench_kernels and bench_train, and packs them with
+#                                      their non-CUDA shared libraries, Open MPI's launcher (mpirun,
+#                                      its plugins, PMIx; bundle_mpi) and Fashion-MNIST into
+#                                      .gpu-bundle/bundle.tar.xz (git-ignored), which must travel
+#                                      with the tracked tree in 60 MiB; `run` unpacks it on arrival.
+#                                      Over the limit it fails, naming the largest parts.
 #   scripts/gpu-check.sh run [STEP...]  on the GPU machine, from the repository root, .gpu-bundle/
 #                                      carried along. The whole run stops starting commands after
 #                                      RUN_SECONDS (default 540: one call of 9 minutes), each step
@@ -19,6 +20,10 @@
 #                  the PyTorch there                                                    (~10 s)
 #        tests     every gpu test once (cuDNN's choices logged); the convolution tests again
 #                  through each cuDNN API forced; resume.cuda (tests/resume_test.sh cuda) (~2 min)
+#        mpi       the two-rank gpu tests (ctest labels gpu;mpi) under the bundled mpirun -np 2:
+#                  dist_test's CPU collectives first (does mpirun start two ranks?), then
+#                  dist_test *Gpu* and pipeline_test *GpuStages.* (two ranks on one GPU); then
+#                  tally: NCCL's memory in a world of one, ResNet-50 as 2 stages in 300 MiB (~1 min)
 #        compare   bench/compare_pytorch.py, ResNet-50 batch 256: float32 and TF32 with tally's
 #                  --deterministic on and off, bf16 (PyTorch: autocast + channels_last +
 #                  cudnn.benchmark), tally in both memory formats, against one PyTorch run each
@@ -47,6 +52,9 @@
 #        train     `make train`'s recipe on the GPU (ResNet-20 on Fashion-MNIST, packed by
 #                  `pack`, batch 512 in 32 MiB, 2 epochs) in float32 and bf16, then 40 steps
 #                  of an MBP demo with the convolutions through cuDNN's graph API       (~1 min)
+#        graphs    --cuda-graphs off and on in one call: make train's ResNet-20 plan (60 steps, its
+#                  weights must be the same bits), ResNet-50 batch 256 as 8 x 32 beside 1 x 256 in
+#                  float32 and bf16: images/s, the graphs' counts, the peaks             (~2 min)
 #        sanitize  compute-sanitizer runs of scripts/gpu-sanitize.list, in its order, while
 #                  the run's time lasts                                                 (the rest)
 #        bench     bench_train on the GPU: ResNet-20 and ResNet-50 native and micro-batched,
@@ -58,12 +66,22 @@
 #                                      not on the GPU machine; a command that fails only because
 #                                      no GPU is present (or, for compare and profile, no PyTorch:
 #                                      the GPU machine's is used) counts as passed, any other failure
-#                                      fails.
+#                                      fails. Its mpi step runs mpirun in a mount namespace where
+#                                      this machine's Open MPI is hidden, as the GPU machine has none
+#                                      (without-system-mpi, below), and checks with ldd that every
+#                                      library the bundle loads resolves inside it.
+#   scripts/gpu-check.sh without-system-mpi CMD...  here, as root: CMD in a mount namespace where
+#                                      Debian's Open MPI, PMIx, hwloc plugins and ssh are hidden; the
+#                                      proof that the bundled mpirun is relocatable, by hand:
+#                                        scripts/gpu-check.sh without-system-mpi \
+#                                          /tmp/tally-gpu-rehearsal/run mpirun --oversubscribe -np 2 hostname
 #   scripts/gpu-check.sh build-deps    here: download the Debian packages a build on the GPU
 #                                      machine needs into .gpu-debs/ (git-ignored).
 #   scripts/gpu-check.sh build-there   on the GPU machine, .gpu-debs/ carried: unpack them into a
 #                                      prefix, configure and build build-gpu/ with nvcc there, and
 #                                      re-pack .gpu-bundle/ from it (for a fix made after `pack`).
+#                                      Without MPI there (no Open MPI among the packages): its bundle
+#                                      has no two-rank tests and no mpirun, so the mpi step fails.
 #
 # Logs: one file per binary or tool in $LOGS (default /tmp/tally-gpu-logs), written as the step
 # runs; after every command they are packed into $OUT/logs.tar.gz and the summary so far is
@@ -80,13 +98,18 @@ cd "$here"
 bundle=.gpu-bundle
 debs=.gpu-debs
 tests=(gpu_test gpu_kernels_test gpu_ops_test gpu_bf16_test)
+# The two-rank tests (ctest labels gpu;mpi), started by the bundled mpirun: CMake makes them only
+# where it finds MPI, which `pack` requires.
+mpi_tests=(dist_test pipeline_test)
 # The GPU check's order, most important first: a run cut at its deadline has done these.
-all_steps=(env tests tuning compare norms deviceless host offload resnet50 profile train sanitize)
+all_steps=(env tests mpi tuning compare norms deviceless host offload resnet50 profile train graphs sanitize)
 # Each step's cap in seconds (docs/gpu.md, "The order and the caps"): a step stops starting
 # commands at its cap as the whole run does at RUN_SECONDS; the sanitizer takes what is left.
-declare -A step_caps=([env]=20 [tests]=140 [tuning]=120 [compare]=150 [norms]=40 [deviceless]=60 [host]=50 [offload]=60 [resnet50]=90 [profile]=90
-  [train]=100 [bench]=120 [repeat]=120)
-programs=("${tests[@]/#/tests/}" apps/tally bench/bench_kernels bench/bench_train)
+declare -A step_caps=([env]=20 [tests]=140 [mpi]=150 [tuning]=120 [compare]=150 [norms]=40 [deviceless]=60 [host]=50 [offload]=60
+  [resnet50]=90 [profile]=90 [train]=100 [graphs]=150 [bench]=120 [repeat]=120)
+programs=("${tests[@]/#/tests/}" "${mpi_tests[@]/#/tests/}" apps/tally bench/bench_kernels bench/bench_train)
+# The libraries every machine has (the C runtime) and those the GPU machine has (CUDA's): never packed.
+runtime_libs='^(linux-vdso|ld-linux|libc\.|libm\.|libdl\.|librt\.|libpthread\.|libstdc\+\+|libgcc_s|libcuda\.|libcudart|libcublas|libcudnn|libnccl|libnvrtc|libnvJitLink)'
 # The GPU machine takes 64 MiB of working tree in all: the tracked files travel with the bundle.
 # The bundle and the tracked tree together stay under 60 MiB, a margin for untracked notes.
 tree_limit=$((64 * 1024 * 1024))
@@ -94,26 +117,59 @@ bundle_limit=$((60 * 1024 * 1024))
 
 # ---- packing -------------------------------------------------------------------------------------
 
-# Copies each program into $bundle/bin and every shared library it needs into $bundle/lib, except
-# the C runtime and the CUDA libraries, which come from the GPU machine.
-bundle_programs() {
-  local skip='^(linux-vdso|ld-linux|libc\.|libm\.|libdl\.|librt\.|libpthread\.|libstdc\+\+|libgcc_s|libcuda\.|libcudart|libcublas|libcudnn|libnccl|libnvrtc|libnvJitLink)'
-  mkdir -p "$bundle/bin" "$bundle/lib"
-  local prog name path
-  for prog in "$@"; do
-    cp -f "$prog" "$bundle/bin/"
+# Copies every shared library the given files need into $bundle/lib, except the C runtime and the
+# CUDA libraries, which come from the GPU machine (runtime_libs).
+bundle_libs() {
+  mkdir -p "$bundle/lib"
+  local f name path
+  for f in "$@"; do
     while read -r name path; do
-      [[ $name =~ $skip ]] && continue
+      [[ $name =~ $runtime_libs ]] && continue
       cp -fL "$path" "$bundle/lib/$name"
-    done < <(ldd "$prog" | awk '/=> \//{print $1, $3}')
+    done < <(ldd "$f" | awk '/=> \//{print $1, $3}')
   done
+}
+
+# Copies each program into $bundle/bin and the shared libraries it needs into $bundle/lib.
+bundle_programs() {
+  mkdir -p "$bundle/bin"
+  cp -f "$@" "$bundle/bin/"
+  bundle_libs "$@"
   write_run_wrapper
+}
+
+# Open MPI's launcher for the mpi step, relocatable (the GPU machine has no Open MPI): Debian's
+# orterun (as mpirun) and orted, the MCA plugins, PMIx's plugins, both help texts (an error then
+# explains itself) and Open MPI's parameter file, under $bundle/mpi; the libraries they need go to
+# $bundle/lib beside the programs'. Debian's paths are compiled in (/usr, /etc/openmpi,
+# /usr/lib/x86_64-linux-gnu/pmix2): the run wrapper points Open MPI and PMIx here with their
+# OPAL_* and PMIX_* variables. Left out: the plugins of networks one node does not use (UCX,
+# libfabric, InfiniBand verbs, PSM; Debian's parameter file turns off all but PSM anyway), which
+# would bring their 10+ MB of libraries, and OpenSHMEM's frameworks (oshrun's, not mpirun's).
+# PMIx's parameter file is left out too: it names Debian's plugin folder.
+bundle_mpi() {
+  local ompi=/usr/lib/x86_64-linux-gnu/openmpi/lib pmix=/usr/lib/x86_64-linux-gnu/pmix2 mpi=$bundle/mpi
+  local unused='_(ucx|ofi|openib|psm|psm2)\.so$|/mca_(atomic|memheap|scoll|spml|sshmem)_' f
+  [[ -x /usr/bin/orterun && -d $ompi/openmpi3 && -d $pmix/lib/pmix ]] ||
+    { echo "gpu-check: no Open MPI here (Debian: openmpi-bin libopenmpi3 libpmix2) to bundle" >&2; exit 1; }
+  mkdir -p "$mpi/bin" "$mpi/lib/openmpi3" "$mpi/lib/pmix" "$mpi/share/openmpi" "$mpi/share/pmix" "$mpi/etc"
+  cp -f /usr/bin/orterun "$mpi/bin/mpirun"
+  cp -f /usr/bin/orted "$mpi/bin/"
+  for f in "$ompi"/openmpi3/*.so; do
+    [[ $f =~ $unused ]] || cp -f "$f" "$mpi/lib/openmpi3/"
+  done
+  cp -f "$pmix"/lib/pmix/*.so "$mpi/lib/pmix/"
+  cp -f /usr/share/openmpi/*.txt "$mpi/share/openmpi/"
+  cp -f "$pmix"/share/pmix/help-*.txt "$mpi/share/pmix/"
+  cp -f /etc/openmpi/openmpi-mca-params.conf /etc/openmpi/openmpi-default-hostfile "$mpi/etc/"
+  bundle_libs "$mpi"/bin/* "$mpi"/lib/openmpi3/*.so "$mpi"/lib/pmix/*.so
 }
 
 # $bundle/run: runs a command with the bundle's libraries and the GPU machine's CUDA runtime,
 # cuBLAS, cuBLASLt and cuDNN — all four from ONE tree, so that cuDNN finds the cuBLASLt it was built
 # with: the nvidia/* packages beside the machine's PyTorch first, else the CUDA toolkit.
-# TALLY_CUDA_LIBS (folders, colon-separated) overrides the search. Prints the files it chose.
+# TALLY_CUDA_LIBS (folders, colon-separated) overrides the search. Prints the files it chose. Where
+# the bundle has Open MPI (bundle_mpi), `run mpirun ...` starts the bundled one, relocated.
 write_run_wrapper() {
   cat >"$bundle/run" <<'RUN'
 #!/usr/bin/env bash
@@ -155,6 +211,23 @@ if [[ -z ${TALLY_RUN_QUIET:-} ]]; then
   fi
 fi
 export LD_LIBRARY_PATH=$here/lib${cuda:+:$cuda}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+# The bundled Open MPI (pack's bundle_mpi), `run mpirun ...`: Open MPI and PMIx take their folders
+# from these variables instead of the Debian paths compiled in. The GPU machine has no ssh: mpirun
+# launches on this node alone (plm isolated), where the rsh launcher refuses to start without it.
+# Defaults only, for a container: the ranks copy through shared-memory buffers, not with
+# process_vm_readv (single copy), which containers often forbid; PMIx keeps its data store per
+# process (hash), not in the shared-memory one that fails in some.
+if [[ -x $here/mpi/bin/mpirun ]]; then
+  mpi=$here/mpi
+  export PATH=$mpi/bin:$PATH
+  export OPAL_PREFIX=$mpi OPAL_LIBDIR=$here/lib OPAL_PKGLIBDIR=$mpi/lib/openmpi3 OPAL_PKGDATADIR=$mpi/share/openmpi \
+    OPAL_SYSCONFDIR=$mpi/etc
+  export PMIX_PREFIX=$mpi PMIX_PKGLIBDIR=$mpi/lib/pmix PMIX_PKGDATADIR=$mpi/share/pmix PMIX_SYSCONFDIR=$mpi/etc
+  export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+  export OMPI_MCA_plm=${OMPI_MCA_plm:-isolated}
+  export OMPI_MCA_btl_vader_single_copy_mechanism=${OMPI_MCA_btl_vader_single_copy_mechanism:-none}
+  export PMIX_MCA_gds=${PMIX_MCA_gds:-hash}
+fi
 exec "$@"
 RUN
   chmod +x "$bundle/run"
@@ -169,8 +242,12 @@ pack_from() {  # BUILD_DIR ARCH [unpacked]: "unpacked" (build-there) leaves the 
   local build=$1 arch=$2 keep=${3:-}
   rm -rf "$bundle"
   local bins=() p
-  for p in "${programs[@]}"; do bins+=("$build/$p"); done
+  for p in "${programs[@]}"; do
+    [[ -e $build/$p ]] && bins+=("$build/$p")
+  done
   bundle_programs "${bins[@]}"
+  # mpirun for the two-rank tests, where the build has them (not build-there's: no MPI there).
+  [[ -e $build/tests/${mpi_tests[0]} ]] && bundle_mpi
   # Fashion-MNIST for `make train`'s recipe (the GPU machine has no Debian packages), as raw IDX
   # files (tally reads them plain or gzip-compressed; raw ones compress better in the archive).
   if [[ -d /usr/share/datasets/fashion-mnist ]]; then
@@ -216,14 +293,18 @@ configure_build() {  # BUILD_DIR ARCH [cmake args...]
   # No oneDNN: its 39 MB library would not travel, and no GPU step needs it (see pack_from).
   cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DTALLY_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES="$arch" \
     -DTALLY_ONEDNN=OFF -DCMAKE_CUDA_FLAGS="-lineinfo" "$@" >/dev/null
+  # Each program the configuration has: the two-rank tests exist only where CMake found MPI.
   local targets=() p
-  for p in "${programs[@]}"; do targets+=("$(basename "$p")"); done
+  for p in "${programs[@]}"; do
+    [[ -d $build/$(dirname "$p")/CMakeFiles/$(basename "$p").dir ]] && targets+=("$(basename "$p")")
+  done
   cmake --build "$build" -j "${JOBS:-$(nproc)}" --target "${targets[@]}"
 }
 
 pack() {
   local build=${BUILD_DIR:-build-gpu} arch=${ARCH:-90}
-  configure_build "$build" "$arch"
+  # MPI required: the bundle carries the two-rank tests and the mpirun that starts them.
+  configure_build "$build" "$arch" -DTALLY_MPI=ON
   pack_from "$build" "$arch"
   echo "gpu-check: on the GPU machine, from the repository root with $bundle carried: scripts/gpu-check.sh run env tests ..."
 }
@@ -406,6 +487,154 @@ step_tests() {
   run_logged "resume.cuda" "$rlog" 60 "$bundle/run" bash tests/resume_test.sh cuda "$bundle/bin/tally"
   result "resume.cuda" \
     "$(grep -c '^ok:' "$rlog") ok, $(grep -c '^FAIL' "$rlog") failed$(grep -q 'skipped: no GPU' "$rlog" && echo ' (skipped: no GPU)')"
+}
+
+# Debian's Open MPI hidden as the GPU machine lacks it, in a mount namespace of the command's own
+# (unshare -m, root): empty tmpfs mounts over its folders (plugins, PMIx, help texts, configuration,
+# hwloc's plugins) and /dev/null over its programs, ssh, and the real files of the libraries the
+# bundle carries for it; then the command. What the bundled mpirun still took from the system fails.
+hide_system_mpi='set -e
+for d in /usr/lib/x86_64-linux-gnu/openmpi /usr/lib/x86_64-linux-gnu/pmix2 /usr/lib/x86_64-linux-gnu/hwloc \
+  /usr/share/openmpi /etc/openmpi; do
+  if [[ -d $d ]]; then mount -t tmpfs none "$d"; fi
+done
+for f in /usr/bin/orterun /usr/bin/orted /usr/bin/ssh /usr/bin/rsh /usr/lib/x86_64-linux-gnu/{libmpi.so.40,libopen-pal.so.40,\
+libopen-rte.so.40,libpmix.so.2,libhwloc.so.15,libevent_core-2.1.so.7,libevent_pthreads-2.1.so.7,libmunge.so.2}; do
+  if [[ -e $f ]]; then mount --bind /dev/null "$(readlink -f "$f")"; fi
+done
+exec "$@"'
+
+# Every library the bundle's programs, plugins and libraries load resolves inside it, but the C
+# runtime's and CUDA's (runtime_libs): ldd with the run wrapper's library path. A rehearsal's check
+# (this machine's libraries stand where the GPU machine has none; there, its own would hide a gap).
+check_bundle_libs() {
+  local f name path outside="" n=0
+  for f in "$bundle"/bin/* "$bundle"/mpi/bin/* "$bundle"/mpi/lib/*/*.so "$bundle"/lib/*; do
+    [[ -f $f ]] || continue
+    n=$((n + 1))
+    while read -r name path; do
+      [[ $name =~ $runtime_libs || $path == "$bundle/lib/"* || " $outside " == *" $name "* ]] || outside+=" $name"
+    done < <(LD_LIBRARY_PATH=$bundle/lib ldd "$f" 2>/dev/null | awk '$2 == "=>" { print $1, $3 }')
+  done
+  last_rc=0
+  [[ -z $outside ]] || { last_rc=1; status=1; }
+  result "bundle: libraries of its $n files (ldd)" \
+    "$( [[ -n $outside ]] && echo "from outside it:$outside" || echo 'all inside it (or the C runtime, CUDA)')"
+}
+
+# A summary row for a test under mpirun -np 2: both ranks must report (gtest's "N tests ... ran."),
+# or mpirun did not start them. A skipped test exits 0, so a failure is never the missing GPU's,
+# not even in a rehearsal; a skip counts as passed only there, as in the tests step.
+mpi_result() {  # NAME LOG
+  local ranks line
+  ranks=$(grep -cE '^\[==========\] [0-9]+ tests? from .* ran\.' "$2" || true)
+  # The ranks' gtest summaries, each different line once (two ranks that agree print the same).
+  line="$ranks of 2 ranks ran: $(grep -E '^\[ +(PASSED|FAILED|SKIPPED) +\] [0-9]+ tests?' "$2" | awk '!seen[$0]++' |
+    tr -s ' \n' ' ' || true)"
+  if grep -q '^==== rehearsal: failed for want of a GPU only' "$2" || ((ranks != 2 && last_rc == 0)); then
+    last_rc=1
+    status=1
+  fi
+  if grep -q 'no GPU present' "$2"; then
+    line="$line(skipped: no GPU present)"
+    ((rehearsal)) || status=1
+  fi
+  result "$1" "$line"
+}
+
+# Two ranks on one GPU (ctest labels gpu;mpi) under the bundled mpirun: first dist_test's CPU
+# collectives, which need no GPU, so that an mpirun that cannot start two ranks is told apart from a
+# failing test; then the two gpu tests. A rehearsal checks the bundle's libraries first and runs
+# mpirun with Debian's Open MPI hidden (hide_system_mpi).
+step_mpi() {
+  if [[ ! -x $bundle/mpi/bin/mpirun || ! -x $bundle/bin/${mpi_tests[0]} ]]; then
+    note "mpi: no mpirun or no two-rank tests in $bundle (a build without MPI: build-there?)"
+    status=1
+    return
+  fi
+  local hide=() name bin filter cap
+  if ((rehearsal)); then
+    check_bundle_libs
+    if ((EUID == 0)) && unshare -m true 2>/dev/null; then
+      hide=("$here/scripts/gpu-check.sh" without-system-mpi)
+    else
+      note "mpi: Debian's Open MPI not hidden (needs root and unshare -m): mpirun may take from it"
+    fi
+  fi
+  for name in launch gpu-dist gpu-pipeline; do
+    case $name in
+      launch) bin=dist_test filter=Dist.CollectivesSumAndBroadcastOverTheRanks cap=20 ;;
+      gpu-dist) bin=dist_test filter='*Gpu*' cap=40 ;;
+      gpu-pipeline) bin=pipeline_test filter='*GpuStages.*' cap=40 ;;
+    esac
+    local log=$logs/mpi-$name.log
+    : >"$log"
+    # One OpenMP thread a rank, as ctest runs them (MPI_ENV in tests/CMakeLists.txt): mpirun binds
+    # each of two ranks to one core.
+    OMP_NUM_THREADS=1 run_logged "mpirun -np 2 $bin $filter" "$log" "$cap" "${hide[@]}" "$bundle/run" mpirun \
+      --oversubscribe -np 2 "$bundle/bin/$bin" --gtest_color=no --gtest_filter="$filter"
+    mpi_result "mpirun -np 2 $bin $([[ $name == launch ]] && echo 'collectives (CPU)' || echo "$filter")" "$log"
+  done
+  # tally itself: NCCL's memory measured by a world of one, and ResNet-50 as two pipeline stages
+  # sharing the GPU in 300 MiB each (one process needs 322.5 MiB: tests/CMakeLists.txt, pipeline.gpu_*).
+  local run=/tmp/tally-gpu-mpi
+  log=$logs/mpi-nccl-world-of-one.log
+  : >"$log"
+  run_logged "mpirun -np 1 tally train --collectives nccl" "$log" 40 "${hide[@]}" "$bundle/run" mpirun -np 1 \
+    "$bundle/bin/tally" train --model resnet20 --data synthetic --steps 2 --batch-size 64 --memory-limit 256MiB \
+    --device cuda --collectives nccl --no-eval --no-progress
+  result "nccl world of one: its memory" "$(grep -E '^(collectives|communication library)' "$log" | tr '\n' ' ' | cut -c1-150)"
+  log=$logs/mpi-stages-resnet50.log
+  : >"$log"
+  rm -rf "$run-stages"
+  run_logged "mpirun -np 2 tally train --pipeline-stages 2" "$log" 60 "${hide[@]}" "$bundle/run" mpirun \
+    --oversubscribe -np 2 "$bundle/bin/tally" train --pipeline-stages 2 --model resnet50 --data synthetic:3x224x224 \
+    --batch-size 8 --memory-limit 300MiB --steps 3 --device cuda --no-eval --no-progress --out "$run-stages"
+  result "resnet50 as 2 stages on one GPU, 300 MiB each" "$(grep -E 'exact|differ|stage [01].*peak' "$log" | tail -3 |
+    tr -s ' \n' ' ' | cut -c1-150)"
+}
+
+# CUDA graphs (--cuda-graphs; docs/gpu.md "CUDA graphs") off and on in one call: make train's
+# ResNet-20 plan (batch 512 in 32 MiB, float32, 60 steps of synthetic data; the saved weights must be
+# the same bits), and ResNet-50 224x224 batch 256 as 8 micro-batches of 32 beside 1 of 256, float32
+# and bf16 — images/s from each run's summary, the graphs' line, the peaks.
+step_graphs() {
+  local run=/tmp/tally-gpu-graphs g p m log
+  for g in off on; do
+    log=$logs/graphs-resnet20-$g.log
+    : >"$log"
+    rm -rf "$run-r20-$g"
+    run_logged "tally train resnet20 32MiB, graphs $g" "$log" 60 "$bundle/run" "$bundle/bin/tally" train \
+      --model resnet20 --data synthetic:3x32x32 --steps 60 --batch-size 512 --memory-limit 32MiB --device cuda \
+      --cuda-graphs "$g" --out "$run-r20-$g" --save "$run-r20-$g/weights.safetensors" --no-progress --no-eval
+    result "resnet20 32MiB, graphs $g" "$(summary_rate "$run-r20-$g") $(grep -E '^cuda graphs' "$log" | cut -c1-70)"
+  done
+  if [[ -f $run-r20-on/weights.safetensors ]] && cmp -s "$run-r20-off/weights.safetensors" "$run-r20-on/weights.safetensors"; then
+    note "graphs: resnet20's weights the same bits with graphs on and off"
+  elif ((!rehearsal)); then
+    note "graphs: resnet20's weights DIFFER with graphs on and off (or a run failed)"
+    status=1
+  fi
+  for p in fp32 bf16; do
+    for m in 32 256; do
+      for g in off on; do
+        [[ $m == 256 && $g == on ]] && continue  # one micro-batch a step: nothing to replay
+        log=$logs/graphs-resnet50-$p-$m-$g.log
+        : >"$log"
+        rm -rf "$run-r50"
+        run_logged "tally train resnet50 256 as $m, $p, graphs $g" "$log" 60 "$bundle/run" "$bundle/bin/tally" train \
+          --model resnet50 --data synthetic:3x224x224 --batch-size 256 --micro-batch "$m" --steps 8 --precision "$p" \
+          --memory-limit 40GiB --device cuda --cuda-graphs "$g" --out "$run-r50" --no-progress --no-eval
+        result "resnet50 256 as $m, $p, graphs $g" "$(summary_rate "$run-r50") $(grep -E '^cuda graphs' "$log" | cut -c1-60)"
+      done
+    done
+  done
+}
+
+# images/s and the peaks' agreement of a run folder's summary.json.
+summary_rate() {
+  [[ -f $1/summary.json ]] || return 0
+  python3 -c 'import json,sys; s=json.load(open(sys.argv[1])); print(f"{s["images_per_second"]:.1f} img/s, peak {s["peak_bytes"]} predicted {s["predicted_peak_bytes"]}")' "$1/summary.json" 2>/dev/null || true
 }
 
 # The memory lines of a tally run (predicted and measured peaks), for the summary.
@@ -729,8 +958,8 @@ run() {
   local s
   for s in "$@"; do
     case $s in
-      env | tests | tuning | sanitize | train | resnet50 | norms | deviceless | host | offload | compare | profile | bench | repeat) ;;
-      *) echo "gpu-check: unknown step '$s': expected env, tests, tuning, train, resnet50, norms, deviceless, host, offload, compare, profile, sanitize, bench or repeat" >&2; exit 2 ;;
+      env | tests | mpi | tuning | sanitize | train | graphs | resnet50 | norms | deviceless | host | offload | compare | profile | bench | repeat) ;;
+      *) echo "gpu-check: unknown step '$s': expected env, tests, mpi, tuning, train, graphs, resnet50, norms, deviceless, host, offload, compare, profile, sanitize, bench or repeat" >&2; exit 2 ;;
     esac
   done
   local t0
@@ -760,8 +989,12 @@ case ${1:-} in
     rehearsal=1
     run "$@"
     ;;
+  without-system-mpi)
+    shift
+    exec unshare -m bash -c "$hide_system_mpi" without-system-mpi "$@"
+    ;;
   *)
-    echo "usage: scripts/gpu-check.sh pack | run [STEP...] | rehearse [STEP...] | build-deps | build-there   (see the top of this file)" >&2
+    echo "usage: scripts/gpu-check.sh pack | run [STEP...] | rehearse [STEP...] | without-system-mpi CMD... | build-deps | build-there   (see the top of this file)" >&2
     exit 2
     ;;
 esac

@@ -1162,6 +1162,7 @@ TEST(GpuGraphs, ReplayedMicroBatchesGiveTheLaunchedStepsBitsAndPeaks) {
       return run;
     };
     const Run off = train(false), on = train(true);
+    EXPECT_EQ(on.stats.failed, "") << "a recording failed: the steps ran again without graphs";
     EXPECT_EQ(off.stats.recorded, 0);
     EXPECT_GT(on.stats.recorded, 0);
     EXPECT_GE(on.stats.replayed, 8) << "steps 2 and 3 replay micro-batches 2..6 of step 1's layouts";
