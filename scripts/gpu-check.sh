@@ -32,8 +32,8 @@
 #                  both formats and activation types, against a device copy (of_copy)   (~40 s)
 #        deviceless  `tally plan --device-file` with the file env saved against `tally plan` on the
 #                  GPU (convolutions through the graph API on both): ResNet-20 TF32, ResNet-50 bf16
-#                  at micro-batches of 64, with a host tier (float32), and batch 4096 in 8 GiB in
-#                  bf16 — the outputs must be the same                                 (~40 s)
+#                  at micro-batches of 64, with a host tier (float32), batch 4096 in 8 GiB in
+#                  bf16, and 2 pipeline stages in 300 MiB each — the outputs must be the same (~50 s)
 #        host      the host tier (docs/host-tier.md): ResNet-50 224x224 AdamW batch 64 in a
 #                  400 MiB device budget, 3 steps with the optimizer on the pinned host tier and
 #                  with the gradients there too (their --save files must be identical), and
@@ -863,7 +863,7 @@ step_deviceless() {
   fi
   # A rehearsal has no GPU to describe: the committed H200 file stands in (its plans run, none compared).
   ((rehearsal)) && [[ ! -s $file ]] && file=tests/fixtures/devices/h200.json
-  for name in resnet20-tf32 resnet50-bf16-m64 resnet50-host-tier resnet50-bf16-4096; do
+  for name in resnet20-tf32 resnet50-bf16-m64 resnet50-host-tier resnet50-bf16-4096 resnet50-stages; do
     case $name in
       resnet20-tf32) args=(--model resnet20 --input 3x32x32 --batch-size 512 --memory-limit 48MiB --tf32) ;;
       resnet50-bf16-m64) args=(--model resnet50 --input 3x224x224 --batch-size 256 --micro-batch 64 --memory-limit 8GiB
@@ -871,6 +871,9 @@ step_deviceless() {
       resnet50-host-tier) args=(--model resnet50 --input 3x224x224 --batch-size 4096 --optimizer adamw --recompute none
         --memory-limit 600MiB --host-memory-limit 2GiB --copy-bandwidth 25 --compute-rate 200000 --no-layers) ;;
       resnet50-bf16-4096) args=(--model resnet50 --input 3x224x224 --batch-size 4096 --memory-limit 8GiB --precision bf16) ;;
+      # Two pipeline stages in 300 MiB each, with their messages' host staging (docs/distributed.md).
+      resnet50-stages) args=(--model resnet50 --input 3x224x224 --batch-size 8 --memory-limit 300MiB --pipeline-stages 2
+        --no-layers) ;;
     esac
     local gpu=$logs/deviceless-$name-gpu.txt from=$logs/deviceless-$name-file.txt
     : >"$gpu"
@@ -880,9 +883,9 @@ step_deviceless() {
     run_logged "tally plan $name (from the file)" "$from" 40 "$bundle/run" "$bundle/bin/tally" plan --device cuda \
       "${args[@]}" --device-file "$file"
     local drop='^====|^run: |^planned without the GPU|dry runs in .* s; nothing was computed$'
-    if ((rehearsal)) && ! grep -q '^plan: ' "$gpu"; then
+    if ((rehearsal)) && ! grep -qE '^ *plan: ' "$gpu"; then
       echo "$name: no GPU here, nothing to compare" >>"$log"
-    elif diff <(grep -Ev "$drop" "$gpu") <(grep -Ev "$drop" "$from") >>"$log" 2>&1 && grep -q '^plan: ' "$gpu"; then
+    elif diff <(grep -Ev "$drop" "$gpu") <(grep -Ev "$drop" "$from") >>"$log" 2>&1 && grep -qE '^ *plan: ' "$gpu"; then
       same=$((same + 1))
       echo "$name: the same plan" >>"$log"
     else
