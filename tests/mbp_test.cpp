@@ -226,6 +226,32 @@ INSTANTIATE_TEST_SUITE_P(Norms, TrainingEquivalence, ::testing::Values("group", 
 // BatchNorm: running statistics are updated once per step, from the moments of every
 // micro-batch. The first BatchNorm sees the same samples either way, so its running statistics
 // equal the full batch's; num_batches_tracked counts steps, not micro-batches.
+// CUDA graphs (ExecutorOptions::cuda_graphs) are a GPU's: asked for on the CPU, nothing is recorded
+// or tried (a recording there would fail and be counted), and the steps are the same bits.
+TEST_F(Mbp, CudaGraphsAskedForOnTheCpuChangeNothing) {
+  const std::int64_t B = 22;
+  const Shape sample{3, 16, 16};
+  auto plain = model("resnet20", "batch", 6, DType::Float64), asked = model("resnet20", "batch", 6, DType::Float64);
+  auto plain_opt = sgd(*plain), asked_opt = sgd(*asked);
+  mbp::ExecutorOptions eo;
+  eo.sample_shape = sample;
+  eo.micro_batch = 4;  // 6 micro-batches, two sizes
+  mbp::Executor a(*plain, *plain_opt, eo);
+  eo.cuda_graphs = true;
+  mbp::Executor b(*asked, *asked_opt, eo);
+  for (int step = 0; step < 2; ++step) {
+    const Data d = make_data(B, sample, 90 + static_cast<std::uint32_t>(step));
+    const mbp::StepResult ra = a.step(d.images.data(), d.labels.data(), B);
+    const mbp::StepResult rb = b.step(d.images.data(), d.labels.data(), B);
+    EXPECT_EQ(rb.loss, ra.loss);
+    EXPECT_EQ(rb.peak, rb.predicted_peak);
+  }
+  EXPECT_TRUE(bitwise_equal(values<double>(*asked, true), values<double>(*plain, true)));
+  const mbp::Executor::GraphStats& g = b.graph_stats();
+  EXPECT_EQ(g.recorded + g.replayed + g.unreplayable, 0);
+  EXPECT_EQ(g.failed, "");
+}
+
 TEST_F(Mbp, BatchNormRunningStatisticsOncePerStepFromTheWholeBatch) {
   const std::int64_t B = 30;
   const Shape sample{3, 16, 16};
