@@ -51,7 +51,8 @@ class DeviceGraph {
 // Runs `work` (its host code, once) while the compute stream of `device` (a GPU) records what it
 // enqueues, checks what is said above against `arena` (the arena the work allocates from), then
 // launches the recording once. Throws tally::Error on a CPU device or a build without CUDA, when the
-// capture breaks, and when the arena's layout after the work differs from before (naming both).
+// capture breaks (naming CUDA's reason), and when the arena's layout after the work differs from
+// before (saying so).
 DeviceGraph record_device_work(Device device, const Arena& arena, const std::function<void()>& work);
 
 // While work is recorded on this thread: `effect` is done again at each replay (the work advanced
