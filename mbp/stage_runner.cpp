@@ -86,9 +86,7 @@ Shape StageRunner::probe(const Shape& sample, std::size_t from, std::size_t to) 
 
 std::size_t StageRunner::message_staging_bytes(const std::vector<std::int64_t>& sizes) const {
   const auto per_sample = [this](const Shape& s) {
-    std::size_t n = dtype_size(activation_dtype_);
-    for (std::int64_t d : s) n *= static_cast<std::size_t>(d);
-    return n;
+    return static_cast<std::size_t>(shape_numel(s)) * dtype_size(activation_dtype_);
   };
   return mbp::message_staging_bytes(stage_, sizes, per_sample(sample_shape_), per_sample(output_sample_shape_));
 }

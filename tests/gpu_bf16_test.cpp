@@ -985,15 +985,24 @@ TEST(GpuBf16Ops, ResNet20TrainingStepChannelsLastMatchesTheCpuStep) {
   bf16_resnet20_step_matches_the_cpu(MemoryFormat::ChannelsLast);
 }
 
+// A batch of B fresh random samples of `sample` (values bf16 holds exactly) and labels of 10 classes.
+static std::pair<std::vector<float>, std::vector<i64>> random_batch(i64 B, const Shape& sample) {
+  std::mt19937 rng(fresh_seed());
+  auto images = random_values<float>(static_cast<std::size_t>(B * shape_numel(sample)), rng);
+  std::vector<i64> labels(B);
+  for (auto& l : labels) l = static_cast<i64>(rng() % 10);
+  return {std::move(images), std::move(labels)};
+}
+
 // A model of the zoo (ResNet-20 unless named) on `d` with SGD momentum, every byte in an arena of
 // its own of 256 MiB, from seed `seed`.
-struct Resnet20Run {
+struct ModelRun {
   std::shared_ptr<Arena> arena;
   std::shared_ptr<nn::Module> model;
   std::unique_ptr<optim::SGD> opt;
 };
-static Resnet20Run resnet20_in_arena(Device d, std::uint64_t seed, const char* name = "resnet20") {
-  Resnet20Run r;
+static ModelRun model_in_arena(Device d, std::uint64_t seed, const char* name = "resnet20") {
+  ModelRun r;
   r.arena = std::make_shared<Arena>(d, std::size_t(256) << 20);
   ArenaScope scope(r.arena);
   nn::manual_seed(seed);
@@ -1010,12 +1019,11 @@ TEST(GpuBf16Ops, MicroBatchedBf16StepsArePlannedExactly) {
   REQUIRE_GPU();
   const i64 B = 48;
   const Shape sample{3, 32, 32};
-  std::mt19937 rng(fresh_seed());
-  const auto images = random_values<float>(static_cast<std::size_t>(B * shape_numel(sample)), rng);
-  std::vector<i64> labels(B);
-  for (auto& l : labels) l = static_cast<i64>(rng() % 10);
+  const auto batch = random_batch(B, sample);  // (not a structured binding: the lambdas below capture it)
+  const std::vector<float>& images = batch.first;
+  const std::vector<i64>& labels = batch.second;
   auto first_loss = [&](Device d) {
-    auto [arena, model, opt] = resnet20_in_arena(d, 21);
+    auto [arena, model, opt] = model_in_arena(d, 21);
     mbp::ExecutorOptions eo;
     eo.sample_shape = sample;
     eo.micro_batch = 16;
@@ -1047,10 +1055,9 @@ TEST(GpuBf16Ops, TunedConvolutionsPlanExactlyAndReplayBitForBit) {
   REQUIRE_GPU();
   const i64 B = 32;
   const Shape sample{3, 32, 32};
-  std::mt19937 rng(fresh_seed());
-  const auto images = random_values<float>(static_cast<std::size_t>(B * shape_numel(sample)), rng);
-  std::vector<i64> labels(B);
-  for (auto& l : labels) l = static_cast<i64>(rng() % 10);
+  const auto batch = random_batch(B, sample);  // (not a structured binding: the lambdas below capture it)
+  const std::vector<float>& images = batch.first;
+  const std::vector<i64>& labels = batch.second;
   const std::filesystem::path file =
       std::filesystem::temp_directory_path() / fmt::format("tally-tuning-{}.json", ::getpid());
   std::filesystem::remove(file);
@@ -1064,7 +1071,7 @@ TEST(GpuBf16Ops, TunedConvolutionsPlanExactlyAndReplayBitForBit) {
   // Two steps; returns the parameters after them.
   auto train = [&](const std::shared_ptr<ConvTuning>& tuning) {
     const Device d = Device::cuda(0);
-    auto [arena, model, opt] = resnet20_in_arena(d, 21);
+    auto [arena, model, opt] = model_in_arena(d, 21);
     mbp::ExecutorOptions eo;
     eo.sample_shape = sample;
     eo.micro_batch = 16;
@@ -1114,10 +1121,9 @@ TEST(GpuGraphs, ReplayedMicroBatchesGiveTheLaunchedStepsBitsAndPeaks) {
   REQUIRE_GPU();
   const i64 B = 44;
   const Shape sample{3, 32, 32};
-  std::mt19937 rng(fresh_seed());
-  const auto images = random_values<float>(static_cast<std::size_t>(B * shape_numel(sample)), rng);
-  std::vector<i64> labels(B);
-  for (auto& l : labels) l = static_cast<i64>(rng() % 10);
+  const auto batch = random_batch(B, sample);  // (not a structured binding: the lambdas below capture it)
+  const std::vector<float>& images = batch.first;
+  const std::vector<i64>& labels = batch.second;
   struct Case {
     const char* name;
     mbp::Precision precision;
@@ -1139,7 +1145,7 @@ TEST(GpuGraphs, ReplayedMicroBatchesGiveTheLaunchedStepsBitsAndPeaks) {
     const bool dropout = std::string(c.model) == "wrn10_1";
     auto train = [&](bool graphs) {
       const Device d = Device::cuda(0);
-      auto [arena, model, opt] = resnet20_in_arena(d, 23, c.model);
+      auto [arena, model, opt] = model_in_arena(d, 23, c.model);
       mbp::ExecutorOptions eo;
       eo.sample_shape = sample;
       eo.micro_batch = 8;
