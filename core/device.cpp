@@ -99,6 +99,14 @@ void cuda_memory_info(int device, std::size_t* free_bytes, std::size_t* total_by
   }
 }
 
+void use_cuda_device(int device) {
+  if constexpr (kHaveCudaBackend) {
+    kernels::cuda::use_device(device);
+  } else {
+    no_cuda("cudaSetDevice");
+  }
+}
+
 void set_allow_tf32(bool on) {
   if constexpr (kHaveCudaBackend) kernels::cuda::set_allow_tf32(on);
 }

@@ -60,6 +60,10 @@ void cuda_release(void* p) noexcept;
 void* cuda_host_reserve(std::size_t bytes);
 void cuda_host_release(void* p) noexcept;
 void cuda_memory_info(int device, std::size_t* free_bytes, std::size_t* total_bytes);
+// Makes GPU `device` this thread's current one (cudaSetDevice), before work that takes the current
+// device's context without naming a device — page-locked host memory: otherwise GPU 0's context
+// is made for it, outside every budget, on a rank that runs on another GPU.
+void use_cuda_device(int device);
 
 // Whether float32 GEMMs and convolutions on GPUs may use TF32 tensor cores (default false; as
 // torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.allow_tf32 together). The CPU's

@@ -19,7 +19,7 @@ namespace {
 class StagedCommunicator final : public Communicator {
  public:
   StagedCommunicator(std::shared_ptr<Communicator> host, Device device, std::size_t bytes)
-      : host_(std::move(host)), device_(device), staging_(Arena::make_host(bytes)) {}
+      : host_(std::move(host)), device_(device), staging_(make_staging(device, bytes)) {}
 
   int rank() const override { return host_->rank(); }
   int size() const override { return host_->size(); }
@@ -37,9 +37,14 @@ class StagedCommunicator final : public Communicator {
   void barrier() override { host_->barrier(); }
   // A message is copied whole into the staging arena and stays there until its send is done
   // (sends never block: the peer may be sending too); a received one lands there and is copied out.
+  // In a dry run (a plan's probe of the step) nothing travels, and the device's tensor never
+  // reaches the host communicator, which takes host tensors only: an empty message neither.
   std::size_t send(const Tensor& t, int peer) override {
     if (t.device() != device_) return host_->send(t, peer);
-    if (skip_side_effects() || t.numel() == 0) return host_->send(t, peer);
+    if (skip_side_effects() || t.numel() == 0) {
+      check_peer(t, peer, "send");
+      return 0;
+    }
     Tensor host = staging_tensor(t, "send");
     host.copy_(t.reshape({t.numel()}));
     const std::size_t ticket = host_->send(host, peer);
@@ -52,7 +57,10 @@ class StagedCommunicator final : public Communicator {
   }
   void recv(Tensor& t, int peer) override {
     if (t.device() != device_) return host_->recv(t, peer);
-    if (skip_side_effects() || t.numel() == 0) return host_->recv(t, peer);
+    if (skip_side_effects() || t.numel() == 0) {
+      check_peer(t, peer, "recv");
+      return;
+    }
     Tensor host = staging_tensor(t, "recv");
     host_->recv(host, peer);
     Tensor flat = t.reshape({t.numel()});
@@ -98,6 +106,22 @@ class StagedCommunicator final : public Communicator {
       part.copy_(host);
       ++chunks_;
     }
+  }
+
+  // The host communicator's checks of a message that does not travel (a dry run, an empty tensor).
+  void check_peer(const Tensor& t, int peer, const char* what) const {
+    if (peer < 0 || peer >= size() || peer == rank())
+      throw Error(fmt::format("{}: rank {} is not another rank of a world of {}", what, peer, size()));
+    if (!t.is_contiguous())
+      throw Error(
+          fmt::format("{} through the staged transport: expected a contiguous tensor, found {}", what, t.str()));
+  }
+
+  // The staging buffer, page-locked under `device`'s context when it is a GPU (made current first:
+  // a rank on GPU 1 would otherwise make GPU 0's context for it).
+  static std::shared_ptr<Arena> make_staging(Device device, std::size_t bytes) {
+    if (device.is_cuda() && cuda_available()) use_cuda_device(device.index);
+    return Arena::make_host(bytes);
   }
 
   // A host tensor of t's elements in the staging arena; a message it cannot hold is an Error naming both.

@@ -23,6 +23,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/autograd.h"
+#include "core/dry_run.h"
 #include "core/memory.h"
 #include "core/safetensors.h"
 #include "distributed/communicator.h"
@@ -151,6 +152,26 @@ TEST_F(Dist, TheStagedTransportGivesTheWorldsCollectivesChunkByChunk) {
   EXPECT_EQ(in64.to_vector<double>(), std::vector<double>(pv.begin() + 500, pv.begin() + 600));
   Tensor big = Tensor::zeros({4096}, DType::Float32, Device::cpu(), Category::temporary, "big");
   EXPECT_THROW((void)messages->send(big, peer), Error);
+}
+
+// A plan's probe of a pipeline stage on a GPU (the chooser's dry run of the step) sends and
+// receives the stage's messages as tensors of the GPU that have no values: the staged transport
+// lets none of them reach MPI, which takes host tensors only (it had passed them on, and the
+// first plan of every GPU stage stopped at "expected a contiguous CPU tensor"). No GPU is needed:
+// the dry run's tensors live on a virtual arena. A bad peer is still the host's error.
+TEST_F(Dist, TheStagedTransportsDryRunMessagesOfAGpuStayOffMpi) {
+  REQUIRE_TWO_RANKS();
+  const Device gpu = Device::cuda(0);
+  const auto staged = distributed::make_staged(world(), gpu, 1024);
+  const int peer = 1 - world()->rank();
+  const DryRun dry(gpu, std::size_t(1) << 20);
+  Tensor out = Tensor::empty({64, 100}, DType::Float32, gpu, Category::temporary, "activation");
+  Tensor in = Tensor::empty({64, 100}, DType::BFloat16, gpu, Category::temporary, "gradient");
+  EXPECT_NO_THROW((void)staged->send(out, peer)) << "25,600 bytes in a dry run: larger than the buffer, sent by no one";
+  EXPECT_NO_THROW(staged->recv(in, peer));
+  EXPECT_THROW((void)staged->send(out, world()->rank()), Error);
+  EXPECT_THROW(staged->recv(in, 2), Error);
+  EXPECT_EQ(distributed::staging_high_water(*staged), 0u);
 }
 
 // Two ranks on one GPU (label gpu; tests/CMakeLists.txt's dist.gpu_two_ranks_one_gpu): NCCL refuses
