@@ -232,6 +232,9 @@ void TrainingRun::report_graphs() {
   fmt::print(log_, "cuda graphs: {} micro-batches recorded ({} graphs kept, {} nodes, {} of device memory outside "
              "the arena), {} replayed{}\n", g.recorded, g.graphs, g.nodes, format_bytes(g.device_bytes), g.replayed,
              g.unreplayable > 0 ? fmt::format(", {} not replayable", g.unreplayable) : std::string());
+  if (g.over_cap > 0)
+    fmt::print(log_, "cuda graphs: {} micro-batches ran without, past the {} recordings kept per plan\n", g.over_cap,
+               mbp::Executor::kMaxGraphs);
 }
 
 void TrainingRun::finish() {

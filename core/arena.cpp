@@ -262,6 +262,20 @@ void Arena::reset_peak() {
   high_water_ = last->second.used ? capacity_ : last->first;
 }
 
+Arena::Peaks Arena::peaks() const {
+  Peaks p;
+  for (int c = 0; c < kNumCategories; ++c) p.by_category[c] = cat_[c].peak;
+  p.total = total_.peak;
+  p.high_water = high_water_;
+  return p;
+}
+
+void Arena::raise_peaks(const Peaks& at_least) {
+  for (int c = 0; c < kNumCategories; ++c) cat_[c].peak = std::max(cat_[c].peak, at_least.by_category[c]);
+  total_.peak = std::max(total_.peak, at_least.total);
+  high_water_ = std::max(high_water_, at_least.high_water);
+}
+
 std::vector<std::pair<std::size_t, Arena::LiveInfo>> Arena::live_blocks() const {
   std::vector<std::pair<std::size_t, LiveInfo>> out;
   for (const auto& [off, n] : blocks_)

@@ -180,6 +180,16 @@ class Arena {
   // Peak of every category and of the total set back to their current values.
   // The high-water mark goes back to the current extent (the end of the last used block).
   void reset_peak();
+  // The peaks reset_peak() sets back, and each raised to at least another set of them: a replay of
+  // recorded device work (core/graphs.h) allocates nothing, yet reaches the peaks its recording
+  // reached.
+  struct Peaks {
+    std::array<std::int64_t, kNumCategories> by_category{};
+    std::int64_t total = 0;
+    std::size_t high_water = 0;
+  };
+  Peaks peaks() const;
+  void raise_peaks(const Peaks& at_least);
 
   // Trace of every allocation and free since tracing was switched on. Switching it on (or
   // clearing it) records the live bytes per category at that moment, the trace's starting point.

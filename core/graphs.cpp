@@ -9,6 +9,7 @@
 #include "core/error.h"
 #include "core/ops.h"
 #include "kernels/cuda/context.h"
+#include "kernels/cuda/cuda_kernels.h"
 
 namespace tally {
 
@@ -56,14 +57,20 @@ void not_replayable(const std::string& why) {
 
 bool recording_device_work() { return g_recording != nullptr; }
 
-DeviceGraph record_device_work(Device device, const Arena& arena, const std::function<void()>& work) {
+DeviceGraph record_device_work(Device device, Arena& arena, const std::function<void()>& work) {
   if (!device.is_cuda())
     throw Error(fmt::format("record_device_work: device work is recorded on a GPU, found {}", device.str()));
   if (g_recording) throw Error("record_device_work: a recording is already under way on this thread");
   DeviceGraph g;
   if constexpr (kHaveCudaBackend) {
+    if (kernels::cuda::profiling())  // CUDA refuses to read an event recorded in a capture
+      throw Error("record_device_work: ops are being timed (a Profiler is on), and the events that time them "
+                  "cannot be read once recorded in a graph");
     const std::uint64_t before = arena.layout_hash();
     const FlopCount flops = flop_count();
+    // From here the arena's peaks are the work's own, which each replay reaches again.
+    const Arena::Peaks earlier = arena.peaks();
+    arena.reset_peak();
     Recording rec;
     CudaCapture<> capture;
     capture.begin(device.index);
@@ -72,21 +79,28 @@ DeviceGraph record_device_work(Device device, const Arena& arena, const std::fun
       work();
     } catch (...) {
       g_recording = nullptr;
+      arena.raise_peaks(earlier);
       throw;  // the capture is abandoned on the way out
     }
     g_recording = nullptr;
+    const Arena::Peaks reached = arena.peaks();
+    arena.raise_peaks(earlier);
     auto graph = capture.end();
     if (arena.layout_hash() != before)
       throw Error("record_device_work: the recorded work left the arena's layout other than it found it (it "
                   "allocated what it did not free), so a replay, which allocates nothing, would not match a run");
     const FlopCount added = minus(flop_count(), flops);
-    rec.effects.push_back([added] {
+    rec.effects.push_back([added, reached, a = &arena] {
       FlopCount& f = flop_count();
       f.forward += added.forward, f.recompute += added.recompute, f.backward += added.backward;
+      a->raise_peaks(reached);
     });
     g.nodes_ = graph->nodes();
     g.device_bytes_ = graph->device_bytes();
-    g.launch_ = [graph] { graph->launch(); };
+    g.launch_ = [graph, index = device.index] {
+      kernels::cuda::use_device(index);
+      graph->launch();
+    };
     g.graph_ = graph;
     g.effects_ = std::move(rec.effects);
     g.why_not_ = std::move(rec.why_not);

@@ -40,7 +40,7 @@ class DeviceGraph {
   std::size_t device_bytes() const { return device_bytes_; }  // instantiating it took, outside the arena
 
  private:
-  friend DeviceGraph record_device_work(Device device, const Arena& arena, const std::function<void()>& work);
+  friend DeviceGraph record_device_work(Device device, Arena& arena, const std::function<void()>& work);
   std::shared_ptr<void> graph_;  // the backend's executable graph
   std::function<void()> launch_;
   std::vector<std::function<void()>> effects_;
@@ -50,10 +50,12 @@ class DeviceGraph {
 
 // Runs `work` (its host code, once) while the compute stream of `device` (a GPU) records what it
 // enqueues, checks what is said above against `arena` (the arena the work allocates from), then
-// launches the recording once. Throws tally::Error on a CPU device or a build without CUDA, when the
-// capture breaks (naming CUDA's reason), and when the arena's layout after the work differs from
-// before (saying so).
-DeviceGraph record_device_work(Device device, const Arena& arena, const std::function<void()>& work);
+// launches the recording once. The peaks the work reached in the arena (core/arena.h: Arena::Peaks)
+// are kept, and each replay raises the arena's to them, as a run of the work would. Throws
+// tally::Error on a CPU device or a build without CUDA, while a Profiler times ops (its events
+// cannot be read back from a graph), when the capture breaks (naming CUDA's reason), and when the
+// arena's layout after the work differs from before (saying so).
+DeviceGraph record_device_work(Device device, Arena& arena, const std::function<void()>& work);
 
 // While work is recorded on this thread: `effect` is done again at each replay (the work advanced
 // this host state once, as each replay must). Otherwise nothing.

@@ -410,13 +410,22 @@ void Executor::run_graphed(const GraphKey& key, const std::function<void()>& com
     compute();
     return;
   }
+  if (graphs_.size() + unreplayable_.size() >= kMaxGraphs) {
+    if (graph_stats_.over_cap++ == 0 && opt_.log)
+      opt_.log(fmt::format("cuda graphs: {} recordings kept for this plan; micro-batches of other keys (a loss "
+                           "divisor that changes from step to step?) run without", kMaxGraphs));
+    compute();
+    return;
+  }
   DeviceGraph g;
   try {
     g = record_device_work(device_, *arena_, compute);  // runs the micro-batch
   } catch (const OutOfMemory&) {
     throw;  // the step's own retry (run)
   } catch (const Error& e) {
-    graph_stats_.failed = e.what();  // graphs are off for the rest of the run
+    graph_stats_.failed = e.what();  // graphs are off for the rest of the run, and their memory freed
+    graphs_.clear();
+    unreplayable_.clear();
     throw RecordingFailed(e.what());
   }
   ++graph_stats_.recorded;

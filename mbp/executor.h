@@ -291,8 +291,12 @@ class Executor {
   // nodes and the device memory instantiating them took (outside the arena). A recording that fails
   // (a call CUDA does not allow in a capture) discards the step, which runs again without graphs, as
   // does the rest of the run; `failed` says why.
+  // At most kMaxGraphs recordings are kept per configuration: a loss divisor that changes from step
+  // to step (class weights, ignored targets) would otherwise record every micro-batch anew; past
+  // it, new keys run without a graph (`over_cap` counts them).
+  static constexpr std::size_t kMaxGraphs = 16;
   struct GraphStats {
-    std::int64_t recorded = 0, replayed = 0, unreplayable = 0;
+    std::int64_t recorded = 0, replayed = 0, unreplayable = 0, over_cap = 0;
     std::size_t graphs = 0, nodes = 0, device_bytes = 0;
     std::string failed;
   };

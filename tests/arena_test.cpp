@@ -397,6 +397,34 @@ TEST(Arena, LayoutHashIsTheLayout) {
   EXPECT_NE(Arena::make_virtual(Device::cpu(), 2 << 20)->layout_hash(), empty) << "another capacity";
 }
 
+// A replay of recorded device work allocates nothing, so it raises the arena's peaks to those its
+// recording reached (core/graphs.h): peaks() reads them, raise_peaks() takes each at least to
+// another set's, per category, in total and the high-water mark, and lowers none.
+TEST(Arena, PeaksAreRaisedToThoseOfAnotherTime) {
+  const auto a = Arena::make_virtual(Device::cpu(), 1 << 20);
+  const Block w = a->allocate(1000, Category::parameter, "w");
+  const Block t = a->allocate(3000, Category::temporary, "t");
+  a->free(t.offset);
+  const Arena::Peaks reached = a->peaks();
+  EXPECT_EQ(reached.total, 1024 + 3072);
+  EXPECT_EQ(reached.by_category[static_cast<int>(Category::temporary)], 3072);
+  EXPECT_EQ(reached.high_water, 4096u);
+  a->reset_peak();
+  EXPECT_EQ(a->peaks().total, 1024);
+  EXPECT_EQ(a->peaks().high_water, 1024u);
+  const Block g = a->allocate(500, Category::gradient, "g");
+  a->raise_peaks(reached);
+  const ArenaStats s = a->stats();
+  EXPECT_EQ(s.total.peak, 4096);
+  EXPECT_EQ(s[Category::temporary].peak, 3072);
+  EXPECT_EQ(s[Category::gradient].peak, 512) << "a peak reached since is kept";
+  EXPECT_EQ(s.high_water, 4096u);
+  a->raise_peaks(Arena::Peaks{});
+  EXPECT_EQ(a->stats().total.peak, 4096) << "nothing lowered";
+  a->free(g.offset);
+  a->free(w.offset);
+}
+
 // Recording device work needs a GPU: on the CPU it is an error naming the device, and the hooks
 // that ops call while work is recorded (on_replay, not_replayable) do nothing outside a recording.
 TEST(Arena, DeviceWorkIsRecordedOnAGpuOnly) {
