@@ -20,6 +20,7 @@ struct InputStager::Impl {
   // Fills dst's `bytes` of staging by calling write(where) once, then uploads them.
   virtual std::size_t stage(const Tensor& dst, std::size_t bytes, const std::function<void(void*)>& write) = 0;
   virtual void wait(std::size_t ticket) = 0;
+  virtual void wait_all() = 0;
 };
 
 namespace {
@@ -50,6 +51,7 @@ struct HostStager final : InputStager::Impl {
     return 0;
   }
   void wait(std::size_t) override {}
+  void wait_all() override {}
 };
 
 // A GPU: a ring of pinned staging and uploads on the copy stream (core/staging.h). A template on
@@ -58,6 +60,15 @@ struct HostStager final : InputStager::Impl {
 template <class PinnedBuffer = kernels::cuda::PinnedBuffer, class Event = kernels::cuda::Event>
 struct GpuStager final : InputStager::Impl {
   explicit GpuStager(int device) : device(device) {}
+  // The pinned ring goes after the uploads that read it (a run that ends on an error may leave
+  // the next step's uploads in flight).
+  ~GpuStager() override {
+    try {
+      kernels::cuda::use_device(device);
+      while (!inflight.empty()) retire();
+    } catch (...) {  // a device that failed: its error was reported where it happened
+    }
+  }
   void reserve(std::size_t capacity) override {
     if (buffer.size() >= capacity) return;
     kernels::cuda::use_device(device);
@@ -98,6 +109,11 @@ struct GpuStager final : InputStager::Impl {
         return;
       }
     // Retired: the host waited for it when its bytes were handed out again.
+  }
+  void wait_all() override {
+    if (inflight.empty()) return;
+    kernels::cuda::use_device(device);
+    kernels::cuda::compute_wait(inflight.back().done);  // the copy stream's uploads end in order
   }
   void retire() {
     const Upload& u = inflight.front();
@@ -156,5 +172,7 @@ std::size_t InputStager::stage_floats(const Tensor& dst, const float* src, std::
                       [&](void* to) { write_converted(to, src, count, dst.dtype()); });
 }
 void InputStager::wait(std::size_t ticket) { impl_->wait(ticket); }
+
+void InputStager::wait_all() { impl_->wait_all(); }
 
 }  // namespace tally

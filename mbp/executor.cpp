@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <exception>
 #include <utility>
 
 #include <fmt/ranges.h>
@@ -114,6 +115,28 @@ void fill_inputs(Inputs& in, InputStager& stager, const float* images, const std
   stage_images(in.x, stager, images, offset, n, sample_numel);
   in.uploaded = stage_labels(in.y, stager, labels, offset, n);
 }
+
+// A step that ends on an exception (an out-of-memory retry, a failed recording) frees input blocks
+// whose uploads may still be writing them on the copy stream: the compute stream waits for every
+// upload in flight first, so the work that takes those blocks again comes after them.
+class UploadsEndFirst {
+ public:
+  UploadsEndFirst(InputStager& stager, bool dry) : stager_(stager), dry_(dry) {}
+  ~UploadsEndFirst() {
+    if (dry_ || std::uncaught_exceptions() == exceptions_) return;
+    try {
+      stager_.wait_all();
+    } catch (...) {  // the exception under way says what failed
+    }
+  }
+  UploadsEndFirst(const UploadsEndFirst&) = delete;
+  UploadsEndFirst& operator=(const UploadsEndFirst&) = delete;
+
+ private:
+  InputStager& stager_;
+  bool dry_;
+  int exceptions_ = std::uncaught_exceptions();
+};
 
 // Data parallelism: any communicator but the local one (an MPI or NCCL world of one too); a
 // pipeline stage's communicator carries its messages instead.
@@ -316,6 +339,7 @@ Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels
   const auto k = sizes.size();
   std::int64_t offset = 0;
   bool targets_checked = false;
+  const UploadsEndFirst uploads_end_first(*stager_, dry);
   Inputs next;
   if (prefetch) {
     next = allocate_inputs(sizes[0], opt_.sample_shape, activation_dtype_, device_);
