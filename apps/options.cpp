@@ -486,8 +486,8 @@ const std::vector<Option> kTable = {
                           "none: cuDNN's heuristics alone); nothing is measured"}},
      .changeable = true, .change_note = "a resumed run replays its checkpoint's engines", .absent = "none"},
     {.name = "tuning-seconds", .field = field(&StepOptions::tuning_seconds, kNonNegative), .commands = kRun,
-     .help = "CUDA: the most seconds a process spends measuring convolution engines (the passes left keep cuDNN's "
-             "heuristics' choice, and a later run measures them; 0: the file's alone)",
+     .help = "CUDA: the most seconds spent measuring convolution engines each time a plan is tuned (the passes left "
+             "keep cuDNN's heuristics' choice, and a later run measures them; 0: the file's alone)",
      .changeable = true, .absent = "60"},
     {.name = "collectives", .field = field(&StepOptions::collectives), .commands = kRun,
      .help = "CUDA under mpirun: how tensors travel between ranks: auto (NCCL where every rank of a machine has a "

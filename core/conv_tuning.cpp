@@ -243,7 +243,7 @@ bool ConvTuning::tune(Device device, Arena& arena, const std::function<void()>& 
   Table& t = devices_[table_key()];
   // Measuring needs real buffers: none on a virtual arena (a plan), none with a cap of 0.
   const bool measuring = seconds_ > 0 && !arena.is_virtual();
-  int measured = 0, faster = 0, no_room = 0, left = 0, from_file = 0;
+  int measured = 0, faster = 0, no_room = 0, left = 0, untimed = 0, from_file = 0;
   double saved_ms = 0, heuristic_ms = 0;
   const auto began = std::chrono::steady_clock::now();
   for (const kernels::ConvPassKey& p : passes) {
@@ -272,7 +272,11 @@ bool ConvTuning::tune(Device device, Arena& arena, const std::function<void()>& 
       void* ws = ws_bytes > 0 ? buffers.take(ws_bytes) : nullptr;
       kernels::TunedConvPass e;
       if constexpr (kHaveCudaBackend) e = kernels::cuda::conv2d_tune_pass(p, x, w, y, ws, ws_bytes, seconds_ - spent);
-      if (e.rank < 0) continue;
+      if (e.cut || e.rank < 0) {  // left to the heuristics for this process; a later run measures it
+        declined_.insert(key);
+        ++(!e.cut ? untimed : e.heuristic_workspace > std::min(ws_bytes, p.shape.workspace_limit) ? no_room : left);
+        continue;
+      }
       t[key] = e;
       ++measured;
       if (e.engine != e.heuristic_engine && e.heuristic_ms > 0) {
@@ -295,7 +299,7 @@ bool ConvTuning::tune(Device device, Arena& arena, const std::function<void()>& 
     }
     // A cache: a run goes on without it, saying so.
     try {
-      std::filesystem::create_directories(path_.parent_path());
+      if (path_.has_parent_path()) std::filesystem::create_directories(path_.parent_path());
       write_file(path_, j.dump(1) + "\n", "tuning file");
     } catch (const std::exception& e) {
       unsaved = fmt::format("; not saved: {}", e.what());
@@ -316,6 +320,8 @@ bool ConvTuning::tune(Device device, Arena& arena, const std::function<void()>& 
                         from_file, replay_only_ ? "the checkpoint" : path_.empty() ? "this process" : path_.string());
   if (no_room > 0) report_ += fmt::format(", {} left to the heuristics (their buffers do not fit the arena)", no_room);
   if (left > 0) report_ += fmt::format(", {} left to the heuristics (past the cap: a later run measures them)", left);
+  if (untimed > 0)
+    report_ += fmt::format(", {} left to the heuristics (no engine the rules allow ran on them)", untimed);
   report_ += unsaved;
   return install(use_);
 }

@@ -11,8 +11,8 @@
 //     again before the step, leaving its layout as it was): every candidate the rules allow within
 //     the workspace limit run once, then timed (kernels: conv2d_tune_pass); a pass whose buffers do
 //     not fit the arena's free memory keeps the heuristics' choice, and the report says so;
-//   * capped: past `seconds` of measuring in one call, the passes left keep the heuristics' choice
-//     and are measured by a later run;
+//   * capped: past `seconds` of measuring in one call, the passes left (and one the cap cut short)
+//     keep the heuristics' choice for the process, are kept by no file, and a later run measures them;
 //   * kept in the tuning file, keyed by the device's name, compute capability and cuDNN version, so
 //     the next run on such a device measures nothing;
 //   * replayed: installed as the convolutions' table; plans made after it take the tuned engines

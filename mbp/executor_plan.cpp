@@ -75,7 +75,13 @@ void Executor::tune(std::int64_t batch) {
   for (const ConvTuning::Use use : {ConvTuning::Use::fastest, ConvTuning::Use::within, ConvTuning::Use::none}) {
     if (use < t.in_use()) continue;
     t.install(use);
-    StepConfig c = choose(batch);
+    StepConfig c;
+    try {
+      c = choose(batch);
+    } catch (const OutOfMemory&) {  // a fixed micro-batch, or none recomputed, the larger workspaces do not fit
+      if (use == ConvTuning::Use::none) throw;
+      continue;
+    }
     if (c.plan.micro_batch >= untuned || use == ConvTuning::Use::none) {
       if (use != ConvTuning::Use::fastest && opt_.log)
         opt_.log(fmt::format("tuning: the fastest engines would lower the micro-batch below {}: {} in use", untuned,
