@@ -312,8 +312,9 @@ void* pinned_allocate(std::size_t bytes) {
   const cudaError_t e = cudaHostAlloc(&p, bytes, cudaHostAllocDefault);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
-    throw Error(fmt::format("cudaHostAlloc of {} bytes ({:.1f} MiB) of pinned host memory for the host arena "
-                            "failed: {} ({}); give less with --host-memory-limit",
+    throw Error(fmt::format("cudaHostAlloc of {} bytes ({:.1f} MiB) of pinned host memory (the host tier's arena, "
+                            "input or message staging) failed: {} ({}); the host tier takes less with "
+                            "--host-memory-limit",
                             bytes, static_cast<double>(bytes) / (1 << 20), cudaGetErrorName(e), cudaGetErrorString(e)));
   }
   return p;

@@ -11,7 +11,8 @@
 //   2. finalize: one thread per channel adds its P partials in order and writes the statistics
 //      (save_mean/invstd, running stats; dgamma/dbeta in the backward) and the per-channel
 //      coefficients of step 3 (double, in the workspace);
-//   3. elementwise: y (or dx) for every element, one plane (n, c) per block row.
+//   3. elementwise: y (or dx) for every element, over the flat index (PlaneCursor, below; the
+//      evaluation passes: one plane (n, c) per block row).
 // P = batch_norm_chunks(N, C, HW) depends only on the shape, so a dry run sizes the workspace as
 // the real run does. Forward sums are taken about a pivot (the channel's first element): the
 // shifted sum of squares keeps the variance exact when the mean is large.
@@ -370,8 +371,8 @@ dim3 plane_grid(i64 planes, i64 HW) {
 
 // The training passes below run over the flat index instead (a block over planes of 49 elements,
 // ResNet-50's last stage, left 207 of its 256 lanes idle): element o is column o % HW of plane
-// o / HW, of channel plane % C, kept along a thread's grid-stride loop by addition (PlaneCursor: one
-// 64-bit division per thread, not per element). The same formulas, so the same values bit for bit.
+// o / HW, of channel plane % C, kept along a thread's grid-stride loop by addition (PlaneCursor: four
+// 64-bit divisions per thread, none per element). The same formulas, so the same values bit for bit.
 struct PlaneCursor {
   i64 j, c;                 // the current element's column and channel
   i64 HW, C, step_j, step_c;  // the grid's stride as (planes, columns): step_c = its planes % C
