@@ -18,12 +18,15 @@
 #                                      first, so a run cut short has done those):
 #        env       nvidia-smi, the CUDA/cuBLAS/cuDNN versions loaded, `tally --version`,
 #                  the PyTorch there                                                    (~10 s)
-#        tests     every gpu test once (cuDNN's choices logged); the convolution tests again
-#                  through each cuDNN API forced; resume.cuda (tests/resume_test.sh cuda) (~2 min)
+#        tests     every gpu test once (cuDNN's choices logged; tuning's in the tuning step); the
+#                  convolution tests again through each cuDNN API forced; resume.cuda
+#                  (tests/resume_test.sh cuda)                                          (~2 min)
 #        mpi       the two-rank gpu tests (ctest labels gpu;mpi) under the bundled mpirun -np 2:
 #                  dist_test's CPU collectives first (does mpirun start two ranks?), then
 #                  dist_test *Gpu* and pipeline_test *GpuStages.* (two ranks on one GPU); then
 #                  tally: NCCL's memory in a world of one, ResNet-50 as 2 stages in 300 MiB (~1 min)
+#        tuning    tuning's gpu test (measured, replayed from its file and its record: the same
+#                  bits), then ResNet-50 batch 256 tuned and untuned in bf16, TF32 and float32 (~3 min)
 #        compare   bench/compare_pytorch.py, ResNet-50 batch 256: float32 and TF32 with tally's
 #                  --deterministic on and off, bf16 (PyTorch: autocast + channels_last +
 #                  cudnn.benchmark), tally in both memory formats, against one PyTorch run each
@@ -105,7 +108,7 @@ mpi_tests=(dist_test pipeline_test)
 all_steps=(env tests mpi tuning compare norms deviceless host offload resnet50 profile train graphs sanitize)
 # Each step's cap in seconds (docs/gpu.md, "The order and the caps"): a step stops starting
 # commands at its cap as the whole run does at RUN_SECONDS; the sanitizer takes what is left.
-declare -A step_caps=([env]=20 [tests]=140 [mpi]=150 [tuning]=120 [compare]=150 [norms]=40 [deviceless]=60 [host]=50 [offload]=60
+declare -A step_caps=([env]=20 [tests]=140 [mpi]=150 [tuning]=180 [compare]=150 [norms]=40 [deviceless]=60 [host]=50 [offload]=60
   [resnet50]=90 [profile]=90 [train]=100 [graphs]=150 [bench]=120 [repeat]=120)
 programs=("${tests[@]/#/tests/}" "${mpi_tests[@]/#/tests/}" apps/tally bench/bench_kernels bench/bench_train)
 # The libraries every machine has (the C runtime) and those the GPU machine has (CUDA's): never packed.
@@ -454,11 +457,12 @@ gtest_line() {
 
 step_tests() {
   local t
-  # Every gpu test once, cuDNN's choices logged.
+  # Every gpu test once, cuDNN's choices logged; tuning's test (minutes of measuring) runs in the
+  # tuning step.
   for t in "${tests[@]}"; do
     local log=$logs/$t.log
     : >"$log"
-    TALLY_LOG_CONV=1 run_logged "$t" "$log" 90 "$bundle/run" "$bundle/bin/$t" --gtest_color=no
+    TALLY_LOG_CONV=1 run_logged "$t" "$log" 90 "$bundle/run" "$bundle/bin/$t" --gtest_color=no --gtest_filter='-*Tuned*'
     local line
     line=$(gtest_line "$log")
     if grep -q 'no GPU present' "$log"; then  # a check that skipped for want of a GPU checked nothing
@@ -471,7 +475,8 @@ step_tests() {
   # the legacy API, bf16 and channels-last through the graph API); the whole steps run each
   # precision's default API above. (gpu_ops_test has no convolution tests of its own: its filtered
   # run was "0 tests", which proves nothing.)
-  local filter='*Convolution*:-*EveryCudnnAlgorithm*' api
+  # (Tuning's test runs once, above: it takes the automatic API itself and measures for minutes.)
+  local filter='*Convolution*:-*EveryCudnnAlgorithm*:*Tuned*' api
   for api in graph legacy; do
     for t in gpu_kernels_test gpu_bf16_test; do
       local glog=$logs/$t-$api-api.log
@@ -906,6 +911,13 @@ step_deviceless() {
 step_tuning() {
   local log=$logs/tuning.log run=/tmp/tally-gpu-tuning row extra tuning api
   : >"$log"
+  # The tuning test: ResNet-20 in bf16 measured, replayed from its file and from its record, the
+  # same bits and exact peaks (it prints the first run's tuning line: how long measuring took).
+  local tlog=$logs/gpu_bf16_test-tuned.log
+  : >"$tlog"
+  run_logged "gpu_bf16_test *Tuned*" "$tlog" 60 "$bundle/run" "$bundle/bin/gpu_bf16_test" --gtest_color=no \
+    --gtest_filter='*Tuned*'
+  result "gpu_bf16_test *Tuned*" "$(gtest_line "$tlog") $(grep -E "^first run's tuning:" "$tlog" | cut -c13-130)"
   for row in "bf16 --precision bf16" "tf32 --tf32" "fp32"; do
     read -r row extra <<<"$row"
     for tuning in tuned none; do

@@ -159,7 +159,7 @@ TEST_F(Dist, TheStagedTransportGivesTheWorldsCollectivesChunkByChunk) {
 // lets none of them reach MPI, which takes host tensors only (it had passed them on, and the
 // first plan of every GPU stage stopped at "expected a contiguous CPU tensor"). No GPU is needed:
 // the dry run's tensors live on a virtual arena. A bad peer is still the host's error.
-TEST_F(Dist, TheStagedTransportsDryRunMessagesOfAGpuStayOffMpi) {
+TEST_F(Dist, TheStagedTransportsDryRunMessagesOfADeviceStayOffMpi) {
   REQUIRE_TWO_RANKS();
   const Device gpu = Device::cuda(0);
   const auto staged = distributed::make_staged(world(), gpu, 1024);
