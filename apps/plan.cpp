@@ -160,6 +160,9 @@ std::optional<DeviceFile> described_gpu(const PlanOptions& opt, Device dev) {
       throw Error(fmt::format("--device {}: no GPU is present (CUDA workspace sizes come from the GPU's libraries; "
                               "--device-file plans a GPU that is not here)",
                               opt.device));
+    if (dev.is_cuda() && dev.index >= cuda_device_count())
+      throw Error(fmt::format("--device {}: this machine has {} GPU{} (cuda:0 to cuda:{})", opt.device,
+                              cuda_device_count(), cuda_device_count() == 1 ? "" : "s", cuda_device_count() - 1));
     return std::nullopt;
   }
   if (!kHaveCudaBackend)
@@ -169,10 +172,11 @@ std::optional<DeviceFile> described_gpu(const PlanOptions& opt, Device dev) {
     throw Error(fmt::format("--device-file: expected --device cuda (the file describes a GPU), found --device {}",
                             opt.device));
   DeviceFile f = load_device_file(opt.device_file);
-  if (opt.memory_limit == "auto")
-    throw Error(fmt::format("--memory-limit auto with --device-file: expected a size (auto is the free memory of a GPU "
+  const std::vector<std::string> limits = split_list(opt.memory_limit);
+  if (std::find(limits.begin(), limits.end(), "auto") != limits.end())
+    throw Error(fmt::format("--memory-limit {} with --device-file: expected sizes (auto is the free memory of a GPU "
                             "that is here; the {} of {} has {} in all)",
-                            f.name, opt.device_file, format_bytes(f.total_memory)));
+                            opt.memory_limit, f.name, opt.device_file, format_bytes(f.total_memory)));
   if (opt.host_memory_limit != "none" && (opt.copy_bandwidth == "measure" || opt.compute_rate == "measure"))
     throw Error(fmt::format("--host-memory-limit with --device-file: expected --copy-bandwidth and --compute-rate as "
                             "numbers (the rates of a GPU that is not here cannot be measured), found {} and {}",

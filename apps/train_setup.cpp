@@ -54,6 +54,9 @@ Device choose_device(const std::string& d) {
     const Device dev = parse_device(d);
     if (!cuda_available())
       throw Error(fmt::format("--device {}: no GPU is present ({})", d, build_info()));
+    if (dev.index >= cuda_device_count())
+      throw Error(fmt::format("--device {}: this machine has {} GPU{} (cuda:0 to cuda:{})", d, cuda_device_count(),
+                              cuda_device_count() == 1 ? "" : "s", cuda_device_count() - 1));
     return dev;
   }
   if (d == "auto") return cuda_available() ? Device::cuda(0) : Device::cpu();  // the GPU when there is one
@@ -203,8 +206,29 @@ DataInfo describe_data(const TrainOptions& opt) {
   return {t.channels, t.height, t.width, t.num_classes, t.size()};
 }
 
-
 namespace {
+
+// Ranks of one machine that share a GPU (fewer GPUs than ranks, or --device cuda:K pinning them all
+// to GPU K): NCCL refuses them, so auto collectives take the staged transport and nccl is an error
+// naming the pin; `auto` memory is an error (each would take what the others left free).
+void check_shared_gpu(RankSetup& r) {
+  if (!r.dev.is_cuda() || distributed::local_size() < 2) return;
+  const bool pinned = r.opt.device != "auto" && r.opt.device != "cuda";
+  if (pinned && r.opt.collectives == distributed::Collectives::nccl)
+    throw Error(fmt::format("--collectives nccl with --device {}: the {} ranks of this machine would all run on GPU {}, "
+                            "and NCCL needs a GPU for each rank (give --device cuda, which gives each rank its own "
+                            "where there are enough, or --collectives mpi)", r.opt.device, distributed::local_size(),
+                            r.dev.index));
+  if (pinned) r.opt.collectives = distributed::Collectives::mpi;  // auto: the staged transport, as for any sharing
+  const std::vector<std::string> limits = split_list(r.opt.memory_limit);
+  const bool shared = pinned || distributed::local_size() > cuda_device_count();
+  if (shared && std::find(limits.begin(), limits.end(), "auto") != limits.end())
+    throw Error(fmt::format("--memory-limit {}: the {} ranks of this machine share {}, and each would take what the "
+                            "others left free; give each rank its slice (--memory-limit SIZE, or one size per rank)",
+                            r.opt.memory_limit, distributed::local_size(),
+                            pinned ? fmt::format("GPU {} (--device {})", r.dev.index, r.opt.device)
+                                   : fmt::format("{} GPU{}", cuda_device_count(), cuda_device_count() == 1 ? "" : "s")));
+}
 
 void set_up_rank(RankSetup& r, const TrainOptions& options, std::ostream& all_log) {
   // The ranks: this process alone, or one of mpirun's (docs/distributed.md).
@@ -229,11 +253,7 @@ void set_up_rank(RankSetup& r, const TrainOptions& options, std::ostream& all_lo
     throw Error("--loss-normalization per-micro-batch is for one process; data parallelism uses exact");
   if (r.ranks > 1 && r.dev.is_cuda() && (r.opt.device == "auto" || r.opt.device == "cuda"))
     r.dev = Device::cuda(distributed::local_rank() % std::max(1, cuda_device_count()));  // ranks share GPUs in turn
-  if (r.dev.is_cuda() && r.opt.memory_limit == "auto" && distributed::local_size() > cuda_device_count())
-    throw Error(fmt::format("--memory-limit auto: the {} ranks of this machine share {} GPU{}, and each would take "
-                            "what the others left free; give each rank its slice (--memory-limit SIZE, or one size "
-                            "per rank)", distributed::local_size(), cuda_device_count(),
-                            cuda_device_count() == 1 ? "" : "s"));
+  check_shared_gpu(r);
   // Rank 0 speaks and writes the run folder; the others train silently.
   r.log = r.rank == 0 ? &all_log : &r.silent;
   if (r.rank != 0) r.opt.out.clear(), r.opt.save.clear(), r.opt.progress = false;
@@ -259,6 +279,29 @@ data::LoaderOptions loader_options(const TrainOptions& opt, bool augment) {
   return lo;
 }
 
+namespace {
+
+// A GPU stage's `auto` limit is what its arena reserved: the GPU's free memory measured before the
+// arena took it (pipeline_config measures after, and would see only the margin). Each rank has its
+// own GPU there (ranks sharing one refuse `auto`), so each tells the others its own, and every
+// rank cuts the model from the same limits, as `tally plan` on those GPUs does.
+void stage_limits_as_reserved(PipelineConfig& pc, const std::string& all_limits, const Arena& arena) {
+  const std::vector<std::string> limits = split_list(all_limits);
+  const auto is_auto = [&](int s) { return limits[limits.size() == 1 ? 0 : static_cast<std::size_t>(s)] == "auto"; };
+  bool any = false;
+  for (int s = 0; s < pc.stages; ++s) any = any || is_auto(s);
+  if (!any || !arena.device().is_cuda()) return;
+  std::vector<double> reserved(static_cast<std::size_t>(pc.stages), 0.0);
+  reserved[static_cast<std::size_t>(pc.stage)] = static_cast<double>(arena.capacity());
+  distributed::process_world()->all_reduce_sum(reserved.data(), reserved.size());
+  for (int s = 0; s < pc.stages; ++s) {
+    const auto i = static_cast<std::size_t>(s);
+    if (is_auto(s)) pc.limits[i] = static_cast<std::int64_t>(reserved[i]);
+  }
+}
+
+}  // namespace
+
 // The model and optimizer of the options, every persistent byte in `arena`.
 // `all_limits`: --memory-limit as given (one size, or one per rank), for a pipeline's cut.
 Setup model_setup(const TrainOptions& opt, const data::Dataset& train_set, const std::shared_ptr<Arena>& arena,
@@ -278,6 +321,7 @@ Setup model_setup(const TrainOptions& opt, const data::Dataset& train_set, const
   PipelineConfig pc = pipeline_config(opt, {train_set.channels, train_set.height, train_set.width}, opt.batch_size,
                                       all_limits, arena->device());
   pc.stage = distributed::process_world()->rank();
+  stage_limits_as_reserved(pc, all_limits, *arena);
   return build_setup(arena, mc, init, oc, format_bytes(arena->capacity()), &pc);
 }
 

@@ -55,13 +55,14 @@ class Local final : public Communicator {
 std::size_t Communicator::send(const Tensor& t, int peer) {
   if (skip_side_effects()) return 0;
   throw Error(fmt::format("send of {} to rank {}: the {} communicator has no point-to-point messages (pipeline stages "
-                          "need MPI ranks on the CPU)", t.str(), peer, backend()));
+                          "need MPI ranks: on GPUs, through host memory, --collectives mpi)", t.str(), peer, backend()));
 }
 void Communicator::wait_send(std::size_t) {}
 void Communicator::recv(Tensor& t, int peer) {
   if (skip_side_effects()) return;
   throw Error(fmt::format("recv of {} from rank {}: the {} communicator has no point-to-point messages (pipeline "
-                          "stages need MPI ranks on the CPU)", t.str(), peer, backend()));
+                          "stages need MPI ranks: on GPUs, through host memory, --collectives mpi)", t.str(), peer,
+                          backend()));
 }
 
 std::shared_ptr<Communicator> local() {

@@ -141,8 +141,10 @@ expect "a device file that is not there" error "device file '.*missing.json': ca
 printf '{"format": "tally device file", "version": 1}' >"$dir/half.json"
 expect "a device file without its fields" error "device file '.*half.json': expected a field \"name\", found none$nocuda" -- \
   "${plan[@]}" --device cuda --device-file "$dir/half.json" --memory-limit 1GiB
-expect "auto memory of a GPU not here" error "--memory-limit auto with --device-file: expected a size .*NVIDIA H200 .* has 139.80 GiB$nocuda" -- \
+expect "auto memory of a GPU not here" error "--memory-limit auto with --device-file: expected sizes .*NVIDIA H200 .* has 139.80 GiB$nocuda" -- \
   "${plan[@]}" --device cuda --device-file "$h200"
+expect "a stage's auto memory of a GPU not here" error "--memory-limit 300MiB,auto with --device-file: expected sizes .*NVIDIA H200$nocuda" -- \
+  "${plan[@]}" --device cuda --device-file "$h200" --pipeline-stages 2 --memory-limit 300MiB,auto
 expect "rates of a GPU not here" error "expected --copy-bandwidth and --compute-rate as numbers .* found measure and measure$nocuda" -- \
   "${plan[@]}" --device cuda --device-file "$h200" --memory-limit 1GiB --host-memory-limit 1GiB
 # The convolutions' tuning file (core/conv_tuning.h): an empty flag, a negative cap, a damaged file
