@@ -46,8 +46,10 @@ void write_all(int fd, const void* src, std::size_t n, std::string_view what, co
 }
 
 void write_file(const std::filesystem::path& path, std::string_view bytes, std::string_view what) {
+  // A temporary of this process's own (as safetensors' writer): two processes writing one file at
+  // once (the ranks of a run saving the shared tuning file) each rename a whole file into place.
   std::filesystem::path tmp = path;
-  tmp += ".tmp";
+  tmp += ".tmp." + std::to_string(static_cast<long>(::getpid()));
   const auto failed = [&](int error) {
     return Error(fmt::format("{}: cannot write '{}': {}", what, path.string(),
                              std::error_code(error, std::generic_category()).message()));

@@ -20,7 +20,7 @@ void write_all(int fd, const void* src, std::size_t n, std::string_view what, co
 // does every writer that does not go through write_all (metrics.csv's stream).
 int injected_write_error(const std::filesystem::path& path);
 
-// Writes `bytes` as the file `path`, whole or not at all: into "<path>.tmp" first, fsynced, then
+// Writes `bytes` as the file `path`, whole or not at all: into "<path>.tmp.<pid>" first, fsynced, then
 // renamed over `path` (a crash leaves the old file or the new one). On any failure the temporary
 // is removed and a tally::Error "<what>: cannot write '<path>': <the system's reason>" is thrown
 // (e.g. "No space left on device"; TALLY_TEST_WRITE_FAIL injects one, as for write_all).

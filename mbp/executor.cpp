@@ -450,11 +450,11 @@ void Executor::run_graphed(const GraphKey& key, const std::function<void()>& com
     graph_stats_.failed = e.what();  // graphs are off for the rest of the run, and their memory freed
     graphs_.clear();
     unreplayable_.clear();
+    graph_stats_.graphs = graph_stats_.nodes = graph_stats_.device_bytes = 0;
     throw RecordingFailed(e.what());
   }
   ++graph_stats_.recorded;
-  graph_stats_.device_bytes += g.device_bytes();
-  if (!g.replayable()) {
+  if (!g.replayable()) {  // its executable goes at once
     ++graph_stats_.unreplayable;
     unreplayable_.insert(key);
     if (opt_.log && graph_stats_.unreplayable == 1)
@@ -463,6 +463,7 @@ void Executor::run_graphed(const GraphKey& key, const std::function<void()>& com
     return;
   }
   graph_stats_.nodes += g.nodes();
+  graph_stats_.device_bytes += g.device_bytes();
   graph_stats_.graphs = graphs_.size() + 1;
   graphs_.emplace(key, std::move(g));
 }

@@ -595,7 +595,7 @@ step_mpi() {
   run_logged "mpirun -np 2 tally train --pipeline-stages 2" "$log" 60 "${hide[@]}" "$bundle/run" mpirun \
     --oversubscribe -np 2 "$bundle/bin/tally" train --pipeline-stages 2 --model resnet50 --data synthetic:3x224x224 \
     --batch-size 8 --memory-limit 300MiB --steps 3 --device cuda --no-eval --no-progress --out "$run-stages"
-  result "resnet50 as 2 stages on one GPU, 300 MiB each" "$(grep -E '^(rank [01]:|memory:)' "$log" | tail -3 |
+  result "resnet50 as 2 stages on one GPU, 300 MiB each" "$(grep -E '^(stage [01] |memory:)' "$log" | tail -3 |
     tr -s ' \n' ' ' | cut -c1-150)"
 }
 
@@ -629,7 +629,8 @@ step_graphs() {
         rm -rf "$run-r50"
         run_logged "tally train resnet50 256 as $m, $p, graphs $g" "$log" 60 "$bundle/run" "$bundle/bin/tally" train \
           --model resnet50 --data synthetic:3x224x224 --batch-size 256 --micro-batch "$m" --steps 8 --precision "$p" \
-          --memory-limit 40GiB --device cuda --cuda-graphs "$g" --out "$run-r50" --no-progress --no-eval
+          --memory-limit 40GiB --device cuda --cuda-graphs "$g" --out "$run-r50" --no-progress --no-eval \
+          --tuning-seconds 10
         result "resnet50 256 as $m, $p, graphs $g" "$(summary_rate "$run-r50") $(grep -E '^cuda graphs' "$log" | cut -c1-60)"
       done
     done
