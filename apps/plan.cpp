@@ -160,9 +160,7 @@ std::optional<DeviceFile> described_gpu(const PlanOptions& opt, Device dev) {
       throw Error(fmt::format("--device {}: no GPU is present (CUDA workspace sizes come from the GPU's libraries; "
                               "--device-file plans a GPU that is not here)",
                               opt.device));
-    if (dev.is_cuda() && dev.index >= cuda_device_count())
-      throw Error(fmt::format("--device {}: this machine has {} GPU{} (cuda:0 to cuda:{})", opt.device,
-                              cuda_device_count(), cuda_device_count() == 1 ? "" : "s", cuda_device_count() - 1));
+    check_gpu_index(opt.device, dev);
     return std::nullopt;
   }
   if (!kHaveCudaBackend)
@@ -172,8 +170,7 @@ std::optional<DeviceFile> described_gpu(const PlanOptions& opt, Device dev) {
     throw Error(fmt::format("--device-file: expected --device cuda (the file describes a GPU), found --device {}",
                             opt.device));
   DeviceFile f = load_device_file(opt.device_file);
-  const std::vector<std::string> limits = split_list(opt.memory_limit);
-  if (std::find(limits.begin(), limits.end(), "auto") != limits.end())
+  if (lists_auto(opt.memory_limit))
     throw Error(fmt::format("--memory-limit {} with --device-file: expected sizes (auto is the free memory of a GPU "
                             "that is here; the {} of {} has {} in all)",
                             opt.memory_limit, f.name, opt.device_file, format_bytes(f.total_memory)));

@@ -88,6 +88,17 @@ std::vector<std::string> split_list(const std::string& text) {
   }
 }
 
+bool lists_auto(const std::string& memory_limit) {
+  const std::vector<std::string> limits = split_list(memory_limit);
+  return std::find(limits.begin(), limits.end(), "auto") != limits.end();
+}
+
+void check_gpu_index(const std::string& given, Device dev) {
+  if (dev.is_cuda() && dev.index >= cuda_device_count())
+    throw Error(fmt::format("--device {}: this machine has {} GPU{} (cuda:0 to cuda:{})", given, cuda_device_count(),
+                            cuda_device_count() == 1 ? "" : "s", cuda_device_count() - 1));
+}
+
 void write_text(const std::filesystem::path& path, const std::string& text) {
   // Through a temporary and a rename (core/files.h): a process killed while writing leaves the old
   // file or the new one, never half of one (a resumed sweep reads its runs' rows back); a failure

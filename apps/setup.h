@@ -63,8 +63,14 @@ Shape parse_input(const std::string& s);
 
 // "a,b,c" -> {"a", "b", "c"}; "a" -> {"a"} (empty items stay, for the caller to refuse).
 std::vector<std::string> split_list(const std::string& text);
+// Whether a --memory-limit (one size, or one per rank or stage) asks for `auto` anywhere.
+bool lists_auto(const std::string& memory_limit);
 
-// Writes `text` to `path` (through path.tmp and a rename: never half a file); an Error naming the
+// --device `given` names `dev`: an Error naming the machine's GPUs when it is a GPU this machine
+// does not have (cuda:N past the last one).
+void check_gpu_index(const std::string& given, Device dev);
+
+// Writes `text` to `path` (through a temporary and a rename: never half a file); an Error naming the
 // path when it cannot.
 void write_text(const std::filesystem::path& path, const std::string& text);
 

@@ -54,9 +54,7 @@ Device choose_device(const std::string& d) {
     const Device dev = parse_device(d);
     if (!cuda_available())
       throw Error(fmt::format("--device {}: no GPU is present ({})", d, build_info()));
-    if (dev.index >= cuda_device_count())
-      throw Error(fmt::format("--device {}: this machine has {} GPU{} (cuda:0 to cuda:{})", d, cuda_device_count(),
-                              cuda_device_count() == 1 ? "" : "s", cuda_device_count() - 1));
+    check_gpu_index(d, dev);
     return dev;
   }
   if (d == "auto") return cuda_available() ? Device::cuda(0) : Device::cpu();  // the GPU when there is one
@@ -220,9 +218,8 @@ void check_shared_gpu(RankSetup& r) {
                             "where there are enough, or --collectives mpi)", r.opt.device, distributed::local_size(),
                             r.dev.index));
   if (pinned) r.opt.collectives = distributed::Collectives::mpi;  // auto: the staged transport, as for any sharing
-  const std::vector<std::string> limits = split_list(r.opt.memory_limit);
   const bool shared = pinned || distributed::local_size() > cuda_device_count();
-  if (shared && std::find(limits.begin(), limits.end(), "auto") != limits.end())
+  if (shared && lists_auto(r.opt.memory_limit))
     throw Error(fmt::format("--memory-limit {}: the {} ranks of this machine share {}, and each would take what the "
                             "others left free; give each rank its slice (--memory-limit SIZE, or one size per rank)",
                             r.opt.memory_limit, distributed::local_size(),

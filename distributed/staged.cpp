@@ -85,9 +85,7 @@ class StagedCommunicator final : public Communicator {
   // `collective` on t's bytes, a chunk at a time through the staging arena.
   template <class F>
   void staged(Tensor& t, const char* what, F&& collective) {
-    if (!t.is_contiguous())
-      throw Error(
-          fmt::format("{} through the staged transport: expected a contiguous tensor, found {}", what, t.str()));
+    check_contiguous(t, what);
     if (skip_side_effects() || t.numel() == 0) return;
     const std::int64_t n = t.numel();
     const auto per = std::max<std::int64_t>(
@@ -112,6 +110,10 @@ class StagedCommunicator final : public Communicator {
   void check_peer(const Tensor& t, int peer, const char* what) const {
     if (peer < 0 || peer >= size() || peer == rank())
       throw Error(fmt::format("{}: rank {} is not another rank of a world of {}", what, peer, size()));
+    check_contiguous(t, what);
+  }
+
+  static void check_contiguous(const Tensor& t, const char* what) {
     if (!t.is_contiguous())
       throw Error(
           fmt::format("{} through the staged transport: expected a contiguous tensor, found {}", what, t.str()));
@@ -126,9 +128,7 @@ class StagedCommunicator final : public Communicator {
 
   // A host tensor of t's elements in the staging arena; a message it cannot hold is an Error naming both.
   Tensor staging_tensor(const Tensor& t, const char* what) {
-    if (!t.is_contiguous())
-      throw Error(
-          fmt::format("{} through the staged transport: expected a contiguous tensor, found {}", what, t.str()));
+    check_contiguous(t, what);
     try {
       const ArenaScope scope(staging_);
       return Tensor::empty({t.numel()}, t.dtype(), Device::cpu(), Category::temporary, "staged message");
