@@ -1,8 +1,11 @@
 // core/dry_run.cpp — the per-thread dry-run switch; see core/dry_run.h.
 #include "core/dry_run.h"
 
+#include <fmt/format.h>
+
 #include "core/ambient.h"
 #include "core/error.h"
+#include "core/tensor.h"
 
 namespace tally {
 
@@ -31,6 +34,14 @@ const std::shared_ptr<Arena>& DryRun::arena_ptr() const {
 }
 std::shared_ptr<Arena> DryRun::virtual_arena(Device device, std::size_t capacity) const {
   return Arena::make_virtual(device, capacity);
+}
+
+void free_in_dry_run(const Tensor& t) {
+  if (!is_dry_run()) throw Error("free_in_dry_run: outside a dry run (a real tensor is freed by dropping it)");
+  Arena& clone = *current_arena(t.device());
+  if (!clone.is_virtual())
+    throw Error(fmt::format("free_in_dry_run: the dry run's arena on {} is not virtual", t.device().str()));
+  clone.free(t.storage()->offset());
 }
 
 }  // namespace tally

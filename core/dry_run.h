@@ -84,4 +84,11 @@ class DryRun {
   std::optional<HostArenaScope> host_scope_;
 };
 
+class Tensor;  // core/tensor.h
+// In a dry run on a virtual clone of `t`'s arena (a DryRun(real)): frees the clone's copy of t's
+// block, as dropping `t` frees the real one at that point of the real run — for a step that
+// replaces a tensor made before it (the MBP executor's input slots). An Error outside a dry run,
+// on an arena that is not virtual, or where the clone has no live block at t's offset.
+void free_in_dry_run(const Tensor& t);
+
 }  // namespace tally

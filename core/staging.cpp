@@ -6,6 +6,7 @@
 #include <cstring>
 #include <deque>
 #include <functional>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -17,8 +18,11 @@ namespace tally {
 struct InputStager::Impl {
   virtual ~Impl() = default;
   virtual void reserve(std::size_t capacity) = 0;
-  // Fills dst's `bytes` of staging by calling write(where) once, then uploads them.
-  virtual std::size_t stage(const Tensor& dst, std::size_t bytes, const std::function<void(void*)>& write) = 0;
+  virtual std::size_t fence() = 0;
+  // Fills dst's `bytes` of staging by calling write(where) once, then uploads them after the
+  // compute work up to fence `after` (0: all of it).
+  virtual std::size_t stage(const Tensor& dst, std::size_t bytes, std::size_t after,
+                            const std::function<void(void*)>& write) = 0;
   virtual void wait(std::size_t ticket) = 0;
   virtual void wait_all() = 0;
 };
@@ -43,10 +47,25 @@ void write_converted(void* dst, const float* src, std::size_t count, DType dtype
                           dtype_name(dtype)));
 }
 
+// The same for row-major (N, C, H, W) floats written channels-last, as `like` (a 4-d channels-last
+// tensor of their dtype and shape) stores them.
+void write_channels_last(void* dst, const float* src, const Tensor& like) {
+  namespace kc = kernels::cpu;
+  const std::int64_t n = like.size(0), c = like.size(1), hw = like.size(2) * like.size(3);
+  switch (like.dtype()) {
+    case DType::Float32: return kc::convert_channels_last(n, c, hw, src, static_cast<float*>(dst));
+    case DType::BFloat16: return kc::convert_channels_last(n, c, hw, src, static_cast<kernels::bf16*>(dst));
+    case DType::Float64: return kc::convert_channels_last(n, c, hw, src, static_cast<double*>(dst));
+    default: break;
+  }
+  write_converted(dst, src, 0, like.dtype());  // its error
+}
+
 // The CPU: the inputs are copied when stage() is called; nothing to wait for.
 struct HostStager final : InputStager::Impl {
   void reserve(std::size_t) override {}
-  std::size_t stage(const Tensor& dst, std::size_t, const std::function<void(void*)>& write) override {
+  std::size_t fence() override { return 0; }
+  std::size_t stage(const Tensor& dst, std::size_t, std::size_t, const std::function<void(void*)>& write) override {
     TALLY_DISPATCH("stage", dst, ANY, write(dst.raw_data()));  // timed by the profiler as "stage"
     return 0;
   }
@@ -77,7 +96,14 @@ struct GpuStager final : InputStager::Impl {
     buffer = PinnedBuffer(capacity);
     head = 0;
   }
-  std::size_t stage(const Tensor& dst, std::size_t bytes, const std::function<void(void*)>& write) override {
+  std::size_t fence() override {
+    kernels::cuda::use_device(device);
+    fences.push_back({next_fence, Event::record(kernels::cuda::compute_stream())});
+    if (fences.size() > InputStager::kFences) fences.pop_front();
+    return next_fence++;
+  }
+  std::size_t stage(const Tensor& dst, std::size_t bytes, std::size_t after,
+                    const std::function<void(void*)>& write) override {
     const std::size_t size = aligned(bytes);
     if (size > buffer.size())
       throw Error(fmt::format("input staging: {} bytes at once, more than the {} reserved (reserve)", bytes,
@@ -96,7 +122,11 @@ struct GpuStager final : InputStager::Impl {
     }
     void* slot = static_cast<char*>(buffer.data()) + head;
     write(slot);
-    kcu::copy_wait(Event::record(kcu::compute_stream()));
+    const auto kept = std::find_if(fences.begin(), fences.end(), [after](const auto& f) { return f.first == after; });
+    if (after != 0 && kept != fences.end())
+      kcu::copy_wait(kept->second);
+    else
+      kcu::copy_wait(Event::record(kcu::compute_stream()));
     inflight.push_back({next_ticket, head, head + size, kcu::upload_async(dst.raw_data(), slot, bytes)});
     head += size;
     return next_ticket++;
@@ -129,6 +159,8 @@ struct GpuStager final : InputStager::Impl {
   std::size_t head = 0;         // where the next bytes begin
   std::size_t next_ticket = 0;
   std::deque<Upload> inflight;  // in ring order, oldest first
+  std::size_t next_fence = 1;
+  std::deque<std::pair<std::size_t, Event>> fences;  // the last kFences, oldest first
 };
 
 }  // namespace
@@ -153,23 +185,30 @@ void InputStager::reserve(std::size_t micro_batch_bytes, std::size_t step_bytes)
   impl_->reserve(staging_capacity(micro_batch_bytes, step_bytes));
 }
 namespace {
-void check_fills(const Tensor& dst, std::size_t bytes, Device device) {
-  if (dst.device() != device || dst.nbytes() != bytes || !dst.is_contiguous())
+void check_fills(const Tensor& dst, std::size_t bytes, Device device, bool channels_last = false) {
+  if (dst.device() != device || dst.nbytes() != bytes || !(dst.is_contiguous() || channels_last))
     throw ShapeError(fmt::format("input staging on {}: {} bytes cannot fill {} (a dense tensor of that size on the "
                                  "stager's device)", device.str(), bytes, dst.str()));
 }
 }  // namespace
 
-std::size_t InputStager::stage(const Tensor& dst, const void* src, std::size_t bytes) {
+std::size_t InputStager::fence() { return impl_->fence(); }
+
+std::size_t InputStager::stage(const Tensor& dst, const void* src, std::size_t bytes, std::size_t after) {
   check_fills(dst, bytes, device_);
-  return impl_->stage(dst, bytes, [&](void* to) {
+  return impl_->stage(dst, bytes, after, [&](void* to) {
     if (bytes > 0) std::memcpy(to, src, bytes);
   });
 }
-std::size_t InputStager::stage_floats(const Tensor& dst, const float* src, std::size_t count) {
-  check_fills(dst, count * dtype_size(dst.dtype()), device_);
-  return impl_->stage(dst, count * dtype_size(dst.dtype()),
-                      [&](void* to) { write_converted(to, src, count, dst.dtype()); });
+std::size_t InputStager::stage_floats(const Tensor& dst, const float* src, std::size_t count, std::size_t after) {
+  const bool channels_last = dst.defined() && dst.suggest_memory_format() == MemoryFormat::ChannelsLast;
+  check_fills(dst, count * dtype_size(dst.dtype()), device_, channels_last);
+  return impl_->stage(dst, count * dtype_size(dst.dtype()), after, [&](void* to) {
+    if (channels_last)
+      write_channels_last(to, src, dst);
+    else
+      write_converted(to, src, count, dst.dtype());
+  });
 }
 void InputStager::wait(std::size_t ticket) { impl_->wait(ticket); }
 

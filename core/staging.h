@@ -4,7 +4,8 @@
 // tensors in the arena. On the CPU that is a plain copy, done when stage() returns. On a GPU the
 // samples are copied into page-locked (pinned) host memory and uploaded from there on the
 // device's copy stream, after the compute work enqueued so far (the arena may have handed the
-// input's blocks over from tensors that work still reads); the compute stream waits for an
+// input's blocks over from tensors that work still reads) or, for a destination the caller knows
+// to be free earlier, after a fence of that work; the compute stream waits for an
 // upload only when wait() is called for it, and the host only when the ring below needs its bytes
 // again. So the upload of
 // micro-batch i+1 overlaps the compute of micro-batch i when the caller stages one ahead
@@ -44,13 +45,24 @@ class InputStager {
   // A step's staging needs: a GPU's ring grows to staging_capacity (after the uploads that read the
   // old one are done); nothing on the CPU.
   void reserve(std::size_t micro_batch_bytes, std::size_t step_bytes);
+  // A point in the device's compute work: everything enqueued on it so far (a GPU: an event on
+  // the compute stream; the CPU: 0, nothing to wait for). Fences are numbered from 1; the last
+  // kFences are kept.
+  static constexpr std::size_t kFences = 4;
+  std::size_t fence();
   // Copies `bytes` from host memory at `src` into the dense tensor `dst` (on this stager's device)
-  // through the ring's next bytes; returns the ticket of this upload.
-  std::size_t stage(const Tensor& dst, const void* src, std::size_t bytes);
+  // through the ring's next bytes; returns the ticket of this upload. The upload waits for the
+  // compute work enqueued so far (`after` 0: dst's blocks may have been handed over from tensors
+  // that work still reads), or only for the work up to fence `after` — for a dst that nothing
+  // enqueued after that fence reads or writes (the executor's input slots, mbp/executor.h). A fence
+  // no longer kept counts as 0.
+  std::size_t stage(const Tensor& dst, const void* src, std::size_t bytes, std::size_t after = 0);
   // The same for `count` float32 values at `src` converted to dst's dtype (float32, bf16 or
   // float64) on their way: written straight into the staging bytes (a GPU's pinned memory, the
-  // CPU's tensor itself) by the host's threads, with no converted copy in between.
-  std::size_t stage_floats(const Tensor& dst, const float* src, std::size_t count);
+  // CPU's tensor itself) by the host's threads, with no converted copy in between. Row-major
+  // (N, C, H, W) images for a channels-last dst (dense in that format) are written channels-last
+  // on the way too: the device converts nothing.
+  std::size_t stage_floats(const Tensor& dst, const float* src, std::size_t count, std::size_t after = 0);
   // Work enqueued on the device from now on sees the upload `ticket` and every upload staged
   // before it (they share one copy stream); no host wait. A ticket whose bytes the ring has
   // handed out again was waited for then: nothing to do.

@@ -67,15 +67,15 @@ void reserve_staging(InputStager& stager, const std::vector<std::int64_t>& sizes
 // dtype, the activations', on their way into the staging, by the host's threads); returns the
 // upload's ticket.
 std::size_t stage_images(Tensor& x, InputStager& stager, const float* images, std::int64_t offset, std::int64_t n,
-                         std::int64_t sample_numel) {
+                         std::int64_t sample_numel, std::size_t after) {
   const float* src = images + offset * sample_numel;
-  return stager.stage_floats(x, src, static_cast<std::size_t>(n * sample_numel));
+  return stager.stage_floats(x, src, static_cast<std::size_t>(n * sample_numel), after);
 }
 
 // The labels [offset, offset + n) into `y`.
 std::size_t stage_labels(Tensor& y, InputStager& stager, const std::int64_t* labels, std::int64_t offset,
-                         std::int64_t n) {
-  return stager.stage(y, labels + offset, static_cast<std::size_t>(n) * sizeof(std::int64_t));
+                         std::int64_t n, std::size_t after) {
+  return stager.stage(y, labels + offset, static_cast<std::size_t>(n) * sizeof(std::int64_t), after);
 }
 
 }  // namespace detail
@@ -94,11 +94,13 @@ struct ActiveParts {
   ActiveParts& operator=(const ActiveParts&) = delete;
 };
 
-// The input tensors of one micro-batch (category input), allocated in the arena, and the ticket of
-// their upload (core/staging.h: the device waits for it before the forward).
+// The input tensors of one micro-batch (category input), in the arena — blocks of their own, or
+// views of an input slot (`slot`, else -1) — and the ticket of their upload (core/staging.h: the
+// device waits for it before the forward).
 struct Inputs {
   Tensor x, y;
   std::size_t uploaded = 0;
+  int slot = -1;
 };
 
 Inputs allocate_inputs(std::int64_t n, const Shape& sample_shape, DType dtype, Device device) {
@@ -108,17 +110,62 @@ Inputs allocate_inputs(std::int64_t n, const Shape& sample_shape, DType dtype, D
   return in;
 }
 
-// Both, for one micro-batch of the whole model.
+// Both, for one micro-batch of the whole model; `after`: the fence the uploads wait for
+// (InputStager::stage).
 void fill_inputs(Inputs& in, InputStager& stager, const float* images, const std::int64_t* labels, std::int64_t offset,
-                 std::int64_t n, std::int64_t sample_numel) {
+                 std::int64_t n, std::int64_t sample_numel, std::size_t after = 0) {
   if (skip_side_effects()) return;
-  stage_images(in.x, stager, images, offset, n, sample_numel);
-  in.uploaded = stage_labels(in.y, stager, labels, offset, n);
+  stage_images(in.x, stager, images, offset, n, sample_numel, after);
+  in.uploaded = stage_labels(in.y, stager, labels, offset, n, after);
 }
 
-// A step that ends on an exception (an out-of-memory retry, a failed recording) frees input blocks
-// whose uploads may still be writing them on the copy stream: the compute stream waits for every
-// upload in flight first, so the work that takes those blocks again comes after them.
+// The inputs of a step's micro-batches, taken in order: with input slots (a GPU's), views of them,
+// the next micro-batch's staged before the current one computes, after the fence of the work that
+// last read its slot, and a fence recorded for the current one's slot when its work is enqueued
+// (done); else blocks of their own, staged when taken. take() returns them uploaded, as far as the
+// device's compute goes.
+class MicroBatchInputs {
+ public:
+  MicroBatchInputs(InputStager& stager, InputSlots* slots, const float* images, const std::int64_t* labels,
+                   const std::vector<std::int64_t>& sizes, std::int64_t sample_numel)
+      : stager_(stager), slots_(slots), images_(images), labels_(labels), sizes_(sizes), sample_numel_(sample_numel) {}
+  Inputs take(std::size_t i, std::int64_t offset, const Shape& sample_shape, DType dtype, Device device) {
+    Inputs cur;
+    if (slots_) {
+      cur = i == 0 ? from_slot(0, sizes_[0]) : std::move(next_);
+      next_ = i + 1 < sizes_.size() ? from_slot(offset + sizes_[i], sizes_[i + 1]) : Inputs{};
+    } else {
+      cur = allocate_inputs(sizes_[i], sample_shape, dtype, device);
+      fill_inputs(cur, stager_, images_, labels_, offset, sizes_[i], sample_numel_);
+    }
+    if (!skip_side_effects()) stager_.wait(cur.uploaded);
+    return cur;
+  }
+  void done(const Inputs& cur) {
+    if (cur.slot >= 0 && !skip_side_effects()) slots_->ready[cur.slot] = stager_.fence();
+  }
+
+ private:
+  Inputs from_slot(std::int64_t at, std::int64_t n) {
+    const int s = slots_->next;
+    slots_->next ^= 1;
+    Inputs in{slots_->x[s].narrow(0, 0, n), slots_->y[s].narrow(0, 0, n), 0, s};
+    fill_inputs(in, stager_, images_, labels_, at, n, sample_numel_, slots_->ready[s]);
+    return in;
+  }
+  InputStager& stager_;
+  InputSlots* slots_;
+  const float* images_;
+  const std::int64_t* labels_;
+  const std::vector<std::int64_t>& sizes_;
+  std::int64_t sample_numel_;
+  Inputs next_;
+};
+
+// A step that ends on an exception (an out-of-memory retry, a failed recording) may leave uploads
+// on the copy stream writing input blocks that are freed next (the retry's new plan makes its input
+// slots again): the compute stream waits for every upload in flight first, so the work that takes
+// those blocks again comes after them.
 class UploadsEndFirst {
  public:
   UploadsEndFirst(InputStager& stager, bool dry) : stager_(stager), dry_(dry) {}
@@ -329,38 +376,26 @@ Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels
   for (nn::StepState* s : states_) s->begin_step();
 
   if (!dry) reserve_staging(*stager_, sizes, sample_numel_, activation_dtype_);
+  // On a GPU the inputs go through the input slots (executor.h), the next micro-batch's uploaded
+  // before the current one computes; on the CPU each micro-batch's are copied into blocks of their own.
+  InputSlots local;
+  InputSlots* slots = stager_->overlaps() || opt_.input_slots_on_cpu ? &step_slots(sizes, local) : nullptr;
+  MicroBatchInputs inputs(*stager_, slots, images, labels, sizes, sample_numel_);
 
   EnableGradGuard grad_on;  // the step records its tape even if the caller is in a NoGradGuard
   // The loss of the step, summed where it is computed: read once, after the optimizer step.
   Tensor total = Tensor::zeros({}, dtype_, device_, Category::temporary, "step_loss");
   const GradientReadyHook gradient_ready = gradient_ready_hook();
   const GradientSlotHook gradient_slot = gradient_slot_hook();
-  const bool prefetch = stager_->overlaps();  // next inputs allocated and uploaded before the current micro-batch computes
   const auto k = sizes.size();
   std::int64_t offset = 0;
   bool targets_checked = false;
   const UploadsEndFirst uploads_end_first(*stager_, dry);
-  Inputs next;
-  if (prefetch) {
-    next = allocate_inputs(sizes[0], opt_.sample_shape, activation_dtype_, device_);
-    fill_inputs(next, *stager_, images, labels, 0, sizes[0], sample_numel_);
-  }
   for (std::size_t i = 0; i < k; ++i) {
     mark_trace(device_, fmt::format("micro-batch {}/{} ({} samples)", i + 1, k, sizes[i]));
-    Inputs cur;
-    if (prefetch) {
-      cur = std::move(next);
-      next = Inputs{};
-      if (i + 1 < k) {
-        next = allocate_inputs(sizes[i + 1], opt_.sample_shape, activation_dtype_, device_);
-        fill_inputs(next, *stager_, images, labels, offset + sizes[i], sizes[i + 1], sample_numel_);
-      }
-    } else {
-      cur = allocate_inputs(sizes[i], opt_.sample_shape, activation_dtype_, device_);
-      fill_inputs(cur, *stager_, images, labels, offset, sizes[i], sample_numel_);
-    }
-    if (!dry) stager_->wait(cur.uploaded);
-    cur.x = cur.x.contiguous(opt_.memory_format);  // the staged row-major input is freed when converted
+    Inputs cur = inputs.take(i, offset, opt_.sample_shape, activation_dtype_, device_);
+    // A slot is in the step's format already; a row-major input of its own is freed when converted.
+    cur.x = cur.x.contiguous(opt_.memory_format);
     const CrossEntropyOptions co = micro_batch_loss(labels, offset, sizes[i], i, k, divisor);
     // The micro-batch's forward and backward: all device work, recorded and replayed where it may be.
     const auto compute = [&] {
@@ -385,10 +420,44 @@ Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels
       compute();
       if (opt_.cuda_graphs && !dry) warmed_sizes_.insert(sizes[i]);
     }
+    inputs.done(cur);  // its slot read by the work enqueued so far
     for (StepPart* part : step_parts_) part->after_micro_batch(i, k);
     offset += sizes[i];
   }
   return total;
+}
+
+Executor::InputSlots& Executor::step_slots(const std::vector<std::int64_t>& sizes, InputSlots& local) {
+  const std::int64_t need = *std::max_element(sizes.begin(), sizes.end());
+  const bool dry = skip_side_effects();
+  if (slots_.capacity == need) {
+    if (!dry) return slots_;
+    local = slots_;  // the same blocks, in the virtual clone too; the real turns and fences untouched
+    local.ready[0] = local.ready[1] = 0;
+    return local;
+  }
+  if (slots_.capacity != 0) {  // the old slots go first, x then y of each (one order in both runs)
+    if (dry) {
+      for (int s = 0; s < 2; ++s) free_in_dry_run(slots_.x[s]), free_in_dry_run(slots_.y[s]);
+    } else {
+      for (int s = 0; s < 2; ++s) slots_.x[s] = Tensor(), slots_.y[s] = Tensor();
+      slots_.capacity = 0;
+    }
+  }
+  InputSlots& made = dry ? local : slots_;
+  made = InputSlots{};
+  for (int s = 0; s < 2; ++s) {
+    made.x[s] = Tensor::empty(batch_shape(need, opt_.sample_shape), activation_dtype_, device_, Category::input,
+                              "input", opt_.memory_format);  // staged in the step's format: nothing converts it
+    made.y[s] = Tensor::empty({need}, DType::Int64, device_, Category::input, "labels");
+  }
+  made.capacity = need;
+  return made;
+}
+
+StateLayout Executor::layout() const {
+  if (slots_.capacity == 0) return {placed_, layout_};
+  return {placed_, fmt::format("{}|inputs {}@{}", layout_, slots_.capacity, slots_.x[0].storage()->offset())};
 }
 
 CrossEntropyOptions Executor::micro_batch_loss(const std::int64_t* labels, std::int64_t offset, std::int64_t n,

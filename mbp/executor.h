@@ -10,9 +10,10 @@
 //      gradients accumulated over the micro-batches are the full batch's mean-loss gradient
 //      for any split (not the mean of the micro-batch means, which is wrong when the last
 //      micro-batch is smaller).
-//   3. For each micro-batch: copy its inputs into the arena (category input; on CUDA the next
-//      micro-batch's inputs are allocated and uploaded — host to pinned staging, then on the copy
-//      stream — before the current one computes, so the upload overlaps it), forward, backward.
+//   3. For each micro-batch: copy its inputs into the arena (category input; on CUDA into one of
+//      two input slots that outlive the step, the next micro-batch's uploaded — host to pinned
+//      staging, then on the copy stream — before the current one computes, so the upload overlaps
+//      it, and the next step's first while this step's last computes), forward, backward.
 //      Weight gradients accumulate with beta = 1 straight into the persistent gradient buffers;
 //      every other byte of the micro-batch is freed by its end. Targets are checked on the host
 //      once per step, and the loss is summed on the device.
@@ -57,6 +58,7 @@
 #include "mbp/pipeline.h"
 #include "mbp/planner.h"
 #include "mbp/recompute.h"
+#include "mbp/step_inputs.h"
 #include "mbp/step_part.h"
 #include "optim/optimizer.h"
 
@@ -176,6 +178,9 @@ struct ExecutorOptions {
   // work cannot be replayed (dropout's masks) is run as recorded once and then without graphs. Not
   // with a Profiler on (a replay runs no op's host code to time). Nothing on the CPU.
   bool cuda_graphs = false;
+  // The GPU's input slots (Executor, "Input slots") on the CPU too: the same values and exact
+  // peaks. For tests of their planning; a GPU always has them.
+  bool input_slots_on_cpu = false;
 };
 
 struct StepResult {
@@ -237,8 +242,9 @@ class Executor {
   }
   // The chooser this executor asks (mbp/chooser.h).
   Chooser& chooser() { return chooser_; }
-  // The state as applied (the chooser's starting point).
-  StateLayout layout() const { return {placed_, layout_}; }
+  // The state as applied (the chooser's starting point): its moves so far, and the input slots
+  // where they exist (plans are keyed by both).
+  StateLayout layout() const;
 
   // One training step on host data: images (batch, sample_shape...) as float32, labels (batch).
   // With a communicator of N > 1 ranks: this rank's share of the global batch (distributed::shard), and
@@ -342,6 +348,19 @@ class Executor {
   std::vector<nn::StepState*> states_;  // the model's state across micro-batches (nn/module.h)
   std::int64_t sample_numel_ = 1;
   std::int64_t limit_ = INT64_MAX;
+  // Input slots. On a GPU a step's inputs go through two slots in the arena (category input) that
+  // outlive the step, taken in turn from micro-batch to micro-batch and from step to step. The
+  // upload of the next micro-batch — the next step's first one too — then waits only for the
+  // compute work that last read its slot (a fence of the stager after that micro-batch), never for
+  // the whole step before: the double-buffered input the device needs so as not to wait for the
+  // host. Sized for the plan's largest micro-batch, made again when a plan needs another size (the
+  // planner's dry runs do the same on their virtual clones: plans stay exact).
+  using InputSlots = detail::InputSlots;  // mbp/step_inputs.h
+  InputSlots slots_;  // before stager_: freed after its uploads are done
+  // The slots a step of micro-batches of `sizes` takes: slots_, made again for its largest
+  // micro-batch if need be; in a dry run a copy in `local` (slots_ untouched; where the step makes
+  // others, the old ones' blocks freed in the virtual clone as the real step frees them).
+  InputSlots& step_slots(const std::vector<std::int64_t>& sizes, InputSlots& local);
   std::unique_ptr<InputStager> stager_;  // the step's inputs onto the device (core/staging.h)
   Chooser chooser_;
   StepConfig config_;                     // the last configuration applied

@@ -25,11 +25,20 @@ std::size_t staging_bytes(std::int64_t n, std::int64_t sample_numel, DType dtype
 void reserve_staging(InputStager& stager, const std::vector<std::int64_t>& sizes, std::int64_t sample_numel,
                      DType dtype);
 // Stages images [offset, offset + n) of the host batch into `x` (converted to x's dtype, the
-// activations'); returns the upload's ticket.
+// activations'); returns the upload's ticket. `after`: InputStager::stage's.
 std::size_t stage_images(Tensor& x, InputStager& stager, const float* images, std::int64_t offset, std::int64_t n,
-                         std::int64_t sample_numel);
+                         std::int64_t sample_numel, std::size_t after = 0);
+// The input slots of a GPU's steps (mbp/executor.h, "Input slots"): two blocks of images and of
+// labels for `capacity` samples, the stager's fence after the last work that read each (0: none),
+// and the one the next micro-batch takes.
+struct InputSlots {
+  Tensor x[2], y[2];
+  std::size_t ready[2] = {0, 0};
+  std::int64_t capacity = 0;  // samples; 0: no slots
+  int next = 0;
+};
 // The labels [offset, offset + n) into `y`.
 std::size_t stage_labels(Tensor& y, InputStager& stager, const std::int64_t* labels, std::int64_t offset,
-                         std::int64_t n);
+                         std::int64_t n, std::size_t after = 0);
 
 }  // namespace tally::mbp::detail

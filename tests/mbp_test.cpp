@@ -446,6 +446,77 @@ TEST_F(Mbp, InjectedOutOfMemoryRetriesTheStepAndLosesNothing) {
   (void)buffers_before;
 }
 
+// ---------------------------------------------------------------------------------------------
+// The GPU's input slots (mbp/executor.h), run on the CPU: two slots of the plan's largest
+// micro-batch outlive each step, are made again when a plan needs another size (batch 5 after
+// batches of 40, then 40 again: the planner's dry runs free the old ones in their clones as the
+// step does), and an out-of-memory retry makes them again for the smaller micro-batch. Every
+// step's peak equals its plan's, and the values are those of the step without slots, bit for bit
+// (the same micro-batches: only where the inputs lie differs).
+TEST_F(Mbp, InputSlotsKeepPlansExactAndStepsBitForBit) {
+  const Shape sample{3, 16, 16};
+  const std::vector<std::int64_t> batches{40, 40, 5, 40, 23};
+  std::vector<Data> data;
+  for (std::size_t s = 0; s < batches.size(); ++s)
+    data.push_back(make_data(batches[s], sample, 500 + static_cast<std::uint32_t>(s)));
+  const auto slot_bytes = [&](std::int64_t n) {  // x and y of one slot, as the arena rounds them
+    return static_cast<std::int64_t>(Arena::round_up(static_cast<std::size_t>(n * 3 * 16 * 16) * sizeof(float)) +
+                                     Arena::round_up(static_cast<std::size_t>(n) * sizeof(std::int64_t)));
+  };
+  std::vector<std::vector<std::vector<double>>> params;
+  for (const bool slots : {false, true})
+  for (const MemoryFormat format : {MemoryFormat::Contiguous, MemoryFormat::ChannelsLast}) {
+    SCOPED_TRACE(fmt::format("{}, {}", slots ? "slots" : "no slots", memory_format_name(format)));
+    configure_arena(Device::cpu(), parse_size("64MiB"));
+    auto m = model("resnet20", "batch", 3);
+    auto opt = sgd(*m);
+    mbp::ExecutorOptions eo;
+    eo.sample_shape = sample;
+    eo.micro_batch = 6;
+    eo.memory_format = format;  // a slot is staged channels-last: no conversion on the device
+    eo.input_slots_on_cpu = slots;
+    mbp::Executor ex(*m, *opt, eo);
+    for (std::size_t s = 0; s < batches.size(); ++s) {
+      const mbp::StepResult r = ex.step(data[s].images.data(), data[s].labels.data(), batches[s]);
+      EXPECT_EQ(r.peak, r.predicted_peak) << "step " << s;
+      EXPECT_TRUE(std::isfinite(r.loss));
+      const std::int64_t held = ex.arena()->stats()[Category::input].current;
+      EXPECT_EQ(held, slots ? 2 * slot_bytes(std::min<std::int64_t>(6, batches[s])) : 0) << "step " << s;
+    }
+    params.push_back(values<float>(*m));
+  }
+  // (no slots, slots) x (contiguous, channels-last): the slots change no value in either format.
+  EXPECT_TRUE(bitwise_equal(params[0], params[2])) << "the slots changed a value";
+  EXPECT_TRUE(bitwise_equal(params[1], params[3])) << "the channels-last slots changed a value";
+
+  // Searched micro-batches in a budget that splits the batch, and a retry: exact throughout.
+  configure_arena(Device::cpu(), parse_size("12MiB"));
+  auto m = model("resnet20", "batch", 4);
+  auto opt = sgd(*m);
+  mbp::ExecutorOptions eo;
+  eo.sample_shape = sample;
+  eo.input_slots_on_cpu = true;
+  std::vector<std::string> log;
+  eo.log = [&](const std::string& l) { log.push_back(l); };
+  mbp::Executor ex(*m, *opt, eo);
+  std::int64_t first_m = 0;
+  for (std::size_t s = 0; s < batches.size(); ++s) {
+    if (s == 3) ex.arena()->fail_allocation_after(200);  // inside the step's first micro-batch
+    const mbp::StepResult r = ex.step(data[s].images.data(), data[s].labels.data(), batches[s]);
+    if (s == 0) first_m = r.micro_batch;
+    EXPECT_EQ(r.oom_retries, s == 3 ? 1 : 0) << "step " << s;
+    EXPECT_EQ(r.peak, r.predicted_peak) << "step " << s << ": micro-batches of " << r.micro_batch;
+    EXPECT_LE(r.peak, parse_size("12MiB"));
+    EXPECT_EQ(ex.arena()->stats()[Category::input].current,
+              2 * slot_bytes(std::min<std::int64_t>(r.micro_batch, batches[s])))
+        << "step " << s;
+  }
+  EXPECT_GT(first_m, 1);
+  EXPECT_LT(first_m, 40) << "the budget was to split the batch";
+  EXPECT_EQ(ex.micro_batch_limit(), first_m / 2);
+  EXPECT_EQ(log.size(), 1u);
+}
+
 // A part added to the step (mbp/step_part.h) is called at its points: begin_step once per real step,
 // every parameter's gradient_ready once per micro-batch, after_micro_batch after each,
 // before_optimizer_step once with the step's loss — and in the planner's dry runs too, which it
@@ -820,7 +891,7 @@ TEST_F(Mbp, TheTraceNamesTheModuleAndPhaseOfEveryAllocation) {
 // traced dry run of a plan (the real step's allocations: the arena is deterministic), plain, with
 // recomputed blocks, and in bf16 channels-last.
 TEST_F(Mbp, MicroBatchesOfOneSizeAllocateAtTheSameAddresses) {
-  for (const std::string variant : {"plain", "recomputed", "bf16"}) {
+  for (const std::string variant : {"plain", "recomputed", "bf16", "bf16 slots"}) {
     SCOPED_TRACE(variant);
     configure_arena(Device::cpu(), parse_size("64MiB"));
     auto m = model("resnet20", "batch");
@@ -829,7 +900,8 @@ TEST_F(Mbp, MicroBatchesOfOneSizeAllocateAtTheSameAddresses) {
     mbp::ExecutorOptions eo;
     eo.sample_shape = {3, 16, 16};
     eo.micro_batch = 6;
-    if (variant == "bf16") eo.precision = mbp::Precision::bf16, eo.memory_format = MemoryFormat::ChannelsLast;
+    if (variant.starts_with("bf16")) eo.precision = mbp::Precision::bf16, eo.memory_format = MemoryFormat::ChannelsLast;
+    eo.input_slots_on_cpu = variant == "bf16 slots";  // the GPU's inputs: no allocation in a micro-batch
     mbp::Executor ex(*m, *opt, eo);
     const mbp::Plan& p = ex.plan(40);  // 7 micro-batches: 5 of 6, 2 of 5
     ASSERT_EQ(p.micro_batches, 7);
@@ -839,7 +911,9 @@ TEST_F(Mbp, MicroBatchesOfOneSizeAllocateAtTheSameAddresses) {
     EXPECT_EQ(c.samples, (std::vector<std::int64_t>{6, 6, 6, 6, 6, 5, 5}));
     for (std::size_t i = 2; i < 5; ++i)
       EXPECT_EQ(c.same_as[i], c.same_as[1]) << "micro-batch " << i + 1 << ": " << c.summary();
-    EXPECT_EQ(c.same_as[6], 5u) << c.summary();
+    // The second micro-batch of 5 repeats the first; with slots (no input allocated first) the first
+    // of 5 starts from the holes the micro-batches of 6 left and is a pattern of its own.
+    EXPECT_EQ(c.same_as[6], eo.input_slots_on_cpu ? 6u : 5u) << c.summary();
     // The first micro-batch is a pattern of its own: it allocates the batch norms' moment
     // accumulators, which live to the step's end (two per batch norm); nothing else differs.
     EXPECT_EQ(c.same_as[1], 1u) << c.summary();

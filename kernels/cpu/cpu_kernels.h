@@ -57,6 +57,11 @@ bool avx512_kernels();
 
 // elementwise.cpp: copy_from_host, copy_to_host and copy_bytes are memcpy; sum_to and
 // broadcast_scalar are the host twins of CUDA's device-side reductions.
+// convert_channels_last: n row-major (c, hw) float images converted to D (float, double, bf16) and
+// written channels-last, (hw, c) each — what the input staging writes for a channels-last step
+// (core/staging.h), the permutation and the rounding of convert() in one pass.
+template <class D>
+void convert_channels_last(i64 n, i64 c, i64 hw, const float* x, D* y);
 // profile.cpp: host time around each op's kernels; ops run one after another on the host, so the
 // times add up to the step's compute. profile_collect has nothing to collect.
 

@@ -433,6 +433,19 @@ void convert(i64 n, const S* x, D* y) {
   for (i64 i = 0; i < n; ++i) y[i] = static_cast<D>(x[i]);
 }
 
+template <class D>
+void convert_channels_last(i64 n, i64 c, i64 hw, const float* x, D* y) {
+#pragma omp parallel for schedule(static) if (n * c * hw > kElementwiseParallelThreshold)
+  for (i64 row = 0; row < n * hw; ++row) {  // an image's position: its c values, one plane apart
+    const float* from = x + (row / hw) * c * hw + row % hw;
+    D* to = y + row * c;
+    for (i64 k = 0; k < c; ++k) to[k] = static_cast<D>(from[k * hw]);
+  }
+}
+template void convert_channels_last<float>(i64, i64, i64, const float*, float*);
+template void convert_channels_last<double>(i64, i64, i64, const float*, double*);
+template void convert_channels_last<bf16>(i64, i64, i64, const float*, bf16*);
+
 void copy_from_host(void* dst, const void* src, std::size_t bytes) {
   if (bytes > 0) std::memcpy(dst, src, bytes);
 }
