@@ -379,8 +379,7 @@ Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels
   // On a GPU the inputs go through the input slots (executor.h), the next micro-batch's uploaded
   // before the current one computes; on the CPU each micro-batch's are copied into blocks of their own.
   InputSlots local;
-  InputSlots* slots = stager_->overlaps() || opt_.input_slots_on_cpu ? &step_slots(sizes, local) : nullptr;
-  MicroBatchInputs inputs(*stager_, slots, images, labels, sizes, sample_numel_);
+  MicroBatchInputs inputs(*stager_, step_slots(sizes, local), images, labels, sizes, sample_numel_);
 
   EnableGradGuard grad_on;  // the step records its tape even if the caller is in a NoGradGuard
   // The loss of the step, summed where it is computed: read once, after the optimizer step.
@@ -427,14 +426,18 @@ Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels
   return total;
 }
 
-Executor::InputSlots& Executor::step_slots(const std::vector<std::int64_t>& sizes, InputSlots& local) {
-  const std::int64_t need = *std::max_element(sizes.begin(), sizes.end());
+Executor::InputSlots* Executor::step_slots(const std::vector<std::int64_t>& sizes, InputSlots& local) {
+  // Not where a segment is offloaded: the first one's input moves to the host tier with its
+  // activations (core/offload.h), which a slot that outlives the step must not.
+  const bool slots = (stager_->overlaps() || opt_.input_slots_on_cpu) && !nn::recompute_state(model_).offloads();
+  const std::int64_t need = slots ? *std::max_element(sizes.begin(), sizes.end()) : 0;
   const bool dry = skip_side_effects();
   if (slots_.capacity == need) {
-    if (!dry) return slots_;
+    if (need == 0) return nullptr;
+    if (!dry) return &slots_;
     local = slots_;  // the same blocks, in the virtual clone too; the real turns and fences untouched
     local.ready[0] = local.ready[1] = 0;
-    return local;
+    return &local;
   }
   if (slots_.capacity != 0) {  // the old slots go first, x then y of each (one order in both runs)
     if (dry) {
@@ -444,6 +447,7 @@ Executor::InputSlots& Executor::step_slots(const std::vector<std::int64_t>& size
       slots_.capacity = 0;
     }
   }
+  if (need == 0) return nullptr;
   InputSlots& made = dry ? local : slots_;
   made = InputSlots{};
   for (int s = 0; s < 2; ++s) {
@@ -452,7 +456,7 @@ Executor::InputSlots& Executor::step_slots(const std::vector<std::int64_t>& size
     made.y[s] = Tensor::empty({need}, DType::Int64, device_, Category::input, "labels");
   }
   made.capacity = need;
-  return made;
+  return &made;
 }
 
 StateLayout Executor::layout() const {

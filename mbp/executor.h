@@ -354,13 +354,15 @@ class Executor {
   // compute work that last read its slot (a fence of the stager after that micro-batch), never for
   // the whole step before: the double-buffered input the device needs so as not to wait for the
   // host. Sized for the plan's largest micro-batch, made again when a plan needs another size (the
-  // planner's dry runs do the same on their virtual clones: plans stay exact).
+  // planner's dry runs do the same on their virtual clones: plans stay exact). None for a step that
+  // offloads a segment (the model's input may move to the host tier with the first one's).
   using InputSlots = detail::InputSlots;  // mbp/step_inputs.h
   InputSlots slots_;  // before stager_: freed after its uploads are done
   // The slots a step of micro-batches of `sizes` takes: slots_, made again for its largest
   // micro-batch if need be; in a dry run a copy in `local` (slots_ untouched; where the step makes
-  // others, the old ones' blocks freed in the virtual clone as the real step frees them).
-  InputSlots& step_slots(const std::vector<std::int64_t>& sizes, InputSlots& local);
+  // others or none, the old ones' blocks freed in the virtual clone as the real step frees them).
+  // Null where the step takes none (the CPU, an offloading step).
+  InputSlots* step_slots(const std::vector<std::int64_t>& sizes, InputSlots& local);
   std::unique_ptr<InputStager> stager_;  // the step's inputs onto the device (core/staging.h)
   Chooser chooser_;
   StepConfig config_;                     // the last configuration applied

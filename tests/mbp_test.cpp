@@ -515,6 +515,36 @@ TEST_F(Mbp, InputSlotsKeepPlansExactAndStepsBitForBit) {
   EXPECT_LT(first_m, 40) << "the budget was to split the batch";
   EXPECT_EQ(ex.micro_batch_limit(), first_m / 2);
   EXPECT_EQ(log.size(), 1u);
+
+  // Offloaded segments move the model's input to the host tier with the stem's activations
+  // (core/offload.h): a step that offloads takes no slots (those of the steps before freed, in the
+  // dry runs too), and is the step without slots, bit for bit.
+  std::vector<std::vector<std::vector<double>>> offloaded;
+  for (const bool slots : {false, true}) {
+    SCOPED_TRACE(slots ? "offloaded, slots asked for" : "offloaded");
+    configure_arena(Device::cpu(), parse_size("64MiB"));
+    auto om = model("resnet20", "batch", 5);
+    auto oopt = sgd(*om);
+    mbp::ExecutorOptions oo;
+    oo.sample_shape = sample;
+    oo.micro_batch = 6;
+    oo.host_arena = Arena::make_host(std::size_t(64) << 20);
+    oo.placement = mbp::Placement::device;
+    oo.input_slots_on_cpu = slots;
+    mbp::Executor ox(*om, *oopt, oo);
+    for (std::size_t s = 0; s < batches.size(); ++s) {
+      const mbp::StepResult r = ox.step(data[s].images.data(), data[s].labels.data(), batches[s]);
+      EXPECT_EQ(r.peak, r.predicted_peak) << "step " << s;
+      EXPECT_EQ(r.host_peak, r.host_predicted_peak) << "step " << s;
+      EXPECT_EQ(r.host_peak > 0, s >= 2) << "step " << s << ": offloaded from the third step on";
+      EXPECT_EQ(ox.arena()->stats()[Category::input].current,
+                slots && s < 2 ? 2 * slot_bytes(std::min<std::int64_t>(6, batches[s])) : 0)
+          << "step " << s;
+      if (s == 1) nn::set_segment_modes(*om, std::vector<nn::SegmentMode>(nn::segment_modes(*om).size(), nn::SegmentMode::offload));
+    }
+    offloaded.push_back(values<float>(*om));
+  }
+  EXPECT_TRUE(bitwise_equal(offloaded[0], offloaded[1])) << "the slots changed an offloaded step's value";
 }
 
 // A part added to the step (mbp/step_part.h) is called at its points: begin_step once per real step,
