@@ -127,15 +127,16 @@ void fill_inputs(Inputs& in, InputStager& stager, const float* images, const std
 class MicroBatchInputs {
  public:
   MicroBatchInputs(InputStager& stager, InputSlots* slots, const float* images, const std::int64_t* labels,
-                   const std::vector<std::int64_t>& sizes, std::int64_t sample_numel)
-      : stager_(stager), slots_(slots), images_(images), labels_(labels), sizes_(sizes), sample_numel_(sample_numel) {}
-  Inputs take(std::size_t i, std::int64_t offset, const Shape& sample_shape, DType dtype, Device device) {
+                   const std::vector<std::int64_t>& sizes, const Shape& sample_shape, DType dtype, Device device)
+      : stager_(stager), slots_(slots), images_(images), labels_(labels), sizes_(sizes), sample_shape_(sample_shape),
+        sample_numel_(shape_numel(sample_shape)), dtype_(dtype), device_(device) {}
+  Inputs take(std::size_t i, std::int64_t offset) {
     Inputs cur;
     if (slots_) {
       cur = i == 0 ? from_slot(0, sizes_[0]) : std::move(next_);
       next_ = i + 1 < sizes_.size() ? from_slot(offset + sizes_[i], sizes_[i + 1]) : Inputs{};
     } else {
-      cur = allocate_inputs(sizes_[i], sample_shape, dtype, device);
+      cur = allocate_inputs(sizes_[i], sample_shape_, dtype_, device_);
       fill_inputs(cur, stager_, images_, labels_, offset, sizes_[i], sample_numel_);
     }
     if (!skip_side_effects()) stager_.wait(cur.uploaded);
@@ -158,7 +159,10 @@ class MicroBatchInputs {
   const float* images_;
   const std::int64_t* labels_;
   const std::vector<std::int64_t>& sizes_;
+  const Shape& sample_shape_;
   std::int64_t sample_numel_;
+  DType dtype_;
+  Device device_;
   Inputs next_;
 };
 
@@ -379,7 +383,8 @@ Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels
   // On a GPU the inputs go through the input slots (executor.h), the next micro-batch's uploaded
   // before the current one computes; on the CPU each micro-batch's are copied into blocks of their own.
   InputSlots local;
-  MicroBatchInputs inputs(*stager_, step_slots(sizes, local), images, labels, sizes, sample_numel_);
+  MicroBatchInputs inputs(*stager_, step_slots(sizes, local), images, labels, sizes, opt_.sample_shape,
+                          activation_dtype_, device_);
 
   EnableGradGuard grad_on;  // the step records its tape even if the caller is in a NoGradGuard
   // The loss of the step, summed where it is computed: read once, after the optimizer step.
@@ -392,7 +397,7 @@ Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels
   const UploadsEndFirst uploads_end_first(*stager_, dry);
   for (std::size_t i = 0; i < k; ++i) {
     mark_trace(device_, fmt::format("micro-batch {}/{} ({} samples)", i + 1, k, sizes[i]));
-    Inputs cur = inputs.take(i, offset, opt_.sample_shape, activation_dtype_, device_);
+    Inputs cur = inputs.take(i, offset);
     // A slot is in the step's format already; a row-major input of its own is freed when converted.
     cur.x = cur.x.contiguous(opt_.memory_format);
     const CrossEntropyOptions co = micro_batch_loss(labels, offset, sizes[i], i, k, divisor);

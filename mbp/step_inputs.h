@@ -28,6 +28,9 @@ void reserve_staging(InputStager& stager, const std::vector<std::int64_t>& sizes
 // activations'); returns the upload's ticket. `after`: InputStager::stage's.
 std::size_t stage_images(Tensor& x, InputStager& stager, const float* images, std::int64_t offset, std::int64_t n,
                          std::int64_t sample_numel, std::size_t after = 0);
+// The labels [offset, offset + n) into `y`.
+std::size_t stage_labels(Tensor& y, InputStager& stager, const std::int64_t* labels, std::int64_t offset,
+                         std::int64_t n, std::size_t after = 0);
 // The input slots of a GPU's steps (mbp/executor.h, "Input slots"): two blocks of images and of
 // labels for `capacity` samples, the stager's fence after the last work that read each (0: none),
 // and the one the next micro-batch takes.
@@ -37,8 +40,5 @@ struct InputSlots {
   std::int64_t capacity = 0;  // samples; 0: no slots
   int next = 0;
 };
-// The labels [offset, offset + n) into `y`.
-std::size_t stage_labels(Tensor& y, InputStager& stager, const std::int64_t* labels, std::int64_t offset,
-                         std::int64_t n, std::size_t after = 0);
 
 }  // namespace tally::mbp::detail
