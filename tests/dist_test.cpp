@@ -558,7 +558,7 @@ TEST_F(Dist, DifferentOptionsNameTheFirstDifferenceOnEveryRank) {
 TEST(CommandLine, TwoRanksWithTheirOwnMemoryLimitsTrainTheWeightsOfOneProcess) {
   if (distributed::launched_by_mpi()) GTEST_SKIP() << "starts mpirun itself";
   const auto dir = fresh_dir("tally_dist_cli");
-  const std::string common = "train --norm group --steps 1 --batch-size 64 --no-progress";
+  const std::string common = "train --norm group --steps 1 --batch-size 64 --no-progress --no-eval";
   ASSERT_EQ(run_command(fmt::format("{} {} --memory-limit 48MiB --save {}/one.safetensors > {}/one.log", TALLY_EXE,
                                     common, dir.string(), dir.string())), 0);
   ASSERT_EQ(run_command(fmt::format("{} {} {} --memory-limit 48MiB,24MiB --save {}/two.safetensors --out {}/two > "
