@@ -4,6 +4,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <mutex>
 #include <vector>
 
@@ -43,26 +44,27 @@ struct DeferredCpu final : PendingScalar::Slot {
   double value;
 };
 
-// A GPU's copy into a page-locked slot of the pool. A template on the CUDA context's types, so that
-// a build without the CUDA backend, which reads no GPU value, never instantiates it.
+// A GPU's copy into a page-locked slot of its device's pool. A template on the CUDA context's
+// types, so that a build without the CUDA backend, which reads no GPU value, never instantiates it.
 template <class PinnedBuffer = kernels::cuda::PinnedBuffer, class Event = kernels::cuda::Event>
 struct GpuCopy final : PendingScalar::Slot {
   static constexpr std::size_t kSlotBytes = 64;
 
-  explicit GpuCopy(const Tensor& t) : dtype(t.dtype()) {
+  explicit GpuCopy(const Tensor& t) : dtype(t.dtype()), device(t.device().index) {
     namespace kcu = kernels::cuda;
-    buffer = acquire();
-    kcu::use_device(t.device().index);
-    kcu::copy_wait(Event::record(kcu::compute_stream()));  // after the work that computes the value
-    copied = kcu::download_async(buffer.data(), t.raw_data(), dtype_size(dtype));
-    // The device's later work — which may be handed the value's block by the arena — after the copy.
-    kcu::compute_wait(copied);
+    kcu::use_device(device);
+    buffer = acquire(device);
+    // On the compute stream: after the work that computes the value, before the later work that
+    // may be handed its block by the arena — and beside the copy stream, whose uploads of the next
+    // step's inputs would otherwise queue behind it, that is behind this whole step.
+    copied = kcu::download_on_compute(buffer.data(), t.raw_data(), dtype_size(dtype));
   }
   ~GpuCopy() override {
-    // Back to the pool even if the copy is in flight: copies share the copy stream, so a later
-    // read's copy into this slot lands after it, and that read waits for its own.
+    // Back to its device's pool even if the copy is in flight: that device's copies share its
+    // compute stream, so a later read's copy into this slot lands after it, and that read waits
+    // for its own. (One pool for all devices would let device A's late copy land after device B's.)
     const std::lock_guard<std::mutex> lock(pool_mutex());
-    pool().push_back(std::move(buffer));
+    pool()[device].push_back(std::move(buffer));
   }
   double take() override {
     copied.wait();
@@ -81,19 +83,21 @@ struct GpuCopy final : PendingScalar::Slot {
     static std::mutex mu;
     return mu;
   }
-  static std::vector<PinnedBuffer>& pool() {
-    static auto* slots = new std::vector<PinnedBuffer>;  // never destroyed, as the CUDA context
+  static std::map<int, std::vector<PinnedBuffer>>& pool() {
+    static auto* slots = new std::map<int, std::vector<PinnedBuffer>>;  // never destroyed, as the CUDA context
     return *slots;
   }
-  static PinnedBuffer acquire() {
+  static PinnedBuffer acquire(int device) {
     const std::lock_guard<std::mutex> lock(pool_mutex());
-    if (pool().empty()) return PinnedBuffer(kSlotBytes);
-    PinnedBuffer b = std::move(pool().back());
-    pool().pop_back();
+    std::vector<PinnedBuffer>& free = pool()[device];
+    if (free.empty()) return PinnedBuffer(kSlotBytes);
+    PinnedBuffer b = std::move(free.back());
+    free.pop_back();
     return b;
   }
 
   DType dtype;
+  int device;
   PinnedBuffer buffer;
   Event copied;
 };

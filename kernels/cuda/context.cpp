@@ -416,6 +416,12 @@ Event download_async(void* dst_pinned, const void* src_device, std::size_t bytes
   return Event::record(s);
 }
 
+Event download_on_compute(void* dst_pinned, const void* src_device, std::size_t bytes) {
+  cudaStream_t s = compute_stream();
+  if (bytes > 0) TALLY_CUDA_CHECK(cudaMemcpyAsync(dst_pinned, src_device, bytes, cudaMemcpyDeviceToHost, s));
+  return Event::record(s);
+}
+
 void compute_wait(const Event& e) {
   if (e.valid()) TALLY_CUDA_CHECK(cudaStreamWaitEvent(compute_stream(), e.get(), 0));
 }

@@ -168,6 +168,11 @@ Event upload_async(void* dst_device, const void* src_pinned, std::size_t bytes);
 // `src_device`, and nothing may reuse `src_device` before the event (compute_wait) or read
 // `dst_pinned` on the host before it is done.
 Event download_async(void* dst_pinned, const void* src_device, std::size_t bytes);
+// The same copy on the compute stream: after the work enqueued there, before the work enqueued
+// after it, so no stream waits for another. For a few bytes read a step late (core/pending.h): on
+// the copy stream such a read waited for the whole step and held back every upload enqueued
+// after it — the next step's first input among them.
+Event download_on_compute(void* dst_pinned, const void* src_device, std::size_t bytes);
 // Work enqueued on the compute stream from now on waits for `e` (no host wait).
 void compute_wait(const Event& e);
 // Work enqueued on the copy stream from now on waits for `e` (no host wait).
