@@ -209,21 +209,19 @@ const ConvTuning::Table& ConvTuning::table() { return devices_[table_key()]; }
 
 bool ConvTuning::install(Use use) {
   use_ = use;
-  const Table& t = table();
-  // The fingerprint of what is installed: the table's entries and the choice.
-  // 0 for no entries: nothing installed changes nothing.
-  std::uint64_t print = 0;
-  if (use != Use::none && !t.empty()) {
-    print = 1469598103934665603ull ^ static_cast<std::uint64_t>(use);
-    for (const auto& [key, e] : t)
-      for (unsigned char c : key + fmt::format("|{},{},{},{}", e.rank, e.engine, e.within_rank, e.within_engine))
-        print = (print ^ c) * 1099511628211ull;
-  }
-  if (print == installed_) return false;
-  installed_ = print;
-  if constexpr (kHaveCudaBackend) kernels::cuda::set_conv_tuning(use == Use::none ? Table{} : t, use == Use::within);
-  ++g_tuning_version;
-  return true;
+  // What the kernels replay is the process's: compared there, with whatever was installed before —
+  // by another ConvTuning (a sweep's earlier run, a resumed run's record) or by none.
+  bool changed = false;
+  if constexpr (kHaveCudaBackend) changed = kernels::cuda::set_conv_tuning(use == Use::none ? Table{} : table(), use == Use::within);
+  if (changed) ++g_tuning_version;
+  return changed;
+}
+
+bool ConvTuning::install_none() {
+  bool changed = false;
+  if constexpr (kHaveCudaBackend) changed = kernels::cuda::set_conv_tuning({}, false);
+  if (changed) ++g_tuning_version;
+  return changed;
 }
 
 bool ConvTuning::tune(Device device, Arena& arena, const std::function<void()>& dry_run) {
@@ -284,7 +282,8 @@ bool ConvTuning::tune(Device device, Arena& arena, const std::function<void()>& 
         saved_ms += e.heuristic_ms - e.ms;
       }
       heuristic_ms += e.heuristic_ms;
-    } catch (const OutOfMemory&) {
+    } catch (const OutOfMemory&) {  // left to the heuristics for this process, as above
+      declined_.insert(key);
       ++no_room;
     }
   }

@@ -70,6 +70,9 @@ class ConvTuning {
   // describes: core/device_file.h) as `use` says; returns whether that changed the installed table.
   // tally plan replays the file so, measuring nothing.
   bool install(Use use);
+  // No table installed (a run without tuning after one with it, in one process); returns whether
+  // that changed anything.
+  static bool install_none();
   Use in_use() const { return use_; }
   // What the last tune() did, in a line: "tuning: 24 passes measured in 8.1 s (cap 60 s), ...".
   const std::string& report() const { return report_; }
@@ -95,7 +98,6 @@ class ConvTuning {
   // that a run's engines never change once it has run with them.
   std::set<std::string> declined_;
   std::string report_;
-  std::uint64_t installed_ = 0;           // the installed table's fingerprint (0: none yet)
 };
 
 // Bumped at every change of the installed table: plans depend on it (mbp/chooser.cpp keys by it).

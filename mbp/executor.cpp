@@ -169,12 +169,15 @@ class MicroBatchInputs {
 // A step that ends on an exception (an out-of-memory retry, a failed recording) may leave uploads
 // on the copy stream writing input blocks that are freed next (the retry's new plan makes its input
 // slots again): the compute stream waits for every upload in flight first, so the work that takes
-// those blocks again comes after them.
+// those blocks again comes after them. And the other way round: the micro-batch that threw may have
+// enqueued work reading its slot without recording its fence (done), so the slots' fences are
+// forgotten — the next upload into either slot waits for all the compute work enqueued before it.
 class UploadsEndFirst {
  public:
-  UploadsEndFirst(InputStager& stager, bool dry) : stager_(stager), dry_(dry) {}
+  UploadsEndFirst(InputStager& stager, InputSlots* slots, bool dry) : stager_(stager), slots_(slots), dry_(dry) {}
   ~UploadsEndFirst() {
     if (dry_ || std::uncaught_exceptions() == exceptions_) return;
+    if (slots_) slots_->ready[0] = slots_->ready[1] = 0;
     try {
       stager_.wait_all();
     } catch (...) {  // the exception under way says what failed
@@ -185,6 +188,7 @@ class UploadsEndFirst {
 
  private:
   InputStager& stager_;
+  InputSlots* slots_;
   bool dry_;
   int exceptions_ = std::uncaught_exceptions();
 };
@@ -383,8 +387,8 @@ Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels
   // On a GPU the inputs go through the input slots (executor.h), the next micro-batch's uploaded
   // before the current one computes; on the CPU each micro-batch's are copied into blocks of their own.
   InputSlots local;
-  MicroBatchInputs inputs(*stager_, step_slots(sizes, local), images, labels, sizes, opt_.sample_shape,
-                          activation_dtype_, device_);
+  InputSlots* const slots = step_slots(sizes, local);
+  MicroBatchInputs inputs(*stager_, slots, images, labels, sizes, opt_.sample_shape, activation_dtype_, device_);
 
   EnableGradGuard grad_on;  // the step records its tape even if the caller is in a NoGradGuard
   // The loss of the step, summed where it is computed: read once, after the optimizer step.
@@ -394,7 +398,7 @@ Tensor Executor::accumulate_loss(const float* images, const std::int64_t* labels
   const auto k = sizes.size();
   std::int64_t offset = 0;
   bool targets_checked = false;
-  const UploadsEndFirst uploads_end_first(*stager_, dry);
+  const UploadsEndFirst uploads_end_first(*stager_, slots, dry);
   for (std::size_t i = 0; i < k; ++i) {
     mark_trace(device_, fmt::format("micro-batch {}/{} ({} samples)", i + 1, k, sizes[i]));
     Inputs cur = inputs.take(i, offset);
@@ -502,6 +506,13 @@ bool Executor::graphs_for(std::size_t index) const {
          !arena_->tracing();
 }
 
+void Executor::drop_graphs() {
+  graphs_.clear();
+  unreplayable_.clear();
+  warmed_sizes_.clear();
+  graph_stats_.graphs = graph_stats_.nodes = graph_stats_.device_bytes = 0;
+}
+
 void Executor::run_graphed(const GraphKey& key, const std::function<void()>& compute) {
   if (const auto it = graphs_.find(key); it != graphs_.end()) {
     it->second.replay();
@@ -526,9 +537,7 @@ void Executor::run_graphed(const GraphKey& key, const std::function<void()>& com
     throw;  // the step's own retry (run)
   } catch (const Error& e) {
     graph_stats_.failed = e.what();  // graphs are off for the rest of the run, and their memory freed
-    graphs_.clear();
-    unreplayable_.clear();
-    graph_stats_.graphs = graph_stats_.nodes = graph_stats_.device_bytes = 0;
+    drop_graphs();
     throw RecordingFailed(e.what());
   }
   ++graph_stats_.recorded;

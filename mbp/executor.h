@@ -311,13 +311,7 @@ class Executor {
   // The convolution tuning in use (ExecutorOptions::conv_tuning; null: none), and another in its
   // place from the next plan on (a resumed run's replay of its checkpoint's record).
   const std::shared_ptr<ConvTuning>& conv_tuning() const { return opt_.conv_tuning; }
-  void set_conv_tuning(std::shared_ptr<ConvTuning> tuning) {
-    opt_.conv_tuning = std::move(tuning);
-    tuned_.clear();
-    graphs_.clear();  // recorded with the engines before
-    unreplayable_.clear();
-    warmed_sizes_.clear();
-  }
+  void set_conv_tuning(std::shared_ptr<ConvTuning> tuning);
 
   ~Executor();
   Executor(const Executor&) = delete;
@@ -388,6 +382,8 @@ class Executor {
   using GraphKey = std::tuple<std::uint64_t, std::int64_t, double, const void*, const void*, const void*>;
   bool graphs_for(std::size_t index) const;
   void run_graphed(const GraphKey& key, const std::function<void()>& compute);
+  // Every recording gone (another configuration or other engines): graph_stats_ then counts none.
+  void drop_graphs();
   std::map<GraphKey, DeviceGraph> graphs_;  // of the configuration applied now (apply() clears them)
   std::set<GraphKey> unreplayable_;
   // Micro-batch sizes run without a graph since the configuration was applied: a size is recorded

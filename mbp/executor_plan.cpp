@@ -56,6 +56,13 @@ Executor::TunedKey Executor::tuned_key(std::int64_t batch) const {
   return {batch, config_.plan.micro_batch, config_.plan.micro_batches, config_.plan.predicted_peak, layout_};
 }
 
+void Executor::set_conv_tuning(std::shared_ptr<ConvTuning> tuning) {
+  opt_.conv_tuning = std::move(tuning);
+  if (!opt_.conv_tuning) ConvTuning::install_none();  // the kernels' table is the process's: none now
+  tuned_.clear();
+  drop_graphs();  // recorded with the engines before
+}
+
 void Executor::tune(std::int64_t batch) {
   if (!tuned_.insert(tuned_key(batch)).second) return;
   ConvTuning& t = *opt_.conv_tuning;
@@ -67,9 +74,7 @@ void Executor::tune(std::int64_t batch) {
   });
   if (opt_.log && !t.report().empty()) opt_.log(t.report());
   if (!changed) return;
-  graphs_.clear();  // recorded with the engines before
-  unreplayable_.clear();
-  warmed_sizes_.clear();
+  drop_graphs();  // recorded with the engines before
   // Under the tuned engines the plan is made again; where its micro-batch would be smaller, the
   // choices within the heuristics' workspaces, then none.
   for (const ConvTuning::Use use : {ConvTuning::Use::fastest, ConvTuning::Use::within, ConvTuning::Use::none}) {
@@ -108,11 +113,8 @@ void Executor::apply(const StepConfig& config) {
   // Recorded micro-batches are of one configuration: another plan runs other host code.
   const Plan &a = config.plan, &b = config_.plan;
   if (a.batch_size != b.batch_size || a.micro_batch != b.micro_batch || a.predicted_peak != b.predicted_peak ||
-      !(config.segments == config_.segments) || config.placement.placement != config_.placement.placement) {
-    graphs_.clear();
-    unreplayable_.clear();
-    warmed_sizes_.clear();
-  }
+      !(config.segments == config_.segments) || config.placement.placement != config_.placement.placement)
+    drop_graphs();
   config_ = config;
 }
 

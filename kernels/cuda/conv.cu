@@ -1049,15 +1049,18 @@ std::string conv2d_tuning_key(const Conv2dShape& s, bool bf16, ConvPass pass, fl
   return text;
 }
 
-void set_conv_tuning(const std::map<std::string, TunedConvPass>& table, bool within) {
+bool set_conv_tuning(const std::map<std::string, TunedConvPass>& table, bool within) {
 #if TALLY_HAVE_CUDNN
   Tuning& t = tuning();
   std::lock_guard<std::mutex> lock(t.mu);
+  if (t.table == table && (table.empty() || t.within == within)) return false;
   t.table = table;
   t.within = within;
   ++t.generation;
+  return true;
 #else
   (void)table, (void)within;
+  return false;
 #endif
 }
 
