@@ -9,9 +9,13 @@
 
 namespace tally::app {
 
-nlohmann::json TrainingRun::checkpoint_state(const std::vector<double>& limits) const {
+nlohmann::json TrainingRun::checkpoint_state(const std::vector<double>& limits,
+                                             const std::vector<std::string>& tuning) const {
   nlohmann::json options = nlohmann::json::object();
   for (const auto& [name, value] : option_values(run_options_)) options[name] = value;
+  nlohmann::json per_rank;  // null for one rank
+  if (tuning.size() > 1)
+    for (const std::string& record : tuning) per_rank.push_back(nlohmann::json::parse(record));
   return {{"options", options},
           {"threads", omp_get_max_threads()},
           {"world_size", rank_.ranks},
@@ -29,21 +33,32 @@ nlohmann::json TrainingRun::checkpoint_state(const std::vector<double>& limits) 
                      {"micro_batch", result_.micro_batch}, {"micro_batches_per_step", result_.micro_batches_per_step}}},
           {"lr", setup_.optimizer->lr()},
           // The convolution engines the run used (core/conv_tuning.h): a resumed run replays them.
-          {"conv_tuning", executor_->conv_tuning() ? nlohmann::json::parse(executor_->conv_tuning()->record())
-                                                   : nlohmann::json()}};
+          // Rank 0's, and with several ranks each rank's: each tuned on its own GPU (timing picks
+          // its engines, and a rank of another memory limit runs other micro-batch sizes).
+          {"conv_tuning", tuning.empty() ? nlohmann::json() : nlohmann::json::parse(tuning[0])},
+          {"conv_tuning_ranks", per_rank}};
 }
 
-// Every rank's micro-batch limit to rank 0 (a collective), which writes the checkpoint.
+// Each rank's record of its convolution engines, to every rank (a collective where there are
+// several). None where the run does not tune (the same on every rank: the same options).
+std::vector<std::string> TrainingRun::tuning_records() const {
+  if (!executor_->conv_tuning()) return {};
+  const std::string mine = executor_->conv_tuning()->record();
+  return rank_.ranks > 1 ? distributed::all_gather_text(*rank_.world, mine) : std::vector<std::string>{mine};
+}
+
+// Every rank's micro-batch limit and engine record to rank 0 (collectives), which writes the checkpoint.
 void TrainingRun::write_checkpoint() {
   std::vector<double> limits(static_cast<std::size_t>(rank_.ranks), 0.0);
   const std::int64_t mine = executor_->micro_batch_limit();
   limits[static_cast<std::size_t>(rank_.rank)] = mine == INT64_MAX ? 0.0 : static_cast<double>(mine);
   if (rank_.ranks > 1) rank_.world->all_reduce_sum(limits.data(), limits.size());
+  const std::vector<std::string> tuning = tuning_records();
   last_checkpoint_ = std::chrono::steady_clock::now();
   if (rank_.rank != 0 || rank_options_.out.empty()) return;
   mbp::TrainingState st;
   st.step = meter_.steps;
-  st.state = checkpoint_state(limits).dump();
+  st.state = checkpoint_state(limits, tuning).dump();
   st.files["metrics.csv"] = metrics_text_;
   const auto t0 = std::chrono::steady_clock::now();
   std::function<void()> halfway;
@@ -84,6 +99,12 @@ void TrainingRun::replay_conv_tuning(const std::filesystem::path& dir) {
   if (!executor_->conv_tuning()) return;
   const std::string where = fmt::format("{}/state.json", dir.string());
   const nlohmann::json s = nlohmann::json::parse(mbp::peek_training_state(dir).state, nullptr, false);
+  // A rank's own record where the checkpoint keeps one per rank (written by several ranks).
+  const auto ranks = s.is_discarded() ? nlohmann::json() : s.value("conv_tuning_ranks", nlohmann::json());
+  if (ranks.is_array() && ranks.size() == static_cast<std::size_t>(rank_.ranks)) {
+    executor_->set_conv_tuning(ConvTuning::replaying(ranks[static_cast<std::size_t>(rank_.rank)].dump(), where));
+    return;
+  }
   if (s.is_discarded() || !s.contains("conv_tuning") || s["conv_tuning"].is_null()) {
     executor_->set_conv_tuning(nullptr);
     fmt::print(log_, "note: --resume {}: the checkpoint records no convolution tuning: resumed with cuDNN's "

@@ -200,7 +200,8 @@ class TrainingRun {
   Boundary boundary();
   bool act(const Boundary& b);  // true: stop here
   void write_checkpoint();
-  nlohmann::json checkpoint_state(const std::vector<double>& limits) const;
+  nlohmann::json checkpoint_state(const std::vector<double>& limits, const std::vector<std::string>& tuning) const;
+  std::vector<std::string> tuning_records() const;  // every rank's (a collective); none without tuning
   void restore();
   void replay_conv_tuning(const std::filesystem::path& checkpoint_dir);
   void check_data_fingerprint(const nlohmann::json& state) const;

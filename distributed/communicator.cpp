@@ -70,6 +70,19 @@ std::shared_ptr<Communicator> local() {
   return c;
 }
 
+std::vector<std::string> all_gather_text(Communicator& world, const std::string& mine) {
+  std::vector<std::string> texts(static_cast<std::size_t>(world.size()));
+  for (int r = 0; r < world.size(); ++r) {
+    std::string& text = texts[static_cast<std::size_t>(r)];
+    if (r == world.rank()) text = mine;
+    std::uint64_t n = text.size();
+    world.broadcast(&n, sizeof n, r);
+    text.resize(n);
+    if (n > 0) world.broadcast(text.data(), n, r);
+  }
+  return texts;
+}
+
 bool launched_by_mpi() {
   for (const char* v : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"})
     if (std::getenv(v) != nullptr) return true;

@@ -34,6 +34,7 @@
 #include <cstddef>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "core/device.h"
 #include "core/tensor.h"
@@ -77,6 +78,10 @@ class Communicator {
 
 // World size 1: the single-process run, and what every test compares with.
 std::shared_ptr<Communicator> local();
+
+// Every rank's `mine`, indexed by rank, on every rank (a collective: two broadcasts per rank, its
+// length and its bytes; texts of any length, and of different lengths on each rank).
+std::vector<std::string> all_gather_text(Communicator& world, const std::string& mine);
 
 // Whether this process was started by mpirun / mpiexec (Open MPI, MPICH or a PMIx launcher).
 bool launched_by_mpi();

@@ -98,6 +98,11 @@ TEST_F(Dist, CollectivesSumAndBroadcastOverTheRanks) {
   EXPECT_THROW(c.broadcast(b, 2), Error);
   Tensor ints = Tensor::from_vector(std::vector<std::int64_t>{1, 2}, {2});
   EXPECT_THROW(c.all_reduce_sum(ints), Error);
+  // Texts of different lengths (rank 1's empty in the second round), every rank's to every rank:
+  // how each rank's convolution engine record reaches the checkpoint rank 0 writes.
+  const std::string texts[2] = {fmt::format("rank 0: {}", std::string(1000, 'a')), "rank 1 {\"passes\": {}}"};
+  EXPECT_EQ(distributed::all_gather_text(c, texts[c.rank()]), std::vector<std::string>(texts, texts + 2));
+  EXPECT_EQ(distributed::all_gather_text(c, c.rank() == 0 ? "x" : ""), (std::vector<std::string>{"x", ""}));
 }
 
 // The staged transport (distributed/staged.h: a device's tensors through host memory, for ranks that
