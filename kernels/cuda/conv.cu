@@ -441,7 +441,9 @@ const Plan& legacy_plan(const Conv2dShape& s, bool bf16) {
 // cuDNN), and the first that
 //   * is deterministic (no CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC) when deterministic() is on,
 //   * for float32 data, uses no tensor cores (TENSOR_CORE, DOWN_CONVERT_INPUTS: TF32) unless
-//     allow_tf32() is on; for bf16, no FFT or Winograd (as the legacy path),
+//     allow_tf32() is on; never converts its inputs to a narrower type (DOWN_CONVERT_INPUTS, as
+//     recent PyTorch: the type may be fp16, whose range ends at 65504); for bf16, no FFT or Winograd (as
+//     the legacy path),
 //   * finalizes into an execution plan whose workspace is at most the shape's workspace_limit
 // is the pass's plan, cached for the process (a dry run chooses and sizes as the real step does).
 // If no deterministic one fits, the first other one that does is taken with a warning (as the
@@ -538,6 +540,7 @@ struct GraphPlan {
 struct EngineInfo {
   std::int64_t index = -1;
   bool nondeterministic = false, tensor_core = false, transformed = false;  // transformed: FFT or Winograd
+  bool down_convert = false;  // DOWN_CONVERT_INPUTS: inputs converted to a narrower type (possibly fp16's range)
 };
 EngineInfo engine_info(const Backend& config) {
   EngineInfo info;
@@ -554,6 +557,7 @@ EngineInfo engine_info(const Backend& config) {
     for (std::int64_t i = 0; i < count; ++i) {
       info.nondeterministic |= notes[i] == CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC;
       info.tensor_core |= notes[i] == CUDNN_NUMERICAL_NOTE_TENSOR_CORE || notes[i] == CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS;
+      info.down_convert |= notes[i] == CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS;
       info.transformed |= notes[i] == CUDNN_NUMERICAL_NOTE_FFT || notes[i] == CUDNN_NUMERICAL_NOTE_WINOGRAD ||
                           notes[i] == CUDNN_NUMERICAL_NOTE_WINOGRAD_TILE_4x4 ||
                           notes[i] == CUDNN_NUMERICAL_NOTE_WINOGRAD_TILE_6x6 ||
@@ -678,6 +682,8 @@ Tried try_config(const PassGraph& pg, std::size_t i, bool bf16, bool require_det
     t.note = "not deterministic";
   } else if (!tensor_ops_allowed(bf16) && t.info.tensor_core) {
     t.note = "tensor cores (TF32)";
+  } else if (t.info.down_convert) {  // with TF32 or bf16 too (as recent PyTorch): the narrower type may be fp16
+    t.note = "inputs down-converted";
   } else if (bf16 && t.info.transformed) {
     t.note = "FFT/Winograd on bf16";
   } else {
