@@ -212,7 +212,8 @@ bool ConvTuning::install(Use use) {
   // What the kernels replay is the process's: compared there, with whatever was installed before —
   // by another ConvTuning (a sweep's earlier run, a resumed run's record) or by none.
   bool changed = false;
-  if constexpr (kHaveCudaBackend) changed = kernels::cuda::set_conv_tuning(use == Use::none ? Table{} : table(), use == Use::within);
+  if constexpr (kHaveCudaBackend)
+    changed = kernels::cuda::set_conv_tuning(use == Use::none ? Table{} : table(), use == Use::within);
   if (changed) ++g_tuning_version;
   return changed;
 }

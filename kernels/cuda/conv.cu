@@ -442,8 +442,8 @@ const Plan& legacy_plan(const Conv2dShape& s, bool bf16) {
 //   * is deterministic (no CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC) when deterministic() is on,
 //   * for float32 data, uses no tensor cores (TENSOR_CORE, DOWN_CONVERT_INPUTS: TF32) unless
 //     allow_tf32() is on; never converts its inputs to a narrower type (DOWN_CONVERT_INPUTS, as
-//     recent PyTorch: the type may be fp16, whose range ends at 65504); for bf16, no FFT or Winograd (as
-//     the legacy path),
+//     recent PyTorch: the type may be fp16, whose range ends at 65504); for bf16, no FFT or
+//     Winograd (as the legacy path),
 //   * finalizes into an execution plan whose workspace is at most the shape's workspace_limit
 // is the pass's plan, cached for the process (a dry run chooses and sizes as the real step does).
 // If no deterministic one fits, the first other one that does is taken with a warning (as the
