@@ -66,14 +66,22 @@ class StagedCommunicator final : public Communicator {
     Tensor flat = t.reshape({t.numel()});
     flat.copy_(host);
   }
+  // The first reservation sets the buffer to exactly the stage's messages (it began at the chunk
+  // size of collectives, which a stage's messages need not take: `tally plan` prints this size as
+  // the page-locked memory they take); later ones only grow it (an evaluation's smaller messages
+  // keep the training step's buffer).
   void reserve_message_bytes(std::size_t bytes) override {
-    if (bytes <= staging_->capacity()) return;
+    if (bytes == 0) return;
+    const std::size_t want = Arena::round_up(bytes);
+    const bool fits = sized_ ? want <= staging_->capacity() : want == staging_->capacity();
+    sized_ = true;
+    if (fits) return;
     if (!in_flight_.empty())
       throw Error(fmt::format("the staged transport: {} bytes of host staging asked for while {} message{} still in "
                               "flight (it grows between steps only)", bytes, in_flight_.size(),
                               in_flight_.size() == 1 ? " is" : "s are"));
     staging_.reset();  // one page-locked reservation at a time
-    staging_ = Arena::make_host(Arena::round_up(bytes));
+    staging_ = Arena::make_host(want);
   }
   void abort(int code) override { host_->abort(code); }
   bool serves(Device device) const override { return device == device_ || host_->serves(device); }
@@ -142,6 +150,7 @@ class StagedCommunicator final : public Communicator {
   std::shared_ptr<Communicator> host_;
   Device device_;
   std::shared_ptr<Arena> staging_;
+  bool sized_ = false;  // by a reservation of messages (reserve_message_bytes)
   std::size_t chunks_ = 0;
   std::map<std::size_t, Tensor> in_flight_;  // the host copies of the sends not yet done, by ticket
 };

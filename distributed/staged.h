@@ -13,7 +13,8 @@
 // whole: a send's host copy stays in the staging arena until wait_send (sends never block), so the
 // messages in flight must fit it together — a message that does not is an Error naming the bytes.
 // A pipeline stage sizes it per plan before its step (reserve_message_bytes: the high-water mark of
-// that step's messages, which the same best-fit arena lays out the same way every step).
+// that step's messages, which the same best-fit arena lays out the same way every step): exactly
+// that at the first reservation, in place of the initial chunk-sized buffer; larger only later.
 #pragma once
 #include <cstddef>
 #include <memory>
