@@ -141,9 +141,10 @@ struct GpuStager final : InputStager::Impl {
     // Retired: the host waited for it when its bytes were handed out again.
   }
   void wait_all() override {
-    if (inflight.empty()) return;
+    // Everything on the copy stream so far: these uploads, and an offloaded segment's copies back
+    // into device blocks a failed step frees too (core/offload.h), which share the stream.
     kernels::cuda::use_device(device);
-    kernels::cuda::compute_wait(inflight.back().done);  // the copy stream's uploads end in order
+    kernels::cuda::compute_wait(Event::record(kernels::cuda::copy_stream()));
   }
   void retire() {
     const Upload& u = inflight.front();

@@ -67,8 +67,9 @@ class InputStager {
   // before it (they share one copy stream); no host wait. A ticket whose bytes the ring has
   // handed out again was waited for then: nothing to do.
   void wait(std::size_t ticket);
-  // The same for every upload staged so far: what a step that ends on an exception calls, since
-  // the input blocks it frees may still be written by their uploads (mbp/executor.cpp).
+  // The same for every copy on the device's copy stream so far — the uploads staged so far, and
+  // an offloaded segment's copies (core/offload.h), which share that stream: what a step that ends
+  // on an exception calls, since the blocks it frees may still be written by them (mbp/executor.cpp).
   void wait_all();
   // Whether staging runs beside compute (a GPU), so that staging one micro-batch ahead pays.
   bool overlaps() const { return device_.is_cuda(); }

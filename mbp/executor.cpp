@@ -168,8 +168,9 @@ class MicroBatchInputs {
 
 // A step that ends on an exception (an out-of-memory retry, a failed recording) may leave uploads
 // on the copy stream writing input blocks that are freed next (the retry's new plan makes its input
-// slots again): the compute stream waits for every upload in flight first, so the work that takes
-// those blocks again comes after them. And the other way round: the micro-batch that threw may have
+// slots again), or an offloaded segment's copies back into blocks its unwinding frees: the compute
+// stream waits for everything on the copy stream first, so the work that takes those blocks again
+// comes after them. And the other way round: the micro-batch that threw may have
 // enqueued work reading its slot without recording its fence (done), so the slots' fences are
 // forgotten — the next upload into either slot waits for all the compute work enqueued before it.
 class UploadsEndFirst {
