@@ -490,8 +490,8 @@ const std::vector<Option> kTable = {
              "keep cuDNN's heuristics' choice, and a later run measures them; 0: the file's alone)",
      .changeable = true, .absent = "60"},
     {.name = "collectives", .field = field(&StepOptions::collectives), .commands = kRun,
-     .help = "CUDA under mpirun: how tensors travel between ranks: auto (NCCL where every rank of a machine has a "
-             "GPU of its own, else MPI through host memory) | nccl | mpi (through host memory: ranks may share a GPU)",
+     .help = "CUDA under mpirun: how tensors travel between ranks: auto (NCCL where every rank of every machine has "
+             "a GPU of its own, else MPI through host memory) | nccl | mpi (through host memory: ranks may share a GPU)",
      .changeable = true, .absent = "auto"},
     {.name = "cuda-graphs", .field = field(&StepOptions::cuda_graphs), .commands = kRun,
      .help = "CUDA: record each micro-batch's forward and backward after a step's first as a CUDA graph and replay "

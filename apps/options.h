@@ -123,7 +123,7 @@ struct StepOptions {
   // measured by a later run).
   double tuning_seconds = ConvTuning::kDefaultSeconds;
   // CUDA under mpirun: how tensors travel between ranks (distributed::Collectives): auto (NCCL where
-  // every rank of a machine has a GPU of its own, else MPI through host memory), nccl or mpi.
+  // every rank of every machine has a GPU of its own, else MPI through host memory), nccl or mpi.
   distributed::Collectives collectives = distributed::Collectives::automatic;
   // CUDA: micro-batches after a step's first recorded as CUDA graphs and replayed
   // (ExecutorOptions::cuda_graphs, docs/gpu.md "CUDA graphs"). Off until a GPU run measures it.

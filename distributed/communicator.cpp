@@ -116,16 +116,29 @@ int local_size() {
 std::shared_ptr<Communicator> for_device(const std::shared_ptr<Communicator>& host, Device device,
                                          Collectives collectives, std::string* why) {
   if (!host) throw Error("distributed::for_device: expected a host communicator, found none");
-  if (device.is_cpu()) return host;
-  const int ranks = local_size(), gpus = cuda_device_count();
+  const int ranks = local_size(), gpus = device.is_cpu() ? 0 : cuda_device_count();
   const bool own_gpu = ranks <= gpus;
-  if (collectives == Collectives::automatic)
-    collectives = have_nccl() && (own_gpu || host->size() == 1) ? Collectives::nccl : Collectives::mpi;
+  // One transport for all ranks (NCCL's setup and the staged broadcasts do not match each other):
+  // auto takes NCCL only where every rank would — each machine giving each of its ranks a GPU of its
+  // own, no rank on the CPU or told to stage (a pinned shared GPU). Every rank votes, whatever its
+  // device and setting, so that the collective is everyone's.
+  const bool wants_nccl = !device.is_cpu() && (collectives == Collectives::nccl ||
+                                               (collectives == Collectives::automatic && have_nccl() &&
+                                                (own_gpu || host->size() == 1)));
+  double votes = wants_nccl ? 1.0 : 0.0;
+  if (host->size() > 1) host->all_reduce_sum(&votes, 1);
+  if (device.is_cpu()) return host;
+  bool elsewhere = false;  // auto here, but another rank stages: so does this one
+  if (collectives == Collectives::automatic) {
+    collectives = votes == host->size() ? Collectives::nccl : Collectives::mpi;
+    elsewhere = wants_nccl && collectives == Collectives::mpi;
+  }
   if (collectives == Collectives::mpi) {
     if (why)
-      *why = fmt::format("mpi through host memory: {} MiB of staging, grown to a pipeline stage's messages ({} "
-                         "rank{} of this machine on {} GPU{})",
-                         kStagingBytes >> 20, ranks, ranks == 1 ? "" : "s", gpus, gpus == 1 ? "" : "s");
+      *why = fmt::format("mpi through host memory: {} MiB of staging, a pipeline stage's set to its messages ({} "
+                         "rank{} of this machine on {} GPU{}{})",
+                         kStagingBytes >> 20, ranks, ranks == 1 ? "" : "s", gpus, gpus == 1 ? "" : "s",
+                         elsewhere ? "; another rank stages, so every rank does" : "");
     return make_staged(host, device);
   }
 #if TALLY_HAVE_NCCL

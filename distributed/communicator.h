@@ -98,8 +98,8 @@ std::shared_ptr<Communicator> mpi_world();
 
 // How CUDA tensors travel between ranks (--collectives): NCCL (each rank on a GPU of its own: NCCL
 // refuses two ranks on one device), MPI through host memory (distributed/staged.h: ranks may share a
-// GPU), or automatic: NCCL where this build has it and every rank of this machine has a GPU of its
-// own, the staged transport otherwise.
+// GPU), or automatic: NCCL where this build has it and every rank of every machine has a GPU of its
+// own, the staged transport otherwise — agreed by all ranks (for_device is a collective under mpirun).
 enum class Collectives { automatic, nccl, mpi };
 // The communicator for tensors on `device`: `host` itself for the CPU; for a CUDA device NCCL
 // (bootstrapped through `host`, which also carries its host buffers) or the staged transport, as

@@ -140,8 +140,8 @@ case $case_name in
     ;;
   kinds | kinds_bf16 | kinds_adamw)
     # Every kind of run resumes: bf16 mixed precision; AdamW with group norm and recomputation.
-    # (Two ctest entries: together they took 97-140 s of a 240 s limit; the bf16 half alone still
-    # took 85 s beside the suite's -O0 build, and 75 s at half the batch. Half the batch — still two
+    # (Two ctest entries: at 8x8 images together they took 97-140 s of a 240 s limit; the bf16 half
+    # alone still took 85 s beside the suite's -O0 build, and 75 s at half the batch. Half the batch — still two
     # micro-batches, the kill inside the first — and 8 steps, the kill after the checkpoint of step
     # 5: the epoch boundary is kill_points' to cross.)
     shortened_args
