@@ -209,18 +209,16 @@ const ConvTuning::Table& ConvTuning::table() { return devices_[table_key()]; }
 
 bool ConvTuning::install(Use use) {
   use_ = use;
-  // What the kernels replay is the process's: compared there, with whatever was installed before —
-  // by another ConvTuning (a sweep's earlier run, a resumed run's record) or by none.
-  bool changed = false;
-  if constexpr (kHaveCudaBackend)
-    changed = kernels::cuda::set_conv_tuning(use == Use::none ? Table{} : table(), use == Use::within);
-  if (changed) ++g_tuning_version;
-  return changed;
+  return put(use == Use::none ? Table{} : table(), use == Use::within);
 }
 
-bool ConvTuning::install_none() {
+bool ConvTuning::install_none() { return put({}, false); }
+
+// What the kernels replay is the process's: compared there, with whatever was installed before —
+// by another ConvTuning (a sweep's earlier run, a resumed run's record) or by none.
+bool ConvTuning::put(const Table& table, bool within) {
   bool changed = false;
-  if constexpr (kHaveCudaBackend) changed = kernels::cuda::set_conv_tuning({}, false);
+  if constexpr (kHaveCudaBackend) changed = kernels::cuda::set_conv_tuning(table, within);
   if (changed) ++g_tuning_version;
   return changed;
 }

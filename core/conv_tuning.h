@@ -87,6 +87,7 @@ class ConvTuning {
   ConvTuning() = default;
   std::string device_key() const;
   std::string table_key() const;  // the device whose entries are in use: a replayed record's, else this process's
+  static bool put(const Table& table, bool within);  // into the kernels; whether that changed them
 
   std::filesystem::path path_;
   double seconds_ = kDefaultSeconds;
