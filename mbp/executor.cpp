@@ -633,11 +633,12 @@ void Executor::discard_partial_step() {
 
 std::size_t Executor::input_staging_bytes(const Plan& plan) const {
   if (!stager_->overlaps()) return 0;
-  // A pipeline's last stage stages the labels alone (its input arrives from the stage before), a
-  // middle one nothing.
-  const bool first = !opt_.pipeline || opt_.pipeline->stage == 0;
-  if (!first && opt_.pipeline->stage + 1 < opt_.pipeline->stages) return 0;
-  const std::int64_t numel = first ? sample_numel_ : 0;
+  std::int64_t numel = sample_numel_;
+  if (stage_) {  // a pipeline stage stages what its step does (StageRunner::staged_sample_numel)
+    const auto staged = stage_->staged_sample_numel();
+    if (!staged) return 0;
+    numel = *staged;
+  }
   return InputStager::staging_capacity(staging_bytes(plan.micro_batch, numel, activation_dtype_),
                                        staging_bytes(plan.batch_size, numel, activation_dtype_));
 }

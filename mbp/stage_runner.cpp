@@ -141,6 +141,12 @@ struct StageRunner::Run {
   }
 };
 
+std::optional<std::int64_t> StageRunner::staged_sample_numel() const {
+  if (stage_.stage == 0) return model_sample_numel_;
+  if (stage_.stage + 1 == stage_.stages) return 0;
+  return std::nullopt;
+}
+
 Tensor StageRunner::run(const float* images, const std::int64_t* labels, const std::vector<std::int64_t>& sizes,
                         std::uint64_t step) {
   const PipelineStage& st = stage_;
@@ -151,8 +157,8 @@ Tensor StageRunner::run(const float* images, const std::int64_t* labels, const s
   for (std::int64_t n : sizes) r.offsets.push_back(r.offsets.back() + n);
   if (r.last && !r.dry) r.divisor = batch_divisor(labels, r.batch, loss_);  // on the stage that has the targets
   for (nn::StepState* s : states_) s->begin_step();
-  if (!r.dry && (r.first || r.last))  // images on the first stage, labels (alone after the first) on the last
-    reserve_staging(stager_, sizes, r.first ? model_sample_numel_ : 0, activation_dtype_);
+  if (const auto numel = staged_sample_numel(); numel && !r.dry)
+    reserve_staging(stager_, sizes, *numel, activation_dtype_);
   if (!r.dry) comm_->reserve_message_bytes(message_staging_bytes(sizes));  // where messages go through the host
   EnableGradGuard grad_on;
   if (r.last) r.total = Tensor::zeros({}, dtype_, device_, Category::temporary, "step_loss");

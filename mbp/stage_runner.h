@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "core/arena.h"
@@ -79,6 +80,10 @@ class StageRunner {
   // The host memory this stage's messages of a step in micro-batches of `sizes` take where they are
   // staged (the communicator reserves it before the step; mbp::message_staging_bytes).
   std::size_t message_staging_bytes(const std::vector<std::int64_t>& sizes) const;
+  // The values per sample this stage stages from the host beside the labels (reserve_staging's
+  // sample_numel): the model's input on the first stage, none on the last (its input arrives from
+  // the stage before); nothing at all on a middle stage (nullopt).
+  std::optional<std::int64_t> staged_sample_numel() const;
 
  private:
   struct Run;  // one step under way: what its forwards and backwards share
