@@ -206,25 +206,26 @@ DataInfo describe_data(const TrainOptions& opt) {
 
 namespace {
 
-// Ranks of one machine that share a GPU (fewer GPUs than ranks, or --device cuda:K pinning them all
-// to GPU K): NCCL refuses them, so auto collectives take the staged transport and nccl is an error
-// naming the pin; `auto` memory is an error (each would take what the others left free).
+// Ranks on one GPU (fewer GPUs than ranks, or --device cuda:K pinning them all to GPU K; not ranks
+// that CUDA_VISIBLE_DEVICES gives a GPU each): NCCL refuses them, so auto collectives take the staged
+// transport (distributed::for_device) and nccl with a pin is an error naming it; `auto` memory is an
+// error (each would take what the others left free). A collective: every rank asks, whatever its device.
 void check_shared_gpu(RankSetup& r) {
-  if (!r.dev.is_cuda() || distributed::local_size() < 2) return;
+  const distributed::Neighbours n =
+      distributed::neighbours(*r.world, r.dev.is_cuda() ? cuda_device_bus_id(r.dev.index) : std::string());
+  if (!r.dev.is_cuda() || n.sharing_gpu < 2) return;
   const bool pinned = r.opt.device != "auto" && r.opt.device != "cuda";
   if (pinned && r.opt.collectives == distributed::Collectives::nccl)
-    throw Error(fmt::format("--collectives nccl with --device {}: the {} ranks of this machine would all run on GPU {}, "
-                            "and NCCL needs a GPU for each rank (give --device cuda, which gives each rank its own "
-                            "where there are enough, or --collectives mpi)", r.opt.device, distributed::local_size(),
-                            r.dev.index));
-  if (pinned) r.opt.collectives = distributed::Collectives::mpi;  // auto: the staged transport, as for any sharing
-  const bool shared = pinned || distributed::local_size() > cuda_device_count();
-  if (shared && lists_auto(r.opt.memory_limit))
-    throw Error(fmt::format("--memory-limit {}: the {} ranks of this machine share {}, and each would take what the "
-                            "others left free; give each rank its slice (--memory-limit SIZE, or one size per rank)",
-                            r.opt.memory_limit, distributed::local_size(),
-                            pinned ? fmt::format("GPU {} (--device {})", r.dev.index, r.opt.device)
-                                   : fmt::format("{} GPU{}", cuda_device_count(), cuda_device_count() == 1 ? "" : "s")));
+    throw Error(fmt::format("--collectives nccl with --device {}: {} ranks of this machine would run on GPU {}, and "
+                            "NCCL needs a GPU for each rank (give --device cuda, which gives each rank its own where "
+                            "there are enough, or --collectives mpi)", r.opt.device, n.sharing_gpu, r.dev.index));
+  if (lists_auto(r.opt.memory_limit))
+    throw Error(fmt::format("--memory-limit {}: {} ranks of this machine share GPU {} ({}{}), and each would take "
+                            "what the others left free; give each rank its slice (--memory-limit SIZE, or one size "
+                            "per rank)", r.opt.memory_limit, n.sharing_gpu, r.dev.index, cuda_device_bus_id(r.dev.index),
+                            pinned ? fmt::format(", --device {}", r.opt.device)
+                                   : fmt::format("; {} rank{} on {} GPU{}", n.local_size, n.local_size == 1 ? "" : "s",
+                                                 n.local_gpus, n.local_gpus == 1 ? "" : "s")));
 }
 
 void set_up_rank(RankSetup& r, const TrainOptions& options, std::ostream& all_log) {
@@ -248,8 +249,11 @@ void set_up_rank(RankSetup& r, const TrainOptions& options, std::ostream& all_lo
                                                               "supported)" : ""));
   if (r.ranks > 1 && r.opt.loss_normalization != mbp::LossNormalization::exact)
     throw Error("--loss-normalization per-micro-batch is for one process; data parallelism uses exact");
-  if (r.ranks > 1 && r.dev.is_cuda() && (r.opt.device == "auto" || r.opt.device == "cuda"))
-    r.dev = Device::cuda(distributed::local_rank() % std::max(1, cuda_device_count()));  // ranks share GPUs in turn
+  // Each rank of a machine takes the next GPU, sharing them in turn where there are fewer (its place
+  // among its machine's ranks asked of all ranks: a collective, whatever the device).
+  const int local_rank = r.ranks > 1 ? distributed::neighbours(*r.world, "").local_rank : 0;
+  if (r.dev.is_cuda() && (r.opt.device == "auto" || r.opt.device == "cuda"))
+    r.dev = Device::cuda(local_rank % std::max(1, cuda_device_count()));
   check_shared_gpu(r);
   // Rank 0 speaks and writes the run folder; the others train silently.
   r.log = r.rank == 0 ? &all_log : &r.silent;

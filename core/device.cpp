@@ -64,6 +64,14 @@ int cuda_device_count() {
 }
 bool cuda_available() { return cuda_device_count() > 0; }
 
+std::string cuda_device_bus_id(int device) {
+  if constexpr (kHaveCudaBackend) {
+    return kernels::cuda::device_info(device).bus_id;
+  } else {
+    no_cuda("cudaDeviceGetPCIBusId");
+  }
+}
+
 void* cuda_reserve(int device, std::size_t bytes) {
   if constexpr (kHaveCudaBackend) {
     kernels::cuda::use_device(device);

@@ -47,6 +47,9 @@ DType param_dtype(DType t);
 // Number of usable CUDA devices at run time (0 without the CUDA backend or without a GPU).
 int cuda_device_count();
 bool cuda_available();
+// GPU `device`'s PCI bus id ("0000:41:00.0"): the same physical GPU whatever index a process knows
+// it by (CUDA_VISIBLE_DEVICES renumbers them). Without the CUDA backend: a tally::Error.
+std::string cuda_device_bus_id(int device);
 
 // Device memory of a GPU for its arena (core/arena.cpp, core/memory.cpp): a reservation of `bytes`
 // on `device` (a failure throws tally::Error naming the bytes asked and what the device has

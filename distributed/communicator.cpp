@@ -1,8 +1,12 @@
 // distributed/communicator.cpp — the local backend and the choice of backend; see distributed/communicator.h.
 #include "distributed/communicator.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cstdlib>
+#include <set>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -89,10 +93,33 @@ bool launched_by_mpi() {
   return false;
 }
 
-int local_rank() {
-  for (const char* v : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "PMIX_LOCAL_RANK"})
-    if (const char* s = std::getenv(v)) return std::atoi(s);
-  return 0;
+Neighbours neighbours(const std::vector<std::pair<std::string, std::string>>& ranks, int rank) {
+  if (rank < 0 || static_cast<std::size_t>(rank) >= ranks.size())
+    throw Error(fmt::format("distributed::neighbours: rank {} of a world of {}", rank, ranks.size()));
+  const auto& [host, gpu] = ranks[static_cast<std::size_t>(rank)];
+  Neighbours n{0, 0, 0, 0};
+  std::set<std::string> gpus;
+  for (std::size_t r = 0; r < ranks.size(); ++r) {
+    if (ranks[r].first != host) continue;
+    ++n.local_size;
+    n.local_rank += static_cast<int>(r) < rank ? 1 : 0;
+    if (!ranks[r].second.empty()) gpus.insert(ranks[r].second);
+    n.sharing_gpu += !gpu.empty() && ranks[r].second == gpu ? 1 : 0;
+  }
+  n.local_gpus = static_cast<int>(gpus.size());
+  n.sharing_gpu = std::max(1, n.sharing_gpu);
+  return n;
+}
+
+Neighbours neighbours(Communicator& world, const std::string& gpu_bus_id) {
+  char host[256] = {};  // a failure leaves every rank's name empty: one machine
+  if (gethostname(host, sizeof host - 1) != 0) host[0] = '\0';
+  std::vector<std::pair<std::string, std::string>> ranks;
+  for (const std::string& text : all_gather_text(world, std::string(host) + '\n' + gpu_bus_id)) {
+    const std::size_t cut = text.find('\n');  // a host name has no line break
+    ranks.emplace_back(text.substr(0, cut), cut == std::string::npos ? std::string() : text.substr(cut + 1));
+  }
+  return neighbours(ranks, world.rank());
 }
 
 bool have_mpi() { return TALLY_HAVE_MPI; }
@@ -107,17 +134,12 @@ std::shared_ptr<Communicator> mpi_world() {
 #endif
 }
 
-int local_size() {
-  for (const char* v : {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "PMIX_LOCAL_SIZE"})
-    if (const char* s = std::getenv(v)) return std::max(1, std::atoi(s));
-  return 1;
-}
-
 std::shared_ptr<Communicator> for_device(const std::shared_ptr<Communicator>& host, Device device,
                                          Collectives collectives, std::string* why) {
   if (!host) throw Error("distributed::for_device: expected a host communicator, found none");
-  const int ranks = local_size(), gpus = device.is_cpu() ? 0 : cuda_device_count();
-  const bool own_gpu = ranks <= gpus;
+  const Neighbours n = neighbours(*host, device.is_cpu() ? std::string() : cuda_device_bus_id(device.index));
+  const int ranks = n.local_size, gpus = n.local_gpus;
+  const bool own_gpu = n.sharing_gpu == 1;
   // One transport for all ranks (NCCL's setup and the staged broadcasts do not match each other):
   // auto takes NCCL only where every rank would — each machine giving each of its ranks a GPU of its
   // own, no rank on the CPU or told to stage (a pinned shared GPU). Every rank votes, whatever its
@@ -143,9 +165,10 @@ std::shared_ptr<Communicator> for_device(const std::shared_ptr<Communicator>& ho
   }
 #if TALLY_HAVE_NCCL
   if (host->size() > 1 && !own_gpu)
-    throw Error(fmt::format("--collectives nccl: NCCL needs a GPU for each rank, but this machine has {} rank{} on {} "
-                            "GPU{} (give --collectives mpi, or auto, to stage through host memory)",
-                            ranks, ranks == 1 ? "" : "s", gpus, gpus == 1 ? "" : "s"));
+    throw Error(fmt::format("--collectives nccl: NCCL needs a GPU for each rank, but {} ranks run on this rank's GPU "
+                            "({}; this machine has {} rank{} on {} GPU{}) (give --collectives mpi, or auto, to stage "
+                            "through host memory)", n.sharing_gpu, cuda_device_bus_id(device.index), ranks,
+                            ranks == 1 ? "" : "s", gpus, gpus == 1 ? "" : "s"));
   if (why)
     *why = fmt::format("nccl ({} rank{} of this machine, each on a GPU of its own)", ranks, ranks == 1 ? "" : "s");
   return detail::make_nccl(host, device);

@@ -85,9 +85,24 @@ std::vector<std::string> all_gather_text(Communicator& world, const std::string&
 
 // Whether this process was started by mpirun / mpiexec (Open MPI, MPICH or a PMIx launcher).
 bool launched_by_mpi();
-// This process's rank among the ranks of its machine (for the choice of GPU); 0 when not launched
-// by mpirun.
-int local_rank();
+
+// Where a rank runs among the job's ranks, learned from all of them rather than from the launcher's
+// environment (which Open MPI, Slurm's PMI2 and others fill differently, or not at all): the ranks of
+// its machine (the same host name) and of its GPU (the same machine and PCI bus id — one physical
+// GPU, whatever index each rank knows it by). So ranks that CUDA_VISIBLE_DEVICES gives a GPU each,
+// every one its own cuda:0, are told apart from ranks that share one. A MIG instance counts as its
+// whole GPU (one bus id; NCCL refuses two of them as it refuses two ranks on one GPU).
+struct Neighbours {
+  int local_rank = 0;   // this rank's place among its machine's ranks, in world order
+  int local_size = 1;   // the ranks of its machine
+  int local_gpus = 0;   // the GPUs its machine's ranks run on
+  int sharing_gpu = 1;  // the ranks on this rank's GPU, itself included (1 for a rank on the CPU)
+};
+// Each rank's host name and GPU bus id ("" on the CPU), indexed by rank: what rank `rank` learns.
+Neighbours neighbours(const std::vector<std::pair<std::string, std::string>>& ranks, int rank);
+// The same gathered from `world` (a collective: every rank calls it, whatever its device), this
+// rank's GPU given by its bus id ("" on the CPU; core/device.h: cuda_device_bus_id).
+Neighbours neighbours(Communicator& world, const std::string& gpu_bus_id);
 // Whether this build has the MPI and NCCL backends.
 bool have_mpi();
 bool have_nccl();
@@ -107,9 +122,6 @@ enum class Collectives { automatic, nccl, mpi };
 // this machine on a GPU of its own").
 std::shared_ptr<Communicator> for_device(const std::shared_ptr<Communicator>& host, Device device,
                                          Collectives collectives = Collectives::automatic, std::string* why = nullptr);
-// The number of ranks on this machine (1 when not launched by mpirun).
-int local_size();
-
 // The communicator of a `tally` process: the MPI world when launched by mpirun (and the build has
 // MPI), else local(). Launched by mpirun without MPI in the build: an Error.
 std::shared_ptr<Communicator> process_world();

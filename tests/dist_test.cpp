@@ -231,6 +231,52 @@ TEST_F(Dist, GpuTwoRanksShareOneGpuThroughHostMemory) {
   for (std::size_t i = 0; i < a.size(); ++i) EXPECT_LE(rel_error(b[i], a[i]), 1e-4) << "parameter " << i;
 }
 
+// Where a rank runs, from every rank's host name and GPU bus id: its machine's ranks and GPUs, and
+// the ranks on its GPU — ranks that CUDA_VISIBLE_DEVICES gave one GPU each (all of them cuda:0 to
+// themselves, different bus ids) do not share; one bus id on two machines is two GPUs.
+TEST(Neighbours, RanksOfAMachineAndOfOneDeviceFromHostNamesAndBusIds) {
+  using Ranks = std::vector<std::pair<std::string, std::string>>;
+  const auto expect = [](const Ranks& ranks, int rank, distributed::Neighbours want, const char* what) {
+    const distributed::Neighbours n = distributed::neighbours(ranks, rank);
+    EXPECT_EQ(n.local_rank, want.local_rank) << what << ", rank " << rank;
+    EXPECT_EQ(n.local_size, want.local_size) << what << ", rank " << rank;
+    EXPECT_EQ(n.local_gpus, want.local_gpus) << what << ", rank " << rank;
+    EXPECT_EQ(n.sharing_gpu, want.sharing_gpu) << what << ", rank " << rank;
+  };
+  const Ranks isolated{{"a", "0000:41:00.0"}, {"a", "0000:42:00.0"}, {"a", "0000:43:00.0"}, {"a", "0000:44:00.0"}};
+  for (int r = 0; r < 4; ++r) expect(isolated, r, {r, 4, 4, 1}, "a GPU each");
+  const Ranks two_on_each{{"a", "0000:41:00.0"}, {"a", "0000:42:00.0"}, {"a", "0000:41:00.0"}, {"a", "0000:42:00.0"}};
+  for (int r = 0; r < 4; ++r) expect(two_on_each, r, {r, 4, 2, 2}, "4 ranks on 2 GPUs in turn");
+  const Ranks two_machines{{"a", "0000:41:00.0"}, {"b", "0000:41:00.0"}, {"a", "0000:42:00.0"}, {"b", "0000:41:00.0"}};
+  expect(two_machines, 0, {0, 2, 2, 1}, "machine a");
+  expect(two_machines, 2, {1, 2, 2, 1}, "machine a");
+  expect(two_machines, 1, {0, 2, 1, 2}, "machine b, one GPU");
+  expect(two_machines, 3, {1, 2, 1, 2}, "machine b, one GPU");
+  const Ranks cpu_and_gpu{{"a", ""}, {"a", ""}, {"a", "0000:41:00.0"}};
+  expect(cpu_and_gpu, 0, {0, 3, 1, 1}, "a rank on the CPU shares no GPU");
+  expect(cpu_and_gpu, 2, {2, 3, 1, 1}, "the one rank on a GPU");
+  expect({{"a", ""}}, 0, {0, 1, 0, 1}, "a world of one");
+  EXPECT_THROW(distributed::neighbours(isolated, 4), Error);
+  EXPECT_THROW(distributed::neighbours(isolated, -1), Error);
+}
+
+// The same gathered from the ranks (one machine here): in world order, and a GPU each or one shared.
+TEST_F(Dist, NeighboursAreGatheredFromEveryRank) {
+  REQUIRE_TWO_RANKS();
+  auto& c = *world();
+  const distributed::Neighbours cpu = distributed::neighbours(c, "");
+  EXPECT_EQ(cpu.local_rank, c.rank());
+  EXPECT_EQ(cpu.local_size, 2);
+  EXPECT_EQ(cpu.local_gpus, 0);
+  EXPECT_EQ(cpu.sharing_gpu, 1);
+  const distributed::Neighbours own = distributed::neighbours(c, fmt::format("0000:4{}:00.0", c.rank()));
+  EXPECT_EQ(own.local_gpus, 2);
+  EXPECT_EQ(own.sharing_gpu, 1);
+  const distributed::Neighbours shared = distributed::neighbours(c, "0000:41:00.0");
+  EXPECT_EQ(shared.local_gpus, 1);
+  EXPECT_EQ(shared.sharing_gpu, 2);
+}
+
 TEST(Shard, EverySampleOnceSizesDifferByAtMostOne) {
   for (int ranks : {1, 2, 3, 7})
     for (std::int64_t batch : {7, 8, 100, 129}) {

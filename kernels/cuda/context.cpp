@@ -165,7 +165,9 @@ std::string device_name(int device) {
 DeviceInfo device_info(int device) {
   cudaDeviceProp p{};
   TALLY_CUDA_CHECK(cudaGetDeviceProperties(&p, device));
-  return {p.name, p.major, p.minor, p.multiProcessorCount, p.totalGlobalMem};
+  char bus[32] = {};
+  TALLY_CUDA_CHECK(cudaDeviceGetPCIBusId(bus, sizeof bus, device));
+  return {p.name, p.major, p.minor, p.multiProcessorCount, p.totalGlobalMem, bus};
 }
 
 void* device_allocate(std::size_t bytes) {

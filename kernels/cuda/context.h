@@ -47,6 +47,7 @@ struct DeviceInfo {
   std::string name;
   int compute_major = 0, compute_minor = 0, multiprocessors = 0;
   std::size_t total_memory = 0;
+  std::string bus_id;  // PCI "domain:bus:device.function" (cudaDeviceGetPCIBusId): one physical GPU
 };
 DeviceInfo device_info(int device);
 // cudaMalloc on the current device, for an arena's reservation: a failure throws tally::Error
