@@ -439,11 +439,13 @@ const Plan& legacy_plan(const Conv2dShape& s, bool bf16) {
 // operation graph holding one convolution node; its engine configurations come from heuristics
 // mode A and then the fallback mode (host-side, the same list every time for a shape, device and
 // cuDNN), and the first that
+//   * has an engine whose index and numerical notes can be read (none is trusted unseen),
 //   * is deterministic (no CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC) when deterministic() is on,
 //   * for float32 data, uses no tensor cores (TENSOR_CORE, DOWN_CONVERT_INPUTS: TF32) unless
 //     allow_tf32() is on; never converts its inputs to a narrower type (DOWN_CONVERT_INPUTS, as
-//     recent PyTorch: the type may be fp16, whose range ends at 65504); for bf16, no FFT or
-//     Winograd (as the legacy path),
+//     recent PyTorch: the type may be fp16, whose range ends at 65504); never sums in a narrower
+//     type than float32 (REDUCED_PRECISION_REDUCTION); for bf16, no FFT or Winograd (as the legacy
+//     path),
 //   * finalizes into an execution plan whose workspace is at most the shape's workspace_limit
 // is the pass's plan, cached for the process (a dry run chooses and sizes as the real step does).
 // If no deterministic one fits, the first other one that does is taken with a warning (as the
@@ -541,6 +543,8 @@ struct EngineInfo {
   std::int64_t index = -1;
   bool nondeterministic = false, tensor_core = false, transformed = false;  // transformed: FFT or Winograd
   bool down_convert = false;  // DOWN_CONVERT_INPUTS: inputs converted to a narrower type (possibly fp16's range)
+  bool reduced_precision = false;  // REDUCED_PRECISION_REDUCTION: sums in a type narrower than the compute type
+  bool known = false;  // its index and notes were read: an engine whose notes cannot be read breaks no rule unseen
 };
 EngineInfo engine_info(const Backend& config) {
   EngineInfo info;
@@ -549,20 +553,25 @@ EngineInfo engine_info(const Backend& config) {
   if (cudnnBackendGetAttribute(config->get(), CUDNN_ATTR_ENGINECFG_ENGINE, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &n,
                                engine->address()) != CUDNN_STATUS_SUCCESS)
     return info;
-  (void)cudnnBackendGetAttribute(engine->get(), CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &n, &info.index);
+  if (cudnnBackendGetAttribute(engine->get(), CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &n, &info.index) !=
+      CUDNN_STATUS_SUCCESS)
+    return info;
   cudnnBackendNumericalNote_t notes[CUDNN_NUMERICAL_NOTE_TYPE_COUNT];
   std::int64_t count = 0;
   if (cudnnBackendGetAttribute(engine->get(), CUDNN_ATTR_ENGINE_NUMERICAL_NOTE, CUDNN_TYPE_NUMERICAL_NOTE,
-                               CUDNN_NUMERICAL_NOTE_TYPE_COUNT, &count, notes) == CUDNN_STATUS_SUCCESS)
-    for (std::int64_t i = 0; i < count; ++i) {
-      info.nondeterministic |= notes[i] == CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC;
-      info.tensor_core |= notes[i] == CUDNN_NUMERICAL_NOTE_TENSOR_CORE || notes[i] == CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS;
-      info.down_convert |= notes[i] == CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS;
-      info.transformed |= notes[i] == CUDNN_NUMERICAL_NOTE_FFT || notes[i] == CUDNN_NUMERICAL_NOTE_WINOGRAD ||
-                          notes[i] == CUDNN_NUMERICAL_NOTE_WINOGRAD_TILE_4x4 ||
-                          notes[i] == CUDNN_NUMERICAL_NOTE_WINOGRAD_TILE_6x6 ||
-                          notes[i] == CUDNN_NUMERICAL_NOTE_WINOGRAD_TILE_13x13;
-    }
+                               CUDNN_NUMERICAL_NOTE_TYPE_COUNT, &count, notes) != CUDNN_STATUS_SUCCESS)
+    return info;
+  info.known = true;
+  for (std::int64_t i = 0; i < count; ++i) {
+    info.nondeterministic |= notes[i] == CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC;
+    info.tensor_core |= notes[i] == CUDNN_NUMERICAL_NOTE_TENSOR_CORE || notes[i] == CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS;
+    info.down_convert |= notes[i] == CUDNN_NUMERICAL_NOTE_DOWN_CONVERT_INPUTS;
+    info.reduced_precision |= notes[i] == CUDNN_NUMERICAL_NOTE_REDUCED_PRECISION_REDUCTION;
+    info.transformed |= notes[i] == CUDNN_NUMERICAL_NOTE_FFT || notes[i] == CUDNN_NUMERICAL_NOTE_WINOGRAD ||
+                        notes[i] == CUDNN_NUMERICAL_NOTE_WINOGRAD_TILE_4x4 ||
+                        notes[i] == CUDNN_NUMERICAL_NOTE_WINOGRAD_TILE_6x6 ||
+                        notes[i] == CUDNN_NUMERICAL_NOTE_WINOGRAD_TILE_13x13;
+  }
   return info;
 }
 
@@ -678,12 +687,16 @@ Tried try_config(const PassGraph& pg, std::size_t i, bool bf16, bool require_det
                  const PlanTarget& target) {
   Tried t;
   t.info = engine_info(pg.configs[i]);
-  if (require_deterministic && t.info.nondeterministic) {
+  if (!t.info.known) {
+    t.note = "its engine or numerical notes unreadable";
+  } else if (require_deterministic && t.info.nondeterministic) {
     t.note = "not deterministic";
   } else if (!tensor_ops_allowed(bf16) && t.info.tensor_core) {
     t.note = "tensor cores (TF32)";
   } else if (t.info.down_convert) {  // with TF32 or bf16 too (as recent PyTorch): the narrower type may be fp16
     t.note = "inputs down-converted";
+  } else if (t.info.reduced_precision) {  // sums in float32, in every precision (docs/precision.md)
+    t.note = "reduced-precision sums";
   } else if (bf16 && t.info.transformed) {
     t.note = "FFT/Winograd on bf16";
   } else {
