@@ -13,7 +13,7 @@ JOBS       ?= $(shell n=$$(nproc); q=$$(awk '$$1 != "max" { print int(($$1 + $$2
 
 DEB_PACKAGES := cmake g++ make pkg-config googletest libgtest-dev libgmock-dev libbenchmark-dev \
                 libopenblas-dev libcli11-dev nlohmann-json3-dev libfmt-dev zlib1g-dev dataset-fashion-mnist \
-                libopenmpi-dev openmpi-bin libdnnl-dev libturbojpeg0-dev libpng-dev
+                libopenmpi-dev openmpi-bin libdnnl-dev libturbojpeg0-dev libpng-dev ninja-build
 
 # What the test suite alone needs: a real browser for the memory report's test
 # (tests/memory_report_browser.sh). Not installed by `make train`.
@@ -44,8 +44,14 @@ bootstrap:
 test-bootstrap:
 	$(call install_missing,$(TEST_PACKAGES))
 
+# Ninja for a new build folder (or one that is already Ninja's): it compiles a program's files while
+# the libraries it links are still being built, where make's generator waits for them — with the
+# libraries' unity units (CMakeLists.txt, TALLY_UNITY), 465 s against 678 for a whole build here.
+GENERATOR = $(shell if [ ! -f $(BUILD_DIR)/CMakeCache.txt ] || grep -q '^CMAKE_GENERATOR:INTERNAL=Ninja$$' \
+              $(BUILD_DIR)/CMakeCache.txt; then command -v ninja >/dev/null && echo "-G Ninja"; fi)
+
 configure: bootstrap
-	@cmake -S . -B $(BUILD_DIR) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) $(CMAKE_ARGS)
+	@cmake -S . -B $(BUILD_DIR) $(GENERATOR) -DCMAKE_BUILD_TYPE=$(BUILD_TYPE) $(CMAKE_ARGS)
 
 build: configure
 	@cmake --build $(BUILD_DIR) -j $(JOBS)

@@ -7,8 +7,8 @@
 # instantiated and linked, which -O0 tests at least as strictly (no dead code is dropped before
 # the link), and it compiles in about 70% of a Release build's time. And as a unity build (16 files
 # a unit, CMAKE_UNITY_BUILD): the headers are parsed once per unit instead of once per file — 2.4
-# CPU-minutes against 4.5 here, what made it the suite's longest test; the files are still
-# compiled one by one in the main build. A unit fails to compile when two files of one library
+# CPU-minutes against 4.5 here, what made it the suite's longest test; the programs too, and the
+# libraries as the main build's are (CMakeLists.txt, TALLY_UNITY). A unit fails to compile when two files of one library
 # define the same name in an anonymous namespace: give each its own. Without precompiled headers
 # (CMAKE_DISABLE_PRECOMPILE_HEADERS): each library made its own, 9 x 4.5 s, for units that parse
 # their headers once anyway — 161 CPU-seconds against 208, 2:09 against 2:46 here. Usage:
