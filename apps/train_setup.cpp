@@ -211,8 +211,8 @@ namespace {
 // transport (distributed::for_device) and nccl with a pin is an error naming it; `auto` memory is an
 // error (each would take what the others left free). A collective: every rank asks, whatever its device.
 void check_shared_gpu(RankSetup& r) {
-  const distributed::Neighbours n =
-      distributed::neighbours(*r.world, r.dev.is_cuda() ? cuda_device_bus_id(r.dev.index) : std::string());
+  const std::string bus = r.dev.is_cuda() ? cuda_device_bus_id(r.dev.index) : std::string();
+  const distributed::Neighbours n = distributed::neighbours(*r.world, bus);
   if (!r.dev.is_cuda() || n.sharing_gpu < 2) return;
   const bool pinned = r.opt.device != "auto" && r.opt.device != "cuda";
   if (pinned && r.opt.collectives == distributed::Collectives::nccl)
@@ -222,7 +222,7 @@ void check_shared_gpu(RankSetup& r) {
   if (lists_auto(r.opt.memory_limit))
     throw Error(fmt::format("--memory-limit {}: {} ranks of this machine share GPU {} ({}{}), and each would take "
                             "what the others left free; give each rank its slice (--memory-limit SIZE, or one size "
-                            "per rank)", r.opt.memory_limit, n.sharing_gpu, r.dev.index, cuda_device_bus_id(r.dev.index),
+                            "per rank)", r.opt.memory_limit, n.sharing_gpu, r.dev.index, bus,
                             pinned ? fmt::format(", --device {}", r.opt.device)
                                    : fmt::format("; {} rank{} on {} GPU{}", n.local_size, n.local_size == 1 ? "" : "s",
                                                  n.local_gpus, n.local_gpus == 1 ? "" : "s")));

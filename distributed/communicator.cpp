@@ -137,16 +137,17 @@ std::shared_ptr<Communicator> mpi_world() {
 std::shared_ptr<Communicator> for_device(const std::shared_ptr<Communicator>& host, Device device,
                                          Collectives collectives, std::string* why) {
   if (!host) throw Error("distributed::for_device: expected a host communicator, found none");
-  const Neighbours n = neighbours(*host, device.is_cpu() ? std::string() : cuda_device_bus_id(device.index));
+  const std::string bus = device.is_cpu() ? std::string() : cuda_device_bus_id(device.index);
+  const Neighbours n = neighbours(*host, bus);
   const int ranks = n.local_size, gpus = n.local_gpus;
-  const bool own_gpu = n.sharing_gpu == 1;
+  const bool own_gpu = n.sharing_gpu == 1;  // always in a world of one
   // One transport for all ranks (NCCL's setup and the staged broadcasts do not match each other):
-  // auto takes NCCL only where every rank would — each machine giving each of its ranks a GPU of its
-  // own, no rank on the CPU or told to stage (a pinned shared GPU). Every rank votes, whatever its
-  // device and setting, so that the collective is everyone's.
-  const bool wants_nccl = !device.is_cpu() && (collectives == Collectives::nccl ||
-                                               (collectives == Collectives::automatic && have_nccl() &&
-                                                (own_gpu || host->size() == 1)));
+  // auto takes NCCL only where every rank would — each rank on a GPU of its own, none on the CPU or
+  // told to stage (--collectives mpi). Every rank votes, whatever its device and setting, so that
+  // the collective is everyone's.
+  const bool wants_nccl =
+      !device.is_cpu() && (collectives == Collectives::nccl ||
+                           (collectives == Collectives::automatic && have_nccl() && own_gpu));
   double votes = wants_nccl ? 1.0 : 0.0;
   if (host->size() > 1) host->all_reduce_sum(&votes, 1);
   if (device.is_cpu()) return host;
@@ -164,10 +165,10 @@ std::shared_ptr<Communicator> for_device(const std::shared_ptr<Communicator>& ho
     return make_staged(host, device);
   }
 #if TALLY_HAVE_NCCL
-  if (host->size() > 1 && !own_gpu)
+  if (!own_gpu)
     throw Error(fmt::format("--collectives nccl: NCCL needs a GPU for each rank, but {} ranks run on this rank's GPU "
                             "({}; this machine has {} rank{} on {} GPU{}) (give --collectives mpi, or auto, to stage "
-                            "through host memory)", n.sharing_gpu, cuda_device_bus_id(device.index), ranks,
+                            "through host memory)", n.sharing_gpu, bus, ranks,
                             ranks == 1 ? "" : "s", gpus, gpus == 1 ? "" : "s"));
   if (why)
     *why = fmt::format("nccl ({} rank{} of this machine, each on a GPU of its own)", ranks, ranks == 1 ? "" : "s");
