@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include <fmt/format.h>
@@ -176,14 +177,30 @@ std::shared_ptr<ConvTuning> ConvTuning::replaying(const std::string& record, con
       !j["use"].is_string() || !j.contains("passes"))
     throw Error(
         fmt::format("{}: expected a record with \"device\", \"use\" and \"passes\", found {}", where, j.dump()));
-  const std::string use = j["use"].get<std::string>();
-  if (use != "fastest" && use != "within" && use != "none")
-    throw Error(fmt::format("{}: expected \"use\" fastest, within or none, found \"{}\"", where, use));
-  t->use_ = use == "fastest" ? Use::fastest : use == "within" ? Use::within : Use::none;
+  const auto level_of = [&](const tuning_json& v, const std::string& what) {
+    const std::string use = v.is_string() ? v.get<std::string>() : v.dump();
+    if (use != "fastest" && use != "within" && use != "none")
+      throw Error(fmt::format("{}: expected {} fastest, within or none, found {}", where, what,
+                              v.is_string() ? "\"" + use + "\"" : use));
+    return use == "fastest" ? Use::fastest : use == "within" ? Use::within : Use::none;
+  };
+  t->use_ = level_of(j["use"], "\"use\"");
   const std::string device = j["device"].get<std::string>();
   t->devices_[device] = table_from_json(j["passes"], where);
-  for (const auto& [key, entry] : t->devices_[device]) t->seen_.insert(key);
-  t->report_ = fmt::format("tuning: {} passes replayed from the checkpoint ({})", t->seen_.size(), use);
+  // Every pass at the record's level: "use", or its own in "uses" (a record written before passes
+  // had levels of their own has none).
+  const tuning_json uses = j.contains("uses") ? j["uses"] : tuning_json::object();
+  if (!uses.is_object())
+    throw Error(fmt::format("{}: expected \"uses\" to be an object of passes' levels, found {}", where, uses.dump()));
+  for (const auto& [key, v] : uses.items())
+    if (!t->devices_[device].contains(key))
+      throw Error(fmt::format("{}: expected \"uses\" to name passes of \"passes\", found '{}'", where, key));
+  for (const auto& [key, entry] : t->devices_[device]) {
+    t->seen_.insert(key);
+    t->pinned_[key] = uses.contains(key) ? level_of(uses[key], fmt::format("pass '{}' at", key)) : t->use_;
+  }
+  t->report_ = fmt::format("tuning: {} passes replayed from the checkpoint ({})", t->seen_.size(),
+                           uses.empty() ? use_name(t->use_) : "levels of their own");
   return t;
 }
 
@@ -207,18 +224,56 @@ std::string ConvTuning::table_key() const {
 
 const ConvTuning::Table& ConvTuning::table() { return devices_[table_key()]; }
 
-bool ConvTuning::install(Use use) {
-  use_ = use;
-  return put(use == Use::none ? Table{} : table(), use == Use::within);
+ConvTuning::Use ConvTuning::level(const std::string& key) const {
+  const auto it = pinned_.find(key);
+  return it == pinned_.end() ? use_ : it->second;
 }
 
-bool ConvTuning::install_none() { return put({}, false); }
+// Each entry resolved to its pass's level: the fastest as measured, "within" as the fastest (its
+// within_* choice in the fastest's place), none left out — what the kernels replay. `unpinned`: the
+// level of the passes not pinned; `last`: that of the last tune()'s among them instead.
+bool ConvTuning::put_levels(Use unpinned, std::optional<Use> last) {
+  Table resolved;
+  for (const auto& [key, e] : table()) {
+    const auto pin = pinned_.find(key);
+    const Use at = pin != pinned_.end() ? pin->second : last && last_.contains(key) ? *last : unpinned;
+    if (at == Use::none) continue;
+    kernels::TunedConvPass r = e;
+    if (at == Use::within) r.rank = e.within_rank, r.engine = e.within_engine, r.workspace = e.within_workspace,
+                           r.ms = e.within_ms;
+    resolved.emplace(key, r);
+  }
+  return put(resolved);
+}
+
+bool ConvTuning::install(Use use) {
+  use_ = use;
+  return put_levels(use, std::nullopt);
+}
+
+bool ConvTuning::trial(Use use) { return put_levels(use_, use); }
+
+void ConvTuning::pin(Use use) {
+  const Table& t = table();
+  for (const std::string& key : last_)
+    if (t.contains(key)) pinned_.try_emplace(key, use);
+  (void)put_levels(use_, std::nullopt);
+}
+
+bool ConvTuning::undecided() const {
+  const auto it = devices_.find(table_key());
+  if (it == devices_.end()) return false;
+  return std::any_of(last_.begin(), last_.end(),
+                     [&](const std::string& key) { return it->second.contains(key) && !pinned_.contains(key); });
+}
+
+bool ConvTuning::install_none() { return put({}); }
 
 // What the kernels replay is the process's: compared there, with whatever was installed before —
 // by another ConvTuning (a sweep's earlier run, a resumed run's record) or by none.
-bool ConvTuning::put(const Table& table, bool within) {
+bool ConvTuning::put(const Table& table) {
   bool changed = false;
-  if constexpr (kHaveCudaBackend) changed = kernels::cuda::set_conv_tuning(table, within);
+  if constexpr (kHaveCudaBackend) changed = kernels::cuda::set_conv_tuning(table, false);
   if (changed) ++g_tuning_version;
   return changed;
 }
@@ -238,21 +293,25 @@ bool ConvTuning::tune(Device device, Arena& arena, const std::function<void()>& 
     passes = kernels::cuda::conv2d_recorded_passes();
   }
   Table& t = devices_[table_key()];
+  last_.clear();
   // Measuring needs real buffers: none on a virtual arena (a plan), none with a cap of 0.
   const bool measuring = seconds_ > 0 && !arena.is_virtual();
   int measured = 0, faster = 0, no_room = 0, left = 0, untimed = 0, from_file = 0;
+  std::string failed;  // why measuring stopped early
   double saved_ms = 0, heuristic_ms = 0;
   const auto began = std::chrono::steady_clock::now();
   for (const kernels::ConvPassKey& p : passes) {
     std::string key;
     if constexpr (kHaveCudaBackend) key = kernels::cuda::conv2d_tuning_key(p.shape, p.bf16, p.pass, p.beta);
     seen_.insert(key);
+    last_.insert(key);
     if (t.contains(key) || replay_only_) {  // a replay measures nothing: what its record lacks stays untuned
       from_file += t.contains(key) ? 1 : 0;
       continue;
     }
     const double spent = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
-    if (!measuring) continue;
+    if (!failed.empty()) declined_.insert(key);  // measuring stopped (below): left to the heuristics
+    if (!measuring || !failed.empty()) continue;
     if (spent >= seconds_ || declined_.contains(key)) {  // left to the heuristics for this process
       declined_.insert(key);
       ++left;
@@ -284,6 +343,12 @@ bool ConvTuning::tune(Device device, Arena& arena, const std::function<void()>& 
     } catch (const OutOfMemory&) {  // left to the heuristics for this process, as above
       declined_.insert(key);
       ++no_room;
+    } catch (const Error& e) {
+      // cuDNN or CUDA refused something the step's own plan did not need (an engine's set-up, the
+      // timing events): what was measured is kept and written, the rest left to the heuristics for
+      // this process. A device lost on the way fails the step's own next call, with its own words.
+      declined_.insert(key);
+      failed = e.what();
     }
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
@@ -320,18 +385,28 @@ bool ConvTuning::tune(Device device, Arena& arena, const std::function<void()>& 
   if (left > 0) report_ += fmt::format(", {} left to the heuristics (past the cap: a later run measures them)", left);
   if (untimed > 0)
     report_ += fmt::format(", {} left to the heuristics (no engine the rules allow ran on them)", untimed);
+  if (!failed.empty())
+    report_ += fmt::format(", measuring stopped: {} (the passes not measured left to the heuristics)", failed);
   report_ += unsaved;
   return install(use_);
 }
 
 std::string ConvTuning::record() const {
-  tuning_json j{{"device", table_key()}, {"use", use_name(use_)}};
   tuning_json passes = tuning_json::object();
-  const auto it = devices_.find(j["device"].get<std::string>());
+  std::vector<std::string> keys;
+  const auto it = devices_.find(table_key());
   if (it != devices_.end())
     for (const std::string& key : seen_)
-      if (const auto e = it->second.find(key); e != it->second.end()) passes[key] = entry_json(e->second);
-  j["passes"] = passes;
+      if (const auto e = it->second.find(key); e != it->second.end()) {
+        passes[key] = entry_json(e->second);
+        keys.push_back(key);
+      }
+  const Use first = keys.empty() ? use_ : level(keys.front());
+  tuning_json j{{"device", table_key()}, {"use", use_name(first)}, {"passes", passes}};
+  tuning_json uses = tuning_json::object();
+  for (const std::string& key : keys)
+    if (level(key) != first) uses[key] = use_name(level(key));
+  if (!uses.empty()) j["uses"] = uses;
   return j.dump();
 }
 

@@ -20,9 +20,12 @@
 // Each pass keeps two choices: the fastest within the workspace limit, and the fastest within the
 // heuristics' own choice's workspace ("within"), which can never make a step need more memory.
 // The executor installs the fastest, plans again, and falls back to "within" (and then to none)
-// if that plan's micro-batch would be smaller than without tuning (mbp/executor_plan.cpp).
-// A checkpoint records the passes its run used (record()); a resumed run replays exactly those
-// (replaying()): the same engines, so the same bits.
+// if that plan's micro-batch would be smaller than the plan's without tuning (mbp/executor_plan.cpp).
+// The level is a pass's own: once a plan of the run has taken a pass's engine, the pass keeps that
+// level for the rest of the run (pin()) — a later plan that falls back changes its own passes only,
+// never the engines of steps already run.
+// A checkpoint records the passes its run used and each one's level (record()); a resumed run
+// replays exactly those (replaying()): the same engines, so the same bits.
 //
 // The file is JSON: {"format": "tally convolution tuning", "version": 1, "devices": {DEVICE:
 // {PASS: {"rank", "engine", "workspace", "ms", "within_rank", "within_engine", "within_workspace",
@@ -36,6 +39,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 
@@ -67,17 +71,31 @@ class ConvTuning {
   // installed. Returns whether the installed table changed (plans made before must be made again).
   bool tune(Device device, Arena& arena, const std::function<void()>& dry_run);
   // Installs the table of the device this process plans for (a GPU, or the one a device file
-  // describes: core/device_file.h) as `use` says; returns whether that changed the installed table.
-  // tally plan replays the file so, measuring nothing.
+  // describes: core/device_file.h): each pinned pass at its own level, the others as `use` says
+  // (none until a caller says otherwise: a pass is tuned once a plan has chosen its level); returns
+  // whether that changed the installed table.
   bool install(Use use);
+  // The executor's choice for the plan it applies (mbp/executor_plan.cpp), made with these:
+  // whether a pass the last tune() saw has an entry and no level yet (undecided), those passes at
+  // `use` for a trial plan, the others as installed (trial), and then `use` kept by them from now
+  // on, whatever a later install() says (pin; the table installed so).
+  bool undecided() const;
+  bool trial(Use use);
+  void pin(Use use);
+  // A new run in this process (a sweep's next): no pass keeps a level any more — but a replay's,
+  // which are its record's.
+  void unpin_all() {
+    if (!replay_only_) pinned_.clear();
+  }
   // No table installed (a run without tuning after one with it, in one process); returns whether
   // that changed anything.
   static bool install_none();
   Use in_use() const { return use_; }
   // What the last tune() did, in a line: "tuning: 24 passes measured in 8.1 s (cap 60 s), ...".
   const std::string& report() const { return report_; }
-  // The passes this process's tune() calls saw, with their entries and the choice in use: JSON
-  // text, what a checkpoint keeps (replaying() reads it).
+  // The passes this process's tune() calls saw, with their entries and each one's level: JSON
+  // text, what a checkpoint keeps (replaying() reads it). {"device", "use": the first pass's level,
+  // "passes", and "uses": {PASS: level} for those at another}.
   std::string record() const;
   const std::filesystem::path& path() const { return path_; }
   // The entries of the device this process plans for.
@@ -87,14 +105,18 @@ class ConvTuning {
   ConvTuning() = default;
   std::string device_key() const;
   std::string table_key() const;  // the device whose entries are in use: a replayed record's, else this process's
-  static bool put(const Table& table, bool within);  // into the kernels; whether that changed them
+  Use level(const std::string& key) const;  // a pass's level: its pin, else use_
+  bool put_levels(Use unpinned, std::optional<Use> last);  // the table resolved by level, put
+  static bool put(const Table& table);      // into the kernels; whether that changed them
 
   std::filesystem::path path_;
   double seconds_ = kDefaultSeconds;
   bool replay_only_ = false;
   std::map<std::string, Table> devices_;  // the file's entries, by device
-  Use use_ = Use::fastest;
+  Use use_ = Use::none;                    // the level of the passes not pinned
+  std::map<std::string, Use> pinned_;      // the passes a plan of this run took, at their level
   std::set<std::string> seen_;            // the passes tune() recorded, by key
+  std::set<std::string> last_;            // those the last tune() recorded
   // Passes left to the heuristics past the cap: they keep them for the rest of the process, so
   // that a run's engines never change once it has run with them.
   std::set<std::string> declined_;

@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include "core/autograd.h"
+#include "core/conv_tuning.h"
 #include "core/dry_run.h"
 #include "core/memory.h"
 #include "core/option_names.h"
@@ -307,6 +308,8 @@ Executor::Executor(nn::Module& model, optim::Optimizer& optimizer, std::shared_p
   if (data_parallel && opt_.placement == Placement::gradients)
     throw Error("MBP executor: placement gradients is not available with data parallelism (the gradients' all-reduce "
                 "sums device buffers); placement optimizer is");
+  // The passes' tuning levels are a run's own (core/conv_tuning.h): a sweep's next run starts anew.
+  if (opt_.conv_tuning) opt_.conv_tuning->unpin_all();
   if (opt_.pipeline) {  // the stage's own loop, parameters and step states
     if (!opt_.communicator) opt_.communicator = distributed::local();
     stage_ = std::make_unique<StageRunner>(model, opt_, arena_, activation_dtype_, *stager_, chooser_);

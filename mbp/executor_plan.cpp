@@ -66,36 +66,39 @@ void Executor::set_conv_tuning(std::shared_ptr<ConvTuning> tuning) {
 void Executor::tune(std::int64_t batch) {
   if (!tuned_.insert(tuned_key(batch)).second) return;
   ConvTuning& t = *opt_.conv_tuning;
-  const std::int64_t untuned = config_.plan.micro_batch;
-  const bool changed = t.tune(device_, *arena_, [&] {
+  const std::uint64_t before = conv_tuning_version();
+  (void)t.tune(device_, *arena_, [&] {
     ArenaScope scope(arena_);
     HostArenaScope host(placed_host_arena(), opt_.offload_prefetch_on_cpu);
     (void)chooser_.planner().probe(config_.plan.split.shortened(1), false, unbounded_capacity(*arena_));
   });
   if (opt_.log && !t.report().empty()) opt_.log(t.report());
-  if (!changed) return;
-  drop_graphs();  // recorded with the engines before
-  // Under the tuned engines the plan is made again; where its micro-batch would be smaller, the
-  // choices within the heuristics' workspaces, then none.
-  for (const ConvTuning::Use use : {ConvTuning::Use::fastest, ConvTuning::Use::within, ConvTuning::Use::none}) {
-    if (use < t.in_use()) continue;
-    t.install(use);
-    StepConfig c;
-    try {
-      c = choose(batch);
-    } catch (const OutOfMemory&) {  // a fixed micro-batch, or none recomputed, the larger workspaces do not fit
-      if (use == ConvTuning::Use::none) throw;
-      continue;
+  if (t.undecided()) {
+    // This plan's passes not pinned by an earlier plan get a level: the fastest engines, unless the
+    // plan made again under them has a smaller micro-batch than without them (this plan's, made
+    // with them at none); then those within the heuristics' workspaces; then none.
+    const std::int64_t untuned = choose(batch).plan.micro_batch;
+    ConvTuning::Use level = ConvTuning::Use::none;
+    for (const ConvTuning::Use use : {ConvTuning::Use::fastest, ConvTuning::Use::within}) {
+      t.trial(use);
+      try {
+        if (choose(batch).plan.micro_batch < untuned) continue;
+      } catch (const OutOfMemory&) {  // a fixed micro-batch, or none recomputed, the larger workspaces do not fit
+        continue;
+      }
+      level = use;
+      break;
     }
-    if (c.plan.micro_batch >= untuned || use == ConvTuning::Use::none) {
-      if (use != ConvTuning::Use::fastest && opt_.log)
-        opt_.log(fmt::format("tuning: the fastest engines would lower the micro-batch below {}: {} in use", untuned,
-                             use == ConvTuning::Use::within ? "those within the heuristics' workspaces" : "none"));
-      apply(c);
-      tuned_.insert(tuned_key(batch));
-      return;
-    }
+    if (level != ConvTuning::Use::fastest && opt_.log)
+      opt_.log(fmt::format("tuning: the fastest engines would lower the micro-batch below {}: {} for this plan's "
+                           "passes", untuned,
+                           level == ConvTuning::Use::within ? "those within the heuristics' workspaces" : "none"));
+    t.pin(level);
   }
+  if (conv_tuning_version() == before) return;
+  drop_graphs();  // recorded with the engines before
+  apply(choose(batch));  // under the engines now installed (the loop's last choice: the chooser's cache)
+  tuned_.insert(tuned_key(batch));
 }
 
 StepConfig Executor::choose(std::int64_t batch) {

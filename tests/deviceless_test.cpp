@@ -9,6 +9,8 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <tuple>
@@ -23,7 +25,11 @@
 #include "core/device_file.h"
 #include "core/error.h"
 #include "kernels/cuda/context.h"
+#include "core/dry_run.h"
 #include "kernels/cuda/cuda_kernels.h"
+#include "apps/setup.h"
+#include "mbp/executor.h"
+#include "nn/modules.h"
 #include "tests/model_common.h"
 
 using namespace tally;
@@ -383,10 +389,25 @@ TEST(Tuning, ADamagedFileOrRecordIsAClearErrorAndARecordReadsBackAsWritten) {
   EXPECT_EQ(replay->in_use(), ConvTuning::Use::within);
   ASSERT_EQ(replay->table().size(), 1u);
   EXPECT_EQ(replay->table().begin()->second.within_engine, 7);
+  // Passes at levels of their own: "use" is the first pass's, "uses" names the others at another.
+  const std::string entry =
+      "{\"rank\":3,\"engine\":61,\"workspace\":4096,\"ms\":0.25,\"within_rank\":1,\"within_engine\":7,"
+      "\"within_workspace\":0,\"within_ms\":0.5,\"heuristic_rank\":0,\"heuristic_engine\":5,"
+      "\"heuristic_workspace\":0,\"heuristic_ms\":0.75,\"candidates\":9}";
+  const std::string a = "bf16 nhwc forward beta 0: n 8", b = "bf16 nhwc forward beta 0: n 16";
+  const std::string mixed = fmt::format("{{\"device\":\"GPU\",\"use\":\"within\",\"passes\":{{\"{}\":{},\"{}\":{}}},"
+                                        "\"uses\":{{\"{}\":\"fastest\"}}}}", a, entry, b, entry, b);
+  EXPECT_EQ(ConvTuning::replaying(mixed, "state.json")->record(),
+            fmt::format("{{\"device\":\"GPU\",\"use\":\"fastest\",\"passes\":{{\"{}\":{},\"{}\":{}}},"
+                        "\"uses\":{{\"{}\":\"within\"}}}}", b, entry, a, entry, a));
+  const std::string one_pass = fmt::format("{{\"device\": \"GPU\", \"use\": \"none\", \"passes\": {{\"p\": {}}}", entry);
   for (const auto& [bad, words] : std::vector<std::pair<std::string, std::string>>{
            {"[1, 2]", "expected a record with \"device\", \"use\" and \"passes\""},
            {"{\"device\": \"GPU\", \"use\": \"fast\", \"passes\": {}}", "expected \"use\" fastest, within or none"},
            {"{\"device\": \"GPU\", \"use\": \"none\", \"passes\": {\"p\": {\"rank\": 1}}}", "expected an integer \"engine\""},
+           {one_pass + ", \"uses\": []}", "expected \"uses\" to be an object of passes' levels"},
+           {one_pass + ", \"uses\": {\"q\": \"within\"}}", "expected \"uses\" to name passes of \"passes\", found 'q'"},
+           {one_pass + ", \"uses\": {\"p\": 2}}", "expected pass 'p' at fastest, within or none, found 2"},
        }) {
     try {
       (void)ConvTuning::replaying(bad, "run/checkpoint-5/state.json");
@@ -395,6 +416,170 @@ TEST(Tuning, ADamagedFileOrRecordIsAClearErrorAndARecordReadsBackAsWritten) {
       EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << e.what();
       EXPECT_NE(std::string(e.what()).find("run/checkpoint-5/state.json"), std::string::npos) << e.what();
     }
+  }
+  std::filesystem::remove_all(dir);
+}
+
+namespace {
+
+// One 3x3 convolution of 3x32x32 images into 16 channels, then pooled and classified: a model
+// whose peak is its convolution's, workspace included.
+const std::string& conv_probe() {
+  static const std::string name = [] {
+    nn::register_model("tuning-probe", [](const nn::ModelConfig& c) -> std::shared_ptr<nn::Module> {
+      return std::make_shared<nn::Sequential>(std::initializer_list<std::shared_ptr<nn::Module>>{
+          std::make_shared<nn::Conv2d>(c.in_channels, 64, 3, 1, 1, 1, 1, false), std::make_shared<nn::AdaptiveAvgPool2d>(1, 1),
+          std::make_shared<nn::Flatten>(), std::make_shared<nn::Linear>(64, c.num_classes)});
+    });
+    return std::string("tuning-probe");
+  }();
+  return name;
+}
+
+// The probe's step (float32, channels-last) planned for the described GPU on a virtual arena of
+// `limit` bytes — what `tally plan --device-file` does — with `tuning` (null: none); the
+// executor's log kept.
+struct PlannedRun {
+  DryRun dry;
+  std::shared_ptr<Arena> arena;
+  app::Setup setup;
+  std::vector<std::string> log;
+  std::unique_ptr<mbp::Executor> executor;
+  PlannedRun(std::size_t limit, std::shared_ptr<ConvTuning> tuning) {
+    arena = dry.virtual_arena(Device::cuda(0), limit);
+    nn::ModelConfig mc;
+    mc.name = conv_probe();
+    mc.in_channels = 16;
+    setup = app::build_setup(arena, mc, "", app::OptimizerConfig{}, "the test's budget");
+    mbp::ExecutorOptions eo;
+    eo.sample_shape = {16, 32, 32};
+    eo.precision = mbp::Precision::bf16;
+    eo.memory_format = MemoryFormat::ChannelsLast;
+    eo.conv_tuning = std::move(tuning);
+    eo.log = [this](const std::string& line) { log.push_back(line); };
+    executor = std::make_unique<mbp::Executor>(*setup.model, *setup.optimizer, arena, eo);
+  }
+  std::string said() const {
+    std::string all;
+    for (const std::string& line : log) all += line + "\n";
+    return all;
+  }
+};
+
+// A tuning entry for pass `p` whose fastest engine is the configuration among the heuristics' first
+// six with the largest workspace above their own choice's, and whose "within" choice is their own
+// choice; none where no configuration there needs more.
+std::optional<kernels::TunedConvPass> greedier_entry(const kernels::ConvPassKey& p, const std::string& properties) {
+  const std::string key = kc::conv2d_tuning_key(p.shape, p.bf16, p.pass, p.beta);
+  const auto plan = [&] { return kc::conv2d_plan_offline(p.shape, p.bf16, p.pass, p.beta, properties); };
+  kc::set_conv_tuning({}, false);
+  const kc::OfflineConvPlan own = plan();
+  const std::vector<std::int64_t> engines = kc::conv2d_graph_engines(p.shape, p.bf16, p.pass, p.beta);
+  const auto at = std::find(engines.begin(), engines.end(), own.engine);
+  if (at == engines.end()) return std::nullopt;
+  kernels::TunedConvPass e;
+  e.within_rank = e.heuristic_rank = at - engines.begin();
+  e.within_engine = e.heuristic_engine = own.engine;
+  e.within_workspace = e.heuristic_workspace = own.workspace;
+  e.ms = 1, e.within_ms = e.heuristic_ms = 2, e.candidates = 6;
+  std::size_t most = own.workspace;
+  for (std::size_t r = 0; r < std::min<std::size_t>(engines.size(), 6); ++r) {
+    kernels::TunedConvPass t = e;
+    t.rank = static_cast<std::int64_t>(r), t.engine = engines[r];
+    kc::set_conv_tuning({{key, t}}, false);
+    const kc::OfflineConvPlan tuned = plan();
+    if (tuned.engine == engines[r] && tuned.workspace > most) e.rank = t.rank, e.engine = t.engine, most = e.workspace = tuned.workspace;
+  }
+  kc::set_conv_tuning({}, false);
+  if (e.rank < 0) return std::nullopt;
+  return e;
+}
+
+std::string entry_text(const kernels::TunedConvPass& e) {
+  return fmt::format("{{\"rank\": {}, \"engine\": {}, \"workspace\": {}, \"ms\": {}, \"within_rank\": {}, "
+                     "\"within_engine\": {}, \"within_workspace\": {}, \"within_ms\": {}, \"heuristic_rank\": {}, "
+                     "\"heuristic_engine\": {}, \"heuristic_workspace\": {}, \"heuristic_ms\": {}, \"candidates\": {}}}",
+                     e.rank, e.engine, e.workspace, e.ms, e.within_rank, e.within_engine, e.within_workspace,
+                     e.within_ms, e.heuristic_rank, e.heuristic_engine, e.heuristic_workspace, e.heuristic_ms,
+                     e.candidates);
+}
+
+}  // namespace
+
+// The executor's promise (mbp/executor_plan.cpp): tuned engines never cost a micro-batch. A tuning
+// file whose "fastest" engines need more workspace than the heuristics' would lower the probe's
+// micro-batch (bf16, channels-last, on the described H200); a run planning a small batch first (the file's table installed by then) and the
+// batch after it keeps the untuned micro-batch and peak, taking the "within" choices — and those
+// passes keep them: a later trial of the fastest changes none of them, a checkpoint's record
+// replays the same plan, and the next run of a sweep chooses alike.
+TEST(Tuning, TheFastestEnginesNeverCostAMicroBatchWhicheverPlanComesFirstAndAPassKeepsItsLevel) {
+  const auto files = device_files();
+  REQUIRE_DEVICE_FILES(files);
+  const DeviceFile device = load_device_file(files.front());
+  DescribedGpuScope gpu(device);
+  NoTuning reset;
+  constexpr std::size_t kLimit = std::size_t(32) << 20;
+  constexpr std::int64_t kBatch = 1024;
+  std::int64_t untuned = 0;
+  std::size_t untuned_peak = 0;
+  std::vector<kernels::ConvPassKey> passes;  // those of the untuned plan's micro-batch size
+  {
+    PlannedRun run(kLimit, nullptr);
+    kc::conv2d_record_passes(true);
+    const mbp::Plan& p = run.executor->plan(kBatch);
+    kc::conv2d_record_passes(false);
+    untuned = p.micro_batch, untuned_peak = p.predicted_peak;
+    for (const kernels::ConvPassKey& k : kc::conv2d_recorded_passes())
+      if (k.shape.N == p.micro_batch) passes.push_back(k);
+  }
+  ASSERT_GT(untuned, 1);
+  ASSERT_LT(untuned, kBatch) << "the budget must split the batch";
+  ASSERT_FALSE(passes.empty());
+  std::string entries;
+  for (const kernels::ConvPassKey& p : passes)
+    if (const auto e = greedier_entry(p, device.cudnn_properties))
+      entries += fmt::format("{}\"{}\": {}", entries.empty() ? "" : ", ",
+                             kc::conv2d_tuning_key(p.shape, p.bf16, p.pass, p.beta), entry_text(*e));
+  ASSERT_FALSE(entries.empty()) << "no pass of the plan has a configuration needing more workspace";
+  const std::filesystem::path dir = scratch("level");
+  const std::string name = fmt::format("{}, compute capability {}.{}, cuDNN {}", device.name, device.compute_major,
+                                       device.compute_minor, cudnn_version_text(loaded_cudnn_version()));
+  write_text(dir / "tuning.json", fmt::format("{{\"format\": \"tally convolution tuning\", \"version\": 1, "
+                                              "\"devices\": {{\"{}\": {{{}}}}}}}", name, entries));
+  {  // The file's fastest engines alone lower the micro-batch: what the executor must not let them do.
+    ConvTuning t(dir / "tuning.json", 0);
+    ASSERT_TRUE(t.install(ConvTuning::Use::fastest));
+    PlannedRun run(kLimit, nullptr);
+    ASSERT_LT(run.executor->plan(kBatch).micro_batch, untuned) << "the file's engines cost no micro-batch: the test "
+                                                                  "would show nothing";
+    ConvTuning::install_none();
+  }
+  const auto tuning = std::make_shared<ConvTuning>(dir / "tuning.json", 0);
+  std::string record;
+  {
+    PlannedRun run(kLimit, tuning);
+    EXPECT_EQ(run.executor->plan(8).micro_batch, 8);  // its passes have no entries: nothing to choose
+    const mbp::Plan& p = run.executor->plan(kBatch);
+    EXPECT_EQ(p.micro_batch, untuned) << run.said();
+    EXPECT_EQ(p.predicted_peak, untuned_peak) << "the \"within\" choices are the heuristics' own here";
+    EXPECT_NE(run.said().find("would lower the micro-batch below " + std::to_string(untuned) + ": those within"),
+              std::string::npos) << run.said();
+    EXPECT_FALSE(tuning->trial(ConvTuning::Use::fastest)) << "a pass a plan took keeps its level";
+    EXPECT_EQ(run.executor->plan(kBatch).micro_batch, untuned);
+    record = tuning->record();
+    EXPECT_NE(record.find("\"use\":\"within\""), std::string::npos) << record;
+  }
+  {  // A resumed run replays the record: the same plan, nothing chosen again.
+    PlannedRun run(kLimit, ConvTuning::replaying(record, "the test's checkpoint"));
+    const mbp::Plan& p = run.executor->plan(kBatch);
+    EXPECT_EQ(p.micro_batch, untuned) << run.said();
+    EXPECT_EQ(p.predicted_peak, untuned_peak);
+    EXPECT_EQ(run.said().find("would lower"), std::string::npos) << run.said();
+  }
+  {  // A new run with the same tuning (a sweep's next) chooses anew, and alike.
+    PlannedRun run(kLimit, tuning);
+    EXPECT_EQ(run.executor->plan(kBatch).micro_batch, untuned);
+    EXPECT_NE(run.said().find("those within"), std::string::npos) << run.said();
   }
   std::filesystem::remove_all(dir);
 }
