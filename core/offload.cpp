@@ -64,8 +64,16 @@ void move_back(OffloadSet& s) {
     // The blocks the arena hands out may still be read by compute work enqueued so far.
     kcu::copy_wait(kcu::Event::record(kcu::compute_stream()));
     auto last = std::make_shared<kcu::Event>();
-    for (const auto& st : s.storages)
-      st->relocate(device, [&](void* dst, const void* src, std::size_t n) { *last = kcu::upload_async(dst, src, n); });
+    for (const auto& st : s.storages) {
+      // relocate frees the host block once the copy is enqueued. The copy stream orders its reuse
+      // by later copies; but a host arena that poisons freed blocks (TALLY_ARENA_POISON) writes
+      // them from the CPU at once, so there the host waits for the copy first.
+      const bool poisoned = st->arena()->poison_freed();
+      st->relocate(device, [&](void* dst, const void* src, std::size_t n) {
+        *last = kcu::upload_async(dst, src, n);
+        if (poisoned) last->wait();
+      });
+    }
     const int index = s.device.index;
     s.wait_uploaded = [last, index] {
       kcu::use_device(index);

@@ -873,17 +873,19 @@ TEST(GpuOps, HostPlacementsMatchEachOtherBitForBitAndTheDeviceToRounding) {
 // Offloaded segments on the GPU (core/offload.h): each block's activations and input go to the
 // pinned host tier on the copy stream after its forward and come back prefetched one segment ahead
 // in backward, the compute stream waiting on events. Two micro-batched steps equal the plain run
-// bit for bit — every block offloaded, and a list mixing the three modes — with both arenas' peaks
-// exact (resnet20_gpu_steps checks them).
+// bit for bit — every block offloaded, and a list mixing the three modes, and every block offloaded
+// to a host tier that poisons its freed blocks — with both arenas' peaks exact (resnet20_gpu_steps
+// checks them).
 TEST(GpuOps, OffloadedSegmentsEqualThePlainStepsBitForBit) {
   REQUIRE_GPU();
   std::mt19937 rng(fresh_seed());
   const Tensor x = host_tensor({24, 3, 32, 32}, rng);
   std::vector<i64> labels(24);
   for (auto& l : labels) l = static_cast<i64>(rng() % 10);
-  const auto offloaded = [](const std::string& policy) {
-    return [policy](mbp::ExecutorOptions& eo) {
+  const auto offloaded = [](const std::string& policy, bool poison = false) {
+    return [policy, poison](mbp::ExecutorOptions& eo) {
       eo.host_arena = Arena::make_host(std::size_t(256) << 20);
+      eo.host_arena->set_poison_freed(poison);
       eo.placement = mbp::Placement::device;
       eo.recompute = policy;
       eo.cost_rates = mbp::CostRates{20e9, 100e12, ""};
@@ -893,9 +895,13 @@ TEST(GpuOps, OffloadedSegmentsEqualThePlainStepsBitForBit) {
   const auto all = resnet20_gpu_steps(x, labels, 12, [](nn::Module&) {}, offloaded("offload"), "offload");
   const auto mixed = resnet20_gpu_steps(x, labels, 12, [](nn::Module&) {},
                                         offloaded("layer1.0=offload,layer1.1=recompute,layer2.0=offload"), "mixed");
+  // A host tier that poisons its freed blocks (TALLY_ARENA_POISON) with NaN from the CPU: a block
+  // freed while its upload still read it would bring NaN back (core/offload.cpp: move_back waits).
+  const auto poisoned = resnet20_gpu_steps(x, labels, 12, [](nn::Module&) {}, offloaded("offload", true), "poisoned");
   ASSERT_EQ(plain.size(), all.size());
   EXPECT_TRUE(plain == all) << "offloading every block changed bits on the GPU";
   EXPECT_TRUE(plain == mixed) << "offloading and recomputing some blocks changed bits on the GPU";
+  EXPECT_TRUE(plain == poisoned) << "a poisoned host tier changed bits: an upload read a block after its free";
 }
 
 // Recomputation on the GPU: ResNet-20 with every block recomputed, two micro-batched steps, equals
