@@ -276,6 +276,23 @@ void Arena::raise_peaks(const Peaks& at_least) {
   high_water_ = std::max(high_water_, at_least.high_water);
 }
 
+Arena::Counts Arena::counts() const {
+  Counts c;
+  for (int k = 0; k < kNumCategories; ++k) c.allocations[k] = cat_[k].allocations, c.frees[k] = cat_[k].frees;
+  return c;
+}
+
+void Arena::count_replayed(const Counts& c) {
+  std::int64_t allocations = 0;
+  for (int k = 0; k < kNumCategories; ++k) {
+    cat_[k].allocations += c.allocations[k], cat_[k].frees += c.frees[k];
+    total_.allocations += c.allocations[k], total_.frees += c.frees[k];
+    allocations += c.allocations[k];
+  }
+  // The caller ran the work instead where the countdown would fire in it (fault_within).
+  if (fail_countdown_ > 0) fail_countdown_ -= std::min<std::uint64_t>(fail_countdown_ - 1, allocations);
+}
+
 std::vector<std::pair<std::size_t, Arena::LiveInfo>> Arena::live_blocks() const {
   std::vector<std::pair<std::size_t, LiveInfo>> out;
   for (const auto& [off, n] : blocks_)

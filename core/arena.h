@@ -190,6 +190,16 @@ class Arena {
   };
   Peaks peaks() const;
   void raise_peaks(const Peaks& at_least);
+  // The allocate() and free() calls counted per category: what a replayed recording of some work
+  // (core/graphs.h) adds as a run of the work would, allocating nothing. The fault-injection
+  // countdown below counts them too; fault_within(n): whether it fires within the next n allocations
+  // (a replay of n must then run the work instead, so the fault comes where it would).
+  struct Counts {
+    std::array<std::int64_t, kNumCategories> allocations{}, frees{};
+  };
+  Counts counts() const;
+  void count_replayed(const Counts& c);
+  bool fault_within(std::uint64_t n) const { return fail_countdown_ > 0 && fail_countdown_ <= n; }
 
   // Trace of every allocation and free since tracing was switched on. Switching it on (or
   // clearing it) records the live bytes per category at that moment, the trace's starting point.

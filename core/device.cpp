@@ -8,6 +8,7 @@
 #include "core/error.h"
 #include "kernels/cpu/cpu_kernels.h"
 #include "kernels/cuda/context.h"
+#include "kernels/cuda/cuda_kernels.h"
 
 namespace tally {
 namespace {
@@ -120,6 +121,13 @@ void set_allow_tf32(bool on) {
 }
 void set_deterministic(bool on) {
   if constexpr (kHaveCudaBackend) kernels::cuda::set_deterministic(on);
+}
+
+std::uint64_t cuda_kernel_switches() {
+  if constexpr (kHaveCudaBackend)
+    return (kernels::cuda::allow_tf32() ? 1u : 0u) | (kernels::cuda::deterministic() ? 2u : 0u) |
+           static_cast<std::uint64_t>(kernels::cuda::cudnn_conv_api()) << 2;
+  return 0;
 }
 
 void synchronize(Device device) {

@@ -76,6 +76,10 @@ void set_allow_tf32(bool on);
 // torch.backends.cudnn.deterministic): bit-for-bit resume and "MBP equals the full batch" on a GPU
 // rest on it. The CPU's kernels are deterministic either way.
 void set_deterministic(bool on);
+// The switches above and the cuDNN convolution API (TALLY_CUDNN_CONV_API) as one number, which
+// changes whenever one of them does: what chooses the GPU's kernels for given shapes, so what a
+// recorded CUDA graph is keyed by (0 in a build without CUDA).
+std::uint64_t cuda_kernel_switches();
 
 // Waits until everything enqueued on `device` has finished (torch.cuda.synchronize); nothing to
 // wait for on the CPU, whose kernels return when done.

@@ -70,6 +70,7 @@ DeviceGraph record_device_work(Device device, Arena& arena, const std::function<
     const FlopCount flops = flop_count();
     // From here the arena's peaks are the work's own, which each replay reaches again.
     const Arena::Peaks earlier = arena.peaks();
+    const Arena::Counts counted = arena.counts();
     arena.reset_peak();
     Recording rec;
     CudaCapture<> capture;
@@ -90,10 +91,15 @@ DeviceGraph record_device_work(Device device, Arena& arena, const std::function<
       throw Error("record_device_work: the recorded work left the arena's layout other than it found it (it "
                   "allocated what it did not free), so a replay, which allocates nothing, would not match a run");
     const FlopCount added = minus(flop_count(), flops);
-    rec.effects.push_back([added, reached, a = &arena] {
+    Arena::Counts calls = arena.counts();
+    for (int k = 0; k < kNumCategories; ++k)
+      calls.allocations[k] -= counted.allocations[k], calls.frees[k] -= counted.frees[k];
+    for (const std::int64_t n : calls.allocations) g.allocations_ += static_cast<std::uint64_t>(n);
+    rec.effects.push_back([added, reached, calls, a = &arena] {
       FlopCount& f = flop_count();
       f.forward += added.forward, f.recompute += added.recompute, f.backward += added.backward;
       a->raise_peaks(reached);
+      a->count_replayed(calls);
     });
     g.nodes_ = graph->nodes();
     g.device_bytes_ = graph->device_bytes();

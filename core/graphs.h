@@ -38,6 +38,9 @@ class DeviceGraph {
   const std::string& why_not() const { return why_not_; }
   std::size_t nodes() const { return nodes_; }
   std::size_t device_bytes() const { return device_bytes_; }  // instantiating it took, outside the arena
+  // The allocate() calls the work made in its arena: a replay counts them (Arena::count_replayed)
+  // without making them, so a fault injected among them needs the work run (Arena::fault_within).
+  std::uint64_t allocations() const { return allocations_; }
 
  private:
   friend DeviceGraph record_device_work(Device device, Arena& arena, const std::function<void()>& work);
@@ -46,12 +49,14 @@ class DeviceGraph {
   std::vector<std::function<void()>> effects_;
   std::string why_not_;
   std::size_t nodes_ = 0, device_bytes_ = 0;
+  std::uint64_t allocations_ = 0;
 };
 
 // Runs `work` (its host code, once) while the compute stream of `device` (a GPU) records what it
 // enqueues, checks what is said above against `arena` (the arena the work allocates from), then
 // launches the recording once. The peaks the work reached in the arena (core/arena.h: Arena::Peaks)
-// are kept, and each replay raises the arena's to them, as a run of the work would. Throws
+// and its allocate() and free() calls are kept, and each replay raises the arena's peaks to them and
+// counts the calls (and the fault-injection countdown), as a run of the work would. Throws
 // tally::Error on a CPU device or a build without CUDA, while a Profiler times ops (its events
 // cannot be read back from a graph), when the capture breaks (naming CUDA's reason), and when the
 // arena's layout after the work differs from before (saying so).

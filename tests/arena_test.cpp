@@ -196,6 +196,41 @@ TEST(Arena, PoisonedFreesReadAsNaN) {
   }
 }
 
+// A replayed recording's calls (core/graphs.h: a CUDA graph of a micro-batch, which allocates
+// nothing when replayed): counted per category as if made, and the fault-injection countdown
+// advanced by its allocations, so that the n-th allocation still fails where a run would have it;
+// fault_within says when a replay would skip over it.
+TEST(Arena, ReplayedCallsAreCountedAndAdvanceTheFaultCountdown) {
+  Arena a(Device::cpu(), 1 << 20);
+  const Block p = a.allocate(512, Category::parameter, "weight");
+  a.free(a.allocate(256, Category::activation, "relu").offset);
+  const Arena::Counts before = a.counts();
+  EXPECT_EQ(before.allocations[static_cast<int>(Category::activation)], 1);
+  EXPECT_EQ(before.frees[static_cast<int>(Category::activation)], 1);
+  EXPECT_EQ(before.allocations[static_cast<int>(Category::parameter)], 1);
+  a.fail_allocation_after(6);
+  EXPECT_FALSE(a.fault_within(5));
+  EXPECT_TRUE(a.fault_within(6));
+  Arena::Counts replayed;
+  replayed.allocations[static_cast<int>(Category::activation)] = 3;
+  replayed.frees[static_cast<int>(Category::activation)] = 3;
+  replayed.allocations[static_cast<int>(Category::workspace)] = 1;
+  replayed.frees[static_cast<int>(Category::workspace)] = 1;
+  a.count_replayed(replayed);
+  const ArenaStats s = a.stats();
+  EXPECT_EQ(s[Category::activation].allocations, 4);
+  EXPECT_EQ(s[Category::activation].frees, 4);
+  EXPECT_EQ(s[Category::workspace].allocations, 1);
+  EXPECT_EQ(s.total.allocations, 6);
+  EXPECT_EQ(s.total.frees, 5);
+  EXPECT_EQ(s.total.current, 512) << "a replay leaves the arena as it found it";
+  EXPECT_TRUE(a.fault_within(2));  // 6 - 4: the second allocation from here
+  EXPECT_FALSE(a.fault_within(1));
+  a.free(a.allocate(64, Category::activation, "first").offset);
+  EXPECT_THROW(a.allocate(64, Category::activation, "second"), OutOfMemory);
+  a.free(p.offset);
+}
+
 // Tail last: a sequence laid out in a large arena, reaching at most offset H, lays out
 // identically in an arena of capacity exactly H; one alignment unit less runs out of memory.
 // This is what lets the planner state the smallest budget that runs a step.

@@ -1120,11 +1120,15 @@ TEST(GpuBf16Ops, TunedConvolutionsPlanExactlyAndReplayBitForBit) {
 
 // CUDA graphs (ExecutorOptions::cuda_graphs, core/graphs.h): ResNet-20 with batch norm, a batch of
 // 44 in micro-batches of 8, 8, 7, 7, 7, 7 (two sizes, double-buffered inputs, a last micro-batch
-// without a next), three steps with graphs and three without — in float32, in bf16 channels-last,
+// without a next), four steps with graphs and four without — in float32, in bf16 channels-last,
 // and with every block recomputed: the same losses and the same parameters and running statistics
-// bit for bit (the same kernels on the same addresses), every peak as predicted, and most
-// micro-batches after the first step replayed (their host code skipped). WRN-10-1, whose dropout
-// takes each call's sample index: its recordings run once and are never replayed, the same bits.
+// bit for bit (the same kernels on the same addresses), every peak as predicted, the arena's
+// allocate() and free() calls counted alike (a replay counts those it skips), and most
+// micro-batches after the first step replayed (their host code skipped). Before the fourth step TF32
+// is switched on in both: the recordings of other kernels are dropped, not replayed. In float32, a
+// fault injected in the arena's countdown in the middle of the third step fires at the same
+// allocation with graphs as without. WRN-10-1, whose dropout takes each call's sample index: its
+// recordings run once and are never replayed, the same bits.
 TEST(GpuGraphs, ReplayedMicroBatchesGiveTheLaunchedStepsBitsAndPeaks) {
   REQUIRE_GPU();
   const i64 B = 44;
@@ -1143,15 +1147,22 @@ TEST(GpuGraphs, ReplayedMicroBatchesGiveTheLaunchedStepsBitsAndPeaks) {
   struct Run {
     std::vector<float> values;
     std::vector<double> losses;
+    std::vector<std::int64_t> allocations, frees;  // the arena's calls after each step
+    std::int64_t fired_at = -1;                    // the arena's allocations when the injected fault fired
+    int fired_in_step = -1;
     mbp::Executor::GraphStats stats;
   };
+  struct Tf32Off {  // however the test ends
+    ~Tf32Off() { set_allow_tf32(false); }
+  } tf32_off;
   for (const Case c : {Case{"float32", mbp::Precision::fp32, MemoryFormat::Contiguous, "none"},
                        Case{"bf16 channels-last", mbp::Precision::bf16, MemoryFormat::ChannelsLast, "none"},
                        Case{"float32, blocks recomputed", mbp::Precision::fp32, MemoryFormat::Contiguous, "blocks"},
                        Case{"WRN-10-1 with dropout", mbp::Precision::fp32, MemoryFormat::Contiguous, "none", "wrn10_1"}}) {
     SCOPED_TRACE(c.name);
     const bool dropout = std::string(c.model) == "wrn10_1";
-    auto train = [&](bool graphs) {
+    // fault_at: the countdown set before the third step (0: none); the fault's action notes where it fired.
+    auto train = [&](bool graphs, std::uint64_t fault_at = 0) {
       const Device d = Device::cuda(0);
       auto [arena, model, opt] = model_in_arena(d, 23, c.model);
       mbp::ExecutorOptions eo;
@@ -1163,13 +1174,22 @@ TEST(GpuGraphs, ReplayedMicroBatchesGiveTheLaunchedStepsBitsAndPeaks) {
       eo.cuda_graphs = graphs;
       mbp::Executor ex(*model, *opt, arena, eo);
       Run run;
-      for (int step = 0; step < 3; ++step) {
+      set_allow_tf32(false);
+      for (int step = 0; step < 4; ++step) {
+        if (step == 2 && fault_at > 0)
+          arena->at_allocation(fault_at, [&run, &counted = *arena, step] {
+            run.fired_at = counted.stats().total.allocations, run.fired_in_step = step;
+          });
+        if (step == 3) set_allow_tf32(true);
         const mbp::StepResult r = ex.step(images.data(), labels.data(), B);
         EXPECT_EQ(r.micro_batches, 6);
         EXPECT_EQ(r.peak, r.predicted_peak) << "step " << step << (graphs ? ", graphs on" : ", graphs off");
         EXPECT_TRUE(std::isfinite(r.loss));
         run.losses.push_back(r.loss);
+        run.allocations.push_back(arena->stats().total.allocations);
+        run.frees.push_back(arena->stats().total.frees);
       }
+      set_allow_tf32(false);
       for (const Tensor& t : model->parameters()) {
         const auto v = t.to(Device::cpu()).to_vector<float>();
         run.values.insert(run.values.end(), v.begin(), v.end());
@@ -1195,6 +1215,17 @@ TEST(GpuGraphs, ReplayedMicroBatchesGiveTheLaunchedStepsBitsAndPeaks) {
     }
     EXPECT_EQ(on.losses, off.losses);
     EXPECT_TRUE(on.values == off.values) << "parameters and running statistics, bit for bit";
+    EXPECT_EQ(on.allocations, off.allocations) << "a replay counts the allocations it skips";
+    EXPECT_EQ(on.frees, off.frees);
+    if (c.precision == mbp::Precision::fp32 && std::string(c.recompute) == "none" && !dropout) {
+      // Half-way through the third step's allocations (0-based: step 2), counted from its start.
+      const auto fault_at = static_cast<std::uint64_t>((off.allocations[2] - off.allocations[1]) / 2);
+      const Run off_fault = train(false, fault_at), on_fault = train(true, fault_at);
+      EXPECT_EQ(off_fault.fired_in_step, 2);
+      EXPECT_EQ(on_fault.fired_in_step, off_fault.fired_in_step) << "a replay skipped the injected fault";
+      EXPECT_EQ(on_fault.fired_at, off_fault.fired_at);
+      EXPECT_GT(on_fault.stats.replayed, 0);
+    }
     std::cout << fmt::format("{}: {} micro-batches recorded, {} replayed, {} nodes, {} bytes of graph memory\n",
                              c.name, on.stats.recorded, on.stats.replayed, on.stats.nodes, on.stats.device_bytes);
   }
