@@ -19,6 +19,18 @@ kernels::Conv2dShape conv_shape(const Tensor& x, const Tensor& w, const Conv2dOp
   return s;
 }
 
+// A GPU convolution's operand as cuDNN may take it: `t` in `format`, and, where it is a view that
+// does not start on a 16-byte boundary (a batch sliced at an odd sample size), a copy that does —
+// the graph API's tensors promise cuDNN that alignment (kernels/cuda/conv.cu). Decided by offsets
+// alone (every arena block starts aligned), so a dry run copies exactly where the step does.
+Tensor conv_operand(const Tensor& t, MemoryFormat format) {
+  Tensor c = t.contiguous(format);
+  if (!c.device().is_cuda() || (static_cast<std::size_t>(c.offset()) * dtype_size(c.dtype())) % 16 == 0) return c;
+  Tensor out = Tensor::empty(c.shape(), c.dtype(), c.device(), c.category(), "conv2d.aligned", format);
+  out.copy_(c);
+  return out;
+}
+
 struct Conv2dBackward : Node {
   Saved<2> saved;  // x, weight
   kernels::Conv2dShape s;
@@ -27,7 +39,7 @@ struct Conv2dBackward : Node {
   void release() override { saved.release(); }
   void backward(const Tensor& gy, std::vector<GradSlot>& g) override {
     const Tensor &x = saved.t[0], &w = saved.t[1];
-    const Tensor dy = gy.contiguous(s.channels_last ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous);
+    const Tensor dy = conv_operand(gy, s.channels_last ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous);
     double beta = 0;
     // Each pass carves its own workspace just before it runs and returns it right after.
     if (g[0].needed) {
@@ -81,7 +93,7 @@ Tensor conv2d(const Tensor& x_, const Tensor& w_, const Tensor& b, const Conv2dO
     TALLY_DISPATCH_QUERY(op, x_, FLOATING,
                          s.channels_last = kk::conv2d_takes_channels_last<T>(s));
   const MemoryFormat format = s.channels_last ? MemoryFormat::ChannelsLast : MemoryFormat::Contiguous;
-  const Tensor x = x_.contiguous(format), w = w_.contiguous();
+  const Tensor x = conv_operand(x_, format), w = conv_operand(w_, MemoryFormat::Contiguous);
   if (s.P() < 1 || s.Q() < 1)
     throw ShapeError(fmt::format("conv2d: input {} is too small for kernel {}x{} with padding ({}, {}) and dilation ({}, {})",
                                  x.str(), s.R, s.S, s.pad_h, s.pad_w, s.dil_h, s.dil_w));

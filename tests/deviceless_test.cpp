@@ -26,6 +26,7 @@
 #include "core/error.h"
 #include "kernels/cuda/context.h"
 #include "core/dry_run.h"
+#include "core/memory.h"
 #include "kernels/cuda/cuda_kernels.h"
 #include "apps/setup.h"
 #include "mbp/executor.h"
@@ -248,6 +249,35 @@ void write_text(const std::filesystem::path& p, const std::string& text) {
 }
 
 }  // namespace
+
+// A GPU convolution's input that is a view starting off a 16-byte boundary (a batch of 3x7x7
+// float32 samples sliced from its second sample: 588 bytes in) is copied to a block of its own
+// first — the graph API promises cuDNN that alignment — and a dry run, planned from the described
+// GPU, makes the copy exactly where the step would; an aligned view is taken as it is.
+TEST(Deviceless, AConvolutionOfAMisalignedViewTakesAnAlignedCopyInThePlanToo) {
+  const auto files = device_files();
+  REQUIRE_DEVICE_FILES(files);
+  const DeviceFile device = load_device_file(files.front());
+  DescribedGpuScope gpu(device);
+  const Device cuda = Device::cuda(0);
+  DryRun dry(cuda, std::size_t(64) << 20);
+  const Tensor x = Tensor::empty({5, 3, 7, 7}, DType::Float32, cuda, Category::activation, "x");
+  const Tensor w = Tensor::empty({8, 3, 3, 3}, DType::Float32, cuda, Category::parameter, "w");
+  const Arena& arena = *current_arena(cuda);
+  ASSERT_TRUE(arena.is_virtual());
+  const auto made = [&](const Tensor& view) {
+    const ArenaStats before = arena.stats();
+    const Tensor y = conv2d(view, w);
+    EXPECT_EQ(y.shape(), (Shape{view.size(0), 8, 5, 5}));
+    const ArenaStats after = arena.stats();
+    return std::pair{after.total.allocations - before.total.allocations,
+                     after[Category::activation].allocations - before[Category::activation].allocations};
+  };
+  const auto aligned = made(x.narrow(0, 0, 4)), misaligned = made(x.narrow(0, 1, 4));
+  EXPECT_EQ(misaligned.first, aligned.first + 1) << "one copy more";
+  EXPECT_EQ(misaligned.second, aligned.second + 1) << "the copy is in the input's category";
+  EXPECT_EQ(made(x.narrow(0, 4, 1)).first, made(x.narrow(0, 0, 1)).first) << "4 samples in: 2352 bytes, 16 x 147";
+}
 
 // A tuning entry names a configuration of the heuristics' list by rank and engine: a plan takes it
 // where the list holds that engine at that rank, the rules allow it and it fits the shape's limit
