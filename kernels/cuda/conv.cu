@@ -48,6 +48,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -731,7 +732,7 @@ struct Tuning {
   std::map<std::string, TunedConvPass> table;
   bool within = false;
   std::atomic<std::uint64_t> generation{0};  // the table's version: graph plans are cached under it
-  bool recording = false;
+  std::atomic<bool> recording{false};
   std::map<std::string, ConvPassKey> recorded;
 };
 Tuning& tuning() {
@@ -800,9 +801,14 @@ std::unique_ptr<GraphPlan> make_graph_plan(const Conv2dShape& s, bool bf16, Conv
   if (!g->plan && !try_configs(deterministic())) {
     if (!deterministic() || !try_configs(false)) no_algorithm(pass_name(pass), s, bf16, seen);
     g->description += " -- NOT deterministic: no deterministic engine fits";
-    std::fprintf(stderr, "tally: warning: conv2d %s of %s (graph API): no deterministic cuDNN engine fits the workspace "
-                 "limit of %zu bytes; using one that is not deterministic\n", pass_name(pass), shape_text(s).c_str(),
-                 s.workspace_limit);
+    // Once a process: the pass is planned again for each tuning trial, probe and untuned timing.
+    static std::mutex warned_mu;
+    static auto* warned = new std::set<std::string>;  // never destroyed, as the plans
+    const std::string warning = std::string("tally: warning: conv2d ") + pass_name(pass) + " of " + shape_text(s) +
+                                " (graph API): no deterministic cuDNN engine fits the workspace limit of " +
+                                std::to_string(s.workspace_limit) + " bytes; using one that is not deterministic\n";
+    std::lock_guard<std::mutex> lock(warned_mu);
+    if (warned->insert(warning).second) std::fputs(warning.c_str(), stderr);
   }
   g->parts = std::move(pg.parts);
   for (Backend& c : pg.configs) g->parts.push_back(std::move(c));
@@ -848,10 +854,6 @@ const GraphPlan& graph_plan(const Conv2dShape& s, bool bf16, ConvPass pass, floa
     detail::fail("conv2d " + std::string(pass_name(pass)) + " (graph API): beta must be 0 or 1, found " +
                  std::to_string(beta));
   Tuning& t = tuning();
-  if (t.recording) {  // set between steps only, as the table
-    std::lock_guard<std::mutex> lock(t.mu);
-    t.recorded.emplace(conv2d_tuning_key(s, bf16, pass, beta), ConvPassKey{s, bf16, pass, beta});
-  }
   using Key = std::tuple<PlanKey, int, bool, std::uint64_t>;
   static std::mutex mu;
   static auto* cache = new std::map<Key, std::unique_ptr<GraphPlan>>;  // never destroyed, as the handles
@@ -859,6 +861,12 @@ const GraphPlan& graph_plan(const Conv2dShape& s, bool bf16, ConvPass pass, floa
   std::lock_guard<std::mutex> lock(mu);
   auto it = cache->find(key);
   if (it == cache->end()) it = cache->emplace(key, make_graph_plan(s, bf16, pass, beta, current_target())).first;
+  // Recorded for tuning once planned: a pass the graph API cannot plan (use_graph_api's probe of a
+  // shape that then goes to the legacy API) is none of the step's.
+  if (t.recording.load()) {  // set between steps only, as the table
+    std::lock_guard<std::mutex> record(t.mu);
+    t.recorded.emplace(conv2d_tuning_key(s, bf16, pass, beta), ConvPassKey{s, bf16, pass, beta});
+  }
   return *it->second;
 }
 
@@ -1124,7 +1132,10 @@ struct TimingEvents {
   cudaEvent_t start = nullptr, stop = nullptr;
   TimingEvents() {
     TALLY_CUDA_CHECK(cudaEventCreate(&start));
-    TALLY_CUDA_CHECK(cudaEventCreate(&stop));
+    if (const cudaError_t e = cudaEventCreate(&stop); e != cudaSuccess) {
+      (void)cudaEventDestroy(start);
+      detail::throw_cuda(e, "cudaEventCreate(&stop)", __FILE__, __LINE__);
+    }
   }
   ~TimingEvents() {
     (void)cudaEventDestroy(start);
