@@ -19,7 +19,7 @@ namespace {
 class StagedCommunicator final : public Communicator {
  public:
   StagedCommunicator(std::shared_ptr<Communicator> host, Device device, std::size_t bytes)
-      : host_(std::move(host)), device_(device), staging_(make_staging(device, bytes)) {}
+      : host_(std::move(host)), device_(device), staging_(make_staging(device, bytes)), chunk_bytes_(bytes) {}
 
   int rank() const override { return host_->rank(); }
   int size() const override { return host_->size(); }
@@ -96,13 +96,19 @@ class StagedCommunicator final : public Communicator {
     check_contiguous(t, what);
     if (skip_side_effects() || t.numel() == 0) return;
     const std::int64_t n = t.numel();
-    const auto per = std::max<std::int64_t>(
-        1, static_cast<std::int64_t>(staging_->capacity() / dtype_size(t.dtype())));
+    // Chunks of one size on every rank (a collective's counts must agree): the staging's size as
+    // made, the same on every rank, whatever each holds now (a pipeline stage sizes its own to its
+    // messages: reserve_message_bytes).
+    const auto per = std::max<std::int64_t>(1, static_cast<std::int64_t>(chunk_bytes_ / dtype_size(t.dtype())));
     Tensor flat = t.reshape({n});
     Tensor buffer;
-    {
+    try {
       const ArenaScope scope(staging_);
       buffer = Tensor::empty({std::min(per, n)}, t.dtype(), Device::cpu(), Category::temporary, "staged collective");
+    } catch (const OutOfMemory&) {  // not the device's: no micro-batch retry may take it for one
+      throw Error(fmt::format("{} of {} bytes through the host: the staging buffer ({} free of {}) cannot hold a chunk "
+                              "of {} bytes", what, t.nbytes(), staging_->free_bytes(), staging_->capacity(),
+                              std::min(per, n) * static_cast<std::int64_t>(dtype_size(t.dtype()))));
     }
     for (std::int64_t at = 0; at < n; at += per) {
       const std::int64_t m = std::min(per, n - at);
@@ -150,6 +156,7 @@ class StagedCommunicator final : public Communicator {
   std::shared_ptr<Communicator> host_;
   Device device_;
   std::shared_ptr<Arena> staging_;
+  std::size_t chunk_bytes_;  // a collective's chunk: the staging's size as made
   bool sized_ = false;  // by a reservation of messages (reserve_message_bytes)
   std::size_t chunks_ = 0;
   std::map<std::size_t, Tensor> in_flight_;  // the host copies of the sends not yet done, by ticket
