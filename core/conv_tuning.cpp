@@ -229,8 +229,8 @@ ConvTuning::Use ConvTuning::level(const std::string& key) const {
   return it == pinned_.end() ? use_ : it->second;
 }
 
-// Each entry resolved to its pass's level: the fastest as measured, "within" as the fastest (its
-// within_* choice in the fastest's place), none left out — what the kernels replay. `unpinned`: the
+// Each entry resolved to its pass's level: the fastest, or its within_* choice (use_within), or
+// none (left out) — what the kernels replay. `unpinned`: the
 // level of the passes not pinned; `last`: that of the last tune()'s among them instead.
 bool ConvTuning::put_levels(Use unpinned, std::optional<Use> last) {
   Table resolved;
@@ -239,8 +239,7 @@ bool ConvTuning::put_levels(Use unpinned, std::optional<Use> last) {
     const Use at = pin != pinned_.end() ? pin->second : last && last_.contains(key) ? *last : unpinned;
     if (at == Use::none) continue;
     kernels::TunedConvPass r = e;
-    if (at == Use::within) r.rank = e.within_rank, r.engine = e.within_engine, r.workspace = e.within_workspace,
-                           r.ms = e.within_ms;
+    r.use_within = at == Use::within;
     resolved.emplace(key, r);
   }
   return put(resolved);

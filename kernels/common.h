@@ -155,6 +155,9 @@ struct TunedConvPass {
   std::size_t heuristic_workspace = 0;
   double heuristic_ms = 0;
   int candidates = 0;  // configurations timed
+  // Installed for its within_* choice (the level a run gave the pass: core/conv_tuning.h); not kept
+  // in files or records, which say each pass's level apart.
+  bool use_within = false;
   // Not measured to the end: the time cap cut the list short, or the heuristics' own choice had no
   // room to run. Such a result is no file's entry.
   bool cut = false;

@@ -326,6 +326,15 @@ TEST(Tuning, ATunedEngineIsReplayedWhereTheHeuristicsOfferItAndOnlyThere) {
     // "within" in use and no within choice measured: the heuristics' choice.
     kc::set_conv_tuning({{key, e}}, true);
     EXPECT_EQ(plan(s).engine, untuned.engine);
+    // An entry installed at its "within" level (use_within) whose within choice is that engine:
+    // taken, and said to be the within choice.
+    kernels::TunedConvPass w = e;
+    w.within_rank = e.rank, w.within_engine = e.engine, w.use_within = true;
+    kc::set_conv_tuning({{key, w}}, false);
+    const kc::OfflineConvPlan within = plan(s);
+    EXPECT_EQ(within.engine, engines[r]);
+    EXPECT_NE(within.description.find("tuned: the fastest measured within the heuristics' workspace"),
+              std::string::npos) << within.description;
     // A limit below the tuned workspace: not that engine.
     if (tuned.workspace > 0) {
       kc::set_conv_tuning({{key, e}}, false);

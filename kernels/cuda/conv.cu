@@ -740,16 +740,22 @@ Tuning& tuning() {
   return *t;
 }
 
-// The tuned choice of a pass — its rank and engine — if the table has one.
-std::optional<std::pair<std::int64_t, std::int64_t>> tuned_choice(const std::string& key) {
+// The tuned choice of a pass — its rank and engine, and whether it is the within-workspace one —
+// if the table has one.
+struct TunedChoice {
+  std::int64_t rank, engine;
+  bool within;
+};
+std::optional<TunedChoice> tuned_choice(const std::string& key) {
   Tuning& t = tuning();
   std::lock_guard<std::mutex> lock(t.mu);
   const auto it = t.table.find(key);
   if (it == t.table.end()) return std::nullopt;
   const TunedConvPass& e = it->second;
-  const std::int64_t rank = t.within ? e.within_rank : e.rank, engine = t.within ? e.within_engine : e.engine;
+  const bool within = t.within || e.use_within;
+  const std::int64_t rank = within ? e.within_rank : e.rank, engine = within ? e.within_engine : e.engine;
   if (rank < 0) return std::nullopt;
-  return std::pair{rank, engine};
+  return TunedChoice{rank, engine, within};
 }
 
 // The pass's plan: the tuned configuration when the table has one that is usable here, else the
@@ -771,11 +777,12 @@ std::unique_ptr<GraphPlan> make_graph_plan(const Conv2dShape& s, bool bf16, Conv
                      std::to_string(i) + " of heuristics " + pg.mode[i] + how + ")";
   };
   if (const auto tuned = use_tuning ? tuned_choice(conv2d_tuning_key(s, bf16, pass, beta)) : std::nullopt) {
-    const auto [rank, engine] = *tuned;
+    const auto [rank, engine, within] = *tuned;
     if (rank < static_cast<std::int64_t>(got)) {
       Tried t = try_config(pg, static_cast<std::size_t>(rank), bf16, deterministic(), s.workspace_limit, target);
       if (t.ok && t.info.index == engine) {
-        take(t, static_cast<std::size_t>(rank), "; tuned: the fastest measured");
+        take(t, static_cast<std::size_t>(rank),
+             within ? "; tuned: the fastest measured within the heuristics' workspace" : "; tuned: the fastest measured");
         g->tuned = true;
       } else {
         tuned_note = "; tuned engine " + std::to_string(engine) + " at rank " + std::to_string(rank) + " not usable (" +
