@@ -374,13 +374,37 @@ void BM_CudaCopy(benchmark::State& st) {
 // NCHW or NHWC, float32 or bf16 activations. Bytes counted are the fewest that must move — each
 // input read once, each output written once: forward x, r, y (3 n); backward dy, y, x, dx, dres
 // (5 n) — so of_copy is the kernels' distance from the memory's limit, re-reads included.
+// The activations of one size and type, made once and kept while the next benchmark takes the same
+// (the registrations take each shape's variants in turn): filling seven buffers of up to 51 M values
+// from the host took longer than the timing itself, again for each of Google Benchmark's trial runs.
+template <class T>
+struct NormValues {
+  std::size_t n = 0;
+  std::unique_ptr<DeviceValues<T>> x[2], res, y, dy, dx, dres;  // x: two inputs, taken in turn
+};
+template <class T>
+NormValues<T>& norm_values(std::size_t n) {
+  static auto* kept = new NormValues<T>();  // one per type: the float32 ones stay while bf16's are made
+  if (kept->n != n) {
+    *kept = NormValues<T>();  // the old buffers first
+    for (std::size_t r = 0; r < 2; ++r) kept->x[r] = std::make_unique<DeviceValues<T>>(n, 1009 * r);
+    kept->res = std::make_unique<DeviceValues<T>>(n, 2003);
+    kept->y = std::make_unique<DeviceValues<T>>(n, 3001);
+    kept->dy = std::make_unique<DeviceValues<T>>(n, 4001);
+    kept->dx = std::make_unique<DeviceValues<T>>(n, 5003);
+    kept->dres = std::make_unique<DeviceValues<T>>(n, 6007);
+    kept->n = n;
+  }
+  return *kept;
+}
+
 template <class T, bool backward, bool nhwc>
 void BM_CudaNormRelu(benchmark::State& st) {
   const i64 N = st.range(0), C = st.range(1), HW = st.range(2) * st.range(2);
   const std::size_t n = static_cast<std::size_t>(N * C * HW);
-  std::vector<std::unique_ptr<DeviceValues<T>>> x;
-  for (std::size_t r = 0; r < 2; ++r) x.push_back(std::make_unique<DeviceValues<T>>(n, 1009 * r));
-  DeviceValues<T> res(n, 2003), y(n, 3001), dy(n, 4001), dx(n, 5003), dres(n, 6007);
+  NormValues<T>& v = norm_values<T>(n);
+  DeviceValues<T> *x[2] = {v.x[0].get(), v.x[1].get()}, &res = *v.res, &y = *v.y, &dy = *v.dy, &dx = *v.dx,
+                  &dres = *v.dres;
   Buffer gamma(true, C, 215), beta(true, C, 216), mean(true, C, 217), invstd(true, C, 218), dg(true, C, 219),
       db(true, C, 220);
   Buffer work(true, kg::batch_norm_workspace_bytes(N, C, HW, nhwc) / sizeof(float) + 1, 221);

@@ -26,13 +26,13 @@
 #                  dist_test *Gpu* and pipeline_test *GpuStages.* (two ranks on one GPU); then
 #                  tally: NCCL's memory in a world of one, ResNet-50 as 2 stages in 300 MiB (~1 min)
 #        tuning    tuning's gpu test (measured, replayed from its file and its record: the same
-#                  bits), then ResNet-50 batch 256 tuned and untuned in bf16, TF32 and float32 (~3 min)
+#                  bits), then ResNet-50 batch 256 tuned and untuned in bf16, float32 and TF32 (~3 min)
 #        compare   bench/compare_pytorch.py, ResNet-50 batch 256: float32 and TF32 with tally's
 #                  --deterministic on and off, bf16 (PyTorch: autocast + channels_last +
 #                  cudnn.benchmark), tally in both memory formats, against one PyTorch run each
 #                                                                                       (~3 min)
 #        norms     bench_kernels' fused batch norm + residual + ReLU at ResNet-50's norm shapes,
-#                  both formats and activation types, against a device copy (of_copy)   (~40 s)
+#                  both formats and activation types, against a device copy (of_copy)   (~60 s)
 #        deviceless  `tally plan --device-file` with the file env saved against `tally plan` on the
 #                  GPU (convolutions through the graph API on both): ResNet-20 TF32, ResNet-50 bf16
 #                  at micro-batches of 64, with a host tier (float32), batch 4096 in 8 GiB in
@@ -108,8 +108,8 @@ mpi_tests=(dist_test pipeline_test)
 all_steps=(env tests mpi tuning compare norms deviceless host offload resnet50 profile train graphs sanitize)
 # Each step's cap in seconds (docs/gpu.md, "The order and the caps"): a step stops starting
 # commands at its cap as the whole run does at RUN_SECONDS; the sanitizer takes what is left.
-declare -A step_caps=([env]=20 [tests]=140 [mpi]=150 [tuning]=180 [compare]=150 [norms]=40 [deviceless]=60 [host]=50 [offload]=60
-  [resnet50]=90 [profile]=90 [train]=100 [graphs]=150 [bench]=120 [repeat]=120)
+declare -A step_caps=([env]=30 [tests]=170 [mpi]=150 [tuning]=240 [compare]=220 [norms]=90 [deviceless]=60 [host]=50
+  [offload]=60 [resnet50]=90 [profile]=130 [train]=100 [graphs]=150 [bench]=120 [repeat]=120)
 programs=("${tests[@]/#/tests/}" "${mpi_tests[@]/#/tests/}" apps/tally bench/bench_kernels bench/bench_train)
 # The libraries every machine has (the C runtime) and those the GPU machine has (CUDA's): never packed.
 runtime_libs='^(linux-vdso|ld-linux|libc\.|libm\.|libdl\.|librt\.|libpthread\.|libstdc\+\+|libgcc_s|libcuda\.|libcudart|libcublas|libcudnn|libnccl|libnvrtc|libnvJitLink)'
@@ -189,7 +189,8 @@ find_all() {  # the folders holding each of ${libs[@]} under the given roots, or
 }
 cuda=${TALLY_CUDA_LIBS:-}
 if [[ -z $cuda ]]; then
-  site=$(python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))' 2>/dev/null)
+  # (the package found, not imported: importing torch takes seconds, and this runs before every command)
+  site=$(python3 -c 'import importlib.util, os; s = importlib.util.find_spec("torch"); print(os.path.dirname(os.path.dirname(s.origin)) if s else "")' 2>/dev/null)
   [[ -n $site && -d $site/nvidia ]] && cuda=$(find_all "$site/nvidia")
   [[ -n $cuda ]] || cuda=$(find_all /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/local /opt /usr/lib 2>/dev/null)
 fi
@@ -430,6 +431,13 @@ run_logged() {
 
 step_env() {
   local log=$logs/env.log
+  # First of all, what later work needs without the GPU: its description for plans made without it
+  # (docs/gpu.md, "Plans without the GPU"), into $out at once; commit it as
+  # tests/fixtures/devices/<gpu>.json.
+  mkdir -p "$out"
+  : >"$log"
+  run_logged "tally device --save" "$log" 20 "$bundle/run" "$bundle/bin/tally" device --save "$out/device.json"
+  result "tally device --save" "$( [[ -s $out/device.json ]] && echo "saved $out/device.json" || echo 'no device file')"
   {
     nvidia-smi 2>&1 || echo "nvidia-smi: not available"
     echo
@@ -438,14 +446,8 @@ step_env() {
     cat "$bundle/BUILD_INFO"
     "${PYTHON:-python3}" -c 'import torch, torchvision; print("torch", torch.__version__, "CUDA", torch.version.cuda, "cuDNN",
 torch.backends.cudnn.version(), "torchvision", torchvision.__version__)' 2>&1 || echo "python3 torch: not available"
-  } >"$log"
+  } >>"$log"
   note "$(grep -m1 -o 'GPU: .*' "$log" || echo 'GPU: none detected')"
-  # First of all, what later work needs without the GPU: its description for plans made without it
-  # (docs/gpu.md, "Plans without the GPU"), into $out at once; commit it as
-  # tests/fixtures/devices/<gpu>.json.
-  mkdir -p "$out"
-  run_logged "tally device --save" "$log" 20 "$bundle/run" "$bundle/bin/tally" device --save "$out/device.json"
-  result "tally device --save" "$( [[ -s $out/device.json ]] && echo "saved $out/device.json" || echo 'no device file')"
 }
 
 # gtest_line LOG: the gtest summary lines of the last run in LOG, on one line.
@@ -613,6 +615,7 @@ step_graphs() {
       --model resnet20 --data synthetic:3x32x32 --steps 60 --batch-size 512 --memory-limit 32MiB --device cuda \
       --cuda-graphs "$g" --out "$run-r20-$g" --save "$run-r20-$g/weights.safetensors" --no-progress --no-eval
     result "resnet20 32MiB, graphs $g" "$(summary_rate "$run-r20-$g") $(grep -E '^cuda graphs' "$log" | cut -c1-70)"
+    [[ -f $run-r20-$g/summary.json ]] && cp "$run-r20-$g/summary.json" "$logs/graphs-resnet20-$g-summary.json"
   done
   if [[ -f $run-r20-on/weights.safetensors ]] && cmp -s "$run-r20-off/weights.safetensors" "$run-r20-on/weights.safetensors"; then
     note "graphs: resnet20's weights the same bits with graphs on and off"
@@ -632,6 +635,7 @@ step_graphs() {
           --memory-limit 40GiB --device cuda --cuda-graphs "$g" --out "$run-r50" --no-progress --no-eval \
           --tuning-seconds 10
         result "resnet50 256 as $m, $p, graphs $g" "$(summary_rate "$run-r50") $(grep -E '^cuda graphs' "$log" | cut -c1-60)"
+        [[ -f $run-r50/summary.json ]] && cp "$run-r50/summary.json" "$logs/graphs-resnet50-$p-$m-$g-summary.json"
       done
     done
   done
@@ -640,7 +644,8 @@ step_graphs() {
 # images/s and the peaks' agreement of a run folder's summary.json.
 summary_rate() {
   [[ -f $1/summary.json ]] || return 0
-  python3 -c 'import json,sys; s=json.load(open(sys.argv[1])); print(f"{s["images_per_second"]:.1f} img/s, peak {s["peak_bytes"]} predicted {s["predicted_peak_bytes"]}")' "$1/summary.json" 2>/dev/null || true
+  # (no f-string with quotes inside: Python before 3.12 refuses them)
+  python3 -c 'import json,sys; s=json.load(open(sys.argv[1])); print("%.1f img/s, peak %d predicted %d" % (s["images_per_second"], s["peak_bytes"], s["predicted_peak_bytes"]))' "$1/summary.json" 2>/dev/null || true
 }
 
 # The memory lines of a tally run (predicted and measured peaks), for the summary.
@@ -657,7 +662,7 @@ step_train() {
     [[ -d $bundle/data/fashion-mnist ]] && data=(--data "fashion-mnist:$bundle/data/fashion-mnist" --epochs 2)
     run_logged "tally train (make train recipe, $p)" "$log" 120 "$bundle/run" "$bundle/bin/tally" train --model resnet20 \
       "${data[@]}" --batch-size 512 --memory-limit 32MiB --lr 0.4 --warmup-epochs 0.5 --schedule cosine \
-      --precision "$p" --device cuda --out "$run-$p" --no-progress
+      --precision "$p" --device cuda --out "$run-$p" --no-progress --tuning-seconds 10
     result "tally train cuda $p" "$(peak_line "$log")"
     [[ -f $run-$p/summary.json ]] && cp "$run-$p/summary.json" "$logs/train-$p-summary.json"
     [[ -f $run-$p/memory.svg ]] && cp "$run-$p/memory.svg" "$logs/train-$p-memory.svg"
@@ -668,7 +673,7 @@ step_train() {
   rm -rf "$run-graph"
   run_logged "tally train (cuda, graph API)" "$glog" 60 "$bundle/run" env TALLY_CUDNN_CONV_API=graph \
     "$bundle/bin/tally" train --model resnet20 --data synthetic --steps 40 --batch-size 256 --memory-limit 48MiB \
-    --device cuda --out "$run-graph" --no-progress --no-eval
+    --device cuda --out "$run-graph" --no-progress --no-eval --tuning-seconds 10
   result "tally train cuda graph API" "$(peak_line "$glog")"
 }
 
@@ -702,7 +707,8 @@ step_resnet50() {
       --tuning-seconds 15
     [[ -f $run-$name/summary.json ]] && cp "$run-$name/summary.json" "$logs/resnet50-$name-summary.json"
     result "train resnet50 $name ${args[1]#synthetic:} B=${args[3]}" \
-      "$(grep -E '^ *recompute:' "$log" | tail -1 | cut -c1-50) $(grep -E '^memory:|img/s' "$log" | tail -1 | cut -c1-110)"
+      "$(grep -E '^ *recompute:' "$log" | tail -1 | cut -c1-50) $(grep -E '^memory:' "$log" | tail -1 | cut -c1-110)"
+    result "train resnet50 $name speed" "$(summary_rate "$run-$name")"
   done
 }
 
@@ -772,7 +778,7 @@ step_compare() {
     "bf16 --precision bf16 --cudnn-benchmark"; do
     read -r row extra <<<"$row"
     # shellcheck disable=SC2086  # $extra is a list of flags
-    run_logged "compare_pytorch resnet50 256 $row" "$log" 80 "$bundle/run" "${PYTHON:-python3}" bench/compare_pytorch.py \
+    run_logged "compare_pytorch resnet50 256 $row" "$log" 100 "$bundle/run" "${PYTHON:-python3}" bench/compare_pytorch.py \
       --model resnet50 --batch 256 --steps 8 --warmup 2 --device cuda --tally "$bundle/bin/tally" $formats $extra
     # This command's table only (the text after the log's last command header), not a warning's
     # "tally: ..." line nor the previous precision's rows when this one printed none.
@@ -792,7 +798,7 @@ step_profile() {
     read -r row extra <<<"$row"
     rm -rf "$run-$row"
     # shellcheck disable=SC2086  # $extra is a list of flags
-    run_logged "tally train --profile resnet50 $row" "$log" 30 "$bundle/run" "$bundle/bin/tally" train \
+    run_logged "tally train --profile resnet50 $row" "$log" 40 "$bundle/run" "$bundle/bin/tally" train \
       --model resnet50 --data synthetic:3x224x224 --num-classes 1000 --batch-size 256 --steps 4 --lr 0.01 \
       --schedule constant --no-augment --no-eval --device cuda --no-progress --profile --out "$run-$row" \
       --tuning-seconds 10 $extra
@@ -919,7 +925,8 @@ step_tuning() {
   run_logged "gpu_bf16_test *Tuned*" "$tlog" 60 "$bundle/run" "$bundle/bin/gpu_bf16_test" --gtest_color=no \
     --gtest_filter='*Tuned*'
   result "gpu_bf16_test *Tuned*" "$(gtest_line "$tlog") $(grep -E "^first run's tuning:" "$tlog" | cut -c13-130)"
-  for row in "bf16 --precision bf16" "tf32 --tf32" "fp32"; do
+  # float32 before TF32: its untuned run is the legacy API's baseline, the comparison tuning's most asked.
+  for row in "bf16 --precision bf16" "fp32" "tf32 --tf32"; do
     read -r row extra <<<"$row"
     for tuning in tuned none; do
       api=auto
@@ -932,8 +939,10 @@ step_tuning() {
         "$bundle/bin/tally" train --model resnet50 --data synthetic:3x224x224 --num-classes 1000 --batch-size 256 \
         --steps 6 --lr 0.01 --schedule constant --no-augment --no-eval --device cuda --no-progress \
         --out "$run-$row-$tuning" "${flags[@]}" $extra
+      # (tally train prints img/s only in its progress line, which --no-progress leaves out: summary.json's)
       result "resnet50 256 $row $tuning ($api API)" \
-        "$( [[ $tuning == tuned ]] && grep -E '^tuning:' "$log" | tail -1 | cut -c9-140) $(grep -E 'img/s' "$log" | tail -1 | cut -c1-80)"
+        "$( [[ $tuning == tuned ]] && grep -E '^tuning:' "$log" | tail -1 | cut -c9-140) $(summary_rate "$run-$row-$tuning")"
+      [[ -f $run-$row-$tuning/summary.json ]] && cp "$run-$row-$tuning/summary.json" "$logs/tuning-$row-$tuning-summary.json"
     done
   done
   if [[ -f ${XDG_CACHE_HOME:-}/tally/conv-tuning.json ]]; then cp "$XDG_CACHE_HOME/tally/conv-tuning.json" "$logs/"; fi
@@ -944,7 +953,7 @@ step_tuning() {
 step_norms() {
   local log=$logs/norms.log
   : >"$log"
-  run_logged "bench_kernels norms (cuda)" "$log" 60 "$bundle/run" "$bundle/bin/bench_kernels" \
+  run_logged "bench_kernels norms (cuda)" "$log" 90 "$bundle/run" "$bundle/bin/bench_kernels" \
     --benchmark_filter='device_copy/cuda|batch_norm_relu_(fwd|bwd)/cuda' --benchmark_min_time=0.1 \
     --benchmark_counters_tabular=true
   # A row: name, time, unit, CPU time, unit, iterations, bytes/s, of_copy (the last column).
