@@ -172,7 +172,7 @@ void warn_beyond_host_memory(const std::string& flag, const std::string& text, s
 }
 
 std::shared_ptr<Arena> make_host_arena(const std::string& text, Device dev, std::size_t device_limit,
-                                       const DryRun* dry, std::ostream* log) {
+                                       const DryRun* dry, std::ostream* log, int local_ranks) {
   if (text == "none") return nullptr;
   std::size_t bytes = 0;
   if (text == "auto") {
@@ -184,8 +184,7 @@ std::shared_ptr<Arena> make_host_arena(const std::string& text, Device dev, std:
     // process's own (the data set, the libraries).
     std::size_t left = usable.bytes / 4 * 3;
     if (dev.is_cpu()) left = left > device_limit ? left - device_limit : 0;
-    int ranks = 1;
-    if (const char* v = std::getenv("OMPI_COMM_WORLD_LOCAL_SIZE")) ranks = std::max(1, std::atoi(v));
+    const int ranks = std::max(1, local_ranks);
     bytes = left / static_cast<std::size_t>(ranks) / (std::size_t(64) << 20) * (std::size_t(64) << 20);
     if (bytes == 0)
       throw Error(fmt::format("--host-memory-limit auto: nothing is left for the host tier ({} usable ({}){}, {} "

@@ -94,12 +94,12 @@ void warn_beyond_host_memory(const std::string& flag, const std::string& text, s
 // --host-memory-limit (docs/host-tier.md): null for "none"; else the host tier's arena — a size, or
 // "auto": 3/4 of what this process may use (core/machine.h; the rest is its own, as for the CPU's
 // --memory-limit auto), less `device_limit` when the device is the CPU (both arenas are host
-// memory), divided among this machine's ranks (Open MPI's
-// OMPI_COMM_WORLD_LOCAL_SIZE), in 64 MiB steps. Virtual (offsets only) from `dry` when given
-// (`tally plan`); else reserved (Arena::make_host: pinned where a GPU is present). `log` gets one
-// line saying what auto measured.
+// memory), divided among this machine's `local_ranks` (distributed::neighbours' local_size: the
+// ranks that gathered their host names, whatever launched them), in 64 MiB steps. Virtual (offsets
+// only) from `dry` when given (`tally plan`); else reserved (Arena::make_host: pinned where a GPU is
+// present). `log` gets one line saying what auto measured.
 std::shared_ptr<Arena> make_host_arena(const std::string& text, Device dev, std::size_t device_limit,
-                                       const DryRun* dry, std::ostream* log = nullptr);
+                                       const DryRun* dry, std::ostream* log = nullptr, int local_ranks = 1);
 
 struct OptimizerConfig {
   OptimizerKind kind = OptimizerKind::sgd;

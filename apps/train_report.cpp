@@ -226,6 +226,10 @@ void TrainingRun::write_profile(std::int64_t step) {
 void TrainingRun::report_graphs() {
   const mbp::Executor::GraphStats& g = executor_->graph_stats();
   if (!g.failed.empty()) fmt::print(log_, "cuda graphs: off since a recording failed: {}\n", g.failed);
+  if (g.recorded == 0 && g.failed.empty() && rank_options_.cuda_graphs == OnOff::on && rank_.dev.is_cuda())
+    fmt::print(log_, "cuda graphs: on, but no micro-batch was recorded — graphs take a step's second and later "
+                     "micro-batches where the model's ops run alone: not with data parallelism, pipeline stages, the "
+                     "host tier's placements or offloaded segments\n");
   if (g.recorded == 0) return;
   result_.graphs_recorded = g.recorded, result_.graphs_replayed = g.replayed;
   result_.graph_device_bytes = static_cast<std::int64_t>(g.device_bytes);

@@ -91,6 +91,10 @@ Device validate(const TrainOptions& opt) {
       throw Error("--loss-normalization per-micro-batch is for one process; a pipeline uses exact");
   }
   const Device dev = choose_device(opt.device);
+  if (opt.cuda_graphs == OnOff::on && !dev.is_cuda())
+    throw Error(fmt::format("--cuda-graphs on: CUDA graphs record a GPU's work; expected --device cuda (or auto on a "
+                            "machine with a GPU), found --device {}{}", opt.device,
+                            opt.device == "cpu" ? "" : " (no GPU here)"));
   for (const std::string& limit : split_list(opt.memory_limit))  // a bad size fails before any work
     if (limit != "auto") (void)parse_memory_limit(limit, dev);
   if (!opt.init.empty() && opt.resume.empty()) {  // resumed: weights from the checkpoint
@@ -251,7 +255,9 @@ void set_up_rank(RankSetup& r, const TrainOptions& options, std::ostream& all_lo
     throw Error("--loss-normalization per-micro-batch is for one process; data parallelism uses exact");
   // Each rank of a machine takes the next GPU, sharing them in turn where there are fewer (its place
   // among its machine's ranks asked of all ranks: a collective, whatever the device).
-  const int local_rank = r.ranks > 1 ? distributed::neighbours(*r.world, "").local_rank : 0;
+  const distributed::Neighbours here = r.ranks > 1 ? distributed::neighbours(*r.world, "") : distributed::Neighbours{};
+  const int local_rank = here.local_rank;
+  r.local_ranks = here.local_size;
   if (r.dev.is_cuda() && (r.opt.device == "auto" || r.opt.device == "cuda"))
     r.dev = Device::cuda(local_rank % std::max(1, cuda_device_count()));
   check_shared_gpu(r);

@@ -70,7 +70,8 @@ TrainingRun::TrainingRun(const TrainOptions& options, std::ostream& all_log, std
                                                                               : rank_options_.collectives,
                                                                           &collectives_)),
       arena_(make_arena(rank_options_, rank_.dev, log_)),
-      host_arena_(make_host_arena(rank_options_.host_memory_limit, rank_.dev, arena_->capacity(), nullptr, &log_)),
+      host_arena_(make_host_arena(rank_options_.host_memory_limit, rank_.dev, arena_->capacity(), nullptr, &log_,
+                                  rank_.local_ranks)),
       in_budget_(arena_),
       setup_(model_setup(rank_options_, split_.train, arena_, options.memory_limit)),
       schedule_(schedule_options(rank_options_, steps_)),
@@ -176,6 +177,12 @@ void TrainingRun::train_epoch(std::int64_t epoch, std::int64_t epochs) {
     }
     // The last step's bookkeeping, now that this one is enqueued (its loss came while this computes).
     if (enqueued) finish_step(*enqueued, bar), enqueued.reset();
+    // A step whose loss is taken at once below — the epoch's or the run's last, or one a checkpoint
+    // every --checkpoint-every steps follows — has no later step to pace: its wait for the device is
+    // its own time (else a run of one step timed only its enqueueing). Checkpoints by seconds and
+    // signals are not known yet: the step before them is timed without its device's tail.
+    const bool checkpoint_next = every_.steps > 0 && (step + 1) % every_.steps == 0;
+    if (epoch_steps_ + 1 == in_epoch || step + 1 == steps_.total || checkpoint_next) (void)r.pending_loss.get();
     const auto t1 = clock::now();
     if (trace) {
       if (stage_page) {  // into rank 0's run folder where this machine sees it (ranks on one machine)

@@ -46,6 +46,7 @@ namespace tally::app {
 struct RankSetup {
   std::shared_ptr<distributed::Communicator> world;
   int rank = 0, ranks = 1;
+  int local_ranks = 1;  // the ranks of this machine, this one included (distributed::neighbours)
   TrainOptions opt;
   Device dev;
   std::ofstream silent;  // the log of ranks other than 0

@@ -462,15 +462,19 @@ Executor::InputSlots* Executor::step_slots(const std::vector<std::int64_t>& size
     }
   }
   if (need == 0) return nullptr;
-  InputSlots& made = dry ? local : slots_;
-  made = InputSlots{};
+  // Made whole or not at all: an out-of-memory on the third block frees the first two (its
+  // unwinding) rather than leaving them in slots_ with no capacity, which the next plan's dry runs
+  // would not see.
+  InputSlots made;
   for (int s = 0; s < 2; ++s) {
     made.x[s] = Tensor::empty(batch_shape(need, opt_.sample_shape), activation_dtype_, device_, Category::input,
                               "input", opt_.memory_format);  // staged in the step's format: nothing converts it
     made.y[s] = Tensor::empty({need}, DType::Int64, device_, Category::input, "labels");
   }
   made.capacity = need;
-  return &made;
+  InputSlots& kept = dry ? local : slots_;
+  kept = std::move(made);
+  return &kept;
 }
 
 StateLayout Executor::layout() const {

@@ -184,7 +184,8 @@ struct ExecutorOptions {
 };
 
 struct StepResult {
-  // The full batch's mean loss: set by step(); from step_enqueued(), 0 — read `pending_loss`.
+  // The full batch's mean loss: set by step(); from step_enqueued(), set only where the value was
+  // there already (always on the CPU, by chance on a GPU), else 0 — read `pending_loss`, not this.
   double loss = 0;
   // The same value as a read under way (core/pending.h): ready after step(); after
   // step_enqueued(), on a GPU, get() waits for the step to finish.
