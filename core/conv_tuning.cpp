@@ -129,15 +129,16 @@ std::filesystem::path ConvTuning::default_path() {
   return {};
 }
 
-ConvTuning::ConvTuning(std::filesystem::path path, double seconds) : path_(std::move(path)), seconds_(seconds) {
-  if (!(seconds_ >= 0))
-    throw Error(fmt::format("convolution tuning: expected a cap of 0 seconds or more, found {}", seconds_));
-  if (path_.empty() || !std::filesystem::exists(path_)) return;
-  std::ifstream in(path_, std::ios::binary);
-  if (!in) throw Error(fmt::format("tuning file '{}': cannot read it: {}", path_.string(), std::strerror(errno)));
+namespace {
+
+// The entries of a tuning file by device; a file that is not one: an Error naming it, what was
+// expected, and the way out.
+std::map<std::string, ConvTuning::Table> read_tuning_file(const std::filesystem::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(fmt::format("tuning file '{}': cannot read it: {}", path.string(), std::strerror(errno)));
   std::stringstream text;
   text << in.rdbuf();
-  const std::string where = fmt::format("tuning file '{}'", path_.string());
+  const std::string where = fmt::format("tuning file '{}'", path.string());
   const std::string fix = " (delete it to tune again, or run with --tuning-file none)";
   tuning_json j;
   try {
@@ -155,12 +156,23 @@ ConvTuning::ConvTuning(std::filesystem::path path, double seconds) : path_(std::
   if (!j.contains("devices") || !j["devices"].is_object())
     throw Error(fmt::format("{}: expected an object \"devices\", found {}{}", where,
                             j.contains("devices") ? j["devices"].dump() : std::string("none"), fix));
+  std::map<std::string, ConvTuning::Table> devices;
   try {
     for (const auto& [device, passes] : j["devices"].items())
-      devices_[device] = table_from_json(passes, fmt::format("{}, device '{}'", where, device));
+      devices[device] = table_from_json(passes, fmt::format("{}, device '{}'", where, device));
   } catch (const Error& e) {
     throw Error(e.what() + fix);
   }
+  return devices;
+}
+
+}  // namespace
+
+ConvTuning::ConvTuning(std::filesystem::path path, double seconds) : path_(std::move(path)), seconds_(seconds) {
+  if (!(seconds_ >= 0))
+    throw Error(fmt::format("convolution tuning: expected a cap of 0 seconds or more, found {}", seconds_));
+  if (path_.empty() || !std::filesystem::exists(path_)) return;
+  devices_ = read_tuning_file(path_);
 }
 
 std::shared_ptr<ConvTuning> ConvTuning::replaying(const std::string& record, const std::string& where) {
@@ -353,6 +365,15 @@ bool ConvTuning::tune(Device device, Arena& arena, const std::function<void()>& 
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
   std::string unsaved;
   if (measured > 0 && !path_.empty()) {
+    // What others wrote since this process read the file (another rank of the machine, another
+    // run) is kept beside what this one measured, not written over: the file is read again first.
+    // (One that cannot be read now is a cache to write anew.)
+    try {
+      if (std::filesystem::exists(path_))
+        for (auto& [dev, table] : read_tuning_file(path_))
+          for (auto& [key, e] : table) devices_[dev].try_emplace(key, e);
+    } catch (const Error&) {
+    }
     tuning_json j{{"format", kTuningFormat}, {"version", kTuningVersion}, {"devices", tuning_json::object()}};
     for (const auto& [dev, table] : devices_) {
       tuning_json passes_json = tuning_json::object();

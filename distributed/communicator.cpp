@@ -148,8 +148,18 @@ std::shared_ptr<Communicator> for_device(const std::shared_ptr<Communicator>& ho
   const bool wants_nccl =
       !device.is_cpu() && (collectives == Collectives::nccl ||
                            (collectives == Collectives::automatic && have_nccl() && own_gpu));
-  double votes = wants_nccl ? 1.0 : 0.0;
-  if (host->size() > 1) host->all_reduce_sum(&votes, 1);
+  double tally[2] = {wants_nccl ? 1.0 : 0.0, device.is_cpu() ? 1.0 : 0.0};  // the votes, the ranks on the CPU
+  if (host->size() > 1) host->all_reduce_sum(tally, 2);
+  const double votes = tally[0];
+  // Ranks on both kinds of device (--device auto where one machine has no GPU): the GPU ranks' NCCL
+  // set-up, which the CPU ranks never join, would hang them all. Every rank says so. (Told to stage
+  // — a pipeline's stages are — the GPU ranks' messages are host bytes, as the CPU ranks' are.)
+  if (tally[1] > 0 && tally[1] < host->size() && collectives != Collectives::mpi)
+    throw Error(fmt::format("--collectives {} over ranks on different devices: {} of {} ranks run on the CPU, the "
+                            "others on GPUs (this rank on {}); give every rank the same kind of device (--device cpu, "
+                            "or cuda on machines that each have a GPU), or --collectives mpi",
+                            collectives == Collectives::nccl ? "nccl" : "auto", static_cast<int>(tally[1]),
+                            host->size(), device.str()));
   if (device.is_cpu()) return host;
   bool elsewhere = false;  // auto here, but another rank stages: so does this one
   if (collectives == Collectives::automatic) {
