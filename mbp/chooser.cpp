@@ -10,6 +10,7 @@
 
 #include "core/arena.h"
 #include "core/conv_tuning.h"
+#include "core/device.h"
 #include "core/dry_run.h"
 #include "core/memory.h"
 #include "core/offload.h"
@@ -64,11 +65,13 @@ StepConfig Chooser::config(const Plan& plan) {
   return {plan, choice_, placement_, nn::recompute_state(model_)};
 }
 
-// The convolutions' tuning table changed (core/conv_tuning.h): every choice made under the old one
-// is made again (the plans themselves are keyed by its version, measure()).
+// The convolutions' tuning table (core/conv_tuning.h) or a GPU switch (TF32, determinism, the
+// convolution API) changed: every choice made under the old kernels is made again (the plans
+// themselves are keyed by them, measure()) — other engines take other workspaces.
 void Chooser::kernels_changed() {
-  if (kernels_ == conv_tuning_version()) return;
-  kernels_ = conv_tuning_version();
+  const std::pair<std::uint64_t, std::uint64_t> now{conv_tuning_version(), cuda_kernel_switches()};
+  if (kernels_ == now) return;
+  kernels_ = now;
   auto_choices_.clear();
   placement_choices_.clear();
 }
@@ -208,7 +211,8 @@ const Plan& Chooser::measure(std::int64_t batch, std::optional<std::int64_t> mic
     }
   } measuring(*this, p);
   return planner_.plan(batch, micro_batch, limit_,
-                       fmt::format("{}|{}|kernels {}", nn::recompute_state(model_).str(), layout, kernels_));
+                       fmt::format("{}|{}|kernels {}.{}", nn::recompute_state(model_).str(), layout, kernels_.first,
+                                   kernels_.second));
 }
 
 void Chooser::check_host_holds(Placement p, const StateLayout& now) const {

@@ -163,7 +163,10 @@ class Chooser {
   // The placement chosen per (batch size, recomputation state) when the chooser chooses.
   std::map<std::pair<std::int64_t, std::string>, PlacementChoice> placement_choices_;
   std::optional<CostRates> rates_;
-  std::uint64_t kernels_ = 0;  // the convolutions' tuning table the choices were made under (conv_tuning_version)
+  // What chose the kernels the choices were made under: the convolutions' tuning table
+  // (conv_tuning_version) and the GPU's switches (core/device.h: cuda_kernel_switches — TF32,
+  // determinism, the convolution API, which choose other engines with other workspaces).
+  std::pair<std::uint64_t, std::uint64_t> kernels_{};
   std::optional<std::vector<ActivationCost>> segment_costs_;
 };
 

@@ -1210,7 +1210,7 @@ TEST(GpuGraphs, ReplayedMicroBatchesGiveTheLaunchedStepsBitsAndPeaks) {
       EXPECT_GT(on.stats.unreplayable, 0);
       EXPECT_EQ(on.stats.replayed, 0);
     } else {
-      EXPECT_GE(on.stats.replayed, 8) << "steps 2 and 3 replay micro-batches 2..6 of step 1's layouts";
+      EXPECT_GE(on.stats.replayed, 8) << "steps 2 and 3 replay their micro-batches 2..6 (5 each)";
       EXPECT_EQ(on.stats.unreplayable, 0);
     }
     EXPECT_EQ(on.losses, off.losses);
