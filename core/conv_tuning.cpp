@@ -121,6 +121,8 @@ class Borrowed {
 
 std::uint64_t conv_tuning_version() { return g_tuning_version.load(); }
 
+std::pair<std::uint64_t, std::uint64_t> kernel_choices() { return {conv_tuning_version(), cuda_kernel_switches()}; }
+
 std::filesystem::path ConvTuning::default_path() {
   if (const char* x = std::getenv("XDG_CACHE_HOME"); x != nullptr && x[0] == '/')
     return std::filesystem::path(x) / "tally" / "conv-tuning.json";
@@ -284,7 +286,7 @@ bool ConvTuning::install_none() { return put({}); }
 // by another ConvTuning (a sweep's earlier run, a resumed run's record) or by none.
 bool ConvTuning::put(const Table& table) {
   bool changed = false;
-  if constexpr (kHaveCudaBackend) changed = kernels::cuda::set_conv_tuning(table, false);
+  if constexpr (kHaveCudaBackend) changed = kernels::cuda::set_conv_tuning(table);
   if (changed) ++g_tuning_version;
   return changed;
 }

@@ -42,6 +42,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <utility>
 
 #include "core/arena.h"
 #include "core/device.h"
@@ -125,5 +126,9 @@ class ConvTuning {
 
 // Bumped at every change of the installed table: plans depend on it (mbp/chooser.cpp keys by it).
 std::uint64_t conv_tuning_version();
+// All that chooses a convolution's engines besides its shape: the installed table's version and the
+// GPU's switches (core/device.h: cuda_kernel_switches). A plan, or a CUDA graph, made under one
+// value holds under it only (mbp/chooser.cpp, mbp/executor.cpp).
+std::pair<std::uint64_t, std::uint64_t> kernel_choices();
 
 }  // namespace tally

@@ -10,7 +10,6 @@
 
 #include "core/arena.h"
 #include "core/conv_tuning.h"
-#include "core/device.h"
 #include "core/dry_run.h"
 #include "core/memory.h"
 #include "core/offload.h"
@@ -69,7 +68,7 @@ StepConfig Chooser::config(const Plan& plan) {
 // convolution API) changed: every choice made under the old kernels is made again (the plans
 // themselves are keyed by them, measure()) — other engines take other workspaces.
 void Chooser::kernels_changed() {
-  const std::pair<std::uint64_t, std::uint64_t> now{conv_tuning_version(), cuda_kernel_switches()};
+  const std::pair<std::uint64_t, std::uint64_t> now = kernel_choices();
   if (kernels_ == now) return;
   kernels_ = now;
   auto_choices_.clear();

@@ -163,9 +163,8 @@ class Chooser {
   // The placement chosen per (batch size, recomputation state) when the chooser chooses.
   std::map<std::pair<std::int64_t, std::string>, PlacementChoice> placement_choices_;
   std::optional<CostRates> rates_;
-  // What chose the kernels the choices were made under: the convolutions' tuning table
-  // (conv_tuning_version) and the GPU's switches (core/device.h: cuda_kernel_switches — TF32,
-  // determinism, the convolution API, which choose other engines with other workspaces).
+  // What chose the kernels the choices were made under (core/conv_tuning.h: kernel_choices — the
+  // tuning table and TF32, determinism, the convolution API: other engines, other workspaces).
   std::pair<std::uint64_t, std::uint64_t> kernels_{};
   std::optional<std::vector<ActivationCost>> segment_costs_;
 };

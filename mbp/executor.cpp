@@ -523,7 +523,7 @@ void Executor::drop_graphs() {
 }
 
 void Executor::kernels_for_graphs() {
-  const std::pair<std::uint64_t, std::uint64_t> now{cuda_kernel_switches(), conv_tuning_version()};
+  const std::pair<std::uint64_t, std::uint64_t> now = kernel_choices();
   if (graph_kernels_ && *graph_kernels_ != now) drop_graphs();
   graph_kernels_ = now;
 }

@@ -380,8 +380,8 @@ class Executor {
   // (Arena::layout_hash), its size, its loss divisor, and where its inputs and the step's loss lie
   // (two blocks of one layout may swap roles: the double-buffered inputs); whether micro-batch
   // `index` of this step may be (ExecutorOptions::cuda_graphs). The recordings are of the kernels
-  // chosen when they were made: what chooses them (core/device.h: cuda_kernel_switches; the
-  // convolutions' tuning table) switched since, they are dropped (kernels_for_graphs), and each size
+  // chosen when they were made: what chooses them (core/conv_tuning.h: kernel_choices) changed
+  // since, they are dropped (kernels_for_graphs), and each size
   // runs once without a graph again before it is recorded (its new plans are built outside a capture).
   using GraphKey = std::tuple<std::uint64_t, std::int64_t, double, const void*, const void*, const void*>;
   bool graphs_for(std::size_t index) const;

@@ -232,7 +232,7 @@ TEST(Deviceless, ADamagedOrForeignDeviceFileIsAClearError) {
 namespace {
 
 struct NoTuning {  // the convolutions' tuning table emptied when the test ends, however it ends
-  ~NoTuning() { kc::set_conv_tuning({}, false); }
+  ~NoTuning() { kc::set_conv_tuning({}); }
 };
 
 std::filesystem::path scratch(const std::string& what) {
@@ -246,6 +246,22 @@ std::filesystem::path scratch(const std::string& what) {
 void write_text(const std::filesystem::path& p, const std::string& text) {
   std::ofstream out(p, std::ios::binary);
   out << text;
+}
+
+// The name a tuning file keys the described GPU's entries by (core/conv_tuning.h).
+std::string tuning_device_name(const DeviceFile& device) {
+  return fmt::format("{}, compute capability {}.{}, cuDNN {}", device.name, device.compute_major, device.compute_minor,
+                     cudnn_version_text(loaded_cudnn_version()));
+}
+
+// A tuning file's entry for a pass, as ConvTuning writes it.
+std::string entry_text(const kernels::TunedConvPass& e) {
+  return fmt::format("{{\"rank\": {}, \"engine\": {}, \"workspace\": {}, \"ms\": {}, \"within_rank\": {}, "
+                     "\"within_engine\": {}, \"within_workspace\": {}, \"within_ms\": {}, \"heuristic_rank\": {}, "
+                     "\"heuristic_engine\": {}, \"heuristic_workspace\": {}, \"heuristic_ms\": {}, \"candidates\": {}}}",
+                     e.rank, e.engine, e.workspace, e.ms, e.within_rank, e.within_engine, e.within_workspace,
+                     e.within_ms, e.heuristic_rank, e.heuristic_engine, e.heuristic_workspace, e.heuristic_ms,
+                     e.candidates);
 }
 
 }  // namespace
@@ -306,7 +322,7 @@ TEST(Tuning, ATunedEngineIsReplayedWhereTheHeuristicsOfferItAndOnlyThere) {
     if (engines[r] == untuned.engine) continue;
     kernels::TunedConvPass e;
     e.rank = static_cast<std::int64_t>(r), e.engine = engines[r];
-    kc::set_conv_tuning({{key, e}}, false);
+    kc::set_conv_tuning({{key, e}});
     const kc::OfflineConvPlan tuned = plan(s);
     if (tuned.engine != engines[r]) {  // a configuration the rules refuse: the heuristics' choice, and why
       EXPECT_EQ(tuned.engine, untuned.engine);
@@ -318,33 +334,35 @@ TEST(Tuning, ATunedEngineIsReplayedWhereTheHeuristicsOfferItAndOnlyThere) {
     // Another engine at that rank (another cuDNN, another GPU): the heuristics' choice, said.
     kernels::TunedConvPass other = e;
     other.engine = engines[r] + 100000;
-    kc::set_conv_tuning({{key, other}}, false);
+    kc::set_conv_tuning({{key, other}});
     const kc::OfflineConvPlan wrong = plan(s);
     EXPECT_EQ(wrong.engine, untuned.engine);
     EXPECT_EQ(wrong.workspace, untuned.workspace);
     EXPECT_NE(wrong.description.find("tuned engine"), std::string::npos) << wrong.description;
     // "within" in use and no within choice measured: the heuristics' choice.
-    kc::set_conv_tuning({{key, e}}, true);
+    kernels::TunedConvPass unmeasured = e;
+    unmeasured.use_within = true;
+    kc::set_conv_tuning({{key, unmeasured}});
     EXPECT_EQ(plan(s).engine, untuned.engine);
     // An entry installed at its "within" level (use_within) whose within choice is that engine:
     // taken, and said to be the within choice.
     kernels::TunedConvPass w = e;
     w.within_rank = e.rank, w.within_engine = e.engine, w.use_within = true;
-    kc::set_conv_tuning({{key, w}}, false);
+    kc::set_conv_tuning({{key, w}});
     const kc::OfflineConvPlan within = plan(s);
     EXPECT_EQ(within.engine, engines[r]);
     EXPECT_NE(within.description.find("tuned: the fastest measured within the heuristics' workspace"),
               std::string::npos) << within.description;
     // A limit below the tuned workspace: not that engine.
     if (tuned.workspace > 0) {
-      kc::set_conv_tuning({{key, e}}, false);
+      kc::set_conv_tuning({{key, e}});
       kernels::Conv2dShape tight = s;
       tight.workspace_limit = tuned.workspace - 1;
       EXPECT_EQ(plan(tight).description.find("tuned: the fastest"), std::string::npos);
     }
   }
   EXPECT_TRUE(replayed) << "no configuration other than the heuristics' choice could be replayed";
-  kc::set_conv_tuning({}, false);
+  kc::set_conv_tuning({});
   EXPECT_EQ(plan(s).engine, untuned.engine);
   EXPECT_EQ(plan(s).description, untuned.description);
 }
@@ -364,13 +382,14 @@ TEST(Tuning, ATuningFileIsReadForTheGpuItWasMeasuredOn) {
   const auto pass = kernels::ConvPass::backward_data;
   const std::vector<std::int64_t> engines = kc::conv2d_graph_engines(s, true, pass, 1.f);
   ASSERT_FALSE(engines.empty());
-  const std::string name = fmt::format("{}, compute capability {}.{}, cuDNN {}", device.name, device.compute_major,
-                                       device.compute_minor, cudnn_version_text(loaded_cudnn_version()));
+  const std::string name = tuning_device_name(device);
   const std::filesystem::path dir = scratch("file");
-  const std::string entry = fmt::format(
-      "{{\"rank\": 0, \"engine\": {}, \"workspace\": 0, \"ms\": 1.5, \"within_rank\": 0, \"within_engine\": {}, "
-      "\"within_workspace\": 0, \"within_ms\": 1.5, \"heuristic_rank\": 0, \"heuristic_engine\": {}, "
-      "\"heuristic_workspace\": 0, \"heuristic_ms\": 1.5, \"candidates\": 3}}", engines[0], engines[0], engines[0]);
+  kernels::TunedConvPass e;
+  e.rank = e.within_rank = e.heuristic_rank = 0;
+  e.engine = e.within_engine = e.heuristic_engine = engines[0];
+  e.ms = e.within_ms = e.heuristic_ms = 1.5;
+  e.candidates = 3;
+  const std::string entry = entry_text(e);
   write_text(dir / "tuning.json", fmt::format("{{\"format\": \"tally convolution tuning\", \"version\": 1, \"devices\": "
                                               "{{\"{}\": {{\"{}\": {}}}, \"another GPU\": {{}}}}}}",
                                               name, kc::conv2d_tuning_key(s, true, pass, 1.f), entry));
@@ -511,7 +530,7 @@ struct PlannedRun {
 std::optional<kernels::TunedConvPass> greedier_entry(const kernels::ConvPassKey& p, const std::string& properties) {
   const std::string key = kc::conv2d_tuning_key(p.shape, p.bf16, p.pass, p.beta);
   const auto plan = [&] { return kc::conv2d_plan_offline(p.shape, p.bf16, p.pass, p.beta, properties); };
-  kc::set_conv_tuning({}, false);
+  kc::set_conv_tuning({});
   const kc::OfflineConvPlan own = plan();
   const std::vector<std::int64_t> engines = kc::conv2d_graph_engines(p.shape, p.bf16, p.pass, p.beta);
   const auto at = std::find(engines.begin(), engines.end(), own.engine);
@@ -525,31 +544,23 @@ std::optional<kernels::TunedConvPass> greedier_entry(const kernels::ConvPassKey&
   for (std::size_t r = 0; r < std::min<std::size_t>(engines.size(), 6); ++r) {
     kernels::TunedConvPass t = e;
     t.rank = static_cast<std::int64_t>(r), t.engine = engines[r];
-    kc::set_conv_tuning({{key, t}}, false);
+    kc::set_conv_tuning({{key, t}});
     const kc::OfflineConvPlan tuned = plan();
     if (tuned.engine == engines[r] && tuned.workspace > most) e.rank = t.rank, e.engine = t.engine, most = e.workspace = tuned.workspace;
   }
-  kc::set_conv_tuning({}, false);
+  kc::set_conv_tuning({});
   if (e.rank < 0) return std::nullopt;
   return e;
 }
 
-std::string entry_text(const kernels::TunedConvPass& e) {
-  return fmt::format("{{\"rank\": {}, \"engine\": {}, \"workspace\": {}, \"ms\": {}, \"within_rank\": {}, "
-                     "\"within_engine\": {}, \"within_workspace\": {}, \"within_ms\": {}, \"heuristic_rank\": {}, "
-                     "\"heuristic_engine\": {}, \"heuristic_workspace\": {}, \"heuristic_ms\": {}, \"candidates\": {}}}",
-                     e.rank, e.engine, e.workspace, e.ms, e.within_rank, e.within_engine, e.within_workspace,
-                     e.within_ms, e.heuristic_rank, e.heuristic_engine, e.heuristic_workspace, e.heuristic_ms,
-                     e.candidates);
-}
 
 }  // namespace
 
 // The executor's promise (mbp/executor_plan.cpp): tuned engines never cost a micro-batch. A tuning
 // file whose "fastest" engines need more workspace than the heuristics' would lower the probe's
-// micro-batch (bf16, channels-last, on the described H200); a run planning a small batch first (the file's table installed by then) and the
-// batch after it keeps the untuned micro-batch and peak, taking the "within" choices — and those
-// passes keep them: a later trial of the fastest changes none of them, a checkpoint's record
+// micro-batch (bf16, channels-last, on the described H200); a run planning a small batch first
+// (the file's table installed by then) and the batch after it keeps the untuned micro-batch and
+// peak, taking the "within" choices — and those passes keep them: a later trial of the fastest changes none of them, a checkpoint's record
 // replays the same plan, and the next run of a sweep chooses alike.
 TEST(Tuning, TheFastestEnginesNeverCostAMicroBatchWhicheverPlanComesFirstAndAPassKeepsItsLevel) {
   const auto files = device_files();
@@ -581,8 +592,7 @@ TEST(Tuning, TheFastestEnginesNeverCostAMicroBatchWhicheverPlanComesFirstAndAPas
                              kc::conv2d_tuning_key(p.shape, p.bf16, p.pass, p.beta), entry_text(*e));
   ASSERT_FALSE(entries.empty()) << "no pass of the plan has a configuration needing more workspace";
   const std::filesystem::path dir = scratch("level");
-  const std::string name = fmt::format("{}, compute capability {}.{}, cuDNN {}", device.name, device.compute_major,
-                                       device.compute_minor, cudnn_version_text(loaded_cudnn_version()));
+  const std::string name = tuning_device_name(device);
   write_text(dir / "tuning.json", fmt::format("{{\"format\": \"tally convolution tuning\", \"version\": 1, "
                                               "\"devices\": {{\"{}\": {{{}}}}}}}", name, entries));
   {  // The file's fastest engines alone lower the micro-batch: what the executor must not let them do.

@@ -1067,7 +1067,7 @@ TEST(GpuBf16Ops, TunedConvolutionsPlanExactlyAndReplayBitForBit) {
   struct Reset {
     std::filesystem::path file;
     ~Reset() {
-      kernels::cuda::set_conv_tuning({}, false);
+      kernels::cuda::set_conv_tuning({});
       std::filesystem::remove(file);
     }
   } reset{file};
@@ -1106,12 +1106,12 @@ TEST(GpuBf16Ops, TunedConvolutionsPlanExactlyAndReplayBitForBit) {
   EXPECT_FALSE(first->table().empty());
   const std::string record = first->record();
   const auto again = std::make_shared<ConvTuning>(file, kNoCap);
-  kernels::cuda::set_conv_tuning({}, false);
+  kernels::cuda::set_conv_tuning({});
   EXPECT_EQ(train(again), tuned) << "the same engines from the file: the same bits";
   EXPECT_NE(again->report().find(", 0 measured"), std::string::npos) << again->report();
-  kernels::cuda::set_conv_tuning({}, false);
+  kernels::cuda::set_conv_tuning({});
   EXPECT_EQ(train(ConvTuning::replaying(record, "the first run's record")), tuned) << "replayed: the same bits";
-  kernels::cuda::set_conv_tuning({}, false);
+  kernels::cuda::set_conv_tuning({});
   const std::vector<float> plain = train(nullptr);
   ASSERT_EQ(plain.size(), tuned.size());
   for (std::size_t i = 0; i < plain.size(); ++i)

@@ -730,7 +730,6 @@ Tried try_config(const PassGraph& pg, std::size_t i, bool bf16, bool require_det
 struct Tuning {
   std::mutex mu;
   std::map<std::string, TunedConvPass> table;
-  bool within = false;
   std::atomic<std::uint64_t> generation{0};  // the table's version: graph plans are cached under it
   std::atomic<bool> recording{false};
   std::map<std::string, ConvPassKey> recorded;
@@ -752,7 +751,7 @@ std::optional<TunedChoice> tuned_choice(const std::string& key) {
   const auto it = t.table.find(key);
   if (it == t.table.end()) return std::nullopt;
   const TunedConvPass& e = it->second;
-  const bool within = t.within || e.use_within;
+  const bool within = e.use_within;
   const std::int64_t rank = within ? e.within_rank : e.rank, engine = within ? e.within_engine : e.engine;
   if (rank < 0) return std::nullopt;
   return TunedChoice{rank, engine, within};
@@ -1083,17 +1082,16 @@ std::string conv2d_tuning_key(const Conv2dShape& s, bool bf16, ConvPass pass, fl
   return text;
 }
 
-bool set_conv_tuning(const std::map<std::string, TunedConvPass>& table, bool within) {
+bool set_conv_tuning(const std::map<std::string, TunedConvPass>& table) {
 #if TALLY_HAVE_CUDNN
   Tuning& t = tuning();
   std::lock_guard<std::mutex> lock(t.mu);
-  if (t.table == table && (table.empty() || t.within == within)) return false;
+  if (t.table == table) return false;
   t.table = table;
-  t.within = within;
   ++t.generation;
   return true;
 #else
-  (void)table, (void)within;
+  (void)table;
   return false;
 #endif
 }

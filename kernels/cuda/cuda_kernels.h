@@ -124,12 +124,11 @@ OfflineConvPlan conv2d_plan_offline(const Conv2dShape& s, bool bf16, ConvPass pa
 // rules allow it and its workspace fits the shape's limit; anywhere else the pass takes the
 // heuristics' choice, saying so in its description.
 std::string conv2d_tuning_key(const Conv2dShape& s, bool bf16, ConvPass pass, float beta);
-// The table every graph-API plan made from now on replays (empty: none); `within`: each entry's
-// within_* choice instead of its fastest. Plans made before stay cached under the table they were
-// made with. Between steps only, like set_cudnn_conv_api. Returns whether that changed what is
-// replayed (the table is the process's, whoever installed it before; `within` counts only with
-// entries).
-bool set_conv_tuning(const std::map<std::string, TunedConvPass>& table, bool within);
+// The table every graph-API plan made from now on replays (empty: none): each entry's fastest
+// choice, or its within_* one where the entry says use_within. Plans made before stay cached under
+// the table they were made with. Between steps only, like set_cudnn_conv_api. Returns whether that
+// changed what is replayed (the table is the process's, whoever installed it before).
+bool set_conv_tuning(const std::map<std::string, TunedConvPass>& table);
 // While on, every graph-API pass a plan sizes or runs is recorded (a dry run's passes: what a
 // step will run); on clears the record.
 void conv2d_record_passes(bool on);
